@@ -1,0 +1,374 @@
+// bench_loss: peak extra memory, time and accuracy of every log-prob path in the settings of the seed
+// documents (seed000: B=16 T=1024 V=32768 logits; seed001: T=205280 V=76032 with response fractions,
+// D=2560 for cce; seed002: N=8192 V=256000 D=2304 bf16 from hidden states). Prints a table and writes
+// JSON records {case, impl, dtype, pass, rows, vocab, hidden, logits_mb, peak_extra_mb, ms,
+// max_abs_err, lower_bound_mb, ...}. PyTorch peers come from scripts/bench_peers.py in the same run.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <optional>
+
+#include "loss/logprob.h"
+#include "loss/memory.h"
+#include "trainer/config.h"
+
+using namespace rlt;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct Bench {
+  at::Device device{at::kCPU};
+  double scale = 1.0;
+  int reps = 0;  // 0: 10 on CUDA, 3 on CPU
+  LossOptions base;
+  json records = json::array();
+};
+
+struct Variant {
+  std::string impl;      // record name
+  LossOptions options;   // the module's options for this row
+  bool from_hidden;      // hidden + lm_head input (else logits)
+  bool refill = false;   // the call overwrites its input (in-place gradient): regenerate before each rep
+};
+
+// Inputs of one measured call; tensors on the bench device.
+struct Inputs {
+  at::Tensor logits, hidden, lm_head, targets;
+  RowSelection rows;
+  std::function<void()> refill;  // regenerates logits deterministically (for in-place variants)
+};
+
+std::string dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32"; }
+
+// Median milliseconds of `reps` calls after `warmup`, and the peak extra bytes over those calls.
+std::pair<double, int64_t> measure(Bench& b, int warmup, int reps, const std::function<void()>& before,
+                                   const std::function<void()>& call) {
+  for (int i = 0; i < warmup; ++i) {
+    before();
+    call();
+  }
+  device_synchronize(b.device);
+  std::vector<double> ms;
+  int64_t peak = 0;
+  for (int i = 0; i < reps; ++i) {
+    before();
+    device_synchronize(b.device);
+    PeakMemory mem(b.device);
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    device_synchronize(b.device);
+    const auto t1 = std::chrono::steady_clock::now();
+    peak = std::max(peak, mem.peak_extra_bytes());
+    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], peak};
+}
+
+// float64 reference log-probs (T) of every row, from logits or from hidden @ lm_head^T, in row chunks.
+at::Tensor reference_logprobs(const Inputs& in, double temperature) {
+  at::NoGradGuard ng;
+  const bool hid = in.hidden.defined();
+  const int64_t T = in.targets.size(0);
+  at::Tensor out = at::empty({T}, in.targets.options().dtype(at::kDouble));
+  at::Tensor w = hid ? in.lm_head.to(at::kDouble) : at::Tensor();
+  for (int64_t s = 0; s < T; s += 1024) {
+    const int64_t n = std::min<int64_t>(1024, T - s);
+    at::Tensor x = hid ? at::mm(in.hidden.narrow(0, s, n).to(at::kDouble), w.t())
+                       : in.logits.narrow(0, s, n).to(at::kDouble);
+    out.narrow(0, s, n).copy_(naive_logprobs(x, in.targets.narrow(0, s, n), temperature, false).first);
+  }
+  return out;
+}
+
+void run_variant(Bench& b, const std::string& case_name, const Variant& v, Inputs& in, const std::string& pass,
+                 const at::Tensor& ref, json extra) {
+  const bool fwbw = pass == "fwbw";
+  const at::Tensor& src = v.from_hidden ? in.hidden : in.logits;
+  const int64_t T = in.targets.size(0);
+  const int64_t V = v.from_hidden ? in.lm_head.size(0) : in.logits.size(1);
+  const int64_t D = v.from_hidden ? in.hidden.size(1) : 0;
+  const int64_t elem = src.element_size();
+  LogprobOutput first;
+  bool have_first = false;
+  auto before = [&] {
+    if (v.from_hidden) {
+      in.hidden.mutable_grad().reset();
+      in.lm_head.mutable_grad().reset();
+    } else {
+      in.logits.mutable_grad().reset();
+    }
+    if (v.refill && in.refill) in.refill();
+  };
+  auto call = [&] {
+    LogprobInputs li;
+    if (v.from_hidden) {
+      li.hidden = in.hidden;
+      li.lm_head = in.lm_head;
+    } else {
+      li.logits = in.logits;
+    }
+    li.targets = in.targets;
+    li.rows = in.rows;
+    if (!fwbw) {
+      at::NoGradGuard ng;
+      LogprobOutput o = token_logprobs(li, v.options);
+      if (!have_first) first = o, have_first = true;
+      return;
+    }
+    LogprobOutput o = token_logprobs(li, v.options);
+    at::Tensor loss = o.logprobs.sum();
+    if (o.entropy.defined() && o.entropy.requires_grad()) loss = loss + o.entropy.sum();
+    loss.backward();
+    if (!have_first) {
+      first.logprobs = o.logprobs.detach();
+      first.keep_index = o.keep_index;
+      have_first = true;
+    }
+  };
+  const bool cuda = b.device.is_cuda();
+  const int reps = b.reps > 0 ? b.reps : (cuda ? 10 : 3);
+  json rec = {{"case", case_name}, {"impl", v.impl}, {"dtype", dtype_name(src.scalar_type())},
+              {"pass", pass}, {"rows", T}, {"vocab", V}, {"hidden", D},
+              {"logits_mb", double(T) * V * (v.from_hidden ? 4 : elem) / kMiB}};
+  // Lower bound: the output (fw) or the gradients the call must return (fwbw).
+  const double grads = v.from_hidden ? double(T * D + V * D) * elem : double(T) * V * elem;
+  rec["lower_bound_mb"] = fwbw ? grads / kMiB : double(T) * 4 / kMiB;
+  for (auto& [k, val] : extra.items()) rec[k] = val;
+  try {
+    auto [ms, peak] = measure(b, cuda ? 2 : 1, reps, before, call);
+    rec["ms"] = ms;
+    rec["peak_extra_mb"] = double(peak) / kMiB;
+    // Accuracy on the kept rows against float64 naive (computed from the same inputs).
+    at::Tensor lp = first.logprobs.to(at::kDouble), r = ref;
+    if (first.keep_index.defined()) {
+      lp = lp.index_select(0, first.keep_index);
+      r = r.index_select(0, first.keep_index);
+    }
+    at::Tensor diff = (lp - r).abs();
+    rec["max_abs_err"] = diff.numel() ? (at::isfinite(lp).all().item<bool>() ? diff.max().item<double>()
+                                                                            : std::nan(""))
+                                      : 0.0;
+    rec["note"] = "";
+  } catch (const c10::OutOfMemoryError& e) {
+    std::string msg = e.what_without_backtrace();
+    rec["ms"] = nullptr;
+    rec["peak_extra_mb"] = nullptr;
+    rec["max_abs_err"] = nullptr;
+    rec["note"] = "OOM: " + msg.substr(0, msg.find('\n')).substr(0, 160);
+  }
+  first = LogprobOutput();
+  before();
+  release_cached_memory(b.device);
+  auto fmt = [](const json& j, int prec) {
+    if (j.is_null()) return std::string("-");
+    std::ostringstream os;
+    os << std::setprecision(prec) << (j.is_number() ? j.get<double>() : 0.0);
+    return os.str();
+  };
+  std::cout << std::left << std::setw(9) << case_name << std::setw(24) << rec["impl"].get<std::string>()
+            << std::setw(6) << rec["dtype"].get<std::string>() << std::setw(6) << pass << std::right
+            << std::setw(8) << T << std::setw(8) << V;
+  if (rec.contains("response_frac")) std::cout << std::setw(8) << rec["response_frac"].get<double>();
+  else std::cout << std::setw(8) << "";
+  std::cout << std::setw(12) << fmt(rec["logits_mb"], 6) << std::setw(14) << fmt(rec["peak_extra_mb"], 6)
+            << std::setw(12) << fmt(rec["lower_bound_mb"], 6) << std::setw(11) << fmt(rec["ms"], 4)
+            << std::setw(12) << fmt(rec["max_abs_err"], 3) << "  " << rec["note"].get<std::string>() << "\n";
+  b.records.push_back(rec);
+}
+
+LossOptions with(const LossOptions& base, LogprobImpl impl, std::function<void(LossOptions&)> edit = {}) {
+  LossOptions o = base;
+  o.impl = impl;
+  if (edit) edit(o);
+  return o;
+}
+
+int64_t scaled(double rows, double scale) { return std::max<int64_t>(1, std::llround(rows * scale)); }
+
+// A peaked, LM-like next-token distribution from hidden states (documented in docs/benchmarks.md):
+// C ~ N(0, 1/D) per entry, E = 13 C[y] + G with G ~ N(0, 1), so z_v = E.C_v ~ N(0, 1 + 169/D) for
+// v != y and z_y ~ 13 + N(0, 1): mean p(y) is about 0.5 at V = 256000 (scripts/bench_peers.py draws the
+// same, in the same order: C, targets, G). The tokens above 2^-12 are scattered over the vocabulary
+// (no vocabulary sorting): the worst case for gradient filtering.
+void make_lm(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::Device& dev, Inputs& in) {
+  at::manual_seed(0);
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  at::Tensor C = at::randn({V, D}, f32).div_(std::sqrt(double(D)));
+  in.targets = at::randint(0, V, {N}, f32.dtype(at::kLong));
+  at::Tensor E = at::randn({N, D}, f32).add_(C.index_select(0, in.targets).mul_(13.0));
+  in.lm_head = C.to(dt).requires_grad_(true);
+  in.hidden = E.to(dt).requires_grad_(true);
+}
+
+void header() {
+  std::cout << std::left << std::setw(9) << "case" << std::setw(24) << "impl" << std::setw(6) << "dtype"
+            << std::setw(6) << "pass" << std::right << std::setw(8) << "rows" << std::setw(8) << "vocab"
+            << std::setw(8) << "resp" << std::setw(12) << "logits_MiB" << std::setw(14) << "peak_extra"
+            << std::setw(12) << "lower_bnd" << std::setw(11) << "ms" << std::setw(12) << "max_err" << "\n";
+}
+
+void case_seed000(Bench& b) {
+  const int64_t T = scaled(16 * 1024, b.scale), V = 32768;
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    Inputs in;
+    auto fill = [&, dt] {
+      at::manual_seed(0);
+      at::NoGradGuard ng;
+      if (!in.logits.defined()) {
+        in.logits = at::randn({T, V}, at::TensorOptions().dtype(at::kFloat).device(b.device)).to(dt);
+      } else {
+        in.logits.copy_(at::randn({T, V}, at::TensorOptions().dtype(at::kFloat).device(b.device)));
+      }
+      in.targets = at::randint(0, V, {T}, at::TensorOptions().dtype(at::kLong).device(b.device));
+    };
+    fill();
+    in.logits.requires_grad_(true);
+    in.refill = fill;
+    const at::Tensor ref = reference_logprobs(in, 1.0);
+    LossOptions base = b.base;
+    base.response_only = false;
+    base.loss_mask_only = false;
+    std::vector<Variant> vs = {
+        {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), false},
+        {"naive_chunked", with(base, LogprobImpl::kNaive), false},
+        {"selective", with(base, LogprobImpl::kSelective), false},
+        {"selective_inplace", with(base, LogprobImpl::kSelective, [](LossOptions& o) { o.inplace_backward = true; }),
+         false, true},
+    };
+    for (const auto& v : vs) {
+      for (const char* pass : {"fw", "fwbw"}) {
+        if (v.refill && std::string(pass) == "fw") continue;  // same forward as "selective"
+        run_variant(b, "seed000", v, in, pass, ref, json::object());
+      }
+    }
+  }
+}
+
+void case_seed001(Bench& b) {
+  const int64_t T = scaled(205280, b.scale), V = 76032, D = 2560, L = 2048;
+  for (double frac : {1.0, 0.5, 0.25, 0.0625}) {
+    // Packed sequences of L positions, each ending in a response of frac * L tokens.
+    std::vector<int64_t> w;
+    for (int64_t s = 0; s < T; s += L) {
+      const int64_t len = std::min(L, T - s), resp = std::max<int64_t>(1, std::llround(len * frac));
+      w.push_back(s + len - resp);
+      w.push_back(s + len);
+    }
+    at::Tensor windows = at::tensor(w, at::kLong).view({-1, 2}).to(b.device);
+    LossOptions base = b.base;
+    base.response_only = true;
+    base.loss_mask_only = false;
+    base.entropy = EntropyMode::kGrad;
+    json extra = {{"response_frac", frac}};
+    {  // logits paths: the (T, V) fp32 logits are the input (58 GiB at scale 1)
+      Inputs in;
+      auto fill = [&] {
+        at::manual_seed(1);
+        at::NoGradGuard ng;
+        if (!in.logits.defined()) in.logits = at::empty({T, V}, at::TensorOptions().device(b.device));
+        in.logits.normal_();
+      };
+      fill();
+      in.logits.requires_grad_(true);
+      in.refill = fill;
+      in.targets = at::randint(0, V, {T}, at::TensorOptions().dtype(at::kLong).device(b.device));
+      in.rows.response_windows = windows;
+      const at::Tensor ref = reference_logprobs(in, 1.0);
+      run_variant(b, "seed001", {"naive", with(base, LogprobImpl::kNaive), false}, in, "fwbw", ref, extra);
+      run_variant(b, "seed001", {"selective", with(base, LogprobImpl::kSelective), false}, in, "fwbw", ref, extra);
+      run_variant(b, "seed001",
+                  {"selective_inplace",
+                   with(base, LogprobImpl::kSelective, [](LossOptions& o) { o.inplace_backward = true; }), false, true},
+                  in, "fwbw", ref, extra);
+    }
+    release_cached_memory(b.device);
+    {  // cce from hidden states (T, D) and the LM head (V, D), fp32
+      Inputs in;
+      make_lm(T, V, D, at::kFloat, b.device, in);
+      in.rows.response_windows = windows;
+      const at::Tensor ref = reference_logprobs(in, 1.0);
+      run_variant(b, "seed001", {"cce", with(base, LogprobImpl::kCce), true}, in, "fwbw", ref, extra);
+    }
+    release_cached_memory(b.device);
+  }
+}
+
+void case_seed002(Bench& b) {
+  const int64_t N = scaled(8192, b.scale), V = 256000, D = 2304;
+  Inputs in;
+  make_lm(N, V, D, at::kBFloat16, b.device, in);
+  const at::Tensor ref = reference_logprobs(in, 1.0);
+  LossOptions base = b.base;
+  base.response_only = false;
+  base.loss_mask_only = false;
+  std::vector<Variant> vs = {
+      {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
+      {"selective", with(base, LogprobImpl::kSelective), true},
+      {"cce", with(base, LogprobImpl::kCce), true},
+      {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
+  };
+  for (const auto& v : vs) {
+    for (const char* pass : {"fw", "fwbw"}) {
+      if (v.impl == "cce_nofilter" && std::string(pass) == "fw") continue;  // filtering is backward-only
+      run_variant(b, "seed002", v, in, pass, ref, json::object());
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_loss: memory, time and accuracy of the log-prob paths in the seed documents' settings"};
+  ConfigCli cc;
+  add_config_flags(app, cc);
+  std::string device = "cpu", which = "all", json_path;
+  Bench b;
+  app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--case", which, "seed000 | seed001 | seed002 | all")
+      ->check(CLI::IsMember({"seed000", "seed001", "seed002", "all"}));
+  app.add_option("--scale", b.scale, "multiply the row count of every case (CPU runs: 0.01 or less)")
+      ->check(CLI::Range(1e-6, 1.0));
+  app.add_option("--reps", b.reps, "timed repetitions (median reported); 0 = 10 on CUDA, 3 on CPU")
+      ->check(CLI::Range(0, 1000));
+  app.add_option("--json", json_path, "write the records to this JSON file");
+  if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
+  Config cfg;
+  if (!load_cli_config(cc, cfg)) return 2;
+  b.base = cfg.loss;
+  if (device == "cuda") {
+    if (!at::hasCUDA()) {
+      std::cerr << "bench_loss: --device cuda but no CUDA device is available\n";
+      return 2;
+    }
+    b.device = at::Device(at::kCUDA, 0);
+  } else {
+    install_cpu_memory_tracking();
+    b.device = at::Device(at::kCPU);
+  }
+  header();
+  if (which == "seed000" || which == "all") case_seed000(b);
+  if (which == "seed001" || which == "all") case_seed001(b);
+  if (which == "seed002" || which == "all") case_seed002(b);
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    if (!f) {
+      std::cerr << "bench_loss: cannot write " << json_path << "\n";
+      return 2;
+    }
+    f << b.records.dump(1) << "\n";
+  }
+  return 0;
+}

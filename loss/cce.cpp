@@ -1,0 +1,210 @@
+// Cut Cross-Entropy with LibTorch ops (seed 002, Algorithms 2 and 3), extended with entropy, temperature
+// and any per-token upstream gradient.
+//
+// Notation per block (rows n, vocabulary block m): z = h_n W_m^T / temp (fp32), lse_n from the forward,
+// logp = z - lse, p = e^{logp}. For upstream gradients glp (of logp_y) and gH (of H):
+//   dz = -p * (glp + gH (logp + H))           (softmax part, over every vocabulary entry)
+//      + glp * [v = y]                        (target part)
+//   dE_n += (dz / temp) W_m,   dW_m += (dz / temp)^T h_n
+// The target part is added to dz in fp32 before dz is rounded to the GEMM dtype: -glp p_y + glp nearly
+// cancels when p_y ~ 1, and rounding the two halves separately would keep bf16 error of size |glp|.
+// Gradient filtering: when max(p) < eps over a block, its softmax part is skipped (seed 002, sec. 4.3);
+// the target part of a skipped block is then added on its own (the "indexed matmul", Algorithm 1).
+// Loop order in the backward is vocabulary-outer so each dW block is accumulated in fp32 and written
+// once; dE is accumulated in an fp32 (N, D) buffer. Both are the gradients the call must return (bf16
+// inputs: plus that fp32 dE accumulator), which is the memory lower bound of the backward.
+#include "loss/cce.h"
+
+#include <cmath>
+#include <limits>
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "loss/logprob.h"
+
+namespace rlt {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// a (n, k) @ b (k, m) with an fp32 (fp64) result; bf16 operands keep bf16 GEMM speed on CUDA.
+at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b) {
+  const auto acc = acc_dtype(a.scalar_type());
+  if (a.scalar_type() == acc && b.scalar_type() == acc) return at::mm(a, b);
+  if (a.is_cuda()) {
+    at::Tensor bb = b.scalar_type() == a.scalar_type() ? b : b.to(a.scalar_type());
+    return at::mm(a, bb, acc);
+  }
+  return at::mm(a.to(acc), b.to(acc));
+}
+
+// acc += a (n, k) @ b (k, m) without a temporary product: in-place addmm, with fp32 accumulation of
+// bf16 operands on CUDA (addmm's out_dtype); on CPU half operands are upcast first.
+void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == acc.scalar_type() && b.scalar_type() == acc.scalar_type()) {
+    acc.addmm_(a, b);
+  } else if (a.is_cuda()) {
+    at::Tensor bb = b.scalar_type() == a.scalar_type() ? b : b.to(a.scalar_type());
+    at::addmm_out(acc, acc, a, bb, acc.scalar_type());
+  } else {
+    acc.addmm_(a.to(acc.scalar_type()), b.to(acc.scalar_type()));
+  }
+}
+
+class CceFn : public torch::autograd::Function<CceFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                               const at::Tensor& targets, double temp, int64_t row_block_req,
+                               int64_t vocab_block_req, int64_t entropy_mode, double eps) {
+    const int64_t N = hidden.size(0), V = weight.size(0);
+    const auto [rb, vb] = cce_blocks(N, V, hidden.size(1), row_block_req, vocab_block_req);
+    const auto entropy = static_cast<EntropyMode>(entropy_mode);
+    const auto acc = acc_dtype(hidden.scalar_type());
+    const auto opts = hidden.options().dtype(acc);
+    at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                        // (N)
+    at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (N)
+    for (int64_t r0 = 0; r0 < N; r0 += rb) {
+      const int64_t n = std::min(rb, N - r0);
+      at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
+      at::Tensor m, s, t;  // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
+      for (int64_t v0 = 0; v0 < V; v0 += vb) {
+        const int64_t k = std::min(vb, V - v0);
+        at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
+        if (temp != 1.0) z.div_(temp);
+        at::Tensor bmax = std::get<0>(z.max(1));
+        at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
+        at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
+        at::Tensor e = d.exp();                      // (n, k)
+        if (v0 == 0) {
+          s = e.sum(1);
+          if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
+        } else {
+          // Rebase the running sums to the new max: r = e^{m - m_new},
+          // sum e^{z-m_new}(z-m_new) = r (t - s (m_new - m)): non-positive terms, no cancellation.
+          at::Tensor r = (m - m_new).exp_();
+          if (entropy != EntropyMode::kNone) t = r * (t - s * (m_new - m));
+          s = s * r + e.sum(1);
+          if (entropy != EntropyMode::kNone) t.add_(e.mul_(d).sum(1));
+        }
+        m = m_new;
+      }
+      at::Tensor l = m + s.log();  // (n)
+      lse.narrow(0, r0, n).copy_(l);
+      // The target logit as an indexed dot product (Algorithm 1): no [n, V] row needed.
+      at::Tensor tgt = targets.narrow(0, r0, n);
+      at::Tensor zy = (h.to(acc) * weight.index_select(0, tgt).to(acc)).sum(1);  // (n)
+      if (temp != 1.0) zy.div_(temp);
+      logp.narrow(0, r0, n).copy_(zy - l);
+      if (entropy != EntropyMode::kNone) H.narrow(0, r0, n).copy_(s.log() - t / s);  // lse - E_p[z]
+    }
+    ctx->save_for_backward({hidden, weight, targets, lse, H});
+    ctx->saved_data["temp"] = temp;
+    ctx->saved_data["rb"] = rb;
+    ctx->saved_data["vb"] = vb;
+    ctx->saved_data["entropy"] = entropy_mode;
+    ctx->saved_data["eps"] = eps;
+    if (entropy != EntropyMode::kGrad) ctx->mark_non_differentiable({H});
+    return {logp, H};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor hidden = saved[0], weight = saved[1], targets = saved[2], lse = saved[3], H = saved[4];
+    const double temp = ctx->saved_data["temp"].toDouble();
+    const int64_t rb = ctx->saved_data["rb"].toInt(), vb = ctx->saved_data["vb"].toInt();
+    const auto entropy = static_cast<EntropyMode>(ctx->saved_data["entropy"].toInt());
+    const double eps = ctx->saved_data["eps"].toDouble();
+    variable_list out(8);
+    at::Tensor glp = grads[0];
+    at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();
+    if (!glp.defined() && !gH.defined()) return out;
+    if (!glp.defined()) glp = at::zeros_like(lse);
+    const int64_t N = hidden.size(0), V = weight.size(0), D = hidden.size(1);
+    const auto acc = acc_dtype(hidden.scalar_type());
+    const bool same = hidden.scalar_type() == acc;
+    const double log_eps = eps > 0 ? std::log(eps) : -std::numeric_limits<double>::infinity();
+
+    at::Tensor dE = at::zeros({N, D}, hidden.options().dtype(acc));  // (N, D) fp32 accumulator
+    at::Tensor dW = same ? at::zeros({V, D}, weight.options()) : at::empty({V, D}, weight.options());
+    at::Tensor glp_t = glp / temp;  // (N) target-term coefficient
+    for (int64_t v0 = 0; v0 < V; v0 += vb) {
+      const int64_t k = std::min(vb, V - v0);
+      at::Tensor w = weight.narrow(0, v0, k);  // (k, D)
+      at::Tensor dW_blk = same ? dW.narrow(0, v0, k) : at::zeros({k, D}, hidden.options().dtype(acc));
+      for (int64_t r0 = 0; r0 < N; r0 += rb) {
+        const int64_t n = std::min(rb, N - r0);
+        at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
+        // Targets of these rows that fall in this vocabulary block: column (clamped) and coefficient
+        // (glp / temp, or 0 for rows whose target is elsewhere). No host sync needed.
+        at::Tensor t = targets.narrow(0, r0, n) - v0;                     // (n)
+        at::Tensor in_blk = (t >= 0) & (t < k);                           // (n)
+        at::Tensor col = t.clamp(0, k - 1).unsqueeze(1);                  // (n, 1)
+        at::Tensor coef = glp_t.narrow(0, r0, n).mul(in_blk).unsqueeze(1);  // (n, 1)
+        at::Tensor logp_blk = mm_acc(h, w.t());  // (n, k): z
+        if (temp != 1.0) logp_blk.div_(temp);
+        logp_blk.sub_(lse.narrow(0, r0, n).unsqueeze(1));  // log p
+        // Filtering: one host read per block decides whether its softmax part matters at all.
+        if (eps > 0 && logp_blk.max().item<double>() < log_eps) {
+          dE.narrow(0, r0, n).add_(w.index_select(0, col.squeeze(1)).to(acc).mul_(coef));
+          dW_blk.index_add_(0, col.squeeze(1), h.to(acc).mul(coef));
+          continue;
+        }
+        at::Tensor p = logp_blk.exp();  // (n, k)
+        at::Tensor g;                   // (n, k): d loss / d z
+        at::Tensor glp_c = glp.narrow(0, r0, n).unsqueeze(1);
+        if (gH.defined()) {
+          g = logp_blk.add_(H.narrow(0, r0, n).unsqueeze(1)).mul_(gH.narrow(0, r0, n).unsqueeze(1)).add_(glp_c).mul_(p).neg_();
+        } else {
+          g = p.mul_(glp_c).neg_();
+        }
+        if (temp != 1.0) g.div_(temp);
+        g.scatter_add_(1, col, coef);  // + glp/temp at the target column, in fp32
+        p = at::Tensor();  // release before the two GEMMs
+        at::Tensor g_op = same ? g : g.to(hidden.scalar_type());  // GEMM operand in the input dtype
+        g = at::Tensor();
+        at::Tensor dE_rows = dE.narrow(0, r0, n);
+        accumulate_mm(dE_rows, g_op, w);        // (n, D) += (n, k) @ (k, D)
+        accumulate_mm(dW_blk, g_op.t(), h);     // (k, D) += (k, n) @ (n, D)
+      }
+      if (!same) dW.narrow(0, v0, k).copy_(dW_blk);
+    }
+    out[0] = same ? dE : dE.to(hidden.scalar_type());
+    out[1] = dW;
+    return out;
+  }
+};
+
+}  // namespace
+
+std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block) {
+  // ~8M elements: a [rows, vocab] logits block and the fp32 (vocab, D) dW accumulator of a bf16 run
+  // each stay within 32 MiB.
+  constexpr int64_t kBlockElems = int64_t{1} << 23;
+  int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 8192);
+  rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
+  const int64_t vb_auto = std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128;
+  int64_t vb = vocab_block > 0 ? vocab_block : std::max<int64_t>(128, vb_auto);
+  vb = std::max<int64_t>(1, std::min(vb, std::max<int64_t>(V, 1)));
+  return {rb, vb};
+}
+
+std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
+                                               const at::Tensor& targets, const CceArgs& a) {
+  TORCH_CHECK(hidden.dim() == 2 && lm_head.dim() == 2 && hidden.size(1) == lm_head.size(1),
+              "cce: hidden (N, D) and lm_head (V, D) must agree on D: ", hidden.sizes(), " vs ", lm_head.sizes());
+  TORCH_CHECK(hidden.scalar_type() == lm_head.scalar_type(), "cce: hidden and lm_head dtypes differ");
+  TORCH_CHECK(at::isFloatingType(hidden.scalar_type()), "cce: inputs must be floating point");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0) && targets.scalar_type() == at::kLong,
+              "cce: targets must be (N) int64");
+  TORCH_CHECK(a.temperature > 0, "cce: temperature must be > 0");
+  at::Tensor h = hidden.contiguous(), w = lm_head.contiguous();
+  auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block,
+                           static_cast<int64_t>(a.entropy), a.grad_filter_eps);
+  return {outs[0], a.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
+}
+
+}  // namespace rlt

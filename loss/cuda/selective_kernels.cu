@@ -1,0 +1,252 @@
+// Fused selective log-softmax kernels: the CUDA twin of the ATen chunks in loss/selective.cpp, which
+// stay the reference (tests/loss/test_logprob.cpp compares the two on odd shapes).
+//
+// Forward: one thread block per kept row reads the row once (16-byte loads where aligned) and keeps an
+// online (max m, s = sum e^{x-m}, t = sum e^{x-m} (x-m)) per thread, merged across the block:
+//   lse = m + log s,  logp = x_y - lse,  H = log s - t / s.      All in fp32, whatever the logits dtype.
+// t is kept relative to the running max so that H is a sum of non-negative terms: the textbook
+// lse - E[x] subtracts two numbers near the max logit and loses ~1e-5 in fp32.
+// Backward: one block per row rebuilds p = e^{x - lse} and writes
+//   grad_v = (1/temp) * ( -p_v (glp + gH (log p_v + H)) + glp [v = y] )
+// in the logits dtype; grad may be the logits buffer itself (each element is read before it is written
+// by the same thread).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "loss/selective.h"
+
+namespace rlt::cuda {
+
+namespace {
+
+constexpr int kThreads = 512;
+
+struct Online {
+  float m, s, t;  // running max, sum e^{x-m}, sum e^{x-m} (x-m)
+};
+
+// A state re-expressed relative to a larger max m: sum e^{x-m}(x-m) = r (t - s (m - m_old)), r = e^{m_old-m}.
+__device__ __forceinline__ void rebase(const Online& a, float m, float& s, float& t) {
+  if (a.m == -INFINITY) {
+    s = 0.f;
+    t = 0.f;
+    return;
+  }
+  const float r = __expf(a.m - m);
+  s = a.s * r;
+  t = r * (a.t - a.s * (m - a.m));
+}
+
+__device__ __forceinline__ Online merge(Online a, Online b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f, 0.f};
+  float sa, ta, sb, tb;
+  rebase(a, m, sa, ta);
+  rebase(b, m, sb, tb);
+  return {m, sa + sb, ta + tb};
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+
+// Folds k consecutive values (already scaled by 1/temp) into the thread's state with one rescale.
+template <int K>
+__device__ __forceinline__ void fold(Online& st, const float (&x)[K], bool entropy) {
+  float mx = x[0];
+#pragma unroll
+  for (int i = 1; i < K; ++i) mx = fmaxf(mx, x[i]);
+  const float m = fmaxf(st.m, mx);
+  float s, t;
+  rebase(st, m, s, t);
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    const float d = x[i] - m;
+    const float e = __expf(d);
+    s += e;
+    if (entropy) t += e * d;
+  }
+  st = {m, s, entropy ? t : 0.f};
+}
+
+__device__ Online block_merge(Online st) {
+  __shared__ Online warp_state[kThreads / 32];
+  for (int off = 16; off > 0; off >>= 1) {
+    Online o{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
+             __shfl_xor_sync(0xffffffff, st.t, off)};
+    st = merge(st, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_state[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    st = lane < kThreads / 32 ? warp_state[lane] : Online{-INFINITY, 0.f, 0.f};
+    for (int off = 16; off > 0; off >>= 1) {
+      Online o{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
+               __shfl_xor_sync(0xffffffff, st.t, off)};
+      st = merge(st, o);
+    }
+    if (lane == 0) warp_state[0] = st;
+  }
+  __syncthreads();
+  return warp_state[0];
+}
+
+// Elements per 16-byte vector for T.
+template <typename T>
+constexpr int vec_elems() { return 16 / sizeof(T); }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) forward_kernel(
+    const T* __restrict__ logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
+    int64_t V, float inv_temp, bool vec_ok, float* __restrict__ logp, float* __restrict__ lse,
+    float* __restrict__ entropy) {
+  const int64_t r = blockIdx.x;
+  const int64_t row = rows ? rows[r] : r;
+  const T* x = logits + row * V;
+  const bool ent = entropy != nullptr;
+  Online st{-INFINITY, 0.f, 0.f};
+  constexpr int K = vec_elems<T>();
+  int64_t tail = 0;
+  if (vec_ok) {
+    const int64_t nvec = V / K;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+      uint4 raw = __ldg(xv + i);
+      const T* e = reinterpret_cast<const T*>(&raw);
+      float v[K];
+#pragma unroll
+      for (int j = 0; j < K; ++j) v[j] = to_f(e[j]) * inv_temp;
+      fold<K>(st, v, ent);
+    }
+    tail = nvec * K;
+  }
+  for (int64_t i = tail + threadIdx.x; i < V; i += kThreads) {
+    float v[1] = {to_f(x[i]) * inv_temp};
+    fold<1>(st, v, ent);
+  }
+  st = block_merge(st);
+  if (threadIdx.x == 0) {
+    const float l = st.m + logf(st.s);
+    lse[r] = l;
+    logp[r] = to_f(x[targets[r]]) * inv_temp - l;
+    if (ent) entropy[r] = logf(st.s) - st.t / st.s;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) backward_kernel(
+    const T* logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
+    const float* __restrict__ lse, const float* __restrict__ entropy, const float* __restrict__ glp,
+    const float* __restrict__ gH, int64_t V, float inv_temp, bool vec_ok, T* grad) {
+  const int64_t r = blockIdx.x;
+  const int64_t row = rows ? rows[r] : r;
+  const T* x = logits + row * V;
+  T* g = grad + row * V;
+  const float l = lse[r], a = glp[r];
+  const float b = gH ? gH[r] : 0.f, h = gH ? entropy[r] : 0.f;
+  const int64_t y = targets[r];
+  // grad_v = inv_temp * (-p (a + b (logp + h)) + a [v = y])
+  auto one = [&](float xv, int64_t v) {
+    const float lp = xv * inv_temp - l;
+    const float p = __expf(lp);
+    float gv = -p * (a + b * (lp + h));
+    if (v == y) gv += a;
+    return gv * inv_temp;
+  };
+  constexpr int K = vec_elems<T>();
+  int64_t tail = 0;
+  if (vec_ok) {
+    const int64_t nvec = V / K;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* gvp = reinterpret_cast<uint4*>(g);
+    for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
+      uint4 raw = xv[i];
+      const T* e = reinterpret_cast<const T*>(&raw);
+      uint4 outv;
+      T* o = reinterpret_cast<T*>(&outv);
+#pragma unroll
+      for (int j = 0; j < K; ++j) o[j] = from_f<T>(one(to_f(e[j]), i * K + j));
+      gvp[i] = outv;
+    }
+    tail = nvec * K;
+  }
+  for (int64_t i = tail + threadIdx.x; i < V; i += kThreads) g[i] = from_f<T>(one(to_f(x[i]), i));
+}
+
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    default: TORCH_CHECK(false, "selective CUDA kernel: unsupported dtype ", t);
+  }
+}
+
+bool aligned16(const void* p, int64_t V, int64_t elem) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (V * elem) % 16 == 0;
+}
+
+}  // namespace
+
+void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
+                       double temperature, at::Tensor& logprob, at::Tensor& lse, at::Tensor* entropy) {
+  TORCH_CHECK(logits.is_cuda() && logits.is_contiguous() && logits.dim() == 2, "logits must be contiguous CUDA (T, V)");
+  TORCH_CHECK(targets.is_cuda() && targets.is_contiguous(), "targets must be contiguous CUDA");
+  TORCH_CHECK(logprob.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "fp32 outputs expected");
+  const int64_t N = targets.size(0), V = logits.size(1);
+  if (N == 0) return;
+  const float inv_temp = static_cast<float>(1.0 / temperature);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = reinterpret_cast<const T*>(logits.data_ptr());
+    forward_kernel<T><<<N, kThreads, 0, stream>>>(
+        x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), V, inv_temp,
+        aligned16(x, V, sizeof(T)), logprob.data_ptr<float>(), lse.data_ptr<float>(),
+        entropy ? entropy->data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
+                        const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& glp,
+                        const at::Tensor& gH, double temperature, at::Tensor& grad) {
+  TORCH_CHECK(grad.is_contiguous() && grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type(),
+              "grad must be a contiguous tensor like logits");
+  const int64_t N = targets.size(0), V = logits.size(1);
+  if (N == 0) return;
+  at::Tensor glp_c = glp.to(at::kFloat).contiguous();
+  at::Tensor gH_c = gH.defined() ? gH.to(at::kFloat).contiguous() : at::Tensor();
+  const float inv_temp = static_cast<float>(1.0 / temperature);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = reinterpret_cast<const T*>(logits.data_ptr());
+    T* g = reinterpret_cast<T*>(grad.data_ptr());
+    backward_kernel<T><<<N, kThreads, 0, stream>>>(
+        x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), lse.data_ptr<float>(),
+        gH_c.defined() ? entropy.data_ptr<float>() : nullptr, glp_c.data_ptr<float>(),
+        gH_c.defined() ? gH_c.data_ptr<float>() : nullptr, V, inv_temp,
+        aligned16(x, V, sizeof(T)) && aligned16(g, V, sizeof(T)), g);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace rlt::cuda

@@ -1,0 +1,54 @@
+// The loss module's one entry point: per-token log-probs (and entropy) for rollout, reference scoring
+// and the policy update, built only for the rows that are needed.
+//
+// Shape legend (used throughout loss/):
+//   T   flattened positions of a batch (B*G*L, or a packed batch)
+//   T'  kept rows (response rows, or response rows with loss_mask = 1)
+//   V   vocabulary size      D   hidden size      W   response windows
+// Row t scores targets[t]: the caller aligns targets with rows (usually targets[t] = ids[t + 1]).
+//
+// Two kinds of input:
+//   * logits (T, V): paths naive and selective read the kept rows directly (no [T', V] copy for selective);
+//   * hidden (T, D) + lm_head (V, D): every path. naive/selective build fp32 logits for the kept rows
+//     only (and selective then overwrites them with their gradient); cce never holds [T', V].
+// Output dtype: float32 (float64 for float64 inputs), whatever the input dtype: log-probs feed
+// exp(logp_new - logp_old) and must not carry bf16 rounding (DESIGN.md, Numerics).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "loss/options.h"
+#include "loss/row_select.h"
+
+namespace rlt {
+
+struct LogprobInputs {
+  at::Tensor logits;   // (T, V) float: logits-based input, or undefined when hidden is given
+  at::Tensor hidden;   // (T, D) float: hidden states before the LM head
+  at::Tensor lm_head;  // (V, D) float: LM-head weight (same dtype as hidden)
+  at::Tensor targets;  // (T) int64: token whose log-prob row t returns
+  RowSelection rows;   // response windows / loss mask; needed with response_only / loss_mask_only
+};
+
+struct LogprobOutput {
+  at::Tensor logprobs;    // (T) float32/64: log p(targets[t]); 0 outside the kept rows
+  at::Tensor entropy;     // (T) float32/64 when options.entropy != none; 0 outside the kept rows
+  at::Tensor keep_index;  // (T') int64 rows computed; undefined when all rows were computed
+};
+
+// Gradients flow to logits, or to hidden and lm_head, through log-probs (and entropy when
+// options.entropy == grad); rows outside the kept set get exactly zero gradient.
+LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& options);
+
+// The reference: full log_softmax over the vocabulary, then gather. Half-precision logits are upcast
+// to float32 first. No chunking, no row selection: tests compare every path against this in float64.
+// Returns (logprobs (N), entropy (N) or undefined).
+std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits /*(N,V)*/,
+                                                 const at::Tensor& targets /*(N)*/, double temperature,
+                                                 bool with_entropy);
+
+// logits = hidden @ lm_head^T in float32 (float64 for float64 inputs), accumulated in fp32 for bf16
+// inputs rather than rounded to bf16 (an fp32-output GEMM on CUDA; an upcast on CPU). (N, V).
+at::Tensor fp32_logits(const at::Tensor& hidden /*(N,D)*/, const at::Tensor& lm_head /*(V,D)*/);
+
+}  // namespace rlt

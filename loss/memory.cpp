@@ -1,0 +1,109 @@
+// CPU: a c10::Allocator that delegates to the allocator it replaces and counts live and peak bytes.
+// CUDA: c10's caching-allocator statistics (allocated bytes, aggregate over pools).
+#include "loss/memory.h"
+
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <mutex>
+
+#ifdef RLT_HAVE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace rlt {
+
+namespace {
+
+std::atomic<int64_t> g_cpu_live{0};
+std::atomic<int64_t> g_cpu_peak{0};
+
+struct Tracked {
+  c10::DataPtr inner;
+  size_t bytes;
+};
+
+void tracked_delete(void* ctx) {
+  auto* t = static_cast<Tracked*>(ctx);
+  g_cpu_live.fetch_sub(static_cast<int64_t>(t->bytes));
+  delete t;  // frees the inner allocation through its own deleter
+}
+
+class TrackingAllocator final : public c10::Allocator {
+ public:
+  explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr p = inner_->allocate(n);
+    void* data = p.get();
+    const auto device = p.device();
+    const int64_t live = g_cpu_live.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = g_cpu_peak.load();
+    while (live > peak && !g_cpu_peak.compare_exchange_weak(peak, live)) {
+    }
+    return {data, new Tracked{std::move(p), n}, &tracked_delete, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  c10::Allocator* inner_;
+};
+
+}  // namespace
+
+void install_cpu_memory_tracking() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static TrackingAllocator tracker(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(&tracker, /*priority=*/100);
+  });
+}
+
+int64_t PeakMemory::allocated_bytes(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    return stats.allocated_bytes[0].current;  // index 0: aggregate over pools
+  }
+#endif
+  return g_cpu_live.load();
+}
+
+PeakMemory::PeakMemory(const at::Device& device) : device_(device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) {
+    const auto idx = device.index() < 0 ? 0 : device.index();
+    c10::cuda::CUDACachingAllocator::resetPeakStats(idx);
+    baseline_ = allocated_bytes(device);
+    return;
+  }
+#endif
+  baseline_ = g_cpu_live.load();
+  g_cpu_peak.store(baseline_);
+}
+
+int64_t PeakMemory::peak_extra_bytes() const {
+#ifdef RLT_HAVE_CUDA
+  if (device_.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index() < 0 ? 0 : device_.index());
+    return stats.allocated_bytes[0].peak - baseline_;
+  }
+#endif
+  return g_cpu_peak.load() - baseline_;
+}
+
+void device_synchronize(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+}
+
+void release_cached_memory(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+}  // namespace rlt

@@ -1,0 +1,32 @@
+// Memory accounting for benchmarks: the peak of bytes allocated above a baseline, on CPU (a tracking
+// allocator wrapped around LibTorch's CPU allocator) and on CUDA (the caching allocator's own stats).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace rlt {
+
+// Installs the tracking CPU allocator (idempotent). Tensors allocated before this call are not tracked
+// but are freed correctly.
+void install_cpu_memory_tracking();
+
+// Measures peak bytes allocated on `device` above what was allocated at construction.
+class PeakMemory {
+ public:
+  explicit PeakMemory(const at::Device& device);  // resets the device's peak counter
+  int64_t peak_extra_bytes() const;              // max(allocated) since construction - baseline
+  static int64_t allocated_bytes(const at::Device& device);
+
+ private:
+  at::Device device_;
+  int64_t baseline_ = 0;
+};
+
+// Waits for all work queued on `device` (no-op on CPU).
+void device_synchronize(const at::Device& device);
+// Returns cached, unused device blocks to the driver (CUDA), e.g. after an out-of-memory error.
+void release_cached_memory(const at::Device& device);
+
+}  // namespace rlt

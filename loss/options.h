@@ -1,0 +1,80 @@
+// Options of the log-prob module (loss/logprob.h). Every field is a config value (`loss.<name>` in YAML,
+// `--set loss.<name>=...` on every app) so users can ablate each memory technique on its own.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+// Which algorithm turns (hidden states or logits) + target ids into per-token log-probs.
+enum class LogprobImpl {
+  kNaive,      // full log_softmax over [T', V] then gather: the reference every other path is tested against
+  kSelective,  // seed 000: per-row log-sum-exp, gather the target logit; custom backward from the saved lse
+  kCce,        // seed 002: Cut Cross-Entropy from hidden states, never holding [T', V]
+};
+inline const EnumNames<LogprobImpl>& enum_names(LogprobImpl) {
+  static const EnumNames<LogprobImpl> names{
+      {"naive", LogprobImpl::kNaive}, {"selective", LogprobImpl::kSelective}, {"cce", LogprobImpl::kCce}};
+  return names;
+}
+
+// Whether the per-token entropy is computed, and whether gradient flows through it.
+enum class EntropyMode { kNone, kValue, kGrad };
+inline const EnumNames<EntropyMode>& enum_names(EntropyMode) {
+  static const EnumNames<EntropyMode> names{
+      {"none", EntropyMode::kNone}, {"value", EntropyMode::kValue}, {"grad", EntropyMode::kGrad}};
+  return names;
+}
+
+struct LossOptions {
+  // Log-prob algorithm: naive | selective | cce.
+  LogprobImpl impl = LogprobImpl::kSelective;
+  // Seed 001: compute only rows inside the batch's response windows (gather before the
+  // cross-entropy, scatter the results back). Bit-identical to the full path on kept rows.
+  bool response_only = true;
+  // Seed 001: further keep only response rows with loss_mask = 1 (drops tool output and padding);
+  // their log-probs come back as 0. Only valid with response_only, and only on the policy-loss path.
+  bool loss_mask_only = false;
+  // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path.
+  // 0 = all rows at once (cce: its automatic block of about 8M logits).
+  int64_t chunk_size = 1024;
+  // cce: vocabulary entries per block; 0 = automatic (about 8M logits per [rows, vocab] block).
+  int64_t vocab_chunk_size = 0;
+  // Per-token entropy: none | value (no gradient) | grad (differentiable, for an entropy bonus).
+  EntropyMode entropy = EntropyMode::kNone;
+  // Sampling temperature: log-probs of softmax(logits / temperature).
+  double temperature = 1.0;
+  // cce: skip backward blocks whose softmax is below grad_filter_eps everywhere (seed 002, sec. 4.3).
+  bool grad_filter = true;
+  // cce: the gradient-filtering threshold; 2^-12 is the smallest bf16 value that survives rounding.
+  double grad_filter_eps = 1.0 / 4096.0;
+  // selective: write the logits' gradient into the logits' own buffer (seed 003). Only for logits that
+  // nothing else reads after the loss (the module sets it for logits it built from hidden states).
+  bool inplace_backward = false;
+
+  template <class V>
+  void visit(V&& v) {
+    v("impl", impl, "log-prob path: naive | selective | cce");
+    v("response_only", response_only, "compute only rows inside response windows (seed 001)");
+    v("loss_mask_only", loss_mask_only, "keep only response rows with loss_mask = 1; needs response_only");
+    v("chunk_size", chunk_size, "rows per chunk for every path; 0 = all rows at once",
+      FieldRange{0, 1e9});
+    v("vocab_chunk_size", vocab_chunk_size, "cce vocabulary block; 0 = automatic", FieldRange{0, 1e9});
+    v("entropy", entropy, "per-token entropy: none | value | grad");
+    v("temperature", temperature, "softmax temperature", FieldRange{1e-6, 1e6});
+    v("grad_filter", grad_filter, "cce: skip backward blocks with softmax < grad_filter_eps");
+    v("grad_filter_eps", grad_filter_eps, "cce: gradient-filtering threshold", FieldRange{0, 1});
+    v("inplace_backward", inplace_backward, "selective: overwrite the logits with their gradient");
+  }
+  void check(const FieldFail& fail) const {
+    if (loss_mask_only && !response_only) {
+      fail("loss_mask_only", "loss.loss_mask_only: true needs loss.response_only: true");
+    }
+    if (temperature <= 0) fail("temperature", "must be > 0");
+  }
+};
+
+}  // namespace rlt

@@ -1,0 +1,160 @@
+// Clipped-surrogate policy loss for RL post-training (PPO / GRPO / DAPO / Dr. GRPO variants) on
+// precomputed per-token log-probs, with an optional KL penalty to a reference policy, an entropy bonus
+// and four loss aggregations. Leaves out: computing log-probs (loss/logprob.h), advantage estimation
+// (GAE, group normalisation), the value loss (which reuses aggregate_loss), sequence-level ratios
+// (GSPO) and inference-engine mismatch corrections (truncated importance sampling).
+//
+// Shape letters: S = sequences in the (micro-)batch, L = padded response length.
+//
+// Per token, with A the advantage and r = exp(logprobs - logprobs_old) (Schulman et al. 2017, eq. 7):
+//   pg  = max(-A r, -A clamp(r, 1 - clip_eps_low, 1 + clip_eps_high))      (DAPO: eps_high > eps_low)
+//   pg  = min(pg, -A clip_c)                    only where A < 0 and clip_c > 1 (dual clip, Ye et al. 2020)
+//   loss_tok = pg + kl_coef * kl_tok - entropy_coef * entropy
+// with log_q = logprobs_ref - logprobs and Schulman's (2020, "Approximating KL divergence") estimators
+// of KL(pi || pi_ref) on samples from pi:
+//   k1 = -log_q,   k2 = 0.5 log_q^2,   k3 = exp(log_q) - 1 - log_q   (k3: unbiased and >= 0)
+// loss_tok is then reduced to a scalar by aggregate_loss (see LossAgg for each denominator).
+//
+// Masking: loss_mask != 0 marks tokens that count (its values are used as 0/1, not as weights). The
+// log-ratios are zeroed outside the mask before exp(), so garbage log-probs at prompt/padding
+// positions (e.g. -inf, or a large gap between policies) give neither NaN/Inf losses nor NaN gradients.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <limits>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+// Estimator of KL(pi || pi_ref) per sampled token (Schulman 2020). k3 is the GRPO default.
+enum class KlEstimator { kK1, kK2, kK3 };
+
+inline const EnumNames<KlEstimator>& enum_names(KlEstimator) {
+  static const EnumNames<KlEstimator> names{
+      {"k1", KlEstimator::kK1}, {"k2", KlEstimator::kK2}, {"k3", KlEstimator::kK3}};
+  return names;
+}
+
+// How the per-token losses loss_tok (S, L) become one scalar. m = mask (0/1), D = the denominator;
+// "global" is PolicyLossInputs::global_denominator (> 0 replaces this micro-batch's own D).
+//
+// kTokenMean            loss = sum_{s,t} m loss_tok / D,  D = number of mask tokens, clamped to >= 1
+//                       (an all-masked micro-batch gives 0, not NaN). Every token weighs the same.
+//                       Gradient accumulation: with each micro-batch's own D_k, a token weighs 1/D_k,
+//                       so tokens of micro-batches with few mask tokens count more and the sum (or the
+//                       mean) of the micro-batch losses is not the mini-batch loss. Pass
+//                       global = mask tokens of the whole mini-batch (over everything whose gradients
+//                       are summed) and the micro-batch losses add up to it exactly.
+// kSeqMeanTokenMean     each sequence's token-mean (its token count clamped to >= 1), summed over
+//                       sequences, / D with D = number of sequences with >= 1 mask token, clamped to
+//                       >= 1. Sequences with no mask token contribute nothing and are not counted (their
+//                       token-mean is 0/0). Every sequence weighs the same; tokens of short responses
+//                       weigh more (the original GRPO length bias). Gradient accumulation: pass
+//                       global = non-empty sequences of the mini-batch.
+// kSeqMeanTokenSum      each sequence's masked token sum, summed, / D with D = S (all sequences,
+//                       including empty ones whose sum is 0; clamped to >= 1). Scale grows with
+//                       response length. Gradient accumulation: pass global = mini-batch sequence
+//                       count.
+// kSeqMeanTokenSumNorm  sum_{s,t} m loss_tok / (agg_norm * D), D = S (clamped to >= 1). Dr. GRPO
+//                       (Liu et al. 2025): a constant normaliser (e.g. the max response length) instead
+//                       of each sequence's own length removes the length bias. agg_norm must be > 0.
+//                       Gradient accumulation: pass global = mini-batch sequence count; the
+//                       denominator becomes agg_norm * global.
+// A mask-independent denominator (the last two modes, or any global one) makes the loss of a
+// micro-batch a plain sum over its tokens, so splitting never changes the gradient.
+enum class LossAgg { kTokenMean, kSeqMeanTokenMean, kSeqMeanTokenSum, kSeqMeanTokenSumNorm };
+
+inline const EnumNames<LossAgg>& enum_names(LossAgg) {
+  static const EnumNames<LossAgg> names{{"token-mean", LossAgg::kTokenMean},
+                                        {"seq-mean-token-mean", LossAgg::kSeqMeanTokenMean},
+                                        {"seq-mean-token-sum", LossAgg::kSeqMeanTokenSum},
+                                        {"seq-mean-token-sum-norm", LossAgg::kSeqMeanTokenSumNorm}};
+  return names;
+}
+
+struct PolicyLossOptions {
+  double clip_eps_low = 0.2;   // ratio lower clip 1 - eps_low
+  double clip_eps_high = 0.2;  // ratio upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28)
+  double clip_c = 0.0;         // dual-clip constant (Ye et al. 2020); 0 = off, else must be > 1 (typ. 3)
+  double kl_coef = 0.0;        // weight of the KL penalty to the reference policy; 0 = no reference needed
+  KlEstimator kl_estimator = KlEstimator::kK3;  // Schulman's k1/k2/k3 estimators of KL(pi || pi_ref)
+  double entropy_coef = 0.0;   // entropy bonus weight (loss -= coef * entropy)
+  LossAgg agg = LossAgg::kTokenMean;
+  double agg_norm = 0.0;  // constant normaliser for seq-mean-token-sum-norm (Dr. GRPO: e.g. max
+                          // response length); required > 0 in that mode
+
+  template <class V>
+  void visit(V&& v) {
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    v("clip_eps_low", clip_eps_low, "ratio lower clip bound is 1 - clip_eps_low", FieldRange{0, 1});
+    v("clip_eps_high", clip_eps_high,
+      "ratio upper clip bound is 1 + clip_eps_high (DAPO clip-higher: 0.28)", FieldRange{0, kInf});
+    v("clip_c", clip_c,
+      "dual-clip constant c: where A < 0 the loss is capped at -A*c (Ye et al. 2020); 0 = off, "
+      "else > 1 (typically 3)",
+      FieldRange{0, kInf});
+    v("kl_coef", kl_coef,
+      "weight of the KL penalty to the reference policy; 0 = off (no reference log-probs needed)",
+      FieldRange{0, kInf});
+    v("kl_estimator", kl_estimator, "per-token estimator of KL(pi || pi_ref): k1 | k2 | k3 (Schulman 2020)");
+    v("entropy_coef", entropy_coef, "entropy bonus weight: loss -= entropy_coef * entropy; 0 = off",
+      FieldRange{0, kInf});
+    v("agg", agg,
+      "loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum | "
+      "seq-mean-token-sum-norm");
+    v("agg_norm", agg_norm,
+      "constant normaliser of seq-mean-token-sum-norm (Dr. GRPO: the max response length); must be "
+      "> 0 in that mode, unused otherwise",
+      FieldRange{0, kInf});
+  }
+
+  // Cross-field rules: clip_c is 0 or > 1; agg_norm > 0 when agg is seq-mean-token-sum-norm.
+  void check(const FieldFail& fail) const;
+};
+
+struct PolicyLossInputs {
+  at::Tensor logprobs;      // (S, L) new log-probs (requires grad); float32 or float64, sets the dtype
+  at::Tensor logprobs_old;  // (S, L) behaviour-policy log-probs (treated as constant: detached)
+  at::Tensor logprobs_ref;  // (S, L) reference log-probs (detached); required iff kl_coef != 0
+  at::Tensor advantages;    // (S, L) or (S): per-token or per-sequence advantages (detached)
+  at::Tensor loss_mask;     // (S, L) != 0: token counts in the loss; 0 = prompt/tool output/padding
+  at::Tensor entropy;       // (S, L) per-token entropy (differentiable); required iff entropy_coef != 0;
+                            // optional otherwise (metric only)
+  // Gradient accumulation: when a mini-batch is split into micro-batches, pass the mini-batch's
+  // global denominator here (token count for token-mean, non-empty sequence count for
+  // seq-mean-token-mean, sequence count for seq-mean-token-sum*) so that the sum of micro-batch
+  // losses equals the loss on the whole mini-batch. <= 0 means "this micro-batch's own".
+  double global_denominator = 0.0;
+};
+
+// Metrics are this micro-batch's own masked token means (they ignore global_denominator); average
+// them over micro-batches weighted by mask-token count if an exact mini-batch value is needed.
+struct PolicyLossOutput {
+  at::Tensor loss;            // () differentiable: aggregate of pg + kl_coef*kl - entropy_coef*entropy
+  at::Tensor pg_loss;         // () the clipped-surrogate part, same aggregation as loss (detached)
+  at::Tensor kl;              // () masked token-mean of the chosen KL estimator vs ref (detached; 0 if no
+                              //    ref given, computed as a metric if ref is given with kl_coef = 0)
+  at::Tensor entropy;         // () masked token-mean entropy (detached; undefined if none given)
+  at::Tensor clip_frac;       // () fraction of mask tokens where the clipped branch was taken, i.e.
+                              //    the clipped term was strictly larger (detached)
+  at::Tensor approx_kl;       // () masked mean of 0.5*(logprobs - logprobs_old)^2, vs the behaviour
+                              //    policy (detached)
+  at::Tensor dual_clip_frac;  // () fraction of mask tokens where A < 0 and the dual-clip bound -A*c
+                              //    was the smaller one (detached; 0 when clip_c = 0)
+};
+
+// Starts by checking options (ranges and check()), shapes, dtypes and devices (TORCH_CHECK, throws
+// c10::Error). No host sync: nothing is read back from the device.
+PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions& opt);
+
+// The aggregation alone, exposed for reuse (value loss in PPO later). per_token (S, L) floating;
+// loss_mask (S, L), any real dtype, != 0 counts. Values of per_token outside the mask are ignored,
+// even NaN/Inf (selected away, not multiplied by 0). Returns a () tensor of per_token's dtype.
+// agg_norm is used by kSeqMeanTokenSumNorm only (must be > 0 there); global_denominator as in
+// PolicyLossInputs. Denominators per mode: see LossAgg.
+at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_mask, LossAgg agg,
+                          double agg_norm, double global_denominator);
+
+}  // namespace rlt

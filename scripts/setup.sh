@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian machine lacks (idempotently: nothing is fetched twice), then configures
+# and builds everything into build/ (executables in build/bin/).
+#   Debian packages: cmake, ninja, yaml-cpp, sentencepiece, Eigen, GoogleTest, nlohmann-json, CLI11, libseccomp
+#   PyPI:            torch==2.11.0, whose LibTorch (share/cmake) we link; the GPU host has the same one.
+# Usage: bash scripts/setup.sh [extra cmake args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pkgs=(cmake ninja-build g++ python3 libyaml-cpp-dev libsentencepiece-dev libeigen3-dev libgtest-dev
+      libgmock-dev nlohmann-json3-dev libcli11-dev libseccomp-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
+
+# The Python that holds torch: an existing one, else pip into it, else a project venv (PEP 668 systems).
+py=${PYTHON:-python3}
+[ -x .venv/bin/python ] && py=.venv/bin/python
+has_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.11.0") else 1)' 2>/dev/null; }
+if ! has_torch "$py"; then
+  echo "setup: installing torch==2.11.0 from PyPI (LibTorch comes from this wheel)"
+  if ! "$py" -m pip install -q torch==2.11.0; then
+    python3 -m venv .venv && py=.venv/bin/python && "$py" -m pip install -q torch==2.11.0
+  fi
+fi
+torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null | tail -n1)
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" "$@"
+cmake --build build -j "$(nproc)"

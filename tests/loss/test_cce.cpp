@@ -1,0 +1,233 @@
+// Cut Cross-Entropy and the hidden-state paths against float64 naive on hidden @ W^T: forward and
+// backward (dE, dW) for any per-token upstream gradient, entropy, temperature, ragged blocks, bf16
+// with fp32 accumulation; gradient filtering bounded by its threshold; float64 gradcheck.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "loss/cce.h"
+#include "loss/logprob.h"
+#include "tests/common/check.h"
+#include "tests/common/gradcheck.h"
+
+namespace rlt {
+namespace {
+
+// fp32 accumulation of D = 29 products and an lse over V = 1013: ~1e-6; 1e-5 leaves headroom.
+constexpr double kLogprobAtol = 1e-5;
+// fp32 inputs: dE, dW are sums of O(1) terms over V (resp. N) in fp32: ~1e-6 relative.
+constexpr double kGradAtolFp32 = 1e-5, kGradRtolFp32 = 1e-4;
+// bf16 inputs: the block gradient dz enters the GEMMs rounded to bf16, each product term off by up to
+// 2^-9 relative, so dE = dz W is off by up to 2^-9 (|dz| |W|) elementwise (dW likewise with |dz|^T |E|),
+// and the result is stored in bf16 (half an ulp, <= 2^-8 relative). Tolerance: twice the first bound
+// (computed per element from the float64 reference) + 2^-8 relative + a 1e-6 floor.
+constexpr double kGemmRoundingBf16 = 2.0 / 512, kGradRtolBf16 = 1.0 / 256, kGradFloorBf16 = 1e-6;
+
+struct Lm {
+  at::Tensor E, W, y;  // (N, D), (V, D), (N)
+};
+
+// LM-like: the target logit ~ `peak` above a N(0, 1) background (W rows have unit norm on average).
+Lm make_lm(int64_t N, int64_t V, int64_t D, at::ScalarType dt, uint64_t seed, at::Device dev = at::kCPU,
+           double peak = 6.0) {
+  at::manual_seed(seed);
+  at::Tensor W = at::randn({V, D}, at::kDouble) / std::sqrt(double(D));
+  at::Tensor y = at::randint(0, V, {N}, at::kLong);
+  at::Tensor E = at::randn({N, D}, at::kDouble) + peak * W.index_select(0, y);
+  return {E.to(dt).to(dev), W.to(dt).to(dev), y.to(dev)};
+}
+
+struct Grads {
+  at::Tensor lp, H, dE, dW;
+  at::Tensor bound_dE, bound_dW;  // reference only: |dZ| |W| and |dZ|^T |E|, Z = E W^T
+};
+
+std::pair<at::Tensor, at::Tensor> upstream(int64_t N) {
+  at::manual_seed(4242);
+  return {at::randn({N}, at::kDouble), at::randn({N}, at::kDouble)};
+}
+
+// float64 naive on the same values.
+Grads reference(const Lm& lm, double temp, bool entropy_grad) {
+  at::Tensor E = lm.E.detach().cpu().to(at::kDouble).requires_grad_(true);
+  at::Tensor W = lm.W.detach().cpu().to(at::kDouble).requires_grad_(true);
+  at::Tensor Z = at::mm(E, W.t());
+  auto [lp, H] = naive_logprobs(Z, lm.y.cpu(), temp, true);
+  auto [u1, u2] = upstream(E.size(0));
+  at::Tensor loss = (u1 * lp).sum();
+  if (entropy_grad) loss = loss + (u2 * H).sum();
+  auto g = torch::autograd::grad({loss}, {E, W, Z});
+  at::Tensor dZ = g[2].abs();
+  return {lp.detach(), H.detach(), g[0], g[1], at::mm(dZ, W.detach().abs()), at::mm(dZ.t(), E.detach().abs())};
+}
+
+Grads run(const Lm& lm, const LossOptions& o) {
+  at::Tensor E = lm.E.detach().clone().requires_grad_(true), W = lm.W.detach().clone().requires_grad_(true);
+  LogprobInputs in;
+  in.hidden = E;
+  in.lm_head = W;
+  in.targets = lm.y;
+  LogprobOutput out = token_logprobs(in, o);
+  auto [u1, u2] = upstream(E.size(0));
+  at::Tensor loss = (u1.to(out.logprobs.options()) * out.logprobs).sum();
+  if (o.entropy == EntropyMode::kGrad) loss = loss + (u2.to(out.entropy.options()) * out.entropy).sum();
+  auto g = torch::autograd::grad({loss}, {E, W});
+  return {out.logprobs.detach(), out.entropy.defined() ? out.entropy.detach() : at::Tensor(), g[0], g[1]};
+}
+
+void expect_matches(const Lm& lm, const LossOptions& o, const std::string& what) {
+  SCOPED_TRACE(what);
+  const bool half = lm.E.scalar_type() == at::kBFloat16;
+  Grads r = reference(lm, o.temperature, o.entropy == EntropyMode::kGrad);
+  Grads g = run(lm, o);
+  EXPECT_EQ(g.lp.scalar_type(), at::kFloat);
+  RLT_EXPECT_CLOSE(g.lp, r.lp, kLogprobAtol, 0.0, what + " logprobs");
+  if (o.entropy != EntropyMode::kNone) RLT_EXPECT_CLOSE(g.H, r.H, kLogprobAtol, 0.0, what + " entropy");
+  if (half) {
+    RLT_EXPECT_CLOSE(g.dE, r.dE, r.bound_dE * kGemmRoundingBf16 + kGradFloorBf16, kGradRtolBf16, what + " dE");
+    RLT_EXPECT_CLOSE(g.dW, r.dW, r.bound_dW * kGemmRoundingBf16 + kGradFloorBf16, kGradRtolBf16, what + " dW");
+  } else {
+    RLT_EXPECT_CLOSE(g.dE, r.dE, kGradAtolFp32, kGradRtolFp32, what + " dE");
+    RLT_EXPECT_CLOSE(g.dW, r.dW, kGradAtolFp32, kGradRtolFp32, what + " dW");
+  }
+}
+
+TEST(Cce, MatchesFloat64NaiveOnOddShapes) {
+  const int64_t N = 37, V = 1013, D = 29;
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    const Lm lm = make_lm(N, V, D, dt, 1);
+    for (auto ent : {EntropyMode::kNone, EntropyMode::kValue, EntropyMode::kGrad}) {
+      for (auto [rb, vb] : {std::pair<int64_t, int64_t>{0, 0}, {8, 100}, {37, 1013}, {5, 1}}) {
+        for (double temp : {1.0, 0.7}) {
+          LossOptions o;
+          o.impl = LogprobImpl::kCce;
+          o.response_only = false;
+          o.entropy = ent;
+          o.chunk_size = rb;
+          o.vocab_chunk_size = vb;
+          o.temperature = temp;
+          o.grad_filter = false;
+          std::ostringstream os;
+          os << "cce " << dt << " entropy=" << enum_to_string(ent) << " blocks=" << rb << "x" << vb << " temp=" << temp;
+          expect_matches(lm, o, os.str());
+        }
+      }
+    }
+  }
+}
+
+TEST(Cce, HiddenStatePathsOfNaiveAndSelectiveMatchToo) {
+  const Lm lm = make_lm(37, 1013, 29, at::kFloat, 2);
+  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
+    LossOptions o;
+    o.impl = impl;
+    o.response_only = false;
+    o.entropy = EntropyMode::kGrad;
+    o.chunk_size = 7;
+    expect_matches(lm, o, std::string("hidden ") + enum_to_string(impl));
+  }
+}
+
+// Skipped blocks have max softmax < eps, so each dropped term of dE_n = sum_v g_nv W_v / temp is bounded
+// by eps (|u1| + |u2| (|log p| + H)) |W_v|: the total error is at most eps * V * that, and in practice
+// far less. The test checks the bound holds, that something was filtered, and that nothing is filtered
+// with eps = 0.
+TEST(Cce, GradientFilteringStaysWithinItsBound) {
+  const int64_t N = 16, V = 1013, D = 29;
+  const Lm lm = make_lm(N, V, D, at::kFloat, 3, at::kCPU, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
+  LossOptions o;
+  o.impl = LogprobImpl::kCce;
+  o.response_only = false;
+  o.chunk_size = 4;
+  o.vocab_chunk_size = 16;
+  o.grad_filter = false;
+  Grads exact = run(lm, o);
+  o.grad_filter = true;
+  o.grad_filter_eps = 1.0 / 4096;
+  Grads filt = run(lm, o);
+  EXPECT_TRUE(at::equal(filt.lp, exact.lp)) << "filtering is backward-only";
+  EXPECT_FALSE(at::equal(filt.dW, exact.dW)) << "this case must have filterable blocks";
+  auto [u1, u2] = upstream(N);
+  const double bound = o.grad_filter_eps * V * u1.abs().max().item<double>() *
+                       std::max(lm.W.abs().max().item<double>(), lm.E.abs().max().item<double>());
+  EXPECT_LE((filt.dE - exact.dE).abs().max().item<double>(), bound);
+  EXPECT_LE((filt.dW - exact.dW).abs().max().item<double>(), bound);
+  o.grad_filter_eps = 0.0;
+  Grads none = run(lm, o);
+  EXPECT_TRUE(at::equal(none.dW, exact.dW)) << "eps = 0 filters nothing";
+}
+
+TEST(Cce, ResponseOnlyGathersHiddenRows) {
+  const int64_t N = 37;
+  const Lm lm = make_lm(N, 1013, 29, at::kFloat, 4);
+  LossOptions o;
+  o.impl = LogprobImpl::kCce;
+  o.grad_filter = false;
+  LogprobInputs in;
+  in.hidden = lm.E.clone().requires_grad_(true);
+  in.lm_head = lm.W.clone().requires_grad_(true);
+  in.targets = lm.y;
+  in.rows.response_windows = at::tensor({2, 9, 30, 37}, at::kLong).view({-1, 2});
+  LogprobOutput out = token_logprobs(in, o);
+  ASSERT_TRUE(out.keep_index.defined());
+  EXPECT_EQ(out.keep_index.size(0), 14);
+  Grads r = reference(lm, 1.0, false);
+  at::Tensor kept = at::zeros({N}, at::kBool);
+  kept.index_fill_(0, out.keep_index, true);
+  RLT_EXPECT_CLOSE(out.logprobs.index_select(0, out.keep_index), r.lp.index_select(0, out.keep_index), kLogprobAtol,
+                   0.0, "kept rows");
+  EXPECT_EQ(out.logprobs.masked_select(~kept).abs().max().item<double>(), 0.0);
+  out.logprobs.sum().backward();
+  EXPECT_EQ(in.hidden.grad().index_select(0, (~kept).nonzero().squeeze(1)).abs().max().item<double>(), 0.0)
+      << "rows outside the windows get no gradient";
+}
+
+TEST(Cce, GradcheckFloat64) {
+  const Lm lm = make_lm(5, 11, 3, at::kDouble, 5);
+  at::manual_seed(50);
+  const at::Tensor u1 = at::randn({5}, at::kDouble), u2 = at::randn({5}, at::kDouble);
+  for (double temp : {1.0, 0.6}) {
+    CceArgs a;
+    a.temperature = temp;
+    a.row_block = 2;
+    a.vocab_block = 4;
+    a.entropy = EntropyMode::kGrad;
+    auto F = [&](const std::vector<at::Tensor>& x) {
+      auto [lp, H] = cce_logprobs(x[0], x[1], lm.y, a);
+      return (u1 * lp).sum() + (u2 * H).sum();
+    };
+    EXPECT_TRUE(rlt::testing::gradcheck(F, {lm.E, lm.W}, "cce temp=" + std::to_string(temp)));
+  }
+}
+
+TEST(Cce, BlockSizes) {
+  // seed 002's setting: all 8192 rows, 1024 vocabulary entries (32 MiB fp32 logits block).
+  EXPECT_EQ(cce_blocks(8192, 256000, 2304, 0, 0), (std::pair<int64_t, int64_t>{8192, 1024}));
+  // Few rows: the vocabulary block is capped by the (k, D) dW accumulator: 8M / 2560 -> 3200.
+  EXPECT_EQ(cce_blocks(62, 76032, 2560, 0, 0), (std::pair<int64_t, int64_t>{62, 3200}));
+  EXPECT_EQ(cce_blocks(37, 1013, 29, 0, 0), (std::pair<int64_t, int64_t>{37, 1013}));
+  EXPECT_EQ(cce_blocks(37, 1013, 29, 8, 100), (std::pair<int64_t, int64_t>{8, 100}));
+  EXPECT_EQ(cce_blocks(0, 10, 4, 0, 0).first, 1);
+}
+
+TEST(CceCuda, MatchesFloat64OnGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev(at::kCUDA, 0);
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    const Lm lm = make_lm(37, 1013, 29, dt, 6, dev);
+    LossOptions o;
+    o.impl = LogprobImpl::kCce;
+    o.response_only = false;
+    o.entropy = EntropyMode::kGrad;
+    o.chunk_size = 8;
+    o.vocab_chunk_size = 100;
+    o.grad_filter = false;
+    expect_matches(lm, o, "cuda cce");
+    o.impl = LogprobImpl::kSelective;
+    expect_matches(lm, o, "cuda selective from hidden");
+  }
+}
+
+}  // namespace
+}  // namespace rlt

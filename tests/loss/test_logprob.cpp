@@ -1,0 +1,343 @@
+// The logits-based paths (naive, selective: ATen chunks and the CUDA kernel) against float64 naive,
+// row selection (response_only bit-identical to the full path, loss_mask_only zeros), and float64
+// gradient checks of the selective autograd function.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "loss/logprob.h"
+#include "loss/selective.h"
+#include "tests/common/check.h"
+#include "tests/common/gradcheck.h"
+
+namespace rlt {
+namespace {
+
+using rlt::testing::close;
+
+// Log-probs accumulate lse over V <= 1024 logits of magnitude <= ~15 in fp32: rounding ~1e-6, so 1e-5
+// leaves 10x headroom without accepting a wrong row (an off-by-one target is off by O(1)).
+constexpr double kLogprobAtol = 1e-5;
+// fp32 gradients: p(1 - p)-sized entries computed from an fp32 lse: ~1e-7 absolute.
+constexpr double kGradAtolFp32 = 1e-6, kGradRtolFp32 = 1e-5;
+// bf16/fp16 gradients are stored in the logits dtype and compared with the float64 gradient rounded to
+// that dtype: an fp32 value near a rounding boundary may land one ulp away, i.e. 2^-7 relative for bf16
+// (8 significant bits) and 2^-10 for fp16 (11 bits).
+constexpr double kGradAtolHalf = 1e-7, kGradRtolBf16 = 1.0 / 128, kGradRtolFp16 = 1.0 / 1024;
+// float64 inputs run the same code in float64.
+constexpr double kAtolFp64 = 1e-12;
+
+at::Tensor make_logits(int64_t T, int64_t V, at::ScalarType dt, uint64_t seed, at::Device dev = at::kCPU) {
+  at::manual_seed(seed);
+  return (at::randn({T, V}, at::kDouble) * 3).to(dt).to(dev);
+}
+
+at::Tensor make_targets(int64_t T, int64_t V, uint64_t seed, at::Device dev = at::kCPU) {
+  at::manual_seed(seed + 1000);
+  return at::randint(0, V, {T}, at::kLong).to(dev);
+}
+
+struct Result {
+  at::Tensor lp, H, grad;  // (T), (T) or undefined, d/dlogits (T, V)
+};
+
+// Upstream gradients: u1 on log-probs, u2 on entropy (when it is differentiable).
+std::pair<at::Tensor, at::Tensor> upstream(int64_t T, uint64_t seed) {
+  at::manual_seed(seed + 2000);
+  return {at::randn({T}, at::kDouble), at::randn({T}, at::kDouble)};
+}
+
+// float64 naive on the same (possibly bf16) values; grads of sum(u1 lp) (+ sum(u2 H) if entropy_grad).
+Result reference(const at::Tensor& logits, const at::Tensor& targets, double temp, bool entropy_grad,
+                 const at::Tensor& row_mask = at::Tensor()) {
+  at::Tensor x = logits.detach().to(at::kCPU).to(at::kDouble).requires_grad_(true);
+  auto [lp, H] = naive_logprobs(x, targets.to(at::kCPU), temp, true);
+  auto [u1, u2] = upstream(x.size(0), 7);
+  if (row_mask.defined()) u1 = u1 * row_mask.to(at::kCPU).to(at::kDouble), u2 = u2 * row_mask.to(at::kCPU).to(at::kDouble);
+  at::Tensor loss = (u1 * lp).sum();
+  if (entropy_grad) loss = loss + (u2 * H).sum();
+  auto g = torch::autograd::grad({loss}, {x});
+  return {lp.detach(), H.detach(), g[0]};
+}
+
+Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt,
+            const RowSelection& rows = {}, const at::Tensor& row_mask = at::Tensor()) {
+  at::Tensor x = logits.detach().clone().requires_grad_(true);
+  LogprobInputs in;
+  in.logits = x;
+  in.targets = targets;
+  in.rows = rows;
+  LogprobOutput out = token_logprobs(in, opt);
+  auto [u1, u2] = upstream(x.size(0), 7);
+  u1 = u1.to(out.logprobs.options());
+  u2 = u2.to(out.logprobs.options());
+  if (row_mask.defined()) u1 = u1 * row_mask.to(u1.options()), u2 = u2 * row_mask.to(u2.options());
+  at::Tensor loss = (u1 * out.logprobs).sum();
+  if (opt.entropy == EntropyMode::kGrad) loss = loss + (u2 * out.entropy).sum();
+  auto g = torch::autograd::grad({loss}, {x});
+  return {out.logprobs.detach(), out.entropy.defined() ? out.entropy.detach() : at::Tensor(), g[0]};
+}
+
+std::string name(const LossOptions& o, at::ScalarType dt) {
+  std::ostringstream os;
+  os << enum_to_string(o.impl) << " " << dt << " entropy=" << enum_to_string(o.entropy) << " chunk=" << o.chunk_size
+     << " temp=" << o.temperature << " inplace=" << o.inplace_backward;
+  return os.str();
+}
+
+void expect_matches_reference(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt) {
+  const auto dt = logits.scalar_type();
+  const std::string what = name(opt, dt);
+  SCOPED_TRACE(what);
+  Result r = reference(logits, targets, opt.temperature, opt.entropy == EntropyMode::kGrad);
+  Result o = ours(logits, targets, opt);
+  const bool fp64 = dt == at::kDouble, half = dt == at::kBFloat16 || dt == at::kHalf;
+  EXPECT_EQ(o.lp.scalar_type(), fp64 ? at::kDouble : at::kFloat) << "log-probs come out in fp32 (fp64)";
+  const double lp_atol = fp64 ? kAtolFp64 : kLogprobAtol;
+  RLT_EXPECT_CLOSE(o.lp, r.lp, lp_atol, 0.0, what + " logprobs");
+  if (opt.entropy != EntropyMode::kNone) RLT_EXPECT_CLOSE(o.H, r.H, lp_atol, 0.0, what + " entropy");
+  const double g_atol = fp64 ? kAtolFp64 : half ? kGradAtolHalf : kGradAtolFp32;
+  const double g_rtol = fp64 ? 0.0 : dt == at::kBFloat16 ? kGradRtolBf16 : dt == at::kHalf ? kGradRtolFp16 : kGradRtolFp32;
+  // The reference gradient rounded to the logits dtype is what a perfect kernel would store.
+  RLT_EXPECT_CLOSE(o.grad, r.grad.to(dt).to(at::kDouble), g_atol, g_rtol, what + " grad");
+}
+
+TEST(Logprob, PathsMatchFloat64NaiveOnOddShapes) {
+  const int64_t T = 37, V = 1013;
+  for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+    const at::Tensor logits = make_logits(T, V, dt, 1), targets = make_targets(T, V, 1);
+    for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
+      for (auto ent : {EntropyMode::kNone, EntropyMode::kValue, EntropyMode::kGrad}) {
+        for (int64_t chunk : {0, 7}) {
+          for (double temp : {1.0, 0.7}) {
+            LossOptions o;
+            o.impl = impl;
+            o.response_only = false;
+            o.entropy = ent;
+            o.chunk_size = chunk;
+            o.temperature = temp;
+            expect_matches_reference(logits, targets, o);
+            if (impl == LogprobImpl::kSelective) {
+              o.inplace_backward = true;
+              expect_matches_reference(logits, targets, o);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Logprob, EntropyGradientFlowsOnlyWhenAsked) {
+  const at::Tensor logits = make_logits(5, 11, at::kFloat, 2).requires_grad_(true), targets = make_targets(5, 11, 2);
+  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
+    LossOptions o;
+    o.impl = impl;
+    o.response_only = false;
+    LogprobInputs in;
+    in.logits = logits;
+    in.targets = targets;
+    o.entropy = EntropyMode::kValue;
+    EXPECT_FALSE(token_logprobs(in, o).entropy.requires_grad()) << enum_to_string(impl);
+    o.entropy = EntropyMode::kGrad;
+    EXPECT_TRUE(token_logprobs(in, o).entropy.requires_grad()) << enum_to_string(impl);
+    o.entropy = EntropyMode::kNone;
+    EXPECT_FALSE(token_logprobs(in, o).entropy.defined()) << enum_to_string(impl);
+  }
+}
+
+// Windows of a 3-sequence batch of 37 rows: an empty window, touching windows and a tail window.
+RowSelection windows(at::Device dev = at::kCPU) {
+  RowSelection rows;
+  rows.response_windows = at::tensor({3, 10, 10, 12, 15, 15, 20, 37}, at::kLong).view({-1, 2}).to(dev);
+  at::manual_seed(99);
+  rows.loss_mask = (at::rand({37}) > 0.3).to(at::kLong).to(dev);
+  return rows;
+}
+
+at::Tensor window_mask(int64_t T) {
+  at::Tensor m = at::zeros({T}, at::kBool);
+  m.narrow(0, 3, 9).fill_(true);   // [3, 12)
+  m.narrow(0, 20, 17).fill_(true); // [20, 37)
+  return m;
+}
+
+TEST(Logprob, KeepIndexFromWindowsAndMask) {
+  RowSelection rows = windows();
+  at::Tensor keep = build_keep_index(37, rows, true, false);
+  EXPECT_TRUE(at::equal(keep, window_mask(37).nonzero().squeeze(1)));
+  at::Tensor keep_m = build_keep_index(37, rows, true, true);
+  EXPECT_TRUE(at::equal(keep_m, (window_mask(37) & (rows.loss_mask != 0)).nonzero().squeeze(1)));
+  EXPECT_FALSE(build_keep_index(37, rows, false, false).defined()) << "no selection: all rows";
+  RowSelection all;
+  all.response_windows = at::tensor({0, 37}, at::kLong).view({1, 2});
+  EXPECT_FALSE(build_keep_index(37, all, true, false).defined()) << "a window covering everything: no gather";
+}
+
+TEST(Logprob, ResponseOnlyIsBitIdenticalToFullPathOnKeptRows) {
+  const int64_t T = 37, V = 1013;
+  const at::Tensor kept = window_mask(T);
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor logits = make_logits(T, V, dt, 3), targets = make_targets(T, V, 3);
+    for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
+      for (int64_t chunk : {0, 5}) {
+        LossOptions o;
+        o.impl = impl;
+        o.chunk_size = chunk;
+        o.entropy = EntropyMode::kGrad;
+        o.response_only = false;
+        SCOPED_TRACE(name(o, dt));
+        // Upstream gradient only on kept rows, as the policy loss would give.
+        Result full = ours(logits, targets, o, {}, kept);
+        o.response_only = true;
+        Result sel = ours(logits, targets, o, windows(), kept);
+        const at::Tensor idx = kept.nonzero().squeeze(1), out_idx = (~kept).nonzero().squeeze(1);
+        EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx))) << "log-probs";
+        EXPECT_TRUE(at::equal(sel.H.index_select(0, idx), full.H.index_select(0, idx))) << "entropy";
+        EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx))) << "gradients";
+        EXPECT_EQ(sel.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "0 outside windows";
+        EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "zero grad outside";
+        // And a wrong index would be caught: the full path's dropped rows are not zero.
+        EXPECT_GT(full.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+}
+
+TEST(Logprob, LossMaskOnlyZerosMaskedRows) {
+  const int64_t T = 37, V = 1013;
+  RowSelection rows = windows();
+  const at::Tensor kept = window_mask(T) & (rows.loss_mask != 0);
+  const at::Tensor logits = make_logits(T, V, at::kFloat, 4), targets = make_targets(T, V, 4);
+  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
+    LossOptions o;
+    o.impl = impl;
+    o.entropy = EntropyMode::kValue;
+    o.response_only = false;
+    Result full = ours(logits, targets, o, {}, kept);
+    o.response_only = true;
+    o.loss_mask_only = true;
+    Result sel = ours(logits, targets, o, rows, kept);
+    const at::Tensor idx = kept.nonzero().squeeze(1), out_idx = (~kept).nonzero().squeeze(1);
+    EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx))) << enum_to_string(impl);
+    EXPECT_EQ(sel.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "masked rows return 0";
+    EXPECT_EQ(sel.H.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "masked entropy is 0";
+    EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "no gradient on masked rows";
+    EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx)));
+  }
+}
+
+TEST(Logprob, BadInputsAreRejected) {
+  const at::Tensor logits = make_logits(8, 5, at::kFloat, 5), targets = make_targets(8, 5, 5);
+  LossOptions o;
+  LogprobInputs in;
+  in.logits = logits;
+  in.targets = targets;
+  auto win = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong).view({-1, 2}); };
+  in.rows.response_windows = win({2, 9});  // end past T
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  in.rows.response_windows = win({5, 3});  // start > end
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  in.rows.response_windows = at::tensor({1, 2, 3}, at::kLong);  // not (W, 2)
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  in.rows.response_windows = at::Tensor();  // response_only without windows
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  o.response_only = false;
+  o.loss_mask_only = true;  // without response_only
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  o.loss_mask_only = false;
+  in.targets = make_targets(7, 5, 5);  // wrong length
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  in.targets = targets;
+  in.hidden = at::randn({8, 3});  // both logits and hidden
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+  in.hidden = at::Tensor();
+  o.impl = LogprobImpl::kCce;  // cce needs hidden states
+  EXPECT_THROW(token_logprobs(in, o), c10::Error);
+}
+
+TEST(Logprob, SelectiveGradcheckFloat64) {
+  const int64_t T = 6, V = 7;
+  const at::Tensor targets = make_targets(T, V, 6);
+  const at::Tensor rows = at::tensor({0, 2, 3, 5}, at::kLong);
+  at::manual_seed(60);
+  const at::Tensor u1 = at::randn({4}, at::kDouble), u2 = at::randn({4}, at::kDouble);
+  for (bool subset : {false, true}) {
+    for (double temp : {1.0, 0.8}) {
+      SelectiveArgs a;
+      a.temperature = temp;
+      a.chunk_size = 3;
+      a.entropy = EntropyMode::kGrad;
+      auto F = [&](const std::vector<at::Tensor>& x) {
+        at::Tensor r = subset ? rows : at::Tensor();
+        at::Tensor t = subset ? targets.index_select(0, rows) : targets.narrow(0, 0, 4);
+        at::Tensor logits = subset ? x[0] : x[0].narrow(0, 0, 4).contiguous();
+        auto [lp, H] = selective_logprobs(logits, r, t, a);
+        return (u1 * lp).sum() + (u2 * H).sum();
+      };
+      EXPECT_TRUE(rlt::testing::gradcheck(F, {make_logits(T, V, at::kDouble, 61)},
+                                          "selective subset=" + std::to_string(subset) + " temp=" + std::to_string(temp)));
+    }
+  }
+}
+
+// ---- CUDA: the fused kernel against float64 and against the ATen chunks (skips without a GPU) ----
+
+TEST(LogprobCuda, KernelMatchesReferenceAndAtenPath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev(at::kCUDA, 0);
+  for (int64_t V : {1013, 1024, 32768}) {  // scalar tail only, 16-byte vectors only, large row
+    const int64_t T = 37;
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const at::Tensor logits = make_logits(T, V, dt, 8, dev), targets = make_targets(T, V, 8, dev);
+      for (auto ent : {EntropyMode::kNone, EntropyMode::kGrad}) {
+        for (double temp : {1.0, 0.7}) {
+          for (bool inplace : {false, true}) {
+            LossOptions o;
+            o.response_only = false;
+            o.entropy = ent;
+            o.temperature = temp;
+            o.inplace_backward = inplace;
+            expect_matches_reference(logits, targets, o);
+          }
+        }
+        // The kernel and the ATen chunks compute the same function.
+        SelectiveArgs a;
+        a.entropy = ent;
+        at::Tensor r = at::tensor({0, 5, 6, 36}, at::kLong).to(dev);
+        at::Tensor t = targets.index_select(0, r);
+        a.use_cuda_kernel = true;
+        auto k = selective_logprobs(logits, r, t, a);
+        a.use_cuda_kernel = false;
+        auto c = selective_logprobs(logits, r, t, a);
+        RLT_EXPECT_CLOSE(k.first, c.first, kLogprobAtol, 0.0, "kernel vs aten logprobs");
+        if (ent != EntropyMode::kNone) RLT_EXPECT_CLOSE(k.second, c.second, kLogprobAtol, 0.0, "kernel vs aten entropy");
+      }
+    }
+  }
+}
+
+TEST(LogprobCuda, ResponseOnlyBitIdenticalOnGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev(at::kCUDA, 0);
+  const int64_t T = 37, V = 4096;
+  const at::Tensor kept = window_mask(T);
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor logits = make_logits(T, V, dt, 9, dev), targets = make_targets(T, V, 9, dev);
+    LossOptions o;
+    o.entropy = EntropyMode::kGrad;
+    o.response_only = false;
+    Result full = ours(logits, targets, o, {}, kept.to(dev));
+    o.response_only = true;
+    Result sel = ours(logits, targets, o, windows(dev), kept.to(dev));
+    const at::Tensor idx = kept.nonzero().squeeze(1).to(dev), out_idx = (~kept).nonzero().squeeze(1).to(dev);
+    EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx)));
+    EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx)));
+    EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0);
+  }
+}
+
+}  // namespace
+}  // namespace rlt
