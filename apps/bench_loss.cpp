@@ -162,12 +162,13 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
                                                                             : std::nan(""))
                                       : 0.0;
     rec["note"] = "";
-  } catch (const c10::OutOfMemoryError& e) {
+  } catch (const c10::Error& e) {  // out of memory, or any failure of this one variant: record it
+    const bool oom = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr;
     std::string msg = e.what_without_backtrace();
     rec["ms"] = nullptr;
     rec["peak_extra_mb"] = nullptr;
     rec["max_abs_err"] = nullptr;
-    rec["note"] = "OOM: " + msg.substr(0, msg.find('\n')).substr(0, 160);
+    rec["note"] = (oom ? "OOM: " : "error: ") + msg.substr(0, msg.find('\n')).substr(0, 160);
   }
   first = LogprobOutput();
   before();

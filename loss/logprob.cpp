@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <vector>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "loss/cce.h"
 #include "loss/selective.h"
 
@@ -39,6 +41,26 @@ std::pair<at::Tensor, at::Tensor> naive_chunked(const at::Tensor& logits, const 
   return {at::cat(lps), with_entropy ? at::cat(ents) : at::Tensor()};
 }
 
+// logits = hidden @ W^T with bf16/fp16 operands and an fp32 result (mm's out_dtype form, which has no
+// autograd formula). Backward: dH = dZ W, dW = dZ^T H with dZ rounded to the operand dtype, as any
+// bf16 GEMM backward does (cuBLAS accumulates in fp32).
+class Fp32LogitsFn : public torch::autograd::Function<Fp32LogitsFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                                                const at::Tensor& weight) {
+    ctx->save_for_backward({hidden, weight});
+    return {at::mm(hidden, weight.t(), at::kFloat)};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& h = saved[0];
+    const at::Tensor& w = saved[1];
+    at::Tensor dz = grads[0].to(h.scalar_type());  // (N, V)
+    return {at::mm(dz, w), at::mm(dz.t(), h)};
+  }
+};
+
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits, const at::Tensor& targets,
@@ -59,7 +81,7 @@ at::Tensor fp32_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
   TORCH_CHECK(hidden.scalar_type() == lm_head.scalar_type(), "hidden and lm_head dtypes differ");
   const auto acc = acc_dtype(hidden.scalar_type());
   if (hidden.scalar_type() == acc) return at::mm(hidden, lm_head.t());
-  if (hidden.is_cuda()) return at::mm(hidden, lm_head.t(), acc);  // fp32-output GEMM, bf16 operands
+  if (hidden.is_cuda()) return Fp32LogitsFn::apply(hidden, lm_head)[0];  // fp32-output GEMM, bf16 operands
   return at::mm(hidden.to(acc), lm_head.to(acc).t());
 }
 

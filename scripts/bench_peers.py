@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 # Inductor says this for every softmax it splits; it is expected at these vocab sizes.
-warnings.filterwarnings("ignore", message="Online softmax is disabled")
+warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
 
 MIB = 2**20
 

@@ -5,9 +5,10 @@
 // online (max m, s = sum e^{x-m}, t = sum e^{x-m} (x-m)) per thread, merged across the block:
 //   lse = m + log s,  logp = x_y - lse,  H = log s - t / s.      All in fp32, whatever the logits dtype.
 // t is kept relative to the running max so that H is a sum of non-negative terms: the textbook
-// lse - E[x] subtracts two numbers near the max logit and loses ~1e-5 in fp32.
+// lse - E[x] subtracts two numbers near the max logit and loses ~1e-5 in fp32. The arithmetic follows
+// the ATen reference (x / temp, expf, logf): the kernel is memory-bound, so accuracy costs no time.
 // Backward: one block per row rebuilds p = e^{x - lse} and writes
-//   grad_v = (1/temp) * ( -p_v (glp + gH (log p_v + H)) + glp [v = y] )
+//   grad_v = ( -p_v (glp + gH (log p_v + H)) + glp [v = y] ) / temp
 // in the logits dtype; grad may be the logits buffer itself (each element is read before it is written
 // by the same thread).
 #include <ATen/ATen.h>
@@ -37,7 +38,7 @@ __device__ __forceinline__ void rebase(const Online& a, float m, float& s, float
     t = 0.f;
     return;
   }
-  const float r = __expf(a.m - m);
+  const float r = expf(a.m - m);
   s = a.s * r;
   t = r * (a.t - a.s * (m - a.m));
 }
@@ -77,7 +78,7 @@ __device__ __forceinline__ void fold(Online& st, const float (&x)[K], bool entro
 #pragma unroll
   for (int i = 0; i < K; ++i) {
     const float d = x[i] - m;
-    const float e = __expf(d);
+    const float e = expf(d);
     s += e;
     if (entropy) t += e * d;
   }
@@ -107,6 +108,9 @@ __device__ Online block_merge(Online st) {
   return warp_state[0];
 }
 
+// x / temp, skipped at temperature 1.
+__device__ __forceinline__ float scale(float x, float temp) { return temp == 1.f ? x : x / temp; }
+
 // Elements per 16-byte vector for T.
 template <typename T>
 constexpr int vec_elems() { return 16 / sizeof(T); }
@@ -114,7 +118,7 @@ constexpr int vec_elems() { return 16 / sizeof(T); }
 template <typename T>
 __global__ void __launch_bounds__(kThreads) forward_kernel(
     const T* __restrict__ logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
-    int64_t V, float inv_temp, bool vec_ok, float* __restrict__ logp, float* __restrict__ lse,
+    int64_t V, float temp, bool vec_ok, float* __restrict__ logp, float* __restrict__ lse,
     float* __restrict__ entropy) {
   const int64_t r = blockIdx.x;
   const int64_t row = rows ? rows[r] : r;
@@ -131,20 +135,20 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
       const T* e = reinterpret_cast<const T*>(&raw);
       float v[K];
 #pragma unroll
-      for (int j = 0; j < K; ++j) v[j] = to_f(e[j]) * inv_temp;
+      for (int j = 0; j < K; ++j) v[j] = scale(to_f(e[j]), temp);
       fold<K>(st, v, ent);
     }
     tail = nvec * K;
   }
   for (int64_t i = tail + threadIdx.x; i < V; i += kThreads) {
-    float v[1] = {to_f(x[i]) * inv_temp};
+    float v[1] = {scale(to_f(x[i]), temp)};
     fold<1>(st, v, ent);
   }
   st = block_merge(st);
   if (threadIdx.x == 0) {
     const float l = st.m + logf(st.s);
     lse[r] = l;
-    logp[r] = to_f(x[targets[r]]) * inv_temp - l;
+    logp[r] = scale(to_f(x[targets[r]]), temp) - l;
     if (ent) entropy[r] = logf(st.s) - st.t / st.s;
   }
 }
@@ -153,7 +157,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) backward_kernel(
     const T* logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
     const float* __restrict__ lse, const float* __restrict__ entropy, const float* __restrict__ glp,
-    const float* __restrict__ gH, int64_t V, float inv_temp, bool vec_ok, T* grad) {
+    const float* __restrict__ gH, int64_t V, float temp, bool vec_ok, T* grad) {
   const int64_t r = blockIdx.x;
   const int64_t row = rows ? rows[r] : r;
   const T* x = logits + row * V;
@@ -161,13 +165,13 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(
   const float l = lse[r], a = glp[r];
   const float b = gH ? gH[r] : 0.f, h = gH ? entropy[r] : 0.f;
   const int64_t y = targets[r];
-  // grad_v = inv_temp * (-p (a + b (logp + h)) + a [v = y])
+  // grad_v = (-p (a + b (logp + h)) + a [v = y]) / temp
   auto one = [&](float xv, int64_t v) {
-    const float lp = xv * inv_temp - l;
-    const float p = __expf(lp);
+    const float lp = scale(xv, temp) - l;
+    const float p = expf(lp);
     float gv = -p * (a + b * (lp + h));
     if (v == y) gv += a;
-    return gv * inv_temp;
+    return temp == 1.f ? gv : gv / temp;
   };
   constexpr int K = vec_elems<T>();
   int64_t tail = 0;
@@ -212,13 +216,13 @@ void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const a
   TORCH_CHECK(logprob.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "fp32 outputs expected");
   const int64_t N = targets.size(0), V = logits.size(1);
   if (N == 0) return;
-  const float inv_temp = static_cast<float>(1.0 / temperature);
+  const float temp = static_cast<float>(temperature);
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* x = reinterpret_cast<const T*>(logits.data_ptr());
     forward_kernel<T><<<N, kThreads, 0, stream>>>(
-        x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), V, inv_temp,
+        x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), V, temp,
         aligned16(x, V, sizeof(T)), logprob.data_ptr<float>(), lse.data_ptr<float>(),
         entropy ? entropy->data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -234,7 +238,7 @@ void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const 
   if (N == 0) return;
   at::Tensor glp_c = glp.to(at::kFloat).contiguous();
   at::Tensor gH_c = gH.defined() ? gH.to(at::kFloat).contiguous() : at::Tensor();
-  const float inv_temp = static_cast<float>(1.0 / temperature);
+  const float temp = static_cast<float>(temperature);
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -243,7 +247,7 @@ void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const 
     backward_kernel<T><<<N, kThreads, 0, stream>>>(
         x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), lse.data_ptr<float>(),
         gH_c.defined() ? entropy.data_ptr<float>() : nullptr, glp_c.data_ptr<float>(),
-        gH_c.defined() ? gH_c.data_ptr<float>() : nullptr, V, inv_temp,
+        gH_c.defined() ? gH_c.data_ptr<float>() : nullptr, V, temp,
         aligned16(x, V, sizeof(T)) && aligned16(g, V, sizeof(T)), g);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the H200 host: build (Debian packages carried in .gpu/, see ../shared/gpu/README.md), run
+# every test (the CUDA ones included), then bench_loss on CUDA for every case and the PyTorch peers
+# (scripts/bench_peers.py) in the same command on the same GPU. Results land in $OUT (or runs/gpu).
+# Usage on the host: bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+cases=("${@:-seed000 seed001 seed002}")
+export PYTHONUNBUFFERED=1
+if ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
+  tail -n 60 "$out/build.log"
+  exit 1
+fi
+export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt" 2>&1
+(cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
+echo "ctest rc=$? ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"
+for c in ${cases[*]}; do
+  reps=10
+  [ "$c" = seed001 ] && reps=2  # each seed001 cce call is several seconds of fp32 GEMMs
+  build-gpu/bin/bench_loss --device cuda --case "$c" --reps "$reps" --json "$out/cpp_$c.json" 2>&1 | tee -a "$out/bench.log"
+  python3 scripts/bench_peers.py --device cuda --case "$c" --reps "$reps" --json "$out/peers_$c.json" 2>&1 | tee -a "$out/bench.log"
+done
+python3 - "$out" <<'PY'
+import json, glob, os, sys
+out = sys.argv[1]
+for kind in ("cpp", "peers"):
+    recs = []
+    for f in sorted(glob.glob(os.path.join(out, f"{kind}_seed*.json"))):
+        recs += json.load(open(f))
+        os.remove(f)
+    json.dump(recs, open(os.path.join(out, f"bench_{kind}.json"), "w"), indent=1)
+PY
+ls -la "$out"
