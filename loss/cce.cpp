@@ -59,7 +59,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& targets, double temp, int64_t row_block_req,
-                               int64_t vocab_block_req, int64_t entropy_mode, double eps) {
+                               int64_t vocab_block_req, int64_t entropy_mode, double eps, bool kernel) {
     const int64_t N = hidden.size(0), V = weight.size(0);
     const auto [rb, vb] = cce_blocks(N, V, hidden.size(1), row_block_req, vocab_block_req);
     const auto entropy = static_cast<EntropyMode>(entropy_mode);
@@ -71,26 +71,38 @@ class CceFn : public torch::autograd::Function<CceFn> {
       const int64_t n = std::min(rb, N - r0);
       at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
       at::Tensor m, s, t;  // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
-      for (int64_t v0 = 0; v0 < V; v0 += vb) {
-        const int64_t k = std::min(vb, V - v0);
-        at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
-        if (temp != 1.0) z.div_(temp);
-        at::Tensor bmax = std::get<0>(z.max(1));
-        at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
-        at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
-        at::Tensor e = d.exp();                      // (n, k)
-        if (v0 == 0) {
-          s = e.sum(1);
-          if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
-        } else {
-          // Rebase the running sums to the new max: r = e^{m - m_new},
-          // sum e^{z-m_new}(z-m_new) = r (t - s (m_new - m)): non-positive terms, no cancellation.
-          at::Tensor r = (m - m_new).exp_();
-          if (entropy != EntropyMode::kNone) t = r * (t - s * (m_new - m));
-          s = s * r + e.sum(1);
-          if (entropy != EntropyMode::kNone) t.add_(e.mul_(d).sum(1));
+      if (kernel) {
+#ifdef RLT_HAVE_CUDA
+        m = at::full({n}, -std::numeric_limits<double>::infinity(), opts);
+        s = at::zeros({n}, opts);
+        t = at::zeros({n}, opts);
+        for (int64_t v0 = 0; v0 < V; v0 += vb) {
+          const int64_t k = std::min(vb, V - v0);
+          cuda::cce_block_forward(mm_acc(h, weight.narrow(0, v0, k).t()), temp, entropy != EntropyMode::kNone, m, s, t);
         }
-        m = m_new;
+#endif
+      } else {
+        for (int64_t v0 = 0; v0 < V; v0 += vb) {
+          const int64_t k = std::min(vb, V - v0);
+          at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
+          if (temp != 1.0) z.div_(temp);
+          at::Tensor bmax = std::get<0>(z.max(1));
+          at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
+          at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
+          at::Tensor e = d.exp();                      // (n, k)
+          if (v0 == 0) {
+            s = e.sum(1);
+            if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
+          } else {
+            // Rebase the running sums to the new max: r = e^{m - m_new},
+            // sum e^{z-m_new}(z-m_new) = r (t - s (m_new - m)): non-positive terms, no cancellation.
+            at::Tensor r = (m - m_new).exp_();
+            if (entropy != EntropyMode::kNone) t = r * (t - s * (m_new - m));
+            s = s * r + e.sum(1);
+            if (entropy != EntropyMode::kNone) t.add_(e.mul_(d).sum(1));
+          }
+          m = m_new;
+        }
       }
       at::Tensor l = m + s.log();  // (n)
       lse.narrow(0, r0, n).copy_(l);
@@ -107,6 +119,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
     ctx->saved_data["vb"] = vb;
     ctx->saved_data["entropy"] = entropy_mode;
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["kernel"] = kernel;
     if (entropy != EntropyMode::kGrad) ctx->mark_non_differentiable({H});
     return {logp, H};
   }
@@ -118,11 +131,14 @@ class CceFn : public torch::autograd::Function<CceFn> {
     const int64_t rb = ctx->saved_data["rb"].toInt(), vb = ctx->saved_data["vb"].toInt();
     const auto entropy = static_cast<EntropyMode>(ctx->saved_data["entropy"].toInt());
     const double eps = ctx->saved_data["eps"].toDouble();
-    variable_list out(8);
+    const bool kernel = ctx->saved_data["kernel"].toBool();
+    variable_list out(9);
     at::Tensor glp = grads[0];
     at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();
     if (!glp.defined() && !gH.defined()) return out;
     if (!glp.defined()) glp = at::zeros_like(lse);
+    glp = glp.to(lse.scalar_type()).contiguous();
+    if (gH.defined()) gH = gH.to(lse.scalar_type()).contiguous();
     const int64_t N = hidden.size(0), V = weight.size(0), D = hidden.size(1);
     const auto acc = acc_dtype(hidden.scalar_type());
     const bool same = hidden.scalar_type() == acc;
@@ -131,6 +147,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
     at::Tensor dE = at::zeros({N, D}, hidden.options().dtype(acc));  // (N, D) fp32 accumulator
     at::Tensor dW = same ? at::zeros({V, D}, weight.options()) : at::empty({V, D}, weight.options());
     at::Tensor glp_t = glp / temp;  // (N) target-term coefficient
+    at::Tensor any_above = kernel ? at::zeros({1}, hidden.options().dtype(at::kInt)) : at::Tensor();
     for (int64_t v0 = 0; v0 < V; v0 += vb) {
       const int64_t k = std::min(vb, V - v0);
       at::Tensor w = weight.narrow(0, v0, k);  // (k, D)
@@ -144,6 +161,27 @@ class CceFn : public torch::autograd::Function<CceFn> {
         at::Tensor in_blk = (t >= 0) & (t < k);                           // (n)
         at::Tensor col = t.clamp(0, k - 1).unsqueeze(1);                  // (n, 1)
         at::Tensor coef = glp_t.narrow(0, r0, n).mul(in_blk).unsqueeze(1);  // (n, 1)
+        if (kernel) {
+#ifdef RLT_HAVE_CUDA
+          // Fused epilogue: dz in the GEMM operand dtype (over z itself for fp32), filter flag on device.
+          at::Tensor z = mm_acc(h, w.t());                                         // (n, k) fp32
+          at::Tensor g_op = same ? z : at::empty({n, k}, hidden.options());        // (n, k)
+          any_above.zero_();
+          cuda::cce_block_backward(z, v0, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
+                                   glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
+                                   targets.narrow(0, r0, n), eps, g_op, any_above);
+          z = at::Tensor();
+          if (eps > 0 && any_above.item<int>() == 0) {
+            dE.narrow(0, r0, n).add_(w.index_select(0, col.squeeze(1)).to(acc).mul_(coef));
+            dW_blk.index_add_(0, col.squeeze(1), h.to(acc).mul(coef));
+            continue;
+          }
+          at::Tensor dE_rows = dE.narrow(0, r0, n);
+          accumulate_mm(dE_rows, g_op, w);
+          accumulate_mm(dW_blk, g_op.t(), h);
+#endif
+          continue;
+        }
         at::Tensor logp_blk = mm_acc(h, w.t());  // (n, k): z
         if (temp != 1.0) logp_blk.div_(temp);
         logp_blk.sub_(lse.narrow(0, r0, n).unsqueeze(1));  // log p
@@ -202,8 +240,13 @@ std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const a
               "cce: targets must be (N) int64");
   TORCH_CHECK(a.temperature > 0, "cce: temperature must be > 0");
   at::Tensor h = hidden.contiguous(), w = lm_head.contiguous();
+#ifdef RLT_HAVE_CUDA
+  const bool kernel = a.use_cuda_kernel && h.is_cuda() && h.scalar_type() != at::kDouble;
+#else
+  const bool kernel = false;
+#endif
   auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block,
-                           static_cast<int64_t>(a.entropy), a.grad_filter_eps);
+                           static_cast<int64_t>(a.entropy), a.grad_filter_eps, kernel);
   return {outs[0], a.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 

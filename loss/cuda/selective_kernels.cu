@@ -19,6 +19,7 @@
 
 #include <cmath>
 
+#include "loss/cuda/online_softmax.cuh"
 #include "loss/selective.h"
 
 namespace rlt::cuda {
@@ -26,94 +27,6 @@ namespace rlt::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-
-struct Online {
-  float m, s, t;  // running max, sum e^{x-m}, sum e^{x-m} (x-m)
-};
-
-// A state re-expressed relative to a larger max m: sum e^{x-m}(x-m) = r (t - s (m - m_old)), r = e^{m_old-m}.
-__device__ __forceinline__ void rebase(const Online& a, float m, float& s, float& t) {
-  if (a.m == -INFINITY) {
-    s = 0.f;
-    t = 0.f;
-    return;
-  }
-  const float r = expf(a.m - m);
-  s = a.s * r;
-  t = r * (a.t - a.s * (m - a.m));
-}
-
-__device__ __forceinline__ Online merge(Online a, Online b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return {m, 0.f, 0.f};
-  float sa, ta, sb, tb;
-  rebase(a, m, sa, ta);
-  rebase(b, m, sb, tb);
-  return {m, sa + sb, ta + tb};
-}
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
-
-// Folds k consecutive values (already scaled by 1/temp) into the thread's state with one rescale.
-template <int K>
-__device__ __forceinline__ void fold(Online& st, const float (&x)[K], bool entropy) {
-  float mx = x[0];
-#pragma unroll
-  for (int i = 1; i < K; ++i) mx = fmaxf(mx, x[i]);
-  const float m = fmaxf(st.m, mx);
-  float s, t;
-  rebase(st, m, s, t);
-#pragma unroll
-  for (int i = 0; i < K; ++i) {
-    const float d = x[i] - m;
-    const float e = expf(d);
-    s += e;
-    if (entropy) t += e * d;
-  }
-  st = {m, s, entropy ? t : 0.f};
-}
-
-__device__ Online block_merge(Online st) {
-  __shared__ Online warp_state[kThreads / 32];
-  for (int off = 16; off > 0; off >>= 1) {
-    Online o{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
-             __shfl_xor_sync(0xffffffff, st.t, off)};
-    st = merge(st, o);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_state[warp] = st;
-  __syncthreads();
-  if (warp == 0) {
-    st = lane < kThreads / 32 ? warp_state[lane] : Online{-INFINITY, 0.f, 0.f};
-    for (int off = 16; off > 0; off >>= 1) {
-      Online o{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
-               __shfl_xor_sync(0xffffffff, st.t, off)};
-      st = merge(st, o);
-    }
-    if (lane == 0) warp_state[0] = st;
-  }
-  __syncthreads();
-  return warp_state[0];
-}
-
-// x / temp, skipped at temperature 1.
-__device__ __forceinline__ float scale(float x, float temp) { return temp == 1.f ? x : x / temp; }
-
-// Elements per 16-byte vector for T.
-template <typename T>
-constexpr int vec_elems() { return 16 / sizeof(T); }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) forward_kernel(
@@ -144,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
     float v[1] = {scale(to_f(x[i]), temp)};
     fold<1>(st, v, ent);
   }
-  st = block_merge(st);
+  st = block_merge<kThreads>(st);
   if (threadIdx.x == 0) {
     const float l = st.m + logf(st.s);
     lse[r] = l;

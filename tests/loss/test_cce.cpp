@@ -133,9 +133,9 @@ TEST(Cce, HiddenStatePathsOfNaiveAndSelectiveMatchToo) {
 // by eps (|u1| + |u2| (|log p| + H)) |W_v|: the total error is at most eps * V * that, and in practice
 // far less. The test checks the bound holds, that something was filtered, and that nothing is filtered
 // with eps = 0.
-TEST(Cce, GradientFilteringStaysWithinItsBound) {
+void check_filtering(at::Device dev) {
   const int64_t N = 16, V = 1013, D = 29;
-  const Lm lm = make_lm(N, V, D, at::kFloat, 3, at::kCPU, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
+  const Lm lm = make_lm(N, V, D, at::kFloat, 3, dev, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
   LossOptions o;
   o.impl = LogprobImpl::kCce;
   o.response_only = false;
@@ -156,6 +156,45 @@ TEST(Cce, GradientFilteringStaysWithinItsBound) {
   o.grad_filter_eps = 0.0;
   Grads none = run(lm, o);
   EXPECT_TRUE(at::equal(none.dW, exact.dW)) << "eps = 0 filters nothing";
+}
+
+// Skipped blocks have max softmax < eps, so each dropped term of dE_n = sum_v g_nv W_v / temp is bounded
+// by eps (|u1| + |u2| (|log p| + H)) |W_v|: the total error is at most eps * V * that, and in practice
+// far less. The test checks the bound holds, that something was filtered, and that nothing is filtered
+// with eps = 0.
+TEST(Cce, GradientFilteringStaysWithinItsBound) { check_filtering(at::kCPU); }
+
+TEST(CceCuda, GradientFilteringStaysWithinItsBound) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  check_filtering(at::Device(at::kCUDA, 0));
+}
+
+// The fused CUDA epilogues compute the same function as the ATen ones they replace.
+TEST(CceCuda, KernelEpilogueMatchesAtenEpilogue) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Lm lm = make_lm(37, 1013, 29, at::kFloat, 7, at::Device(at::kCUDA, 0));
+  at::manual_seed(70);
+  const at::Tensor u1 = at::randn({37}, at::kFloat).cuda(), u2 = at::randn({37}, at::kFloat).cuda();
+  for (double temp : {1.0, 0.7}) {
+    Grads r[2];
+    for (int kernel = 0; kernel < 2; ++kernel) {
+      at::Tensor E = lm.E.clone().requires_grad_(true), W = lm.W.clone().requires_grad_(true);
+      CceArgs a;
+      a.temperature = temp;
+      a.row_block = 8;
+      a.vocab_block = 100;
+      a.entropy = EntropyMode::kGrad;
+      a.use_cuda_kernel = kernel == 1;
+      auto [lp, H] = cce_logprobs(E, W, lm.y, a);
+      auto g = torch::autograd::grad({(u1 * lp).sum() + (u2 * H).sum()}, {E, W});
+      r[kernel] = {lp.detach(), H.detach(), g[0], g[1]};
+    }
+    const std::string what = "kernel vs aten temp=" + std::to_string(temp);
+    RLT_EXPECT_CLOSE(r[1].lp, r[0].lp, kLogprobAtol, 0.0, what + " logprobs");
+    RLT_EXPECT_CLOSE(r[1].H, r[0].H, kLogprobAtol, 0.0, what + " entropy");
+    RLT_EXPECT_CLOSE(r[1].dE, r[0].dE, kGradAtolFp32, kGradRtolFp32, what + " dE");
+    RLT_EXPECT_CLOSE(r[1].dW, r[0].dW, kGradAtolFp32, kGradRtolFp32, what + " dW");
+  }
 }
 
 TEST(Cce, ResponseOnlyGathersHiddenRows) {
