@@ -244,7 +244,7 @@ void case_seed000(Bench& b) {
     base.loss_mask_only = false;
     std::vector<Variant> vs = {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), false},
-        {"naive_chunked", with(base, LogprobImpl::kNaive), false},
+        {"naive_chunked", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 1024; }), false},
         {"selective", with(base, LogprobImpl::kSelective), false},
         {"selective_inplace", with(base, LogprobImpl::kSelective, [](LossOptions& o) { o.inplace_backward = true; }),
          false, true},

@@ -106,11 +106,15 @@ class CceFn : public torch::autograd::Function<CceFn> {
       }
       at::Tensor l = m + s.log();  // (n)
       lse.narrow(0, r0, n).copy_(l);
-      // The target logit as an indexed dot product (Algorithm 1): no [n, V] row needed.
-      at::Tensor tgt = targets.narrow(0, r0, n);
-      at::Tensor zy = (h.to(acc) * weight.index_select(0, tgt).to(acc)).sum(1);  // (n)
-      if (temp != 1.0) zy.div_(temp);
-      logp.narrow(0, r0, n).copy_(zy - l);
+      // The target logit as an indexed dot product (Algorithm 1): no [n, V] row needed; 1024 rows at a
+      // time so its fp32 (rows, D) temporaries stay small.
+      for (int64_t q0 = 0; q0 < n; q0 += 1024) {
+        const int64_t q = std::min<int64_t>(1024, n - q0);
+        at::Tensor tgt = targets.narrow(0, r0 + q0, q);
+        at::Tensor zy = (h.narrow(0, q0, q).to(acc) * weight.index_select(0, tgt).to(acc)).sum(1);  // (q)
+        if (temp != 1.0) zy.div_(temp);
+        logp.narrow(0, r0 + q0, q).copy_(zy - l.narrow(0, q0, q));
+      }
       if (entropy != EntropyMode::kNone) H.narrow(0, r0, n).copy_(s.log() - t / s);  // lse - E_p[z]
     }
     ctx->save_for_backward({hidden, weight, targets, lse, H});
@@ -222,7 +226,9 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
   // ~8M elements: a [rows, vocab] logits block and the fp32 (vocab, D) dW accumulator of a bf16 run
   // each stay within 32 MiB.
   constexpr int64_t kBlockElems = int64_t{1} << 23;
-  int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 8192);
+  // 4096 rows x 2048 entries at seed 002's shape: on the H200 this beat 8192 x 1024 (fewer passes
+  // over the fp32 dE accumulator) and 2048 x 4096 (over the 1.1x memory target); docs/benchmarks.md.
+  int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 4096);
   rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
   const int64_t vb_auto = std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128;
   int64_t vb = vocab_block > 0 ? vocab_block : std::max<int64_t>(128, vb_auto);

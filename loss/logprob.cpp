@@ -17,6 +17,9 @@ namespace {
 
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+// Rows per ATen chunk of the selective path when chunk_size is 0 (automatic).
+constexpr int64_t kSelectiveAutoChunk = 1024;
+
 // (T') -> (T): values at `keep`, zeros elsewhere. Differentiable.
 at::Tensor scatter_rows(const at::Tensor& values, const at::Tensor& keep, int64_t T) {
   if (!values.defined() || !keep.defined()) return values;
@@ -121,7 +124,7 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
       } else {
         SelectiveArgs a;
         a.temperature = opt.temperature;
-        a.chunk_size = opt.chunk_size;
+        a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
         a.entropy = opt.entropy;
         a.inplace_backward = true;  // we built these logits and nothing else reads them
         lp = selective_logprobs(logits, at::Tensor(), targets, a);
@@ -134,7 +137,7 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
   } else {
     SelectiveArgs a;
     a.temperature = opt.temperature;
-    a.chunk_size = opt.chunk_size;
+    a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
     a.entropy = opt.entropy;
     a.inplace_backward = opt.inplace_backward;
     lp = selective_logprobs(in.logits, keep, targets, a);  // reads kept rows in place

@@ -39,8 +39,9 @@ struct LossOptions {
   // their log-probs come back as 0. Only valid with response_only, and only on the policy-loss path.
   bool loss_mask_only = false;
   // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path.
-  // 0 = all rows at once (cce: its automatic block of about 8M logits).
-  int64_t chunk_size = 1024;
+  // 0 = automatic: naive all rows at once, selective 1024 rows (its ATen chunks; the CUDA kernel
+  // streams rows and needs none), cce 4096 rows (measured best on the H200, docs/benchmarks.md).
+  int64_t chunk_size = 0;
   // cce: vocabulary entries per block; 0 = automatic (about 8M logits per [rows, vocab] block).
   int64_t vocab_chunk_size = 0;
   // Per-token entropy: none | value (no gradient) | grad (differentiable, for an entropy bonus).
@@ -60,8 +61,7 @@ struct LossOptions {
     v("impl", impl, "log-prob path: naive | selective | cce");
     v("response_only", response_only, "compute only rows inside response windows (seed 001)");
     v("loss_mask_only", loss_mask_only, "keep only response rows with loss_mask = 1; needs response_only");
-    v("chunk_size", chunk_size, "rows per chunk for every path; 0 = all rows at once",
-      FieldRange{0, 1e9});
+    v("chunk_size", chunk_size, "rows per chunk for every path; 0 = automatic per path", FieldRange{0, 1e9});
     v("vocab_chunk_size", vocab_chunk_size, "cce vocabulary block; 0 = automatic", FieldRange{0, 1e9});
     v("entropy", entropy, "per-token entropy: none | value | grad");
     v("temperature", temperature, "softmax temperature", FieldRange{1e-6, 1e6});

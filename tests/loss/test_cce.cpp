@@ -241,8 +241,8 @@ TEST(Cce, GradcheckFloat64) {
 }
 
 TEST(Cce, BlockSizes) {
-  // seed 002's setting: all 8192 rows, 1024 vocabulary entries (32 MiB fp32 logits block).
-  EXPECT_EQ(cce_blocks(8192, 256000, 2304, 0, 0), (std::pair<int64_t, int64_t>{8192, 1024}));
+  // seed 002's setting: 4096 rows x 2048 vocabulary entries (32 MiB fp32 logits block).
+  EXPECT_EQ(cce_blocks(8192, 256000, 2304, 0, 0), (std::pair<int64_t, int64_t>{4096, 2048}));
   // Few rows: the vocabulary block is capped by the (k, D) dW accumulator: 8M / 2560 -> 3200.
   EXPECT_EQ(cce_blocks(62, 76032, 2560, 0, 0), (std::pair<int64_t, int64_t>{62, 3200}));
   EXPECT_EQ(cce_blocks(37, 1013, 29, 0, 0), (std::pair<int64_t, int64_t>{37, 1013}));

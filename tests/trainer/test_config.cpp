@@ -37,7 +37,7 @@ TEST(Config, DefaultsWithoutAFile) {
   EXPECT_EQ(c.loss.impl, LogprobImpl::kSelective);
   EXPECT_TRUE(c.loss.response_only);
   EXPECT_FALSE(c.loss.loss_mask_only);
-  EXPECT_EQ(c.loss.chunk_size, 1024);
+  EXPECT_EQ(c.loss.chunk_size, 0);
   EXPECT_EQ(c.policy.agg, LossAgg::kTokenMean);
 }
 
