@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iomanip>
@@ -142,7 +143,7 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
   const int reps = b.reps > 0 ? b.reps : (cuda ? 10 : 3);
   json rec = {{"case", case_name}, {"impl", v.impl}, {"dtype", dtype_name(src.scalar_type())},
               {"pass", pass}, {"rows", T}, {"vocab", V}, {"hidden", D},
-              {"logits_mb", double(T) * V * (v.from_hidden ? 4 : elem) / kMiB}};
+              {"logits_mb", double(T) * V * elem / kMiB}};  // the logits a framework would build, in the input dtype
   // Lower bound: the output (fw) or the gradients the call must return (fwbw).
   const double grads = v.from_hidden ? double(T * D + V * D) * elem : double(T) * V * elem;
   rec["lower_bound_mb"] = fwbw ? grads / kMiB : double(T) * 4 / kMiB;
@@ -364,6 +365,9 @@ int main(int argc, char** argv) {
   if (which == "seed001" || which == "all") case_seed001(b);
   if (which == "seed002" || which == "all") case_seed002(b);
   if (!json_path.empty()) {
+    const auto parent = std::filesystem::path(json_path).parent_path();
+    std::error_code ec;
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
     std::ofstream f(json_path);
     if (!f) {
       std::cerr << "bench_loss: cannot write " << json_path << "\n";

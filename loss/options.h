@@ -71,7 +71,7 @@ struct LossOptions {
   }
   void check(const FieldFail& fail) const {
     if (loss_mask_only && !response_only) {
-      fail("loss_mask_only", "loss.loss_mask_only: true needs loss.response_only: true");
+      fail("loss_mask_only", "true needs loss.response_only: true (it only drops rows inside response windows)");
     }
     if (temperature <= 0) fail("temperature", "must be > 0");
   }

@@ -1,4 +1,7 @@
 # Runs bench_loss on CPU at a tiny scale and checks the JSON contract: every record has every field.
+# The JSON goes into a folder that does not exist yet: the app must create it.
+get_filename_component(out_dir ${OUT} DIRECTORY)
+file(REMOVE_RECURSE ${out_dir})
 execute_process(COMMAND ${BIN} --device cpu --case all --scale 0.0003 --reps 1 --json ${OUT}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
