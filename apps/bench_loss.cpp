@@ -3,10 +3,10 @@
 // D=2560 for cce; seed002: N=8192 V=256000 D=2304 bf16 from hidden states). Prints a table and writes
 // JSON records {case, impl, dtype, pass, rows, vocab, hidden, logits_mb, peak_extra_mb, ms,
 // max_abs_err, lower_bound_mb, ...}. PyTorch peers come from scripts/bench_peers.py in the same run.
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -38,10 +38,10 @@ struct Bench {
 };
 
 struct Variant {
-  std::string impl;      // record name
-  LossOptions options;   // the module's options for this row
-  bool from_hidden;      // hidden + lm_head input (else logits)
-  bool refill = false;   // the call overwrites its input (in-place gradient): regenerate before each rep
+  std::string impl;     // record name
+  LossOptions options;  // the module's options for this row
+  bool from_hidden;     // hidden + lm_head input (else logits)
+  bool refill = false;  // the call overwrites its input (in-place gradient): regenerate before each rep
 };
 
 // Inputs of one measured call; tensors on the bench device.
@@ -87,8 +87,8 @@ at::Tensor reference_logprobs(const Inputs& in, double temperature) {
   at::Tensor w = hid ? in.lm_head.to(at::kDouble) : at::Tensor();
   for (int64_t s = 0; s < T; s += 1024) {
     const int64_t n = std::min<int64_t>(1024, T - s);
-    at::Tensor x = hid ? at::mm(in.hidden.narrow(0, s, n).to(at::kDouble), w.t())
-                       : in.logits.narrow(0, s, n).to(at::kDouble);
+    at::Tensor x =
+        hid ? at::mm(in.hidden.narrow(0, s, n).to(at::kDouble), w.t()) : in.logits.narrow(0, s, n).to(at::kDouble);
     out.narrow(0, s, n).copy_(naive_logprobs(x, in.targets.narrow(0, s, n), temperature, false).first);
   }
   return out;
@@ -141,8 +141,13 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
   };
   const bool cuda = b.device.is_cuda();
   const int reps = b.reps > 0 ? b.reps : (cuda ? 10 : 3);
-  json rec = {{"case", case_name}, {"impl", v.impl}, {"dtype", dtype_name(src.scalar_type())},
-              {"pass", pass}, {"rows", T}, {"vocab", V}, {"hidden", D},
+  json rec = {{"case", case_name},
+              {"impl", v.impl},
+              {"dtype", dtype_name(src.scalar_type())},
+              {"pass", pass},
+              {"rows", T},
+              {"vocab", V},
+              {"hidden", D},
               {"logits_mb", double(T) * V * elem / kMiB}};  // the logits a framework would build, in the input dtype
   // Lower bound: the output (fw) or the gradients the call must return (fwbw).
   const double grads = v.from_hidden ? double(T * D + V * D) * elem : double(T) * V * elem;
@@ -159,9 +164,8 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
       r = r.index_select(0, first.keep_index);
     }
     at::Tensor diff = (lp - r).abs();
-    rec["max_abs_err"] = diff.numel() ? (at::isfinite(lp).all().item<bool>() ? diff.max().item<double>()
-                                                                            : std::nan(""))
-                                      : 0.0;
+    rec["max_abs_err"] =
+        diff.numel() ? (at::isfinite(lp).all().item<bool>() ? diff.max().item<double>() : std::nan("")) : 0.0;
     rec["note"] = "";
   } catch (const c10::Error& e) {  // out of memory, or any failure of this one variant: record it
     const bool oom = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr;
@@ -180,14 +184,16 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
     os << std::setprecision(prec) << (j.is_number() ? j.get<double>() : 0.0);
     return os.str();
   };
-  std::cout << std::left << std::setw(9) << case_name << std::setw(24) << rec["impl"].get<std::string>()
-            << std::setw(6) << rec["dtype"].get<std::string>() << std::setw(6) << pass << std::right
-            << std::setw(8) << T << std::setw(8) << V;
-  if (rec.contains("response_frac")) std::cout << std::setw(8) << rec["response_frac"].get<double>();
-  else std::cout << std::setw(8) << "";
+  std::cout << std::left << std::setw(9) << case_name << std::setw(24) << rec["impl"].get<std::string>() << std::setw(6)
+            << rec["dtype"].get<std::string>() << std::setw(6) << pass << std::right << std::setw(8) << T
+            << std::setw(8) << V;
+  if (rec.contains("response_frac"))
+    std::cout << std::setw(8) << rec["response_frac"].get<double>();
+  else
+    std::cout << std::setw(8) << "";
   std::cout << std::setw(12) << fmt(rec["logits_mb"], 6) << std::setw(14) << fmt(rec["peak_extra_mb"], 6)
-            << std::setw(12) << fmt(rec["lower_bound_mb"], 6) << std::setw(11) << fmt(rec["ms"], 4)
-            << std::setw(12) << fmt(rec["max_abs_err"], 3) << "  " << rec["note"].get<std::string>() << "\n";
+            << std::setw(12) << fmt(rec["lower_bound_mb"], 6) << std::setw(11) << fmt(rec["ms"], 4) << std::setw(12)
+            << fmt(rec["max_abs_err"], 3) << "  " << rec["note"].get<std::string>() << "\n";
   b.records.push_back(rec);
 }
 
@@ -216,10 +222,11 @@ void make_lm(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::Devic
 }
 
 void header() {
-  std::cout << std::left << std::setw(9) << "case" << std::setw(24) << "impl" << std::setw(6) << "dtype"
-            << std::setw(6) << "pass" << std::right << std::setw(8) << "rows" << std::setw(8) << "vocab"
-            << std::setw(8) << "resp" << std::setw(12) << "logits_MiB" << std::setw(14) << "peak_extra"
-            << std::setw(12) << "lower_bnd" << std::setw(11) << "ms" << std::setw(12) << "max_err" << "\n";
+  std::cout << std::left << std::setw(9) << "case" << std::setw(24) << "impl" << std::setw(6) << "dtype" << std::setw(6)
+            << "pass" << std::right << std::setw(8) << "rows" << std::setw(8) << "vocab" << std::setw(8) << "resp"
+            << std::setw(12) << "logits_MiB" << std::setw(14) << "peak_extra" << std::setw(12) << "lower_bnd"
+            << std::setw(11) << "ms" << std::setw(12) << "max_err"
+            << "\n";
 }
 
 void case_seed000(Bench& b) {

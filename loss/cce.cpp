@@ -29,11 +29,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 // a (n, k) @ b (k, m) with an fp32 (fp64) result; bf16 operands keep bf16 GEMM speed on CUDA.
 at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b) {
-  const auto acc = acc_dtype(a.scalar_type());
+  const auto acc = accumulation_dtype(a.scalar_type());
   if (a.scalar_type() == acc && b.scalar_type() == acc) return at::mm(a, b);
   if (a.is_cuda()) {
     at::Tensor bb = b.scalar_type() == a.scalar_type() ? b : b.to(a.scalar_type());
@@ -58,19 +56,19 @@ void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
 class CceFn : public torch::autograd::Function<CceFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                               const at::Tensor& targets, double temp, int64_t row_block_req,
-                               int64_t vocab_block_req, int64_t entropy_mode, double eps, bool kernel) {
+                               const at::Tensor& targets, double temp, int64_t row_block_req, int64_t vocab_block_req,
+                               int64_t entropy_mode, double eps, bool kernel) {
     const int64_t N = hidden.size(0), V = weight.size(0);
     const auto [rb, vb] = cce_blocks(N, V, hidden.size(1), row_block_req, vocab_block_req);
     const auto entropy = static_cast<EntropyMode>(entropy_mode);
-    const auto acc = acc_dtype(hidden.scalar_type());
+    const auto acc = accumulation_dtype(hidden.scalar_type());
     const auto opts = hidden.options().dtype(acc);
-    at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                        // (N)
+    at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                          // (N)
     at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (N)
     for (int64_t r0 = 0; r0 < N; r0 += rb) {
       const int64_t n = std::min(rb, N - r0);
       at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
-      at::Tensor m, s, t;  // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
+      at::Tensor m, s, t;                      // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
       if (kernel) {
 #ifdef RLT_HAVE_CUDA
         m = at::full({n}, -std::numeric_limits<double>::infinity(), opts);
@@ -89,7 +87,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
           at::Tensor bmax = std::get<0>(z.max(1));
           at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
           at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
-          at::Tensor e = d.exp();                      // (n, k)
+          at::Tensor e = d.exp();                     // (n, k)
           if (v0 == 0) {
             s = e.sum(1);
             if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
@@ -144,7 +142,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
     glp = glp.to(lse.scalar_type()).contiguous();
     if (gH.defined()) gH = gH.to(lse.scalar_type()).contiguous();
     const int64_t N = hidden.size(0), V = weight.size(0), D = hidden.size(1);
-    const auto acc = acc_dtype(hidden.scalar_type());
+    const auto acc = accumulation_dtype(hidden.scalar_type());
     const bool same = hidden.scalar_type() == acc;
     const double log_eps = eps > 0 ? std::log(eps) : -std::numeric_limits<double>::infinity();
 
@@ -161,15 +159,15 @@ class CceFn : public torch::autograd::Function<CceFn> {
         at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
         // Targets of these rows that fall in this vocabulary block: column (clamped) and coefficient
         // (glp / temp, or 0 for rows whose target is elsewhere). No host sync needed.
-        at::Tensor t = targets.narrow(0, r0, n) - v0;                     // (n)
-        at::Tensor in_blk = (t >= 0) & (t < k);                           // (n)
-        at::Tensor col = t.clamp(0, k - 1).unsqueeze(1);                  // (n, 1)
+        at::Tensor t = targets.narrow(0, r0, n) - v0;                       // (n)
+        at::Tensor in_blk = (t >= 0) & (t < k);                             // (n)
+        at::Tensor col = t.clamp(0, k - 1).unsqueeze(1);                    // (n, 1)
         at::Tensor coef = glp_t.narrow(0, r0, n).mul(in_blk).unsqueeze(1);  // (n, 1)
         if (kernel) {
 #ifdef RLT_HAVE_CUDA
           // Fused epilogue: dz in the GEMM operand dtype (over z itself for fp32), filter flag on device.
-          at::Tensor z = mm_acc(h, w.t());                                         // (n, k) fp32
-          at::Tensor g_op = same ? z : at::empty({n, k}, hidden.options());        // (n, k)
+          at::Tensor z = mm_acc(h, w.t());                                   // (n, k) fp32
+          at::Tensor g_op = same ? z : at::empty({n, k}, hidden.options());  // (n, k)
           any_above.zero_();
           cuda::cce_block_backward(z, v0, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
                                    glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
@@ -199,18 +197,22 @@ class CceFn : public torch::autograd::Function<CceFn> {
         at::Tensor g;                   // (n, k): d loss / d z
         at::Tensor glp_c = glp.narrow(0, r0, n).unsqueeze(1);
         if (gH.defined()) {
-          g = logp_blk.add_(H.narrow(0, r0, n).unsqueeze(1)).mul_(gH.narrow(0, r0, n).unsqueeze(1)).add_(glp_c).mul_(p).neg_();
+          g = logp_blk.add_(H.narrow(0, r0, n).unsqueeze(1))
+                  .mul_(gH.narrow(0, r0, n).unsqueeze(1))
+                  .add_(glp_c)
+                  .mul_(p)
+                  .neg_();
         } else {
           g = p.mul_(glp_c).neg_();
         }
         if (temp != 1.0) g.div_(temp);
-        g.scatter_add_(1, col, coef);  // + glp/temp at the target column, in fp32
-        p = at::Tensor();  // release before the two GEMMs
+        g.scatter_add_(1, col, coef);                             // + glp/temp at the target column, in fp32
+        p = at::Tensor();                                         // release before the two GEMMs
         at::Tensor g_op = same ? g : g.to(hidden.scalar_type());  // GEMM operand in the input dtype
         g = at::Tensor();
         at::Tensor dE_rows = dE.narrow(0, r0, n);
-        accumulate_mm(dE_rows, g_op, w);        // (n, D) += (n, k) @ (k, D)
-        accumulate_mm(dW_blk, g_op.t(), h);     // (k, D) += (k, n) @ (n, D)
+        accumulate_mm(dE_rows, g_op, w);     // (n, D) += (n, k) @ (k, D)
+        accumulate_mm(dW_blk, g_op.t(), h);  // (k, D) += (k, n) @ (n, D)
       }
       if (!same) dW.narrow(0, v0, k).copy_(dW_blk);
     }
@@ -251,8 +253,8 @@ std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const a
 #else
   const bool kernel = false;
 #endif
-  auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block,
-                           static_cast<int64_t>(a.entropy), a.grad_filter_eps, kernel);
+  auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block, static_cast<int64_t>(a.entropy),
+                           a.grad_filter_eps, kernel);
   return {outs[0], a.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 

@@ -15,10 +15,17 @@ namespace rlt {
 
 namespace {
 
-at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 // Rows per ATen chunk of the selective path when chunk_size is 0 (automatic).
 constexpr int64_t kSelectiveAutoChunk = 1024;
+
+SelectiveArgs selective_args(const LossOptions& opt, bool inplace_backward) {
+  SelectiveArgs a;
+  a.temperature = opt.temperature;
+  a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
+  a.entropy = opt.entropy;
+  a.inplace_backward = inplace_backward;
+  return a;
+}
 
 // (T') -> (T): values at `keep`, zeros elsewhere. Differentiable.
 at::Tensor scatter_rows(const at::Tensor& values, const at::Tensor& keep, int64_t T) {
@@ -69,9 +76,9 @@ class Fp32LogitsFn : public torch::autograd::Function<Fp32LogitsFn> {
 std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits, const at::Tensor& targets,
                                                  double temperature, bool with_entropy) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
-  at::Tensor x = logits.to(acc_dtype(logits.scalar_type()));  // (N, V)
+  at::Tensor x = logits.to(accumulation_dtype(logits.scalar_type()));  // (N, V)
   if (temperature != 1.0) x = x / temperature;
-  at::Tensor logp_all = at::log_softmax(x, 1);                  // (N, V)
+  at::Tensor logp_all = at::log_softmax(x, 1);                            // (N, V)
   at::Tensor logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1);  // (N)
   at::Tensor entropy;
   if (with_entropy) entropy = -(logp_all.exp() * logp_all).sum(1);  // (N)
@@ -82,7 +89,7 @@ at::Tensor fp32_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
   TORCH_CHECK(hidden.dim() == 2 && lm_head.dim() == 2 && hidden.size(1) == lm_head.size(1),
               "hidden (N, D) and lm_head (V, D) must agree on D: ", hidden.sizes(), " vs ", lm_head.sizes());
   TORCH_CHECK(hidden.scalar_type() == lm_head.scalar_type(), "hidden and lm_head dtypes differ");
-  const auto acc = acc_dtype(hidden.scalar_type());
+  const auto acc = accumulation_dtype(hidden.scalar_type());
   if (hidden.scalar_type() == acc) return at::mm(hidden, lm_head.t());
   if (hidden.is_cuda()) return Fp32LogitsFn::apply(hidden, lm_head)[0];  // fp32-output GEMM, bf16 operands
   return at::mm(hidden.to(acc), lm_head.to(acc).t());
@@ -122,12 +129,8 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
       if (opt.impl == LogprobImpl::kNaive) {
         lp = naive_chunked(logits, targets, opt);
       } else {
-        SelectiveArgs a;
-        a.temperature = opt.temperature;
-        a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
-        a.entropy = opt.entropy;
-        a.inplace_backward = true;  // we built these logits and nothing else reads them
-        lp = selective_logprobs(logits, at::Tensor(), targets, a);
+        // We built these logits and nothing else reads them: their buffer takes the gradient.
+        lp = selective_logprobs(logits, at::Tensor(), targets, selective_args(opt, /*inplace_backward=*/true));
       }
     }
   } else if (opt.impl == LogprobImpl::kNaive) {
@@ -135,12 +138,8 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
     at::Tensor logits = keep.defined() ? in.logits.index_select(0, keep) : in.logits;
     lp = naive_chunked(logits, targets, opt);
   } else {
-    SelectiveArgs a;
-    a.temperature = opt.temperature;
-    a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
-    a.entropy = opt.entropy;
-    a.inplace_backward = opt.inplace_backward;
-    lp = selective_logprobs(in.logits, keep, targets, a);  // reads kept rows in place
+    // Reads the kept rows where they are: no [T', V] copy.
+    lp = selective_logprobs(in.logits, keep, targets, selective_args(opt, opt.inplace_backward));
   }
   out.logprobs = scatter_rows(lp.first, keep, T);
   out.entropy = scatter_rows(lp.second, keep, T);

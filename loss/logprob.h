@@ -43,9 +43,12 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& options
 // The reference: full log_softmax over the vocabulary, then gather. Half-precision logits are upcast
 // to float32 first. No chunking, no row selection: tests compare every path against this in float64.
 // Returns (logprobs (N), entropy (N) or undefined).
-std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits /*(N,V)*/,
-                                                 const at::Tensor& targets /*(N)*/, double temperature,
-                                                 bool with_entropy);
+std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits /*(N,V)*/, const at::Tensor& targets /*(N)*/,
+                                                 double temperature, bool with_entropy);
+
+// The dtype log-probs are accumulated and returned in: float64 for float64 inputs, else float32
+// (bf16/fp16 logits are never reduced in their own precision).
+inline at::ScalarType accumulation_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // logits = hidden @ lm_head^T in float32 (float64 for float64 inputs), accumulated in fp32 for bf16
 // inputs rather than rounded to bf16 (an fp32-output GEMM on CUDA; an upcast on CPU). (N, V).

@@ -43,9 +43,7 @@ class TrackingAllocator final : public c10::Allocator {
     }
     return {data, new Tracked{std::move(p), n}, &tracked_delete, device};
   }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
  private:
   c10::Allocator* inner_;

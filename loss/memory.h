@@ -16,7 +16,7 @@ void install_cpu_memory_tracking();
 class PeakMemory {
  public:
   explicit PeakMemory(const at::Device& device);  // resets the device's peak counter
-  int64_t peak_extra_bytes() const;              // max(allocated) since construction - baseline
+  int64_t peak_extra_bytes() const;               // max(allocated) since construction - baseline
   static int64_t allocated_bytes(const at::Device& device);
 
  private:

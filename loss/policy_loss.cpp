@@ -25,8 +25,8 @@ namespace {
 // are checked as strictly as the config reader checks them.
 struct RangeCheck {
   void operator()(const char* key, const double& value, const char* /*doc*/, const FieldRange& r) const {
-    TORCH_CHECK(value >= r.lo && value <= r.hi, "policy_loss: option ", key, " = ", value,
-                " is outside [", r.lo, ", ", r.hi, "]");
+    TORCH_CHECK(value >= r.lo && value <= r.hi, "policy_loss: option ", key, " = ", value, " is outside [", r.lo, ", ",
+                r.hi, "]");
   }
   template <class E>
   void operator()(const char* /*key*/, const E& /*enum value*/, const char* /*doc*/) const {}
@@ -45,10 +45,9 @@ void check_like_logprobs(const at::Tensor& t, const at::Tensor& logprobs, const 
   TORCH_CHECK(t.defined(), "policy_loss: ", name, " is required here but undefined");
   TORCH_CHECK(t.sizes() == logprobs.sizes(), "policy_loss: ", name, " has shape ", t.sizes(),
               ", expected (S, L) = ", logprobs.sizes(), " like logprobs");
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "policy_loss: ", name, " must be floating, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == logprobs.device(), "policy_loss: ", name, " is on ", t.device(),
-              ", logprobs on ", logprobs.device());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "policy_loss: ", name, " must be floating, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == logprobs.device(), "policy_loss: ", name, " is on ", t.device(), ", logprobs on ",
+              logprobs.device());
 }
 
 // Masked token mean over this micro-batch, for metrics: sum(where(valid, x, 0)) / max(#valid, 1).
@@ -59,8 +58,8 @@ at::Tensor masked_token_mean(const at::Tensor& x /*(S, L) floating*/, const at::
 
 }  // namespace
 
-at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_mask, LossAgg agg,
-                          double agg_norm, double global_denominator) {
+at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_mask, LossAgg agg, double agg_norm,
+                          double global_denominator) {
   TORCH_CHECK(per_token.defined() && per_token.dim() == 2, "aggregate_loss: per_token must be (S, L), got ",
               per_token.defined() ? per_token.sizes() : at::IntArrayRef{});
   TORCH_CHECK(at::isFloatingType(per_token.scalar_type()), "aggregate_loss: per_token must be floating, got ",
@@ -75,8 +74,8 @@ at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_ma
               global_denominator);
   const auto dtype = per_token.scalar_type();
   const bool global = global_denominator > 0.0;
-  const at::Tensor valid = loss_mask != 0;                      // (S, L) bool
-  const at::Tensor masked = at::where(valid, per_token, 0.0);   // (S, L) exactly 0 outside the mask
+  const at::Tensor valid = loss_mask != 0;                                        // (S, L) bool
+  const at::Tensor masked = at::where(valid, per_token, 0.0);                     // (S, L) exactly 0 outside the mask
   const double num_seqs = std::max(static_cast<double>(per_token.size(0)), 1.0);  // S, clamped >= 1
 
   switch (agg) {
@@ -93,8 +92,7 @@ at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_ma
     case LossAgg::kSeqMeanTokenSum:
       return masked.sum() / (global ? global_denominator : num_seqs);
     case LossAgg::kSeqMeanTokenSumNorm:
-      TORCH_CHECK(agg_norm > 0.0, "aggregate_loss: agg_norm must be > 0 for seq-mean-token-sum-norm, got ",
-                  agg_norm);
+      TORCH_CHECK(agg_norm > 0.0, "aggregate_loss: agg_norm must be > 0 for seq-mean-token-sum-norm, got ", agg_norm);
       return masked.sum() / (agg_norm * (global ? global_denominator : num_seqs));
   }
   TORCH_CHECK(false, "aggregate_loss: unknown LossAgg ", static_cast<int>(agg));
@@ -123,8 +121,8 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
               in.advantages.sizes());
   TORCH_CHECK(at::isFloatingType(in.advantages.scalar_type()), "policy_loss: advantages must be floating, got ",
               in.advantages.scalar_type());
-  TORCH_CHECK(in.advantages.device() == logprobs.device(), "policy_loss: advantages is on ",
-              in.advantages.device(), ", logprobs on ", logprobs.device());
+  TORCH_CHECK(in.advantages.device() == logprobs.device(), "policy_loss: advantages is on ", in.advantages.device(),
+              ", logprobs on ", logprobs.device());
   const bool use_kl = opt.kl_coef != 0.0;
   const bool use_entropy = opt.entropy_coef != 0.0;
   TORCH_CHECK(!use_kl || in.logprobs_ref.defined(), "policy_loss: logprobs_ref is required when kl_coef != 0");
@@ -137,20 +135,20 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   // passes tensors still attached to a graph.
   const at::Tensor logprobs_old = in.logprobs_old.detach().to(dtype);  // (S, L)
   at::Tensor advantages = in.advantages.detach().to(dtype);            // (S, L) or (S)
-  if (advantages.dim() == 1) advantages = advantages.unsqueeze(1);      // (S, 1) broadcasts over L
+  if (advantages.dim() == 1) advantages = advantages.unsqueeze(1);     // (S, 1) broadcasts over L
 
   // Zeroed outside the mask before exp(): padding may hold -inf or large policy gaps; where() keeps
   // both the forward value and the gradient there exactly 0 (no inf * 0 = NaN in backward).
   const at::Tensor log_ratio = at::where(valid, logprobs - logprobs_old, 0.0);  // (S, L)
-  const at::Tensor ratio = at::exp(log_ratio);                                   // (S, L)
-  const at::Tensor pg_unclipped = -advantages * ratio;                           // (S, L)
+  const at::Tensor ratio = at::exp(log_ratio);                                  // (S, L)
+  const at::Tensor pg_unclipped = -advantages * ratio;                          // (S, L)
   const at::Tensor pg_clipped =
       -advantages * at::clamp(ratio, 1.0 - opt.clip_eps_low, 1.0 + opt.clip_eps_high);  // (S, L)
   // Pessimistic bound (PPO eq. 7 as a loss): the larger loss. At a tie (ratio inside the clip range)
   // maximum() splits the gradient half/half between two identical branches: the full gradient.
   const at::Tensor pg_max = at::maximum(pg_unclipped, pg_clipped);  // (S, L)
-  at::Tensor pg = pg_max;                                            // (S, L)
-  at::Tensor dual_bound;                                             // (S, L) or (S, 1)
+  at::Tensor pg = pg_max;                                           // (S, L)
+  at::Tensor dual_bound;                                            // (S, L) or (S, 1)
   if (opt.clip_c > 1.0) {
     // Dual clip (Ye et al. 2020, eq. 5): for A < 0 the loss -A*r grows without bound in r; cap it at
     // -A*c so a few stale tokens with huge ratios cannot dominate the update.
@@ -165,9 +163,15 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
     const at::Tensor lp = use_kl ? logprobs : logprobs.detach();
     const at::Tensor log_q = at::where(valid, in.logprobs_ref.detach().to(dtype) - lp, 0.0);  // (S, L)
     switch (opt.kl_estimator) {
-      case KlEstimator::kK1: kl_tok = -log_q; break;
-      case KlEstimator::kK2: kl_tok = 0.5 * log_q * log_q; break;
-      case KlEstimator::kK3: kl_tok = at::exp(log_q) - 1.0 - log_q; break;
+      case KlEstimator::kK1:
+        kl_tok = -log_q;
+        break;
+      case KlEstimator::kK2:
+        kl_tok = 0.5 * log_q * log_q;
+        break;
+      case KlEstimator::kK3:
+        kl_tok = at::exp(log_q) - 1.0 - log_q;
+        break;
     }
     if (use_kl) per_token = per_token + opt.kl_coef * kl_tok;
   }
@@ -186,10 +190,9 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   if (entropy_tok.defined()) out.entropy = masked_token_mean(entropy_tok.detach(), valid);
   out.clip_frac = masked_token_mean((pg_clipped > pg_unclipped).to(dtype), valid);
   out.approx_kl = masked_token_mean(0.5 * log_ratio.detach() * log_ratio.detach(), valid);
-  out.dual_clip_frac =
-      dual_bound.defined()
-          ? masked_token_mean(((advantages < 0) & (pg_max > dual_bound)).to(dtype), valid)
-          : at::zeros({}, logprobs.options());
+  out.dual_clip_frac = dual_bound.defined()
+                           ? masked_token_mean(((advantages < 0) & (pg_max > dual_bound)).to(dtype), valid)
+                           : at::zeros({}, logprobs.options());
   return out;
 }
 

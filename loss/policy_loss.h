@@ -80,7 +80,7 @@ struct PolicyLossOptions {
   double clip_c = 0.0;         // dual-clip constant (Ye et al. 2020); 0 = off, else must be > 1 (typ. 3)
   double kl_coef = 0.0;        // weight of the KL penalty to the reference policy; 0 = no reference needed
   KlEstimator kl_estimator = KlEstimator::kK3;  // Schulman's k1/k2/k3 estimators of KL(pi || pi_ref)
-  double entropy_coef = 0.0;   // entropy bonus weight (loss -= coef * entropy)
+  double entropy_coef = 0.0;                    // entropy bonus weight (loss -= coef * entropy)
   LossAgg agg = LossAgg::kTokenMean;
   double agg_norm = 0.0;  // constant normaliser for seq-mean-token-sum-norm (Dr. GRPO: e.g. max
                           // response length); required > 0 in that mode
@@ -89,14 +89,13 @@ struct PolicyLossOptions {
   void visit(V&& v) {
     constexpr double kInf = std::numeric_limits<double>::infinity();
     v("clip_eps_low", clip_eps_low, "ratio lower clip bound is 1 - clip_eps_low", FieldRange{0, 1});
-    v("clip_eps_high", clip_eps_high,
-      "ratio upper clip bound is 1 + clip_eps_high (DAPO clip-higher: 0.28)", FieldRange{0, kInf});
+    v("clip_eps_high", clip_eps_high, "ratio upper clip bound is 1 + clip_eps_high (DAPO clip-higher: 0.28)",
+      FieldRange{0, kInf});
     v("clip_c", clip_c,
       "dual-clip constant c: where A < 0 the loss is capped at -A*c (Ye et al. 2020); 0 = off, "
       "else > 1 (typically 3)",
       FieldRange{0, kInf});
-    v("kl_coef", kl_coef,
-      "weight of the KL penalty to the reference policy; 0 = off (no reference log-probs needed)",
+    v("kl_coef", kl_coef, "weight of the KL penalty to the reference policy; 0 = off (no reference log-probs needed)",
       FieldRange{0, kInf});
     v("kl_estimator", kl_estimator, "per-token estimator of KL(pi || pi_ref): k1 | k2 | k3 (Schulman 2020)");
     v("entropy_coef", entropy_coef, "entropy bonus weight: loss -= entropy_coef * entropy; 0 = off",
@@ -154,7 +153,7 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
 // even NaN/Inf (selected away, not multiplied by 0). Returns a () tensor of per_token's dtype.
 // agg_norm is used by kSeqMeanTokenSumNorm only (must be > 0 there); global_denominator as in
 // PolicyLossInputs. Denominators per mode: see LossAgg.
-at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_mask, LossAgg agg,
-                          double agg_norm, double global_denominator);
+at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_mask, LossAgg agg, double agg_norm,
+                          double global_denominator);
 
 }  // namespace rlt

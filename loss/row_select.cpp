@@ -17,9 +17,9 @@ at::Tensor build_keep_index(int64_t T, const RowSelection& rows, bool response_o
     keep_mask = at::zeros({T}, at::TensorOptions().dtype(at::kBool).device(dev));
   } else {
     at::Tensor starts = win.select(1, 0), ends = win.select(1, 1);
-    TORCH_CHECK(starts.min().item<int64_t>() >= 0 && ends.max().item<int64_t>() <= T &&
-                    (ends >= starts).all().item<bool>(),
-                "response windows must satisfy 0 <= start <= end <= T = ", T);
+    TORCH_CHECK(
+        starts.min().item<int64_t>() >= 0 && ends.max().item<int64_t>() <= T && (ends >= starts).all().item<bool>(),
+        "response windows must satisfy 0 <= start <= end <= T = ", T);
     // delta[s] += 1, delta[e] -= 1; cumsum(delta)[t] = number of windows covering row t.
     at::Tensor delta = at::zeros({T + 1}, at::TensorOptions().dtype(at::kLong).device(dev));
     delta.index_add_(0, starts, at::ones_like(starts));
@@ -32,7 +32,7 @@ at::Tensor build_keep_index(int64_t T, const RowSelection& rows, bool response_o
     keep_mask = keep_mask & (m.to(dev) != 0);
   }
   at::Tensor keep = keep_mask.nonzero().squeeze(1);  // (T') sorted
-  if (keep.size(0) == T) return at::Tensor();       // all rows: no gather needed
+  if (keep.size(0) == T) return at::Tensor();        // all rows: no gather needed
   return keep;
 }
 

@@ -11,6 +11,8 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "loss/logprob.h"
+
 namespace rlt {
 
 namespace {
@@ -18,13 +20,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 // Rows [s, s + n) of the kept set as an (n, V) tensor in the accumulation dtype, divided by temp.
 // For fp32 logits with temp 1 over all rows this is a view of `logits` (never written through).
 at::Tensor chunk_rows(const at::Tensor& logits, const at::Tensor& rows, int64_t s, int64_t n, double temp) {
   at::Tensor x = rows.defined() ? logits.index_select(0, rows.narrow(0, s, n)) : logits.narrow(0, s, n);
-  x = x.to(acc_dtype(logits.scalar_type()));
+  x = x.to(accumulation_dtype(logits.scalar_type()));
   return temp == 1.0 ? x : x / temp;
 }
 
@@ -40,14 +40,14 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
  public:
   // logits (T, V); rows (T') or an empty tensor for all rows; targets (T').
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& rows_or_empty,
-                               const at::Tensor& targets, double temperature, int64_t chunk_size,
-                               int64_t entropy_mode, bool inplace, bool kernel) {
+                               const at::Tensor& targets, double temperature, int64_t chunk_size, int64_t entropy_mode,
+                               bool inplace, bool kernel) {
     const at::Tensor rows = rows_or_empty.numel() > 0 ? rows_or_empty : at::Tensor();
     const int64_t N = targets.size(0);
     const auto entropy = static_cast<EntropyMode>(entropy_mode);
-    const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
-    at::Tensor logp = at::empty({N}, opts);  // (T')
-    at::Tensor lse = at::empty({N}, opts);   // (T')
+    const auto opts = logits.options().dtype(accumulation_dtype(logits.scalar_type()));
+    at::Tensor logp = at::empty({N}, opts);                                                      // (T')
+    at::Tensor lse = at::empty({N}, opts);                                                       // (T')
     at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (T')
     if (kernel) {
 #ifdef RLT_HAVE_CUDA
@@ -59,7 +59,7 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
       for (int64_t s = 0; s < N; s += chunk) {
         const int64_t n = std::min(chunk, N - s);
         at::Tensor x = chunk_rows(logits, rows, s, n, temperature);  // (n, V)
-        at::Tensor l = at::logsumexp(x, {1});                         // (n)
+        at::Tensor l = at::logsumexp(x, {1});                        // (n)
         lse.narrow(0, s, n).copy_(l);
         logp.narrow(0, s, n).copy_(x.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1) - l);
         if (entropy != EntropyMode::kNone) {
@@ -89,7 +89,7 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
     const bool inplace = ctx->saved_data["inplace"].toBool();
     const bool kernel = ctx->saved_data["kernel"].toBool();
     const int64_t N = targets.size(0);
-    at::Tensor glp = grads[0];                                                  // (T') or undefined
+    at::Tensor glp = grads[0];                                                // (T') or undefined
     at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();  // (T') or undefined
     variable_list out(8);
     if (!glp.defined() && !gH.defined()) return out;
@@ -118,11 +118,11 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
     const int64_t chunk = chunk_size > 0 ? chunk_size : std::max<int64_t>(N, 1);
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
-      at::Tensor x = chunk_rows(logits, rows, s, n, temp);                // (n, V)
-      at::Tensor logp_all = x - lse.narrow(0, s, n).unsqueeze(1);         // (n, V) fresh buffer
-      at::Tensor p = logp_all.exp();                                      // (n, V)
-      at::Tensor glp_c = glp.narrow(0, s, n).unsqueeze(1);                // (n, 1)
-      at::Tensor g;                                                       // (n, V)
+      at::Tensor x = chunk_rows(logits, rows, s, n, temp);         // (n, V)
+      at::Tensor logp_all = x - lse.narrow(0, s, n).unsqueeze(1);  // (n, V) fresh buffer
+      at::Tensor p = logp_all.exp();                               // (n, V)
+      at::Tensor glp_c = glp.narrow(0, s, n).unsqueeze(1);         // (n, 1)
+      at::Tensor g;                                                // (n, V)
       if (gH.defined()) {
         // -gH (log p + H) - glp, times p: the entropy and log-prob terms in logp_all's buffer.
         g = logp_all.add_(H.narrow(0, s, n).unsqueeze(1)).mul_(-gH.narrow(0, s, n).unsqueeze(1)).sub_(glp_c).mul_(p);
@@ -154,8 +154,8 @@ std::pair<at::Tensor, at::Tensor> selective_logprobs(const at::Tensor& logits, c
   TORCH_CHECK(args.temperature > 0, "temperature must be > 0");
   at::Tensor x = logits.is_contiguous() ? logits : logits.contiguous();
   at::Tensor r = rows.defined() ? rows : at::empty({0}, targets.options());
-  auto outs = SelectiveFn::apply(x, r, targets, args.temperature, args.chunk_size,
-                                 static_cast<int64_t>(args.entropy), args.inplace_backward, use_kernel(x, args));
+  auto outs = SelectiveFn::apply(x, r, targets, args.temperature, args.chunk_size, static_cast<int64_t>(args.entropy),
+                                 args.inplace_backward, use_kernel(x, args));
   return {outs[0], args.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 

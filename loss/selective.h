@@ -29,12 +29,12 @@ std::pair<at::Tensor, at::Tensor> selective_logprobs(const at::Tensor& logits, c
 namespace cuda {
 // Fused row kernels (loss/cuda/selective_kernels.cu). Row r of the kept set reads logits[rows[r]]
 // (rows undefined: row r). Forward writes logprob, lse and (if entropy != nullptr) entropy, all fp32.
-void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
-                       double temperature, at::Tensor& logprob, at::Tensor& lse, at::Tensor* entropy);
+void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets, double temperature,
+                       at::Tensor& logprob, at::Tensor& lse, at::Tensor* entropy);
 // Backward writes grad[rows[r]] = d/dlogits of (glp . logprob + gH . entropy); grad may alias logits.
 void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
-                        const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& glp,
-                        const at::Tensor& gH, double temperature, at::Tensor& grad);
+                        const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& glp, const at::Tensor& gH,
+                        double temperature, at::Tensor& grad);
 }  // namespace cuda
 #endif
 

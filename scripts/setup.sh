@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(cmake ninja-build g++ python3 libyaml-cpp-dev libsentencepiece-dev libeigen3-dev libgtest-dev
+pkgs=(cmake ninja-build g++ python3 clang-format libyaml-cpp-dev libsentencepiece-dev libeigen3-dev libgtest-dev
       libgmock-dev nlohmann-json3-dev libcli11-dev libseccomp-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

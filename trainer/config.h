@@ -18,8 +18,8 @@ class App;
 namespace rlt {
 
 struct Config {
-  LossOptions loss;            // `loss:`   the log-prob module (loss/logprob.h)
-  PolicyLossOptions policy;    // `policy:` the PPO/GRPO policy loss (loss/policy_loss.h)
+  LossOptions loss;          // `loss:`   the log-prob module (loss/logprob.h)
+  PolicyLossOptions policy;  // `policy:` the PPO/GRPO policy loss (loss/policy_loss.h)
 
   template <class V>
   void visit_sections(V&& v) {

@@ -18,8 +18,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void __launch_bounds__(kThreads) cce_forward_kernel(const float* __restrict__ z, int64_t k, float temp,
-                                                                bool entropy, float* m, float* s, float* t) {
+__global__ void __launch_bounds__(kThreads)
+    cce_forward_kernel(const float* __restrict__ z, int64_t k, float temp, bool entropy, float* m, float* s, float* t) {
   const int64_t r = blockIdx.x;
   const float* row = z + r * k;
   Online st{-INFINITY, 0.f, 0.f};
@@ -47,10 +47,10 @@ __global__ void __launch_bounds__(kThreads) cce_forward_kernel(const float* __re
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) cce_backward_kernel(
-    const float* z, int64_t k, int64_t v0, float temp, const float* __restrict__ lse, const float* __restrict__ H,
-    const float* __restrict__ glp, const float* __restrict__ gH, const int64_t* __restrict__ targets, float eps,
-    T* g, int* any_above) {
+__global__ void __launch_bounds__(kThreads)
+    cce_backward_kernel(const float* z, int64_t k, int64_t v0, float temp, const float* __restrict__ lse,
+                        const float* __restrict__ H, const float* __restrict__ glp, const float* __restrict__ gH,
+                        const int64_t* __restrict__ targets, float eps, T* g, int* any_above) {
   const int64_t r = blockIdx.x;
   const float* row = z + r * k;
   T* out = g + r * k;
@@ -83,9 +83,9 @@ void cce_block_forward(const at::Tensor& z, double temperature, bool entropy, at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void cce_block_backward(const at::Tensor& z, int64_t v0, double temperature, const at::Tensor& lse,
-                        const at::Tensor& H, const at::Tensor& glp, const at::Tensor& gH, const at::Tensor& targets,
-                        double eps, at::Tensor& g, at::Tensor& any_above) {
+void cce_block_backward(const at::Tensor& z, int64_t v0, double temperature, const at::Tensor& lse, const at::Tensor& H,
+                        const at::Tensor& glp, const at::Tensor& gH, const at::Tensor& targets, double eps,
+                        at::Tensor& g, at::Tensor& any_above) {
   TORCH_CHECK(z.is_cuda() && z.is_contiguous() && z.scalar_type() == at::kFloat && z.dim() == 2,
               "cce_block_backward: z must be a contiguous fp32 CUDA (n, k) block");
   TORCH_CHECK(g.is_contiguous() && g.sizes() == z.sizes(), "cce_block_backward: g must be like z");
@@ -94,17 +94,24 @@ void cce_block_backward(const at::Tensor& z, int64_t v0, double temperature, con
   auto stream = at::cuda::getCurrentCUDAStream();
   auto launch = [&](auto* out) {
     using T = std::remove_pointer_t<decltype(out)>;
-    cce_backward_kernel<T><<<n, kThreads, 0, stream>>>(
-        z.data_ptr<float>(), k, v0, static_cast<float>(temperature), lse.data_ptr<float>(),
-        gH.defined() ? H.data_ptr<float>() : nullptr, glp.data_ptr<float>(),
-        gH.defined() ? gH.data_ptr<float>() : nullptr, targets.data_ptr<int64_t>(), static_cast<float>(eps), out,
-        any_above.data_ptr<int>());
+    cce_backward_kernel<T>
+        <<<n, kThreads, 0, stream>>>(z.data_ptr<float>(), k, v0, static_cast<float>(temperature), lse.data_ptr<float>(),
+                                     gH.defined() ? H.data_ptr<float>() : nullptr, glp.data_ptr<float>(),
+                                     gH.defined() ? gH.data_ptr<float>() : nullptr, targets.data_ptr<int64_t>(),
+                                     static_cast<float>(eps), out, any_above.data_ptr<int>());
   };
   switch (g.scalar_type()) {
-    case at::kFloat: launch(g.data_ptr<float>()); break;
-    case at::kBFloat16: launch(reinterpret_cast<__nv_bfloat16*>(g.data_ptr())); break;
-    case at::kHalf: launch(reinterpret_cast<__half*>(g.data_ptr())); break;
-    default: TORCH_CHECK(false, "cce_block_backward: unsupported gradient dtype ", g.scalar_type());
+    case at::kFloat:
+      launch(g.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      launch(reinterpret_cast<__nv_bfloat16*>(g.data_ptr()));
+      break;
+    case at::kHalf:
+      launch(reinterpret_cast<__half*>(g.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "cce_block_backward: unsupported gradient dtype ", g.scalar_type());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -38,18 +38,30 @@ __device__ __forceinline__ Online merge(Online a, Online b) {
 }
 
 template <typename T>
-__device__ __forceinline__ float to_f(T v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_f(T v) {
+  return static_cast<float>(v);
+}
 template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f<__half>(__half v) {
+  return __half2float(v);
+}
 
 template <typename T>
-__device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
+__device__ __forceinline__ T from_f(float v) {
+  return static_cast<T>(v);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
 template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half(v);
+}
 
 // Folds k consecutive values (already scaled by 1/temp) into the thread's state with one rescale.
 template <int K>
@@ -99,6 +111,8 @@ __device__ __forceinline__ float scale(float x, float temp) { return temp == 1.f
 
 // Elements per 16-byte vector for T.
 template <typename T>
-constexpr int vec_elems() { return 16 / sizeof(T); }
+constexpr int vec_elems() {
+  return 16 / sizeof(T);
+}
 
 }  // namespace rlt::cuda

@@ -29,10 +29,10 @@ namespace {
 constexpr int kThreads = 512;
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(
-    const T* __restrict__ logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
-    int64_t V, float temp, bool vec_ok, float* __restrict__ logp, float* __restrict__ lse,
-    float* __restrict__ entropy) {
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
+                   int64_t V, float temp, bool vec_ok, float* __restrict__ logp, float* __restrict__ lse,
+                   float* __restrict__ entropy) {
   const int64_t r = blockIdx.x;
   const int64_t row = rows ? rows[r] : r;
   const T* x = logits + row * V;
@@ -67,10 +67,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) backward_kernel(
-    const T* logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
-    const float* __restrict__ lse, const float* __restrict__ entropy, const float* __restrict__ glp,
-    const float* __restrict__ gH, int64_t V, float temp, bool vec_ok, T* grad) {
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const T* logits, const int64_t* __restrict__ rows, const int64_t* __restrict__ targets,
+                    const float* __restrict__ lse, const float* __restrict__ entropy, const float* __restrict__ glp,
+                    const float* __restrict__ gH, int64_t V, float temp, bool vec_ok, T* grad) {
   const int64_t r = blockIdx.x;
   const int64_t row = rows ? rows[r] : r;
   const T* x = logits + row * V;
@@ -109,10 +109,17 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(
 template <typename F>
 void dispatch(at::ScalarType t, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kHalf: f(__half{}); break;
-    default: TORCH_CHECK(false, "selective CUDA kernel: unsupported dtype ", t);
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(__nv_bfloat16{});
+      break;
+    case at::kHalf:
+      f(__half{});
+      break;
+    default:
+      TORCH_CHECK(false, "selective CUDA kernel: unsupported dtype ", t);
   }
 }
 
@@ -122,8 +129,8 @@ bool aligned16(const void* p, int64_t V, int64_t elem) {
 
 }  // namespace
 
-void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
-                       double temperature, at::Tensor& logprob, at::Tensor& lse, at::Tensor* entropy) {
+void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets, double temperature,
+                       at::Tensor& logprob, at::Tensor& lse, at::Tensor* entropy) {
   TORCH_CHECK(logits.is_cuda() && logits.is_contiguous() && logits.dim() == 2, "logits must be contiguous CUDA (T, V)");
   TORCH_CHECK(targets.is_cuda() && targets.is_contiguous(), "targets must be contiguous CUDA");
   TORCH_CHECK(logprob.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "fp32 outputs expected");
@@ -134,17 +141,17 @@ void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const a
   dispatch(logits.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* x = reinterpret_cast<const T*>(logits.data_ptr());
-    forward_kernel<T><<<N, kThreads, 0, stream>>>(
-        x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr, targets.data_ptr<int64_t>(), V, temp,
-        aligned16(x, V, sizeof(T)), logprob.data_ptr<float>(), lse.data_ptr<float>(),
-        entropy ? entropy->data_ptr<float>() : nullptr);
+    forward_kernel<T><<<N, kThreads, 0, stream>>>(x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr,
+                                                  targets.data_ptr<int64_t>(), V, temp, aligned16(x, V, sizeof(T)),
+                                                  logprob.data_ptr<float>(), lse.data_ptr<float>(),
+                                                  entropy ? entropy->data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
 void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& targets,
-                        const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& glp,
-                        const at::Tensor& gH, double temperature, at::Tensor& grad) {
+                        const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& glp, const at::Tensor& gH,
+                        double temperature, at::Tensor& grad) {
   TORCH_CHECK(grad.is_contiguous() && grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type(),
               "grad must be a contiguous tensor like logits");
   const int64_t N = targets.size(0), V = logits.size(1);

@@ -3,8 +3,8 @@
 // reject a known-bad input (expect_tolerance_bites), so a tolerance can never accept everything.
 #pragma once
 
-#include <gtest/gtest.h>
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <sstream>
 #include <string>
@@ -25,15 +25,16 @@ inline ::testing::AssertionResult close(const at::Tensor& actual, const at::Tens
   if (excess.flatten()[worst].item<double>() > 0) {
     std::ostringstream os;
     os << what << ": element " << worst << " = " << a.flatten()[worst].item<double>() << ", expected "
-       << e.flatten()[worst].item<double>() << " (atol " << atol.to(at::kCPU).to(at::kDouble).expand_as(e).flatten()[worst].item<double>() << ", rtol " << rtol
+       << e.flatten()[worst].item<double>() << " (atol "
+       << atol.to(at::kCPU).to(at::kDouble).expand_as(e).flatten()[worst].item<double>() << ", rtol " << rtol
        << "), max abs diff " << (a - e).abs().max().item<double>();
     return ::testing::AssertionFailure() << os.str();
   }
   return ::testing::AssertionSuccess();
 }
 
-inline ::testing::AssertionResult close(const at::Tensor& actual, const at::Tensor& expected, double atol,
-                                        double rtol, const std::string& what) {
+inline ::testing::AssertionResult close(const at::Tensor& actual, const at::Tensor& expected, double atol, double rtol,
+                                        const std::string& what) {
   return close(actual, expected, at::scalar_tensor(atol, at::kDouble), rtol, what);
 }
 
@@ -59,9 +60,9 @@ inline void expect_tolerance_bites(const at::Tensor& actual, const at::Tensor& e
 }
 
 // Both at once: the result is close, and the tolerance is not vacuous.
-#define RLT_EXPECT_CLOSE(actual, expected, atol, rtol, what)                            \
-  do {                                                                                 \
-    EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)));  \
+#define RLT_EXPECT_CLOSE(actual, expected, atol, rtol, what)                              \
+  do {                                                                                    \
+    EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)));     \
     ::rlt::testing::expect_tolerance_bites((actual), (expected), (atol), (rtol), (what)); \
   } while (0)
 

@@ -3,9 +3,9 @@
 // every element of every input.
 #pragma once
 
-#include <gtest/gtest.h>
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <functional>
@@ -42,8 +42,8 @@ inline ::testing::AssertionResult gradcheck(const std::function<at::Tensor(const
       flat[i] = x0;
       const double num = (fp - fm) / (2 * kGradcheckStep), a = ana[i].item<double>();
       if (std::abs(num - a) > kGradcheckTol * (1 + std::abs(a))) {
-        return ::testing::AssertionFailure() << what << ": input " << k << " element " << i << ": autograd " << a
-                                             << " vs finite difference " << num;
+        return ::testing::AssertionFailure()
+               << what << ": input " << k << " element " << i << ": autograd " << a << " vs finite difference " << num;
       }
     }
   }

@@ -43,7 +43,7 @@ at::Tensor make_targets(int64_t T, int64_t V, uint64_t seed, at::Device dev = at
 }
 
 struct Result {
-  at::Tensor lp, H, grad;  // (T), (T) or undefined, d/dlogits (T, V)
+  at::Tensor lp, H, grad;      // (T), (T) or undefined, d/dlogits (T, V)
   at::Tensor lse_sensitivity;  // reference only: p_v (|glp| + |gH| (2 + |log p_v + H|)) / temp, (T, V)
 };
 
@@ -59,19 +59,21 @@ Result reference(const at::Tensor& logits, const at::Tensor& targets, double tem
   at::Tensor x = logits.detach().to(at::kCPU).to(at::kDouble).requires_grad_(true);
   auto [lp, H] = naive_logprobs(x, targets.to(at::kCPU), temp, true);
   auto [u1, u2] = upstream(x.size(0), 7);
-  if (row_mask.defined()) u1 = u1 * row_mask.to(at::kCPU).to(at::kDouble), u2 = u2 * row_mask.to(at::kCPU).to(at::kDouble);
+  if (row_mask.defined())
+    u1 = u1 * row_mask.to(at::kCPU).to(at::kDouble), u2 = u2 * row_mask.to(at::kCPU).to(at::kDouble);
   at::Tensor loss = (u1 * lp).sum();
   if (entropy_grad) loss = loss + (u2 * H).sum();
   auto g = torch::autograd::grad({loss}, {x});
   at::NoGradGuard ng;
   at::Tensor logp_all = at::log_softmax(x.detach() / temp, 1);  // (T, V)
   at::Tensor gH = entropy_grad ? u2.abs().unsqueeze(1) : at::zeros_like(u2).unsqueeze(1);
-  at::Tensor sens = logp_all.exp() * (u1.abs().unsqueeze(1) + gH * (2 + (logp_all + H.detach().unsqueeze(1)).abs())) / temp;
+  at::Tensor sens =
+      logp_all.exp() * (u1.abs().unsqueeze(1) + gH * (2 + (logp_all + H.detach().unsqueeze(1)).abs())) / temp;
   return {lp.detach(), H.detach(), g[0], sens};
 }
 
-Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt,
-            const RowSelection& rows = {}, const at::Tensor& row_mask = at::Tensor()) {
+Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt, const RowSelection& rows = {},
+            const at::Tensor& row_mask = at::Tensor()) {
   at::Tensor x = logits.detach().clone().requires_grad_(true);
   LogprobInputs in;
   in.logits = x;
@@ -106,10 +108,13 @@ void expect_matches_reference(const at::Tensor& logits, const at::Tensor& target
   const double lp_atol = fp64 ? kAtolFp64 : kLogprobAtol;
   RLT_EXPECT_CLOSE(o.lp, r.lp, lp_atol, 0.0, what + " logprobs");
   if (opt.entropy != EntropyMode::kNone) RLT_EXPECT_CLOSE(o.H, r.H, lp_atol, 0.0, what + " entropy");
-  const double g_rtol = fp64 ? 0.0 : dt == at::kBFloat16 ? kGradRtolBf16 : dt == at::kHalf ? kGradRtolFp16 : kGradRtolFp32;
-  const at::Tensor g_atol = fp64 ? at::scalar_tensor(kAtolFp64, at::kDouble)
-                          : half ? at::scalar_tensor(kGradAtolHalf, at::kDouble) + kLseErrFp32 * r.lse_sensitivity
-                                 : kGradAtolFp32 + kLseErrFp32 * r.lse_sensitivity;
+  const double g_rtol = fp64                  ? 0.0
+                        : dt == at::kBFloat16 ? kGradRtolBf16
+                        : dt == at::kHalf     ? kGradRtolFp16
+                                              : kGradRtolFp32;
+  const at::Tensor g_atol = fp64   ? at::scalar_tensor(kAtolFp64, at::kDouble)
+                            : half ? at::scalar_tensor(kGradAtolHalf, at::kDouble) + kLseErrFp32 * r.lse_sensitivity
+                                   : kGradAtolFp32 + kLseErrFp32 * r.lse_sensitivity;
   // The reference gradient rounded to the logits dtype is what a perfect kernel would store.
   RLT_EXPECT_CLOSE(o.grad, r.grad.to(dt).to(at::kDouble), g_atol, g_rtol, what + " grad");
 }
@@ -169,8 +174,8 @@ RowSelection windows(at::Device dev = at::kCPU) {
 
 at::Tensor window_mask(int64_t T) {
   at::Tensor m = at::zeros({T}, at::kBool);
-  m.narrow(0, 3, 9).fill_(true);   // [3, 12)
-  m.narrow(0, 20, 17).fill_(true); // [20, 37)
+  m.narrow(0, 3, 9).fill_(true);    // [3, 12)
+  m.narrow(0, 20, 17).fill_(true);  // [20, 37)
   return m;
 }
 
@@ -287,8 +292,9 @@ TEST(Logprob, SelectiveGradcheckFloat64) {
         auto [lp, H] = selective_logprobs(logits, r, t, a);
         return (u1 * lp).sum() + (u2 * H).sum();
       };
-      EXPECT_TRUE(rlt::testing::gradcheck(F, {make_logits(T, V, at::kDouble, 61)},
-                                          "selective subset=" + std::to_string(subset) + " temp=" + std::to_string(temp)));
+      EXPECT_TRUE(
+          rlt::testing::gradcheck(F, {make_logits(T, V, at::kDouble, 61)},
+                                  "selective subset=" + std::to_string(subset) + " temp=" + std::to_string(temp)));
     }
   }
 }
@@ -323,7 +329,8 @@ TEST(LogprobCuda, KernelMatchesReferenceAndAtenPath) {
         a.use_cuda_kernel = false;
         auto c = selective_logprobs(logits, r, t, a);
         RLT_EXPECT_CLOSE(k.first, c.first, kLogprobAtol, 0.0, "kernel vs aten logprobs");
-        if (ent != EntropyMode::kNone) RLT_EXPECT_CLOSE(k.second, c.second, kLogprobAtol, 0.0, "kernel vs aten entropy");
+        if (ent != EntropyMode::kNone)
+          RLT_EXPECT_CLOSE(k.second, c.second, kLogprobAtol, 0.0, "kernel vs aten entropy");
       }
     }
   }

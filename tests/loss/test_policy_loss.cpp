@@ -67,8 +67,7 @@ OneToken one_token(double log_ratio, double advantage, const PolicyLossOptions& 
   in.loss_mask = at::ones({1, 1}, at::kDouble);
   const PolicyLossOutput out = policy_loss(in, opt);
   out.loss.backward();
-  return {val(out.loss), val(out.pg_loss), val(out.clip_frac), val(out.dual_clip_frac),
-          val(in.logprobs.grad())};
+  return {val(out.loss), val(out.pg_loss), val(out.clip_frac), val(out.dual_clip_frac), val(in.logprobs.grad())};
 }
 
 PolicyLossOptions clip_higher() {  // DAPO: ratio range [0.8, 1.28]
@@ -131,7 +130,7 @@ TEST(PolicyLoss, DualClip) {
   EXPECT_TRUE(near(t.loss, 3.0, kTolF64)) << t.loss;
   EXPECT_TRUE(near(t.dloss_dlogprob, 0.0, kTolF64));
   EXPECT_TRUE(near(t.dual_clip_frac, 1.0, kTolF64));
-  EXPECT_TRUE(near(t.clip_frac, 0.0, kTolF64));  // pg2 = 1.2 is not the max
+  EXPECT_TRUE(near(t.clip_frac, 0.0, kTolF64));                     // pg2 = 1.2 is not the max
   EXPECT_FALSE(near(t.loss, 3.0 + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
   // Same ratio, A=+1: dual clip does not apply -> max(-20.0855, -1.2) = -1.2.
   t = one_token(3.0, 1.0, opt);
@@ -254,8 +253,8 @@ TEST(AggregateLoss, AllModesWithEmptySequence) {
     EXPECT_TRUE(near(empty, 0.0, kTolF64)) << empty;
   }
   // A bool mask gives the same as the float one.
-  EXPECT_TRUE(near(val(aggregate_loss(per_token, mask.to(at::kBool), LossAgg::kTokenMean, 0.0, 0.0)), 29.0 / 6,
-                   kTolF64));
+  EXPECT_TRUE(
+      near(val(aggregate_loss(per_token, mask.to(at::kBool), LossAgg::kTokenMean, 0.0, 0.0)), 29.0 / 6, kTolF64));
   EXPECT_THROW(aggregate_loss(per_token, mask, LossAgg::kSeqMeanTokenSumNorm, /*agg_norm=*/0.0, 0.0), c10::Error);
   EXPECT_THROW(aggregate_loss(per_token, mask.narrow(1, 0, 3), LossAgg::kTokenMean, 0.0, 0.0), c10::Error);
 }
@@ -269,15 +268,15 @@ Batch make_batch() {
   constexpr int64_t S = 5, L = 7;
   at::manual_seed(7);
   Batch b;
-  b.logprobs = -3.0 * at::rand({S, L}, at::kDouble);                        // (S, L)
-  b.logprobs_old = b.logprobs + 0.4 * at::randn({S, L}, at::kDouble);       // (S, L)
-  b.logprobs_ref = b.logprobs + 0.3 * at::randn({S, L}, at::kDouble);       // (S, L)
-  b.entropy = 2.0 * at::rand({S, L}, at::kDouble);                          // (S, L)
-  b.advantages = vec({-1.5, 0.7, 1.2, -0.4, 2.0});                          // (S) per sequence (GRPO)
+  b.logprobs = -3.0 * at::rand({S, L}, at::kDouble);                   // (S, L)
+  b.logprobs_old = b.logprobs + 0.4 * at::randn({S, L}, at::kDouble);  // (S, L)
+  b.logprobs_ref = b.logprobs + 0.3 * at::randn({S, L}, at::kDouble);  // (S, L)
+  b.entropy = 2.0 * at::rand({S, L}, at::kDouble);                     // (S, L)
+  b.advantages = vec({-1.5, 0.7, 1.2, -0.4, 2.0});                     // (S) per sequence (GRPO)
   const int64_t lengths[S] = {7, 3, 0, 5, 1};
-  b.loss_mask = at::zeros({S, L}, at::kDouble);                             // (S, L)
+  b.loss_mask = at::zeros({S, L}, at::kDouble);  // (S, L)
   for (int64_t s = 0; s < S; ++s) b.loss_mask[s].narrow(0, 0, lengths[s]).fill_(1.0);
-  b.loss_mask[3][2] = 0.0;                                                  // tool output inside a response
+  b.loss_mask[3][2] = 0.0;                        // tool output inside a response
   b.logprobs_old[0][1] = b.logprobs[0][1] - 3.0;  // ratio e^3 with A = -1.5 -> dual clip
   b.logprobs_old[4][0] = b.logprobs[4][0] - 1.0;  // ratio e with A = 2 -> clipped at 1.28
   b.logprobs_old[1].narrow(0, 3, 4).fill_(-1e4);  // padding garbage: e^{1e4} would overflow
@@ -360,10 +359,10 @@ TEST(PolicyLoss, GradientMatchesFiniteDifference) {
   // clip) and with each KL estimator and the entropy term added.
   constexpr int64_t S = 3, L = 5;
   at::manual_seed(11);
-  const at::Tensor logprobs = -2.0 * at::rand({S, L}, at::kDouble);               // (S, L)
-  at::Tensor logprobs_old = logprobs + 0.3 * at::randn({S, L}, at::kDouble);      // (S, L)
+  const at::Tensor logprobs = -2.0 * at::rand({S, L}, at::kDouble);                 // (S, L)
+  at::Tensor logprobs_old = logprobs + 0.3 * at::randn({S, L}, at::kDouble);        // (S, L)
   const at::Tensor logprobs_ref = logprobs + 0.3 * at::randn({S, L}, at::kDouble);  // (S, L)
-  at::Tensor advantages = at::randn({S, L}, at::kDouble);                         // (S, L) per token
+  at::Tensor advantages = at::randn({S, L}, at::kDouble);                           // (S, L) per token
   logprobs_old[0][0] = logprobs[0][0] - 2.0;  // ratio e^2 = 7.39 > c = 3 with A = -1: dual clip
   advantages[0][0] = -1.0;
   at::Tensor mask = at::ones({S, L}, at::kDouble);

@@ -77,7 +77,8 @@ TEST(Config, UnknownSection) {
 }
 
 TEST(Config, WrongTypes) {
-  expect_error(write_yaml("t1.yaml", "loss:\n  response_only: maybe\n"), {}, {":2", "loss.response_only", "true or false"});
+  expect_error(write_yaml("t1.yaml", "loss:\n  response_only: maybe\n"), {},
+               {":2", "loss.response_only", "true or false"});
   expect_error(write_yaml("t2.yaml", "loss:\n\n  chunk_size: 1.5\n"), {}, {":3", "loss.chunk_size", "integer"});
   expect_error(write_yaml("t3.yaml", "loss:\n  temperature: hot\n"), {}, {":2", "loss.temperature", "number"});
   expect_error(write_yaml("t4.yaml", "loss:\n  impl: fast\n"), {}, {":2", "loss.impl", "naive | selective | cce"});
