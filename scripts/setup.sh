@@ -28,7 +28,13 @@ if ! has_torch "$py"; then
     python3 -m venv .venv && py=.venv/bin/python && "$py" -m pip install -q torch==2.11.0
   fi
 fi
+# transformers makes the reference checkpoints the model tests compare against (tests/model/).
+if ! "$py" -c 'import transformers, safetensors, sys; sys.exit(0 if transformers.__version__ == "5.17.0" else 1)' 2>/dev/null; then
+  echo "setup: installing transformers==5.17.0 safetensors (reference models for the tests)"
+  "$py" -m pip install -q transformers==5.17.0 safetensors
+fi
 torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null | tail -n1)
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" "$@"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+  -DPython3_EXECUTABLE="$("$py" -c 'import sys; print(sys.executable)')" "$@"
 cmake --build build -j "$(nproc)"

@@ -1,0 +1,340 @@
+// The decoder forward, following the Hugging Face reference implementations operation by operation
+// (RMSNorm in fp32, RoPE tables in fp32, attention softmax in fp32), so that fp32 logits agree with
+// transformers to ~1e-5 (tests/model/test_transformer.cpp).
+#include "model/transformer.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "model/safetensors.h"
+
+namespace rlt {
+
+namespace {
+
+// RMSNorm over the last dim in fp32 (HF): llama-style w * x_hat cast back; gemma-style x_hat * (1 + w).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (gemma) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  return w * xf.to(x.scalar_type());
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+// [x1, x2] -> [-x2, x1] on the last dim (RoPE's rotate_half).
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+// Inverse frequencies (hd / 2) in fp32, as transformers computes them (default and llama3 rope types).
+at::Tensor inv_frequencies(const ModelConfig& c, const at::Device& dev) {
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / double(c.head_dim);
+  at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(c.rope_theta, f32), exponent);
+  if (c.rope_type == "llama3") {
+    const double old_ctx = double(c.rope_original_max_positions);
+    const double low_wavelen = old_ctx / c.rope_low_freq_factor, high_wavelen = old_ctx / c.rope_high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / c.rope_factor, inv);
+    at::Tensor smooth =
+        (old_ctx / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / c.rope_factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
+    inv = at::where(medium, smoothed, scaled);
+  }
+  return inv;
+}
+
+// The parameters of a model: HF name -> shape, in a fixed order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const ModelConfig& c) {
+  const int64_t D = c.hidden_size, F = c.intermediate_size, qd = c.num_heads * c.head_dim,
+                kvd = c.num_kv_heads * c.head_dim;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> s;
+  s.push_back({"model.embed_tokens.weight", {c.vocab_size, D}});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    s.push_back({p + "input_layernorm.weight", {D}});
+    s.push_back({p + "self_attn.q_proj.weight", {qd, D}});
+    s.push_back({p + "self_attn.k_proj.weight", {kvd, D}});
+    s.push_back({p + "self_attn.v_proj.weight", {kvd, D}});
+    s.push_back({p + "self_attn.o_proj.weight", {D, qd}});
+    if (c.qkv_bias) {
+      s.push_back({p + "self_attn.q_proj.bias", {qd}});
+      s.push_back({p + "self_attn.k_proj.bias", {kvd}});
+      s.push_back({p + "self_attn.v_proj.bias", {kvd}});
+    }
+    if (c.o_bias) s.push_back({p + "self_attn.o_proj.bias", {D}});
+    if (c.qk_norm) {
+      s.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      s.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
+    s.push_back({p + "post_attention_layernorm.weight", {D}});
+    if (c.gemma_norms) {
+      s.push_back({p + "pre_feedforward_layernorm.weight", {D}});
+      s.push_back({p + "post_feedforward_layernorm.weight", {D}});
+    }
+    s.push_back({p + "mlp.gate_proj.weight", {F, D}});
+    s.push_back({p + "mlp.up_proj.weight", {F, D}});
+    s.push_back({p + "mlp.down_proj.weight", {D, F}});
+  }
+  s.push_back({"model.norm.weight", {D}});
+  if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, D}});
+  return s;
+}
+
+// Activation checkpointing: the layer runs without a graph in the forward and again, with one, in the
+// backward (reentrant, as torch.utils.checkpoint's original form), which accumulates the parameter
+// gradients directly and returns the input's. The layer closure lives in the autograd context (a
+// capsule), so it lasts exactly as long as the graph that needs it.
+struct LayerFnHolder : torch::CustomClassHolder {
+  explicit LayerFnHolder(std::function<at::Tensor(const at::Tensor&)> f) : fn(std::move(f)) {}
+  std::function<at::Tensor(const at::Tensor&)> fn;
+};
+
+class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                                                c10::intrusive_ptr<LayerFnHolder> layer) {
+    ctx->save_for_backward({h});
+    at::Tensor out;
+    {
+      at::NoGradGuard ng;
+      out = layer->fn(h);
+    }
+    ctx->saved_data["layer"] = c10::IValue::make_capsule(std::move(layer));
+    return {out};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    auto layer = c10::static_intrusive_pointer_cast<LayerFnHolder>(ctx->saved_data["layer"].toCapsule());
+    at::Tensor out;
+    {
+      at::AutoGradMode on(true);
+      out = layer->fn(h);
+    }
+    torch::autograd::backward({out}, {grads[0]});
+    return {h.grad(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+KvCache KvCache::allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts) {
+  KvCache kv;
+  kv.max_len = max_len;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    kv.k.push_back(at::zeros({batch, c.num_kv_heads, max_len, c.head_dim}, opts));
+    kv.v.push_back(at::zeros({batch, c.num_kv_heads, max_len, c.head_dim}, opts));
+  }
+  return kv;
+}
+
+void Transformer::bind_names() {
+  const ModelConfig& c = config_;
+  by_name_.clear();
+  layers_.resize(c.num_layers);
+  by_name_["model.embed_tokens.weight"] = &embed_;
+  by_name_["model.norm.weight"] = &final_norm_;
+  if (!c.tie_word_embeddings) by_name_["lm_head.weight"] = &lm_head_;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer& l = layers_[i];
+    by_name_[p + "input_layernorm.weight"] = &l.input_norm;
+    by_name_[p + "self_attn.q_proj.weight"] = &l.q_w;
+    by_name_[p + "self_attn.k_proj.weight"] = &l.k_w;
+    by_name_[p + "self_attn.v_proj.weight"] = &l.v_w;
+    by_name_[p + "self_attn.o_proj.weight"] = &l.o_w;
+    by_name_[p + "self_attn.q_proj.bias"] = &l.q_b;
+    by_name_[p + "self_attn.k_proj.bias"] = &l.k_b;
+    by_name_[p + "self_attn.v_proj.bias"] = &l.v_b;
+    by_name_[p + "self_attn.o_proj.bias"] = &l.o_b;
+    by_name_[p + "self_attn.q_norm.weight"] = &l.q_norm;
+    by_name_[p + "self_attn.k_norm.weight"] = &l.k_norm;
+    by_name_[p + "post_attention_layernorm.weight"] = &l.post_attn_norm;
+    by_name_[p + "pre_feedforward_layernorm.weight"] = &l.pre_ff_norm;
+    by_name_[p + "post_feedforward_layernorm.weight"] = &l.post_ff_norm;
+    by_name_[p + "mlp.gate_proj.weight"] = &l.gate_w;
+    by_name_[p + "mlp.up_proj.weight"] = &l.up_w;
+    by_name_[p + "mlp.down_proj.weight"] = &l.down_w;
+  }
+}
+
+Transformer::Transformer(ModelConfig config, at::ScalarType dtype, at::Device device, uint64_t seed)
+    : config_(std::move(config)) {
+  bind_names();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (const auto& [name, shape] : parameter_shapes(config_)) {
+    const bool norm = name.find("norm") != std::string::npos, bias = name.find(".bias") != std::string::npos;
+    at::Tensor t = at::empty(shape, at::kFloat);
+    if (bias)
+      t.zero_();
+    else if (norm)
+      t.fill_(config_.gemma_norms ? 0.0 : 1.0);  // gemma scales by (1 + w)
+    else
+      t.normal_(0.0, 0.02, gen);
+    *by_name_.at(name) = t.to(device, dtype).requires_grad_(true);
+  }
+  if (config_.tie_word_embeddings) lm_head_ = embed_;
+  config_.dtype = dtype;
+}
+
+Transformer Transformer::load(const std::string& dir, at::ScalarType dtype, at::Device device) {
+  Transformer t;
+  t.config_ = load_model_config(dir);
+  t.bind_names();
+  const auto reader = safetensors::Reader::open(dir);
+  for (const auto& [name, shape] : parameter_shapes(t.config_)) {
+    *t.by_name_.at(name) = reader.load(name, shape, dtype).to(device).requires_grad_(true);
+  }
+  if (t.config_.tie_word_embeddings) t.lm_head_ = t.embed_;
+  t.config_.dtype = dtype;
+  return t;
+}
+
+void Transformer::save(const std::string& dir, uint64_t max_shard_bytes) const {
+  std::filesystem::create_directories(dir);
+  nlohmann::json cfg = config_.raw;
+  const char* dt = config_.dtype == at::kBFloat16 ? "bfloat16" : config_.dtype == at::kHalf ? "float16" : "float32";
+  cfg[cfg.contains("torch_dtype") && !cfg.contains("dtype") ? "torch_dtype" : "dtype"] = dt;
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  {
+    std::ofstream f(path + ".tmp");
+    f << cfg.dump(2) << "\n";
+    if (!f) throw std::runtime_error(path + ": cannot write");
+  }
+  std::filesystem::rename(path + ".tmp", path);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : named_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+  safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Transformer::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, ptr] : by_name_) {  // std::map: sorted by name
+    if (ptr->defined()) out.emplace_back(name, *ptr);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Transformer::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+const at::Tensor& Transformer::lm_head() const { return lm_head_; }
+
+at::Tensor Transformer::logits(const at::Tensor& hidden) const {
+  at::Tensor z = at::matmul(hidden, lm_head_.t());  // (…, V)
+  if (config_.final_softcap > 0) z = at::tanh(z / config_.final_softcap) * config_.final_softcap;
+  return z;
+}
+
+at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& mask, KvCache* cache) const {
+  const ModelConfig& c = config_;
+  const Layer& l = layers_[i];
+  const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
+  const bool gemma = c.gemma_norms;
+
+  // Attention block.
+  at::Tensor x = rms_norm(h, l.input_norm, c.rms_norm_eps, gemma);               // (B, L, D)
+  at::Tensor q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});                    // (B, L, H, hd)
+  at::Tensor k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});                  // (B, L, Hkv, hd)
+  at::Tensor v = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd}).transpose(1, 2);  // (B, Hkv, L, hd)
+  if (c.qk_norm) {
+    q = rms_norm(q, l.q_norm, c.rms_norm_eps, false);
+    k = rms_norm(k, l.k_norm, c.rms_norm_eps, false);
+  }
+  q = q.transpose(1, 2);  // (B, H, L, hd)
+  k = k.transpose(1, 2);  // (B, Hkv, L, hd)
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  if (cache) {
+    const int64_t past = cache->length;
+    cache->k[i].narrow(2, past, L).copy_(k);
+    cache->v[i].narrow(2, past, L).copy_(v);
+    k = cache->k[i].narrow(2, 0, past + L);  // (B, Hkv, S, hd)
+    v = cache->v[i].narrow(2, 0, past + L);
+  }
+  at::Tensor a;  // (B, H, L, hd)
+  if (c.attn_softcap > 0) {
+    // gemma2: scores are soft-capped before the mask, which SDPA cannot do: the eager form.
+    at::Tensor kr = k.repeat_interleave(H / Hkv, 1), vr = v.repeat_interleave(H / Hkv, 1);
+    at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, S)
+    s = at::tanh(s / c.attn_softcap) * c.attn_softcap;
+    s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    a = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vr);
+  } else {
+    a = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale,
+                                         /*enable_gqa=*/H != Hkv);
+  }
+  at::Tensor o = linear(a.transpose(1, 2).reshape({B, L, H * hd}), l.o_w, l.o_b);  // (B, L, D)
+  if (gemma) o = rms_norm(o, l.post_attn_norm, c.rms_norm_eps, true);
+  at::Tensor h2 = h + o;
+
+  // MLP block: down(act(gate(x)) * up(x)).
+  x = rms_norm(h2, gemma ? l.pre_ff_norm : l.post_attn_norm, c.rms_norm_eps, gemma);
+  at::Tensor g = at::linear(x, l.gate_w);
+  g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
+  at::Tensor m = at::linear(g * at::linear(x, l.up_w), l.down_w);  // (B, L, D)
+  if (gemma) m = rms_norm(m, l.post_ff_norm, c.rms_norm_eps, true);
+  return h2 + m;
+}
+
+at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
+                                KvCache* cache) const {
+  const ModelConfig& c = config_;
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be (B, L) int64, got ", ids.sizes());
+  TORCH_CHECK(positions.sizes() == ids.sizes(), "positions must be shaped like ids");
+  const int64_t B = ids.size(0), L = ids.size(1);
+  const int64_t past = cache ? cache->length : 0, S = past + L;
+  TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
+  const auto dev = embed_.device();
+
+  at::Tensor h = embed_.index_select(0, ids.reshape({-1})).view({B, L, c.hidden_size});  // (B, L, D)
+  if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
+
+  // RoPE tables (B, 1, L, hd) in fp32, then the activation dtype.
+  at::Tensor freqs = positions.to(dev).to(at::kFloat).unsqueeze(-1) * inv_frequencies(c, dev);  // (B, L, hd/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);
+  at::Tensor cos = emb.cos().to(h.scalar_type()), sin = emb.sin().to(h.scalar_type());
+
+  // Which slots each new position may attend to (B, 1, L, S): causal by slot, padding from the mask, and
+  // on sliding layers only the last `window` slots. A position may always see itself, so a padded
+  // position's row is never empty (an empty row would make NaNs that 0-weights cannot cancel).
+  at::Tensor q_slot = at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev)).view({L, 1});
+  at::Tensor k_slot = at::arange(0, S, at::TensorOptions().dtype(at::kLong).device(dev)).view({1, S});
+  at::Tensor causal = (k_slot <= q_slot).view({1, 1, L, S});
+  at::Tensor keep = attention_mask.defined() ? (attention_mask.to(dev) != 0).view({B, 1, 1, S})
+                                             : at::ones({B, 1, 1, S}, causal.options());
+  at::Tensor self = (k_slot == q_slot).view({1, 1, L, S});
+  at::Tensor full_mask = (causal & keep) | self;
+  at::Tensor sliding_mask;
+  if (c.sliding_window > 0)
+    sliding_mask = (causal & keep & (k_slot > q_slot - c.sliding_window).view({1, 1, L, S})) | self;
+
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const at::Tensor& mask = c.sliding_layers[i] ? sliding_mask : full_mask;
+    if (checkpointing_ && !cache && at::GradMode::is_enabled()) {
+      auto layer = c10::make_intrusive<LayerFnHolder>(
+          [this, i, cos, sin, mask](const at::Tensor& x) { return layer_forward(i, x, cos, sin, mask, nullptr); });
+      h = CheckpointFn::apply(h, std::move(layer))[0];
+    } else {
+      h = layer_forward(i, h, cos, sin, mask, cache);
+    }
+  }
+  if (cache) cache->length = S;
+  return rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
+}
+
+}  // namespace rlt

@@ -1,0 +1,79 @@
+// A decoder-only transformer (llama, mistral, qwen2, qwen3, gemma2 by config) that returns hidden states
+// before the LM head: the loss module (loss/logprob.h) applies the head, so CCE never builds logits.
+// Parameters are plain tensors under their Hugging Face names, so loading and saving is a name-for-name
+// copy; the forward is functional ATen, readable top to bottom. Leaves out: dropout (RL fine-tuning
+// runs without it), MoE, rope types other than default and llama3.
+//
+// Shapes: B sequences, L new positions, S cache slots (positions already cached + L), D hidden,
+// H / Hkv query / key-value heads, hd head size, F MLP width, V vocabulary.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+
+namespace rlt {
+
+// Keys and values of every layer for incremental decoding, allocated once for B sequences of up to
+// max_len slots.
+struct KvCache {
+  std::vector<at::Tensor> k, v;  // per layer: (B, Hkv, max_len, hd)
+  int64_t length = 0;            // slots filled so far
+  int64_t max_len = 0;
+  static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
+};
+
+class Transformer {
+ public:
+  // Random initialisation (normal(0, 0.02) weights, unit norms) in `dtype` on `device`.
+  Transformer(ModelConfig config, at::ScalarType dtype, at::Device device, uint64_t seed = 0);
+  // Loads config.json + safetensors (single or sharded) from `dir`, casting to `dtype`. Missing tensors,
+  // shape mismatches and corrupt files raise an error naming the file and the tensor.
+  static Transformer load(const std::string& dir, at::ScalarType dtype, at::Device device);
+  // Writes config.json (every key it was loaded with, dtype updated) and the weights under their HF
+  // names (sharded above max_shard_bytes), so transformers can load the folder.
+  void save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
+
+  // ids (B, L) int64; positions (B, L) int64 RoPE positions; attention_mask (B, S) 0/1 over all slots
+  // (cached + new; undefined = all 1). With a cache, the new keys/values go to slots
+  // [cache->length, cache->length + L) and cache->length advances. Returns hidden states (B, L, D) after
+  // the final norm.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
+                     KvCache* cache = nullptr) const;
+
+  // (V, D): the LM head (the embedding when tied). Its final-logit softcap (0 = none) is config().final_softcap.
+  const at::Tensor& lm_head() const;
+  // logits (…, V) from hidden states, softcap included: for tests and sampling; training uses the loss module.
+  at::Tensor logits(const at::Tensor& hidden) const;
+
+  const ModelConfig& config() const { return config_; }
+  // Every parameter under its HF name (tied models have no "lm_head.weight"), sorted by name.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  std::vector<at::Tensor> parameters() const;
+  // Recompute each layer's activations in the backward instead of storing them (reentrant: parameter
+  // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it).
+  void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm;
+    at::Tensor post_attn_norm, pre_ff_norm, post_ff_norm, gate_w, up_w, down_w;
+  };
+  Transformer() = default;
+  void bind_names();
+  at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& mask, KvCache* cache) const;
+
+  ModelConfig config_;
+  at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
+  std::vector<Layer> layers_;
+  std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
+  bool checkpointing_ = false;
+};
+
+}  // namespace rlt

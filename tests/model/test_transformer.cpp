@@ -1,0 +1,272 @@
+// The decoder against transformers: tiny random checkpoints of every supported model_type, made by
+// tests/model/make_reference.py (the ctest fixture model_refs), are loaded here and must give the same
+// fp32 logits (max abs diff <= 1e-4) and the same 16 greedy tokens; KV-cache decoding must equal the
+// full forward; save -> load -> save is byte-identical; corrupt inputs give errors naming what is wrong.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "model/safetensors.h"
+#include "model/transformer.h"
+#include "tests/common/check.h"
+#include "tests/common/tmpdir.h"
+
+namespace rlt {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The issue's parity bound for fp32 logits; observed differences are ~1e-6 (summation order only).
+constexpr double kLogitAtol = 1e-4;
+// KV-cache decode vs one full forward: the same ops on the same values, in a different grouping of rows.
+constexpr double kCacheAtol = 1e-5;
+
+const std::vector<std::string> kCases = {"llama_tied", "llama_untied_rope3", "mistral", "qwen2", "qwen3", "gemma2"};
+
+fs::path case_dir(const std::string& c) { return fs::path(RLT_MODEL_REFS) / c; }
+
+nlohmann::json reference(const std::string& c) {
+  std::ifstream f(case_dir(c) / "reference.json");
+  return nlohmann::json::parse(f);
+}
+
+at::Tensor tensor_of(const nlohmann::json& j, at::ScalarType dt) {
+  // Nested JSON arrays of numbers -> a tensor of their shape.
+  std::vector<int64_t> shape;
+  const nlohmann::json* p = &j;
+  while (p->is_array()) {
+    shape.push_back(static_cast<int64_t>(p->size()));
+    if (p->empty()) break;
+    p = &(*p)[0];
+  }
+  std::vector<double> flat;
+  std::function<void(const nlohmann::json&)> walk = [&](const nlohmann::json& x) {
+    if (x.is_array()) {
+      for (const auto& e : x) walk(e);
+    } else {
+      flat.push_back(x.get<double>());
+    }
+  };
+  walk(j);
+  return at::tensor(flat, at::kDouble).view(shape).to(dt);
+}
+
+at::Tensor arange_positions(int64_t B, int64_t L) {
+  return at::arange(L, at::kLong).unsqueeze(0).expand({B, L}).contiguous();
+}
+
+TEST(Transformer, LogitsAndHiddenStatesMatchTransformers) {
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU);
+    at::NoGradGuard ng;
+    at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0);                          // (1, 24)
+    at::Tensor hidden = model.forward(ids, arange_positions(1, ids.size(1)), at::Tensor());  // (1, 24, D)
+    RLT_EXPECT_CLOSE(hidden[0], tensor_of(ref["hidden_last"], at::kDouble), kLogitAtol, 0.0, c + " hidden");
+    RLT_EXPECT_CLOSE(model.logits(hidden)[0], tensor_of(ref["logits"], at::kDouble), kLogitAtol, 0.0, c + " logits");
+  }
+}
+
+TEST(Transformer, LeftPaddedBatchMatchesTransformers) {
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU);
+    at::NoGradGuard ng;
+    at::Tensor ids = tensor_of(ref["batch_ids"], at::kLong), mask = tensor_of(ref["batch_mask"], at::kLong);
+    at::Tensor pos = tensor_of(ref["batch_positions"], at::kLong);
+    at::Tensor logits = model.logits(model.forward(ids, pos, mask));  // (2, 10, V)
+    at::Tensor expected = tensor_of(ref["batch_logits"], at::kDouble);
+    const at::Tensor real = mask.to(at::kBool);  // padded positions carry no meaning
+    RLT_EXPECT_CLOSE(logits.index({real}), expected.index({real}), kLogitAtol, 0.0, c + " batch logits");
+  }
+}
+
+// Greedy continuation through the KV cache: prefill the prompt, then one token per step. Returns the
+// tokens and the logits (steps, V) each was chosen from.
+std::pair<std::vector<int64_t>, at::Tensor> greedy(const Transformer& m, const at::Tensor& prompt, int64_t steps) {
+  at::NoGradGuard ng;
+  KvCache cache = KvCache::allocate(m.config(), 1, prompt.size(0) + steps, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor ids = prompt.unsqueeze(0);
+  at::Tensor h = m.forward(ids, arange_positions(1, ids.size(1)), at::Tensor(), &cache);
+  std::vector<int64_t> out;
+  std::vector<at::Tensor> logits;
+  for (int64_t s = 0; s < steps; ++s) {
+    logits.push_back(m.logits(h.select(1, h.size(1) - 1))[0]);  // (V)
+    const int64_t next = logits.back().argmax(-1).item<int64_t>();
+    out.push_back(next);
+    at::Tensor pos = at::full({1, 1}, cache.length, at::kLong);
+    h = m.forward(at::full({1, 1}, next, at::kLong), pos, at::Tensor(), &cache);
+  }
+  return {out, at::stack(logits)};
+}
+
+TEST(Transformer, GreedyTokensMatchTransformers) {
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU);
+    at::Tensor prompt = tensor_of(ref["ids"], at::kLong).narrow(0, 0, ref["prompt_len"].get<int64_t>());
+    auto [tokens, logits] = greedy(model, prompt, 16);
+    EXPECT_EQ(tokens, ref["greedy"].get<std::vector<int64_t>>());
+    // gemma2's tied, scaled embeddings make its greedy tokens repeat: the per-step logits (through the
+    // cache, past the sliding window) are the stronger check.
+    RLT_EXPECT_CLOSE(logits, tensor_of(ref["greedy_logits"], at::kDouble), kLogitAtol, 0.0, c + " step logits");
+  }
+}
+
+TEST(Transformer, KvCacheDecodeEqualsFullForward) {
+  for (const auto& c : kCases) {  // gemma2's 24 positions exceed its sliding window of 8
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU);
+    at::NoGradGuard ng;
+    at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0);
+    const int64_t L = ids.size(1), prefill = 10;
+    at::Tensor full = model.forward(ids, arange_positions(1, L), at::Tensor());
+    KvCache cache = KvCache::allocate(model.config(), 1, L, at::TensorOptions().dtype(at::kFloat));
+    std::vector<at::Tensor> parts{model.forward(ids.narrow(1, 0, prefill), arange_positions(1, prefill), {}, &cache)};
+    for (int64_t t = prefill; t < L; ++t) {
+      parts.push_back(model.forward(ids.narrow(1, t, 1), at::full({1, 1}, t, at::kLong), {}, &cache));
+    }
+    RLT_EXPECT_CLOSE(at::cat(parts, 1), full, kCacheAtol, 0.0, c + " cached decode");
+    EXPECT_EQ(cache.length, L);
+    EXPECT_THROW(model.forward(ids.narrow(1, 0, 1), at::full({1, 1}, L, at::kLong), {}, &cache), c10::Error)
+        << "a full cache refuses more tokens";
+  }
+}
+
+std::string bytes_of(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+
+TEST(Transformer, SaveLoadSaveIsByteIdentical) {
+  const rlt::testing::TempDir dir("save");
+  const fs::path& tmp = dir.path();
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    rlt::testing::remove_tree(tmp / "a");
+    rlt::testing::remove_tree(tmp / "b");
+    Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU).save((tmp / "a").string());
+    Transformer::load((tmp / "a").string(), at::kFloat, at::kCPU).save((tmp / "b").string());
+    for (const char* f : {"config.json", "model.safetensors"}) {
+      ASSERT_TRUE(fs::exists(tmp / "a" / f)) << f;
+      EXPECT_EQ(bytes_of(tmp / "a" / f), bytes_of(tmp / "b" / f)) << f;
+    }
+    // And what we saved holds the same weights as what transformers saved.
+    const auto theirs = safetensors::Reader::open(case_dir(c).string()),
+               ours = safetensors::Reader::open((tmp / "a").string());
+    EXPECT_EQ(theirs.names(), ours.names());
+    for (const auto& n : theirs.names()) EXPECT_TRUE(at::equal(theirs.load(n), ours.load(n))) << n;
+  }
+}
+
+TEST(Transformer, FolderWeSaveLoadsInTransformers) {
+  if (std::system((std::string(RLT_PYTHON) + " -c 'import transformers' 2>/dev/null").c_str()) != 0) {
+    GTEST_SKIP() << "transformers not importable";
+  }
+  const rlt::testing::TempDir dir("hf");
+  const fs::path& tmp = dir.path();
+  // One Python process checks every case: transformers loads our folder and reproduces its own
+  // reference logits from it (max abs diff <= 1e-4); it prints the failing cases.
+  std::string args;
+  for (const auto& c : kCases) {
+    Transformer::load(case_dir(c).string(), at::kFloat, at::kCPU).save((tmp / c).string());
+    args += " " + (case_dir(c) / "reference.json").string() + " " + (tmp / c).string();
+  }
+  const std::string py = std::string(RLT_PYTHON) +
+                         " -c \"import json,sys,torch; from transformers import AutoModelForCausalLM as M\n"
+                         "bad=[]\nfor ref,d in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+                         "  r=json.load(open(ref)); m=M.from_pretrained(d, attn_implementation='eager').eval()\n"
+                         "  z=m(torch.tensor([r['ids']])).logits[0].detach()\n"
+                         "  if (z-torch.tensor(r['logits'])).abs().max().item() > 1e-4: bad.append(d)\n"
+                         "print('mismatch:', bad) if bad else None; sys.exit(1 if bad else 0)\"" +
+                         args;
+  EXPECT_EQ(std::system(py.c_str()), 0) << "transformers could not load our folders, or their logits differ";
+}
+
+TEST(Transformer, ActivationCheckpointingGivesTheSameGradients) {
+  Transformer model = Transformer::load(case_dir("qwen3").string(), at::kFloat, at::kCPU);
+  const auto ref = reference("qwen3");
+  at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0);
+  at::manual_seed(3);
+  const at::Tensor r = at::randn({1, ids.size(1), model.config().hidden_size});
+  // Reentrant checkpointing accumulates parameter gradients in .grad from an inner backward, so it is
+  // used with backward(), as the trainer does (torch::autograd::grad cannot see through it).
+  std::vector<std::vector<at::Tensor>> grads;
+  for (bool ckpt : {false, true}) {
+    model.set_activation_checkpointing(ckpt);
+    for (auto& p : model.parameters()) p.mutable_grad().reset();
+    (model.forward(ids, arange_positions(1, ids.size(1)), at::Tensor()) * r).sum().backward();
+    std::vector<at::Tensor> g;
+    // lm_head gets none: the loss here uses hidden states only.
+    for (const auto& p : model.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    grads.push_back(g);
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    ASSERT_EQ(grads[0][i].defined(), grads[1][i].defined()) << "param " << i;
+    if (!grads[0][i].defined()) continue;
+    // Recompute runs the same ops on the same values: identical up to reduction order.
+    EXPECT_TRUE(rlt::testing::close(grads[1][i], grads[0][i], 1e-6, 1e-5, "param " + std::to_string(i)));
+  }
+  EXPECT_GT(grads[1][5].abs().max().item<double>(), 0.0) << "layer parameters got gradients through the recompute";
+}
+
+TEST(Transformer, CorruptInputsGiveClearErrors) {
+  const rlt::testing::TempDir dir("bad");
+  const fs::path& tmp = dir.path();
+  const Transformer good = Transformer::load(case_dir("llama_untied_rope3").string(), at::kFloat, at::kCPU);
+  auto expect_error = [](const std::function<void()>& f, const std::vector<std::string>& fragments) {
+    try {
+      f();
+      ADD_FAILURE() << "no error";
+    } catch (const std::exception& e) {
+      for (const auto& frag : fragments) EXPECT_NE(std::string(e.what()).find(frag), std::string::npos) << e.what();
+    }
+  };
+  // A missing tensor.
+  auto params = good.named_parameters();
+  std::vector<std::pair<std::string, at::Tensor>> partial;
+  for (const auto& [n, t] : params) {
+    if (n != "model.layers.1.mlp.up_proj.weight") partial.emplace_back(n, t.detach());
+  }
+  fs::create_directories(tmp / "missing");
+  fs::copy_file(case_dir("llama_untied_rope3") / "config.json", tmp / "missing" / "config.json");
+  safetensors::write_checkpoint((tmp / "missing").string(), partial);
+  expect_error([&] { Transformer::load((tmp / "missing").string(), at::kFloat, at::kCPU); },
+               {"model.layers.1.mlp.up_proj.weight"});
+  // A wrong shape.
+  fs::create_directories(tmp / "shape");
+  fs::copy_file(case_dir("llama_untied_rope3") / "config.json", tmp / "shape" / "config.json");
+  auto wrong = params;
+  for (auto& [n, t] : wrong) {
+    t = t.detach();
+    if (n == "model.norm.weight") t = at::ones({7});
+  }
+  safetensors::write_checkpoint((tmp / "shape").string(), wrong);
+  expect_error([&] { Transformer::load((tmp / "shape").string(), at::kFloat, at::kCPU); }, {"model.norm.weight"});
+  // Bad config.json: unknown model type, ill-typed key, not JSON.
+  fs::create_directories(tmp / "cfg");
+  std::ofstream(tmp / "cfg" / "config.json") << R"({"model_type": "gpt2", "vocab_size": 8})";
+  expect_error([&] { load_model_config((tmp / "cfg").string()); }, {"config.json", "model_type", "gpt2"});
+  std::ofstream(tmp / "cfg" / "config.json") << R"({"model_type": "llama", "vocab_size": "many"})";
+  expect_error([&] { load_model_config((tmp / "cfg").string()); }, {"config.json", "vocab_size"});
+  std::ofstream(tmp / "cfg" / "config.json") << "{not json";
+  expect_error([&] { load_model_config((tmp / "cfg").string()); }, {"config.json", "JSON"});
+  expect_error([&] { load_model_config((tmp / "nowhere").string()); }, {"nowhere"});
+}
+
+}  // namespace
+}  // namespace rlt
