@@ -6,6 +6,8 @@
 //   dz = -p * (glp + gH (logp + H))           (softmax part, over every vocabulary entry)
 //      + glp * [v = y]                        (target part)
 //   dE_n += (dz / temp) W_m,   dW_m += (dz / temp)^T h_n
+// With a final-logit softcap (gemma2) z is first replaced by cap tanh(z / cap), and dz is multiplied by
+// 1 - tanh^2(z / cap) before the GEMMs.
 // The target part is added to dz in fp32 before dz is rounded to the GEMM dtype: -glp p_y + glp nearly
 // cancels when p_y ~ 1, and rounding the two halves separately would keep bf16 error of size |glp|.
 // Gradient filtering: when max(p) < eps over a block, its softmax part is skipped (seed 002, sec. 4.3);
@@ -57,7 +59,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& targets, double temp, int64_t row_block_req, int64_t vocab_block_req,
-                               int64_t entropy_mode, double eps, bool kernel) {
+                               int64_t entropy_mode, double eps, bool kernel, double cap) {
     const int64_t N = hidden.size(0), V = weight.size(0);
     const auto [rb, vb] = cce_blocks(N, V, hidden.size(1), row_block_req, vocab_block_req);
     const auto entropy = static_cast<EntropyMode>(entropy_mode);
@@ -76,13 +78,15 @@ class CceFn : public torch::autograd::Function<CceFn> {
         t = at::zeros({n}, opts);
         for (int64_t v0 = 0; v0 < V; v0 += vb) {
           const int64_t k = std::min(vb, V - v0);
-          cuda::cce_block_forward(mm_acc(h, weight.narrow(0, v0, k).t()), temp, entropy != EntropyMode::kNone, m, s, t);
+          cuda::cce_block_forward(mm_acc(h, weight.narrow(0, v0, k).t()), cap, temp, entropy != EntropyMode::kNone, m,
+                                  s, t);
         }
 #endif
       } else {
         for (int64_t v0 = 0; v0 < V; v0 += vb) {
           const int64_t k = std::min(vb, V - v0);
           at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
+          if (cap > 0) z.div_(cap).tanh_().mul_(cap);
           if (temp != 1.0) z.div_(temp);
           at::Tensor bmax = std::get<0>(z.max(1));
           at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
@@ -110,6 +114,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
         const int64_t q = std::min<int64_t>(1024, n - q0);
         at::Tensor tgt = targets.narrow(0, r0 + q0, q);
         at::Tensor zy = (h.narrow(0, q0, q).to(acc) * weight.index_select(0, tgt).to(acc)).sum(1);  // (q)
+        if (cap > 0) zy.div_(cap).tanh_().mul_(cap);
         if (temp != 1.0) zy.div_(temp);
         logp.narrow(0, r0 + q0, q).copy_(zy - l.narrow(0, q0, q));
       }
@@ -122,6 +127,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
     ctx->saved_data["entropy"] = entropy_mode;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["cap"] = cap;
     if (entropy != EntropyMode::kGrad) ctx->mark_non_differentiable({H});
     return {logp, H};
   }
@@ -134,7 +140,8 @@ class CceFn : public torch::autograd::Function<CceFn> {
     const auto entropy = static_cast<EntropyMode>(ctx->saved_data["entropy"].toInt());
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool kernel = ctx->saved_data["kernel"].toBool();
-    variable_list out(9);
+    const double cap = ctx->saved_data["cap"].toDouble();
+    variable_list out(10);
     at::Tensor glp = grads[0];
     at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();
     if (!glp.defined() && !gH.defined()) return out;
@@ -150,6 +157,19 @@ class CceFn : public torch::autograd::Function<CceFn> {
     at::Tensor dW = same ? at::zeros({V, D}, weight.options()) : at::empty({V, D}, weight.options());
     at::Tensor glp_t = glp / temp;  // (N) target-term coefficient
     at::Tensor any_above = kernel ? at::zeros({1}, hidden.options().dtype(at::kInt)) : at::Tensor();
+    // The target part of a filtered block on its own (Algorithm 1's indexed matmul): rows whose target
+    // lies in the block get coef * W[y] in dE and coef * h in dW[y] (coef = 0 elsewhere). Under a
+    // softcap the chain factor 1 - tanh^2(z_y / cap) of the target logit applies.
+    auto add_target_term = [&](int64_t r0, int64_t n, const at::Tensor& h, const at::Tensor& w, const at::Tensor& col,
+                               at::Tensor coef, at::Tensor& dW_blk) {
+      at::Tensor wy = w.index_select(0, col.squeeze(1)).to(acc);  // (n, D)
+      if (cap > 0) {
+        at::Tensor ty = (h.to(acc) * wy).sum(1, /*keepdim=*/true).div_(cap).tanh_();  // (n, 1)
+        coef = coef * (1 - ty * ty);
+      }
+      dE.narrow(0, r0, n).add_(wy.mul_(coef));
+      dW_blk.index_add_(0, col.squeeze(1), h.to(acc).mul(coef));
+    };
     for (int64_t v0 = 0; v0 < V; v0 += vb) {
       const int64_t k = std::min(vb, V - v0);
       at::Tensor w = weight.narrow(0, v0, k);  // (k, D)
@@ -169,13 +189,12 @@ class CceFn : public torch::autograd::Function<CceFn> {
           at::Tensor z = mm_acc(h, w.t());                                   // (n, k) fp32
           at::Tensor g_op = same ? z : at::empty({n, k}, hidden.options());  // (n, k)
           any_above.zero_();
-          cuda::cce_block_backward(z, v0, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
+          cuda::cce_block_backward(z, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
                                    glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
                                    targets.narrow(0, r0, n), eps, g_op, any_above);
           z = at::Tensor();
           if (eps > 0 && any_above.item<int>() == 0) {
-            dE.narrow(0, r0, n).add_(w.index_select(0, col.squeeze(1)).to(acc).mul_(coef));
-            dW_blk.index_add_(0, col.squeeze(1), h.to(acc).mul(coef));
+            add_target_term(r0, n, h, w, col, coef, dW_blk);
             continue;
           }
           at::Tensor dE_rows = dE.narrow(0, r0, n);
@@ -185,12 +204,17 @@ class CceFn : public torch::autograd::Function<CceFn> {
           continue;
         }
         at::Tensor logp_blk = mm_acc(h, w.t());  // (n, k): z
+        at::Tensor dcap;                         // (n, k) softcap chain factor 1 - tanh^2(z / cap)
+        if (cap > 0) {
+          logp_blk.div_(cap).tanh_();
+          dcap = 1 - logp_blk * logp_blk;
+          logp_blk.mul_(cap);
+        }
         if (temp != 1.0) logp_blk.div_(temp);
         logp_blk.sub_(lse.narrow(0, r0, n).unsqueeze(1));  // log p
         // Filtering: one host read per block decides whether its softmax part matters at all.
         if (eps > 0 && logp_blk.max().item<double>() < log_eps) {
-          dE.narrow(0, r0, n).add_(w.index_select(0, col.squeeze(1)).to(acc).mul_(coef));
-          dW_blk.index_add_(0, col.squeeze(1), h.to(acc).mul(coef));
+          add_target_term(r0, n, h, w, col, coef, dW_blk);
           continue;
         }
         at::Tensor p = logp_blk.exp();  // (n, k)
@@ -207,6 +231,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
         }
         if (temp != 1.0) g.div_(temp);
         g.scatter_add_(1, col, coef);                             // + glp/temp at the target column, in fp32
+        if (cap > 0) g.mul_(dcap);                                // through the softcap: d/d z_raw
         p = at::Tensor();                                         // release before the two GEMMs
         at::Tensor g_op = same ? g : g.to(hidden.scalar_type());  // GEMM operand in the input dtype
         g = at::Tensor();
@@ -253,8 +278,9 @@ std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const a
 #else
   const bool kernel = false;
 #endif
+  TORCH_CHECK(a.softcap >= 0, "cce: softcap must be >= 0");
   auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block, static_cast<int64_t>(a.entropy),
-                           a.grad_filter_eps, kernel);
+                           a.grad_filter_eps, kernel, a.softcap);
   return {outs[0], a.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 

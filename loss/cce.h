@@ -19,6 +19,7 @@ struct CceArgs {
   int64_t vocab_block = 0;  // vocabulary entries per block; 0 = automatic
   EntropyMode entropy = EntropyMode::kNone;
   double grad_filter_eps = 0.0;  // 0 = no filtering
+  double softcap = 0.0;          // final-logit softcap: z <- cap * tanh(z / cap) before everything; 0 = none
   bool use_cuda_kernel = true;   // on CUDA, the fused block epilogues (loss/cuda/cce_kernels.cu)
 };
 
@@ -35,14 +36,14 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
 namespace cuda {
 // Merges the online softmax state (m, s, t: (n) fp32, t = sum e^{x-m}(x-m)) of rows with the (n, k)
 // fp32 logits block z (x = z / temperature).
-void cce_block_forward(const at::Tensor& z, double temperature, bool entropy, at::Tensor& m, at::Tensor& s,
-                       at::Tensor& t);
+void cce_block_forward(const at::Tensor& z, double softcap, double temperature, bool entropy, at::Tensor& m,
+                       at::Tensor& s, at::Tensor& t);
 // Writes the block's logits gradient g (n, k) (fp32/bf16/fp16; may alias z) for upstream glp, gH
 // (gH undefined: none), the target term for targets in [v0, v0 + k), and sets any_above (int32 [1])
 // to 1 if any softmax entry of the block is >= eps.
-void cce_block_backward(const at::Tensor& z, int64_t v0, double temperature, const at::Tensor& lse, const at::Tensor& H,
-                        const at::Tensor& glp, const at::Tensor& gH, const at::Tensor& targets, double eps,
-                        at::Tensor& g, at::Tensor& any_above);
+void cce_block_backward(const at::Tensor& z, int64_t v0, double softcap, double temperature, const at::Tensor& lse,
+                        const at::Tensor& H, const at::Tensor& glp, const at::Tensor& gH, const at::Tensor& targets,
+                        double eps, at::Tensor& g, at::Tensor& any_above);
 }  // namespace cuda
 #endif
 

@@ -100,6 +100,9 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
   TORCH_CHECK(from_hidden != in.logits.defined(), "give either logits or hidden + lm_head, not both");
   TORCH_CHECK(!from_hidden || in.lm_head.defined(), "hidden states need the lm_head weight");
   TORCH_CHECK(opt.impl != LogprobImpl::kCce || from_hidden, "impl cce needs hidden states and lm_head");
+  TORCH_CHECK(in.logit_softcap >= 0, "logit_softcap must be >= 0");
+  TORCH_CHECK(from_hidden || in.logit_softcap == 0,
+              "logit_softcap applies to hidden-state inputs; logits given directly must already be capped");
   const at::Tensor& source = from_hidden ? in.hidden : in.logits;  // (T, D) or (T, V)
   TORCH_CHECK(source.dim() == 2, "expected a 2-D (T, *) input, got ", source.sizes());
   TORCH_CHECK(at::isFloatingType(source.scalar_type()), "inputs must be floating point");
@@ -123,9 +126,11 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
       a.vocab_block = opt.vocab_chunk_size;
       a.entropy = opt.entropy;
       a.grad_filter_eps = opt.grad_filter ? opt.grad_filter_eps : 0.0;
+      a.softcap = in.logit_softcap;
       lp = cce_logprobs(hidden, in.lm_head, targets, a);
     } else {
       at::Tensor logits = fp32_logits(hidden, in.lm_head);  // (T', V): only the kept rows
+      if (in.logit_softcap > 0) logits = at::tanh(logits / in.logit_softcap) * in.logit_softcap;
       if (opt.impl == LogprobImpl::kNaive) {
         lp = naive_chunked(logits, targets, opt);
       } else {

@@ -28,6 +28,9 @@ struct LogprobInputs {
   at::Tensor lm_head;  // (V, D) float: LM-head weight (same dtype as hidden)
   at::Tensor targets;  // (T) int64: token whose log-prob row t returns
   RowSelection rows;   // response windows / loss mask; needed with response_only / loss_mask_only
+  // The model's final-logit softcap (gemma2): logits = cap * tanh(z / cap) before the softmax and the
+  // temperature; 0 = none. A property of the model (ModelConfig::final_softcap), not a loss option.
+  double logit_softcap = 0.0;
 };
 
 struct LogprobOutput {

@@ -48,12 +48,12 @@ std::pair<at::Tensor, at::Tensor> upstream(int64_t N) {
   return {at::randn({N}, at::kDouble), at::randn({N}, at::kDouble)};
 }
 
-// float64 naive on the same values.
-Grads reference(const Lm& lm, double temp, bool entropy_grad) {
+// float64 naive on the same values (logits soft-capped when cap > 0).
+Grads reference(const Lm& lm, double temp, bool entropy_grad, double cap = 0.0) {
   at::Tensor E = lm.E.detach().cpu().to(at::kDouble).requires_grad_(true);
   at::Tensor W = lm.W.detach().cpu().to(at::kDouble).requires_grad_(true);
   at::Tensor Z = at::mm(E, W.t());
-  auto [lp, H] = naive_logprobs(Z, lm.y.cpu(), temp, true);
+  auto [lp, H] = naive_logprobs(cap > 0 ? at::tanh(Z / cap) * cap : Z, lm.y.cpu(), temp, true);
   auto [u1, u2] = upstream(E.size(0));
   at::Tensor loss = (u1 * lp).sum();
   if (entropy_grad) loss = loss + (u2 * H).sum();
@@ -62,12 +62,13 @@ Grads reference(const Lm& lm, double temp, bool entropy_grad) {
   return {lp.detach(), H.detach(), g[0], g[1], at::mm(dZ, W.detach().abs()), at::mm(dZ.t(), E.detach().abs())};
 }
 
-Grads run(const Lm& lm, const LossOptions& o) {
+Grads run(const Lm& lm, const LossOptions& o, double cap = 0.0) {
   at::Tensor E = lm.E.detach().clone().requires_grad_(true), W = lm.W.detach().clone().requires_grad_(true);
   LogprobInputs in;
   in.hidden = E;
   in.lm_head = W;
   in.targets = lm.y;
+  in.logit_softcap = cap;
   LogprobOutput out = token_logprobs(in, o);
   auto [u1, u2] = upstream(E.size(0));
   at::Tensor loss = (u1.to(out.logprobs.options()) * out.logprobs).sum();
@@ -76,11 +77,11 @@ Grads run(const Lm& lm, const LossOptions& o) {
   return {out.logprobs.detach(), out.entropy.defined() ? out.entropy.detach() : at::Tensor(), g[0], g[1]};
 }
 
-void expect_matches(const Lm& lm, const LossOptions& o, const std::string& what) {
+void expect_matches(const Lm& lm, const LossOptions& o, const std::string& what, double cap = 0.0) {
   SCOPED_TRACE(what);
   const bool half = lm.E.scalar_type() == at::kBFloat16;
-  Grads r = reference(lm, o.temperature, o.entropy == EntropyMode::kGrad);
-  Grads g = run(lm, o);
+  Grads r = reference(lm, o.temperature, o.entropy == EntropyMode::kGrad, cap);
+  Grads g = run(lm, o, cap);
   EXPECT_EQ(g.lp.scalar_type(), at::kFloat);
   RLT_EXPECT_CLOSE(g.lp, r.lp, kLogprobAtol, 0.0, what + " logprobs");
   if (o.entropy != EntropyMode::kNone) RLT_EXPECT_CLOSE(g.H, r.H, kLogprobAtol, 0.0, what + " entropy");
@@ -115,6 +116,33 @@ TEST(Cce, MatchesFloat64NaiveOnOddShapes) {
       }
     }
   }
+}
+
+// gemma2's final-logit softcap, on every hidden-state path: logits = cap tanh(z / cap). Cap 5 against
+// target logits near 6 changes the distribution, so a missing or misplaced cap fails the tolerances.
+TEST(Cce, FinalLogitSoftcapOnEveryHiddenStatePath) {
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    const Lm lm = make_lm(37, 1013, 29, dt, 11);
+    for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective, LogprobImpl::kCce}) {
+      LossOptions o;
+      o.impl = impl;
+      o.response_only = false;
+      o.entropy = EntropyMode::kGrad;
+      o.temperature = 0.7;
+      o.chunk_size = 8;
+      o.vocab_chunk_size = 100;
+      o.grad_filter = false;
+      std::ostringstream os;
+      os << "softcap " << enum_to_string(impl) << " " << dt;
+      expect_matches(lm, o, os.str(), /*cap=*/5.0);
+    }
+  }
+  // The cap matters here: without it the log-probs are far from the capped reference.
+  const Lm lm = make_lm(37, 1013, 29, at::kFloat, 11);
+  LossOptions o;
+  o.impl = LogprobImpl::kCce;
+  o.response_only = false;
+  EXPECT_FALSE(rlt::testing::close(run(lm, o, 0.0).lp, reference(lm, 1.0, false, 5.0).lp, kLogprobAtol, 0.0, "no cap"));
 }
 
 TEST(Cce, HiddenStatePathsOfNaiveAndSelectiveMatchToo) {
@@ -175,7 +203,7 @@ TEST(CceCuda, KernelEpilogueMatchesAtenEpilogue) {
   const Lm lm = make_lm(37, 1013, 29, at::kFloat, 7, at::Device(at::kCUDA, 0));
   at::manual_seed(70);
   const at::Tensor u1 = at::randn({37}, at::kFloat).cuda(), u2 = at::randn({37}, at::kFloat).cuda();
-  for (double temp : {1.0, 0.7}) {
+  for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
     Grads r[2];
     for (int kernel = 0; kernel < 2; ++kernel) {
       at::Tensor E = lm.E.clone().requires_grad_(true), W = lm.W.clone().requires_grad_(true);
@@ -185,11 +213,12 @@ TEST(CceCuda, KernelEpilogueMatchesAtenEpilogue) {
       a.vocab_block = 100;
       a.entropy = EntropyMode::kGrad;
       a.use_cuda_kernel = kernel == 1;
+      a.softcap = cap;
       auto [lp, H] = cce_logprobs(E, W, lm.y, a);
       auto g = torch::autograd::grad({(u1 * lp).sum() + (u2 * H).sum()}, {E, W});
       r[kernel] = {lp.detach(), H.detach(), g[0], g[1]};
     }
-    const std::string what = "kernel vs aten temp=" + std::to_string(temp);
+    const std::string what = "kernel vs aten temp=" + std::to_string(temp) + " cap=" + std::to_string(cap);
     RLT_EXPECT_CLOSE(r[1].lp, r[0].lp, kLogprobAtol, 0.0, what + " logprobs");
     RLT_EXPECT_CLOSE(r[1].H, r[0].H, kLogprobAtol, 0.0, what + " entropy");
     RLT_EXPECT_CLOSE(r[1].dE, r[0].dE, kGradAtolFp32, kGradRtolFp32, what + " dE");
@@ -226,9 +255,10 @@ TEST(Cce, GradcheckFloat64) {
   const Lm lm = make_lm(5, 11, 3, at::kDouble, 5);
   at::manual_seed(50);
   const at::Tensor u1 = at::randn({5}, at::kDouble), u2 = at::randn({5}, at::kDouble);
-  for (double temp : {1.0, 0.6}) {
+  for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.6, 0.0}, {0.8, 2.0}}) {
     CceArgs a;
     a.temperature = temp;
+    a.softcap = cap;
     a.row_block = 2;
     a.vocab_block = 4;
     a.entropy = EntropyMode::kGrad;
@@ -236,7 +266,8 @@ TEST(Cce, GradcheckFloat64) {
       auto [lp, H] = cce_logprobs(x[0], x[1], lm.y, a);
       return (u1 * lp).sum() + (u2 * H).sum();
     };
-    EXPECT_TRUE(rlt::testing::gradcheck(F, {lm.E, lm.W}, "cce temp=" + std::to_string(temp)));
+    EXPECT_TRUE(
+        rlt::testing::gradcheck(F, {lm.E, lm.W}, "cce temp=" + std::to_string(temp) + " cap=" + std::to_string(cap)));
   }
 }
 
