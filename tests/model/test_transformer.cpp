@@ -224,6 +224,31 @@ TEST(Transformer, ActivationCheckpointingGivesTheSameGradients) {
   EXPECT_GT(grads[1][5].abs().max().item<double>(), 0.0) << "layer parameters got gradients through the recompute";
 }
 
+// bf16 on the GPU against transformers' bf16 on the GPU (references made there by the fixture
+// model_refs_bf16). Both round every matmul output and residual to bf16 (8 significant bits) but with
+// different kernels (SDPA vs eager attention, different GEMM tilings), so the logits differ by a few
+// bf16 ulps of the activations through 3 layers; the bound is 1/32 of the largest |logit| (8 ulps of
+// 2^-8), and the measured difference is printed for docs/benchmarks.md.
+TEST(TransformerCuda, Bf16ParityWithTransformers) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const fs::path refs(RLT_MODEL_REFS_BF16);
+  if (!fs::exists(refs / "llama_tied" / "reference.json")) GTEST_SKIP() << "no bf16 references (fixture not run)";
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    std::ifstream f(refs / c / "reference.json");
+    const auto ref = nlohmann::json::parse(f);
+    const Transformer model = Transformer::load((refs / c).string(), at::kBFloat16, at::Device(at::kCUDA, 0));
+    at::NoGradGuard ng;
+    at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0).cuda();
+    at::Tensor pos = arange_positions(1, ids.size(1)).cuda();
+    at::Tensor logits = model.logits(model.forward(ids, pos, at::Tensor()))[0].to(at::kCPU).to(at::kDouble);
+    const at::Tensor expected = tensor_of(ref["logits"], at::kDouble);
+    const double scale = expected.abs().max().item<double>(), diff = (logits - expected).abs().max().item<double>();
+    std::cout << "bf16 parity " << c << ": max abs logit diff " << diff << " (max |logit| " << scale << ")\n";
+    RLT_EXPECT_CLOSE(logits, expected, scale / 32, 0.0, c + " bf16 logits");
+  }
+}
+
 TEST(Transformer, CorruptInputsGiveClearErrors) {
   const rlt::testing::TempDir dir("bad");
   const fs::path& tmp = dir.path();

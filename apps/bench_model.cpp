@@ -1,0 +1,154 @@
+// bench_model: prefill and decode throughput of the decoder through its KV cache. B sequences of P prompt
+// tokens are prefilled in one forward, then N tokens are decoded one step at a time (greedy argmax, or
+// sampling from softmax as rollout does). Prints a table and writes JSON records {impl, mode, batch,
+// prompt_len, new_tokens, dtype, tokens_per_s, seconds, peak_extra_mb}. The transformers peer is
+// scripts/bench_model_peers.py, run in the same command (scripts/gpu_model.sh).
+#include <ATen/core/grad_mode.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "loss/memory.h"
+#include "model/safetensors.h"
+#include "model/transformer.h"
+#include "trainer/config.h"
+
+using namespace rlt;
+using json = nlohmann::json;
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Run {
+  double prefill_s = 0, decode_s = 0;
+  int64_t peak = 0;
+};
+
+// One prefill of (B, P) and N decode steps on a fresh cache.
+Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool sample, uint64_t seed) {
+  at::NoGradGuard ng;
+  const auto& c = m.config();
+  auto opts = at::TensorOptions().device(dev);
+  at::manual_seed(seed);
+  at::Tensor ids = at::randint(0, c.vocab_size, {B, P}, opts.dtype(at::kLong));
+  at::Tensor pos = at::arange(P, opts.dtype(at::kLong)).unsqueeze(0).expand({B, P}).contiguous();
+  device_synchronize(dev);
+  PeakMemory mem(dev);
+  KvCache cache = KvCache::allocate(c, B, P + N, opts.dtype(m.lm_head().scalar_type()));
+  Run r;
+  auto t0 = std::chrono::steady_clock::now();
+  at::Tensor h = m.forward(ids, pos, at::Tensor(), &cache);  // (B, P, D)
+  device_synchronize(dev);
+  r.prefill_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  for (int64_t s = 0; s < N; ++s) {
+    at::Tensor logits = m.logits(h.select(1, h.size(1) - 1)).to(at::kFloat);  // (B, V)
+    at::Tensor next = sample ? at::multinomial(at::softmax(logits, -1), 1) : logits.argmax(-1, /*keepdim=*/true);
+    h = m.forward(next, at::full({B, 1}, cache.length, opts.dtype(at::kLong)), at::Tensor(), &cache);
+  }
+  device_synchronize(dev);
+  r.decode_s = seconds_since(t0);
+  r.peak = mem.peak_extra_bytes();
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_model: prefill and decode tokens/s of the decoder with its KV cache"};
+  ConfigCli cc;
+  add_config_flags(app, cc);
+  std::string model_dir, device = "cpu", dtype = "bfloat16", json_path;
+  int64_t B = 8, P = 256, N = 64;
+  int reps = 3;
+  app.add_option("--model", model_dir, "folder with config.json (random weights when it holds no safetensors)")
+      ->required();
+  app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", dtype, "float32 | bfloat16")->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--batch", B, "sequences")->check(CLI::Range(1, 4096));
+  app.add_option("--prompt-len", P, "prompt tokens per sequence")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--new-tokens", N, "decoded tokens per sequence")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));
+  app.add_option("--json", json_path, "write the records to this JSON file");
+  if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
+  Config cfg;
+  if (!load_cli_config(cc, cfg)) return 2;
+  if (device == "cuda" && !at::hasCUDA()) {
+    std::cerr << "bench_model: --device cuda but no CUDA device is available\n";
+    return 2;
+  }
+  const at::Device dev = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  if (dev.is_cpu()) install_cpu_memory_tracking();
+  std::optional<Transformer> model;
+  try {
+    namespace fs = std::filesystem;
+    const bool weights = fs::exists(fs::path(model_dir) / "model.safetensors") ||
+                         fs::exists(fs::path(model_dir) / "model.safetensors.index.json");
+    if (weights)
+      model.emplace(Transformer::load(model_dir, dt, dev));
+    else
+      model.emplace(load_model_config(model_dir), dt, dev, /*seed=*/0);
+  } catch (const std::exception& e) {
+    std::cerr << "bench_model: " << e.what() << "\n";
+    return 2;
+  }
+  int64_t n_params = 0;
+  for (const auto& p : model->parameters()) n_params += p.numel();
+  std::cout << "model " << model_dir << ": " << model->config().model_type << ", " << n_params / 1e6 << "M parameters, "
+            << dtype << " on " << device << "\n";
+  run_once(*model, dev, std::min<int64_t>(B, 2), std::min<int64_t>(P, 16), 2, false, 1);  // warm-up
+  json records = json::array();
+  std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(7) << "batch" << std::setw(8) << "prompt"
+            << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
+            << "peak_MiB"
+            << "\n";
+  for (bool sample : {false, true}) {
+    std::vector<Run> runs;
+    for (int i = 0; i < reps; ++i) runs.push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+    auto median = [&](auto get) {
+      std::vector<double> v;
+      for (const auto& r : runs) v.push_back(get(r));
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double pre = median([](const Run& r) { return r.prefill_s; });
+    const double dec = median([](const Run& r) { return r.decode_s; });
+    const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
+    std::vector<std::tuple<std::string, double, double>> rows;
+    if (!sample) rows.push_back({"prefill", double(B * P) / pre, pre});
+    rows.push_back({sample ? "decode_sample" : "decode_greedy", double(B * N) / dec, dec});
+    for (const auto& [mode, tps, secs] : rows) {
+      std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P
+                << std::setw(6) << N << std::setw(14) << std::fixed << std::setprecision(1) << tps << std::setw(11)
+                << std::setprecision(4) << secs << std::setw(14) << std::setprecision(1) << peak << "\n";
+      records.push_back({{"impl", "rlt"},
+                         {"mode", mode},
+                         {"batch", B},
+                         {"prompt_len", P},
+                         {"new_tokens", N},
+                         {"dtype", dtype},
+                         {"tokens_per_s", tps},
+                         {"seconds", secs},
+                         {"peak_extra_mb", peak},
+                         {"note", "peak covers prefill + decode with the KV cache"}});
+    }
+  }
+  if (!json_path.empty()) {
+    const auto parent = std::filesystem::path(json_path).parent_path();
+    std::error_code ec;
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    std::ofstream(json_path) << records.dump(1) << "\n";
+  }
+  return 0;
+}
