@@ -20,9 +20,9 @@ model=configs/models/qwen2.5-0.5b
 for shape in "64 256 512" "1 256 128"; do
   set -- $shape
   build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch $1 --prompt-len $2 --new-tokens $3 \
-    --reps 3 --json "$out/rlt_$1_$2_$3.json" 2>&1 | tee -a "$out/bench.log"
+    --reps 2 --json "$out/rlt_$1_$2_$3.json" 2>&1 | tee -a "$out/bench.log"
   python3 scripts/bench_model_peers.py --model $model --device cuda --dtype bfloat16 --batch $1 --prompt-len $2 \
-    --new-tokens $3 --reps 1 --json "$out/hf_$1_$2_$3.json" 2>&1 | tee -a "$out/bench.log"
+    --new-tokens $3 --reps 2 --json "$out/hf_$1_$2_$3.json" 2>&1 | tee -a "$out/bench.log"
 done
 python3 - "$out" <<'PY'
 import json, glob, os, sys
