@@ -240,7 +240,7 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
 }
 
 at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& mask, KvCache* cache) const {
+                                      const at::Tensor& mask, bool is_causal, KvCache* cache) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
@@ -275,8 +275,8 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
     a = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vr);
   } else {
-    a = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale,
-                                         /*enable_gqa=*/H != Hkv);
+    a = at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                         /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
   }
   at::Tensor o = linear(a.transpose(1, 2).reshape({B, L, H * hd}), l.o_w, l.o_b);  // (B, L, D)
   if (gemma) o = rms_norm(o, l.post_attn_norm, c.rms_norm_eps, true);
@@ -312,25 +312,43 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   // Which slots each new position may attend to (B, 1, L, S): causal by slot, padding from the mask, and
   // on sliding layers only the last `window` slots. A position may always see itself, so a padded
   // position's row is never empty (an empty row would make NaNs that 0-weights cannot cancel).
-  at::Tensor q_slot = at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev)).view({L, 1});
-  at::Tensor k_slot = at::arange(0, S, at::TensorOptions().dtype(at::kLong).device(dev)).view({1, S});
-  at::Tensor causal = (k_slot <= q_slot).view({1, 1, L, S});
-  at::Tensor keep = attention_mask.defined() ? (attention_mask.to(dev) != 0).view({B, 1, 1, S})
-                                             : at::ones({B, 1, 1, S}, causal.options());
-  at::Tensor self = (k_slot == q_slot).view({1, 1, L, S});
-  at::Tensor full_mask = (causal & keep) | self;
-  at::Tensor sliding_mask;
-  if (c.sliding_window > 0)
-    sliding_mask = (causal & keep & (k_slot > q_slot - c.sliding_window).view({1, 1, L, S})) | self;
+  // Without padding, a prefill from an empty cache is plain causal and a one-token decode step sees every
+  // slot: no mask is built and SDPA can take its fused (flash) kernels.
+  const bool unpadded = !attention_mask.defined();
+  const bool fast = unpadded && (past == 0 || L == 1) && c.attn_softcap == 0;
+  at::Tensor full_mask, sliding_mask;
+  auto build_masks = [&] {
+    auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
+    at::Tensor q_slot = at::arange(past, S, lopts).view({L, 1});
+    at::Tensor k_slot = at::arange(0, S, lopts).view({1, S});
+    at::Tensor causal = (k_slot <= q_slot).view({1, 1, L, S});
+    at::Tensor keep =
+        unpadded ? at::ones({B, 1, 1, S}, causal.options()) : (attention_mask.to(dev) != 0).view({B, 1, 1, S});
+    at::Tensor self = (k_slot == q_slot).view({1, 1, L, S});
+    full_mask = (causal & keep) | self;
+    if (c.sliding_window > 0) {
+      sliding_mask = (causal & keep & (k_slot > q_slot - c.sliding_window).view({1, 1, L, S})) | self;
+    }
+  };
 
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    const at::Tensor& mask = c.sliding_layers[i] ? sliding_mask : full_mask;
+    // The window restricts nothing while all S slots fit in it.
+    const bool sliding = c.sliding_layers[i] && S > c.sliding_window;
+    at::Tensor mask;
+    bool is_causal = false;
+    if (fast && !sliding) {
+      is_causal = L > 1;  // prefill: causal; a decode step: every slot
+    } else {
+      if (!full_mask.defined()) build_masks();
+      mask = sliding ? sliding_mask : full_mask;
+    }
     if (checkpointing_ && !cache && at::GradMode::is_enabled()) {
-      auto layer = c10::make_intrusive<LayerFnHolder>(
-          [this, i, cos, sin, mask](const at::Tensor& x) { return layer_forward(i, x, cos, sin, mask, nullptr); });
+      auto layer = c10::make_intrusive<LayerFnHolder>([this, i, cos, sin, mask, is_causal](const at::Tensor& x) {
+        return layer_forward(i, x, cos, sin, mask, is_causal, nullptr);
+      });
       h = CheckpointFn::apply(h, std::move(layer))[0];
     } else {
-      h = layer_forward(i, h, cos, sin, mask, cache);
+      h = layer_forward(i, h, cos, sin, mask, is_causal, cache);
     }
   }
   if (cache) cache->length = S;

@@ -66,8 +66,9 @@ class Transformer {
   };
   Transformer() = default;
   void bind_names();
+  // mask (B, 1, L, S) bool, or undefined: then causal (is_causal) or no restriction (a decode step).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& mask, KvCache* cache) const;
+                           const at::Tensor& mask, bool is_causal, KvCache* cache) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)

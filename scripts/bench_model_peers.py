@@ -156,12 +156,12 @@ def main():
           f"{n_params / 1e6:.2f}M parameters, {args.dtype}, "
           f"{'loaded weights' if has_weights else 'random init (seed 0)'}")
 
-    # Warm-up at a small size, as bench_model does: CUDA context, cuBLAS handles, SDPA kernel
-    # selection and generate()'s first-call setup stay out of the timed reps.
-    wb, wp = min(B, 2), min(P, 16)
-    for fn in (prefill_fn(model, prompt(vocab, wb, wp, dev, 1)),
-               generate_fn(model, prompt(vocab, wb, wp, dev, 1), 2, False),
-               generate_fn(model, prompt(vocab, wb, wp, dev, 1), 2, True)):
+    # Warm-up at the measured batch and prompt size with 8 new tokens, as bench_model does: CUDA
+    # context, cuBLAS handles, SDPA kernel selection, allocator growth and generate()'s first-call
+    # setup stay out of the timed reps.
+    for fn in (prefill_fn(model, prompt(vocab, B, P, dev, 1)),
+               generate_fn(model, prompt(vocab, B, P, dev, 1), min(N, 8), False),
+               generate_fn(model, prompt(vocab, B, P, dev, 1), min(N, 8), True)):
         timed(fn, dev)
 
     records = []

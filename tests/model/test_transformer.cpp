@@ -225,27 +225,41 @@ TEST(Transformer, ActivationCheckpointingGivesTheSameGradients) {
 }
 
 // bf16 on the GPU against transformers' bf16 on the GPU (references made there by the fixture
-// model_refs_bf16). Both round every matmul output and residual to bf16 (8 significant bits) but with
-// different kernels (SDPA vs eager attention, different GEMM tilings), so the logits differ by a few
-// bf16 ulps of the activations through 3 layers; the bound is 1/32 of the largest |logit| (8 ulps of
-// 2^-8), and the measured difference is printed for docs/benchmarks.md.
+// model_refs_bf16). Both round activations to bf16 with different kernels (SDPA vs eager attention,
+// different GEMM tilings), so neither equals the exact result; the criterion is accuracy against ground
+// truth: the fp32 forward of the same bf16 weights (this decoder in fp32, itself within 1e-5 of
+// transformers in fp32). Our bf16 error must not exceed transformers' bf16 error by more than 25% plus
+// one bf16 ulp of the largest logit. The measured errors are printed for docs/benchmarks.md.
 TEST(TransformerCuda, Bf16ParityWithTransformers) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const fs::path refs(RLT_MODEL_REFS_BF16);
   if (!fs::exists(refs / "llama_tied" / "reference.json")) GTEST_SKIP() << "no bf16 references (fixture not run)";
+  const at::Device gpu(at::kCUDA, 0);
   for (const auto& c : kCases) {
     SCOPED_TRACE(c);
     std::ifstream f(refs / c / "reference.json");
     const auto ref = nlohmann::json::parse(f);
-    const Transformer model = Transformer::load((refs / c).string(), at::kBFloat16, at::Device(at::kCUDA, 0));
     at::NoGradGuard ng;
-    at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0).cuda();
-    at::Tensor pos = arange_positions(1, ids.size(1)).cuda();
-    at::Tensor logits = model.logits(model.forward(ids, pos, at::Tensor()))[0].to(at::kCPU).to(at::kDouble);
-    const at::Tensor expected = tensor_of(ref["logits"], at::kDouble);
-    const double scale = expected.abs().max().item<double>(), diff = (logits - expected).abs().max().item<double>();
-    std::cout << "bf16 parity " << c << ": max abs logit diff " << diff << " (max |logit| " << scale << ")\n";
-    RLT_EXPECT_CLOSE(logits, expected, scale / 32, 0.0, c + " bf16 logits");
+    at::Tensor ids = tensor_of(ref["ids"], at::kLong).unsqueeze(0).to(gpu);
+    at::Tensor pos = arange_positions(1, ids.size(1)).to(gpu);
+    auto logits_in = [&](at::ScalarType dt) {
+      const Transformer m = Transformer::load((refs / c).string(), dt, gpu);
+      return m.logits(m.forward(ids, pos, at::Tensor()))[0].to(at::kCPU).to(at::kDouble);
+    };
+    const at::Tensor truth = logits_in(at::kFloat), ours = logits_in(at::kBFloat16);
+    const at::Tensor theirs = tensor_of(ref["logits"], at::kDouble);
+    const double scale = truth.abs().max().item<double>();
+    const double err_ours = (ours - truth).abs().max().item<double>();
+    const double err_theirs = (theirs - truth).abs().max().item<double>();
+    const double bound = 1.25 * err_theirs + scale / 256;
+    std::cout << "bf16 parity " << c << ": max |logit error| vs fp32 of the same weights: ours " << err_ours
+              << ", transformers " << err_theirs << "; max |ours - transformers| "
+              << (ours - theirs).abs().max().item<double>() << " (max |logit| " << scale << ")\n";
+    EXPECT_LE(err_ours, bound);
+    // The bound is not vacuous: an error of twice the bound at one logit fails it.
+    at::Tensor bad = ours.clone();
+    bad[0][0] = truth[0][0].item<double>() + 2 * bound;
+    EXPECT_GT((bad - truth).abs().max().item<double>(), bound);
   }
 }
 
