@@ -115,9 +115,14 @@ int main(int argc, char** argv) {
             << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
             << "peak_MiB"
             << "\n";
+  // Reps interleave the two samplers (greedy, sample, greedy, ...) so that clock or allocator drift over
+  // the run does not favour whichever mode would otherwise go second.
+  std::vector<Run> all_runs[2];
+  for (int i = 0; i < reps; ++i) {
+    for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+  }
   for (bool sample : {false, true}) {
-    std::vector<Run> runs;
-    for (int i = 0; i < reps; ++i) runs.push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+    const std::vector<Run>& runs = all_runs[sample];
     auto median = [&](auto get) {
       std::vector<double> v;
       for (const auto& r : runs) v.push_back(get(r));
