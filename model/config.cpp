@@ -56,12 +56,18 @@ ModelConfig load_model_config(const std::string& path_in) {
   if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "config.json").string();
   std::ifstream f(path);
   if (!f) throw ModelConfigError(path + ": cannot open model config");
-  ModelConfig c;
+  nlohmann::json raw;
   try {
-    c.raw = nlohmann::json::parse(f);
+    raw = nlohmann::json::parse(f);
   } catch (const nlohmann::json::exception& e) {
     throw ModelConfigError(path + ": not valid JSON: " + e.what());
   }
+  return model_config_from_json(raw, path);
+}
+
+ModelConfig model_config_from_json(const nlohmann::json& raw, const std::string& path) {
+  ModelConfig c;
+  c.raw = raw;
   if (!c.raw.is_object()) throw ModelConfigError(path + ": expected a JSON object");
   const Json j{c.raw, path};
   c.model_type = j.string("model_type", "");

@@ -55,5 +55,7 @@ struct ModelConfig {
 // Reads `path` (a config.json, or a folder holding one). Throws ModelConfigError naming the file and
 // the key for a missing or ill-typed required key, an unknown model_type or inconsistent sizes.
 ModelConfig load_model_config(const std::string& path);
+// The same from parsed JSON; `where` names its origin in errors.
+ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& where);
 
 }  // namespace rlt

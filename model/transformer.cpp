@@ -135,7 +135,54 @@ KvCache KvCache::allocate(const ModelConfig& c, int64_t batch, int64_t max_len, 
     kv.k.push_back(at::zeros({batch, c.num_kv_heads, max_len, c.head_dim}, opts));
     kv.v.push_back(at::zeros({batch, c.num_kv_heads, max_len, c.head_dim}, opts));
   }
+  kv.positions = at::zeros({batch, max_len}, opts.dtype(at::kLong));
   return kv;
+}
+
+KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) const {
+  TORCH_CHECK(rows.dim() == 1 && slots.dim() == 2 && slots.size(0) == rows.size(0),
+              "gather: rows must be (B') and slots (B', S')");
+  const int64_t B = rows.size(0), S = slots.size(1);
+  TORCH_CHECK(S <= new_max_len, "gather: ", S, " slots do not fit in ", new_max_len);
+  KvCache out;
+  out.max_len = new_max_len;
+  out.length = S;
+  for (size_t i = 0; i < k.size(); ++i) {
+    for (const auto* src : {&k[i], &v[i]}) {
+      const int64_t Hkv = src->size(1), hd = src->size(3);
+      at::Tensor idx = slots.view({B, 1, S, 1}).expand({B, Hkv, S, hd});
+      at::Tensor dst = at::zeros({B, Hkv, new_max_len, hd}, src->options());
+      dst.narrow(2, 0, S).copy_(src->index_select(0, rows).gather(2, idx));
+      (src == &k[i] ? out.k : out.v).push_back(dst);
+    }
+  }
+  out.positions = at::zeros({B, new_max_len}, positions.options());
+  out.positions.narrow(1, 0, S).copy_(positions.index_select(0, rows).gather(1, slots));
+  return out;
+}
+
+Transformer& Transformer::operator=(const Transformer& other) {
+  if (this == &other) return *this;
+  config_ = other.config_;
+  embed_ = other.embed_;
+  final_norm_ = other.final_norm_;
+  lm_head_ = other.lm_head_;
+  layers_ = other.layers_;
+  checkpointing_ = other.checkpointing_;
+  bind_names();  // by_name_ must point at this object's members, not other's
+  return *this;
+}
+
+Transformer Transformer::clone() const {
+  Transformer t;
+  t.config_ = config_;
+  t.checkpointing_ = checkpointing_;
+  t.bind_names();  // points t's name table at t's own members
+  for (const auto& [name, ptr] : by_name_) {
+    if (ptr->defined()) *t.by_name_.at(name) = ptr->detach().clone();
+  }
+  if (config_.tie_word_embeddings) t.lm_head_ = t.embed_;
+  return t;
 }
 
 void Transformer::bind_names() {
@@ -300,6 +347,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   const int64_t past = cache ? cache->length : 0, S = past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const auto dev = embed_.device();
+  if (cache) cache->positions.narrow(1, past, L).copy_(positions);
 
   at::Tensor h = embed_.index_select(0, ids.reshape({-1})).view({B, L, c.hidden_size});  // (B, L, D)
   if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
@@ -327,7 +375,11 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     at::Tensor self = (k_slot == q_slot).view({1, 1, L, S});
     full_mask = (causal & keep) | self;
     if (c.sliding_window > 0) {
-      sliding_mask = (causal & keep & (k_slot > q_slot - c.sliding_window).view({1, 1, L, S})) | self;
+      // The window counts positions: a cached row may hold holes, so slot distance can exceed it.
+      at::Tensor k_pos = cache ? cache->positions.narrow(1, 0, S) : positions.to(dev);  // (B, S)
+      at::Tensor q_pos = positions.to(dev);                                             // (B, L)
+      at::Tensor in_window = k_pos.view({B, 1, 1, S}) > (q_pos - c.sliding_window).view({B, 1, L, 1});
+      sliding_mask = (causal & keep & in_window) | self;
     }
   };
 

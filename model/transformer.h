@@ -20,12 +20,21 @@
 namespace rlt {
 
 // Keys and values of every layer for incremental decoding, allocated once for B sequences of up to
-// max_len slots.
+// max_len slots. Every forward writes its L new positions to slots [length, length + L) of all rows; a
+// row with nothing to add writes a slot that its attention mask then hides, so rows may hold holes.
+// Slots carry the RoPE position they were written with, and sliding windows are measured in positions,
+// not slots, so holes never shrink a window.
 struct KvCache {
   std::vector<at::Tensor> k, v;  // per layer: (B, Hkv, max_len, hd)
+  at::Tensor positions;          // (B, max_len) int64: the position each slot was written with
   int64_t length = 0;            // slots filled so far
   int64_t max_len = 0;
   static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
+  // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]
+  // (j < slots.size(1)); length becomes slots.size(1). One primitive for dropping finished rows,
+  // squeezing out holes, growing, and copying a prefilled prompt to G rows.
+  // rows (B') int64, slots (B', S') int64, both on the cache's device.
+  KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
 };
 
 class Transformer {
@@ -38,6 +47,11 @@ class Transformer {
   // Writes config.json (every key it was loaded with, dtype updated) and the weights under their HF
   // names (sharded above max_shard_bytes), so transformers can load the folder.
   void save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
+  // A deep copy (the reference policy): same config, parameters cloned and detached.
+  Transformer clone() const;
+  // Copies share the parameter tensors (like at::Tensor copies); the name table is rebuilt for the copy.
+  Transformer(const Transformer& other) { *this = other; }
+  Transformer& operator=(const Transformer& other);
 
   // ids (B, L) int64; positions (B, L) int64 RoPE positions; attention_mask (B, S) 0/1 over all slots
   // (cached + new; undefined = all 1). With a cache, the new keys/values go to slots

@@ -4,6 +4,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <nlohmann/json.hpp>
+
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdlib>
@@ -55,9 +57,7 @@ void parse_value(const YAML::Node& n, double& out, const std::string& where, con
   out = v;
 }
 
-// No string field exists yet; fields.h promises the type, so the parser stays.
-[[maybe_unused]] void parse_value(const YAML::Node& n, std::string& out, const std::string& where,
-                                  const std::string& key) {
+void parse_value(const YAML::Node& n, std::string& out, const std::string& where, const std::string& key) {
   out = scalar_of(n, where, key);
 }
 
@@ -94,7 +94,7 @@ std::string format_value(const T& v) {
   else if constexpr (std::is_enum_v<T>)
     return enum_to_string(v);
   else if constexpr (std::is_same_v<T, std::string>)
-    return v.empty() ? "\"\"" : v;
+    return nlohmann::json(v).dump();  // a JSON string is a YAML double-quoted scalar: escapes round-trip
   else {
     std::ostringstream os;
     os.precision(17);
@@ -212,6 +212,22 @@ class Loader {
         fail_at(it == origin_.end() ? std::string("(default)") : it->second, key, why);
       });
     });
+    // Rules that span sections.
+    auto fail = [&](const std::string& key, const std::string& why) {
+      auto it = origin_.find(key);
+      fail_at(it == origin_.end() ? std::string("(default)") : it->second, key, why);
+    };
+    const Config& c = config;
+    if (c.train.prompts == PromptSource::kJsonl && c.data.path.empty()) {
+      fail("data.path", "train.prompts is jsonl, so a JSONL file is needed");
+    }
+    if (c.sampling.temperature > 0 && c.loss.temperature != c.sampling.temperature) {
+      fail("loss.temperature", "must equal sampling.temperature (" + format_value(c.sampling.temperature) +
+                                   "): the trainer's log-probs must be those of the distribution sampled from");
+    }
+    if (c.policy.entropy_coef > 0 && c.loss.entropy != EntropyMode::kGrad) {
+      fail("loss.entropy", "policy.entropy_coef > 0 needs loss.entropy: grad (the bonus is differentiated)");
+    }
   }
 
  private:

@@ -8,8 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "data/chat_template.h"
+#include "data/dataset.h"
+#include "data/reward.h"
+#include "data/synthetic.h"
 #include "loss/options.h"
 #include "loss/policy_loss.h"
+#include "rollout/retool.h"
+#include "rollout/sampler.h"
+#include "rollout/sandbox.h"
+#include "trainer/options.h"
 
 namespace CLI {
 class App;
@@ -18,13 +26,35 @@ class App;
 namespace rlt {
 
 struct Config {
-  LossOptions loss;          // `loss:`   the log-prob module (loss/logprob.h)
-  PolicyLossOptions policy;  // `policy:` the PPO/GRPO policy loss (loss/policy_loss.h)
+  ModelOptions model;          // `model:`     checkpoint or new model, tokenizer, device, dtype
+  DatasetOptions data;         // `data:`      JSONL prompts (train.prompts: jsonl)
+  SyntheticOptions synthetic;  // `synthetic:` the built-in task (train.prompts: synthetic)
+  ChatTemplateOptions chat;    // `chat:`      prompt framing
+  SamplingOptions sampling;    // `sampling:`  temperature, top-k/p, tokens per turn, G
+  RolloutOptions rollout;      // `rollout:`   the ReTool loop's limits
+  SandboxOptions sandbox;      // `sandbox:`   the interpreter's limits
+  RewardOptions reward;        // `reward:`    reward function
+  LossOptions loss;            // `loss:`      the log-prob module (loss/logprob.h)
+  PolicyLossOptions policy;    // `policy:`    the PPO/GRPO policy loss (loss/policy_loss.h)
+  TrainOptions train;          // `train:`     the RL loop and its optimizer
+  SftOptions sft;              // `sft:`       supervised warm-up
+  PpoOptions ppo;              // `ppo:`       critic, GAE
 
   template <class V>
   void visit_sections(V&& v) {
+    v("model", model, "checkpoint or new model, tokenizer, device, dtype");
+    v("data", data, "JSONL prompt dataset");
+    v("synthetic", synthetic, "the built-in multiplication task");
+    v("chat", chat, "prompt template");
+    v("sampling", sampling, "temperature, top-k, top-p, tokens per turn, samples per prompt");
+    v("rollout", rollout, "multi-turn tool loop limits");
+    v("sandbox", sandbox, "sandboxed interpreter limits");
+    v("reward", reward, "reward function");
     v("loss", loss, "log-prob module: paths, row selection, chunking, entropy");
     v("policy", policy, "policy loss: clipping, KL, entropy bonus, aggregation");
+    v("train", train, "RL loop, optimizer, schedule, checkpoints");
+    v("sft", sft, "supervised warm-up on synthetic tool-use traces");
+    v("ppo", ppo, "PPO critic and GAE");
   }
 };
 

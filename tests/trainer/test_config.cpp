@@ -50,7 +50,8 @@ TEST(Config, FileThenOverrides) {
   const std::string p = write_yaml("ok.yaml",
                                    "loss:\n  impl: cce\n  chunk_size: 256\n  loss_mask_only: true\n"
                                    "policy:\n  clip_eps_high: 0.28\n  agg: seq-mean-token-mean\n");
-  Config c = load_config(p, {"loss.chunk_size=512", "loss.temperature=0.7", "policy.kl_estimator=k1"});
+  Config c = load_config(
+      p, {"loss.chunk_size=512", "loss.temperature=0.7", "sampling.temperature=0.7", "policy.kl_estimator=k1"});
   EXPECT_EQ(c.loss.impl, LogprobImpl::kCce);
   EXPECT_EQ(c.loss.chunk_size, 512) << "--set wins over the file";
   EXPECT_TRUE(c.loss.loss_mask_only);
@@ -99,6 +100,13 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
                {"--set loss.loss_mask_only=true", "loss.loss_mask_only"});
   expect_error("", {"policy.clip_c=0.5"}, {"policy.clip_c"});
   expect_error("", {"policy.agg=seq-mean-token-sum-norm"}, {"policy.agg_norm"});
+  // Rules across sections: the trainer scores what was sampled, a JSONL source needs a file, an entropy
+  // bonus needs the entropy's gradient.
+  expect_error("", {"sampling.temperature=0.7"}, {"loss.temperature", "sampling.temperature"});
+  expect_error("", {"train.prompts=jsonl"}, {"data.path", "jsonl"});
+  expect_error("", {"policy.entropy_coef=0.01", "loss.entropy=value"}, {"loss.entropy", "grad"});
+  EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "policy.entropy_coef=0.01", "loss.entropy=grad"}))
+      << "greedy sampling scores at any temperature";
 }
 
 TEST(Config, MissingFileAndBadSyntax) {

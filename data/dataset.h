@@ -1,0 +1,113 @@
+// Prompt datasets: JSONL files with one {"prompt": ..., "answer": ...} object per line, loaded whole into
+// memory, and a sampler that walks them in deterministic shuffled epochs. A bad line is an error naming
+// file:line and what is wrong, or (skip_malformed) is skipped and counted, so a typo in line 40,117 of a
+// dataset is found before a run starts, not hours into it.
+// Leaves out: streaming files larger than memory, other formats (parquet, JSON arrays), chat-formatted
+// prompts (a list of messages): a prompt here is one question; the chat template (data/chat_template.h)
+// frames it.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+struct PromptExample {
+  std::string prompt;  // the question, before any chat template
+  std::string answer;  // reference answer (compared by the reward, data/reward.h)
+  std::string source;  // where it came from: "file:line", or "synthetic:#i"
+};
+
+// Any problem with data files (datasets, tokenizer models): the message names the file, and the line
+// where there is one.
+class DataError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct DatasetOptions {
+  // The JSONL file: one JSON object per line; blank lines are ignored.
+  std::string path;
+  // Key of the question in each object (a string).
+  std::string prompt_key = "prompt";
+  // Key of the reference answer (a string, or a number: kept as the exact text written in the file).
+  std::string answer_key = "answer";
+  // false: the first bad line is an error naming file:line. true: bad lines are skipped and counted
+  // (Dataset::skipped), the first few reasons kept for the log.
+  bool skip_malformed = false;
+  // Keep the first max_examples examples in file order and stop reading there; 0 = all.
+  int64_t max_examples = 0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("path", path, "JSONL file, one {prompt, answer} object per line");
+    v("prompt_key", prompt_key, "key of the question in each object");
+    v("answer_key", answer_key, "key of the reference answer in each object");
+    v("skip_malformed", skip_malformed, "skip and count bad lines instead of stopping at the first");
+    v("max_examples", max_examples, "keep the first N examples; 0 = all", FieldRange{0, 9.0e18});
+  }
+  void check(const FieldFail& fail) const {
+    if (prompt_key.empty()) fail("prompt_key", "must not be empty");
+    if (answer_key.empty()) fail("answer_key", "must not be empty");
+    if (!prompt_key.empty() && prompt_key == answer_key) {
+      fail("answer_key", "must differ from prompt_key ('" + prompt_key + "'): the answer would be the question");
+    }
+    if (max_examples < 0) fail("max_examples", "must be >= 0 (0 = all)");
+  }
+};
+
+struct Dataset {
+  std::vector<PromptExample> examples;
+  int64_t skipped = 0;                    // malformed lines skipped (skip_malformed only)
+  std::vector<std::string> skip_reasons;  // the first kMaxSkipReasons of them, each "file:line: why"
+  static constexpr int64_t kMaxSkipReasons = 10;
+};
+
+// Reads options.path. Throws DataError:
+//   "FILE: cannot open ..." / "FILE: is a directory" / "FILE: read error" for the file itself;
+//   "FILE:LINE: why" for a bad line: invalid JSON (with the column), not an object, a missing key, a key
+//   that is not a string (numbers are accepted as answers and kept as written: 12.50 stays "12.50"),
+//   an empty prompt or answer, a byte-order mark after line 1;
+//   "FILE: no examples ..." when nothing usable remains (empty file, or every line skipped).
+// A UTF-8 byte-order mark at the start of line 1 and a '\r' before each '\n' (Windows files) are accepted.
+Dataset load_jsonl(const DatasetOptions& options);
+
+// Deterministic shuffled epochs over a dataset: each pass visits every example exactly once, in an order
+// that depends only on (seed, epoch), so a run is reproducible and a resumed one can seek() to where it
+// stopped. The shuffle is our own Fisher-Yates over a splitmix64 stream, not std::shuffle, whose output
+// differs between standard libraries.
+class PromptSampler {
+ public:
+  // Throws DataError when examples is empty.
+  PromptSampler(std::vector<PromptExample> examples, uint64_t seed);
+
+  // The next n examples (n >= 0). A batch that runs past the end of a pass continues into the next
+  // pass, so it may hold one example twice when n > size() or across the boundary.
+  std::vector<PromptExample> next(int64_t n);
+
+  // Passes completed so far = the pass the next example comes from (0-based).
+  int64_t epoch() const { return epoch_; }
+  // Examples drawn so far over all passes (what a checkpoint saves).
+  int64_t consumed() const { return epoch_ * size() + position_; }
+  // Continue as if `consumed` examples had been drawn: a resumed run sees the same batches.
+  void seek(int64_t consumed);
+  int64_t size() const { return static_cast<int64_t>(examples_.size()); }
+  // The current pass's order: order()[i] is the index (into the constructor's examples) of the pass's
+  // i-th example.
+  const std::vector<int64_t>& order() const { return order_; }
+
+ private:
+  void shuffle_for_epoch();
+
+  std::vector<PromptExample> examples_;
+  uint64_t seed_;
+  int64_t epoch_ = 0;
+  int64_t position_ = 0;        // next index into order_
+  std::vector<int64_t> order_;  // (size()) permutation of the current pass
+};
+
+}  // namespace rlt

@@ -1,0 +1,99 @@
+// Rewards for boxed-answer tasks, chosen by name in YAML (`reward.kind`): the last \boxed{...} of the
+// model's text is extracted, normalised, and compared with the reference as a string or as an exact
+// rational number; the tool-shaping variant follows the published ReTool recipe (verl,
+// recipe/retool/retool.py) and softens the penalty of wrong answers that used the interpreter.
+// Leaves out: symbolic equivalence (x+1 vs 1+x, sqrt forms: that needs a CAS such as sympy), units,
+// percentages, degrees, intervals and sets, scientific notation, mixed numbers (1\frac{1}{2}), and
+// \fbox. Such answers still match when their normalised strings are equal.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+// The content of the LAST \boxed{...} in `text`, braces balanced (so \boxed{\frac{1}{2}} gives
+// \frac{1}{2}; escaped \{ and \} do not count). Boxes are found left to right and a box's content is
+// skipped whole, so a box nested in a box is part of the outer answer. Returns nullopt when there is no
+// box, or when the last one is never closed (a truncated final answer is no answer, even if an earlier
+// box closed). "\boxed 5" (no braces) is not an answer: without braces its end is ambiguous
+// ("\boxed 5 apples"), and the chat template asks for braces. Spaces between \boxed and { are allowed.
+std::optional<std::string> extract_last_boxed(const std::string& text);
+
+// A canonical string for comparing answers. Removes whitespace, $, \left / \right, \displaystyle, LaTeX
+// spacing (\, \; \: \! \quad ~), \text{..} / \textbf{..} / \mathrm{..} / \mbox{..} wrappers (content
+// kept), one trailing '.', a leading '+'; maps \dfrac / \tfrac to \frac and the shorthand \frac12 to
+// \frac{1}{2}, the Unicode minus to '-'; drops thousands separators in a plain number ("1,234",
+// "1{,}234", "1\,234", "1 234" -> "1234"); and writes a plain decimal canonically: no leading zeros
+// ("007" -> "7", ".5" -> "0.5"), no trailing zeros after the point ("12.50" -> "12.5", "3.0" -> "3"),
+// "-0" -> "0".
+std::string normalize_answer(const std::string& s);
+
+// True when the normalised answers are equal strings, or are equal as exact rationals. Numbers are
+// integers, decimals, a/b and \frac{a}{b} (integer a, b; a sign in front or on a or b), compared in
+// lowest terms with 128-bit integers, never through floating point: 0.5 = 1/2 = \frac{1}{2} = \dfrac12,
+// but 0.33 != 1/3. A number too large for 128 bits falls back to string equality. An empty answer
+// matches nothing.
+bool answers_match(const std::string& predicted, const std::string& reference);
+
+enum class RewardKind {
+  kBoxed,             // +correct when the last box matches the reference, else wrong (no box included)
+  kBoxedToolShaping,  // as kBoxed, but a wrong answer earns back 0.1 per tool call, up to 0.4 (ReTool)
+};
+inline const EnumNames<RewardKind>& enum_names(RewardKind) {
+  static const EnumNames<RewardKind> names{{"boxed", RewardKind::kBoxed},
+                                           {"boxed_tool_shaping", RewardKind::kBoxedToolShaping}};
+  return names;
+}
+
+struct RewardOptions {
+  // boxed | boxed_tool_shaping.
+  RewardKind kind = RewardKind::kBoxedToolShaping;
+  // Reward of a correct answer.
+  double correct = 1.0;
+  // Reward of a wrong or missing answer (boxed_tool_shaping: before the tool-call credit).
+  double wrong = -1.0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("kind", kind, "reward function: boxed | boxed_tool_shaping");
+    v("correct", correct, "reward of a correct answer", FieldRange{-1e6, 1e6});
+    v("wrong", wrong, "reward of a wrong or missing answer", FieldRange{-1e6, 1e6});
+  }
+  void check(const FieldFail& fail) const {
+    if (!(correct > wrong))
+      fail("correct", "must be greater than reward.wrong, or learning would avoid correct answers");
+    // The shaped penalty tops out at wrong + 0.4; it must stay below a correct answer's reward.
+    if (kind == RewardKind::kBoxedToolShaping && !(wrong + kToolCreditCap < correct)) {
+      fail("wrong", "with boxed_tool_shaping, wrong + 0.4 (the most tool credit) must stay below reward.correct");
+    }
+  }
+
+  // boxed_tool_shaping, in the recipe's numbers: credit per tool call, and the most credit in all.
+  static constexpr double kToolCreditPerCall = 0.1;
+  static constexpr double kToolCreditCap = 0.4;
+};
+
+struct RewardResult {
+  double reward = 0;
+  bool correct = false;
+  bool has_answer = false;  // a closed \boxed{...} with non-empty content was found
+  std::string extracted;    // that box's content as written (empty when none)
+};
+
+// response_text: the model-written text only (the caller leaves tool output out, so a box printed by
+// the interpreter earns nothing). tool_calls: code executions in the trajectory (>= 0).
+//   boxed:              correct -> correct, else wrong.
+//   boxed_tool_shaping: correct -> correct, else min(wrong + 0.4, wrong + 0.1 * tool_calls); with the
+//                       defaults min(-0.6, -1 + 0.1 * tool_calls). The recipe writes the credit as
+//                       (num_turns - 2) / 2 * 0.1, where verl's num_turns counts the prompt, every
+//                       assistant turn and every tool response: 1 + (k + 1) + k = 2k + 2 for k tool calls
+//                       ending in an answer, so (num_turns - 2) / 2 = k.
+// Throws std::invalid_argument when tool_calls < 0.
+RewardResult compute_reward(const std::string& response_text, const std::string& reference, int64_t tool_calls,
+                            const RewardOptions& options);
+
+}  // namespace rlt

@@ -1,0 +1,128 @@
+// Multiplication problems and their worked tool-use traces; see synthetic.h.
+#include "data/synthetic.h"
+
+#include <cctype>
+#include <stdexcept>
+
+namespace rlt {
+
+namespace {
+
+// splitmix64 (Steele, Lea & Flood 2014); the same stream on every platform, unlike std:: distributions.
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [0, n) without modulo bias (Lemire 2019).
+uint64_t uniform_below(uint64_t& state, uint64_t n) {
+  unsigned __int128 m = static_cast<unsigned __int128>(splitmix64(state)) * n;
+  uint64_t low = static_cast<uint64_t>(m);
+  if (low < n) {
+    const uint64_t threshold = (0 - n) % n;  // 2^64 mod n
+    while (low < threshold) {
+      m = static_cast<unsigned __int128>(splitmix64(state)) * n;
+      low = static_cast<uint64_t>(m);
+    }
+  }
+  return static_cast<uint64_t>(m >> 64);
+}
+
+uint64_t pow10(int64_t k) {
+  uint64_t p = 1;
+  for (int64_t i = 0; i < k; ++i) p *= 10;
+  return p;
+}
+
+std::string to_decimal(unsigned __int128 v) {
+  if (v == 0) return "0";
+  std::string s;
+  for (; v > 0; v /= 10) s.insert(s.begin(), static_cast<char>('0' + static_cast<int>(v % 10)));
+  return s;
+}
+
+// Several phrasings so the policy learns the task, not one sentence; none contains other digits, which
+// tool_use_trace relies on to find the operands.
+std::string phrase(int which, const std::string& a, const std::string& b) {
+  switch (which) {
+    case 0:
+      return "What is " + a + " * " + b + "?";
+    case 1:
+      return "Calculate " + a + " times " + b + ".";
+    case 2:
+      return "Multiply " + a + " by " + b + ".";
+    default:
+      return "What is the product of " + a + " and " + b + "?";
+  }
+}
+constexpr int kPhrasings = 4;
+
+}  // namespace
+
+std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& options) {
+  std::string bad;
+  options.check([&](const std::string& key, const std::string& why) {
+    if (bad.empty()) bad = "synthetic task options: " + key + ": " + why;
+  });
+  if (!bad.empty()) throw std::invalid_argument(bad);
+
+  // One stream for the whole set, drawn in a fixed order (a, b, phrasing) per problem: the first k
+  // problems of a larger count are the problems of count = k.
+  uint64_t state = static_cast<uint64_t>(options.seed);
+  const uint64_t lo_a = pow10(options.digits_a - 1), lo_b = pow10(options.digits_b - 1);
+  const uint64_t span_a = pow10(options.digits_a) - lo_a, span_b = pow10(options.digits_b) - lo_b;
+  std::vector<PromptExample> tasks;
+  tasks.reserve(static_cast<size_t>(options.count));
+  for (int64_t i = 0; i < options.count; ++i) {
+    const uint64_t a = lo_a + uniform_below(state, span_a);
+    const uint64_t b = lo_b + uniform_below(state, span_b);
+    const int which = static_cast<int>(uniform_below(state, kPhrasings));
+    PromptExample ex;
+    ex.prompt = phrase(which, std::to_string(a), std::to_string(b));
+    ex.answer = to_decimal(static_cast<unsigned __int128>(a) * b);  // < 10^36: exact in 128 bits
+    ex.source = "synthetic:#" + std::to_string(i);
+    tasks.push_back(std::move(ex));
+  }
+  return tasks;
+}
+
+std::vector<TraceSegment> tool_use_trace(const PromptExample& ex, const ToolTags& tags) {
+  std::vector<std::string> numbers;
+  for (size_t i = 0; i < ex.prompt.size();) {
+    if (!std::isdigit(static_cast<unsigned char>(ex.prompt[i]))) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < ex.prompt.size() && std::isdigit(static_cast<unsigned char>(ex.prompt[j]))) ++j;
+    numbers.push_back(ex.prompt.substr(i, j - i));
+    i = j;
+  }
+  if (numbers.size() != 2) {
+    throw DataError(ex.source + ": tool_use_trace: expected a prompt with exactly two integers, found " +
+                    std::to_string(numbers.size()) + " in '" + ex.prompt + "'");
+  }
+  for (const std::string& n : numbers) {
+    if (n.size() > 18) {
+      throw DataError(ex.source + ": tool_use_trace: operand " + n + " has more than 18 digits");
+    }
+  }
+  const uint64_t a = std::stoull(numbers[0]), b = std::stoull(numbers[1]);
+  const std::string product = to_decimal(static_cast<unsigned __int128>(a) * b);
+  if (product != ex.answer) {
+    throw DataError(ex.source + ": tool_use_trace: " + numbers[0] + " * " + numbers[1] + " = " + product +
+                    ", but the example's answer is '" + ex.answer + "'");
+  }
+  // Operands are re-printed from their values, so a prompt's "007" becomes 7: Python 3 rejects integer
+  // literals with leading zeros.
+  const std::string code = "print(" + std::to_string(a) + " * " + std::to_string(b) + ")";
+  return {
+      {tags.code_open + "\n" + code + "\n" + tags.code_close, true},
+      {tags.output_open + "\n" + product + "\n" + tags.output_close + "\n", false},
+      {"Answer: \\boxed{" + product + "}", true},
+  };
+}
+
+}  // namespace rlt

@@ -1,0 +1,72 @@
+// The built-in demo's task: multiplication of multi-digit numbers, which a small model cannot do in its
+// head but can by writing one line of Python, so tool use visibly pays off within a short run. Also the
+// worked tool-use trace for a supervised warm-up before RL.
+// Leaves out: other task families (the JSONL loader, data/dataset.h, is the way to bring real problems),
+// and traces for prompts that are not a two-operand multiplication.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "loss/fields.h"
+
+namespace rlt {
+
+struct SyntheticOptions {
+  // Decimal digits of the first and second operand (leading digit nonzero). Products stay exact up to
+  // 18 x 18 digits (they are computed in 128-bit integers).
+  int64_t digits_a = 3;
+  int64_t digits_b = 3;
+  // Problems generated. Operand pairs are independent draws, so with tiny digit counts they repeat.
+  int64_t count = 2000;
+  // Equal seeds give equal problems (own splitmix64 stream: identical on every platform).
+  int64_t seed = 0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("digits_a", digits_a, "digits of the first operand", FieldRange{1, 18});
+    v("digits_b", digits_b, "digits of the second operand", FieldRange{1, 18});
+    v("count", count, "problems generated", FieldRange{1, 1e9});
+    v("seed", seed, "problem generator seed", FieldRange{0, 9.0e18});
+  }
+  void check(const FieldFail& fail) const {
+    if (digits_a < 1 || digits_a > 18) fail("digits_a", "must be in [1, 18] (operands are 64-bit integers)");
+    if (digits_b < 1 || digits_b > 18) fail("digits_b", "must be in [1, 18] (operands are 64-bit integers)");
+    if (count < 1) fail("count", "must be >= 1");
+    if (seed < 0) fail("seed", "must be >= 0");
+  }
+};
+
+// `count` problems such as "What is 347 * 829?" in a few phrasings, each with its exact product as the
+// answer ("287663") and source "synthetic:#i". Deterministic in the options. Throws std::invalid_argument
+// when the options fail check().
+std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& options);
+
+// The tag strings that delimit code and interpreter output, shared by the chat template, the rollout
+// (rollout/retool.h) and the warm-up traces, so all three agree.
+struct ToolTags {
+  std::string code_open = "<code>";
+  std::string code_close = "</code>";
+  std::string output_open = "<interpreter>";
+  std::string output_close = "</interpreter>";
+};
+
+// One piece of a worked trace: written by the model (trainable, loss_mask = 1) or produced by the tool
+// (not trainable, loss_mask = 0).
+struct TraceSegment {
+  std::string text;
+  bool trainable = true;
+};
+
+// The worked solution of a multiplication prompt, laid out exactly as a rollout would produce it:
+//   {"<code>\nprint(347 * 829)\n</code>", true}               the turn ends at the close tag
+//   {"<interpreter>\n287663\n</interpreter>\n", false}         as rollout/retool.cpp appends tool output
+//   {"Answer: \\boxed{287663}", true}                           the turn ends when the box closes
+// The operands are the two integers in the prompt. Throws DataError naming ex.source when the prompt does
+// not hold exactly two integers of at most 18 digits, or when their product is not ex.answer (a warm-up
+// that teaches a wrong answer is worse than none). The caller appends EOS after the last segment.
+std::vector<TraceSegment> tool_use_trace(const PromptExample& ex, const ToolTags& tags);
+
+}  // namespace rlt

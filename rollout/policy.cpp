@@ -1,0 +1,124 @@
+// The Transformer on one batched, compacting KV cache; see policy.h.
+#include "rollout/policy.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+
+namespace rlt {
+
+ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
+  TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
+}
+
+at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(!prompts.empty() && repeats >= 1, "start: needs at least one prompt and repeats >= 1");
+  const int64_t U = static_cast<int64_t>(prompts.size()), N = U * repeats;
+  int64_t P = 0;
+  for (const auto& p : prompts) {
+    TORCH_CHECK(!p.empty(), "start: a prompt has no tokens");
+    P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
+  }
+  // Left padding: every prompt ends in the last column, whose hidden state gives the first logits.
+  at::Tensor ids = at::zeros({U, P}, at::kLong), pos = at::zeros({U, P}, at::kLong);
+  at::Tensor mask = at::zeros({U, P}, at::kLong);
+  length_.assign(N, 0);
+  for (int64_t u = 0; u < U; ++u) {
+    const int64_t n = static_cast<int64_t>(prompts[u].size()), pad = P - n;
+    for (int64_t j = 0; j < n; ++j) {
+      ids[u][pad + j] = prompts[u][j];
+      pos[u][pad + j] = j;
+      mask[u][pad + j] = 1;
+    }
+    for (int64_t g = 0; g < repeats; ++g) length_[u * repeats + g] = n;
+  }
+  const at::Tensor& head = model_.lm_head();
+  const auto dev = head.device();
+  KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
+  at::Tensor hidden = model_.forward(ids.to(dev), pos.to(dev), mask.to(dev), &prefill);  // (U, P, D)
+  at::Tensor logits = model_.logits(hidden.select(1, P - 1));                            // (U, V)
+  // The G samples of a prompt share its prefill: copy its cache row G times.
+  auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
+  at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N)
+  at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
+  cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
+  valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
+  valid_.narrow(1, 0, P).copy_(mask.to(dev).index_select(0, rows) != 0);
+  cache_row_.resize(N);
+  seq_of_row_.resize(N);
+  for (int64_t n = 0; n < N; ++n) cache_row_[n] = seq_of_row_[n] = n;
+  return logits.repeat_interleave(repeats, 0);  // (N, V)
+}
+
+at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
+  if (cache_.length + 1 > cache_.max_len) compact(1);
+  const int64_t Bc = cache_rows();
+  at::Tensor ids = at::zeros({Bc, 1}, at::kLong), pos = at::zeros({Bc, 1}, at::kLong);
+  at::Tensor fed = at::zeros({Bc}, at::kBool), pick = at::empty({int64_t(rows.size())}, at::kLong);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t n = rows[j];
+    TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "step: sequence ", n,
+                " was released or never started");
+    const int64_t r = cache_row_[n];
+    TORCH_CHECK(!fed[r].item<bool>(), "step: sequence ", n, " listed twice");
+    ids[r][0] = tokens[j];
+    pos[r][0] = length_[n]++;
+    fed[r] = true;
+    pick[j] = r;
+  }
+  const auto dev = valid_.device();
+  // Rows not fed write a slot nobody attends to (their own query output is discarded).
+  valid_.select(1, cache_.length).copy_(fed.to(dev));
+  at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);                     // (Bc, S)
+  at::Tensor hidden = model_.forward(ids.to(dev), pos.to(dev), mask, &cache_);  // (Bc, 1, D)
+  return model_.logits(hidden.squeeze(1).index_select(0, pick.to(dev)));        // (rows, V)
+}
+
+void ModelPolicy::release(const std::vector<int64_t>& rows) {
+  int64_t released = 0;
+  for (int64_t n : rows) {
+    TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()), "release: no sequence ", n);
+    if (cache_row_[n] < 0) continue;
+    seq_of_row_[cache_row_[n]] = -1;
+    cache_row_[n] = -1;
+  }
+  for (int64_t s : seq_of_row_) released += s < 0;
+  // Finished rows still cost a slot per step: drop them once they are half the cache.
+  if (released > 0 && 2 * released >= cache_rows()) compact(0);
+}
+
+void ModelPolicy::compact(int64_t need) {
+  at::NoGradGuard no_grad;
+  ++compactions_;
+  const auto dev = valid_.device();
+  std::vector<int64_t> alive;
+  for (int64_t r = 0; r < cache_rows(); ++r) {
+    if (seq_of_row_[r] >= 0) alive.push_back(r);
+  }
+  auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
+  const int64_t B = static_cast<int64_t>(alive.size()), L = cache_.length;
+  at::Tensor rows = at::tensor(alive, at::kLong).to(dev);       // (B')
+  at::Tensor v = valid_.index_select(0, rows).narrow(1, 0, L);  // (B', L)
+  at::Tensor n = v.sum(1);                                      // (B') tokens per row
+  const int64_t S = B > 0 ? n.max().item<int64_t>() : 0;
+  // Each row's valid slots in order, first: sort slot numbers with holes pushed past L.
+  at::Tensor slot = at::arange(L, lopts).view({1, L});
+  at::Tensor order = std::get<0>(at::where(v, slot, slot + L).sort(/*dim=*/1)).narrow(1, 0, S);  // (B', S)
+  at::Tensor keep = at::arange(S, lopts).view({1, S}) < n.view({B, 1});                          // (B', S)
+  order = at::where(keep, order, at::zeros_like(order));
+  const int64_t grow = std::max(options_.slot_chunk, S / 4) + need;
+  cache_ = cache_.gather(rows, order, S + grow);
+  valid_ = at::zeros({B, S + grow}, at::TensorOptions().dtype(at::kBool).device(dev));
+  valid_.narrow(1, 0, S).copy_(keep);
+  std::vector<int64_t> seq_of_row(B);
+  for (int64_t r = 0; r < B; ++r) {
+    seq_of_row[r] = seq_of_row_[alive[r]];
+    cache_row_[seq_of_row[r]] = r;
+  }
+  seq_of_row_ = std::move(seq_of_row);
+}
+
+}  // namespace rlt

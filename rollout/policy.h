@@ -1,0 +1,67 @@
+// What the rollout loop asks of a model: start N sequences from their prompts, then feed each sequence one
+// token at a time and get its next-token logits. The loop (retool.h) decides which sequences are fed at
+// a step: sequences waiting on a tool call are simply not fed, and the others go on, so a tool call
+// never stalls the batch.
+//
+// ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
+// slot for every cache row; rows not fed that step write a slot that their attention mask hides. Holes
+// and finished rows are squeezed out (KvCache::gather) when the cache fills up or half its rows are
+// finished, and the cache grows on demand, so memory follows the tokens actually held.
+//
+// Shapes: N sequences, Bc rows in the cache (N minus released rows, after compaction), S slots, V vocab.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "model/transformer.h"
+
+namespace rlt {
+
+class TokenPolicy {
+ public:
+  virtual ~TokenPolicy() = default;
+  // Starts N = prompts.size() * repeats sequences; prompt i occupies rows [i * repeats, (i + 1) * repeats).
+  // Returns the logits of each sequence's first new token (N, V).
+  virtual at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) = 0;
+  // Appends tokens[j] to sequence rows[j] (rows distinct) and returns their next-token logits (rows.size(), V).
+  virtual at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) = 0;
+  // Sequences that will not be fed again; their memory may be reclaimed.
+  virtual void release(const std::vector<int64_t>& rows) {}
+  virtual int64_t vocab_size() const = 0;
+};
+
+struct ModelPolicyOptions {
+  int64_t slot_chunk = 256;  // cache slots added at least when it grows
+};
+
+class ModelPolicy : public TokenPolicy {
+ public:
+  ModelPolicy(const Transformer& model, ModelPolicyOptions options = {});
+  at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
+  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
+  void release(const std::vector<int64_t>& rows) override;
+  int64_t vocab_size() const override { return model_.config().vocab_size; }
+
+  // Cache slots allocated now and at most so far (for tests and memory reports).
+  int64_t cache_slots() const { return cache_.max_len; }
+  int64_t cache_rows() const { return cache_.k.empty() ? 0 : cache_.k[0].size(0); }
+  int64_t compactions() const { return compactions_; }
+
+ private:
+  // Drops released rows and squeezes holes; leaves room for at least `need` more slots.
+  void compact(int64_t need);
+
+  const Transformer& model_;
+  ModelPolicyOptions options_;
+  KvCache cache_;
+  at::Tensor valid_;                 // (Bc, S) bool on the model's device: slot holds a token of the row
+  std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
+  std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
+  std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
+  int64_t compactions_ = 0;
+};
+
+}  // namespace rlt

@@ -1,0 +1,378 @@
+// The ReTool loop; see retool.h. One pass of the main loop: sample for the sequences whose logits are
+// ready, pick up finished tool calls, feed every sequence that has a token to feed (one token each), and
+// repeat. A sequence's state is a queue of tokens not yet in the model's cache ("pending"): its own
+// last sample, or tool output to append. A sequence samples when that queue runs dry.
+#include "rollout/retool.h"
+
+#include <chrono>
+#include <deque>
+#include <thread>
+
+#include "data/tokenizer.h"
+
+namespace rlt {
+
+std::vector<int64_t> Trajectory::ids() const {
+  std::vector<int64_t> out = prompt_ids;
+  out.insert(out.end(), response_ids.begin(), response_ids.end());
+  return out;
+}
+
+int64_t Trajectory::sampled_tokens() const {
+  int64_t n = 0;
+  for (uint8_t m : loss_mask) n += m;
+  return n;
+}
+
+std::string format_tool_output(const SandboxResult& r) {
+  std::string out = r.stdout_text;
+  if (r.exit_code != 0 && !r.stderr_text.empty()) {
+    if (!out.empty() && out.back() != '\n') out += '\n';
+    out += r.stderr_text;
+  }
+  if (r.truncated) out += "\n[output truncated]";
+  if (r.timed_out) out += "\n[timed out]";
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  return out;
+}
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return !suffix.empty() && s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
+
+// How a turn's text stands after its latest token.
+struct TurnEnd {
+  enum Kind { kNone, kCode, kBadCode, kAnswer, kFakeOutput } kind = kNone;
+  std::string code;
+};
+
+// A fenced block "```python\n...\n```" that the latest token closed; code set when so.
+bool closes_fence(const std::string& text, std::string& code) {
+  size_t end = text.find_last_not_of(" \t\r\n");
+  if (end == std::string::npos || end < 2 || text.compare(end - 2, 3, "```") != 0) return false;
+  const size_t close = end - 2;
+  if (close == 0) return false;
+  const size_t open = text.rfind("```", close - 1);
+  if (open == std::string::npos) return false;
+  // The fences before `close` must pair up, `open` being the opening of the last pair.
+  size_t count = 0;
+  for (size_t p = text.find("```"); p != std::string::npos && p < close; p = text.find("```", p + 3)) ++count;
+  if (count % 2 == 0) return false;
+  size_t line_end = text.find('\n', open);
+  if (line_end == std::string::npos || line_end > close) return false;
+  const std::string lang = text.substr(open + 3, line_end - open - 3);
+  if (lang != "python" && lang != "py" && lang != "python3") return false;
+  code = text.substr(line_end + 1, close - line_end - 1);
+  return true;
+}
+
+// Inside an open <code> block or an open ```python fence (where "\boxed{" is code, not an answer).
+bool inside_code(const std::string& text, const ToolTags& tags) {
+  const size_t open = text.rfind(tags.code_open);
+  if (open != std::string::npos) {
+    const size_t close = text.rfind(tags.code_close);
+    if (close == std::string::npos || close < open) return true;
+  }
+  size_t count = 0;
+  for (size_t p = text.find("```"); p != std::string::npos; p = text.find("```", p + 3)) ++count;
+  return count % 2 == 1;
+}
+
+TurnEnd classify_turn(const std::string& text, const ToolTags& tags) {
+  TurnEnd t;
+  if (ends_with(text, tags.code_close)) {
+    const size_t close = text.size() - tags.code_close.size();
+    const size_t open = text.rfind(tags.code_open, close);
+    if (open == std::string::npos) {
+      t.kind = TurnEnd::kBadCode;
+      return t;
+    }
+    t.code = text.substr(open + tags.code_open.size(), close - open - tags.code_open.size());
+    t.kind = is_blank(t.code) ? TurnEnd::kBadCode : TurnEnd::kCode;
+    return t;
+  }
+  std::string code;
+  if (closes_fence(text, code)) {
+    t.kind = is_blank(code) ? TurnEnd::kBadCode : TurnEnd::kCode;
+    t.code = code;
+    return t;
+  }
+  if (inside_code(text, tags)) return t;
+  if (ends_with(text, tags.output_open) || ends_with(text, tags.output_close)) {
+    t.kind = TurnEnd::kFakeOutput;  // the model writing the interpreter's part
+    return t;
+  }
+  // An answer ends the turn once its braces close; "\boxed{" alone is still being written.
+  if (text.find("\\boxed") != std::string::npos && extract_last_boxed(text).has_value()) t.kind = TurnEnd::kAnswer;
+  return t;
+}
+
+enum class SeqState { kGenerating, kWaiting, kDone };
+
+struct Seq {
+  Trajectory traj;
+  std::deque<int64_t> pending;  // tokens to feed the model, in order
+  SeqState state = SeqState::kGenerating;
+  int64_t turn_tokens = 0;  // sampled in the current turn
+  std::string turn_text;    // model text of the current turn
+  std::future<SandboxResult> tool;
+  int64_t stream = 0;
+};
+
+class Loop {
+ public:
+  Loop(TokenPolicy& policy, const Tokenizer& tok, const SamplingOptions& sampling, const RolloutOptions& options,
+       const ToolRunner& tools, const ToolTags& tags)
+      : policy_(policy), tok_(tok), sampling_(sampling), options_(options), tools_(tools), tags_(tags) {}
+
+  std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
+                              int64_t first_prompt) {
+    const int64_t G = sampling_.samples_per_prompt;
+    seqs_ = std::vector<Seq>(prompts.size() * G);
+    released_.assign(seqs_.size(), false);
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      for (int64_t g = 0; g < G; ++g) {
+        Seq& s = seqs_[p * G + g];
+        s.traj.prompt_index = first_prompt + static_cast<int64_t>(p);
+        s.traj.sample_index = g;
+        s.traj.prompt_ids = prompts[p];
+        s.stream = streams[p] * G + g;
+      }
+    }
+    std::vector<int64_t> to_sample(seqs_.size());
+    for (size_t n = 0; n < seqs_.size(); ++n) to_sample[n] = static_cast<int64_t>(n);
+    at::Tensor logits = policy_.start(prompts, G);  // (N, V)
+    for (;;) {
+      if (!to_sample.empty()) sample(to_sample, logits);
+      collect_tools(/*block=*/false);
+      std::vector<int64_t> rows, tokens;
+      for (size_t n = 0; n < seqs_.size(); ++n) {
+        if (!seqs_[n].pending.empty()) {
+          rows.push_back(static_cast<int64_t>(n));
+          tokens.push_back(seqs_[n].pending.front());
+          seqs_[n].pending.pop_front();
+        }
+      }
+      release_finished();
+      to_sample.clear();
+      if (rows.empty()) {
+        if (!any_waiting()) break;
+        collect_tools(/*block=*/true);  // nothing to decode: wait for a tool call to return
+        continue;
+      }
+      logits = policy_.step(rows, tokens);  // (rows, V)
+      std::vector<int64_t> pick;
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const Seq& s = seqs_[rows[j]];
+        if (s.pending.empty() && s.state == SeqState::kGenerating) {
+          to_sample.push_back(rows[j]);
+          pick.push_back(static_cast<int64_t>(j));
+        }
+      }
+      if (!pick.empty()) logits = logits.index_select(0, at::tensor(pick, at::kLong).to(logits.device()));
+    }
+    std::vector<Trajectory> out;
+    out.reserve(seqs_.size());
+    for (auto& s : seqs_) out.push_back(std::move(s.traj));
+    return out;
+  }
+
+ private:
+  int64_t total_tokens(const Seq& s) const {
+    return static_cast<int64_t>(s.traj.prompt_ids.size() + s.traj.response_ids.size());
+  }
+
+  void finish(Seq& s, FinishReason why, bool truncated = false) {
+    s.state = SeqState::kDone;
+    s.traj.finish = why;
+    s.traj.truncated = truncated;
+    s.pending.clear();
+  }
+
+  // Appends tokens the policy did not sample (tool output, feedback); they are fed before it samples again.
+  // Returns false when the context budget cut them (the trajectory is then finished).
+  bool append_forced(Seq& s, const std::vector<int64_t>& ids) {
+    const int64_t room = options_.max_context - total_tokens(s);
+    const int64_t n = std::min<int64_t>(room, static_cast<int64_t>(ids.size()));
+    for (int64_t i = 0; i < n; ++i) {
+      s.traj.response_ids.push_back(ids[i]);
+      s.traj.loss_mask.push_back(0);
+      s.traj.logprobs.push_back(0.0f);
+      s.pending.push_back(ids[i]);
+    }
+    if (n < static_cast<int64_t>(ids.size()) || total_tokens(s) >= options_.max_context) {
+      finish(s, FinishReason::kContext, /*truncated=*/true);
+      return false;
+    }
+    return true;
+  }
+
+  // The turn boundary after a tool or feedback message: the next sample starts a new assistant turn.
+  void next_turn(Seq& s) {
+    s.state = SeqState::kGenerating;
+    s.turn_tokens = 0;
+    s.turn_text.clear();
+    s.traj.turns += 1;
+  }
+
+  std::vector<int64_t> interpreter_turn(const std::string& body) const {
+    std::vector<int64_t> ids = tok_.encode(tags_.output_open + "\n");
+    std::vector<int64_t> text = tok_.encode(body);
+    if (static_cast<int64_t>(text.size()) > options_.max_tool_output_tokens) {
+      text.resize(options_.max_tool_output_tokens);
+      const auto mark = tok_.encode("\n[output truncated]");
+      text.insert(text.end(), mark.begin(), mark.end());
+    }
+    const auto tail = tok_.encode("\n" + tags_.output_close + "\n");
+    ids.insert(ids.end(), text.begin(), text.end());
+    ids.insert(ids.end(), tail.begin(), tail.end());
+    return ids;
+  }
+
+  void give_feedback(Seq& s) {
+    if (s.traj.turns >= options_.max_turns) return finish(s, FinishReason::kMaxTurns);
+    s.traj.feedback_turns += 1;
+    if (append_forced(s, interpreter_turn(options_.feedback))) next_turn(s);
+  }
+
+  void sample(const std::vector<int64_t>& rows, const at::Tensor& logits) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    at::Tensor streams = at::empty({n}, at::kLong), counters = at::empty({n}, at::kLong);
+    for (int64_t j = 0; j < n; ++j) {
+      const Seq& s = seqs_[rows[j]];
+      streams[j] = s.stream;
+      counters[j] = static_cast<int64_t>(s.traj.response_ids.size());  // the token's index in the response
+    }
+    SampleOutput out = sample_tokens(logits, sampling_, streams, counters, tok_.vocab_size());
+    const int64_t* ids = out.ids.data_ptr<int64_t>();
+    const float* lp = out.logprobs.data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
+  }
+
+  void on_sampled(Seq& s, int64_t id, float logprob) {
+    s.traj.response_ids.push_back(id);
+    s.traj.loss_mask.push_back(1);
+    s.traj.logprobs.push_back(logprob);
+    s.turn_tokens += 1;
+    const std::string& piece = tok_.piece_text(id);
+    s.turn_text += piece;
+    s.traj.response_text += piece;
+    if (id == tok_.eos_id()) return finish(s, FinishReason::kEos);
+    if (!options_.stop.empty() && ends_with(s.traj.response_text, options_.stop)) {
+      return finish(s, FinishReason::kStop);
+    }
+    TurnEnd end;
+    if (options_.tools) {
+      end = classify_turn(s.turn_text, tags_);
+    } else if (s.turn_text.find("\\boxed") != std::string::npos && extract_last_boxed(s.turn_text)) {
+      end.kind = TurnEnd::kAnswer;
+    }
+    if (end.kind == TurnEnd::kAnswer) return finish(s, FinishReason::kAnswer);
+    if (total_tokens(s) >= options_.max_context) return finish(s, FinishReason::kContext, true);
+    if (end.kind == TurnEnd::kNone) {
+      if (s.turn_tokens >= sampling_.max_new_tokens) return finish(s, FinishReason::kLength, true);
+      s.pending.push_back(id);
+      return;
+    }
+    // The turn ended with code, or is malformed: the last token goes to the cache before the tool turn.
+    s.pending.push_back(id);
+    if (end.kind == TurnEnd::kBadCode || end.kind == TurnEnd::kFakeOutput) return give_feedback(s);
+    if (s.traj.tool_calls >= options_.max_tool_calls) return finish(s, FinishReason::kToolLimit);
+    if (s.traj.turns >= options_.max_turns) return finish(s, FinishReason::kMaxTurns);
+    s.traj.tool_calls += 1;
+    s.state = SeqState::kWaiting;
+    s.tool = tools_(end.code);
+  }
+
+  bool any_waiting() const {
+    for (const auto& s : seqs_) {
+      if (s.state == SeqState::kWaiting) return true;
+    }
+    return false;
+  }
+
+  // Appends the output of every finished tool call; with block, first waits until at least one is done.
+  void collect_tools(bool block) {
+    for (;;) {
+      bool got = false;
+      for (auto& s : seqs_) {
+        if (s.state != SeqState::kWaiting) continue;
+        if (s.tool.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+        SandboxResult r = s.tool.get();
+        got = true;
+        s.traj.tool_timeouts += r.timed_out;
+        if (append_forced(s, interpreter_turn(format_tool_output(r)))) next_turn(s);
+      }
+      if (got || !block) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  void release_finished() {
+    std::vector<int64_t> done;
+    for (size_t n = 0; n < seqs_.size(); ++n) {
+      if (seqs_[n].state == SeqState::kDone && !released_[n]) {
+        released_[n] = true;
+        done.push_back(static_cast<int64_t>(n));
+      }
+    }
+    if (!done.empty()) policy_.release(done);
+  }
+
+ private:
+  TokenPolicy& policy_;
+  const Tokenizer& tok_;
+  const SamplingOptions& sampling_;
+  const RolloutOptions& options_;
+  const ToolRunner& tools_;
+  const ToolTags& tags_;
+  std::vector<Seq> seqs_;
+  std::vector<bool> released_;
+};
+
+}  // namespace
+
+std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
+                                const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
+                                const RolloutOptions& options, const ToolRunner& tools,
+                                const std::vector<int64_t>& streams, const ToolTags& tags) {
+  TORCH_CHECK(streams.empty() || streams.size() == prompts.size(), "rollout: one stream per prompt");
+  TORCH_CHECK(!options.tools || tools, "rollout: rollout.tools is on but no tool runner was given");
+  const int64_t P = static_cast<int64_t>(prompts.size()), G = sampling.samples_per_prompt;
+  for (const auto& p : prompts) {
+    TORCH_CHECK(static_cast<int64_t>(p.size()) < options.max_context, "rollout: a prompt of ", p.size(),
+                " tokens leaves no room within rollout.max_context = ", options.max_context);
+  }
+  // Waves of whole prompts, so a prompt's G samples share one prefill.
+  const int64_t per_wave = options.max_batch > 0 ? std::max<int64_t>(1, options.max_batch / G) : P;
+  std::vector<Trajectory> out;
+  out.reserve(P * G);
+  for (int64_t first = 0; first < P; first += per_wave) {
+    const int64_t last = std::min(P, first + per_wave);
+    std::vector<std::vector<int64_t>> wave(prompts.begin() + first, prompts.begin() + last);
+    std::vector<int64_t> wave_streams;
+    for (int64_t p = first; p < last; ++p) wave_streams.push_back(streams.empty() ? p : streams[p]);
+    Loop loop(policy, tokenizer, sampling, options, tools, tags);
+    auto trajs = loop.run(wave, wave_streams, first);
+    for (auto& t : trajs) out.push_back(std::move(t));
+  }
+  return out;
+}
+
+void assign_rewards(std::vector<Trajectory>& trajectories, const std::vector<std::string>& answers,
+                    const RewardOptions& options) {
+  for (auto& t : trajectories) {
+    TORCH_CHECK(t.prompt_index >= 0 && t.prompt_index < static_cast<int64_t>(answers.size()),
+                "assign_rewards: no answer for prompt ", t.prompt_index);
+    const RewardResult r = compute_reward(t.response_text, answers[t.prompt_index], t.tool_calls, options);
+    t.reward = r.reward;
+    t.correct = r.correct;
+  }
+}
+
+}  // namespace rlt

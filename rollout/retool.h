@@ -1,0 +1,125 @@
+// The ReTool multi-turn loop: the policy writes text and code; a turn ends at </code> (or the close of a
+// ```python block), at a closed \boxed{...}, or at EOS. Code runs in the sandbox and its output is appended
+// as <interpreter>...</interpreter> tokens with loss_mask = 0 and no log-probs; generation goes on until an
+// answer, EOS, the turn limit, the tool-call limit, or the context budget (then truncated and marked so).
+//
+// Token in, token out: a trajectory holds the exact sampled ids with their sampling log-probs, and tool
+// output is tokenised on its own and appended; the model's text is never re-tokenised, so the trainer
+// scores exactly the tokens that were sampled.
+//
+// Tool calls run concurrently on a pool and never stall the batch: a sequence waiting for its tool is
+// just not fed, and the others keep decoding (rollout/policy.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "data/reward.h"
+#include "data/synthetic.h"
+#include "loss/fields.h"
+#include "rollout/policy.h"
+#include "rollout/sampler.h"
+#include "rollout/sandbox.h"
+
+namespace rlt {
+
+class Tokenizer;
+
+enum class FinishReason {
+  kAnswer,     // a closed \boxed{...}
+  kEos,        // the end-of-sequence token
+  kStop,       // a configured stop string
+  kMaxTurns,   // the turn limit (a code or feedback turn past it)
+  kToolLimit,  // a tool call past rollout.max_tool_calls
+  kLength,     // sampling.max_new_tokens in one turn (truncated)
+  kContext,    // rollout.max_context tokens (truncated)
+};
+inline const EnumNames<FinishReason>& enum_names(FinishReason) {
+  static const EnumNames<FinishReason> names{{"answer", FinishReason::kAnswer},
+                                             {"eos", FinishReason::kEos},
+                                             {"stop", FinishReason::kStop},
+                                             {"max_turns", FinishReason::kMaxTurns},
+                                             {"tool_limit", FinishReason::kToolLimit},
+                                             {"length", FinishReason::kLength},
+                                             {"context", FinishReason::kContext}};
+  return names;
+}
+
+struct RolloutOptions {
+  // Run code turns in the sandbox. false: no tool; a turn is plain generation (code is just text).
+  bool tools = true;
+  // Assistant turns per trajectory (the first one included).
+  int64_t max_turns = 16;
+  // Code executions per trajectory; a call past it ends the trajectory (tool_limit).
+  int64_t max_tool_calls = 16;
+  // Prompt + response tokens per sequence; reaching it truncates the trajectory (context).
+  int64_t max_context = 9216;
+  // Tokens of one tool output kept (the rest is cut and marked).
+  int64_t max_tool_output_tokens = 256;
+  // Extra stop string that ends a trajectory ("" = none).
+  std::string stop;
+  // Said to the model, as a tool turn, when a turn is not parseable: an empty or unopened code block,
+  // or text posing as interpreter output.
+  std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
+  // Sequences decoded at once (prompts x samples_per_prompt are split into waves); 0 = all.
+  int64_t max_batch = 0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("tools", tools, "run code turns in the sandbox");
+    v("max_turns", max_turns, "assistant turns per trajectory", FieldRange{1, 1e6});
+    v("max_tool_calls", max_tool_calls, "code executions per trajectory", FieldRange{0, 1e6});
+    v("max_context", max_context, "prompt + response tokens per sequence", FieldRange{2, 1e9});
+    v("max_tool_output_tokens", max_tool_output_tokens, "tokens of one tool output kept", FieldRange{1, 1e9});
+    v("stop", stop, "extra stop string; empty = none");
+    v("feedback", feedback, "message for an unparseable turn");
+    v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
+  }
+  void check(const FieldFail& fail) const {}
+};
+
+struct Trajectory {
+  int64_t prompt_index = 0;           // which prompt of the batch
+  int64_t sample_index = 0;           // which of its samples_per_prompt completions
+  std::vector<int64_t> prompt_ids;    // (P)
+  std::vector<int64_t> response_ids;  // (R) sampled tokens and tool/feedback tokens, in order
+  std::vector<uint8_t> loss_mask;     // (R) 1 = sampled by the policy, 0 = tool output or feedback
+  std::vector<float> logprobs;        // (R) sampling log-probs; 0 where loss_mask = 0
+  FinishReason finish = FinishReason::kEos;
+  bool truncated = false;  // ended by a length or context limit
+  int64_t turns = 1, tool_calls = 0, feedback_turns = 0, tool_timeouts = 0;
+  std::string response_text;  // the model-written text only (rewards read this)
+  double reward = 0;
+  bool correct = false;
+
+  // The response window in ids(): [begin, end).
+  int64_t window_begin() const { return static_cast<int64_t>(prompt_ids.size()); }
+  int64_t window_end() const { return window_begin() + static_cast<int64_t>(response_ids.size()); }
+  std::vector<int64_t> ids() const;  // prompt_ids + response_ids
+  int64_t sampled_tokens() const;    // sum(loss_mask)
+};
+
+// Runs one piece of code; returns a future so calls overlap (SandboxPool::submit fits).
+using ToolRunner = std::function<std::future<SandboxResult>(const std::string& code)>;
+
+// The interpreter turn appended after a tool call: tags.output_open + "\n" + output + "\n" +
+// tags.output_close + "\n", output being stdout, then stderr when the code failed, and a note for a
+// timeout or truncation.
+std::string format_tool_output(const SandboxResult& r);
+
+// One rollout: samples_per_prompt trajectories per prompt, in prompt-major order
+// (prompt_index * G + sample_index). Sequence n's sampling noise stream is streams[prompt] * G + g, so a
+// prompt's completions do not depend on its batch (streams empty = the prompt's index).
+std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
+                                const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
+                                const RolloutOptions& options, const ToolRunner& tools,
+                                const std::vector<int64_t>& streams = {}, const ToolTags& tags = {});
+
+// Fills reward and correct from each trajectory's response_text and tool_calls; answers[i] is prompt i's.
+void assign_rewards(std::vector<Trajectory>& trajectories, const std::vector<std::string>& answers,
+                    const RewardOptions& options);
+
+}  // namespace rlt

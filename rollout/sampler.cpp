@@ -1,0 +1,125 @@
+// Top-k / top-p filtering, counter-based noise and Gumbel-max sampling; see sampler.h.
+#include "rollout/sampler.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <limits>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "loss/logprob.h"
+
+namespace rlt {
+
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// MurmurHash3's 64-bit finaliser: a bijection on 64 bits whose output bits each depend on every input bit.
+uint64_t fmix64(uint64_t z) {
+  z ^= z >> 33;
+  z *= 0xff51afd7ed558ccdULL;
+  z ^= z >> 33;
+  z *= 0xc4ceb9fe1a85ec53ULL;
+  z ^= z >> 33;
+  return z;
+}
+
+// The same finaliser on int64 tensors. ATen's >> on int64 is arithmetic, so a logical shift masks the
+// sign-extended bits away; products wrap modulo 2^64 like uint64 arithmetic.
+at::Tensor shr(const at::Tensor& z, int64_t k) {
+  return at::bitwise_right_shift(z, k).bitwise_and(static_cast<int64_t>((~0ULL) >> k));
+}
+at::Tensor fmix64(at::Tensor z) {
+  z = z.bitwise_xor(shr(z, 33));
+  z = z.mul(static_cast<int64_t>(0xff51afd7ed558ccdULL));
+  z = z.bitwise_xor(shr(z, 33));
+  z = z.mul(static_cast<int64_t>(0xc4ceb9fe1a85ec53ULL));
+  return z.bitwise_xor(shr(z, 33));
+}
+
+// Per-vocabulary-entry keys (V) on a device, made once per (V, device).
+at::Tensor column_keys(int64_t vocab, at::Device device) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, std::string>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& t = cache[{vocab, device.str()}];
+  if (!t.defined()) {
+    at::Tensor cpu = at::empty({vocab}, at::kLong);
+    auto* p = cpu.data_ptr<int64_t>();
+    for (int64_t v = 0; v < vocab; ++v) p[v] = static_cast<int64_t>(fmix64(0x9e3779b97f4a7c15ULL * uint64_t(v + 1)));
+    t = cpu.to(device);
+  }
+  return t;
+}
+
+}  // namespace
+
+at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double top_p) {
+  TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
+  TORCH_CHECK(top_k >= 0 && top_p > 0 && top_p <= 1, "top_k must be >= 0 and top_p in (0, 1]");
+  const int64_t V = logits.size(1);
+  at::Tensor x = logits;
+  if (top_k > 0 && top_k < V) {
+    at::Tensor kth = std::get<0>(x.topk(top_k, /*dim=*/-1)).narrow(1, top_k - 1, 1);  // (N, 1)
+    x = x.masked_fill(x < kth, kNegInf);
+  }
+  if (top_p < 1) {
+    auto [sorted, order] = x.sort(/*dim=*/-1, /*descending=*/true);  // (N, V)
+    at::Tensor probs = sorted.to(at::kFloat).softmax(-1);
+    // Drop a token when the more likely ones already reach top_p; the most likely token always stays.
+    at::Tensor drop_sorted = (probs.cumsum(-1) - probs) >= top_p;  // (N, V) bool
+    at::Tensor drop = at::zeros_like(drop_sorted).scatter(1, order, drop_sorted);
+    x = x.masked_fill(drop, kNegInf);
+  }
+  return x;
+}
+
+at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
+                            at::Device device) {
+  TORCH_CHECK(streams.dim() == 1 && streams.sizes() == counters.sizes(), "streams and counters must be (N)");
+  const int64_t N = streams.size(0);
+  at::Tensor s = streams.to(at::kCPU, at::kLong).contiguous(), c = counters.to(at::kCPU, at::kLong).contiguous();
+  at::Tensor rows = at::empty({N}, at::kLong);
+  for (int64_t i = 0; i < N; ++i) {
+    // Nested hashing keeps (seed, stream, counter) triples apart whatever their magnitudes.
+    uint64_t z = fmix64(uint64_t(seed) ^ 0x243f6a8885a308d3ULL);
+    z = fmix64(z ^ uint64_t(s.data_ptr<int64_t>()[i]));
+    z = fmix64(z ^ uint64_t(c.data_ptr<int64_t>()[i]) * 0xbf58476d1ce4e5b9ULL);
+    rows.data_ptr<int64_t>()[i] = static_cast<int64_t>(z);
+  }
+  at::Tensor z = fmix64(rows.to(device).view({N, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
+  // The top 24 bits, centred in their interval: exactly representable in float32 and never 0 or 1.
+  return (shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f);  // (N, V)
+}
+
+SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
+                           const at::Tensor& counters, int64_t vocab_limit) {
+  TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
+  at::NoGradGuard no_grad;
+  const int64_t N = logits.size(0), V = logits.size(1);
+  at::Tensor x = logits.to(at::kFloat);  // (N, V)
+  if (vocab_limit > 0 && vocab_limit < V) x = x.index_fill(1, at::arange(vocab_limit, V, x.device()), kNegInf);
+  const bool greedy = options.temperature == 0;
+  at::Tensor ids;
+  if (greedy) {
+    ids = x.argmax(-1);
+  } else {
+    at::Tensor kept = filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p);
+    at::Tensor u = counter_uniforms(options.seed, streams, counters, V, x.device());
+    ids = (kept - (-u.log()).log()).argmax(-1);  // Gumbel-max: argmax(logits / T + g), g = -log(-log u)
+  }
+  // The recorded log-prob: the full temperature softmax of the model's logits, through the loss module.
+  LogprobInputs in;
+  in.logits = logits;
+  in.targets = ids;
+  LossOptions lo;
+  lo.impl = LogprobImpl::kSelective;
+  lo.response_only = false;
+  lo.temperature = greedy ? 1.0 : options.temperature;
+  at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (N)
+  return {ids.to(at::kCPU), logprobs.to(at::kCPU, at::kFloat)};
+}
+
+}  // namespace rlt

@@ -1,0 +1,118 @@
+// The sandboxed Python interpreter that runs the policy's tool calls: each call is one `python3 -I` in a
+// child process with resource limits, a private working directory, an (almost) empty environment, no
+// network, and as much kernel isolation as the host allows (namespaces, Landlock, seccomp, a dropped
+// uid, a pids cgroup); `isolation` in the result says which were applied. The trainer keeps running
+// whatever the code does. Leaves out: a total disk quota (only per-file size and time bound what a call
+// writes inside its own directory), a total memory cap across processes (RLIMIT_AS is per process, so a
+// call may hold up to max_processes x memory_mb), and hiding readable host files (reads are not confined,
+// only writes, signals, processes and the network). See sandbox.cpp for the layout of the processes.
+//
+// What the code sees: its private directory as cwd, HOME and TMPDIR; stdin at end of file; PATH, LANG and
+// one-thread math libraries as the whole environment. It may write only inside its directory (and
+// /dev/null), so no /dev/shm (multiprocessing's locks fail); where the uid cannot be dropped (the
+// interpreter is reachable by root only, e.g. a pyenv under /root), chmod/chown/utime fail too
+// (shutil.copy does; shutil.copyfile works).
+#pragma once
+
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+// The sandbox itself failed (no interpreter, no temporary directory, a setup step refused): never thrown
+// for anything the sandboxed code does, which always comes back as a SandboxResult.
+class SandboxError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct SandboxOptions {
+  // Wall-clock limit of one call; the whole process tree is killed at it. RLIMIT_CPU is set a little
+  // above it as a second line.
+  double timeout_s = 5.0;
+  // RLIMIT_AS of every sandboxed process, in MiB. numpy and sympy import in 256; 1024 leaves room for work.
+  int64_t memory_mb = 1024;
+  // Tasks (processes and threads, python itself included) one call may run at once: a pids cgroup where
+  // the host lets us make one, and RLIMIT_NPROC where the call has a user namespace of its own and a uid
+  // other than 0 (uid 0 is exempt from it). With neither, only the timeout bounds a fork bomb.
+  int64_t max_processes = 64;
+  // RLIMIT_FSIZE, in MiB: the largest file the code may write (0: no file at all).
+  int64_t max_file_mb = 16;
+  // RLIMIT_NOFILE: open file descriptors per process.
+  int64_t max_open_files = 64;
+  // Bytes of stdout and of stderr kept, each; the rest is read and dropped (the child never blocks on a
+  // full pipe) and the result is marked truncated.
+  int64_t max_output_bytes = 8192;
+  // SandboxPool: calls run at once.
+  int64_t workers = 4;
+  // Interpreter: a path, or a name looked up in the caller's PATH. Shims (pyenv) are resolved once to the
+  // real executable (its sys.executable), since the sandbox gets no environment to run them with.
+  std::string python = "python3";
+  // Where the private working directories are made; empty: $TMPDIR, else /tmp.
+  std::string tmp_root;
+  // false: no namespaces even where the kernel allows them, the fallback used where it refuses them (to
+  // test that path, or for hosts where they misbehave); rlimits, Landlock, seccomp and the uid still apply.
+  bool namespaces = true;
+
+  template <class V>
+  void visit(V&& v) {
+    v("timeout_s", timeout_s, "wall-clock limit of one call, seconds", FieldRange{0.01, 3600});
+    v("memory_mb", memory_mb, "address-space limit (RLIMIT_AS) per process, MiB", FieldRange{16, 1e7});
+    v("max_processes", max_processes, "processes and threads one call may run at once", FieldRange{1, 1e6});
+    v("max_file_mb", max_file_mb, "largest file the code may write (RLIMIT_FSIZE), MiB", FieldRange{0, 1e7});
+    v("max_open_files", max_open_files, "open files per process (RLIMIT_NOFILE)", FieldRange{8, 1e6});
+    v("max_output_bytes", max_output_bytes, "stdout and stderr bytes kept, each", FieldRange{1, 1e9});
+    v("workers", workers, "concurrent calls in a SandboxPool", FieldRange{1, 4096});
+    v("python", python, "interpreter: a path or a name in PATH");
+    v("tmp_root", tmp_root, "root of the private working directories; empty: $TMPDIR or /tmp");
+    v("namespaces", namespaces, "user/pid/net/ipc namespaces where the kernel allows them");
+  }
+  void check(const FieldFail& fail) const {
+    if (python.empty()) fail("python", "must name an interpreter");
+    if (!tmp_root.empty() && tmp_root[0] != '/') fail("tmp_root", "must be an absolute path");
+  }
+};
+
+struct SandboxResult {
+  std::string stdout_text, stderr_text;  // each at most max_output_bytes (cut at a UTF-8 boundary)
+  // The interpreter's exit status, or 128 + signal when a signal ended it (a timeout kill: 137; a C stack
+  // overflow: 139). A timed-out call reports 137 even if some other signal was in flight.
+  int exit_code = 0;
+  bool timed_out = false;  // the wall-clock limit killed it
+  bool truncated = false;  // stdout or stderr went past max_output_bytes
+  double wall_ms = 0;      // from starting the sandbox to its last process gone
+  // What was applied, '+'-joined from: userns, pidns, netns, ipcns, setuid (ran as uid 65534),
+  // pids-cgroup, nproc (RLIMIT_NPROC effective), landlock, seccomp. The other rlimits, the private
+  // directory and the empty environment are always applied.
+  std::string isolation;
+  // {"stdout", "stderr", "exit_code", "timed_out", "truncated", "wall_ms", "isolation"}; invalid UTF-8 in
+  // the output becomes U+FFFD, so dump() never throws.
+  nlohmann::json to_json() const;
+};
+
+// Runs `code` (fed to the interpreter as its script on stdin) in a fresh sandbox and waits for it.
+// Thread-safe; throws SandboxError only when the sandbox itself fails.
+SandboxResult run_python(const std::string& code, const SandboxOptions& options);
+
+// Up to options.workers run_python calls at once. The destructor waits for the running calls (each ends
+// within its timeout) and fails the queued ones with SandboxError.
+class SandboxPool {
+ public:
+  explicit SandboxPool(SandboxOptions o);
+  ~SandboxPool();
+  SandboxPool(const SandboxPool&) = delete;
+  SandboxPool& operator=(const SandboxPool&) = delete;
+  std::future<SandboxResult> submit(std::string code);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rlt

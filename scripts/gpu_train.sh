@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on the H200 host for the trainer (issue 5): build, then
+#   1. bench_update beside scripts/bench_update_peer.py (transformers): one GRPO policy update of
+#      B=8 x L=4096 on a random Qwen2.5-0.5B-shaped model under every memory setting;
+#   2. grpo_train --config configs/retool.yaml for a few steps on a random Qwen2.5-0.5B-shaped checkpoint
+#      saved by transformers and a small math JSONL, with the memory switches on, then one step with
+#      them off (rollout tokens/s, update tokens/s, peak memory from metrics.jsonl).
+# Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu_train.sh [steps] [max_new_tokens]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu_train}
+steps=${1:-3}
+new_tokens=${2:-8192}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ ! -x build-gpu/bin/grpo_train ] && ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
+  tail -n 60 "$out/build.log"
+  exit 1
+fi
+export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+model=configs/models/qwen2.5-0.5b
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
+
+# 1. The update, ours then transformers', twice (round 1 warms the GPU clocks; round 2 is recorded).
+for round in 1 2; do
+  build-gpu/bin/bench_update --model $model --device cuda --dtype bfloat16 --batch 8 --seq-len 4096 \
+    --prompt-len 256 --tool-fraction 0.2 --reps 3 --json "$out/update_rlt.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
+  python3 scripts/bench_update_peer.py --model $model --batch 8 --seq-len 4096 --prompt-len 256 \
+    --tool-fraction 0.2 --reps 3 --json "$out/update_hf.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
+done
+
+# 2. A random checkpoint saved by transformers, and a small math dataset.
+ckpt=/tmp/qwen2.5-0.5b-random
+python3 - "$model" "$ckpt" "$out/math.jsonl" <<'PY'
+import json, random, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[2])
+rng = random.Random(0)
+with open(sys.argv[3], "w") as f:
+    for _ in range(512):
+        a, b = rng.randint(100, 9999), rng.randint(100, 9999)
+        f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
+PY
+common=(--config configs/retool.yaml --set model.path=$ckpt --set model.tokenizer= --set data.path=$out/math.jsonl
+        --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0)
+build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"
+build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 --set loss.impl=naive --set loss.response_only=false \
+  --set loss.loss_mask_only=false --set model.activation_checkpointing=false --out "$out/run_off" 2>&1 | tail -n 30 | tee "$out/train_off.log"
+cp "$out/run_on/metrics.jsonl" "$out/metrics_on.jsonl" 2>/dev/null
+cp "$out/run_off/metrics.jsonl" "$out/metrics_off.jsonl" 2>/dev/null
+rm -rf "$out/run_on" "$out/run_off"
+python3 - "$out" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+recs = []
+for f in sorted(glob.glob(os.path.join(out, "update_*.json"))):
+    for r in json.load(open(f)):
+        r["round"] = int(f.split("round")[1].split(".")[0])
+        recs.append(r)
+    os.remove(f)
+json.dump(recs, open(os.path.join(out, "bench_update.json"), "w"), indent=1)
+PY
+ls -la "$out"

@@ -1,0 +1,608 @@
+// The ReTool loop with a scripted stand-in policy (turn ends, windows, loss masks, truncation, feedback,
+// token counts, tool concurrency), the model-backed policy against a full forward (KV-cache holes,
+// compaction, sliding windows), and a multi-turn rollout of a tiny model with real sandboxed tool calls.
+#include "rollout/retool.h"
+
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "data/tokenizer.h"
+#include "model/config.h"
+#include "tests/common/tiny_tokenizer.h"
+#include "tests/common/tmpdir.h"
+
+namespace rlt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Writes a fixed script per sequence: its logits put +100 on the script's next token (Gumbel noise is
+// below 18, so the draw is certain). Every token fed is recorded, so a test can check that the model saw
+// exactly the trajectory's tokens. Tokens between an <interpreter> and its </interpreter> + "\n" are the
+// loop's (tool output, feedback): they do not advance the script. Any other token that differs from the
+// proposal is an error.
+class ScriptedPolicy : public TokenPolicy {
+ public:
+  ScriptedPolicy(int64_t vocab, std::vector<std::vector<int64_t>> scripts, int64_t eos, int64_t open, int64_t close,
+                 int64_t newline)
+      : V_(vocab), scripts_(std::move(scripts)), eos_(eos), open_(open), close_(close), newline_(newline) {}
+
+  // Each start() is one wave: its rows 0..N-1 are sequences base_..base_+N-1 of the scripts, so a rollout
+  // split into waves reads the scripts in the same order as one done in a single batch.
+  at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
+    const int64_t N = static_cast<int64_t>(prompts.size()) * repeats;
+    base_ = static_cast<int64_t>(fed_.size());
+    EXPECT_LE(base_ + N, static_cast<int64_t>(scripts_.size())) << "one script per sequence";
+    for (int64_t n = 0; n < N; ++n) {
+      fed_.push_back(prompts[n / repeats]);
+      feed_times_.emplace_back();
+      pos_.push_back(0);
+      mode_.push_back(kScript);
+    }
+    std::vector<int64_t> rows(N);
+    for (int64_t n = 0; n < N; ++n) rows[n] = n;
+    return proposals(rows);
+  }
+
+  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const int64_t n = base_ + rows[j], t = tokens[j];
+      fed_[n].push_back(t);
+      feed_times_[n].push_back(Clock::now());
+      if (mode_[n] == kScript && t == proposal(n)) {
+        ++pos_[n];
+      } else if (mode_[n] == kScript && t == open_) {
+        mode_[n] = kTool;
+      } else if (mode_[n] == kTool) {
+        if (t == close_) mode_[n] = kAfterClose;
+      } else if (mode_[n] == kAfterClose && t == newline_) {
+        mode_[n] = kScript;
+      } else {
+        ADD_FAILURE() << "sequence " << n << " was fed " << t << ", neither its script nor a tool turn";
+      }
+    }
+    return proposals(rows);
+  }
+  void release(const std::vector<int64_t>& rows) override {
+    for (int64_t n : rows) released_.push_back(base_ + n);
+  }
+  int64_t vocab_size() const override { return V_; }
+
+  std::vector<std::vector<int64_t>> fed_;
+  std::vector<std::vector<Clock::time_point>> feed_times_;
+  std::vector<int64_t> released_;
+
+ private:
+  enum Mode { kScript, kTool, kAfterClose };
+  int64_t proposal(int64_t n) const { return pos_[n] < int64_t(scripts_[n].size()) ? scripts_[n][pos_[n]] : eos_; }
+  at::Tensor proposals(const std::vector<int64_t>& rows) const {  // rows: local to the wave
+    at::Tensor logits = at::zeros({int64_t(rows.size()), V_});
+    for (size_t j = 0; j < rows.size(); ++j) logits[j][proposal(base_ + rows[j])] = 100.0;
+    return logits;
+  }
+  int64_t V_;
+  std::vector<std::vector<int64_t>> scripts_;
+  int64_t eos_, open_, close_, newline_;
+  std::vector<int64_t> pos_;
+  std::vector<Mode> mode_;
+  int64_t base_ = 0;  // first sequence of the current wave
+  std::mutex mu_;
+};
+
+// A tool that answers from a table (unknown code: an error), after an optional delay.
+struct FakeTool {
+  std::map<std::string, std::string> outputs;
+  std::map<std::string, int> delay_ms;
+  std::vector<std::string> calls;
+  std::vector<Clock::time_point> returned;
+  std::mutex mu;
+  ToolRunner runner() {
+    return [this](const std::string& code) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        calls.push_back(code);
+      }
+      return std::async(std::launch::async, [this, code] {
+        if (delay_ms.count(code)) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[code]));
+        SandboxResult r;
+        auto it = outputs.find(code);
+        if (it != outputs.end()) {
+          r.stdout_text = it->second;
+        } else {
+          r.exit_code = 1;
+          r.stderr_text = "NameError: unknown code";
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        returned.push_back(Clock::now());
+        return r;
+      });
+    };
+  }
+};
+
+class ReToolTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir("retool");
+    TokenizerTrainOptions o;
+    o.vocab_size = 400;
+    o.user_symbols = testing::kToolTags;
+    const std::string path = (dir_->path() / "tok.model").string();
+    Tokenizer::train(testing::tool_corpus(), path, o);
+    tok_ = new Tokenizer(Tokenizer::load(path));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    delete dir_;
+  }
+
+  std::vector<int64_t> enc(const std::string& s) const { return tok_->encode(s); }
+  std::unique_ptr<ScriptedPolicy> policy(const std::vector<std::string>& scripts) const {
+    std::vector<std::vector<int64_t>> ids;
+    for (const auto& s : scripts) ids.push_back(enc(s));
+    const auto nl = enc("\n");
+    EXPECT_EQ(nl.size(), 1u);
+    return std::make_unique<ScriptedPolicy>(tok_->vocab_size(), ids, tok_->eos_id(), tok_->piece_id("<interpreter>"),
+                                            tok_->piece_id("</interpreter>"), nl[0]);
+  }
+  static SamplingOptions sampling(int64_t G) {
+    SamplingOptions s;
+    s.samples_per_prompt = G;
+    s.max_new_tokens = 200;
+    return s;
+  }
+  // The text of the response tokens whose loss mask is `mask`, in order.
+  std::string masked_text(const Trajectory& t, uint8_t mask) const {
+    std::string out;
+    for (size_t i = 0; i < t.response_ids.size(); ++i) {
+      if (t.loss_mask[i] == mask) out += tok_->piece_text(t.response_ids[i]);
+    }
+    return out;
+  }
+  // Invariants of every trajectory: aligned fields, log-probs only where sampled, the model was fed
+  // exactly the trajectory's tokens (all but a final sampled token nobody needed to feed).
+  void check_consistent(const Trajectory& t, const ScriptedPolicy& p, int64_t n) const {
+    ASSERT_EQ(t.loss_mask.size(), t.response_ids.size());
+    ASSERT_EQ(t.logprobs.size(), t.response_ids.size());
+    for (size_t i = 0; i < t.response_ids.size(); ++i) {
+      if (t.loss_mask[i]) {
+        EXPECT_GT(t.logprobs[i], -1e-3) << "a scripted token is certain";
+      } else {
+        EXPECT_EQ(t.logprobs[i], 0.0f) << "no log-prob for tokens the policy did not sample";
+      }
+    }
+    EXPECT_EQ(t.window_begin(), int64_t(t.prompt_ids.size()));
+    EXPECT_EQ(t.window_end(), int64_t(t.prompt_ids.size() + t.response_ids.size()));
+    const auto ids = t.ids();
+    const auto& fed = p.fed_[n];
+    ASSERT_LE(fed.size(), ids.size());
+    EXPECT_TRUE(std::equal(fed.begin(), fed.end(), ids.begin())) << "the model saw other tokens than the trajectory";
+    // Left unfed: at most the final sampled token, then only tool output cut by the context budget (a
+    // finished sequence is not fed what follows it).
+    int64_t unfed_sampled = 0;
+    for (size_t i = fed.size(); i < ids.size(); ++i) {
+      const size_t r = i - t.prompt_ids.size();
+      if (t.loss_mask[r]) {
+        ++unfed_sampled;
+        EXPECT_EQ(i, fed.size()) << "a sampled token after unfed tool output";
+      }
+    }
+    EXPECT_LE(unfed_sampled, 1) << "only the final sampled token may be left unfed";
+    if (t.finish != FinishReason::kContext) {
+      EXPECT_GE(fed.size() + 1, ids.size()) << "only a context cut leaves tool output unfed";
+    }
+    EXPECT_EQ(t.response_text, masked_text(t, 1)) << "response_text is the model-written text";
+  }
+
+  static testing::TempDir* dir_;
+  static Tokenizer* tok_;
+};
+testing::TempDir* ReToolTest::dir_ = nullptr;
+Tokenizer* ReToolTest::tok_ = nullptr;
+
+TEST_F(ReToolTest, AnswerEndsTheTrajectory) {
+  auto p = policy({"Let me think.\nAnswer: \\boxed{42} and then more text"});
+  RolloutOptions o;
+  FakeTool tool;
+  auto trajs = rollout(*p, *tok_, {enc("Q: 6*7?")}, sampling(1), o, tool.runner());
+  ASSERT_EQ(trajs.size(), 1u);
+  const Trajectory& t = trajs[0];
+  check_consistent(t, *p, 0);
+  EXPECT_EQ(t.finish, FinishReason::kAnswer);
+  EXPECT_FALSE(t.truncated);
+  EXPECT_EQ(t.response_text, "Let me think.\nAnswer: \\boxed{42}");
+  EXPECT_EQ(t.sampled_tokens(), int64_t(t.response_ids.size()));
+  EXPECT_EQ(t.turns, 1);
+  EXPECT_EQ(t.tool_calls, 0);
+  EXPECT_TRUE(tool.calls.empty());
+  EXPECT_EQ(p->released_, std::vector<int64_t>{0});
+}
+
+TEST_F(ReToolTest, ToolCallAppendsMaskedInterpreterTurn) {
+  auto p = policy({"I compute.<code>\nprint(6*7)\n</code>Answer: \\boxed{42}"});
+  FakeTool tool;
+  tool.outputs["\nprint(6*7)\n"] = "42\n";
+  auto trajs = rollout(*p, *tok_, {enc("Q: 6*7?")}, sampling(1), RolloutOptions{}, tool.runner());
+  const Trajectory& t = trajs[0];
+  check_consistent(t, *p, 0);
+  ASSERT_EQ(tool.calls, std::vector<std::string>{"\nprint(6*7)\n"});
+  EXPECT_EQ(t.finish, FinishReason::kAnswer);
+  EXPECT_EQ(t.tool_calls, 1);
+  EXPECT_EQ(t.turns, 2);
+  EXPECT_EQ(masked_text(t, 0), "<interpreter>\n42\n</interpreter>\n");
+  EXPECT_EQ(t.response_text, "I compute.<code>\nprint(6*7)\n</code>Answer: \\boxed{42}");
+  // The window: sampled code, then the interpreter block (mask 0), then the sampled answer.
+  const auto code = enc("I compute.<code>\nprint(6*7)\n</code>");
+  const auto out = enc("<interpreter>\n");
+  ASSERT_GT(t.response_ids.size(), code.size() + out.size());
+  for (size_t i = 0; i < code.size(); ++i) EXPECT_EQ(t.loss_mask[i], 1) << i;
+  EXPECT_EQ(t.response_ids[code.size()], out[0]);
+  EXPECT_EQ(t.loss_mask[code.size()], 0);
+  EXPECT_EQ(t.loss_mask.back(), 1);
+  EXPECT_EQ(t.sampled_tokens(), int64_t(enc(t.response_text).size()));
+}
+
+TEST_F(ReToolTest, FencedPythonBlockIsACodeTurn) {
+  auto p = policy({"```python\nprint(6*7)\n```\nAnswer: \\boxed{42}"});
+  FakeTool tool;
+  tool.outputs["print(6*7)\n"] = "42\n";
+  auto trajs = rollout(*p, *tok_, {enc("Q")}, sampling(1), RolloutOptions{}, tool.runner());
+  check_consistent(trajs[0], *p, 0);
+  EXPECT_EQ(tool.calls, std::vector<std::string>{"print(6*7)\n"});
+  EXPECT_EQ(trajs[0].finish, FinishReason::kAnswer);
+  EXPECT_EQ(masked_text(trajs[0], 0), "<interpreter>\n42\n</interpreter>\n");
+}
+
+TEST_F(ReToolTest, UnparseableTurnsGetFeedback) {
+  // An empty code block, then text posing as interpreter output, then an answer.
+  auto p = policy({"<code>\n  \n</code>Hmm.<interpreter>Answer: \\boxed{1}"});
+  FakeTool tool;
+  RolloutOptions o;
+  auto trajs = rollout(*p, *tok_, {enc("Q")}, sampling(1), o, tool.runner());
+  const Trajectory& t = trajs[0];
+  check_consistent(t, *p, 0);
+  EXPECT_TRUE(tool.calls.empty()) << "nothing to run";
+  EXPECT_EQ(t.feedback_turns, 2);
+  EXPECT_EQ(t.turns, 3);
+  EXPECT_EQ(t.tool_calls, 0);
+  const std::string fb = "<interpreter>\n" + o.feedback + "\n</interpreter>\n";
+  EXPECT_EQ(masked_text(t, 0), fb + fb);
+  EXPECT_EQ(t.finish, FinishReason::kAnswer);
+}
+
+TEST_F(ReToolTest, BoxedInsideCodeIsNotAnAnswer) {
+  auto p = policy({"<code>\nprint('\\boxed{7}')\n</code>Answer: \\boxed{7}"});
+  FakeTool tool;
+  tool.outputs["\nprint('\\boxed{7}')\n"] = "\\boxed{7}\n";
+  auto trajs = rollout(*p, *tok_, {enc("Q")}, sampling(1), RolloutOptions{}, tool.runner());
+  check_consistent(trajs[0], *p, 0);
+  EXPECT_EQ(tool.calls.size(), 1u);
+  EXPECT_EQ(trajs[0].turns, 2);
+  EXPECT_EQ(trajs[0].finish, FinishReason::kAnswer);
+}
+
+TEST_F(ReToolTest, LimitsEndTrajectories) {
+  const std::string call = "<code>\nprint(1)\n</code>";
+  FakeTool tool;
+  tool.outputs["\nprint(1)\n"] = "1\n";
+  {  // the turn limit: the third code turn would start a fourth turn
+    SCOPED_TRACE("turn limit");
+    auto p = policy({call + call + call + call + "Answer: \\boxed{1}"});
+    RolloutOptions o;
+    o.max_turns = 3;
+    auto t = rollout(*p, *tok_, {enc("Q")}, sampling(1), o, tool.runner())[0];
+    check_consistent(t, *p, 0);
+    EXPECT_EQ(t.finish, FinishReason::kMaxTurns);
+    EXPECT_EQ(t.tool_calls, 2);
+    EXPECT_EQ(t.turns, 3);
+    EXPECT_FALSE(t.truncated);
+  }
+  {  // the tool-call limit
+    SCOPED_TRACE("tool-call limit");
+    auto p = policy({call + call + "Answer: \\boxed{1}"});
+    RolloutOptions o;
+    o.max_tool_calls = 1;
+    auto t = rollout(*p, *tok_, {enc("Q")}, sampling(1), o, tool.runner())[0];
+    check_consistent(t, *p, 0);
+    EXPECT_EQ(t.finish, FinishReason::kToolLimit);
+    EXPECT_EQ(t.tool_calls, 1);
+  }
+  {  // tokens per turn: truncated after exactly max_new_tokens samples
+    SCOPED_TRACE("tokens per turn");
+    auto p = policy({"one two three four five six seven eight nine ten"});
+    SamplingOptions s = sampling(1);
+    s.max_new_tokens = 5;
+    auto t = rollout(*p, *tok_, {enc("Q")}, s, RolloutOptions{}, tool.runner())[0];
+    check_consistent(t, *p, 0);
+    EXPECT_EQ(t.finish, FinishReason::kLength);
+    EXPECT_TRUE(t.truncated);
+    EXPECT_EQ(t.response_ids.size(), 5u);
+  }
+  {  // the context budget, reached inside the tool output: cut there, exactly at the budget
+    SCOPED_TRACE("context budget");
+    auto p = policy({call + "Answer: \\boxed{1}"});
+    tool.outputs["\nprint(1)\n"] = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20\n";
+    RolloutOptions o;
+    const auto prompt = enc("Q");
+    o.max_context = int64_t(prompt.size() + enc(call).size()) + 6;
+    auto t = rollout(*p, *tok_, {prompt}, sampling(1), o, tool.runner())[0];
+    check_consistent(t, *p, 0);
+    EXPECT_EQ(t.finish, FinishReason::kContext);
+    EXPECT_TRUE(t.truncated);
+    EXPECT_EQ(int64_t(t.ids().size()), o.max_context);
+    EXPECT_EQ(t.sampled_tokens(), int64_t(enc(call).size()));
+  }
+  {  // end of sequence, and a stop string
+    auto p = policy({"short", "go STOP here"});
+    RolloutOptions o;
+    o.stop = "STOP";
+    auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(2), o, tool.runner());
+    check_consistent(ts[0], *p, 0);
+    check_consistent(ts[1], *p, 1);
+    EXPECT_EQ(ts[0].finish, FinishReason::kEos);
+    EXPECT_EQ(ts[0].response_ids.back(), tok_->eos_id());
+    EXPECT_EQ(ts[1].finish, FinishReason::kStop);
+    EXPECT_EQ(ts[1].response_text, "go STOP");
+  }
+}
+
+TEST_F(ReToolTest, ToolOutputIsCappedInTokens) {
+  auto p = policy({"<code>\nprint(1)\n</code>Answer: \\boxed{1}"});
+  FakeTool tool;
+  std::string big;
+  for (int i = 0; i < 100; ++i) big += std::to_string(i) + " ";
+  tool.outputs["\nprint(1)\n"] = big;
+  RolloutOptions o;
+  o.max_tool_output_tokens = 10;
+  auto t = rollout(*p, *tok_, {enc("Q")}, sampling(1), o, tool.runner())[0];
+  check_consistent(t, *p, 0);
+  const std::vector<int64_t> big_ids = enc(big);
+  const std::string expected_body = tok_->decode(std::vector<int64_t>(big_ids.begin(), big_ids.begin() + 10));
+  EXPECT_EQ(masked_text(t, 0), "<interpreter>\n" + expected_body + "\n[output truncated]\n</interpreter>\n");
+}
+
+TEST_F(ReToolTest, SlowToolsDoNotStallOtherSequences) {
+  // Sequence 0 calls a 400 ms tool; sequences 1..3 write text meanwhile and must finish first.
+  std::string text;
+  for (int i = 0; i < 20; ++i) text += "word" + std::to_string(i) + " ";  // within max_new_tokens = 200
+  auto p = policy({"<code>\nslow()\n</code>Answer: \\boxed{1}", text + "Answer: \\boxed{2}",
+                   text + "Answer: \\boxed{3}", text + "Answer: \\boxed{4}"});
+  FakeTool tool;
+  tool.outputs["\nslow()\n"] = "done\n";
+  tool.delay_ms["\nslow()\n"] = 400;
+  auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(4), RolloutOptions{}, tool.runner());
+  for (int n = 0; n < 4; ++n) check_consistent(ts[n], *p, n);
+  ASSERT_EQ(tool.returned.size(), 1u);
+  for (int n = 1; n < 4; ++n) {
+    EXPECT_EQ(ts[n].finish, FinishReason::kAnswer);
+    EXPECT_LT(p->feed_times_[n].back(), tool.returned[0]) << "sequence " << n << " waited for another's tool";
+  }
+  EXPECT_EQ(ts[0].finish, FinishReason::kAnswer);
+}
+
+TEST_F(ReToolTest, ToolCallsOverlap) {
+  // Four sequences each call a 300 ms tool: together well under 4 x 300 ms.
+  std::vector<std::string> scripts;
+  FakeTool tool;
+  for (int n = 0; n < 4; ++n) {
+    const std::string code = "\nwait(" + std::to_string(n) + ")\n";
+    scripts.push_back("<code>" + code + "</code>Answer: \\boxed{" + std::to_string(n) + "}");
+    tool.outputs[code] = "ok\n";
+    tool.delay_ms[code] = 300;
+  }
+  auto p = policy(scripts);
+  const auto t0 = Clock::now();
+  auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(4), RolloutOptions{}, tool.runner());
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  for (int n = 0; n < 4; ++n) {
+    check_consistent(ts[n], *p, n);
+    EXPECT_EQ(ts[n].tool_calls, 1);
+  }
+  EXPECT_LT(ms, 900.0) << "tool calls ran one after another";
+}
+
+TEST_F(ReToolTest, WavesAndStreamsGiveTheSameTrajectories) {
+  // Two prompts x G = 2 decoded together or in waves of one prompt: identical trajectories.
+  auto run = [&](int64_t max_batch) {
+    auto p = policy({"a\\boxed{1}", "bb\\boxed{2}", "c<code>\nprint(1)\n</code>\\boxed{3}", "d\\boxed{4}"});
+    FakeTool tool;
+    tool.outputs["\nprint(1)\n"] = "1\n";
+    RolloutOptions o;
+    o.max_batch = max_batch;
+    return rollout(*p, *tok_, {enc("Q1"), enc("Q2")}, sampling(2), o, tool.runner());
+  };
+  const auto all = run(0), waves = run(2);
+  ASSERT_EQ(all.size(), 4u);
+  ASSERT_EQ(waves.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(all[i].prompt_index, int64_t(i / 2));
+    EXPECT_EQ(all[i].sample_index, int64_t(i % 2));
+    EXPECT_EQ(all[i].response_ids, waves[i].response_ids) << i;
+  }
+}
+
+TEST_F(ReToolTest, RewardsFromModelTextOnly) {
+  // The interpreter prints the right answer in a box, the model answers wrongly: reward from the model's text.
+  auto p = policy({"<code>\nx()\n</code>Answer: \\boxed{5}", "Answer: \\boxed{42}"});
+  FakeTool tool;
+  tool.outputs["\nx()\n"] = "\\boxed{42}\n";
+  auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(2), RolloutOptions{}, tool.runner());
+  RewardOptions r;
+  r.kind = RewardKind::kBoxed;
+  assign_rewards(ts, {"42"}, r);
+  EXPECT_FALSE(ts[0].correct);
+  EXPECT_EQ(ts[0].reward, -1.0);
+  EXPECT_TRUE(ts[1].correct);
+  EXPECT_EQ(ts[1].reward, 1.0);
+}
+
+// ---- The model behind the loop ----
+
+nlohmann::json tiny_config(const std::string& type) {
+  nlohmann::json j = {{"model_type", type},       {"vocab_size", 400},      {"hidden_size", 32},
+                      {"intermediate_size", 64},  {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}, {"rms_norm_eps", 1e-6},   {"tie_word_embeddings", false},
+                      {"rope_theta", 10000.0}};
+  if (type == "gemma2") {
+    j["head_dim"] = 8;
+    j["query_pre_attn_scalar"] = 8;
+    j["sliding_window"] = 4;  // shorter than the sequences: the window is exercised
+    j["attn_logit_softcapping"] = 50.0;
+    j["final_logit_softcapping"] = 30.0;
+    j["hidden_activation"] = "gelu_pytorch_tanh";
+  }
+  return j;
+}
+
+Transformer tiny_model(const std::string& type, uint64_t seed) {
+  Transformer m(model_config_from_json(tiny_config(type), "tiny " + type), at::kDouble, at::kCPU, seed);
+  at::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.mul_(10.0);  // std 0.2: logits far from uniform, so errors show
+  return m;
+}
+
+// Last-position logits of one sequence, from a full forward without cache or mask: the reference.
+at::Tensor full_logits(const Transformer& m, const std::vector<int64_t>& ids) {
+  at::NoGradGuard no_grad;
+  const int64_t L = static_cast<int64_t>(ids.size());
+  at::Tensor x = at::tensor(ids, at::kLong).view({1, L});
+  at::Tensor h = m.forward(x, at::arange(L, at::kLong).view({1, L}), at::Tensor());
+  return m.logits(h.select(1, L - 1))[0];
+}
+
+class ModelPolicyTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
+  const Transformer m = tiny_model(GetParam(), 3);
+  ModelPolicyOptions po;
+  po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
+  ModelPolicy policy(m, po);
+  const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
+  const int64_t G = 2, N = 6;
+  std::vector<std::vector<int64_t>> seqs;
+  for (int64_t n = 0; n < N; ++n) seqs.push_back(prompts[n / G]);
+  // float64 on CPU, so rounding cannot hide a small error: llama's cached, masked, gathered forward
+  // matches the plain one to 1e-12. gemma2 differs by up to 6e-7 from step 11 on (sliding window 4,
+  // after compactions); that residual is not explained yet (tracked as an issue). A wrong slot, position
+  // or window moves logits by more than 1e-2 (the known-bad check at the end).
+  const double kTol = GetParam() == "llama" ? 1e-9 : 2e-6;
+  at::Tensor first = policy.start(prompts, G);
+  for (int64_t n = 0; n < N; ++n) {
+    EXPECT_LT((first[n] - full_logits(m, seqs[n])).abs().max().item<double>(), kTol) << "prefill row " << n;
+  }
+  std::vector<bool> released(N, false);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  for (int64_t t = 0; t < 14; ++t) {
+    if (t == 5) {  // row 1 finishes early
+      policy.release({1});
+      released[1] = true;
+    }
+    if (t == 9) {
+      policy.release({0, 4});
+      released[0] = released[4] = true;
+    }
+    std::vector<int64_t> rows, tokens;
+    for (int64_t n = 0; n < N; ++n) {
+      if (released[n] || (t + n) % 3 == 0) continue;  // idle rows leave holes
+      rows.push_back(n);
+      tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+      seqs[n].push_back(tokens.back());
+    }
+    at::Tensor logits = policy.step(rows, tokens);
+    ASSERT_EQ(logits.size(0), int64_t(rows.size()));
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const at::Tensor ref = full_logits(m, seqs[rows[j]]);
+      const double err = (logits[j] - ref).abs().max().item<double>();
+      EXPECT_LT(err, kTol) << "step " << t << " sequence " << rows[j] << " max|logit| "
+                           << ref.abs().max().item<double>();
+    }
+  }
+  EXPECT_GT(policy.compactions(), 3);
+  EXPECT_EQ(policy.cache_rows(), 3) << "released rows are dropped";
+  // A known-bad check: a sequence's logits are not another's (the tolerance can fail).
+  EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest, ::testing::Values("llama", "gemma2"));
+
+TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
+  // A random tiny model cannot write code, so its first turn is forced open with a code block through
+  // the prompt; what it samples after is its own. The point: real sandboxed calls inside a model rollout,
+  // reproducible under a seed, and loss masks that match the tool turns.
+  const Transformer m = tiny_model("llama", 5);
+  SandboxOptions so;
+  so.timeout_s = 5;
+  SandboxPool pool(so);
+  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
+  // Scripted first turn through a ScriptedPolicy would bypass the model; instead: a model-backed policy
+  // whose logits are steered to one code block for each sequence's first tokens.
+  class Steered : public TokenPolicy {
+   public:
+    Steered(const Transformer& m, std::vector<int64_t> prefix) : inner_(m), prefix_(std::move(prefix)) {}
+    at::Tensor start(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
+      count_.assign(p.size() * r, 0);
+      std::vector<int64_t> rows(p.size() * r);
+      for (size_t n = 0; n < rows.size(); ++n) rows[n] = n;
+      return steer(rows, inner_.start(p, r));
+    }
+    at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
+      for (int64_t n : rows) ++count_[n];
+      return steer(rows, inner_.step(rows, tokens));
+    }
+    void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
+    int64_t vocab_size() const override { return inner_.vocab_size(); }
+
+   private:
+    at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
+      for (size_t j = 0; j < rows.size(); ++j) {
+        const int64_t k = count_[rows[j]];
+        if (k < int64_t(prefix_.size())) logits[j][prefix_[k]] += 1000.0;
+      }
+      return logits;
+    }
+    ModelPolicy inner_;
+    std::vector<int64_t> prefix_;
+    std::vector<int64_t> count_;
+  };
+  const auto prefix = enc("<code>\nprint(347 * 829)\n</code>");
+  auto run = [&](int64_t seed) {
+    Steered policy(m, prefix);
+    SamplingOptions s = sampling(3);
+    s.seed = seed;
+    s.max_new_tokens = 24;
+    RolloutOptions o;
+    o.max_context = 120;
+    return rollout(policy, *tok_, {enc("Q: 347 * 829?"), enc("Q: again")}, s, o, tools);
+  };
+  const auto a = run(1), b = run(1), c = run(2);
+  ASSERT_EQ(a.size(), 6u);
+  bool differs = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const Trajectory& t = a[i];
+    EXPECT_EQ(t.response_ids, b[i].response_ids) << "same seed, same trajectory";
+    EXPECT_EQ(t.loss_mask, b[i].loss_mask);
+    differs |= t.response_ids != c[i].response_ids;
+    ASSERT_GE(t.tool_calls, 1);
+    // The first tool turn is the real interpreter's output, masked out of the loss.
+    const std::string tool_text = masked_text(t, 0);
+    EXPECT_EQ(tool_text.rfind("<interpreter>\n287663\n</interpreter>\n", 0), 0u) << tool_text;
+    EXPECT_LE(int64_t(t.ids().size()), 120);
+    for (size_t k = 0; k < t.response_ids.size(); ++k) {
+      if (t.loss_mask[k]) {
+        EXPECT_LE(t.logprobs[k], 0.0f);
+      } else {
+        EXPECT_EQ(t.logprobs[k], 0.0f);
+      }
+    }
+  }
+  EXPECT_TRUE(differs) << "another seed, other samples";
+}
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,461 @@
+// The sandbox's hostile cases, each run while this test process keeps going: endless loops, fork and
+// memory bombs, floods of output, deep recursion, writes outside the private directory, signals at the
+// caller, processes left behind, the network, the environment, and the pool's concurrency. The
+// containment tests run three ways: with the namespaces this host allows, without any namespace (the
+// fallback other hosts get), and with an interpreter uid 65534 can reach (so the uid is dropped too).
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rollout/sandbox.h"
+#include "tests/common/tmpdir.h"
+
+namespace rlt {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// A directory of this test, mode 0755 (so the sandbox may read it but, if containment fails, write it).
+class TestDir {
+ public:
+  TestDir() {
+    std::string t = "/tmp/rlt-sandbox-test-XXXXXX";
+    if (mkdtemp(t.data()) == nullptr) throw std::runtime_error("mkdtemp");
+    path_ = t;
+    chmod(path_.c_str(), 0755);
+  }
+  ~TestDir() { rlt::testing::remove_tree(path_); }  // not fs::remove_all: see tests/common/tmpdir.h
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name, const std::string& text) const {
+    const std::string p = path_ + "/" + name;
+    std::ofstream(p) << text;
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Any live process whose command line holds `token` (a sandboxed `sleep 29.<unique>`), after a grace
+// for the kernel to finish tearing the sandbox down.
+bool process_alive_with(const std::string& token, double grace_s = 1.0) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    bool found = false;
+    for (const auto& e : fs::directory_iterator("/proc")) {
+      const std::string name = e.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::string cmd = read_text(e.path() / "cmdline");
+      for (char& c : cmd) c = c == '\0' ? ' ' : c;
+      if (contains(cmd, token)) found = true;
+    }
+    if (!found) return false;
+    if (seconds_since(t0) > grace_s) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// A unique `sleep` argument, so concurrent test processes cannot confuse each other's leftovers.
+std::string unique_sleep_arg() {
+  static std::atomic<int> n{0};
+  return "29." + std::to_string(getpid()) + std::to_string(n++);
+}
+
+SandboxOptions quick() {
+  SandboxOptions o;
+  o.timeout_s = 5;
+  return o;
+}
+
+TEST(Sandbox, PrintsAndExitsZero) {
+  const SandboxResult r = run_python("print(6*7)", quick());
+  EXPECT_EQ(r.stdout_text, "42\n");
+  EXPECT_EQ(r.stderr_text, "");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_FALSE(r.truncated);
+  EXPECT_GT(r.wall_ms, 0);
+  std::cout << "isolation on this host: " << r.isolation << "\n";
+  RecordProperty("isolation", r.isolation);
+}
+
+TEST(Sandbox, ExceptionIsExitOneWithTraceback) {
+  const SandboxResult r = run_python("x = 1\nraise ValueError('boom')\n", quick());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(contains(r.stderr_text, "Traceback")) << r.stderr_text;
+  EXPECT_TRUE(contains(r.stderr_text, "line 2")) << r.stderr_text;
+  EXPECT_TRUE(contains(r.stderr_text, "ValueError: boom")) << r.stderr_text;
+  EXPECT_EQ(run_python("import sys\nprint('a')\nsys.exit(3)", quick()).exit_code, 3);
+  // Killed by its own signal: 128 + signal (a known-bad value would be the raw wait status).
+  EXPECT_EQ(run_python("import os, signal\nos.kill(os.getpid(), signal.SIGABRT)", quick()).exit_code, 128 + SIGABRT);
+}
+
+TEST(Sandbox, StdinIsAtEndOfFile) {
+  const SandboxResult r = run_python("try:\n  input()\nexcept EOFError:\n  print('eof')\n", quick());
+  EXPECT_EQ(r.stdout_text, "eof\n");
+  EXPECT_LT(r.wall_ms, 4000);
+}
+
+TEST(Sandbox, EnvironmentIsNearlyEmpty) {
+  setenv("RLT_SANDBOX_SECRET", "do-not-leak", 1);
+  const SandboxResult r = run_python("import os, json\nprint(json.dumps(dict(os.environ)))", quick());
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto env = nlohmann::json::parse(r.stdout_text);
+  const std::set<std::string> allowed = {
+      "PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS", "LC_CTYPE", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"};
+  for (const auto& [key, value] : env.items()) {
+    EXPECT_TRUE(allowed.count(key)) << "unexpected variable " << key << "=" << value;
+  }
+  EXPECT_FALSE(contains(r.stdout_text, "do-not-leak"));
+  EXPECT_LE(env.size(), allowed.size());
+}
+
+TEST(Sandbox, HugeOutputIsTruncatedAtTheCap) {
+  SandboxOptions o = quick();
+  o.max_output_bytes = 1001;  // odd: the cap splits a two-byte character, which must be dropped whole
+  const SandboxResult r = run_python(
+      "import sys\nsys.stdout.write('\u00e9' * (20 << 20))\nsys.stderr.write('y' * (20 << 20))\nprint('end')", o);
+  EXPECT_EQ(r.exit_code, 0) << "the child finished: its output was drained, not left blocking";
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_TRUE(r.truncated);
+  EXPECT_LE(r.stdout_text.size(), 1001u);
+  EXPECT_GE(r.stdout_text.size(), 999u);
+  EXPECT_EQ(r.stdout_text.size() % 2, 0u) << "a split character was kept";
+  EXPECT_EQ(r.stderr_text, std::string(1001, 'y'));
+  // An endless printer: the timeout still ends it, output still capped.
+  o.timeout_s = 1;
+  const SandboxResult endless = run_python("import sys\nwhile True: sys.stdout.write('x' * 65536)", o);
+  EXPECT_TRUE(endless.timed_out);
+  EXPECT_TRUE(endless.truncated);
+  EXPECT_LE(endless.stdout_text.size(), 1001u);
+}
+
+TEST(Sandbox, ToJsonHasTheKeysAndSurvivesInvalidUtf8) {
+  const SandboxResult r = run_python("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe end')", quick());
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const nlohmann::json j = r.to_json();
+  for (const char* key : {"stdout", "stderr", "exit_code", "timed_out", "truncated", "wall_ms", "isolation"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["stdout"], "ok \xEF\xBF\xBD\xEF\xBF\xBD end");
+  EXPECT_TRUE(j["timed_out"].is_boolean());
+  EXPECT_TRUE(j["exit_code"].is_number_integer());
+  EXPECT_NO_THROW(j.dump());
+}
+
+TEST(Sandbox, MemoryBombFailsInsideTheSandbox) {
+  SandboxOptions o = quick();
+  o.memory_mb = 256;
+  const SandboxResult once = run_python("x = bytearray(4 << 30)", o);
+  EXPECT_EQ(once.exit_code, 1);
+  EXPECT_TRUE(contains(once.stderr_text, "MemoryError")) << once.stderr_text;
+  const SandboxResult grow = run_python("l = []\nwhile True: l.append(' ' * 10**7)", o);
+  EXPECT_TRUE((grow.exit_code == 1 && contains(grow.stderr_text, "MemoryError")) || grow.exit_code > 128)
+      << grow.exit_code << " " << grow.stderr_text;
+  EXPECT_FALSE(grow.timed_out) << "the limit, not the clock, should stop it";
+}
+
+TEST(Sandbox, DeepRecursionIsContained) {
+  SandboxOptions o = quick();
+  o.timeout_s = 2;
+  o.memory_mb = 256;
+  const SandboxResult plain = run_python("def f(n): return f(n + 1)\nf(0)", o);
+  EXPECT_EQ(plain.exit_code, 1);
+  EXPECT_TRUE(contains(plain.stderr_text, "RecursionError")) << plain.stderr_text;
+  // With the guard lifted it ends in MemoryError, a C stack overflow (139) or the clock: all contained.
+  const SandboxResult unbounded =
+      run_python("import sys\nsys.setrecursionlimit(10**9)\ndef f(n): return f(n + 1)\nf(0)\nprint('unreachable')", o);
+  EXPECT_NE(unbounded.exit_code, 0);
+  EXPECT_FALSE(contains(unbounded.stdout_text, "unreachable"));
+  EXPECT_LT(unbounded.wall_ms, 2000 + 2500);
+  EXPECT_EQ(run_python("print('next')", o).stdout_text, "next\n");
+}
+
+TEST(Sandbox, NumpyAndSympyImportUnderTheDefaultLimits) {
+  const SandboxOptions o;  // memory_mb 1024
+  const SandboxResult r = run_python("import numpy, sympy\nprint(int(numpy.arange(10).sum()), sympy.sqrt(8))", o);
+  if (contains(r.stderr_text, "ModuleNotFoundError")) GTEST_SKIP() << "numpy or sympy not installed";
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_EQ(r.stdout_text, "45 2*sqrt(2)\n");
+}
+
+TEST(Sandbox, BadSetupIsASandboxError) {
+  SandboxOptions o = quick();
+  o.python = "/nonexistent/python3";
+  EXPECT_THROW(run_python("print(1)", o), SandboxError);
+  o = quick();
+  o.timeout_s = 0;
+  EXPECT_THROW(run_python("print(1)", o), SandboxError);
+  o = quick();
+  o.python = "";
+  EXPECT_THROW(run_python("print(1)", o), SandboxError);
+  std::vector<std::string> complaints;
+  o.check([&](const std::string& key, const std::string&) { complaints.push_back(key); });
+  EXPECT_EQ(complaints, std::vector<std::string>{"python"});
+}
+
+TEST(SandboxPool, RunsCallsConcurrently) {
+  SandboxOptions o = quick();
+  o.workers = 4;
+  SandboxPool pool(o);
+  const auto t0 = Clock::now();
+  std::vector<std::future<SandboxResult>> futures;
+  for (int i = 0; i < 4; ++i)
+    futures.push_back(pool.submit("import time\ntime.sleep(0.5)\nprint(" + std::to_string(i) + ")"));
+  for (int i = 0; i < 4; ++i) {
+    const SandboxResult r = futures[i].get();
+    EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+    EXPECT_EQ(r.stdout_text, std::to_string(i) + "\n");
+  }
+  const double wall = seconds_since(t0);
+  EXPECT_LT(wall, 1.5) << "4 calls of 0.5 s on 4 workers ran one after another";
+  EXPECT_GE(wall, 0.5);
+}
+
+TEST(SandboxPool, DestructorFinishesRunningCallsAndCancelsQueuedOnes) {
+  SandboxOptions o = quick();
+  o.workers = 1;
+  std::future<SandboxResult> running, queued;
+  {
+    SandboxPool pool(o);
+    running = pool.submit("import time\ntime.sleep(0.3)\nprint('done')");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the worker pick it up
+    queued = pool.submit("print('never')");
+  }
+  EXPECT_EQ(running.get().stdout_text, "done\n");
+  EXPECT_THROW(queued.get(), SandboxError);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Containment, three ways.
+struct Variant {
+  const char* name;
+  bool namespaces;
+  const char* python;  // nullptr: the default
+};
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
+class Containment : public ::testing::TestWithParam<Variant> {
+ protected:
+  void SetUp() override {
+    options_ = quick();
+    options_.namespaces = GetParam().namespaces;
+    if (GetParam().python != nullptr) {
+      if (geteuid() != 0) GTEST_SKIP() << "the uid is only dropped when running as root";
+      if (access(GetParam().python, X_OK) != 0) GTEST_SKIP() << GetParam().python << " missing";
+      options_.python = GetParam().python;
+      const SandboxResult probe = run_python("pass", options_);
+      if (!contains(probe.isolation, "setuid")) GTEST_SKIP() << "uid 65534 cannot run " << GetParam().python;
+    }
+    isolation_ = run_python("pass", options_).isolation;
+    std::cout << GetParam().name << ": " << isolation_ << "\n";
+  }
+  SandboxOptions options_;
+  std::string isolation_;
+};
+
+TEST_P(Containment, InfiniteLoopTimesOut) {
+  options_.timeout_s = 1;
+  const auto t0 = Clock::now();
+  const SandboxResult r = run_python("while True:\n  pass", options_);
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL);
+  EXPECT_GE(r.wall_ms, 990);
+  EXPECT_LT(r.wall_ms, 2500) << "not killed near the timeout";
+  EXPECT_LT(seconds_since(t0), 3.0);
+}
+
+TEST_P(Containment, ForkBombIsContained) {
+  if (!contains(isolation_, "pids-cgroup") && !contains(isolation_, "nproc")) {
+    GTEST_SKIP() << "no process limit applies here (" << isolation_ << "): a fork bomb would reach the host";
+  }
+  options_.timeout_s = 1.5;
+  options_.max_processes = 16;
+  const auto t0 = Clock::now();
+  const SandboxResult r =
+      run_python("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass", options_);
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_LT(seconds_since(t0), 1.5 + 3.0);
+  // The host still works: a new process here, and a fresh sandbox call.
+  EXPECT_EQ(std::system("true"), 0);
+  const SandboxResult after = run_python("print('ok')", options_);
+  EXPECT_EQ(after.stdout_text, "ok\n") << after.stderr_text;
+  // Within the call, forks fail once the limit is reached (and the caller's limits are not the sandbox's).
+  const SandboxResult counted = run_python(
+      "import os, time\nn = 0\ntry:\n  while n < 100:\n    if os.fork() == 0:\n      time.sleep(5)\n      os._exit(0)\n"
+      "    n += 1\nexcept OSError:\n  pass\nprint(n)",
+      options_);
+  EXPECT_EQ(counted.exit_code, 0) << counted.stderr_text;
+  EXPECT_LT(std::atoi(counted.stdout_text.c_str()), 16);
+  EXPECT_GE(std::atoi(counted.stdout_text.c_str()), 8);
+}
+
+TEST_P(Containment, WritesOutsideItsDirectoryFail) {
+  TestDir dir;
+  const std::string victim = dir.file("victim.txt", "original\n");
+  chmod(victim.c_str(), 0644);
+  const std::string outside_new = "/tmp/rlt-sandbox-escape-" + std::to_string(getpid());
+  const std::string code =
+      "import os\nv = '" + victim + "'\nd = '" + dir.path() +
+      "'\n"
+      "tries = [lambda: open(v, 'w').write('pwned'), lambda: open(v, 'a').write('pwned'),\n"
+      "  lambda: open(d + '/new.txt', 'w').write('x'), lambda: os.remove(v),\n"
+      "  lambda: os.rename(v, d + '/moved'), lambda: os.chmod(v, 0o777), lambda: os.mkdir(d + '/sub'),\n"
+      "  lambda: os.symlink('/etc/passwd', d + '/link'), lambda: os.truncate(v, 0),\n"
+      "  lambda: open('" +
+      outside_new +
+      "', 'w').write('x')]\n"
+      "for t in tries:\n"
+      "  try:\n    t()\n    print('WROTE')\n  except OSError as e:\n    print('denied', e.errno)\n"
+      "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())\n";
+  const SandboxResult r = run_python(code, options_);
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_FALSE(contains(r.stdout_text, "WROTE")) << r.stdout_text;
+  EXPECT_TRUE(contains(r.stdout_text, "fine")) << "writing inside its own directory must work";
+  EXPECT_EQ(read_text(victim), "original\n");
+  struct stat st {};
+  ASSERT_EQ(stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0644u);
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(dir.path())) entries.push_back(e.path().filename());
+  EXPECT_EQ(entries, std::vector<std::string>{"victim.txt"});
+  // A world-writable directory (/tmp) is closed only by Landlock; a dropped uid alone still writes there.
+  if (contains(isolation_, "landlock")) {
+    EXPECT_FALSE(fs::exists(outside_new));
+  }
+  std::error_code ec;
+  fs::remove(outside_new, ec);
+}
+
+TEST_P(Containment, SignallingTheCallerDoesNotReachIt) {
+  // If any of these reached this process, SIGTERM/SIGKILL would end the test binary here.
+  std::string code = "import os, signal\ntargets = [os.getppid(), " + std::to_string(getpid()) + ", -" +
+                     std::to_string(getpgrp()) + "]\n";
+  if (contains(isolation_, "pidns")) code += "targets.append(-1)\n";  // inside a pid namespace: only its own
+  code +=
+      "for s in (signal.SIGTERM, signal.SIGKILL):\n  for t in targets:\n    try:\n      os.kill(t, s)\n"
+      "    except OSError as e:\n      print(t, e.errno)\nprint('alive')\n";
+  const SandboxResult r = run_python(code, options_);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(kill(getpid(), 0), 0);
+  // The sandbox's own init may be the parent: it must survive too (the result is a normal exit).
+  EXPECT_TRUE(contains(r.stdout_text, "alive")) << r.stdout_text << r.stderr_text;
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(run_python("print('next')", options_).stdout_text, "next\n");
+}
+
+TEST_P(Containment, ChildrenLeftBehindAreKilled) {
+  const std::string plain = unique_sleep_arg(), daemon = unique_sleep_arg(), forked = unique_sleep_arg();
+  const std::string code =
+      "import os, subprocess, time\n"
+      "subprocess.Popen(['sleep', '" +
+      plain +
+      "'])\n"
+      "if os.fork() == 0:\n  os.setsid()\n  if os.fork() == 0:\n    os.execvp('sleep', ['sleep', '" +
+      daemon +
+      "'])\n  os._exit(0)\n"
+      "if os.fork() == 0:\n  os.execvp('sleep', ['sleep', '" +
+      forked +
+      "'])\n"
+      "time.sleep(0.3)\nprint('left them')\n";
+  const SandboxResult r = run_python(code, options_);
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_EQ(r.stdout_text, "left them\n");
+  EXPECT_FALSE(process_alive_with("sleep " + plain));
+  EXPECT_FALSE(process_alive_with("sleep " + daemon)) << "a setsid() daemon survived";
+  EXPECT_FALSE(process_alive_with("sleep " + forked));
+  // And after a timeout.
+  options_.timeout_s = 1;
+  const std::string late = unique_sleep_arg();
+  const SandboxResult t = run_python("import os\nif os.fork() == 0:\n  os.setsid()\n  os.execvp('sleep', ['sleep', '" +
+                                         late + "'])\nwhile True:\n  pass",
+                                     options_);
+  EXPECT_TRUE(t.timed_out);
+  EXPECT_FALSE(process_alive_with("sleep " + late));
+}
+
+TEST_P(Containment, PrivateDirectoryIsRemovedWithoutFollowingLinks) {
+  TestDir root, outside;
+  const std::string victim = outside.file("keep.txt", "keep\n");
+  options_.tmp_root = root.path();
+  const std::string code =
+      "import os\nprint(os.getcwd())\nos.makedirs('a/b/c')\nopen('a/b/c/f', 'w').write('x')\n"
+      "os.symlink('" +
+      victim + "', 'a/file_link')\nos.symlink('" + outside.path() +
+      "', 'a/dir_link')\nos.mkdir('a/locked', 0)\n"
+      "p = 'deep'\nfor i in range(200):\n  os.mkdir(p)\n  p += '/d'\n";
+  const SandboxResult r = run_python(code, options_);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const std::string cwd = r.stdout_text.substr(0, r.stdout_text.find('\n'));
+  EXPECT_EQ(cwd.rfind(root.path() + "/", 0), 0u) << cwd << " not under tmp_root";
+  EXPECT_FALSE(fs::exists(fs::symlink_status(cwd))) << cwd << " left behind";
+  EXPECT_TRUE(fs::is_empty(root.path()));
+  EXPECT_EQ(read_text(victim), "keep\n");
+}
+
+TEST_P(Containment, NetworkIsBlocked) {
+  // A listener here, so that a sandbox with network would reach something.
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t len = sizeof addr;
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  const SandboxResult r = run_python(
+      "import socket\nfor fam, host in ((socket.AF_INET, '127.0.0.1'), (socket.AF_INET6, '::1')):\n  try:\n"
+      "    s = socket.create_connection((host, " +
+          std::to_string(port) +
+          "), timeout=1)\n    print('CONNECTED')\n"
+          "  except OSError as e:\n    print('blocked', e.errno)\n",
+      options_);
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_FALSE(contains(r.stdout_text, "CONNECTED")) << r.stdout_text;
+  EXPECT_TRUE(contains(r.stdout_text, "blocked")) << r.stdout_text;
+  pollfd p{listener, POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 0), 0) << "a connection reached the listener";
+  close(listener);
+}
+
+INSTANTIATE_TEST_SUITE_P(Hosts, Containment,
+                         ::testing::Values(Variant{"Namespaces", true, nullptr},
+                                           Variant{"NoNamespaces", false, nullptr},
+                                           Variant{"DroppedUid", true, "/usr/bin/python3"}),
+                         [](const ::testing::TestParamInfo<Variant>& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,259 @@
+// The GRPO and PPO trainers: group advantages, the learning-rate schedules, GAE against an independent
+// reference, micro-batch accounting, the non-finite-step guard, and end-to-end runs of both algorithms on
+// a tiny model with real sandboxed tool calls: metrics, checkpoints, and a resumed run that reproduces
+// the uninterrupted run's losses exactly.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/common/tmpdir.h"
+#include "trainer/config.h"
+#include "trainer/grpo.h"
+#include "trainer/ppo.h"
+#include "trainer/run.h"
+
+namespace rlt {
+namespace {
+
+using rlt::testing::TempDir;
+
+// Advantages are exact arithmetic on small numbers; float64 leaves only rounding.
+constexpr double kExact = 1e-12;
+
+TEST(GroupAdvantages, GroupBatchAndNoneScaling) {
+  // Group 0: rewards (1, -1, 1, -1): mean 0, unbiased std sqrt(4/3) -> A = +-sqrt(3/4).
+  // Group 1: all 0.5 -> centred 0, std 0 -> divided by 1 -> A = 0 (zero advantage, zero gradient).
+  at::Tensor r = at::tensor({1.0, -1.0, 1.0, -1.0, 0.5, 0.5, 0.5, 0.5}, at::kDouble).view({2, 4});
+  at::Tensor g = group_advantages(r, ScaleRewards::kGroup);
+  const double a = std::sqrt(0.75);
+  const std::vector<double> want_g = {a, -a, a, -a, 0, 0, 0, 0};
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(g.view({-1})[i].item<double>(), want_g[i], kExact) << i;
+  // none: only centred.
+  at::Tensor n = group_advantages(r, ScaleRewards::kNone);
+  const std::vector<double> want_n = {1, -1, 1, -1, 0, 0, 0, 0};
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(n.view({-1})[i].item<double>(), want_n[i], kExact) << i;
+  // batch: centred per group, divided by the std of all 8 rewards (mean 0.25).
+  double var = 0;
+  for (double x : {1.0, -1.0, 1.0, -1.0, 0.5, 0.5, 0.5, 0.5}) var += (x - 0.25) * (x - 0.25);
+  const double sd = std::sqrt(var / 7);
+  at::Tensor b = group_advantages(r, ScaleRewards::kBatch);
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(b.view({-1})[i].item<double>(), want_n[i] / sd, kExact) << i;
+}
+
+TEST(LearningRate, WarmupConstantLinearCosine) {
+  TrainOptions o;
+  o.lr = 1.0;
+  o.warmup_steps = 3;
+  o.min_lr_ratio = 0.1;
+  // Warm-up: (step + 1) / (warmup + 1) -> 0.25, 0.5, 0.75, then the schedule over the 8 remaining steps.
+  o.lr_schedule = LrSchedule::kConstant;
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0, 11), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 2, 11), 0.75);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3, 11), 1.0);
+  o.lr_schedule = LrSchedule::kLinear;  // 0.1 + 0.9 (1 - progress), progress = (step - 3) / 8
+  EXPECT_DOUBLE_EQ(learning_rate(o, 3, 11), 1.0);
+  EXPECT_NEAR(learning_rate(o, 7, 11), 0.1 + 0.9 * 0.5, kExact);
+  EXPECT_NEAR(learning_rate(o, 11, 11), 0.1, kExact);
+  o.lr_schedule = LrSchedule::kCosine;  // 0.1 + 0.9 * 0.5 (1 + cos(pi progress))
+  EXPECT_NEAR(learning_rate(o, 7, 11), 0.1 + 0.45, kExact);
+  EXPECT_NEAR(learning_rate(o, 5, 11), 0.1 + 0.45 * (1 + std::cos(M_PI * 0.25)), kExact);
+  EXPECT_NEAR(learning_rate(o, 11, 11), 0.1, kExact);
+}
+
+// The textbook GAE of a sequence whose every token is an action: A_t = sum_l (gamma lambda)^l delta_{t+l}.
+std::vector<double> gae_reference(const std::vector<double>& r, const std::vector<double>& v, double gamma,
+                                  double lam) {
+  const size_t n = r.size();
+  std::vector<double> delta(n), adv(n, 0.0);
+  for (size_t t = 0; t < n; ++t) delta[t] = r[t] + gamma * (t + 1 < n ? v[t + 1] : 0.0) - v[t];
+  for (size_t t = 0; t < n; ++t) {
+    double w = 1;
+    for (size_t l = t; l < n; ++l, w *= gamma * lam) adv[t] += w * delta[l];
+  }
+  return adv;
+}
+
+TEST(Gae, MatchesTheClosedFormAndSkipsToolTokens) {
+  const double gamma = 0.9, lam = 0.8;
+  // Hand-derived one-token case: delta = r - V = 1 - 0.25 -> A = 0.75, return = 1.
+  {
+    auto [a, g] =
+        gae_advantages(at::tensor({1.0f}).view({1, 1}), at::tensor({0.25f}).view({1, 1}), at::ones({1, 1}), gamma, lam);
+    EXPECT_NEAR(a.item<double>(), 0.75, 1e-7);
+    EXPECT_NEAR(g.item<double>(), 1.0, 1e-7);
+  }
+  // A sequence of 7 actions with tool tokens interleaved (mask 0) must equal the same 7 actions alone.
+  const std::vector<double> r_act = {0, 0.5, 0, 0, -0.25, 0, 1}, v_act = {0.1, -0.3, 0.7, 0.2, 0.0, -0.6, 0.4};
+  const std::vector<int> mask = {1, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1, 0};  // 7 ones, then padding
+  const int64_t R = static_cast<int64_t>(mask.size());
+  at::Tensor rw = at::zeros({1, R}), vl = at::full({1, R}, 9.0f), mk = at::zeros({1, R});  // 9: ignored values
+  for (int64_t j = 0, a = 0; j < R; ++j) {
+    if (!mask[j]) continue;
+    rw[0][j] = r_act[a];
+    vl[0][j] = v_act[a];
+    mk[0][j] = 1;
+    ++a;
+  }
+  auto [adv, ret] = gae_advantages(rw, vl, mk, gamma, lam);
+  const std::vector<double> want = gae_reference(r_act, v_act, gamma, lam);
+  for (int64_t j = 0, a = 0; j < R; ++j) {
+    if (!mask[j]) {
+      EXPECT_EQ(adv[0][j].item<float>(), 0.0f) << "non-action token " << j;
+      EXPECT_EQ(ret[0][j].item<float>(), 0.0f) << "non-action token " << j;
+      continue;
+    }
+    EXPECT_NEAR(adv[0][j].item<double>(), want[a], 1e-6) << "action " << a;
+    EXPECT_NEAR(ret[0][j].item<double>(), want[a] + v_act[a], 1e-6) << "action " << a;
+    ++a;
+  }
+  // Known-bad input: the tool tokens' values must not leak in. Treating every token as an action gives
+  // a different first advantage.
+  auto [adv_all, ret_all] = gae_advantages(rw, vl, at::ones({1, R}), gamma, lam);
+  EXPECT_GT(std::abs(adv_all[0][0].item<double>() - want[0]), 1e-3);
+  // A reward on a non-action token is refused.
+  at::Tensor bad = rw.clone();
+  bad[0][2] = 1.0f;
+  EXPECT_THROW(gae_advantages(bad, vl, mk, gamma, lam), c10::Error);
+}
+
+TEST(MicroBatches, RangesNeverCrossAMiniBatchAndDenominatorsAddUp) {
+  // S = 10, mini 4 (mini-batches [0,4) [4,8) [8,10)), micro 3.
+  const auto r = micro_batch_ranges(10, 4, 3);
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 3}, {3, 4}, {4, 7}, {7, 8}, {8, 10}};
+  EXPECT_EQ(r, want);
+  std::vector<Trajectory> t(3);
+  t[0].loss_mask = {1, 1, 0, 1};  // 3 sampled tokens
+  t[1].loss_mask = {0, 0};        // none: empty for seq-mean-token-mean
+  t[2].loss_mask = {1};
+  EXPECT_EQ(mini_batch_denominator(t, 0, 3, LossAgg::kTokenMean), 4);
+  EXPECT_EQ(mini_batch_denominator(t, 0, 3, LossAgg::kSeqMeanTokenMean), 2);
+  EXPECT_EQ(mini_batch_denominator(t, 0, 3, LossAgg::kSeqMeanTokenSum), 3);
+  EXPECT_EQ(mini_batch_denominator(t, 1, 2, LossAgg::kTokenMean), 1) << "clamped to >= 1";
+}
+
+// A tiny run: a trained tokenizer, a 2-layer model, a short warm-up, 2 prompts x 4 samples per step with
+// real sandboxed tool calls, two iterations over two mini-batches (off-policy ratios), a KL penalty (so
+// the reference model is built, saved and restored).
+Config tiny_config() {
+  Config c = load_config("", {});
+  c.model.tokenizer_vocab = 320;
+  c.model.init_hidden = 32;
+  c.model.init_layers = 2;
+  c.model.init_heads = 2;
+  c.model.init_kv_heads = 1;
+  c.model.init_intermediate = 64;
+  c.chat.prompt = "{question}\n";
+  c.synthetic.digits_a = 1;
+  c.synthetic.digits_b = 1;
+  c.synthetic.count = 200;
+  c.sampling.max_new_tokens = 24;
+  c.sampling.samples_per_prompt = 4;
+  c.rollout.max_turns = 3;
+  c.rollout.max_tool_calls = 2;
+  c.rollout.max_context = 96;
+  c.rollout.max_tool_output_tokens = 16;
+  c.sandbox.timeout_s = 5;
+  c.sandbox.workers = 2;
+  c.reward.kind = RewardKind::kBoxedToolShaping;
+  c.loss.entropy = EntropyMode::kValue;
+  c.loss.loss_mask_only = true;
+  c.policy.kl_coef = 0.01;
+  c.policy.agg = LossAgg::kSeqMeanTokenMean;
+  c.train.steps = 4;
+  c.train.prompts_per_step = 2;
+  c.train.num_iterations = 2;
+  c.train.mini_batch_size = 4;
+  c.train.micro_batch_size = 2;
+  c.train.lr = 3e-3;
+  c.train.weight_decay = 0.01;
+  c.train.lr_schedule = LrSchedule::kCosine;
+  c.train.warmup_steps = 2;
+  c.train.checkpoint_every = 2;
+  // Enough warm-up that completions are in format and some are right, so rewards (and advantages) vary.
+  c.sft.steps = 40;
+  c.sft.batch_size = 16;
+  c.sft.lr = 1e-2;
+  c.sft.tool_fraction = 0.5;
+  c.ppo.value_lr = 1e-2;
+  return c;
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& dir) {
+  std::ifstream f(dir + "/metrics.jsonl");
+  std::vector<nlohmann::json> rows;
+  std::string line;
+  while (std::getline(f, line)) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
+using TrainFn = std::map<std::string, double> (*)(Run&);
+
+void run_to(const Config& c, const std::string& dir, bool resume, TrainFn train, const ExtraParams& extra) {
+  Run run = make_run(c, dir, resume, extra);
+  train(run);
+}
+
+class Trainers : public ::testing::TestWithParam<bool> {  // true = PPO
+ protected:
+  TrainFn train() const { return GetParam() ? &train_ppo : &train_grpo; }
+  ExtraParams extra() const { return GetParam() ? value_head_params() : ExtraParams{}; }
+};
+
+TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
+  TempDir tmp(GetParam() ? "ppo" : "grpo");
+  const Config c = tiny_config();
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
+  run_to(c, full, /*resume=*/false, train(), extra());
+  const auto a = read_metrics(full);
+  ASSERT_EQ(a.size(), 4u);
+  for (const auto& row : a) {
+    for (const char* k : {"loss", "pg_loss", "kl", "entropy", "grad_norm", "reward_mean", "accuracy", "tool_use", "lr",
+                          "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s"}) {
+      ASSERT_TRUE(row.contains(k) && row[k].is_number()) << k << " in " << row.dump();
+      EXPECT_TRUE(std::isfinite(row[k].get<double>())) << k;
+    }
+    EXPECT_GT(row["grad_norm"].get<double>(), 0) << "the update must move the policy";
+    if (GetParam()) {
+      EXPECT_TRUE(row.contains("value_loss"));
+    }
+  }
+  EXPECT_GT(a[3]["kl"].get<double>(), 0) << "the policy moved away from the saved reference";
+  double reward_std_max = 0;
+  for (const auto& row : a) reward_std_max = std::max(reward_std_max, row["reward_std"].get<double>());
+  EXPECT_GT(reward_std_max, 0) << "some step must have unequal rewards, so advantages are not all 0";
+  EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/model/config.json"));
+  EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/optimizer.pt"));
+  EXPECT_TRUE(std::filesystem::exists(full + "/plot.svg"));
+  EXPECT_FALSE(std::filesystem::exists(full + "/checkpoint.tmp"));
+
+  // The same run interrupted after step 2 (--stop-after 2: checkpoint, exit), then resumed: every step's
+  // loss, gradient norm and reward equal the uninterrupted run's bit for bit.
+  {
+    rlt::Run run = make_run(c, part, /*resume=*/false, extra());
+    run.stop_after = 2;
+    train()(run);
+    EXPECT_EQ(run.step, 2);
+  }
+  EXPECT_EQ(read_metrics(part).size(), 2u);
+  run_to(c, part, /*resume=*/true, train(), extra());
+  const auto b = read_metrics(part);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    for (const char* k : {"loss", "grad_norm", "reward_mean", "kl", "lr"}) {
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+  }
+  // Resuming a folder without a checkpoint, and a prompt longer than the context, are input errors.
+  EXPECT_THROW(make_run(c, (tmp.path() / "empty").string(), /*resume=*/true, extra()), RunError);
+  Config long_prompt = c;
+  long_prompt.rollout.max_context = 8;
+  EXPECT_THROW(make_run(long_prompt, (tmp.path() / "long").string(), false, extra()), DataError);
+}
+
+INSTANTIATE_TEST_SUITE_P(GrpoAndPpo, Trainers, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Ppo" : "Grpo"; });
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,190 @@
+// GRPO with the ReTool rollout, one step read top to bottom:
+//   1. rollout: prompts x G samples with sandboxed tool calls (rollout/retool.h)
+//   2. rewards: boxed-answer match and tool-use shaping (data/reward.h)
+//   3. advantages: group-relative, scaled per train.scale_rewards
+//   4. old log-probs (only when an update is off-policy) and reference log-probs (only when
+//      policy.kl_coef > 0: no reference model exists otherwise), all through the loss module
+//   5. num_iterations x mini-batches x micro-batches: policy loss (loss/policy_loss.h), backward with
+//      the mini-batch's global denominator, gradient clipping, AdamW, the learning-rate schedule
+//   6. metrics, checkpoint
+// A step whose loss or gradient is not finite is skipped and counted, never applied.
+#include "trainer/grpo.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+
+#include "loss/memory.h"
+#include "loss/policy_loss.h"
+#include "rollout/policy.h"
+#include "rollout/retool.h"
+#include "rollout/sandbox.h"
+#include "trainer/batch.h"
+
+namespace rlt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+at::Tensor group_advantages(const at::Tensor& rewards, ScaleRewards scale) {
+  TORCH_CHECK(rewards.dim() == 2, "rewards must be (P, G)");
+  at::Tensor centred = rewards - rewards.mean(/*dim=*/1, /*keepdim=*/true);  // (P, G)
+  if (scale == ScaleRewards::kNone) return centred;
+  // Unbiased std as in the GRPO paper's implementations; a single sample has none (divide by 1).
+  at::Tensor std = scale == ScaleRewards::kGroup
+                       ? (rewards.size(1) > 1 ? rewards.std(/*dim=*/1, /*unbiased=*/true, /*keepdim=*/true)
+                                              : at::ones({rewards.size(0), 1}, rewards.options()))
+                       : (rewards.numel() > 1 ? rewards.std() : at::ones({}, rewards.options()));
+  return centred / at::where(std < 1e-6, at::ones_like(std), std);
+}
+
+std::map<std::string, double> train_grpo(Run& run) {
+  const Config& cfg = run.config;
+  const TrainOptions& T = cfg.train;
+  const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt, S = P * G;
+  const int64_t mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, S) : S;
+  const int64_t micro = std::min(T.micro_batch_size, mini);
+  const int64_t total_optimizer_steps = T.steps * T.num_iterations * ((S + mini - 1) / mini);
+  const bool fresh = run.step == 0;
+  if (!run.device.is_cuda()) install_cpu_memory_tracking();
+  MetricsLog log(run.out_dir, /*append=*/!fresh);
+  SandboxPool pool(cfg.sandbox);
+  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
+  std::vector<at::Tensor> params = run.policy->parameters();
+
+  if (fresh && cfg.sft.steps > 0) sft_warmup(run);
+  ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
+  double eval_start = NAN;
+  if (fresh && !run.eval_set.empty()) {
+    const auto [acc, tool] = evaluate(run);
+    std::cerr << "eval before RL: accuracy " << 100 * acc << "%, tool use " << 100 * tool << "%\n";
+    eval_start = acc;
+  }
+  std::map<std::string, double> m;
+
+  while (run.more_steps()) {
+    const auto t_step = Clock::now();
+    PeakMemory peak(run.device);
+
+    // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards.
+    RolloutBatch rb = collect_rollouts(run, tools);
+    const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
+
+    // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss.
+    at::Tensor rewards = at::empty({P, G}, at::kDouble);
+    for (int64_t s = 0; s < S; ++s) rewards[s / G][s % G] = trajs[s].reward;
+    at::Tensor advantages = group_advantages(rewards, T.scale_rewards).view({S}).to(at::kFloat).to(run.device);
+
+    // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
+    const auto micro_ranges = micro_batch_ranges(S, mini, micro);
+    std::vector<PackedBatch> batches;
+    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
+
+    // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
+    // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent.
+    const auto t_score = Clock::now();
+    const bool on_policy = T.num_iterations == 1 && mini == S;
+    std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
+    {
+      at::NoGradGuard no_grad;
+      for (size_t k = 0; k < batches.size(); ++k) {
+        if (!on_policy) logprobs_old[k] = response_logprobs(*run.policy, batches[k], cfg.loss).logprobs;
+        if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
+      }
+    }
+    const double t_scoring = seconds_since(t_score);
+
+    // 5. Updates.
+    const auto t_update = Clock::now();
+    double loss_sum = 0, pg_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, lp_sum = 0, norm_sum = 0, tok_sum = 0;
+    int64_t updates = 0;
+    for (int64_t it = 0; it < T.num_iterations; ++it) {
+      for (size_t k = 0; k < batches.size();) {
+        const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
+        const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
+        run.optimizer->zero_grad();
+        double loss_mb = 0;
+        for (; k < batches.size() && micro_ranges[k].first < mb_end; ++k) {
+          const PackedBatch& b = batches[k];
+          const auto [begin, end] = micro_ranges[k];
+          ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
+          PolicyLossInputs in;
+          in.logprobs = r.logprobs;
+          in.logprobs_old = on_policy ? r.logprobs.detach() : logprobs_old[k];
+          in.logprobs_ref = logprobs_ref[k];
+          in.advantages = advantages.narrow(0, begin, end - begin);  // (S_m)
+          in.loss_mask = b.loss_mask;
+          in.entropy = r.entropy;
+          in.global_denominator = denom;
+          PolicyLossOutput out = policy_loss(in, cfg.policy);
+          out.loss.backward();
+          // Metrics of this micro-batch, weighted by its loss-mask tokens.
+          const double tokens = b.loss_mask.sum().item<double>();
+          loss_mb += out.loss.item<double>();
+          pg_sum += out.pg_loss.item<double>() * tokens;
+          kl_sum += out.kl.item<double>() * tokens;
+          clip_sum += out.clip_frac.item<double>() * tokens;
+          if (out.entropy.defined()) ent_sum += out.entropy.item<double>() * tokens;
+          lp_sum += (r.logprobs.detach() * b.loss_mask).sum().item<double>();
+          tok_sum += tokens;
+        }
+        const double norm = apply_gradients(run, params, loss_mb, total_optimizer_steps);
+        loss_sum += loss_mb;
+        norm_sum += norm;
+        ++updates;
+      }
+    }
+    run.optimizer->zero_grad();
+    device_synchronize(run.device);
+    const double t_upd = seconds_since(t_update);
+
+    // 6. Metrics, warnings, checkpoint.
+    double sampled = 0, all = 0;
+    for (const auto& t : trajs) {
+      sampled += t.sampled_tokens();
+      all += t.ids().size();
+    }
+    m = rollout_metrics(run, trajs);
+    log_samples(run, trajs);
+    ++run.step;
+    const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
+    const double t_rollout = rb.seconds;
+    m.insert({{"step", double(run.step)},
+              {"steps", double(T.steps)},
+              {"loss", loss_sum / n_upd},
+              {"pg_loss", pg_sum / n_tok},
+              {"kl", kl_sum / n_tok},
+              {"entropy", ent_sum / n_tok},
+              {"clip_frac", clip_sum / n_tok},
+              {"logprob_mean", lp_sum / n_tok},
+              {"grad_norm", norm_sum / n_upd},
+              {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
+              {"skipped_steps", double(run.skipped_steps)},
+              {"rollout_tokens_per_s", sampled / std::max(1e-9, t_rollout)},
+              {"update_tokens_per_s", all * T.num_iterations / std::max(1e-9, t_upd)},
+              {"time_rollout_s", t_rollout},
+              {"time_scoring_s", t_scoring},
+              {"time_update_s", t_upd},
+              {"time_step_s", seconds_since(t_step)},
+              {"peak_memory_mib", peak.peak_extra_bytes() / 1048576.0}});
+    log.write(m);
+    log.plot();
+    if (run.checkpoint_due()) save_checkpoint(run);
+  }
+  if (!run.eval_set.empty() && run.step == T.steps) {
+    const auto [acc, tool] = evaluate(run);
+    std::cerr << "eval after RL: accuracy " << 100 * acc << "%, tool use " << 100 * tool << "%\n";
+    if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
+    m["eval_accuracy_end"] = acc;
+  }
+  return m;
+}
+
+}  // namespace rlt

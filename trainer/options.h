@@ -1,0 +1,168 @@
+// Options of the model set-up, the GRPO/PPO training loop and the supervised warm-up. Each field is a
+// config value (`model.<name>`, `train.<name>`, `sft.<name>`, `ppo.<name>`).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "loss/fields.h"
+
+namespace rlt {
+
+enum class DType { kFloat32, kBFloat16 };
+inline const EnumNames<DType>& enum_names(DType) {
+  static const EnumNames<DType> names{{"float32", DType::kFloat32}, {"bfloat16", DType::kBFloat16}};
+  return names;
+}
+
+struct ModelOptions {
+  // A Hugging Face checkpoint folder (config.json + safetensors). Empty: a new model from the init_*
+  // fields, sized to the tokenizer (the built-in demo).
+  std::string path;
+  // A sentencepiece .model file. Empty: one is trained on the synthetic task into the run folder.
+  std::string tokenizer;
+  int64_t tokenizer_vocab = 400;  // vocabulary of a trained tokenizer
+  std::string device = "cpu";     // cpu | cuda | cuda:N
+  DType dtype = DType::kFloat32;  // parameters and activations; log-probs are always fp32
+  // Recompute each layer's activations in the backward instead of storing them.
+  bool activation_checkpointing = false;
+  // A new model (when path is empty): llama-style decoder.
+  int64_t init_hidden = 128;
+  int64_t init_layers = 4;
+  int64_t init_heads = 4;
+  int64_t init_kv_heads = 2;
+  int64_t init_intermediate = 384;
+  int64_t init_seed = 0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("path", path, "Hugging Face checkpoint folder; empty = a new model from init_*");
+    v("tokenizer", tokenizer, "sentencepiece .model; empty = train one on the synthetic task");
+    v("tokenizer_vocab", tokenizer_vocab, "vocabulary of a trained tokenizer", FieldRange{300, 1e6});
+    v("device", device, "cpu | cuda | cuda:N");
+    v("dtype", dtype, "float32 | bfloat16");
+    v("activation_checkpointing", activation_checkpointing, "recompute layer activations in the backward");
+    v("init_hidden", init_hidden, "new model: hidden size", FieldRange{8, 1e5});
+    v("init_layers", init_layers, "new model: layers", FieldRange{1, 1000});
+    v("init_heads", init_heads, "new model: attention heads", FieldRange{1, 1000});
+    v("init_kv_heads", init_kv_heads, "new model: key/value heads", FieldRange{1, 1000});
+    v("init_intermediate", init_intermediate, "new model: MLP width", FieldRange{8, 1e6});
+    v("init_seed", init_seed, "new model: initialisation seed", FieldRange{0, 9.0e18});
+  }
+  void check(const FieldFail& fail) const {
+    if (init_hidden % init_heads != 0) fail("init_hidden", "must be a multiple of init_heads");
+    if (init_heads % init_kv_heads != 0) fail("init_kv_heads", "must divide init_heads");
+    if (device != "cpu" && device.rfind("cuda", 0) != 0) fail("device", "must be cpu, cuda or cuda:N");
+  }
+};
+
+// Where prompts come from.
+enum class PromptSource { kSynthetic, kJsonl };
+inline const EnumNames<PromptSource>& enum_names(PromptSource) {
+  static const EnumNames<PromptSource> names{{"synthetic", PromptSource::kSynthetic}, {"jsonl", PromptSource::kJsonl}};
+  return names;
+}
+
+// How GRPO normalises rewards into advantages: A = r - mean_group(r), divided by the std of the group,
+// of the whole batch, or not at all (Dr. GRPO).
+enum class ScaleRewards { kGroup, kBatch, kNone };
+inline const EnumNames<ScaleRewards>& enum_names(ScaleRewards) {
+  static const EnumNames<ScaleRewards> names{
+      {"group", ScaleRewards::kGroup}, {"batch", ScaleRewards::kBatch}, {"none", ScaleRewards::kNone}};
+  return names;
+}
+
+enum class LrSchedule { kConstant, kLinear, kCosine };
+inline const EnumNames<LrSchedule>& enum_names(LrSchedule) {
+  static const EnumNames<LrSchedule> names{
+      {"constant", LrSchedule::kConstant}, {"linear", LrSchedule::kLinear}, {"cosine", LrSchedule::kCosine}};
+  return names;
+}
+
+struct TrainOptions {
+  PromptSource prompts = PromptSource::kSynthetic;  // data.path (jsonl) or the synthetic task
+  int64_t steps = 40;                               // RL steps (rollout + update)
+  int64_t prompts_per_step = 16;                    // prompts per step; each gets sampling.samples_per_prompt
+  int64_t num_iterations = 1;                       // passes over each step's rollouts (PPO epochs)
+  int64_t mini_batch_size = 0;                      // sequences per optimizer step; 0 = the whole batch
+  int64_t micro_batch_size = 32;                    // sequences per forward/backward (gradient accumulation)
+  double lr = 1e-6;
+  double beta1 = 0.9, beta2 = 0.98, adam_eps = 1e-8, weight_decay = 0.1;
+  double grad_clip = 1.0;  // max global gradient norm; 0 = off
+  LrSchedule lr_schedule = LrSchedule::kConstant;
+  int64_t warmup_steps = 0;   // optimizer steps of linear warm-up from 0
+  double min_lr_ratio = 0.0;  // linear/cosine decay ends at lr * min_lr_ratio
+  ScaleRewards scale_rewards = ScaleRewards::kGroup;
+  int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
+  int64_t seed = 0;              // prompt order and sampling noise
+  int64_t eval_prompts = 0;      // held-out prompts scored greedily before and after training; 0 = none
+  int64_t log_samples = 4;       // trajectories per step written to samples.jsonl; 0 = none
+
+  template <class V>
+  void visit(V&& v) {
+    v("prompts", prompts, "prompt source: synthetic | jsonl (data.path)");
+    v("steps", steps, "RL steps", FieldRange{0, 1e9});
+    v("prompts_per_step", prompts_per_step, "prompts per step", FieldRange{1, 1e9});
+    v("num_iterations", num_iterations, "passes over each step's rollouts", FieldRange{1, 1000});
+    v("mini_batch_size", mini_batch_size, "sequences per optimizer step; 0 = all", FieldRange{0, 1e9});
+    v("micro_batch_size", micro_batch_size, "sequences per forward/backward", FieldRange{1, 1e9});
+    v("lr", lr, "peak learning rate", FieldRange{0, 10});
+    v("beta1", beta1, "AdamW beta1", FieldRange{0, 1});
+    v("beta2", beta2, "AdamW beta2", FieldRange{0, 1});
+    v("adam_eps", adam_eps, "AdamW epsilon", FieldRange{0, 1});
+    v("weight_decay", weight_decay, "AdamW decoupled weight decay", FieldRange{0, 10});
+    v("grad_clip", grad_clip, "max global gradient norm; 0 = off", FieldRange{0, 1e9});
+    v("lr_schedule", lr_schedule, "constant | linear | cosine");
+    v("warmup_steps", warmup_steps, "optimizer steps of linear warm-up", FieldRange{0, 1e9});
+    v("min_lr_ratio", min_lr_ratio, "decay floor as a fraction of lr", FieldRange{0, 1});
+    v("scale_rewards", scale_rewards, "advantage scaling: group | batch | none");
+    v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
+    v("seed", seed, "prompt order and sampling noise seed", FieldRange{0, 9.0e18});
+    v("eval_prompts", eval_prompts, "held-out prompts scored greedily at start and end", FieldRange{0, 1e6});
+    v("log_samples", log_samples, "trajectories per step written to samples.jsonl", FieldRange{0, 1e6});
+  }
+  void check(const FieldFail& fail) const {}
+};
+
+// Supervised warm-up on synthetic tool-use traces (the built-in demo), before RL.
+struct SftOptions {
+  int64_t steps = 0;        // 0 = none
+  int64_t batch_size = 32;  // traces per step
+  double lr = 1e-3;         // AdamW, cosine to 10%
+  // Share of warm-up traces that use the tool; the rest answer directly (and mostly wrongly): RL then
+  // has something to discover.
+  double tool_fraction = 0.3;
+
+  template <class V>
+  void visit(V&& v) {
+    v("steps", steps, "supervised warm-up steps; 0 = none", FieldRange{0, 1e9});
+    v("batch_size", batch_size, "traces per warm-up step", FieldRange{1, 1e9});
+    v("lr", lr, "warm-up learning rate", FieldRange{0, 10});
+    v("tool_fraction", tool_fraction, "share of warm-up traces that use the tool", FieldRange{0, 1});
+  }
+  void check(const FieldFail& fail) const {}
+};
+
+// PPO's critic: a linear value head on the policy's hidden states.
+struct PpoOptions {
+  double gamma = 1.0;       // discount per response token
+  double lam = 0.95;        // GAE lambda
+  double vf_coef = 0.5;     // value-loss weight
+  double value_clip = 0.2;  // |V - V_old| clip of the value loss; 0 = off
+  double value_lr = 0.0;    // value-head learning rate; 0 = train.lr
+  // Normalise advantages to mean 0, std 1 over the batch's sampled tokens.
+  bool whiten_advantages = true;
+
+  template <class V>
+  void visit(V&& v) {
+    v("gamma", gamma, "discount per response token", FieldRange{0, 1});
+    v("lam", lam, "GAE lambda", FieldRange{0, 1});
+    v("vf_coef", vf_coef, "value-loss weight", FieldRange{0, 1e6});
+    v("value_clip", value_clip, "value clipping range; 0 = off", FieldRange{0, 1e6});
+    v("value_lr", value_lr, "value-head learning rate; 0 = train.lr", FieldRange{0, 10});
+    v("whiten_advantages", whiten_advantages, "normalise advantages over the batch's sampled tokens");
+  }
+  void check(const FieldFail& fail) const {}
+};
+
+}  // namespace rlt

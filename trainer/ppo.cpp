@@ -1,0 +1,274 @@
+// PPO with the ReTool rollout, one step read top to bottom:
+//   1. rollout: prompts x G samples with sandboxed tool calls (rollout/retool.h), rewards (data/reward.h)
+//   2. scoring (no grad): one forward of the policy per micro-batch gives the old log-probs (loss module)
+//      and the old values (value head on the same hidden states); reference log-probs only when
+//      policy.kl_coef > 0
+//   3. advantages: the sequence's reward on its last sampled token, GAE(gamma, lambda) over the sampled
+//      tokens only (tool output is the environment's part of a step), whitened over the batch
+//   4. num_iterations x mini-batches x micro-batches: clipped surrogate (loss/policy_loss.h) +
+//      vf_coef x clipped value loss, backward with the mini-batch's global denominator, gradient
+//      clipping, AdamW (the value head in its own parameter group), the learning-rate schedule
+//   5. metrics, checkpoint (the value head is saved with the optimizer state)
+// The value head shares the decoder: its loss trains the trunk too, weighted by ppo.vf_coef. A step
+// whose loss or gradient is not finite is skipped and counted, never applied.
+#include "trainer/ppo.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+
+#include "loss/memory.h"
+#include "loss/policy_loss.h"
+#include "rollout/sandbox.h"
+#include "trainer/batch.h"
+
+namespace rlt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Per-token rewards (S_m, R) of micro-batch [begin, end): each trajectory's reward on its last sampled
+// token (a trajectory with none has no action to credit).
+at::Tensor terminal_rewards(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, int64_t R) {
+  at::Tensor r = at::zeros({end - begin, R}, at::kFloat);
+  auto a = r.accessor<float, 2>();
+  for (int64_t s = begin; s < end; ++s) {
+    const auto& mask = trajs[s].loss_mask;
+    for (int64_t j = static_cast<int64_t>(mask.size()) - 1; j >= 0; --j) {
+      if (mask[j]) {
+        a[s - begin][j] = static_cast<float>(trajs[s].reward);
+        break;
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, const at::Tensor& values,
+                                                 const at::Tensor& mask, double gamma, double lam) {
+  TORCH_CHECK(rewards.dim() == 2 && values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
+              "gae_advantages: rewards, values and mask must all be (S, R)");
+  const at::Tensor r = rewards.detach().to(at::kCPU, at::kDouble).contiguous();
+  const at::Tensor v = values.detach().to(at::kCPU, at::kDouble).contiguous();
+  const at::Tensor m = mask.detach().to(at::kCPU, at::kDouble).contiguous();
+  TORCH_CHECK((r * (m == 0)).abs().max().item<double>() == 0, "gae_advantages: a reward lies on a non-action token");
+  const int64_t S = r.size(0), R = r.size(1);
+  at::Tensor adv = at::zeros({S, R}, at::kDouble);
+  auto ra = r.accessor<double, 2>(), va = v.accessor<double, 2>(), ma = m.accessor<double, 2>();
+  auto aa = adv.accessor<double, 2>();
+  for (int64_t s = 0; s < S; ++s) {
+    double next_value = 0, next_adv = 0;  // of the following action; 0 past the last one
+    for (int64_t j = R - 1; j >= 0; --j) {
+      if (ma[s][j] == 0) continue;
+      const double delta = ra[s][j] + gamma * next_value - va[s][j];
+      aa[s][j] = delta + gamma * lam * next_adv;
+      next_value = va[s][j];
+      next_adv = aa[s][j];
+    }
+  }
+  at::Tensor returns = (adv + v) * m;  // (S, R)
+  return {adv.to(at::kFloat).to(rewards.device()), returns.to(at::kFloat).to(rewards.device())};
+}
+
+ExtraParams value_head_params() {
+  ExtraParams e;
+  e.make = [](const Transformer& policy, const Config&) {
+    const int64_t D = policy.config().hidden_size;
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(policy.lm_head().device());
+    return std::map<std::string, at::Tensor>{{"value_head.weight", at::zeros({1, D}, opts).requires_grad_()},
+                                             {"value_head.bias", at::zeros({1}, opts).requires_grad_()}};
+  };
+  e.lr = [](const Config& c) { return c.ppo.value_lr; };
+  return e;
+}
+
+at::Tensor value_head(const Run& run, const at::Tensor& hidden, const at::Tensor& gather) {
+  const int64_t S = gather.size(0), R = gather.size(1), D = hidden.size(2);
+  at::Tensor h = hidden.reshape({-1, D}).index_select(0, gather.reshape({-1})).to(at::kFloat);  // (S * R, D)
+  return at::addmm(run.extra.at("value_head.bias"), h, run.extra.at("value_head.weight").t()).view({S, R});
+}
+
+std::map<std::string, double> train_ppo(Run& run) {
+  const Config& cfg = run.config;
+  const TrainOptions& T = cfg.train;
+  const PpoOptions& ppo = cfg.ppo;
+  const int64_t S = T.prompts_per_step * cfg.sampling.samples_per_prompt;
+  const int64_t mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, S) : S;
+  const int64_t micro = std::min(T.micro_batch_size, mini);
+  const int64_t total_optimizer_steps = T.steps * T.num_iterations * ((S + mini - 1) / mini);
+  const bool fresh = run.step == 0;
+  TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
+  if (!run.device.is_cuda()) install_cpu_memory_tracking();
+  MetricsLog log(run.out_dir, /*append=*/!fresh);
+  SandboxPool pool(cfg.sandbox);
+  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
+  std::vector<at::Tensor> params = run.policy->parameters();
+  for (const auto& [name, p] : run.extra) params.push_back(p);
+
+  if (fresh && cfg.sft.steps > 0) sft_warmup(run);
+  ensure_reference(run);  // only when policy.kl_coef > 0
+  double eval_start = NAN;
+  if (fresh && !run.eval_set.empty()) {
+    eval_start = evaluate(run).first;
+    std::cerr << "eval before RL: accuracy " << 100 * eval_start << "%\n";
+  }
+  std::map<std::string, double> m;
+
+  while (run.more_steps()) {
+    const auto t_step = Clock::now();
+    PeakMemory peak(run.device);
+
+    // 1. Rollout and rewards.
+    RolloutBatch rb = collect_rollouts(run, tools);
+    const std::vector<Trajectory>& trajs = rb.trajs;  // (S)
+    const auto micro_ranges = micro_batch_ranges(S, mini, micro);
+    std::vector<PackedBatch> batches;
+    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
+
+    // 2. Scoring: old log-probs and old values from one forward; reference log-probs.
+    const auto t_score = Clock::now();
+    const size_t K = batches.size();
+    std::vector<at::Tensor> logprobs_old(K), logprobs_ref(K), values_old(K), advantages(K), returns(K);
+    {
+      at::NoGradGuard no_grad;
+      for (size_t k = 0; k < K; ++k) {
+        ResponseLogprobs r = response_logprobs(*run.policy, batches[k], cfg.loss);
+        logprobs_old[k] = r.logprobs;                                                         // (S_m, R)
+        values_old[k] = value_head(run, r.hidden, batches[k].gather) * batches[k].loss_mask;  // (S_m, R)
+        if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
+      }
+    }
+    const double t_scoring = seconds_since(t_score);
+
+    // 3. GAE per micro-batch (sequences are independent), then whitened over the whole batch.
+    double adv_sum = 0, adv_sq = 0, n_act = 0;
+    for (size_t k = 0; k < K; ++k) {
+      const auto [begin, end] = micro_ranges[k];
+      const at::Tensor rewards = terminal_rewards(trajs, begin, end, batches[k].R).to(run.device);
+      std::tie(advantages[k], returns[k]) =
+          gae_advantages(rewards, values_old[k], batches[k].loss_mask, ppo.gamma, ppo.lam);
+      adv_sum += advantages[k].sum().item<double>();
+      adv_sq += advantages[k].square().sum().item<double>();
+      n_act += batches[k].loss_mask.sum().item<double>();
+    }
+    const double adv_mean = adv_sum / std::max(1.0, n_act);
+    const double adv_std = std::sqrt(std::max(0.0, adv_sq / std::max(1.0, n_act) - adv_mean * adv_mean));
+    if (ppo.whiten_advantages) {
+      for (size_t k = 0; k < K; ++k) {
+        advantages[k] = (advantages[k] - adv_mean) / std::max(adv_std, 1e-6) * batches[k].loss_mask;
+      }
+    }
+
+    // 4. Updates.
+    const auto t_update = Clock::now();
+    double loss_sum = 0, pg_sum = 0, vf_sum = 0, vclip_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, norm_sum = 0,
+           tok_sum = 0;
+    int64_t updates = 0;
+    for (int64_t it = 0; it < T.num_iterations; ++it) {
+      for (size_t k = 0; k < K;) {
+        const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
+        const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
+        run.optimizer->zero_grad();
+        double loss_mb = 0;
+        for (; k < K && micro_ranges[k].first < mb_end; ++k) {
+          const PackedBatch& b = batches[k];
+          ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
+          PolicyLossInputs in;
+          in.logprobs = r.logprobs;
+          in.logprobs_old = logprobs_old[k];
+          in.logprobs_ref = logprobs_ref[k];
+          in.advantages = advantages[k];  // (S_m, R) per token
+          in.loss_mask = b.loss_mask;
+          in.entropy = r.entropy;
+          in.global_denominator = denom;
+          PolicyLossOutput out = policy_loss(in, cfg.policy);
+          // Clipped value loss: 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2).
+          at::Tensor values = value_head(run, r.hidden, b.gather);  // (S_m, R)
+          at::Tensor vf_tok = (values - returns[k]).square();
+          at::Tensor vf_clipped = at::zeros_like(vf_tok);
+          if (ppo.value_clip > 0) {
+            at::Tensor v_clip = values_old[k] + (values - values_old[k]).clamp(-ppo.value_clip, ppo.value_clip);
+            at::Tensor vf_tok_clip = (v_clip - returns[k]).square();
+            vf_clipped = (vf_tok_clip > vf_tok).to(at::kFloat);
+            vf_tok = at::maximum(vf_tok, vf_tok_clip);
+          }
+          at::Tensor vf_loss =
+              aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.policy.agg, cfg.policy.agg_norm, denom);  // ()
+          at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
+          loss.backward();
+          const double tokens = b.loss_mask.sum().item<double>();
+          loss_mb += loss.item<double>();
+          pg_sum += out.pg_loss.item<double>() * tokens;
+          vf_sum += vf_loss.item<double>();
+          vclip_sum += (vf_clipped * b.loss_mask).sum().item<double>();
+          kl_sum += out.kl.item<double>() * tokens;
+          clip_sum += out.clip_frac.item<double>() * tokens;
+          if (out.entropy.defined()) ent_sum += out.entropy.item<double>() * tokens;
+          tok_sum += tokens;
+        }
+        norm_sum += apply_gradients(run, params, loss_mb, total_optimizer_steps);
+        loss_sum += loss_mb;
+        ++updates;
+      }
+    }
+    run.optimizer->zero_grad();
+    device_synchronize(run.device);
+    const double t_upd = seconds_since(t_update);
+
+    // 5. Metrics, checkpoint.
+    double sampled = 0, all = 0, v_sum = 0, ret_sum = 0;
+    for (const auto& t : trajs) {
+      sampled += t.sampled_tokens();
+      all += t.ids().size();
+    }
+    for (size_t k = 0; k < K; ++k) {
+      v_sum += values_old[k].sum().item<double>();
+      ret_sum += returns[k].sum().item<double>();
+    }
+    m = rollout_metrics(run, trajs);
+    log_samples(run, trajs);
+    ++run.step;
+    const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
+    m.insert({{"step", double(run.step)},
+              {"steps", double(T.steps)},
+              {"loss", loss_sum / n_upd},
+              {"pg_loss", pg_sum / n_tok},
+              {"value_loss", vf_sum / n_upd},
+              {"value_clip_frac", vclip_sum / n_tok},
+              {"value_mean", v_sum / std::max(1.0, n_act)},
+              {"return_mean", ret_sum / std::max(1.0, n_act)},
+              {"advantage_mean", adv_mean},
+              {"advantage_std", adv_std},
+              {"kl", kl_sum / n_tok},
+              {"entropy", ent_sum / n_tok},
+              {"clip_frac", clip_sum / n_tok},
+              {"grad_norm", norm_sum / n_upd},
+              {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
+              {"skipped_steps", double(run.skipped_steps)},
+              {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
+              {"update_tokens_per_s", all * T.num_iterations / std::max(1e-9, t_upd)},
+              {"time_rollout_s", rb.seconds},
+              {"time_scoring_s", t_scoring},
+              {"time_update_s", t_upd},
+              {"time_step_s", seconds_since(t_step)},
+              {"peak_memory_mib", peak.peak_extra_bytes() / 1048576.0}});
+    log.write(m);
+    log.plot();
+    if (run.checkpoint_due()) save_checkpoint(run);
+  }
+  if (!run.eval_set.empty() && run.step == T.steps) {
+    const double acc = evaluate(run).first;
+    std::cerr << "eval after RL: accuracy " << 100 * acc << "%\n";
+    if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
+    m["eval_accuracy_end"] = acc;
+  }
+  return m;
+}
+
+}  // namespace rlt

@@ -1,0 +1,37 @@
+// PPO (Schulman et al. 2017) with the ReTool rollout and a value head: see ppo.cpp, readable top to bottom.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "trainer/run.h"
+
+namespace rlt {
+
+// Generalised advantage estimation (Schulman et al. 2016) over the actions of each sequence.
+// rewards, values, mask: (S, R). Only tokens with mask != 0 are actions (sampled by the policy); tool
+// output and padding (mask 0) are the environment's part of a transition, so the recursion steps from
+// one action to the next over them:
+//   delta_j = r_j + gamma V_next(j) - V_j,   A_j = delta_j + gamma lambda A_next(j)
+// with next(j) the following action of the same sequence (V = A = 0 past the last one). Rewards on
+// non-action tokens are not allowed (checked). Returns (advantages, returns = advantages + values),
+// float32 (S, R), zero off the mask. Computed in float64 on the CPU, then moved to rewards' device.
+std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, const at::Tensor& values,
+                                                 const at::Tensor& mask, double gamma, double lam);
+
+// The value head: V(state before response token j) = w . h + b from the decoder's hidden state at the
+// row that predicts token j. Named tensors for Run::extra ("value_head.weight" (1, D), "value_head.bias"
+// (1)), float32, zero-initialised so every first value is 0.
+ExtraParams value_head_params();
+
+// Values (S, R) float32 of a batch's response tokens from hidden (S, L, D).
+at::Tensor value_head(const Run& run, const at::Tensor& hidden, const at::Tensor& gather);
+
+// Trains run.config.train.steps - run.step PPO steps, like train_grpo, with GAE advantages from the
+// value head instead of group-relative ones.
+std::map<std::string, double> train_ppo(Run& run);
+
+}  // namespace rlt
