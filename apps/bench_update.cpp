@@ -124,13 +124,7 @@ int main(int argc, char** argv) {
   if (dev.is_cpu()) install_cpu_memory_tracking();
   std::optional<Transformer> model;
   try {
-    namespace fs = std::filesystem;
-    const bool weights = fs::exists(fs::path(model_dir) / "model.safetensors") ||
-                         fs::exists(fs::path(model_dir) / "model.safetensors.index.json");
-    if (weights)
-      model.emplace(Transformer::load(model_dir, dt, dev));
-    else
-      model.emplace(load_model_config(model_dir), dt, dev, /*seed=*/0);
+    model.emplace(Transformer::load_or_random(model_dir, dt, dev, /*seed=*/0));
   } catch (const std::exception& e) {
     std::cerr << "bench_update: " << e.what() << "\n";
     return 2;

@@ -234,6 +234,15 @@ Transformer::Transformer(ModelConfig config, at::ScalarType dtype, at::Device de
   config_.dtype = dtype;
 }
 
+Transformer Transformer::load_or_random(const std::string& dir, at::ScalarType dtype, at::Device device,
+                                        uint64_t seed) {
+  namespace fs = std::filesystem;
+  const bool weights =
+      fs::exists(fs::path(dir) / "model.safetensors") || fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  if (weights) return load(dir, dtype, device);
+  return Transformer(load_model_config(dir), dtype, device, seed);
+}
+
 Transformer Transformer::load(const std::string& dir, at::ScalarType dtype, at::Device device) {
   Transformer t;
   t.config_ = load_model_config(dir);

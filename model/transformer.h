@@ -44,6 +44,9 @@ class Transformer {
   // Loads config.json + safetensors (single or sharded) from `dir`, casting to `dtype`. Missing tensors,
   // shape mismatches and corrupt files raise an error naming the file and the tensor.
   static Transformer load(const std::string& dir, at::ScalarType dtype, at::Device device);
+  // load() when `dir` holds weights (model.safetensors or its sharded index), else random weights from
+  // `seed` in the shape of its config.json (the benchmarks' random checkpoints).
+  static Transformer load_or_random(const std::string& dir, at::ScalarType dtype, at::Device device, uint64_t seed = 0);
   // Writes config.json (every key it was loaded with, dtype updated) and the weights under their HF
   // names (sharded above max_shard_bytes), so transformers can load the folder.
   void save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;

@@ -56,7 +56,9 @@ void expect_frequencies(double temperature, int64_t top_k, double top_p, const s
     // temperature moves some frequency by far more (>= 0.03 here, over 10 sigma).
     const double tol = 5 * std::sqrt(p * (1 - p) / n);
     EXPECT_NEAR(f, p, tol) << "token " << v << " T=" << temperature << " k=" << top_k << " p=" << top_p;
-    if (p == 0) EXPECT_EQ(count[v], 0) << "a filtered token was sampled";
+    if (p == 0) {
+      EXPECT_EQ(count[v], 0) << "a filtered token was sampled";
+    }
   }
 }
 

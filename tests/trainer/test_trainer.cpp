@@ -252,6 +252,52 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   EXPECT_THROW(make_run(long_prompt, (tmp.path() / "long").string(), false, extra()), DataError);
 }
 
+// The ablation the README tables: every loss path and row selection on the same first RL step (same
+// warm-up, same rollout) gives the same loss, log-probs and gradient norm, while the update's memory
+// differs. Two iterations over two mini-batches make the second pass off-policy, so the loss depends on
+// the log-probs (an on-policy first pass has ratio 1 whatever they are).
+TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
+  TempDir tmp("ablation");
+  Config base = tiny_config();
+  base.policy.kl_coef = 0;
+  base.train.steps = 1;
+  base.train.checkpoint_every = 0;
+  base.sft.tool_fraction = 1.0;  // every warm-up trace uses the tool: some first-step answers are right
+  base.sft.steps = 80;
+  struct Variant {
+    LogprobImpl impl;
+    bool response_only, loss_mask_only;
+  };
+  const std::vector<Variant> variants = {
+      {LogprobImpl::kNaive, false, false},     {LogprobImpl::kNaive, true, false},    {LogprobImpl::kNaive, true, true},
+      {LogprobImpl::kSelective, false, false}, {LogprobImpl::kSelective, true, true}, {LogprobImpl::kCce, false, false},
+      {LogprobImpl::kCce, true, true},
+  };
+  std::vector<std::map<std::string, double>> m;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    Config c = base;
+    c.loss.impl = variants[i].impl;
+    c.loss.response_only = variants[i].response_only;
+    c.loss.loss_mask_only = variants[i].loss_mask_only;
+    rlt::Run run = make_run(c, (tmp.path() / std::to_string(i)).string(), false);
+    m.push_back(train_grpo(run));
+  }
+  ASSERT_GT(m[0]["reward_std"], 0) << "the first step needs unequal rewards for a non-zero loss";
+  // fp32 paths that sum a vocabulary in different orders: log-probs agree to ~1e-7; the loss and the
+  // gradient norm inherit that through one optimizer step.
+  constexpr double kLossTol = 1e-6, kGradRel = 1e-4;
+  for (size_t i = 1; i < m.size(); ++i) {
+    EXPECT_NEAR(m[i]["loss"], m[0]["loss"], kLossTol) << "variant " << i;
+    EXPECT_NEAR(m[i]["logprob_mean"], m[0]["logprob_mean"], kLossTol) << "variant " << i;
+    EXPECT_NEAR(m[i]["grad_norm"], m[0]["grad_norm"], kGradRel * m[0]["grad_norm"]) << "variant " << i;
+    EXPECT_EQ(m[i]["reward_mean"], m[0]["reward_mean"]) << "the same rollout";
+  }
+  EXPECT_GT(std::abs(m[0]["loss"]), 1e-4) << "an off-policy pass: the loss is not trivially 0";
+  // Memory: full-vocabulary rows of every position (naive, all rows) vs CCE on loss-mask rows.
+  EXPECT_GT(m[0]["peak_memory_update_mib"], 1.5 * m[6]["peak_memory_update_mib"]);
+  EXPECT_GT(m[0]["peak_memory_update_mib"], m[2]["peak_memory_update_mib"]) << "row selection saves memory";
+}
+
 INSTANTIATE_TEST_SUITE_P(GrpoAndPpo, Trainers, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Ppo" : "Grpo"; });
 
