@@ -489,7 +489,7 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   for (int64_t n = 0; n < N; ++n) seqs.push_back(prompts[n / G]);
   // float64 on CPU, so rounding cannot hide a small error: llama's cached, masked, gathered forward
   // matches the plain one to 1e-12. gemma2 differs by up to 6e-7 from step 11 on (sliding window 4,
-  // after compactions); that residual is not explained yet (tracked as an issue). A wrong slot, position
+  // after compactions); that residual is not explained yet (rollout/README.md, known issues). A wrong slot, position
   // or window moves logits by more than 1e-2 (the known-bad check at the end).
   const double kTol = GetParam() == "llama" ? 1e-9 : 2e-6;
   at::Tensor first = policy.start(prompts, G);
