@@ -50,6 +50,11 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   } catch (const SandboxError& e) {  // the machine, not the input: python3 missing, no fork
     std::cerr << name << ": sandbox error: " << e.what() << "\n";
     return 1;
+  } catch (const std::filesystem::filesystem_error& e) {  // e.g. an --out folder that cannot be written
+    std::cerr << name << ": " << e.what() << "\n";
+  } catch (const c10::Error& e) {  // a broken invariant inside the trainer: a bug, not bad input
+    std::cerr << name << ": internal error: " << e.what_without_backtrace() << "\n";
+    return 1;
   }
   return 2;
 }
