@@ -64,9 +64,7 @@ std::map<std::string, double> train_grpo(Run& run) {
   ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
   double eval_start = NAN;
   if (fresh && !run.eval_set.empty()) {
-    const auto [acc, tool] = evaluate(run);
-    std::cerr << "eval before RL: accuracy " << 100 * acc << "%, tool use " << 100 * tool << "%\n";
-    eval_start = acc;
+    eval_start = report_evaluation(run, "before");
   }
   std::map<std::string, double> m;
 
@@ -154,11 +152,6 @@ std::map<std::string, double> train_grpo(Run& run) {
     const double peak_update = peak->peak_extra_bytes() / 1048576.0;
 
     // 6. Metrics, warnings, checkpoint.
-    double sampled = 0, all = 0;
-    for (const auto& t : trajs) {
-      sampled += t.sampled_tokens();
-      all += t.ids().size();
-    }
     m = rollout_metrics(run, trajs);
     log_samples(run, trajs);
     ++run.step;
@@ -175,8 +168,8 @@ std::map<std::string, double> train_grpo(Run& run) {
               {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
-              {"rollout_tokens_per_s", sampled / std::max(1e-9, t_rollout)},
-              {"update_tokens_per_s", all * T.num_iterations / std::max(1e-9, t_upd)},
+              {"rollout_tokens_per_s", m.at("sampled_tokens") / std::max(1e-9, t_rollout)},
+              {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
               {"time_rollout_s", t_rollout},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
@@ -190,8 +183,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     if (run.checkpoint_due()) save_checkpoint(run);
   }
   if (!run.eval_set.empty() && run.step == T.steps) {
-    const auto [acc, tool] = evaluate(run);
-    std::cerr << "eval after RL: accuracy " << 100 * acc << "%, tool use " << 100 * tool << "%\n";
+    const double acc = report_evaluation(run, "after");
     if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
     m["eval_accuracy_end"] = acc;
   }

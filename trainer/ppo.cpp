@@ -116,8 +116,7 @@ std::map<std::string, double> train_ppo(Run& run) {
   ensure_reference(run);  // only when policy.kl_coef > 0
   double eval_start = NAN;
   if (fresh && !run.eval_set.empty()) {
-    eval_start = evaluate(run).first;
-    std::cerr << "eval before RL: accuracy " << 100 * eval_start << "%\n";
+    eval_start = report_evaluation(run, "before");
   }
   std::map<std::string, double> m;
 
@@ -230,11 +229,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     const double peak_update = peak->peak_extra_bytes() / 1048576.0;
 
     // 5. Metrics, checkpoint.
-    double sampled = 0, all = 0, v_sum = 0, ret_sum = 0;
-    for (const auto& t : trajs) {
-      sampled += t.sampled_tokens();
-      all += t.ids().size();
-    }
+    double v_sum = 0, ret_sum = 0;
     for (size_t k = 0; k < K; ++k) {
       v_sum += values_old[k].sum().item<double>();
       ret_sum += returns[k].sum().item<double>();
@@ -259,8 +254,8 @@ std::map<std::string, double> train_ppo(Run& run) {
               {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
-              {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
-              {"update_tokens_per_s", all * T.num_iterations / std::max(1e-9, t_upd)},
+              {"rollout_tokens_per_s", m.at("sampled_tokens") / std::max(1e-9, rb.seconds)},
+              {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
               {"time_rollout_s", rb.seconds},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
@@ -274,8 +269,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     if (run.checkpoint_due()) save_checkpoint(run);
   }
   if (!run.eval_set.empty() && run.step == T.steps) {
-    const double acc = evaluate(run).first;
-    std::cerr << "eval after RL: accuracy " << 100 * acc << "%\n";
+    const double acc = report_evaluation(run, "after");
     if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
     m["eval_accuracy_end"] = acc;
   }

@@ -344,7 +344,10 @@ double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double l
 std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<Trajectory>& trajs) {
   const double S = static_cast<double>(trajs.size());
   double correct = 0, tool_use = 0, tool_calls = 0, truncated = 0, len_sum = 0, len_max = 0, r_sum = 0;
+  double sampled = 0, tokens = 0;
   for (const auto& t : trajs) {
+    sampled += t.sampled_tokens();
+    tokens += t.window_end();
     correct += t.correct;
     tool_use += t.tool_calls > 0;
     tool_calls += t.tool_calls;
@@ -372,7 +375,9 @@ std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<
           {"tool_calls_mean", tool_calls / S},
           {"truncation_rate", truncated / S},
           {"response_length_mean", len_sum / S},
-          {"response_length_max", len_max}};
+          {"response_length_max", len_max},
+          {"sampled_tokens", sampled},
+          {"tokens", tokens}};
 }
 
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
@@ -392,6 +397,12 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
                         {"sampled_tokens", t.sampled_tokens()}};
     f << j.dump() << "\n";
   }
+}
+
+double report_evaluation(Run& run, const char* when) {
+  const auto [accuracy, tool_use] = evaluate(run);
+  std::cerr << "eval " << when << " RL: accuracy " << 100 * accuracy << "%, tool use " << 100 * tool_use << "%\n";
+  return accuracy;
 }
 
 std::pair<double, double> evaluate(Run& run) {

@@ -112,7 +112,8 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
 // zeroes the gradients and counts the step in run.skipped_steps (never applied). Returns the norm.
 double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double loss, int64_t total_optimizer_steps);
 
-// Per-step rollout metrics (accuracy, tool use, lengths, truncation, rewards) of a batch, and the
+// Per-step rollout metrics (accuracy, tool use, lengths, truncation, rewards, sampled_tokens and tokens =
+// prompt + response tokens) of a batch, and the
 // warnings of a degenerate step: every reward equal (zero advantage), most completions truncated.
 std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<Trajectory>& trajs);
 
@@ -122,6 +123,8 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs);
 
 // Greedy accuracy and tool-use share on run.eval_set (no training).
 std::pair<double, double> evaluate(Run& run);
+// evaluate(), printed as "eval <when> RL: accuracy ..., tool use ..."; returns the accuracy.
+double report_evaluation(Run& run, const char* when);
 
 // Checkpoint out_dir/checkpoint: model folder (HF), optimizer.pt, extra.pt (run.extra), state.json,
 // written under a temporary name and renamed; the previous checkpoint stays until the new one is complete.
