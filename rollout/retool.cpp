@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "data/tokenizer.h"
+#include "loss/memory.h"
 
 namespace rlt {
 
@@ -112,6 +113,16 @@ TurnEnd classify_turn(const std::string& text, const ToolTags& tags) {
   return t;
 }
 
+using Clock = std::chrono::steady_clock;
+
+// Seconds since t; t moves to now.
+double lap(Clock::time_point& t) {
+  const auto now = Clock::now();
+  const double s = std::chrono::duration<double>(now - t).count();
+  t = now;
+  return s;
+}
+
 enum class SeqState { kGenerating, kWaiting, kDone };
 
 struct Seq {
@@ -131,7 +142,7 @@ class Loop {
       : policy_(policy), tok_(tok), sampling_(sampling), options_(options), tools_(tools), tags_(tags) {}
 
   std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
-                              int64_t first_prompt) {
+                              int64_t first_prompt, RolloutStats& stats) {
     const int64_t G = sampling_.samples_per_prompt;
     seqs_ = std::vector<Seq>(prompts.size() * G);
     released_.assign(seqs_.size(), false);
@@ -146,9 +157,15 @@ class Loop {
     }
     std::vector<int64_t> to_sample(seqs_.size());
     for (size_t n = 0; n < seqs_.size(); ++n) to_sample[n] = static_cast<int64_t>(n);
+    auto t = Clock::now();
     at::Tensor logits = policy_.start(prompts, G);  // (N, V)
+    device_synchronize(logits.device());
+    stats.prefill_s += lap(t);
     for (;;) {
-      if (!to_sample.empty()) sample(to_sample, logits);
+      if (!to_sample.empty()) {
+        sample(to_sample, logits);
+        stats.sample_s += lap(t);
+      }
       collect_tools(/*block=*/false);
       std::vector<int64_t> rows, tokens;
       for (size_t n = 0; n < seqs_.size(); ++n) {
@@ -162,10 +179,17 @@ class Loop {
       to_sample.clear();
       if (rows.empty()) {
         if (!any_waiting()) break;
+        lap(t);
         collect_tools(/*block=*/true);  // nothing to decode: wait for a tool call to return
+        stats.tool_wait_s += lap(t);
         continue;
       }
+      lap(t);
       logits = policy_.step(rows, tokens);  // (rows, V)
+      device_synchronize(logits.device());
+      stats.decode_s += lap(t);
+      stats.decode_steps += 1;
+      stats.fed_rows += static_cast<int64_t>(rows.size());
       std::vector<int64_t> pick;
       for (size_t j = 0; j < rows.size(); ++j) {
         const Seq& s = seqs_[rows[j]];
@@ -176,6 +200,7 @@ class Loop {
       }
       if (!pick.empty()) logits = logits.index_select(0, at::tensor(pick, at::kLong).to(logits.device()));
     }
+    stats.forced_tokens += forced_tokens_;
     std::vector<Trajectory> out;
     out.reserve(seqs_.size());
     for (auto& s : seqs_) out.push_back(std::move(s.traj));
@@ -199,6 +224,7 @@ class Loop {
   bool append_forced(Seq& s, const std::vector<int64_t>& ids) {
     const int64_t room = options_.max_context - total_tokens(s);
     const int64_t n = std::min<int64_t>(room, static_cast<int64_t>(ids.size()));
+    forced_tokens_ += n;
     for (int64_t i = 0; i < n; ++i) {
       s.traj.response_ids.push_back(ids[i]);
       s.traj.loss_mask.push_back(0);
@@ -333,6 +359,7 @@ class Loop {
   const ToolTags& tags_;
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
+  int64_t forced_tokens_ = 0;
 };
 
 }  // namespace
@@ -340,7 +367,9 @@ class Loop {
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
-                                const std::vector<int64_t>& streams, const ToolTags& tags) {
+                                const std::vector<int64_t>& streams, const ToolTags& tags, RolloutStats* stats) {
+  const auto t0 = Clock::now();
+  RolloutStats local;
   TORCH_CHECK(streams.empty() || streams.size() == prompts.size(), "rollout: one stream per prompt");
   TORCH_CHECK(!options.tools || tools, "rollout: rollout.tools is on but no tool runner was given");
   const int64_t P = static_cast<int64_t>(prompts.size()), G = sampling.samples_per_prompt;
@@ -358,8 +387,12 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
     std::vector<int64_t> wave_streams;
     for (int64_t p = first; p < last; ++p) wave_streams.push_back(streams.empty() ? p : streams[p]);
     Loop loop(policy, tokenizer, sampling, options, tools, tags);
-    auto trajs = loop.run(wave, wave_streams, first);
+    auto trajs = loop.run(wave, wave_streams, first, local);
     for (auto& t : trajs) out.push_back(std::move(t));
+  }
+  if (stats) {
+    local.total_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    *stats = local;
   }
   return out;
 }

@@ -110,13 +110,27 @@ using ToolRunner = std::function<std::future<SandboxResult>(const std::string& c
 // timeout or truncation.
 std::string format_tool_output(const SandboxResult& r);
 
+// Where a rollout's wall time went, summed over its waves. Decode steps are synchronised with the device
+// so that their time is the model's, not the sampler's.
+struct RolloutStats {
+  int64_t decode_steps = 0;   // one-token policy steps (a step feeds every sequence with a pending token)
+  int64_t fed_rows = 0;       // sequences fed, summed over the decode steps
+  int64_t forced_tokens = 0;  // tool output and feedback tokens fed one step at a time
+  double prefill_s = 0;       // the prompts' prefill
+  double decode_s = 0;        // the decode steps (model forward to next-token logits)
+  double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host
+  double tool_wait_s = 0;     // blocked on tool calls with nothing else to decode
+  double total_s = 0;         // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
+};
+
 // One rollout: samples_per_prompt trajectories per prompt, in prompt-major order
 // (prompt_index * G + sample_index). Sequence n's sampling noise stream is streams[prompt] * G + g, so a
 // prompt's completions do not depend on its batch (streams empty = the prompt's index).
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
-                                const std::vector<int64_t>& streams = {}, const ToolTags& tags = {});
+                                const std::vector<int64_t>& streams = {}, const ToolTags& tags = {},
+                                RolloutStats* stats = nullptr);
 
 // Fills reward and correct from each trajectory's response_text and tool_calls; answers[i] is prompt i's.
 void assign_rewards(std::vector<Trajectory>& trajectories, const std::vector<std::string>& answers,

@@ -90,8 +90,12 @@ at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::T
     rows.data_ptr<int64_t>()[i] = static_cast<int64_t>(z);
   }
   at::Tensor z = fmix64(rows.to(device).view({N, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
-  // The top 24 bits, centred in their interval: exactly representable in float32 and never 0 or 1.
-  return (shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f);  // (N, V)
+  // The top 24 bits k, centred: (k + 0.5) / 2^24, never 0. float32 holds k + 0.5 exactly only below 2^23;
+  // above, it rounds to an integer, and k = 2^24 - 1 would round to 2^24, a uniform of exactly 1, whose
+  // Gumbel noise -log(-log u) is +inf (and NaN on a -inf logit, which argmax then picks). The clamp maps
+  // that one value to the largest float32 below 1 and leaves every other draw as it was.
+  constexpr float kBelowOne = 1.0f - 1.0f / 16777216.0f;
+  return ((shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f)).clamp_max(kBelowOne);  // (N, V)
 }
 
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
@@ -99,15 +103,18 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
   at::NoGradGuard no_grad;
   const int64_t N = logits.size(0), V = logits.size(1);
-  at::Tensor x = logits.to(at::kFloat);  // (N, V)
-  if (vocab_limit > 0 && vocab_limit < V) x = x.index_fill(1, at::arange(vocab_limit, V, x.device()), kNegInf);
+  // Columns past the limit are never drawn, so they are never looked at: the draw over the first
+  // `vocab_limit` columns is the one over all V with the rest at -inf (column v's noise depends on v only),
+  // at a fraction of the work when a 151936-entry embedding sits behind a small tokenizer.
+  const int64_t Vs = vocab_limit > 0 && vocab_limit < V ? vocab_limit : V;
+  at::Tensor x = logits.narrow(1, 0, Vs).to(at::kFloat);  // (N, Vs)
   const bool greedy = options.temperature == 0;
   at::Tensor ids;
   if (greedy) {
     ids = x.argmax(-1);
   } else {
     at::Tensor kept = filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p);
-    at::Tensor u = counter_uniforms(options.seed, streams, counters, V, x.device());
+    at::Tensor u = counter_uniforms(options.seed, streams, counters, Vs, x.device());
     ids = (kept - (-u.log()).log()).argmax(-1);  // Gumbel-max: argmax(logits / T + g), g = -log(-log u)
   }
   // The recorded log-prob: the full temperature softmax of the model's logits, through the loss module.
@@ -119,7 +126,12 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   lo.response_only = false;
   lo.temperature = greedy ? 1.0 : options.temperature;
   at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (N)
-  return {ids.to(at::kCPU), logprobs.to(at::kCPU, at::kFloat)};
+  at::Tensor cpu_logprobs = logprobs.to(at::kCPU, at::kFloat);
+  // Non-finite logits would be drawn from silently (argmax takes a NaN); say so here, not many steps later.
+  TORCH_CHECK(N == 0 || cpu_logprobs.isfinite().all().item<bool>(), "sample_tokens: the policy's logits hold ",
+              logits.isnan().sum().item<int64_t>(), " NaN and ", logits.isinf().sum().item<int64_t>(),
+              " infinite values");
+  return {ids.to(at::kCPU), cpu_logprobs};
 }
 
 }  // namespace rlt

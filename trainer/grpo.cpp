@@ -152,11 +152,10 @@ std::map<std::string, double> train_grpo(Run& run) {
     const double peak_update = peak->peak_extra_bytes() / 1048576.0;
 
     // 6. Metrics, warnings, checkpoint.
-    m = rollout_metrics(run, trajs);
+    m = rollout_metrics(run, rb);
     log_samples(run, trajs);
     ++run.step;
     const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
-    const double t_rollout = rb.seconds;
     m.insert({{"step", double(run.step)},
               {"steps", double(T.steps)},
               {"loss", loss_sum / n_upd},
@@ -168,9 +167,7 @@ std::map<std::string, double> train_grpo(Run& run) {
               {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
-              {"rollout_tokens_per_s", m.at("sampled_tokens") / std::max(1e-9, t_rollout)},
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
-              {"time_rollout_s", t_rollout},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
               {"time_step_s", seconds_since(t_step)},

@@ -234,7 +234,7 @@ std::map<std::string, double> train_ppo(Run& run) {
       v_sum += values_old[k].sum().item<double>();
       ret_sum += returns[k].sum().item<double>();
     }
-    m = rollout_metrics(run, trajs);
+    m = rollout_metrics(run, rb);
     log_samples(run, trajs);
     ++run.step;
     const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
@@ -254,9 +254,7 @@ std::map<std::string, double> train_ppo(Run& run) {
               {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
-              {"rollout_tokens_per_s", m.at("sampled_tokens") / std::max(1e-9, rb.seconds)},
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
-              {"time_rollout_s", rb.seconds},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
               {"time_step_s", seconds_since(t_step)},

@@ -290,7 +290,7 @@ RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
     at::NoGradGuard no_grad;
     ModelPolicy policy(*run.policy);
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, cfg.rollout, tools,
-                        streams, kTags);
+                        streams, kTags, &out.stats);
   }
   std::vector<std::string> answers;
   for (const auto& ex : out.examples) answers.push_back(ex.answer);
@@ -341,7 +341,8 @@ double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double l
   return norm;
 }
 
-std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<Trajectory>& trajs) {
+std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb) {
+  const std::vector<Trajectory>& trajs = rb.trajs;
   const double S = static_cast<double>(trajs.size());
   double correct = 0, tool_use = 0, tool_calls = 0, truncated = 0, len_sum = 0, len_max = 0, r_sum = 0;
   double sampled = 0, tokens = 0;
@@ -377,7 +378,16 @@ std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<
           {"response_length_mean", len_sum / S},
           {"response_length_max", len_max},
           {"sampled_tokens", sampled},
-          {"tokens", tokens}};
+          {"tokens", tokens},
+          {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
+          {"time_rollout_s", rb.seconds},
+          {"time_rollout_prefill_s", rb.stats.prefill_s},
+          {"time_rollout_decode_s", rb.stats.decode_s},
+          {"time_rollout_sample_s", rb.stats.sample_s},
+          {"time_rollout_tool_wait_s", rb.stats.tool_wait_s},
+          {"rollout_decode_steps", double(rb.stats.decode_steps)},
+          {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
+          {"rollout_forced_tokens", double(rb.stats.forced_tokens)}};
 }
 
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {

@@ -96,6 +96,7 @@ struct RolloutBatch {
   std::vector<PromptExample> examples;  // (P)
   std::vector<Trajectory> trajs;        // (P * G)
   double seconds = 0;                   // wall time of the generation (tool calls included)
+  RolloutStats stats;                   // where the generation's time went
 };
 RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools);
 
@@ -112,10 +113,10 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
 // zeroes the gradients and counts the step in run.skipped_steps (never applied). Returns the norm.
 double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double loss, int64_t total_optimizer_steps);
 
-// Per-step rollout metrics (accuracy, tool use, lengths, truncation, rewards, sampled_tokens and tokens =
-// prompt + response tokens) of a batch, and the
+// Per-step rollout metrics of a batch: accuracy, tool use, lengths, truncation, rewards, sampled_tokens and
+// tokens (prompt + response), rollout tokens/s and where the rollout's time went (time_rollout_*); and the
 // warnings of a degenerate step: every reward equal (zero advantage), most completions truncated.
-std::map<std::string, double> rollout_metrics(const Run& run, const std::vector<Trajectory>& trajs);
+std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb);
 
 // Appends the first train.log_samples trajectories of a step to out_dir/samples.jsonl: step, prompt and
 // response text (tool output included, as the model saw it), reward, finish reason, tool calls.

@@ -228,10 +228,18 @@ TEST_F(ReToolTest, ToolCallAppendsMaskedInterpreterTurn) {
   auto p = policy({"I compute.<code>\nprint(6*7)\n</code>Answer: \\boxed{42}"});
   FakeTool tool;
   tool.outputs["\nprint(6*7)\n"] = "42\n";
-  auto trajs = rollout(*p, *tok_, {enc("Q: 6*7?")}, sampling(1), RolloutOptions{}, tool.runner());
+  RolloutStats stats;
+  auto trajs = rollout(*p, *tok_, {enc("Q: 6*7?")}, sampling(1), RolloutOptions{}, tool.runner(), {}, {}, &stats);
   const Trajectory& t = trajs[0];
   check_consistent(t, *p, 0);
   ASSERT_EQ(tool.calls, std::vector<std::string>{"\nprint(6*7)\n"});
+  // Every response token but the last (the answer ends the trajectory) is fed in a one-token step; the
+  // interpreter block is the forced part.
+  const int64_t R = static_cast<int64_t>(t.response_ids.size());
+  EXPECT_EQ(stats.fed_rows, R - 1);
+  EXPECT_EQ(stats.decode_steps, R - 1);
+  EXPECT_EQ(stats.forced_tokens, R - t.sampled_tokens());
+  EXPECT_LE(stats.prefill_s + stats.decode_s + stats.sample_s + stats.tool_wait_s, stats.total_s);
   EXPECT_EQ(t.finish, FinishReason::kAnswer);
   EXPECT_EQ(t.tool_calls, 1);
   EXPECT_EQ(t.turns, 2);

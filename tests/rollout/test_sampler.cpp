@@ -132,6 +132,17 @@ TEST(Sampler, VocabLimitIsNeverSampled) {
   EXPECT_LT(
       sample_tokens(logits, o, at::arange(200, at::kLong), at::zeros({200}, at::kLong), 6).ids.max().item<int64_t>(),
       6);
+  // A Qwen-sized embedding (151936) behind a small trained tokenizer, as grpo_train builds it.
+  at::Tensor big = at::randn({64, 151936});
+  big.narrow(1, 368, 151936 - 368).add_(1.0);
+  o.temperature = 1.0;
+  // Among these 64 x 151936 draws one has k = 2^24 - 1, which float32 rounds to a uniform of exactly 1.
+  at::Tensor u = counter_uniforms(o.seed, at::arange(64, at::kLong), at::zeros({64}, at::kLong), 151936, at::kCPU);
+  EXPECT_LT(u.max().item<float>(), 1.0f);
+  EXPECT_GT(u.min().item<float>(), 0.0f);
+  s = sample_tokens(big, o, at::arange(64, at::kLong), at::zeros({64}, at::kLong), 368);
+  EXPECT_LT(s.ids.max().item<int64_t>(), 368);
+  EXPECT_TRUE(s.logprobs.isfinite().all().item<bool>());
 }
 
 }  // namespace
