@@ -329,7 +329,17 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, S)
     s = at::tanh(s / c.attn_softcap) * c.attn_softcap;
     s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    a = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), vr);
+    // Softmax in fp32 for bf16/fp16/fp32 activations, in float64 for float64 ones (the reference runs).
+    const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    a = at::matmul(at::softmax(s, -1, acc).to(q.scalar_type()), vr);
+  } else if (L == 1 && H != Hkv && mask.defined()) {
+    // A one-token step with a mask (the rollout's cache has holes): the G = H / Hkv query heads of a KV head
+    // become G query positions of one head, which all see the same slots. SDPA then gets plain multi-head
+    // attention over Hkv heads, which its masked kernels take without repeating K and V per query head.
+    const int64_t G = H / Hkv;
+    a = at::scaled_dot_product_attention(q.reshape({B, Hkv, G, hd}), k, v, mask, /*dropout_p=*/0.0,
+                                         /*is_causal=*/false, c.attn_scale)
+            .view({B, H, 1, hd});
   } else {
     a = at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
                                          /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);

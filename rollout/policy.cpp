@@ -56,25 +56,28 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
   if (cache_.length + 1 > cache_.max_len) compact(1);
   const int64_t Bc = cache_rows();
-  at::Tensor ids = at::zeros({Bc, 1}, at::kLong), pos = at::zeros({Bc, 1}, at::kLong);
-  at::Tensor fed = at::zeros({Bc}, at::kBool), pick = at::empty({int64_t(rows.size())}, at::kLong);
+  // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
+  // dispatch each, which at 256 rows was milliseconds per decode step.
+  std::vector<int64_t> ids(Bc, 0), pos(Bc, 0), pick(rows.size());
+  std::vector<uint8_t> fed(Bc, 0);
   for (size_t j = 0; j < rows.size(); ++j) {
     const int64_t n = rows[j];
     TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "step: sequence ", n,
                 " was released or never started");
     const int64_t r = cache_row_[n];
-    TORCH_CHECK(!fed[r].item<bool>(), "step: sequence ", n, " listed twice");
-    ids[r][0] = tokens[j];
-    pos[r][0] = length_[n]++;
-    fed[r] = true;
+    TORCH_CHECK(!fed[r], "step: sequence ", n, " listed twice");
+    ids[r] = tokens[j];
+    pos[r] = length_[n]++;
+    fed[r] = 1;
     pick[j] = r;
   }
   const auto dev = valid_.device();
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
-  valid_.select(1, cache_.length).copy_(fed.to(dev));
-  at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);                     // (Bc, S)
-  at::Tensor hidden = model_.forward(ids.to(dev), pos.to(dev), mask, &cache_);  // (Bc, 1, D)
-  return model_.logits(hidden.squeeze(1).index_select(0, pick.to(dev)));        // (rows, V)
+  valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev).to(at::kBool));
+  at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
+  at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
+                                     &cache_);                                        // (Bc, 1, D)
+  return model_.logits(hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
 }
 
 void ModelPolicy::release(const std::vector<int64_t>& rows) {
