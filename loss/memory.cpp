@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #ifdef RLT_HAVE_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -19,15 +20,24 @@ namespace {
 std::atomic<int64_t> g_cpu_live{0};
 std::atomic<int64_t> g_cpu_peak{0};
 
+// Live allocations by data pointer. The DataPtr handed out has context == data, as LibTorch's
+// raw_allocate (used by oneDNN/ideep for bf16 matmuls on CPU) requires; the inner allocation, with its own
+// context and deleter, waits here until that pointer is freed.
 struct Tracked {
   c10::DataPtr inner;
   size_t bytes;
 };
+std::mutex g_mu;
+auto* g_live = new std::unordered_map<void*, Tracked>();  // never destroyed: frees may come at exit
 
-void tracked_delete(void* ctx) {
-  auto* t = static_cast<Tracked*>(ctx);
-  g_cpu_live.fetch_sub(static_cast<int64_t>(t->bytes));
-  delete t;  // frees the inner allocation through its own deleter
+void tracked_delete(void* data) {
+  std::unordered_map<void*, Tracked>::node_type node;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    node = g_live->extract(data);
+  }
+  if (node) g_cpu_live.fetch_sub(static_cast<int64_t>(node.mapped().bytes));
+  // node's destructor frees the inner allocation through its own deleter, outside the lock.
 }
 
 class TrackingAllocator final : public c10::Allocator {
@@ -36,13 +46,19 @@ class TrackingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr p = inner_->allocate(n);
     void* data = p.get();
+    if (data == nullptr) return p;  // zero bytes: nothing to count
     const auto device = p.device();
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      g_live->emplace(data, Tracked{std::move(p), n});
+    }
     const int64_t live = g_cpu_live.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = g_cpu_peak.load();
     while (live > peak && !g_cpu_peak.compare_exchange_weak(peak, live)) {
     }
-    return {data, new Tracked{std::move(p), n}, &tracked_delete, device};
+    return {data, data, &tracked_delete, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &tracked_delete; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
  private:
