@@ -73,7 +73,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   }
   const auto dev = valid_.device();
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
-  valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev).to(at::kBool));
+  valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
   at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
                                      &cache_);                                        // (Bc, 1, D)

@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
-#include <optional>
 
 #include "loss/memory.h"
 #include "loss/policy_loss.h"
@@ -70,9 +69,7 @@ std::map<std::string, double> train_grpo(Run& run) {
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
-    // Peak extra memory per phase, each over what was allocated when the phase began (a PeakMemory
-    // resets the device's peak counter, so the phases are measured one after another).
-    std::optional<PeakMemory> peak(std::in_place, run.device);
+    PhasePeaks peaks(run.device);  // rollout, scoring, update
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards.
     RolloutBatch rb = collect_rollouts(run, tools);
@@ -90,8 +87,7 @@ std::map<std::string, double> train_grpo(Run& run) {
 
     // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
     // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent.
-    const double peak_rollout = peak->peak_extra_bytes() / 1048576.0;
-    peak.emplace(run.device);
+    peaks.end("rollout");
     const auto t_score = Clock::now();
     const bool on_policy = T.num_iterations == 1 && mini == S;
     std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
@@ -105,8 +101,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     const double t_scoring = seconds_since(t_score);
 
     // 5. Updates.
-    const double peak_scoring = peak->peak_extra_bytes() / 1048576.0;
-    peak.emplace(run.device);
+    peaks.end("scoring");
     const auto t_update = Clock::now();
     double loss_sum = 0, pg_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, lp_sum = 0, norm_sum = 0, tok_sum = 0;
     int64_t updates = 0;
@@ -149,7 +144,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     run.optimizer->zero_grad();
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
-    const double peak_update = peak->peak_extra_bytes() / 1048576.0;
+    peaks.end("update");
 
     // 6. Metrics, warnings, checkpoint.
     m = rollout_metrics(run, rb);
@@ -170,11 +165,8 @@ std::map<std::string, double> train_grpo(Run& run) {
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
-              {"time_step_s", seconds_since(t_step)},
-              {"peak_memory_rollout_mib", peak_rollout},
-              {"peak_memory_scoring_mib", peak_scoring},
-              {"peak_memory_update_mib", peak_update},
-              {"peak_memory_mib", std::max({peak_rollout, peak_scoring, peak_update})}});
+              {"time_step_s", seconds_since(t_step)}});
+    m.merge(peaks.metrics());
     log.write(m);
     log.plot();
     if (run.checkpoint_due()) save_checkpoint(run);

@@ -18,7 +18,6 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
-#include <optional>
 
 #include "loss/memory.h"
 #include "loss/policy_loss.h"
@@ -122,9 +121,7 @@ std::map<std::string, double> train_ppo(Run& run) {
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
-    // Peak extra memory per phase, each over what was allocated when the phase began (a PeakMemory
-    // resets the device's peak counter, so the phases are measured one after another).
-    std::optional<PeakMemory> peak(std::in_place, run.device);
+    PhasePeaks peaks(run.device);  // rollout, scoring, update
 
     // 1. Rollout and rewards.
     RolloutBatch rb = collect_rollouts(run, tools);
@@ -134,8 +131,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
 
     // 2. Scoring: old log-probs and old values from one forward; reference log-probs.
-    const double peak_rollout = peak->peak_extra_bytes() / 1048576.0;
-    peak.emplace(run.device);
+    peaks.end("rollout");
     const auto t_score = Clock::now();
     const size_t K = batches.size();
     std::vector<at::Tensor> logprobs_old(K), logprobs_ref(K), values_old(K), advantages(K), returns(K);
@@ -170,8 +166,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     }
 
     // 4. Updates.
-    const double peak_scoring = peak->peak_extra_bytes() / 1048576.0;
-    peak.emplace(run.device);
+    peaks.end("scoring");
     const auto t_update = Clock::now();
     double loss_sum = 0, pg_sum = 0, vf_sum = 0, vclip_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, norm_sum = 0,
            tok_sum = 0;
@@ -226,7 +221,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     run.optimizer->zero_grad();
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
-    const double peak_update = peak->peak_extra_bytes() / 1048576.0;
+    peaks.end("update");
 
     // 5. Metrics, checkpoint.
     double v_sum = 0, ret_sum = 0;
@@ -257,11 +252,8 @@ std::map<std::string, double> train_ppo(Run& run) {
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
               {"time_scoring_s", t_scoring},
               {"time_update_s", t_upd},
-              {"time_step_s", seconds_since(t_step)},
-              {"peak_memory_rollout_mib", peak_rollout},
-              {"peak_memory_scoring_mib", peak_scoring},
-              {"peak_memory_update_mib", peak_update},
-              {"peak_memory_mib", std::max({peak_rollout, peak_scoring, peak_update})}});
+              {"time_step_s", seconds_since(t_step)}});
+    m.merge(peaks.metrics());
     log.write(m);
     log.plot();
     if (run.checkpoint_due()) save_checkpoint(run);

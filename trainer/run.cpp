@@ -341,6 +341,19 @@ double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double l
   return norm;
 }
 
+void PhasePeaks::end(const std::string& name) {
+  mib_["peak_memory_" + name + "_mib"] = current_->peak_extra_bytes() / 1048576.0;
+  current_.emplace(device_);
+}
+
+std::map<std::string, double> PhasePeaks::metrics() const {
+  std::map<std::string, double> out = mib_;
+  double top = 0;
+  for (const auto& [name, mib] : mib_) top = std::max(top, mib);
+  out["peak_memory_mib"] = top;
+  return out;
+}
+
 std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb) {
   const std::vector<Trajectory>& trajs = rb.trajs;
   const double S = static_cast<double>(trajs.size());

@@ -17,6 +17,7 @@
 
 #include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "loss/memory.h"
 #include "model/transformer.h"
 #include "rollout/retool.h"
 #include "trainer/config.h"
@@ -112,6 +113,22 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
 // and applies AdamW at the schedule's learning rate only when `loss` and the norm are finite; otherwise
 // zeroes the gradients and counts the step in run.skipped_steps (never applied). Returns the norm.
 double apply_gradients(Run& run, const std::vector<at::Tensor>& params, double loss, int64_t total_optimizer_steps);
+
+// Peak extra memory of a step's phases, measured one after another: each phase's peak is over what was
+// allocated when it began (a PeakMemory resets the device's peak counter, so phases cannot overlap).
+class PhasePeaks {
+ public:
+  explicit PhasePeaks(const at::Device& device) : device_(device), current_(std::in_place, device) {}
+  // Ends the current phase as peak_memory_<name>_mib and starts the next one.
+  void end(const std::string& name);
+  // peak_memory_<name>_mib of every ended phase, and peak_memory_mib, their maximum.
+  std::map<std::string, double> metrics() const;
+
+ private:
+  at::Device device_;
+  std::optional<PeakMemory> current_;
+  std::map<std::string, double> mib_;
+};
 
 // Per-step rollout metrics of a batch: accuracy, tool use, lengths, truncation, rewards, sampled_tokens and
 // tokens (prompt + response), rollout tokens/s and where the rollout's time went (time_rollout_*); and the
