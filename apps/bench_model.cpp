@@ -1,8 +1,13 @@
 // bench_model: prefill and decode throughput of the decoder through its KV cache. B sequences of P prompt
-// tokens are prefilled in one forward, then N tokens are decoded one step at a time (greedy argmax, or
-// sampling from softmax as rollout does). Prints a table and writes JSON records {impl, mode, batch,
-// prompt_len, new_tokens, dtype, tokens_per_s, seconds, peak_extra_mb}. The transformers peer is
-// scripts/bench_model_peers.py, run in the same command (scripts/gpu_model.sh).
+// tokens are prefilled in one forward, then N tokens are decoded one step at a time:
+//   decode_greedy / decode_sample   the bare decoder on a preallocated cache (argmax, or multinomial);
+//   rollout_eager / rollout_graph   the rollout's own path: ModelPolicy (compacting cache, masked steps)
+//                                   and sample_tokens (counter-based Gumbel noise, log-probs through the
+//                                   loss module, ids to the host every step), without and with a CUDA
+//                                   graph per decode step (rollout_graph on CUDA only).
+// Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
+// seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
+// (scripts/gpu_model.sh).
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +23,8 @@
 #include "loss/memory.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
+#include "rollout/policy.h"
+#include "rollout/sampler.h"
 #include "trainer/config.h"
 
 using namespace rlt;
@@ -55,6 +62,42 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
     at::Tensor logits = m.logits(h.select(1, h.size(1) - 1)).to(at::kFloat);  // (B, V)
     at::Tensor next = sample ? at::multinomial(at::softmax(logits, -1), 1) : logits.argmax(-1, /*keepdim=*/true);
     h = m.forward(next, at::full({B, 1}, cache.length, opts.dtype(at::kLong)), at::Tensor(), &cache);
+  }
+  device_synchronize(dev);
+  r.decode_s = seconds_since(t0);
+  r.peak = mem.peak_extra_bytes();
+  return r;
+}
+
+// The rollout's path: B prompts x 1 sample through ModelPolicy, N sampled tokens each, every one fed back.
+Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
+                    uint64_t seed) {
+  at::NoGradGuard ng;
+  at::manual_seed(seed);
+  at::Tensor ids = at::randint(0, m.config().vocab_size, {B, P}, at::kLong);
+  std::vector<std::vector<int64_t>> prompts(B);
+  for (int64_t b = 0; b < B; ++b) prompts[b].assign(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + P);
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  SamplingOptions so;
+  so.seed = static_cast<int64_t>(seed);
+  at::Tensor streams = at::arange(B, at::kLong), counters = at::zeros({B}, at::kLong);
+  device_synchronize(dev);
+  PeakMemory mem(dev);
+  ModelPolicyOptions po;
+  po.cuda_graphs = graphs;
+  ModelPolicy policy(m, po);
+  Run r;
+  auto t0 = std::chrono::steady_clock::now();
+  at::Tensor logits = policy.start(prompts, 1);  // (B, V)
+  device_synchronize(dev);
+  r.prefill_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  for (int64_t s = 0; s < N; ++s) {
+    counters.fill_(s);
+    SampleOutput out = sample_tokens(logits, so, streams, counters);  // ids on the host
+    const int64_t* next = out.ids.data_ptr<int64_t>();
+    logits = policy.step(rows, std::vector<int64_t>(next, next + B));
   }
   device_synchronize(dev);
   r.decode_s = seconds_since(t0);
@@ -104,6 +147,9 @@ int main(int argc, char** argv) {
   // Warm-up at the measured batch and prompt size (8 decode steps, both samplers), as the transformers
   // peer does: handles, kernel selection and allocator growth stay out of the timed runs.
   for (bool sample : {false, true}) run_once(*model, dev, B, P, std::min<int64_t>(N, 8), sample, 1);
+  std::vector<bool> graph_modes = {false};
+  if (dev.is_cuda()) graph_modes.push_back(true);
+  for (bool graphs : graph_modes) run_policy_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, 1);
   json records = json::array();
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(7) << "batch" << std::setw(8) << "prompt"
             << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
@@ -111,12 +157,17 @@ int main(int argc, char** argv) {
             << "\n";
   // Reps interleave the two samplers (greedy, sample, greedy, ...) so that clock or allocator drift over
   // the run does not favour whichever mode would otherwise go second.
-  std::vector<Run> all_runs[2];
+  // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
+  std::vector<Run> all_runs[4];
   for (int i = 0; i < reps; ++i) {
     for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+    for (bool graphs : graph_modes) {
+      all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, 100 + i));
+    }
   }
-  for (bool sample : {false, true}) {
-    const std::vector<Run>& runs = all_runs[sample];
+  for (int kind = 0; kind < 4; ++kind) {
+    const std::vector<Run>& runs = all_runs[kind];
+    if (runs.empty()) continue;
     auto median = [&](auto get) {
       std::vector<double> v;
       for (const auto& r : runs) v.push_back(get(r));
@@ -127,8 +178,9 @@ int main(int argc, char** argv) {
     const double dec = median([](const Run& r) { return r.decode_s; });
     const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
     std::vector<std::tuple<std::string, double, double>> rows;
-    if (!sample) rows.push_back({"prefill", double(B * P) / pre, pre});
-    rows.push_back({sample ? "decode_sample" : "decode_greedy", double(B * N) / dec, dec});
+    if (kind == 0) rows.push_back({"prefill", double(B * P) / pre, pre});
+    const char* names[] = {"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph"};
+    rows.push_back({names[kind], double(B * N) / dec, dec});
     for (const auto& [mode, tps, secs] : rows) {
       std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P
                 << std::setw(6) << N << std::setw(14) << std::fixed << std::setprecision(1) << tps << std::setw(11)
@@ -142,7 +194,8 @@ int main(int argc, char** argv) {
                          {"tokens_per_s", tps},
                          {"seconds", secs},
                          {"peak_extra_mb", peak},
-                         {"note", "peak covers prefill + decode with the KV cache"}});
+                         {"note", kind < 2 ? "peak covers prefill + decode with the KV cache"
+                                           : "ModelPolicy + sample_tokens; peak covers prefill + decode"}});
     }
   }
   if (!json_path.empty()) {

@@ -315,7 +315,12 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
   k = k.transpose(1, 2);  // (B, Hkv, L, hd)
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
-  if (cache) {
+  if (cache && cache->step_slot.defined()) {
+    cache->k[i].index_copy_(2, cache->step_slot, k);
+    cache->v[i].index_copy_(2, cache->step_slot, v);
+    k = cache->k[i];  // (B, Hkv, max_len, hd)
+    v = cache->v[i];
+  } else if (cache) {
     const int64_t past = cache->length;
     cache->k[i].narrow(2, past, L).copy_(k);
     cache->v[i].narrow(2, past, L).copy_(v);
@@ -363,10 +368,19 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be (B, L) int64, got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions must be shaped like ids");
   const int64_t B = ids.size(0), L = ids.size(1);
-  const int64_t past = cache ? cache->length : 0, S = past + L;
+  // A fixed-shape step (KvCache::step_slot): one token written at a slot held on the device, attention
+  // over every slot; nothing in it depends on a host-side length.
+  const bool fixed = cache && cache->step_slot.defined();
+  TORCH_CHECK(!fixed || (L == 1 && attention_mask.defined() && attention_mask.size(1) == cache->max_len),
+              "a step at KvCache::step_slot takes one token per row and a mask over all ", cache->max_len, " slots");
+  const int64_t past = cache ? cache->length : 0, S = fixed ? cache->max_len : past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const auto dev = embed_.device();
-  if (cache) cache->positions.narrow(1, past, L).copy_(positions);
+  if (fixed) {
+    cache->positions.index_copy_(1, cache->step_slot, positions);
+  } else if (cache) {
+    cache->positions.narrow(1, past, L).copy_(positions);
+  }
 
   at::Tensor h = embed_.index_select(0, ids.reshape({-1})).view({B, L, c.hidden_size});  // (B, L, D)
   if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
@@ -386,7 +400,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   at::Tensor full_mask, sliding_mask;
   auto build_masks = [&] {
     auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
-    at::Tensor q_slot = at::arange(past, S, lopts).view({L, 1});
+    at::Tensor q_slot = fixed ? cache->step_slot.view({1, 1}) : at::arange(past, S, lopts).view({L, 1});
     at::Tensor k_slot = at::arange(0, S, lopts).view({1, S});
     at::Tensor causal = (k_slot <= q_slot).view({1, 1, L, S});
     at::Tensor keep =
@@ -422,7 +436,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       h = layer_forward(i, h, cos, sin, mask, is_causal, cache);
     }
   }
-  if (cache) cache->length = S;
+  if (cache && !fixed) cache->length = S;
   return rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
 }
 

@@ -29,6 +29,11 @@ struct KvCache {
   at::Tensor positions;          // (B, max_len) int64: the position each slot was written with
   int64_t length = 0;            // slots filled so far
   int64_t max_len = 0;
+  // Set for a one-token step whose work must not depend on `length`, so that a captured CUDA graph can
+  // replay it: (1) int64 on the cache's device, the slot the step writes. The step then attends over all
+  // max_len slots (its attention mask must span them and hide the unwritten ones), and forward leaves
+  // `length` to the caller.
+  at::Tensor step_slot;
   static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
   // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]
   // (j < slots.size(1)); length becomes slots.size(1). One primitive for dropping finished rows,

@@ -5,11 +5,32 @@
 
 #include <algorithm>
 
+#include "loss/memory.h"
+
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace rlt {
+
+#ifdef RLT_HAVE_CUDA
+struct ModelPolicy::StepGraph {
+  at::cuda::CUDAGraph graph;
+  at::Tensor inputs;  // (3 Bc + 1) int64: what fixed_step reads; written before each replay
+  at::Tensor hidden;  // (Bc, D): what it writes, in the graph's private memory pool
+  int64_t rows = 0, slots = 0;
+};
+#else
+struct ModelPolicy::StepGraph {};
+#endif
 
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
 }
+
+ModelPolicy::~ModelPolicy() = default;
 
 at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   at::NoGradGuard no_grad;
@@ -42,6 +63,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N)
   at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
+  graph_.reset();  // a graph reads the cache tensors it was captured with
   cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
   valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, P).copy_(mask.to(dev).index_select(0, rows) != 0);
@@ -72,6 +94,20 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
     pick[j] = r;
   }
   const auto dev = valid_.device();
+#ifdef RLT_HAVE_CUDA
+  if (options_.cuda_graphs && dev.is_cuda()) {
+    // One host vector, one copy: ids, positions, fed flags, the slot, then the rows to pick.
+    std::vector<int64_t> packed = ids;
+    packed.insert(packed.end(), pos.begin(), pos.end());
+    packed.insert(packed.end(), fed.begin(), fed.end());
+    packed.push_back(cache_.length);
+    packed.insert(packed.end(), pick.begin(), pick.end());
+    at::Tensor rows_picked;
+    at::Tensor hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);  // (Bc, D)
+    cache_.length += 1;
+    return model_.logits(hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
+  }
+#endif
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
@@ -79,6 +115,54 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
                                      &cache_);                                        // (Bc, 1, D)
   return model_.logits(hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
 }
+
+at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {
+  const int64_t Bc = cache_rows();
+  at::Tensor ids = inputs.narrow(0, 0, Bc).view({Bc, 1}), pos = inputs.narrow(0, Bc, Bc).view({Bc, 1});
+  at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
+  // Rows not fed write a slot nobody attends to (their own query output is discarded).
+  valid_.index_copy_(1, slot, fed);
+  cache_.step_slot = slot;
+  at::Tensor hidden = model_.forward(ids, pos, valid_, &cache_);  // (Bc, 1, D)
+  cache_.step_slot = at::Tensor();
+  return hidden.squeeze(1);
+}
+
+#ifdef RLT_HAVE_CUDA
+at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
+  const auto dev = valid_.device();
+  const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1;
+  at::Tensor in = at::tensor(packed, at::kLong).to(dev);  // (3 Bc + 1 + picks)
+  pick = in.narrow(0, n_in, picks);
+  if (graph_) {  // start() and compact() drop the graph whenever the cache tensors change
+    TORCH_CHECK(graph_->rows == Bc && graph_->slots == cache_.max_len, "ModelPolicy: stale step graph");
+    graph_->inputs.copy_(in.narrow(0, 0, n_in));
+    graph_->graph.replay();
+    return graph_->hidden;
+  }
+  // A new cache: capture this step. A step is idempotent (it rewrites the same slot with the same
+  // values), so the warm-up run that cuBLAS and SDPA need before a capture leaves the state as one step
+  // would; the capture itself runs nothing, and the replay after it computes the step's output.
+  auto g = std::make_unique<StepGraph>();
+  g->rows = Bc;
+  g->slots = cache_.max_len;
+  g->inputs = in.narrow(0, 0, n_in).clone();
+  device_synchronize(dev);
+  {
+    c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()));
+    fixed_step(g->inputs);
+    device_synchronize(dev);
+    g->graph.capture_begin();
+    g->hidden = fixed_step(g->inputs);
+    g->graph.capture_end();
+  }
+  device_synchronize(dev);
+  graph_ = std::move(g);
+  ++graph_captures_;
+  graph_->graph.replay();
+  return graph_->hidden;
+}
+#endif
 
 void ModelPolicy::release(const std::vector<int64_t>& rows) {
   int64_t released = 0;
@@ -113,6 +197,7 @@ void ModelPolicy::compact(int64_t need) {
   at::Tensor keep = at::arange(S, lopts).view({1, S}) < n.view({B, 1});                          // (B', S)
   order = at::where(keep, order, at::zeros_like(order));
   const int64_t grow = std::max(options_.slot_chunk, S / 4) + need;
+  graph_.reset();  // a graph reads the cache tensors it was captured with
   cache_ = cache_.gather(rows, order, S + grow);
   valid_ = at::zeros({B, S + grow}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);

@@ -6,7 +6,8 @@
 // ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
 // slot for every cache row; rows not fed that step write a slot that their attention mask hides. Holes
 // and finished rows are squeezed out (KvCache::gather) when the cache fills up or half its rows are
-// finished, and the cache grows on demand, so memory follows the tokens actually held.
+// finished, and the cache grows on demand, so memory follows the tokens actually held. On a GPU each
+// decode step replays a CUDA graph captured for the cache's current shape (ModelPolicyOptions::cuda_graphs).
 //
 // Shapes: N sequences, Bc rows in the cache (N minus released rows, after compaction), S slots, V vocab.
 #pragma once
@@ -14,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "model/transformer.h"
@@ -35,11 +37,16 @@ class TokenPolicy {
 
 struct ModelPolicyOptions {
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
+  // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
+  // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
+  // cache shape (rows x slots), so again after each compaction or growth. Ignored on the CPU.
+  bool cuda_graphs = true;
 };
 
 class ModelPolicy : public TokenPolicy {
  public:
   ModelPolicy(const Transformer& model, ModelPolicyOptions options = {});
+  ~ModelPolicy() override;
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
   void release(const std::vector<int64_t>& rows) override;
@@ -49,10 +56,22 @@ class ModelPolicy : public TokenPolicy {
   int64_t cache_slots() const { return cache_.max_len; }
   int64_t cache_rows() const { return cache_.k.empty() ? 0 : cache_.k[0].size(0); }
   int64_t compactions() const { return compactions_; }
+  // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
+  int64_t graph_captures() const { return graph_captures_; }
 
  private:
+  struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
+
   // Drops released rows and squeezes holes; leaves room for at least `need` more slots.
   void compact(int64_t need);
+  // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA
+  // graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row, then
+  // the slot. Returns the hidden states (Bc, D).
+  at::Tensor fixed_step(const at::Tensor& inputs);
+  // The graph path of step() (CUDA builds): copies the packed host inputs (fixed_step's, then the rows to
+  // pick) in, captures a graph when the cache changed, replays it. Returns the hidden states (Bc, D) and,
+  // through `pick`, the picked rows on the device.
+  at::Tensor graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick);
 
   const Transformer& model_;
   ModelPolicyOptions options_;
@@ -62,6 +81,8 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
   int64_t compactions_ = 0;
+  std::unique_ptr<StepGraph> graph_;
+  int64_t graph_captures_ = 0;
 };
 
 }  // namespace rlt

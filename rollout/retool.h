@@ -66,6 +66,8 @@ struct RolloutOptions {
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
   // Sequences decoded at once (prompts x samples_per_prompt are split into waves); 0 = all.
   int64_t max_batch = 0;
+  // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
+  bool cuda_graphs = true;
 
   template <class V>
   void visit(V&& v) {
@@ -77,6 +79,7 @@ struct RolloutOptions {
     v("stop", stop, "extra stop string; empty = none");
     v("feedback", feedback, "message for an unparseable turn");
     v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
+    v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
   }
   void check(const FieldFail& fail) const {}
 };

@@ -856,6 +856,7 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const std::s
 
   // argv, envp and the limits, before the clone.
   std::vector<std::string> args = {exe, "-I", "-B", "-u", "-"};
+  if (!o.site_packages) args.insert(args.begin() + 1, "-S");
   std::vector<std::string> env = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8",
                                   // One thread per math library: python's threads count as processes.
                                   "OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"};

@@ -94,6 +94,13 @@ void make_optimizer(Run& run, const ExtraParams& extra) {
 
 std::string checkpoint_dir(const Run& run) { return (fs::path(run.out_dir) / "checkpoint").string(); }
 
+// The rollout's model-side settings.
+ModelPolicyOptions policy_options(const RolloutOptions& r) {
+  ModelPolicyOptions o;
+  o.cuda_graphs = r.cuda_graphs;
+  return o;
+}
+
 }  // namespace
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra) {
@@ -288,7 +295,7 @@ RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
   sampling.seed = cfg.sampling.seed + cfg.train.seed * 1000003 + run.step;
   {
     at::NoGradGuard no_grad;
-    ModelPolicy policy(*run.policy);
+    ModelPolicy policy(*run.policy, policy_options(cfg.rollout));
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, cfg.rollout, tools,
                         streams, kTags, &out.stats);
   }
@@ -436,7 +443,7 @@ std::pair<double, double> evaluate(Run& run) {
   s.samples_per_prompt = 1;
   SandboxPool pool(run.config.sandbox);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-  ModelPolicy policy(*run.policy);
+  ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
   auto trajs = rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout, tools);
   std::vector<std::string> answers;
   for (const auto& ex : run.eval_set) answers.push_back(ex.answer);

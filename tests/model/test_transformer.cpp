@@ -175,6 +175,42 @@ TEST(Transformer, MaskedDecodeOfAPaddedBatchEqualsEachSequencesForward) {
   }
 }
 
+// The form a CUDA graph replays (KvCache::step_slot): each one-token step writes the slot held in a device
+// tensor and attends over every slot of a cache longer than the sequence, the unwritten ones masked. It
+// must give what the length-based steps give: each sequence's own full forward.
+TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) {
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kDouble, at::kCPU);
+    at::NoGradGuard ng;
+    const at::Tensor ids = tensor_of(ref["ids"], at::kLong);  // (24)
+    const int64_t L = ids.size(0), pad = 4, prefill = 10, max_len = L + 7;
+    at::Tensor batch = at::stack({ids, at::cat({at::zeros({pad}, at::kLong), ids.narrow(0, pad, L - pad)})});
+    at::Tensor pos = at::stack({at::arange(L, at::kLong), (at::arange(L, at::kLong) - pad).clamp_min(0)});
+    at::Tensor mask = at::zeros({2, max_len}, at::kBool);  // (2, max_len): slots written and attendable
+    mask.narrow(1, 0, L).fill_(true);
+    mask[1].narrow(0, 0, pad).fill_(false);
+    KvCache cache = KvCache::allocate(model.config(), 2, max_len, at::TensorOptions().dtype(at::kDouble));
+    std::vector<at::Tensor> parts{
+        model.forward(batch.narrow(1, 0, prefill), pos.narrow(1, 0, prefill), mask.narrow(1, 0, prefill), &cache)};
+    at::Tensor step_mask = mask.clone();
+    step_mask.narrow(1, prefill, max_len - prefill).fill_(false);
+    for (int64_t t = prefill; t < L; ++t) {
+      step_mask.select(1, t).copy_(mask.select(1, t));
+      cache.step_slot = at::full({1}, t, at::kLong);
+      parts.push_back(model.forward(batch.narrow(1, t, 1), pos.narrow(1, t, 1), step_mask, &cache));
+      EXPECT_EQ(cache.length, prefill) << "a fixed-shape step leaves the length to its caller";
+    }
+    const at::Tensor got = at::cat(parts, 1);  // (2, L, D)
+    const at::Tensor full0 = model.forward(ids.view({1, L}), arange_positions(1, L), at::Tensor())[0];
+    const at::Tensor full1 =
+        model.forward(ids.narrow(0, pad, L - pad).view({1, L - pad}), arange_positions(1, L - pad), at::Tensor())[0];
+    RLT_EXPECT_CLOSE(got[0], full0, 1e-10, 0.0, c + " row 0");
+    RLT_EXPECT_CLOSE(got[1].narrow(0, pad, L - pad), full1, 1e-10, 0.0, c + " row 1 (padded)");
+  }
+}
+
 std::string bytes_of(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   std::ostringstream os;

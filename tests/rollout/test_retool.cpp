@@ -468,28 +468,37 @@ nlohmann::json tiny_config(const std::string& type) {
   return j;
 }
 
-Transformer tiny_model(const std::string& type, uint64_t seed) {
-  Transformer m(model_config_from_json(tiny_config(type), "tiny " + type), at::kDouble, at::kCPU, seed);
+Transformer tiny_model(const std::string& type, uint64_t seed, at::Device device = at::kCPU) {
+  Transformer m(model_config_from_json(tiny_config(type), "tiny " + type), at::kDouble, device, seed);
   at::NoGradGuard no_grad;
   for (auto& p : m.parameters()) p.mul_(10.0);  // std 0.2: logits far from uniform, so errors show
   return m;
 }
 
-// Last-position logits of one sequence, from a full forward without cache or mask: the reference.
+// Last-position logits of one sequence, from a full forward without cache or mask on the model's device:
+// the reference. Returned on the CPU.
 at::Tensor full_logits(const Transformer& m, const std::vector<int64_t>& ids) {
   at::NoGradGuard no_grad;
   const int64_t L = static_cast<int64_t>(ids.size());
-  at::Tensor x = at::tensor(ids, at::kLong).view({1, L});
-  at::Tensor h = m.forward(x, at::arange(L, at::kLong).view({1, L}), at::Tensor());
-  return m.logits(h.select(1, L - 1))[0];
+  const auto dev = m.lm_head().device();
+  at::Tensor x = at::tensor(ids, at::kLong).view({1, L}).to(dev);
+  at::Tensor h = m.forward(x, at::arange(L, at::kLong).view({1, L}).to(dev), at::Tensor());
+  return m.logits(h.select(1, L - 1))[0].cpu();
 }
 
-class ModelPolicyTest : public ::testing::TestWithParam<std::string> {};
+// (family, device): on "cuda" every decode step is a replayed CUDA graph, recaptured at each compaction.
+class ModelPolicyTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
-  const Transformer m = tiny_model(GetParam(), 3);
+  const auto& [family, device] = GetParam();
+  if (device == "cuda" && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const bool cuda = device == "cuda";
+  // The reference is each sequence's full forward on the same device: the RoPE tables are fp32 (as in
+  // transformers), and CPU and CUDA fp32 cos/sin differ by an ulp, which shows as ~1e-5 in these logits.
+  const Transformer m = tiny_model(family, 3, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   ModelPolicyOptions po;
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
+  po.cuda_graphs = true;
   ModelPolicy policy(m, po);
   const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
   const int64_t G = 2, N = 6;
@@ -500,7 +509,7 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   // float64, which showed here as 6e-7). A wrong slot, position or window moves logits by more than 1e-2
   // (the known-bad check at the end).
   const double kTol = 1e-9;
-  at::Tensor first = policy.start(prompts, G);
+  at::Tensor first = policy.start(prompts, G).cpu();
   for (int64_t n = 0; n < N; ++n) {
     EXPECT_LT((first[n] - full_logits(m, seqs[n])).abs().max().item<double>(), kTol) << "prefill row " << n;
   }
@@ -522,7 +531,7 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
       tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
       seqs[n].push_back(tokens.back());
     }
-    at::Tensor logits = policy.step(rows, tokens);
+    at::Tensor logits = policy.step(rows, tokens).cpu();
     ASSERT_EQ(logits.size(0), int64_t(rows.size()));
     for (size_t j = 0; j < rows.size(); ++j) {
       const at::Tensor ref = full_logits(m, seqs[rows[j]]);
@@ -533,11 +542,15 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   }
   EXPECT_GT(policy.compactions(), 3);
   EXPECT_EQ(policy.cache_rows(), 3) << "released rows are dropped";
+  // One graph per cache the steps ran on: the first, and one after each compaction.
+  EXPECT_EQ(policy.graph_captures(), cuda ? policy.compactions() + 1 : 0);
   // A known-bad check: a sequence's logits are not another's (the tolerance can fail).
   EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest, ::testing::Values("llama", "gemma2"));
+INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
+                         ::testing::Combine(::testing::Values("llama", "gemma2"), ::testing::Values("cpu", "cuda")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
   // A random tiny model cannot write code, so its first turn is forced open with a code block through

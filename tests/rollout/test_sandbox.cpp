@@ -109,6 +109,21 @@ TEST(Sandbox, PrintsAndExitsZero) {
   RecordProperty("isolation", r.isolation);
 }
 
+TEST(Sandbox, WithoutSitePackagesOnlyTheStandardLibraryIsImportable) {
+  const std::string probe =
+      "import sys, math, fractions\n"
+      "print('site' in sys.modules, any(p.endswith('-packages') for p in sys.path), math.isqrt(10**12))";
+  SandboxOptions o = quick();
+  o.site_packages = false;
+  const SandboxResult bare = run_python(probe, o);
+  EXPECT_EQ(bare.stdout_text, "False False 1000000\n") << bare.stderr_text;
+  EXPECT_EQ(bare.exit_code, 0);
+  // The default imports site: the same probe sees it loaded.
+  const SandboxResult with_site = run_python(probe, quick());
+  EXPECT_EQ(with_site.exit_code, 0) << with_site.stderr_text;
+  EXPECT_EQ(with_site.stdout_text.rfind("True ", 0), 0u) << with_site.stdout_text;
+}
+
 TEST(Sandbox, ExceptionIsExitOneWithTraceback) {
   const SandboxResult r = run_python("x = 1\nraise ValueError('boom')\n", quick());
   EXPECT_EQ(r.exit_code, 1);

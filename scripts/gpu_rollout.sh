@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU host for the rollout engine: build; every test (ctest: on CUDA, ModelPolicy replays
+# CUDA graphs through holes and compaction against float64 full forwards);
+# bench_model at the issue's setting (64 x (256 prompt + 512 new), sampling, random Qwen2.5-0.5B shape)
+# beside transformers generate in the same command; then grpo_train --config configs/retool.yaml for
+# STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
+# checkpoint (scripts/gpu_train.sh, switches on only).
+# Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_BENCH=1,
+# SKIP_TRAIN=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu_rollout}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
+  tail -n 60 "$out/build.log"
+  exit 1
+fi
+export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
+# Every test (ctest runs the fixtures that make the transformers references), CUDA ones included.
+(cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
+echo "ctest rc=$? ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"
+grep -E "^ *[0-9]+/[0-9]+ Test .*(Failed|Skipped|\*\*\*)" "$out/ctest.log" | head -20
+model=configs/models/qwen2.5-0.5b
+[ "${SKIP_BENCH:-0}" = 1 ] || build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
+  --new-tokens 512 --reps 2 --json "$out/rlt.json" 2>&1 | tee -a "$out/bench.log"
+[ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_model_peers.py --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
+  --new-tokens 512 --reps 2 --json "$out/hf.json" 2>&1 | tee -a "$out/bench.log"
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  OUT="$out/train" SKIP_UPDATE_BENCH=1 SKIP_OFF=1 bash scripts/gpu_train.sh "${STEPS:-1}" "${MAX_NEW:-512}"
+fi
+ls -la "$out"
