@@ -8,12 +8,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 cases=("${@:-seed000 seed001 seed002}")
-export PYTHONUNBUFFERED=1
-if ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
-  tail -n 60 "$out/build.log"
-  exit 1
-fi
-export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/gpu_build.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt" 2>&1
 (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1

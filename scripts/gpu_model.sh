@@ -9,12 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_model}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
-  tail -n 60 "$out/build.log"
-  exit 1
-fi
-export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/gpu_build.sh
 if [ "${1:-}" != "--bench-only" ]; then
   (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
   echo "ctest rc=$? ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"

@@ -11,12 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_rollout}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! bash .gpu/build.sh > "$out/build.log" 2>&1; then
-  tail -n 60 "$out/build.log"
-  exit 1
-fi
-export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/gpu_build.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
 # Every test (ctest runs the fixtures that make the transformers references), CUDA ones included.
 (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1

@@ -1,26 +1,25 @@
-#!/ usr / bin / env bash
-#One call on the H200 host for the trainer(issue 5) : build, then
-# 1. bench_update beside scripts / bench_update_peer.py(transformers) : one GRPO policy update of
-#B = 8 x L = 4096 on a random Qwen2 .5 - 0.5B - shaped model under every memory setting;
-# 2. grpo_train -- config configs / retool.yaml for a few steps on a random Qwen2 .5 - 0.5B - shaped checkpoint
-#saved by transformers and a small math JSONL, with the memory switches on, then one step with
-#them off(rollout tokens / s, update tokens / s, peak memory from metrics.jsonl).
-#Results land in $OUT(or runs / gpu_train).Usage : bash scripts / gpu_train.sh[steps][max_new_tokens]
-#SKIP_UPDATE_BENCH = 1 skips part 1; SKIP_OFF = 1 skips the switches - off run; TRAIN_TIMEOUT = S bounds each
-#grpo_train run(default : none).
-set - uo pipefail cd "$(dirname " $0 ")/.." out = ${OUT : -runs / gpu_train} steps = ${1 : -3} new_tokens =
-${2 : -8192} mkdir - p "$out" export PYTHONUNBUFFERED =
-    1 if[!-x build - gpu / bin / grpo_train] && !bash.gpu / build.sh > "$out/build.log" 2 > &1; then
-  tail -n 60 "$out/build.log"
-  exit 1
-fi
-export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+#!/usr/bin/env bash
+# One call on the H200 host for the trainer (issue 5): build, then
+#   1. bench_update beside scripts/bench_update_peer.py (transformers): one GRPO policy update of
+#      B=8 x L=4096 on a random Qwen2.5-0.5B-shaped model under every memory setting;
+#   2. grpo_train --config configs/retool.yaml for a few steps on a random Qwen2.5-0.5B-shaped checkpoint
+#      saved by transformers and a small math JSONL, with the memory switches on, then one step with
+#      them off (rollout tokens/s, update tokens/s, peak memory from metrics.jsonl).
+# Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu_train.sh [steps] [max_new_tokens]
+# SKIP_UPDATE_BENCH=1 skips part 1; SKIP_OFF=1 skips the switches-off run; TRAIN_TIMEOUT=S bounds each
+# grpo_train run (default: none).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-runs/gpu_train}
+steps=${1:-3}
+new_tokens=${2:-8192}
+mkdir -p "$out"
+GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu_build.sh  # builds only where nothing is built yet
 model=configs/models/qwen2.5-0.5b
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
 
 # 1. The update, ours then transformers', twice (round 1 warms the GPU clocks; round 2 is recorded).
-for round in 1 2;
-do
+for round in 1 2; do
   [ "${SKIP_UPDATE_BENCH:-0}" = 1 ] && break
   build-gpu/bin/bench_update --model $model --device cuda --dtype bfloat16 --batch 8 --seq-len 4096 \
     --prompt-len 256 --tool-fraction 0.2 --reps 3 --json "$out/update_rlt.round$round.json" 2>&1 | tee -a "$out/bench_update.log"

@@ -132,10 +132,17 @@ struct SftOptions {
   // Share of warm-up traces that use the tool; the rest answer directly (and mostly wrongly): RL then
   // has something to discover.
   double tool_fraction = 0.3;
+  // Shortest operand of a warm-up problem, in digits; 0 = the task's own lengths (synthetic.digits_a/b).
+  // With 2 on a 3 x 3-digit task, warm-up problems cycle through 2 x 2, 2 x 3, 3 x 2 and 3 x 3 digits, so
+  // products of 3 to 6 digits are copied from the interpreter's output. Without it, 5-digit products
+  // (17% of 3 x 3-digit problems) were miscopied into the answer far more often than 6-digit ones.
+  int64_t operand_digits_min = 0;
 
   template <class V>
   void visit(V&& v) {
     v("steps", steps, "supervised warm-up steps; 0 = none", FieldRange{0, 1e9});
+    v("operand_digits_min", operand_digits_min, "shortest warm-up operand in digits; 0 = the task's own",
+      FieldRange{0, 18});
     v("batch_size", batch_size, "traces per warm-up step", FieldRange{1, 1e9});
     v("lr", lr, "warm-up learning rate", FieldRange{0, 10});
     v("tool_fraction", tool_fraction, "share of warm-up traces that use the tool", FieldRange{0, 1});

@@ -220,13 +220,35 @@ std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vect
   return out;
 }
 
+std::vector<PromptExample> warmup_tasks(const SyntheticOptions& task, const SftOptions& o) {
+  const int64_t n = o.steps * o.batch_size;
+  // Operand lengths (digits_a, digits_b) of the warm-up problems, cycled through problem by problem.
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  const int64_t lo_a = o.operand_digits_min > 0 ? std::min(o.operand_digits_min, task.digits_a) : task.digits_a;
+  const int64_t lo_b = o.operand_digits_min > 0 ? std::min(o.operand_digits_min, task.digits_b) : task.digits_b;
+  for (int64_t a = lo_a; a <= task.digits_a; ++a) {
+    for (int64_t b = lo_b; b <= task.digits_b; ++b) shapes.emplace_back(a, b);
+  }
+  const int64_t S = static_cast<int64_t>(shapes.size());
+  std::vector<std::vector<PromptExample>> by_shape(S);
+  for (int64_t i = 0; i < S; ++i) {
+    SyntheticOptions s = task;
+    s.digits_a = shapes[i].first;
+    s.digits_b = shapes[i].second;
+    s.count = (n + S - 1) / S;
+    s.seed = task.seed + 104729 + 7919 * i;  // other problems than the RL prompts
+    by_shape[i] = make_multiplication_tasks(s);
+  }
+  std::vector<PromptExample> tasks;
+  tasks.reserve(n);
+  for (int64_t k = 0; k < n; ++k) tasks.push_back(by_shape[k % S][k / S]);
+  return tasks;
+}
+
 double sft_warmup(Run& run) {
   const SftOptions& o = run.config.sft;
   if (o.steps == 0) return 0.0;
-  SyntheticOptions s = run.config.synthetic;
-  s.count = o.steps * o.batch_size;
-  s.seed = run.config.synthetic.seed + 104729;  // other problems than the RL prompts
-  const auto tasks = make_multiplication_tasks(s);
+  const std::vector<PromptExample> tasks = warmup_tasks(run.config.synthetic, o);
   const auto prompts = encode_prompts(run, tasks);
   torch::optim::AdamW opt(run.policy->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.0));
   TrainOptions sched;

@@ -146,46 +146,18 @@ TEST(Transformer, KvCacheDecodeEqualsFullForward) {
 
 // The rollout's decode: a left-padded batch, prefilled with its padding mask, then one-token steps that
 // pass the mask (the masked attention path, where grouped query heads are folded into the query length).
-// Each row must match its own unpadded full forward.
-TEST(Transformer, MaskedDecodeOfAPaddedBatchEqualsEachSequencesForward) {
+// Row 0 holds all 24 reference ids; row 1 the last 20, left-padded by 4 (pad id 0, position 0, mask 0).
+// Each row must match its own unpadded full forward. With `fixed`, the steps take the form a CUDA graph
+// replays (KvCache::step_slot): the write slot in a tensor, attention over every slot of a cache longer
+// than the sequence, the unwritten ones masked.
+void check_padded_decode(bool fixed) {
   for (const auto& c : kCases) {
     SCOPED_TRACE(c);
     const auto ref = reference(c);
     const Transformer model = Transformer::load(case_dir(c).string(), at::kDouble, at::kCPU);
     at::NoGradGuard ng;
     const at::Tensor ids = tensor_of(ref["ids"], at::kLong);  // (24)
-    const int64_t L = ids.size(0), pad = 4, prefill = 10;
-    // Row 0: all 24 ids. Row 1: the last 20, left-padded by 4 (pad id 0, position 0, mask 0).
-    at::Tensor batch = at::stack({ids, at::cat({at::zeros({pad}, at::kLong), ids.narrow(0, pad, L - pad)})});
-    at::Tensor pos = at::stack({at::arange(L, at::kLong), (at::arange(L, at::kLong) - pad).clamp_min(0)});
-    at::Tensor mask = at::ones({2, L}, at::kLong);
-    mask[1].narrow(0, 0, pad).zero_();
-    KvCache cache = KvCache::allocate(model.config(), 2, L, at::TensorOptions().dtype(at::kDouble));
-    std::vector<at::Tensor> parts{
-        model.forward(batch.narrow(1, 0, prefill), pos.narrow(1, 0, prefill), mask.narrow(1, 0, prefill), &cache)};
-    for (int64_t t = prefill; t < L; ++t) {
-      parts.push_back(model.forward(batch.narrow(1, t, 1), pos.narrow(1, t, 1), mask.narrow(1, 0, t + 1), &cache));
-    }
-    const at::Tensor got = at::cat(parts, 1);  // (2, L, D)
-    const at::Tensor full0 = model.forward(ids.view({1, L}), arange_positions(1, L), at::Tensor())[0];
-    const at::Tensor full1 =
-        model.forward(ids.narrow(0, pad, L - pad).view({1, L - pad}), arange_positions(1, L - pad), at::Tensor())[0];
-    RLT_EXPECT_CLOSE(got[0], full0, 1e-10, 0.0, c + " row 0");
-    RLT_EXPECT_CLOSE(got[1].narrow(0, pad, L - pad), full1, 1e-10, 0.0, c + " row 1 (padded)");
-  }
-}
-
-// The form a CUDA graph replays (KvCache::step_slot): each one-token step writes the slot held in a device
-// tensor and attends over every slot of a cache longer than the sequence, the unwritten ones masked. It
-// must give what the length-based steps give: each sequence's own full forward.
-TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) {
-  for (const auto& c : kCases) {
-    SCOPED_TRACE(c);
-    const auto ref = reference(c);
-    const Transformer model = Transformer::load(case_dir(c).string(), at::kDouble, at::kCPU);
-    at::NoGradGuard ng;
-    const at::Tensor ids = tensor_of(ref["ids"], at::kLong);  // (24)
-    const int64_t L = ids.size(0), pad = 4, prefill = 10, max_len = L + 7;
+    const int64_t L = ids.size(0), pad = 4, prefill = 10, max_len = fixed ? L + 7 : L;
     at::Tensor batch = at::stack({ids, at::cat({at::zeros({pad}, at::kLong), ids.narrow(0, pad, L - pad)})});
     at::Tensor pos = at::stack({at::arange(L, at::kLong), (at::arange(L, at::kLong) - pad).clamp_min(0)});
     at::Tensor mask = at::zeros({2, max_len}, at::kBool);  // (2, max_len): slots written and attendable
@@ -194,9 +166,13 @@ TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) {
     KvCache cache = KvCache::allocate(model.config(), 2, max_len, at::TensorOptions().dtype(at::kDouble));
     std::vector<at::Tensor> parts{
         model.forward(batch.narrow(1, 0, prefill), pos.narrow(1, 0, prefill), mask.narrow(1, 0, prefill), &cache)};
-    at::Tensor step_mask = mask.clone();
+    at::Tensor step_mask = mask.clone();  // fixed: the slots written so far
     step_mask.narrow(1, prefill, max_len - prefill).fill_(false);
     for (int64_t t = prefill; t < L; ++t) {
+      if (!fixed) {
+        parts.push_back(model.forward(batch.narrow(1, t, 1), pos.narrow(1, t, 1), mask.narrow(1, 0, t + 1), &cache));
+        continue;
+      }
       step_mask.select(1, t).copy_(mask.select(1, t));
       cache.step_slot = at::full({1}, t, at::kLong);
       parts.push_back(model.forward(batch.narrow(1, t, 1), pos.narrow(1, t, 1), step_mask, &cache));
@@ -210,6 +186,10 @@ TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) {
     RLT_EXPECT_CLOSE(got[1].narrow(0, pad, L - pad), full1, 1e-10, 0.0, c + " row 1 (padded)");
   }
 }
+
+TEST(Transformer, MaskedDecodeOfAPaddedBatchEqualsEachSequencesForward) { check_padded_decode(/*fixed=*/false); }
+
+TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) { check_padded_decode(/*fixed=*/true); }
 
 std::string bytes_of(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -4,9 +4,11 @@
 // the uninterrupted run's losses exactly.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "tests/common/tmpdir.h"
 #include "trainer/config.h"
@@ -116,6 +118,54 @@ TEST(Gae, MatchesTheClosedFormAndSkipsToolTokens) {
   at::Tensor bad = rw.clone();
   bad[0][2] = 1.0f;
   EXPECT_THROW(gae_advantages(bad, vl, mk, gamma, lam), c10::Error);
+}
+
+// Operand digit counts of a problem "... A ... B ...", from its exact answer's factors.
+std::pair<size_t, size_t> operand_digits(const PromptExample& ex) {
+  std::vector<std::string> nums;
+  std::string cur;
+  for (char c : ex.prompt + " ") {
+    if (std::isdigit(static_cast<unsigned char>(c))) {
+      cur += c;
+    } else if (!cur.empty()) {
+      nums.push_back(cur);
+      cur.clear();
+    }
+  }
+  EXPECT_EQ(nums.size(), 2u) << ex.prompt;
+  if (nums.size() != 2) return {0, 0};
+  EXPECT_EQ(std::to_string(std::stoll(nums[0]) * std::stoll(nums[1])), ex.answer) << ex.prompt;
+  return {nums[0].size(), nums[1].size()};
+}
+
+TEST(Warmup, ProblemsCycleThroughOperandLengthsAndAvoidTheRlPrompts) {
+  SyntheticOptions task;  // 3 x 3 digits
+  task.seed = 5;
+  SftOptions o;
+  o.steps = 10;
+  o.batch_size = 6;
+  // Off (0): the task's own lengths, as before the option existed.
+  const auto plain = warmup_tasks(task, o);
+  ASSERT_EQ(plain.size(), 60u);
+  for (const auto& ex : plain) EXPECT_EQ(operand_digits(ex), std::make_pair(size_t(3), size_t(3))) << ex.prompt;
+  SyntheticOptions same = task;
+  same.seed = task.seed + 104729;
+  same.count = 60;
+  const auto expected = make_multiplication_tasks(same);
+  for (size_t k = 0; k < plain.size(); ++k) EXPECT_EQ(plain[k].prompt, expected[k].prompt) << k;
+  // On (2): 2x2, 2x3, 3x2, 3x3 in turn, and none of them an RL prompt of the same seed.
+  o.operand_digits_min = 2;
+  const auto mixed = warmup_tasks(task, o);
+  ASSERT_EQ(mixed.size(), 60u);
+  const std::pair<size_t, size_t> cycle[] = {{2, 2}, {2, 3}, {3, 2}, {3, 3}};
+  for (size_t k = 0; k < mixed.size(); ++k) EXPECT_EQ(operand_digits(mixed[k]), cycle[k % 4]) << mixed[k].prompt;
+  SyntheticOptions rl = task;
+  rl.count = 500;
+  std::set<std::string> rl_prompts;
+  for (const auto& ex : make_multiplication_tasks(rl)) rl_prompts.insert(ex.prompt);
+  size_t overlap = 0;
+  for (const auto& ex : mixed) overlap += rl_prompts.count(ex.prompt);
+  EXPECT_LE(overlap, 1u) << "warm-up problems are drawn apart from the RL prompts";
 }
 
 TEST(MicroBatches, RangesNeverCrossAMiniBatchAndDenominatorsAddUp) {
