@@ -6,8 +6,8 @@
 #      saved by transformers and a small math JSONL, with the memory switches on, then one step with
 #      them off (rollout tokens/s, update tokens/s, peak memory from metrics.jsonl).
 # Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu_train.sh [steps] [max_new_tokens]
-# SKIP_UPDATE_BENCH=1 skips part 1; SKIP_OFF=1 skips the switches-off run; TRAIN_TIMEOUT=S bounds each
-# grpo_train run (default: none).
+# SKIP_UPDATE_BENCH=1 skips part 1; SKIP_OFF=1 skips the switches-off run; EAGER_ROLLOUT=1 adds one step
+# with the rollout's CUDA graphs off; TRAIN_TIMEOUT=S bounds each grpo_train run (default: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_train}
@@ -47,9 +47,11 @@ limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"
 [ "${SKIP_OFF:-0}" = 1 ] || "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 --set loss.impl=naive --set loss.response_only=false \
   --set loss.loss_mask_only=false --set model.activation_checkpointing=false --out "$out/run_off" 2>&1 | tail -n 30 | tee "$out/train_off.log"
-cp "$out/run_on/metrics.jsonl" "$out/metrics_on.jsonl" 2>/dev/null
-cp "$out/run_off/metrics.jsonl" "$out/metrics_off.jsonl" 2>/dev/null
-rm -rf "$out/run_on" "$out/run_off"
+# EAGER_ROLLOUT=1: one more step with the switches on and the rollout's CUDA graphs off (same prompts).
+[ "${EAGER_ROLLOUT:-0}" = 1 ] && "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 \
+  --set rollout.cuda_graphs=false --out "$out/run_eager" 2>&1 | tail -n 30 | tee "$out/train_eager.log"
+for r in on off eager; do cp "$out/run_$r/metrics.jsonl" "$out/metrics_$r.jsonl" 2>/dev/null; done
+rm -rf "$out/run_on" "$out/run_off" "$out/run_eager"
 python3 - "$out" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
