@@ -4,6 +4,8 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 #include "loss/memory.h"
 
@@ -123,7 +125,13 @@ at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.index_copy_(1, slot, fed);
   cache_.step_slot = slot;
-  at::Tensor hidden = model_.forward(ids, pos, valid_, &cache_);  // (Bc, 1, D)
+  at::Tensor hidden;
+  try {
+    hidden = model_.forward(ids, pos, valid_, &cache_);  // (Bc, 1, D)
+  } catch (...) {
+    cache_.step_slot = at::Tensor();
+    throw;
+  }
   cache_.step_slot = at::Tensor();
   return hidden.squeeze(1);
 }
@@ -153,7 +161,16 @@ at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t p
     fixed_step(g->inputs);
     device_synchronize(dev);
     g->graph.capture_begin();
-    g->hidden = fixed_step(g->inputs);
+    try {
+      g->hidden = fixed_step(g->inputs);
+    } catch (const std::exception& e) {
+      try {
+        g->graph.capture_end();  // leave the stream out of capture mode; the partial graph is dropped
+      } catch (...) {
+      }
+      throw std::runtime_error(std::string("ModelPolicy: capturing the decode step as a CUDA graph failed (") +
+                               e.what() + "); rollout.cuda_graphs=false runs it eagerly");
+    }
     g->graph.capture_end();
   }
   device_synchronize(dev);
