@@ -144,8 +144,8 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) n_params += p.numel();
   std::cout << "model " << model_dir << ": " << model->config().model_type << ", " << n_params / 1e6 << "M parameters, "
             << dtype << " on " << device << "\n";
-  // Warm-up at the measured batch and prompt size (8 decode steps, both samplers), as the transformers
-  // peer does: handles, kernel selection and allocator growth stay out of the timed runs.
+  // Warm-up at the measured batch and prompt size (8 decode steps, every mode), as the transformers peer
+  // does: handles, kernel selection and allocator growth stay out of the timed runs.
   for (bool sample : {false, true}) run_once(*model, dev, B, P, std::min<int64_t>(N, 8), sample, 1);
   std::vector<bool> graph_modes = {false};
   if (dev.is_cuda()) graph_modes.push_back(true);
@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
             << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
             << "peak_MiB"
             << "\n";
-  // Reps interleave the two samplers (greedy, sample, greedy, ...) so that clock or allocator drift over
-  // the run does not favour whichever mode would otherwise go second.
+  // Reps interleave the modes (greedy, sample, rollout eager, rollout graphed, greedy, ...) so that clock or
+  // allocator drift over the run does not favour whichever mode would otherwise go last.
   // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
   std::vector<Run> all_runs[4];
   for (int i = 0; i < reps; ++i) {
