@@ -223,11 +223,12 @@ std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vect
 std::vector<PromptExample> warmup_tasks(const SyntheticOptions& task, const SftOptions& o) {
   const int64_t n = o.steps * o.batch_size;
   // Operand lengths (digits_a, digits_b) of the warm-up problems, cycled through problem by problem.
+  auto shortest = [&](int64_t digits) {
+    return o.operand_digits_min > 0 ? std::min(o.operand_digits_min, digits) : digits;
+  };
   std::vector<std::pair<int64_t, int64_t>> shapes;
-  const int64_t lo_a = o.operand_digits_min > 0 ? std::min(o.operand_digits_min, task.digits_a) : task.digits_a;
-  const int64_t lo_b = o.operand_digits_min > 0 ? std::min(o.operand_digits_min, task.digits_b) : task.digits_b;
-  for (int64_t a = lo_a; a <= task.digits_a; ++a) {
-    for (int64_t b = lo_b; b <= task.digits_b; ++b) shapes.emplace_back(a, b);
+  for (int64_t a = shortest(task.digits_a); a <= task.digits_a; ++a) {
+    for (int64_t b = shortest(task.digits_b); b <= task.digits_b; ++b) shapes.emplace_back(a, b);
   }
   const int64_t S = static_cast<int64_t>(shapes.size());
   std::vector<std::vector<PromptExample>> by_shape(S);

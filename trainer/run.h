@@ -87,11 +87,12 @@ void ensure_reference(Run& run);
 // out of the loss as in RL.
 double sft_warmup(Run& run);
 
-// Prompt ids of examples through the chat template.
 // The warm-up's problems: o.steps * o.batch_size of them, drawn apart from the RL prompts, cycling
 // through operand lengths [o.operand_digits_min, digits] x [.., digits] (just the task's own lengths when
 // operand_digits_min is 0).
 std::vector<PromptExample> warmup_tasks(const SyntheticOptions& task, const SftOptions& o);
+
+// Prompt ids of examples through the chat template.
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples);
 
 // One step's rollout: the next train.prompts_per_step prompts, sampling.samples_per_prompt trajectories
