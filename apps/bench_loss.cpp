@@ -18,9 +18,9 @@
 #include <iostream>
 #include <optional>
 
+#include "common/config.h"
+#include "common/memory.h"
 #include "loss/logprob.h"
-#include "loss/memory.h"
-#include "trainer/config.h"
 
 using namespace rlt;
 using json = nlohmann::json;
@@ -339,6 +339,15 @@ void case_seed002(Bench& b) {
 
 }  // namespace
 
+// bench_loss reads one section, the loss module's options (the same keys as the trainer's `loss:`).
+struct BenchLossConfig {
+  LossOptions loss;
+  template <class V>
+  void visit_sections(V&& v) {
+    v("loss", loss, "log-prob module: paths, row selection, chunking, entropy");
+  }
+};
+
 int main(int argc, char** argv) {
   CLI::App app{"bench_loss: memory, time and accuracy of the log-prob paths in the seed documents' settings"};
   ConfigCli cc;
@@ -354,8 +363,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
-  Config cfg;
+  BenchLossConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;
+  if (cc.print) return 0;
   b.base = cfg.loss;
   if (device == "cuda") {
     if (!at::hasCUDA()) {

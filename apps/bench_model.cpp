@@ -20,12 +20,12 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "loss/memory.h"
+#include "common/config.h"
+#include "common/memory.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
 #include "rollout/policy.h"
 #include "rollout/sampler.h"
-#include "trainer/config.h"
 
 using namespace rlt;
 using json = nlohmann::json;
@@ -71,7 +71,7 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
 
 // The rollout's path: B prompts x 1 sample through ModelPolicy, N sampled tokens each, every one fed back.
 Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
-                    uint64_t seed) {
+                    SamplingOptions so, uint64_t seed) {
   at::NoGradGuard ng;
   at::manual_seed(seed);
   at::Tensor ids = at::randint(0, m.config().vocab_size, {B, P}, at::kLong);
@@ -79,7 +79,6 @@ Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int6
   for (int64_t b = 0; b < B; ++b) prompts[b].assign(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + P);
   std::vector<int64_t> rows(B);
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
-  SamplingOptions so;
   so.seed = static_cast<int64_t>(seed);
   at::Tensor streams = at::arange(B, at::kLong), counters = at::zeros({B}, at::kLong);
   device_synchronize(dev);
@@ -107,6 +106,15 @@ Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int6
 
 }  // namespace
 
+// bench_model reads one section: the sampler's options for the rollout's path (temperature, top-k/p).
+struct BenchModelConfig {
+  SamplingOptions sampling;
+  template <class V>
+  void visit_sections(V&& v) {
+    v("sampling", sampling, "temperature, top-k, top-p of the rollout's path");
+  }
+};
+
 int main(int argc, char** argv) {
   CLI::App app{"bench_model: prefill and decode tokens/s of the decoder with its KV cache"};
   ConfigCli cc;
@@ -124,8 +132,9 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
-  Config cfg;
+  BenchModelConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;
+  if (cc.print) return 0;
   if (device == "cuda" && !at::hasCUDA()) {
     std::cerr << "bench_model: --device cuda but no CUDA device is available\n";
     return 2;
@@ -149,7 +158,7 @@ int main(int argc, char** argv) {
   for (bool sample : {false, true}) run_once(*model, dev, B, P, std::min<int64_t>(N, 8), sample, 1);
   std::vector<bool> graph_modes = {false};
   if (dev.is_cuda()) graph_modes.push_back(true);
-  for (bool graphs : graph_modes) run_policy_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, 1);
+  for (bool graphs : graph_modes) run_policy_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, cfg.sampling, 1);
   json records = json::array();
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(7) << "batch" << std::setw(8) << "prompt"
             << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
@@ -162,7 +171,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < reps; ++i) {
     for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
     for (bool graphs : graph_modes) {
-      all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, 100 + i));
+      all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
     }
   }
   for (int kind = 0; kind < 4; ++kind) {

@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "loss/memory.h"
+#include "common/memory.h"
 #include "loss/policy_loss.h"
 #include "model/safetensors.h"
 #include "trainer/batch.h"

@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "common/config.h"
 #include "loss/logprob.h"
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
-#include "trainer/config.h"
 
 using namespace rlt;
 using json = nlohmann::json;
@@ -97,6 +97,15 @@ at::Tensor score_ids(const Transformer& model, const at::Tensor& ids /*(L)*/, co
   return token_logprobs(in, options).logprobs;                  // (L-1)
 }
 
+// score reads one section, the loss module's options (the same keys as the trainer's `loss:`).
+struct ScoreConfig {
+  LossOptions loss;
+  template <class V>
+  void visit_sections(V&& v) {
+    v("loss", loss, "log-prob module: paths, row selection, chunking, entropy");
+  }
+};
+
 int run(int argc, char** argv) {
   CLI::App app{
       "score: per-token log-probs of one sequence under a checkpoint, through the loss module "
@@ -115,7 +124,7 @@ int run(int argc, char** argv) {
   app.add_option("--dtype", dtype, "weights and activations: float32 | bfloat16 (log-probs are fp32 either way)")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
-  Config cfg;
+  ScoreConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;
 
   // Everything that can be checked without the model comes first, so bad input fails fast.

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

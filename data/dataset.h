@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

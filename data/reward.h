@@ -11,7 +11,7 @@
 #include <optional>
 #include <string>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

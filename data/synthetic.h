@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/fields.h"
 #include "data/dataset.h"
-#include "loss/fields.h"
 
 namespace rlt {
 

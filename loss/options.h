@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

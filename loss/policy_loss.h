@@ -24,7 +24,7 @@
 
 #include <limits>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "loss/memory.h"
+#include "common/memory.h"
 
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/CUDAGraph.h>

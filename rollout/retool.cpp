@@ -8,8 +8,8 @@
 #include <deque>
 #include <thread>
 
+#include "common/memory.h"
 #include "data/tokenizer.h"
-#include "loss/memory.h"
 
 namespace rlt {
 

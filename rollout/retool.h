@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "common/fields.h"
 #include "data/reward.h"
 #include "data/synthetic.h"
-#include "loss/fields.h"
 #include "rollout/policy.h"
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"

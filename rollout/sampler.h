@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 
@@ -32,7 +32,8 @@ struct SamplingOptions {
   int64_t max_new_tokens = 256;
   // Completions per prompt (GRPO's group size G).
   int64_t samples_per_prompt = 8;
-  // Noise seed: equal seeds give equal rollouts.
+  // Noise seed: equal seeds give equal rollouts. Not a config key: the trainer derives it from train.seed
+  // and the step (one seed tree), benchmarks set it themselves.
   int64_t seed = 0;
 
   template <class V>
@@ -42,7 +43,6 @@ struct SamplingOptions {
     v("top_p", top_p, "nucleus: smallest set reaching this probability; 1 = all", FieldRange{1e-6, 1});
     v("max_new_tokens", max_new_tokens, "tokens one assistant turn may sample", FieldRange{1, 1e9});
     v("samples_per_prompt", samples_per_prompt, "completions per prompt (GRPO group size)", FieldRange{1, 1e6});
-    v("seed", seed, "sampling noise seed", FieldRange{0, 9.0e18});
   }
   void check(const FieldFail& fail) const {}
 };

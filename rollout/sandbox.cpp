@@ -20,6 +20,8 @@
 // for a few GiB).
 #include "rollout/sandbox.h"
 
+#include "common/files.h"
+
 #include <fcntl.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
@@ -541,89 +543,12 @@ void kill_descendants() {
 // ---------------------------------------------------------------------------------------------------
 // P's side.
 
-// RAII for one descriptor.
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-  void reset(int f = -1) {
-    if (fd >= 0) close(fd);
-    fd = f;
-  }
-  int release() { return std::exchange(fd, -1); }
-};
-
 void write_file(const std::string& path, const std::string& text) {
   Fd fd(open(path.c_str(), O_WRONLY | O_CLOEXEC));
   if (fd.fd < 0) throw SandboxError("open " + path + ": " + errno_text(errno));
   if (write(fd.fd, text.data(), text.size()) != ssize_t(text.size())) {
     throw SandboxError("write " + path + ": " + errno_text(errno));
   }
-}
-
-// Removes the directory tree at `path` without following a symlink anywhere in it and without an open
-// descriptor per level (code may have nested directories thousands deep). Entries P cannot remove
-// (a non-root caller meeting a mode-000 directory it cannot fix) are left and the walk goes on.
-void remove_tree(const std::string& path) {
-  Fd cur(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-  if (cur.fd < 0) {
-    unlink(path.c_str());
-    return;
-  }
-  std::vector<std::string> stack;  // names from `path` down to cur
-  std::set<std::string> stuck;     // relative paths we failed to enter
-  auto rel = [&](const std::string& name) {
-    std::string r;
-    for (const auto& s : stack) r += s + "/";
-    return r + name;
-  };
-  for (long steps = 0; steps < 10000000; ++steps) {
-    std::string subdir;
-    {
-      DIR* d = fdopendir(dup(cur.fd));
-      if (d == nullptr) break;
-      while (dirent* e = readdir(d)) {
-        const std::string name = e->d_name;
-        if (name == "." || name == "..") continue;
-        if (unlinkat(cur.fd, name.c_str(), 0) == 0) continue;
-        if (errno == EACCES || errno == EPERM) {
-          fchmod(cur.fd, 0700);
-          if (unlinkat(cur.fd, name.c_str(), 0) == 0) continue;
-        }
-        if (errno == EISDIR && !stuck.count(rel(name))) {
-          subdir = name;
-          break;
-        }
-      }
-      closedir(d);
-    }
-    if (!subdir.empty()) {
-      int next = openat(cur.fd, subdir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-      if (next < 0 && errno == EACCES && fchmodat(cur.fd, subdir.c_str(), 0700, 0) == 0) {
-        next = openat(cur.fd, subdir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-      }
-      if (next < 0) {
-        if (unlinkat(cur.fd, subdir.c_str(), AT_REMOVEDIR) != 0) stuck.insert(rel(subdir));
-        continue;
-      }
-      stack.push_back(subdir);
-      cur.reset(next);
-      continue;
-    }
-    if (stack.empty()) break;
-    // cur is as empty as we can make it: up one level (".." is the real parent, never a symlink).
-    const int parent = openat(cur.fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (parent < 0) break;
-    cur.reset(parent);
-    const std::string name = stack.back();
-    stack.pop_back();
-    if (unlinkat(cur.fd, name.c_str(), AT_REMOVEDIR) != 0) stuck.insert(rel(name));
-  }
-  cur.reset();
-  rmdir(path.c_str());
 }
 
 // The interpreter, resolved once per (python, tmp root): the real executable, and whether the sandbox

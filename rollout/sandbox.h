@@ -21,7 +21,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 

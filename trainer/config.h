@@ -1,13 +1,12 @@
-// The one place where configuration is read: YAML file + `--set section.key=value` overrides ->
-// the options structs of every component, each field range-checked and each cross-field rule checked.
-// Any problem is a ConfigError naming the key and where it came from (file:line, or the --set
-// argument); apps turn it into a message on stderr and exit code 2.
+// The trainer's configuration: every component's options struct as one YAML section, read by the one
+// config reader (common/config.h), plus the rules that span sections (e.g. a JSONL prompt source needs
+// data.path). Apps that need fewer sections declare their own smaller struct and link no trainer code.
 #pragma once
 
-#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "common/config.h"
 #include "data/chat_template.h"
 #include "data/dataset.h"
 #include "data/reward.h"
@@ -18,10 +17,6 @@
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"
 #include "trainer/options.h"
-
-namespace CLI {
-class App;
-}
 
 namespace rlt {
 
@@ -50,7 +45,9 @@ struct Config {
     v("rollout", rollout, "multi-turn tool loop limits");
     v("sandbox", sandbox, "sandboxed interpreter limits");
     v("reward", reward, "reward function");
-    v("loss", loss, "log-prob module: paths, row selection, chunking, entropy");
+    // loss.temperature is sampling.temperature (make_run copies it): one value for both.
+    FieldsWithout<LossOptions> loss_fields{loss, {"temperature"}};
+    v("loss", loss_fields, "log-prob module: paths, row selection, chunking, entropy");
     v("policy", policy, "policy loss: clipping, KL, entropy bonus, aggregation");
     v("train", train, "RL loop, optimizer, schedule, checkpoints");
     v("sft", sft, "supervised warm-up on synthetic tool-use traces");
@@ -58,29 +55,9 @@ struct Config {
   }
 };
 
-class ConfigError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// path may be empty (defaults + overrides only). Throws ConfigError.
+// Reads the trainer's sections (common/config.h) and checks the rules that span them. Throws ConfigError.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
-
-// Every field with its value in use and its documentation, as YAML (loadable by load_config).
-std::string describe_config(Config config);
-
-// Command-line plumbing shared by every app: --config FILE, --set key=value (repeatable),
-// --print-config. Call add_config_flags before parsing, load_cli_config after.
-struct ConfigCli {
-  std::string path;
-  std::vector<std::string> overrides;
-  bool print = false;
-};
-void add_config_flags(CLI::App& app, ConfigCli& cli);
-// Parses argv with CLI11. Returns -1 to continue, else the exit code to return from main (0 for
-// --help, 2 for bad arguments, with the message already printed).
-int parse_cli(CLI::App& app, int argc, char** argv);
-// load_config + --print-config; on ConfigError prints it and returns false (the app exits with 2).
+// load_config + --print-config for the trainer apps; false after printing a ConfigError (exit code 2).
 bool load_cli_config(const ConfigCli& cli, Config& out);
 
 }  // namespace rlt

@@ -17,12 +17,16 @@
 #include <cmath>
 #include <iostream>
 
-#include "loss/memory.h"
+#include "common/memory.h"
 #include "loss/policy_loss.h"
 #include "rollout/policy.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+#include "trainer/warmup.h"
 
 namespace rlt {
 
@@ -103,14 +107,12 @@ std::map<std::string, double> train_grpo(Run& run) {
     // 5. Updates.
     peaks.end("scoring");
     const auto t_update = Clock::now();
-    double loss_sum = 0, pg_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, lp_sum = 0, norm_sum = 0, tok_sum = 0;
-    int64_t updates = 0;
+    UpdateMetrics um(run.device);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
         run.optimizer->zero_grad();
-        double loss_mb = 0;
         for (; k < batches.size() && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           const auto [begin, end] = micro_ranges[k];
@@ -125,20 +127,9 @@ std::map<std::string, double> train_grpo(Run& run) {
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           out.loss.backward();
-          // Metrics of this micro-batch, weighted by its loss-mask tokens.
-          const double tokens = b.loss_mask.sum().item<double>();
-          loss_mb += out.loss.item<double>();
-          pg_sum += out.pg_loss.item<double>() * tokens;
-          kl_sum += out.kl.item<double>() * tokens;
-          clip_sum += out.clip_frac.item<double>() * tokens;
-          if (out.entropy.defined()) ent_sum += out.entropy.item<double>() * tokens;
-          lp_sum += (r.logprobs.detach() * b.loss_mask).sum().item<double>();
-          tok_sum += tokens;
+          um.add_micro_batch(out.loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
         }
-        const double norm = apply_gradients(run, params, loss_mb, total_optimizer_steps);
-        loss_sum += loss_mb;
-        norm_sum += norm;
-        ++updates;
+        um.end_optimizer_step(apply_gradients(run, params, um.step_loss(), total_optimizer_steps));
       }
     }
     run.optimizer->zero_grad();
@@ -150,16 +141,9 @@ std::map<std::string, double> train_grpo(Run& run) {
     m = rollout_metrics(run, rb);
     log_samples(run, trajs);
     ++run.step;
-    const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
+    m.merge(um.read());
     m.insert({{"step", double(run.step)},
               {"steps", double(T.steps)},
-              {"loss", loss_sum / n_upd},
-              {"pg_loss", pg_sum / n_tok},
-              {"kl", kl_sum / n_tok},
-              {"entropy", ent_sum / n_tok},
-              {"clip_frac", clip_sum / n_tok},
-              {"logprob_mean", lp_sum / n_tok},
-              {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},

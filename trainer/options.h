@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "loss/fields.h"
+#include "common/fields.h"
 
 namespace rlt {
 
@@ -94,9 +94,12 @@ struct TrainOptions {
   double min_lr_ratio = 0.0;  // linear/cosine decay ends at lr * min_lr_ratio
   ScaleRewards scale_rewards = ScaleRewards::kGroup;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
-  int64_t seed = 0;              // prompt order and sampling noise
-  int64_t eval_prompts = 0;      // held-out prompts scored greedily before and after training; 0 = none
-  int64_t log_samples = 4;       // trajectories per step written to samples.jsonl; 0 = none
+  // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
+  // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
+  // model's weights).
+  int64_t seed = 0;
+  int64_t eval_prompts = 0;  // held-out prompts scored greedily before and after training; 0 = none
+  int64_t log_samples = 4;   // trajectories per step written to samples.jsonl; 0 = none
 
   template <class V>
   void visit(V&& v) {
@@ -117,7 +120,7 @@ struct TrainOptions {
     v("min_lr_ratio", min_lr_ratio, "decay floor as a fraction of lr", FieldRange{0, 1});
     v("scale_rewards", scale_rewards, "advantage scaling: group | batch | none");
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
-    v("seed", seed, "prompt order and sampling noise seed", FieldRange{0, 9.0e18});
+    v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts, "held-out prompts scored greedily at start and end", FieldRange{0, 1e6});
     v("log_samples", log_samples, "trajectories per step written to samples.jsonl", FieldRange{0, 1e6});
   }
@@ -128,7 +131,14 @@ struct TrainOptions {
 struct SftOptions {
   int64_t steps = 0;        // 0 = none
   int64_t batch_size = 32;  // traces per step
-  double lr = 1e-3;         // AdamW, cosine to 10%
+  // Its own AdamW and schedule (the RL's train.* settings would be far too gentle for a model trained
+  // from nothing): peak lr, linear warm-up, decay to lr * min_lr_ratio, global-norm clip.
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999, adam_eps = 1e-8, weight_decay = 0.0;
+  LrSchedule lr_schedule = LrSchedule::kCosine;
+  int64_t warmup_steps = 20;
+  double min_lr_ratio = 0.1;
+  double grad_clip = 1.0;
   // Share of warm-up traces that use the tool; the rest answer directly (and mostly wrongly): RL then
   // has something to discover.
   double tool_fraction = 0.3;
@@ -144,7 +154,15 @@ struct SftOptions {
     v("operand_digits_min", operand_digits_min, "shortest warm-up operand in digits; 0 = the task's own",
       FieldRange{0, 18});
     v("batch_size", batch_size, "traces per warm-up step", FieldRange{1, 1e9});
-    v("lr", lr, "warm-up learning rate", FieldRange{0, 10});
+    v("lr", lr, "warm-up peak learning rate", FieldRange{0, 10});
+    v("beta1", beta1, "warm-up AdamW beta1", FieldRange{0, 1});
+    v("beta2", beta2, "warm-up AdamW beta2", FieldRange{0, 1});
+    v("adam_eps", adam_eps, "warm-up AdamW epsilon", FieldRange{0, 1});
+    v("weight_decay", weight_decay, "warm-up AdamW decoupled weight decay", FieldRange{0, 10});
+    v("lr_schedule", lr_schedule, "warm-up schedule: constant | linear | cosine");
+    v("warmup_steps", warmup_steps, "linear warm-up steps of the warm-up's learning rate", FieldRange{0, 1e9});
+    v("min_lr_ratio", min_lr_ratio, "warm-up decay floor as a fraction of sft.lr", FieldRange{0, 1});
+    v("grad_clip", grad_clip, "warm-up max global gradient norm; 0 = off", FieldRange{0, 1e9});
     v("tool_fraction", tool_fraction, "share of warm-up traces that use the tool", FieldRange{0, 1});
   }
   void check(const FieldFail& fail) const {}

@@ -19,10 +19,14 @@
 #include <cmath>
 #include <iostream>
 
-#include "loss/memory.h"
+#include "common/memory.h"
 #include "loss/policy_loss.h"
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+#include "trainer/warmup.h"
 
 namespace rlt {
 
@@ -168,15 +172,12 @@ std::map<std::string, double> train_ppo(Run& run) {
     // 4. Updates.
     peaks.end("scoring");
     const auto t_update = Clock::now();
-    double loss_sum = 0, pg_sum = 0, vf_sum = 0, vclip_sum = 0, kl_sum = 0, ent_sum = 0, clip_sum = 0, norm_sum = 0,
-           tok_sum = 0;
-    int64_t updates = 0;
+    UpdateMetrics um(run.device);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
         run.optimizer->zero_grad();
-        double loss_mb = 0;
         for (; k < K && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
@@ -203,19 +204,11 @@ std::map<std::string, double> train_ppo(Run& run) {
               aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.policy.agg, cfg.policy.agg_norm, denom);  // ()
           at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
           loss.backward();
-          const double tokens = b.loss_mask.sum().item<double>();
-          loss_mb += loss.item<double>();
-          pg_sum += out.pg_loss.item<double>() * tokens;
-          vf_sum += vf_loss.item<double>();
-          vclip_sum += (vf_clipped * b.loss_mask).sum().item<double>();
-          kl_sum += out.kl.item<double>() * tokens;
-          clip_sum += out.clip_frac.item<double>() * tokens;
-          if (out.entropy.defined()) ent_sum += out.entropy.item<double>() * tokens;
-          tok_sum += tokens;
+          um.add_micro_batch(loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
+          um.add_update_term("value_loss", vf_loss);
+          um.add_token_sum("value_clip_frac", (vf_clipped * b.loss_mask).sum());
         }
-        norm_sum += apply_gradients(run, params, loss_mb, total_optimizer_steps);
-        loss_sum += loss_mb;
-        ++updates;
+        um.end_optimizer_step(apply_gradients(run, params, um.step_loss(), total_optimizer_steps));
       }
     }
     run.optimizer->zero_grad();
@@ -232,21 +225,13 @@ std::map<std::string, double> train_ppo(Run& run) {
     m = rollout_metrics(run, rb);
     log_samples(run, trajs);
     ++run.step;
-    const double n_upd = std::max<int64_t>(1, updates), n_tok = std::max(1.0, tok_sum);
+    m.merge(um.read());
     m.insert({{"step", double(run.step)},
               {"steps", double(T.steps)},
-              {"loss", loss_sum / n_upd},
-              {"pg_loss", pg_sum / n_tok},
-              {"value_loss", vf_sum / n_upd},
-              {"value_clip_frac", vclip_sum / n_tok},
               {"value_mean", v_sum / std::max(1.0, n_act)},
               {"return_mean", ret_sum / std::max(1.0, n_act)},
               {"advantage_mean", adv_mean},
               {"advantage_std", adv_std},
-              {"kl", kl_sum / n_tok},
-              {"entropy", ent_sum / n_tok},
-              {"clip_frac", clip_sum / n_tok},
-              {"grad_norm", norm_sum / n_upd},
               {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
               {"skipped_steps", double(run.skipped_steps)},
               {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},

@@ -1,22 +1,18 @@
-// Temporary folders for tests. Removal goes through POSIX nftw, not std::filesystem::remove_all: the
-// torch wheel's libtorch.so exports its own std::filesystem symbols and the dynamic linker binds
-// remove_all to that copy, which crashes (seen with torch 2.11.0 + GCC 12).
+// Temporary folders for tests, removed with common/files.h's remove_tree (not std::filesystem::remove_all:
+// see there why).
 #pragma once
 
-#include <ftw.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <string>
 
+#include "common/files.h"
+
 namespace rlt::testing {
 
-inline void remove_tree(const std::filesystem::path& p) {
-  nftw(
-      p.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
+inline void remove_tree(const std::filesystem::path& p) { rlt::remove_tree(p.string()); }
 
 // A fresh, empty folder unique to this process, removed when the object goes out of scope.
 class TempDir {

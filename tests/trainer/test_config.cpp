@@ -50,12 +50,11 @@ TEST(Config, FileThenOverrides) {
   const std::string p = write_yaml("ok.yaml",
                                    "loss:\n  impl: cce\n  chunk_size: 256\n  loss_mask_only: true\n"
                                    "policy:\n  clip_eps_high: 0.28\n  agg: seq-mean-token-mean\n");
-  Config c = load_config(
-      p, {"loss.chunk_size=512", "loss.temperature=0.7", "sampling.temperature=0.7", "policy.kl_estimator=k1"});
+  Config c = load_config(p, {"loss.chunk_size=512", "sampling.temperature=0.7", "policy.kl_estimator=k1"});
   EXPECT_EQ(c.loss.impl, LogprobImpl::kCce);
   EXPECT_EQ(c.loss.chunk_size, 512) << "--set wins over the file";
   EXPECT_TRUE(c.loss.loss_mask_only);
-  EXPECT_DOUBLE_EQ(c.loss.temperature, 0.7);
+  EXPECT_DOUBLE_EQ(c.sampling.temperature, 0.7);
   EXPECT_DOUBLE_EQ(c.policy.clip_eps_high, 0.28);
   EXPECT_EQ(c.policy.agg, LossAgg::kSeqMeanTokenMean);
   EXPECT_EQ(c.policy.kl_estimator, KlEstimator::kK1);
@@ -81,7 +80,7 @@ TEST(Config, WrongTypes) {
   expect_error(write_yaml("t1.yaml", "loss:\n  response_only: maybe\n"), {},
                {":2", "loss.response_only", "true or false"});
   expect_error(write_yaml("t2.yaml", "loss:\n\n  chunk_size: 1.5\n"), {}, {":3", "loss.chunk_size", "integer"});
-  expect_error(write_yaml("t3.yaml", "loss:\n  temperature: hot\n"), {}, {":2", "loss.temperature", "number"});
+  expect_error(write_yaml("t3.yaml", "sampling:\n  temperature: hot\n"), {}, {":2", "sampling.temperature", "number"});
   expect_error(write_yaml("t4.yaml", "loss:\n  impl: fast\n"), {}, {":2", "loss.impl", "naive | selective | cce"});
   expect_error(write_yaml("t5.yaml", "loss:\n  impl: [cce]\n"), {}, {":2", "loss.impl", "single value"});
   expect_error(write_yaml("t6.yaml", "loss: 3\n"), {}, {":1", "loss", "mapping"});
@@ -89,7 +88,7 @@ TEST(Config, WrongTypes) {
 
 TEST(Config, OutOfRange) {
   expect_error(write_yaml("r1.yaml", "loss:\n  chunk_size: -1\n"), {}, {":2", "loss.chunk_size", "out of range"});
-  expect_error("", {"loss.temperature=0"}, {"--set loss.temperature=0", "out of range"});
+  expect_error("", {"sampling.temperature=-1"}, {"--set sampling.temperature=-1", "out of range"});
   expect_error("", {"policy.clip_eps_low=2"}, {"policy.clip_eps_low", "out of range"});
 }
 
@@ -102,7 +101,10 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   expect_error("", {"policy.agg=seq-mean-token-sum-norm"}, {"policy.agg_norm"});
   // Rules across sections: the trainer scores what was sampled, a JSONL source needs a file, an entropy
   // bonus needs the entropy's gradient.
-  expect_error("", {"sampling.temperature=0.7"}, {"loss.temperature", "sampling.temperature"});
+  // One value per setting: the trainer's log-probs use sampling.temperature, so `loss:` has no temperature
+  // key, and the noise seed derives from train.seed, so `sampling:` has no seed key.
+  expect_error("", {"loss.temperature=0.7"}, {"loss.temperature", "unknown key"});
+  expect_error("", {"sampling.seed=3"}, {"sampling.seed", "unknown key"});
   expect_error("", {"train.prompts=jsonl"}, {"data.path", "jsonl"});
   expect_error("", {"policy.entropy_coef=0.01", "loss.entropy=value"}, {"loss.entropy", "grad"});
   EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "policy.entropy_coef=0.01", "loss.entropy=grad"}))

@@ -13,8 +13,11 @@
 #include "tests/common/tmpdir.h"
 #include "trainer/config.h"
 #include "trainer/grpo.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
 #include "trainer/ppo.h"
 #include "trainer/run.h"
+#include "trainer/warmup.h"
 
 namespace rlt {
 namespace {
@@ -183,6 +186,50 @@ TEST(MicroBatches, RangesNeverCrossAMiniBatchAndDenominatorsAddUp) {
   EXPECT_EQ(mini_batch_denominator(t, 1, 2, LossAgg::kTokenMean), 1) << "clamped to >= 1";
 }
 
+// Two optimizer steps of two micro-batches each, with hand-made policy-loss outputs. policy_loss()
+// already divides each micro-batch by its mini-batch's denominator, so a mini-batch's loss and pg_loss
+// are the SUMS of its micro-batch terms, and the step reports their mean over optimizer steps. Token
+// means (kl, clip_frac, ...) are weighted by each micro-batch's loss-mask tokens.
+TEST(UpdateMetrics, LossesAddUpPerMiniBatchAndTokenMeansWeighByTokens) {
+  auto scalar = [](double v) { return at::scalar_tensor(v, at::kFloat); };
+  auto micro = [&](double pg, double kl, double clip, int64_t tokens, double logprob) {
+    PolicyLossOutput out;
+    out.loss = scalar(pg);  // no KL or entropy term: loss == pg
+    out.pg_loss = scalar(pg);
+    out.kl = scalar(kl);
+    out.clip_frac = scalar(clip);
+    out.approx_kl = scalar(0);
+    out.dual_clip_frac = scalar(0);
+    const at::Tensor mask = at::ones({1, tokens}, at::kFloat);
+    return std::make_tuple(out, at::full({1, tokens}, logprob, at::kFloat), mask);
+  };
+  UpdateMetrics um(at::kCPU);
+  // Optimizer step 1: micro-batches with pg terms 0.25 (3 tokens) and 0.5 (1 token) -> mini-batch 0.75.
+  // Optimizer step 2: 0.125 (2 tokens) and -0.375 (2 tokens) -> -0.25. Mean over steps: (0.75 - 0.25) / 2.
+  const std::vector<std::tuple<double, double, double, int64_t, double>> steps[2] = {
+      {{0.25, 0.1, 0.5, 3, -1.0}, {0.5, 0.3, 0.0, 1, -2.0}}, {{0.125, 0.2, 1.0, 2, -0.5}, {-0.375, 0.0, 0.0, 2, -0.5}}};
+  const double norms[2] = {2.0, 4.0};
+  for (int k = 0; k < 2; ++k) {
+    for (const auto& [pg, kl, clip, tokens, lp] : steps[k]) {
+      auto [out, lp_t, mask] = micro(pg, kl, clip, tokens, lp);
+      um.add_micro_batch(out.loss, out, lp_t, mask);
+    }
+    um.end_optimizer_step(norms[k]);
+  }
+  const auto m = um.read();
+  EXPECT_NEAR(m.at("loss"), 0.25, kExact);
+  EXPECT_NEAR(m.at("pg_loss"), 0.25, kExact);
+  // The definition the trainers used before: each micro-batch's pg term weighted by its tokens over all
+  // tokens. It gives 0.094, not the loss 0.25: a metric computed that way must fail this test.
+  const double token_weighted = (0.25 * 3 + 0.5 * 1 + 0.125 * 2 - 0.375 * 2) / 8;
+  EXPECT_GT(std::abs(token_weighted - m.at("pg_loss")), 0.1);
+  EXPECT_NEAR(m.at("grad_norm"), 3.0, kExact);
+  EXPECT_NEAR(m.at("kl"), (0.1 * 3 + 0.3 * 1 + 0.2 * 2 + 0.0 * 2) / 8, 1e-7);  // float32 inputs
+  EXPECT_NEAR(m.at("clip_frac"), (0.5 * 3 + 0 + 1.0 * 2 + 0) / 8, 1e-7);
+  EXPECT_NEAR(m.at("logprob_mean"), (-1.0 * 3 - 2.0 * 1 - 0.5 * 2 - 0.5 * 2) / 8, 1e-7);
+  EXPECT_EQ(m.at("entropy"), 0.0) << "no micro-batch reported entropy";
+}
+
 // A tiny run: a trained tokenizer, a 2-layer model, a short warm-up, 2 prompts x 4 samples per step with
 // real sandboxed tool calls, two iterations over two mini-batches (off-policy ratios), a KL penalty (so
 // the reference model is built, saved and restored).
@@ -225,6 +272,7 @@ Config tiny_config() {
   c.sft.steps = 40;
   c.sft.batch_size = 16;
   c.sft.lr = 1e-2;
+  c.sft.warmup_steps = 4;
   c.sft.tool_fraction = 0.5;
   c.ppo.value_lr = 1e-2;
   return c;
@@ -314,6 +362,7 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   base.train.checkpoint_every = 0;
   base.sft.tool_fraction = 1.0;  // every warm-up trace uses the tool: some first-step answers are right
   base.sft.steps = 80;
+  base.sft.warmup_steps = 8;
   struct Variant {
     LogprobImpl impl;
     bool response_only, loss_mask_only;
@@ -343,6 +392,8 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
     EXPECT_EQ(m[i]["reward_mean"], m[0]["reward_mean"]) << "the same rollout";
   }
   EXPECT_GT(std::abs(m[0]["loss"]), 1e-4) << "an off-policy pass: the loss is not trivially 0";
+  // No KL and no entropy term, two micro-batches per mini-batch: the logged pg_loss is the loss.
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_NEAR(m[i]["pg_loss"], m[i]["loss"], 1e-12) << "variant " << i;
   // Memory: full-vocabulary rows of every position (naive, all rows) vs CCE on loss-mask rows.
   EXPECT_GT(m[0]["peak_memory_update_mib"], 1.5 * m[6]["peak_memory_update_mib"]);
   EXPECT_GT(m[0]["peak_memory_update_mib"], m[2]["peak_memory_update_mib"]) << "row selection saves memory";

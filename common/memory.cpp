@@ -1,6 +1,6 @@
 // CPU: a c10::Allocator that delegates to the allocator it replaces and counts live and peak bytes.
 // CUDA: c10's caching-allocator statistics (allocated bytes, aggregate over pools).
-#include "loss/memory.h"
+#include "common/memory.h"
 
 #include <c10/core/CPUAllocator.h>
 

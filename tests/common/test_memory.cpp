@@ -1,6 +1,6 @@
 // The CPU tracking allocator: counts what LibTorch allocates and frees, and hands out pointers that
 // LibTorch's raw_allocate accepts (oneDNN's bf16 matmul on CPU allocates its scratch through it).
-#include "loss/memory.h"
+#include "common/memory.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>

@@ -1,0 +1,197 @@
+// The one configuration reader: a YAML file plus `--set section.key=value` overrides -> the options
+// structs of whatever sections an app declares, through each struct's field visitor (common/fields.h),
+// so names, types, ranges and documentation are declared once, next to the field. Every problem is a
+// ConfigError naming the key and where its value came from (file:line, or the --set argument); apps turn
+// it into a message on stderr and exit code 2.
+//
+// An app declares its sections once:
+//   struct BenchConfig {
+//     LossOptions loss;
+//     template <class V> void visit_sections(V&& v) { v("loss", loss, "log-prob module"); }
+//   };
+// and reads them with load_config<BenchConfig>(path, overrides). The trainer's Config
+// (trainer/config.h) is the same thing with every section, plus the rules that span sections.
+// Leaves out: YAML lists and nested mappings inside a section (every field is a scalar).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/fields.h"
+
+namespace CLI {
+class App;
+}
+
+namespace rlt {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One `section.key: value` as written, before it is matched to a field. `scalar` is false for a list,
+// a mapping or an empty value, which no field accepts.
+struct ConfigEntry {
+  std::string section, key, value;
+  bool scalar = true;
+  std::string where;  // "file.yaml:12" or "--set section.key=value"
+};
+
+// Reads a YAML file into entries (a missing file, a syntax error or a top level that is not a mapping
+// of sections is a ConfigError). The order of the file is kept.
+std::vector<ConfigEntry> read_config_file(const std::string& path);
+// Parses one `section.key=value` override (the value is read as YAML, so quotes work as in a file).
+ConfigEntry read_config_override(const std::string& arg);
+
+// Scalar parsing, one overload per field type; `where`/`key` only name the value in errors.
+void parse_field(const std::string& s, bool& out, const std::string& where, const std::string& key);
+void parse_field(const std::string& s, int64_t& out, const std::string& where, const std::string& key);
+void parse_field(const std::string& s, double& out, const std::string& where, const std::string& key);
+void parse_field(const std::string& s, std::string& out, const std::string& where, const std::string& key);
+template <class E, class = std::enable_if_t<std::is_enum_v<E>>>
+void parse_field(const std::string& s, E& out, const std::string& where, const std::string& key) {
+  std::string allowed;
+  for (const auto& [name, v] : enum_names(E{})) {
+    if (s == name) {
+      out = v;
+      return;
+    }
+    allowed += allowed.empty() ? name : std::string(" | ") + name;
+  }
+  throw ConfigError(where + ": " + key + ": unknown value '" + s + "' (one of: " + allowed + ")");
+}
+
+// A field's value as the YAML that reads it back (strings JSON-quoted, so escapes round-trip).
+std::string format_field(bool v);
+std::string format_field(int64_t v);
+std::string format_field(double v);
+std::string format_field(const std::string& v);
+template <class E, class = std::enable_if_t<std::is_enum_v<E>>>
+std::string format_field(E v) {
+  return enum_to_string(v);
+}
+
+// Reads entries into a sections struct C, then runs validate() on every section (field ranges, then the
+// section's own check()). `where` of a failed rule is where its key was last set, or "(default)".
+template <class C>
+class ConfigReader {
+ public:
+  C config;
+
+  void apply(const ConfigEntry& e) {
+    bool section_found = false;
+    std::string sections;
+    config.visit_sections([&](const char* name, auto& opts, const char*) {
+      sections += sections.empty() ? name : std::string(", ") + name;
+      if (e.section != name) return;
+      section_found = true;
+      if (e.key.empty()) return;  // the section name itself (its keys follow as their own entries)
+      const std::string key = e.section + "." + e.key;
+      bool found = false;
+      std::string known;
+      opts.visit([&](const char* field, auto& ref, const char*, FieldRange = {}) {
+        known += known.empty() ? field : std::string(", ") + field;
+        if (found || e.key != field) return;
+        found = true;
+        if (!e.scalar) {
+          throw ConfigError(e.where + ": " + key +
+                            ": expected a single value, got a list, a mapping or nothing (write \"\" for an "
+                            "empty string)");
+        }
+        parse_field(e.value, ref, e.where, key);
+      });
+      if (!found)
+        throw ConfigError(e.where + ": " + key + ": unknown key (known keys in '" + e.section + "': " + known + ")");
+      origin_[key] = e.where;
+    });
+    if (!section_found) {
+      throw ConfigError(e.where + ": " + e.section + ": unknown section (known sections: " + sections + ")");
+    }
+  }
+
+  // Where `section.key` was set, for messages about it.
+  std::string origin(const std::string& key) const {
+    auto it = origin_.find(key);
+    return it == origin_.end() ? std::string("(default)") : it->second;
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& why) const {
+    throw ConfigError(origin(key) + ": " + key + ": " + why);
+  }
+
+  void validate_sections() {
+    config.visit_sections([&](const char* section, auto& opts, const char*) {
+      validate(opts, [&](const std::string& field, const std::string& why) {
+        fail(std::string(section) + "." + field, why);
+      });
+    });
+  }
+
+ private:
+  std::map<std::string, std::string> origin_;  // "section.key" -> where its value was last set
+};
+
+// path may be empty (defaults + overrides only). `cross_check` sees the validated config and reports
+// rules that span sections through reader.fail(key, why). Throws ConfigError.
+template <class C>
+C load_config(const std::string& path, const std::vector<std::string>& overrides,
+              const std::function<void(const ConfigReader<C>&)>& cross_check = {}) {
+  ConfigReader<C> reader;
+  if (!path.empty()) {
+    for (const auto& e : read_config_file(path)) reader.apply(e);
+  }
+  for (const auto& o : overrides) reader.apply(read_config_override(o));
+  reader.validate_sections();
+  if (cross_check) cross_check(reader);
+  return reader.config;
+}
+
+// Every field with its value in use and its documentation, as YAML (loadable by load_config).
+template <class C>
+std::string describe_config(C config) {
+  std::ostringstream os;
+  config.visit_sections([&](const char* name, auto& opts, const char* doc) {
+    os << name << ":  # " << doc << "\n";
+    opts.visit([&](const char* field, auto& ref, const char* field_doc, FieldRange = {}) {
+      os << "  " << field << ": " << format_field(ref) << "  # " << field_doc << "\n";
+    });
+  });
+  return os.str();
+}
+
+// Command-line plumbing shared by every app: --config FILE, --set key=value (repeatable),
+// --print-config. Call add_config_flags before parsing, load_cli_config after.
+struct ConfigCli {
+  std::string path;
+  std::vector<std::string> overrides;
+  bool print = false;
+};
+void add_config_flags(CLI::App& app, ConfigCli& cli);
+// Parses argv with CLI11. Returns -1 to continue, else the exit code to return from main (0 for
+// --help, 2 for bad arguments, with the message already printed).
+int parse_cli(CLI::App& app, int argc, char** argv);
+// Prints "config error: ..." to stderr.
+void print_config_error(const ConfigError& e);
+
+// load_config + --print-config; on ConfigError prints it and returns false (the app exits with 2).
+template <class C>
+bool load_cli_config(const ConfigCli& cli, C& out,
+                     const std::function<void(const ConfigReader<C>&)>& cross_check = {}) {
+  try {
+    out = load_config<C>(cli.path, cli.overrides, cross_check);
+  } catch (const ConfigError& e) {
+    print_config_error(e);
+    return false;
+  }
+  if (cli.print) std::cout << describe_config(out);
+  return true;
+}
+
+}  // namespace rlt

@@ -1,0 +1,244 @@
+// Step metrics, logs and the plot; see metrics.h.
+#include "trainer/metrics.h"
+
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace rlt {
+
+namespace fs = std::filesystem;
+
+void UpdateMetrics::add(std::map<std::string, at::Tensor>& sums, const std::string& name, const at::Tensor& value) {
+  const at::Tensor v = value.detach().to(at::kDouble).reshape({});  // ()
+  auto it = sums.find(name);
+  if (it == sums.end())
+    sums.emplace(name, v.clone());
+  else
+    it->second.add_(v);
+}
+
+void UpdateMetrics::add_micro_batch(const at::Tensor& loss, const PolicyLossOutput& out, const at::Tensor& logprobs,
+                                    const at::Tensor& loss_mask) {
+  const at::Tensor tokens = loss_mask.detach().sum().to(at::kDouble);  // ()
+  const at::Tensor l = loss.detach().to(at::kDouble);
+  step_loss_ = step_loss_.defined() ? step_loss_ + l : l;
+  add(per_update_, "pg_loss", out.pg_loss);
+  add(per_token_, "kl", out.kl * tokens);
+  add(per_token_, "clip_frac", out.clip_frac * tokens);
+  add(per_token_, "approx_kl", out.approx_kl * tokens);
+  add(per_token_, "dual_clip_frac", out.dual_clip_frac * tokens);
+  if (out.entropy.defined()) add(per_token_, "entropy", out.entropy * tokens);
+  add(per_token_, "logprob_mean", (logprobs.detach() * loss_mask).sum());
+  tokens_ = tokens_.defined() ? tokens_ + tokens : tokens;
+}
+
+void UpdateMetrics::add_update_term(const std::string& name, const at::Tensor& value) { add(per_update_, name, value); }
+
+void UpdateMetrics::add_token_sum(const std::string& name, const at::Tensor& sum) { add(per_token_, name, sum); }
+
+void UpdateMetrics::end_optimizer_step(double grad_norm) {
+  if (step_loss_.defined()) add(per_update_, "loss", step_loss_);
+  step_loss_ = at::Tensor();
+  grad_norm_sum_ += grad_norm;
+  ++updates_;
+}
+
+std::map<std::string, double> UpdateMetrics::read() const {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> values;
+  for (const auto& [name, v] : per_update_) {
+    names.push_back(name);
+    values.push_back(v);
+  }
+  for (const auto& [name, v] : per_token_) {
+    names.push_back(name);
+    values.push_back(v);
+  }
+  if (tokens_.defined()) {
+    names.push_back("");
+    values.push_back(tokens_);
+  }
+  std::map<std::string, double> m;
+  const double n_upd = std::max<int64_t>(1, updates_);
+  m["grad_norm"] = grad_norm_sum_ / n_upd;
+  // Zeros for metrics a step had nothing to report on (no micro-batch at all, no entropy).
+  for (const char* key :
+       {"loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl", "dual_clip_frac", "logprob_mean"}) {
+    m[key] = 0.0;
+  }
+  if (values.empty()) return m;
+  const at::Tensor host = at::stack(values).cpu();  // the one device-to-host copy
+  const double* h = host.data_ptr<double>();
+  const double tokens = tokens_.defined() ? std::max(1.0, h[values.size() - 1]) : 1.0;
+  for (size_t i = 0; i < per_update_.size(); ++i) m[names[i]] = h[i] / n_upd;
+  for (size_t i = per_update_.size(); i < per_update_.size() + per_token_.size(); ++i) m[names[i]] = h[i] / tokens;
+  return m;
+}
+
+void PhasePeaks::end(const std::string& name) {
+  mib_["peak_memory_" + name + "_mib"] = current_->peak_extra_bytes() / 1048576.0;
+  current_.emplace(device_);
+}
+
+std::map<std::string, double> PhasePeaks::metrics() const {
+  std::map<std::string, double> out = mib_;
+  double top = 0;
+  for (const auto& [name, mib] : mib_) top = std::max(top, mib);
+  out["peak_memory_mib"] = top;
+  return out;
+}
+
+std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb) {
+  const std::vector<Trajectory>& trajs = rb.trajs;
+  const double S = static_cast<double>(trajs.size());
+  double correct = 0, tool_use = 0, tool_calls = 0, truncated = 0, len_sum = 0, len_max = 0, r_sum = 0;
+  double sampled = 0, tokens = 0;
+  for (const auto& t : trajs) {
+    sampled += t.sampled_tokens();
+    tokens += t.window_end();
+    correct += t.correct;
+    tool_use += t.tool_calls > 0;
+    tool_calls += t.tool_calls;
+    truncated += t.truncated;
+    len_sum += t.response_ids.size();
+    len_max = std::max<double>(len_max, t.response_ids.size());
+    r_sum += t.reward;
+  }
+  const double r_mean = r_sum / S;
+  double r_var = 0;
+  for (const auto& t : trajs) r_var += (t.reward - r_mean) * (t.reward - r_mean);
+  const double r_std = S > 1 ? std::sqrt(r_var / (S - 1)) : 0.0;
+  const int64_t step = run.step + 1;
+  if (r_std == 0) {
+    std::cerr << "warning: step " << step << ": every reward is " << r_mean << ": zero advantage, zero gradient\n";
+  }
+  if (truncated > 0.5 * S) {
+    std::cerr << "warning: step " << step << ": " << int(100 * truncated / S)
+              << "% of completions hit a length limit (sampling.max_new_tokens / rollout.max_context)\n";
+  }
+  return {{"reward_mean", r_mean},
+          {"reward_std", r_std},
+          {"accuracy", correct / S},
+          {"tool_use", tool_use / S},
+          {"tool_calls_mean", tool_calls / S},
+          {"truncation_rate", truncated / S},
+          {"response_length_mean", len_sum / S},
+          {"response_length_max", len_max},
+          {"sampled_tokens", sampled},
+          {"tokens", tokens},
+          {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
+          {"time_rollout_s", rb.seconds},
+          {"time_rollout_prefill_s", rb.stats.prefill_s},
+          {"time_rollout_decode_s", rb.stats.decode_s},
+          {"time_rollout_sample_s", rb.stats.sample_s},
+          {"time_rollout_tool_wait_s", rb.stats.tool_wait_s},
+          {"rollout_decode_steps", double(rb.stats.decode_steps)},
+          {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
+          {"rollout_forced_tokens", double(rb.stats.forced_tokens)}};
+}
+
+void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
+  const int64_t n = std::min<int64_t>(run.config.train.log_samples, static_cast<int64_t>(trajs.size()));
+  if (n == 0) return;
+  std::ofstream f((fs::path(run.out_dir) / "samples.jsonl").string(), run.step == 0 ? std::ios::trunc : std::ios::app);
+  for (int64_t i = 0; i < n; ++i) {
+    const Trajectory& t = trajs[i];
+    nlohmann::json j = {{"step", run.step + 1},
+                        {"prompt", run.tokenizer->decode(t.prompt_ids)},
+                        {"response", run.tokenizer->decode(t.response_ids)},
+                        {"reward", t.reward},
+                        {"correct", t.correct},
+                        {"finish", enum_to_string(t.finish)},
+                        {"tool_calls", t.tool_calls},
+                        {"response_tokens", t.response_ids.size()},
+                        {"sampled_tokens", t.sampled_tokens()}};
+    f << j.dump() << "\n";
+  }
+}
+
+MetricsLog::MetricsLog(const std::string& out_dir, bool append) : out_dir_(out_dir) {
+  const std::string path = (fs::path(out_dir) / "metrics.jsonl").string();
+  if (append) {  // keep the plot whole across a resume
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      try {
+        std::map<std::string, double> row;
+        const nlohmann::json parsed = nlohmann::json::parse(line);  // outlives the loop (items() refers to it)
+        for (const auto& [k, v] : parsed.items()) {
+          if (v.is_number()) row[k] = v.get<double>();
+        }
+        rows_.push_back(row);
+      } catch (const nlohmann::json::exception&) {
+      }
+    }
+  }
+  file_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!file_) throw RunError(path + ": cannot open for writing");
+}
+
+void MetricsLog::write(const std::map<std::string, double>& m) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [k, v] : m) j[k] = std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
+  file_ << j.dump() << "\n";
+  file_.flush();
+  rows_.push_back(m);
+  auto get = [&](const char* k) { return m.count(k) ? m.at(k) : 0.0; };
+  std::ostringstream line;
+  line << std::fixed << "step " << int64_t(get("step")) << "/" << int64_t(get("steps")) << "  reward "
+       << std::setprecision(3) << get("reward_mean") << "  acc " << std::setprecision(0) << 100 * get("accuracy")
+       << "%  tool " << 100 * get("tool_use") << "%  len " << std::setprecision(1) << get("response_length_mean")
+       << std::scientific << std::setprecision(3) << "  loss " << get("loss") << "  kl " << get("kl") << std::fixed
+       << "  " << std::setprecision(1) << get("time_step_s") << " s";
+  std::cerr << line.str() << "\n";
+}
+
+void MetricsLog::plot() const {
+  // Accuracy and tool use on [0, 1] (left axis), mean reward on [-1.2, 1] (right axis), against step.
+  const double W = 720, H = 360, x0 = 60, x1 = W - 60, y0 = 30, y1 = H - 50;
+  double smax = 1;
+  for (const auto& r : rows_) smax = std::max(smax, r.count("step") ? r.at("step") : 0.0);
+  auto X = [&](double s) { return x0 + (x1 - x0) * (s - 1) / std::max(1.0, smax - 1); };
+  auto Y01 = [&](double v) { return y1 - (y1 - y0) * v; };
+  auto Yr = [&](double v) { return Y01((v + 1.2) / 2.2); };
+  std::ostringstream svg;
+  svg << std::fixed << std::setprecision(1);
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+      << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  for (int i = 0; i <= 4; ++i) {
+    const double v = i / 4.0;
+    svg << "<line x1=\"" << x0 << "\" x2=\"" << x1 << "\" y1=\"" << Y01(v) << "\" y2=\"" << Y01(v)
+        << "\" stroke=\"#ddd\"/>\n<text x=\"" << x0 - 8 << "\" y=\"" << Y01(v) + 4 << "\" text-anchor=\"end\">"
+        << int(v * 100) << "%</text>\n<text x=\"" << x1 + 8 << "\" y=\"" << Y01(v) + 4 << "\">" << std::setprecision(2)
+        << (-1.2 + 2.2 * v) << std::setprecision(1) << "</text>\n";
+  }
+  svg << "<text x=\"" << (x0 + x1) / 2 << "\" y=\"" << H - 15 << "\" text-anchor=\"middle\">RL step (1.." << int(smax)
+      << ")</text>\n";
+  const std::pair<const char*, const char*> series[] = {
+      {"accuracy", "#1f77b4"}, {"tool_use", "#2ca02c"}, {"reward_mean", "#d62728"}};
+  int k = 0;
+  for (const auto& [key, color] : series) {
+    svg << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\" points=\"";
+    for (const auto& r : rows_) {
+      if (!r.count("step") || !r.count(key)) continue;
+      const double v = r.at(key);
+      svg << X(r.at("step")) << "," << (std::string(key) == "reward_mean" ? Yr(v) : Y01(v)) << " ";
+    }
+    svg << "\"/>\n<text x=\"" << x0 + 10 + 150 * k << "\" y=\"" << y0 - 10 << "\" fill=\"" << color << "\">"
+        << (k == 2 ? "reward (right axis)" : key) << "</text>\n";
+    ++k;
+  }
+  svg << "</svg>\n";
+  const std::string path = (fs::path(out_dir_) / "plot.svg").string();
+  std::ofstream f(path + ".tmp");
+  f << svg.str();
+  f.close();
+  fs::rename(path + ".tmp", path);
+}
+
+}  // namespace rlt

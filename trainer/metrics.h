@@ -1,0 +1,100 @@
+// What a step reports: the peak memory of its phases, the rollout's metrics, the update's metrics
+// (accumulated on the device, read once per step), samples.jsonl, metrics.jsonl with the console's
+// progress line, and plot.svg.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/memory.h"
+#include "loss/policy_loss.h"
+#include "trainer/run.h"
+
+namespace rlt {
+
+// Peak extra memory of a step's phases, measured one after another: each phase's peak is over what was
+// allocated when it began (a PeakMemory resets the device's peak counter, so phases cannot overlap).
+class PhasePeaks {
+ public:
+  explicit PhasePeaks(const at::Device& device) : device_(device), current_(std::in_place, device) {}
+  // Ends the current phase as peak_memory_<name>_mib and starts the next one.
+  void end(const std::string& name);
+  // peak_memory_<name>_mib of every ended phase, and peak_memory_mib, their maximum.
+  std::map<std::string, double> metrics() const;
+
+ private:
+  at::Device device_;
+  std::optional<PeakMemory> current_;
+  std::map<std::string, double> mib_;
+};
+
+// The update's metrics of one step, summed on the device as the micro-batches go and copied to the host
+// once, by read(). Two kinds:
+//   * per optimizer step, averaged over the step's optimizer steps: loss, pg_loss, grad_norm, and the
+//     terms given to add_update_term (PPO's value_loss). policy_loss() aggregates each micro-batch with
+//     the mini-batch's global denominator, so a mini-batch's value is the plain SUM of its micro-batch
+//     terms (weighting them by tokens again would count the denominator twice). With no KL and no
+//     entropy term, pg_loss == loss exactly.
+//   * per loss-mask token, averaged over every micro-batch's loss-mask tokens: kl, entropy, clip_frac,
+//     approx_kl, dual_clip_frac, logprob_mean, and the sums given to add_token_sum (PPO's
+//     value_clip_frac). A micro-batch's token mean is weighted by its own token count.
+class UpdateMetrics {
+ public:
+  explicit UpdateMetrics(const at::Device& device) : device_(device) {}
+  // One micro-batch: `loss` () is what was backpropagated (the policy loss plus any extra term);
+  // logprobs, loss_mask (S_m, R).
+  void add_micro_batch(const at::Tensor& loss, const PolicyLossOutput& out, const at::Tensor& logprobs,
+                       const at::Tensor& loss_mask);
+  // A term of this optimizer step's loss, averaged per optimizer step like loss (PPO: value_loss).
+  void add_update_term(const std::string& name, const at::Tensor& value);
+  // A sum over loss-mask tokens, averaged per token (PPO: value_clip_frac).
+  void add_token_sum(const std::string& name, const at::Tensor& sum);
+  // The loss of the optimizer step under way: the sum of its micro-batches' losses so far. ()
+  const at::Tensor& step_loss() const { return step_loss_; }
+  // Ends an optimizer step with its gradient norm (already on the host: clipping reads it).
+  void end_optimizer_step(double grad_norm);
+  // Every metric, one device-to-host copy.
+  std::map<std::string, double> read() const;
+
+ private:
+  void add(std::map<std::string, at::Tensor>& sums, const std::string& name, const at::Tensor& value);
+  at::Device device_;
+  at::Tensor step_loss_;                          // () float64, the optimizer step under way
+  std::map<std::string, at::Tensor> per_update_;  // name -> () float64 sum over optimizer steps
+  std::map<std::string, at::Tensor> per_token_;   // name -> () float64 sum over loss-mask tokens
+  at::Tensor tokens_;                             // () float64 loss-mask tokens
+  double grad_norm_sum_ = 0;
+  int64_t updates_ = 0;
+};
+
+// Per-step rollout metrics of a batch: accuracy, tool use, lengths, truncation, rewards, sampled_tokens and
+// tokens (prompt + response), rollout tokens/s and where the rollout's time went (time_rollout_*); and the
+// warnings of a degenerate step: every reward equal (zero advantage), most completions truncated.
+std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb);
+
+// Appends the first train.log_samples trajectories of a step to out_dir/samples.jsonl: step, prompt and
+// response text (tool output included, as the model saw it), reward, finish reason, tool calls.
+void log_samples(const Run& run, const std::vector<Trajectory>& trajs);
+
+// metrics.jsonl (one JSON object per step), the progress line, and plot.svg.
+class MetricsLog {
+ public:
+  MetricsLog(const std::string& out_dir, bool append);
+  void write(const std::map<std::string, double>& metrics);
+  // plot.svg: reward, accuracy and tool use against step.
+  void plot() const;
+
+ private:
+  std::string out_dir_;
+  std::ofstream file_;
+  std::vector<std::map<std::string, double>> rows_;
+};
+
+}  // namespace rlt

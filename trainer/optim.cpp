@@ -1,0 +1,95 @@
+// AdamW, the schedule and gradient accumulation; see optim.h.
+#include "trainer/optim.h"
+
+#include <torch/nn/utils/clip_grad.h>
+
+#include <cmath>
+#include <iostream>
+
+namespace rlt {
+
+void make_optimizer(Run& run, const ExtraParams& extra) {
+  const TrainOptions& t = run.config.train;
+  auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(run.policy->parameters(), std::make_unique<torch::optim::AdamWOptions>(o));
+  if (!run.extra.empty()) {
+    std::vector<at::Tensor> params;
+    for (const auto& [name, p] : run.extra) params.push_back(p);
+    const double lr = extra.lr && extra.lr(run.config) > 0 ? extra.lr(run.config) : t.lr;
+    run.extra_lr_scale = t.lr > 0 ? lr / t.lr : 1.0;
+    auto eo = o;
+    eo.lr(lr).weight_decay(0.0);  // a head started at zero: no decay towards it
+    groups.emplace_back(params, std::make_unique<torch::optim::AdamWOptions>(eo));
+  }
+  run.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+}
+
+double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {
+  if (step < o.warmup_steps) return o.lr * double(step + 1) / double(o.warmup_steps + 1);
+  const double span = std::max<int64_t>(1, total - o.warmup_steps);
+  const double progress = std::min(1.0, double(step - o.warmup_steps) / span);  // 0 -> 1 after warm-up
+  const double floor = o.lr * o.min_lr_ratio;
+  switch (o.lr_schedule) {
+    case LrSchedule::kConstant:
+      return o.lr;
+    case LrSchedule::kLinear:
+      return floor + (o.lr - floor) * (1.0 - progress);
+    case LrSchedule::kCosine:
+      return floor + (o.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
+  }
+  return o.lr;
+}
+
+void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scale) {
+  auto& groups = opt.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    static_cast<torch::optim::AdamWOptions&>(groups[g].options()).lr(g == 0 ? lr : lr * extra_lr_scale);
+  }
+}
+
+std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t mini, int64_t micro) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t mb = 0; mb < S; mb += mini) {
+    const int64_t mb_end = std::min(S, mb + mini);
+    for (int64_t b = mb; b < mb_end; b += micro) ranges.push_back({b, std::min(mb_end, b + micro)});
+  }
+  return ranges;
+}
+
+double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg) {
+  double tokens = 0, nonempty = 0;
+  for (int64_t s = begin; s < end; ++s) {
+    const int64_t n = trajs[s].sampled_tokens();
+    tokens += n;
+    nonempty += n > 0;
+  }
+  switch (agg) {
+    case LossAgg::kTokenMean:
+      return std::max(1.0, tokens);
+    case LossAgg::kSeqMeanTokenMean:
+      return std::max(1.0, nonempty);
+    default:
+      return std::max<double>(1.0, end - begin);
+  }
+}
+
+double apply_gradients(Run& run, const std::vector<at::Tensor>& params, const at::Tensor& loss,
+                       int64_t total_optimizer_steps) {
+  const double clip = run.config.train.grad_clip;
+  const double norm = torch::nn::utils::clip_grad_norm_(params, clip > 0 ? clip : INFINITY);
+  const bool loss_finite = !loss.defined() || loss.isfinite().all().item<bool>();
+  if (!loss_finite || !std::isfinite(norm)) {
+    run.optimizer->zero_grad();  // never applied
+    ++run.skipped_steps;
+    std::cerr << "warning: step " << run.step + 1 << ": non-finite loss or gradient, update skipped\n";
+    return norm;
+  }
+  set_learning_rate(*run.optimizer, learning_rate(run.config.train, run.optimizer_steps, total_optimizer_steps),
+                    run.extra_lr_scale);
+  run.optimizer->step();
+  ++run.optimizer_steps;
+  return norm;
+}
+
+}  // namespace rlt

@@ -1,0 +1,40 @@
+// The optimizer side of a step, shared by GRPO, PPO and the warm-up: AdamW over the policy (and a second
+// parameter group for run.extra), its learning-rate schedule, the micro-batch ranges of gradient
+// accumulation and their loss denominator, and the end of an optimizer step (clip, finite check, step).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "trainer/run.h"
+
+namespace rlt {
+
+// One AdamW: the policy's parameters, then run.extra's (a second group at its own learning rate).
+void make_optimizer(Run& run, const ExtraParams& extra);
+
+// The learning rate at optimizer step `step` (0-based) of `total`.
+double learning_rate(const TrainOptions& o, int64_t step, int64_t total);
+// Sets the policy group's learning rate to lr and the extra group's to lr * extra_lr_scale.
+void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scale = 1.0);
+
+// Micro-batch ranges [begin, end) over S sequences: mini-batches of `mini`, each split into `micro`;
+// a range never crosses a mini-batch boundary.
+std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t mini, int64_t micro);
+
+// The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
+// micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).
+double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg);
+
+// Ends one optimizer step whose gradients have been accumulated: clips the global norm (train.grad_clip),
+// and applies AdamW at the schedule's learning rate only when `loss` () and the norm are finite; otherwise
+// zeroes the gradients and counts the step in run.skipped_steps (never applied). Returns the norm. The one
+// host sync of an optimizer step: clipping needs the norm on the host, and the finite check rides on it.
+double apply_gradients(Run& run, const std::vector<at::Tensor>& params, const at::Tensor& loss,
+                       int64_t total_optimizer_steps);
+
+}  // namespace rlt
