@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "apps/bench_common.h"
 #include "common/config.h"
 #include "common/memory.h"
 #include "model/safetensors.h"
@@ -135,20 +136,10 @@ int main(int argc, char** argv) {
   BenchModelConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;
   if (cc.print) return 0;
-  if (device == "cuda" && !at::hasCUDA()) {
-    std::cerr << "bench_model: --device cuda but no CUDA device is available\n";
-    return 2;
-  }
-  const at::Device dev = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
-  const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  if (dev.is_cpu()) install_cpu_memory_tracking();
-  std::optional<Transformer> model;
-  try {
-    model.emplace(Transformer::load_or_random(model_dir, dt, dev, /*seed=*/0));
-  } catch (const std::exception& e) {
-    std::cerr << "bench_model: " << e.what() << "\n";
-    return 2;
-  }
+  std::optional<BenchModel> bench = load_bench_model("bench_model", model_dir, device, dtype);
+  if (!bench) return 2;
+  const at::Device dev = bench->device;
+  std::optional<Transformer>& model = bench->model;
   int64_t n_params = 0;
   for (const auto& p : model->parameters()) n_params += p.numel();
   std::cout << "model " << model_dir << ": " << model->config().model_type << ", " << n_params / 1e6 << "M parameters, "

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "apps/bench_common.h"
 #include "common/memory.h"
 #include "loss/policy_loss.h"
 #include "model/safetensors.h"
@@ -115,20 +116,10 @@ int main(int argc, char** argv) {
     std::cerr << "bench_update: --prompt-len " << P << " leaves no response in --seq-len " << L << "\n";
     return 2;
   }
-  if (device == "cuda" && !at::hasCUDA()) {
-    std::cerr << "bench_update: --device cuda but no CUDA device is available\n";
-    return 2;
-  }
-  const at::Device dev = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
-  const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  if (dev.is_cpu()) install_cpu_memory_tracking();
-  std::optional<Transformer> model;
-  try {
-    model.emplace(Transformer::load_or_random(model_dir, dt, dev, /*seed=*/0));
-  } catch (const std::exception& e) {
-    std::cerr << "bench_update: " << e.what() << "\n";
-    return 2;
-  }
+  std::optional<BenchModel> bench = load_bench_model("bench_update", model_dir, device, dtype);
+  if (!bench) return 2;
+  const at::Device dev = bench->device;
+  std::optional<Transformer>& model = bench->model;
   const std::vector<Trajectory> trajs = make_batch(B, L, P, tool_fraction, model->config().vocab_size);
   const PackedBatch batch = pack(trajs, 0, B, dev);
   at::manual_seed(11);

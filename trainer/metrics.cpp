@@ -9,6 +9,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trainer/checkpoint.h"
+#include "trainer/optim.h"
+
 namespace rlt {
 
 namespace fs = std::filesystem;
@@ -77,6 +80,30 @@ std::map<std::string, double> UpdateMetrics::read() const {
   const double tokens = tokens_.defined() ? std::max(1.0, h[values.size() - 1]) : 1.0;
   for (size_t i = 0; i < per_update_.size(); ++i) m[names[i]] = h[i] / n_upd;
   for (size_t i = per_update_.size(); i < per_update_.size() + per_token_.size(); ++i) m[names[i]] = h[i] / tokens;
+  return m;
+}
+
+std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const RolloutBatch& rb, const UpdateMetrics& um,
+                                          const PhasePeaks& peaks, const StepTimes& times,
+                                          int64_t total_optimizer_steps, std::map<std::string, double> extra) {
+  const TrainOptions& T = run.config.train;
+  std::map<std::string, double> m = rollout_metrics(run, rb);
+  log_samples(run, rb.trajs);
+  ++run.step;
+  m.merge(um.read());
+  m.merge(extra);
+  m.merge(peaks.metrics());
+  m.insert({{"step", double(run.step)},
+            {"steps", double(T.steps)},
+            {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
+            {"skipped_steps", double(run.skipped_steps)},
+            {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, times.update)},
+            {"time_scoring_s", times.scoring},
+            {"time_update_s", times.update},
+            {"time_step_s", times.step}});
+  log.write(m);
+  log.plot();
+  if (run.checkpoint_due()) save_checkpoint(run);
   return m;
 }
 

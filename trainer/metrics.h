@@ -74,6 +74,20 @@ class UpdateMetrics {
   int64_t updates_ = 0;
 };
 
+class MetricsLog;
+
+// Seconds a step spent scoring, updating, and in all.
+struct StepTimes {
+  double scoring = 0, update = 0, step = 0;
+};
+
+// The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
+// metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the console and the plot;
+// samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics.
+std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const RolloutBatch& rb, const UpdateMetrics& um,
+                                          const PhasePeaks& peaks, const StepTimes& times,
+                                          int64_t total_optimizer_steps, std::map<std::string, double> extra = {});
+
 // Per-step rollout metrics of a batch: accuracy, tool use, lengths, truncation, rewards, sampled_tokens and
 // tokens (prompt + response), rollout tokens/s and where the rollout's time went (time_rollout_*); and the
 // warnings of a degenerate step: every reward equal (zero advantage), most completions truncated.

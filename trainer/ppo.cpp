@@ -106,21 +106,15 @@ std::map<std::string, double> train_ppo(Run& run) {
   const int64_t mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, S) : S;
   const int64_t micro = std::min(T.micro_batch_size, mini);
   const int64_t total_optimizer_steps = T.steps * T.num_iterations * ((S + mini - 1) / mini);
-  const bool fresh = run.step == 0;
   TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  MetricsLog log(run.out_dir, /*append=*/!fresh);
+  MetricsLog log(run.out_dir, /*append=*/run.step > 0);
   SandboxPool pool(cfg.sandbox);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
   std::vector<at::Tensor> params = run.policy->parameters();
   for (const auto& [name, p] : run.extra) params.push_back(p);
 
-  if (fresh && cfg.sft.steps > 0) sft_warmup(run);
-  ensure_reference(run);  // only when policy.kl_coef > 0
-  double eval_start = NAN;
-  if (fresh && !run.eval_set.empty()) {
-    eval_start = report_evaluation(run, "before");
-  }
+  const double eval_start = begin_training(run);  // warm-up, reference, evaluation before RL
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
@@ -222,32 +216,13 @@ std::map<std::string, double> train_ppo(Run& run) {
       v_sum += values_old[k].sum().item<double>();
       ret_sum += returns[k].sum().item<double>();
     }
-    m = rollout_metrics(run, rb);
-    log_samples(run, trajs);
-    ++run.step;
-    m.merge(um.read());
-    m.insert({{"step", double(run.step)},
-              {"steps", double(T.steps)},
-              {"value_mean", v_sum / std::max(1.0, n_act)},
-              {"return_mean", ret_sum / std::max(1.0, n_act)},
-              {"advantage_mean", adv_mean},
-              {"advantage_std", adv_std},
-              {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
-              {"skipped_steps", double(run.skipped_steps)},
-              {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, t_upd)},
-              {"time_scoring_s", t_scoring},
-              {"time_update_s", t_upd},
-              {"time_step_s", seconds_since(t_step)}});
-    m.merge(peaks.metrics());
-    log.write(m);
-    log.plot();
-    if (run.checkpoint_due()) save_checkpoint(run);
+    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
+                    {{"value_mean", v_sum / std::max(1.0, n_act)},
+                     {"return_mean", ret_sum / std::max(1.0, n_act)},
+                     {"advantage_mean", adv_mean},
+                     {"advantage_std", adv_std}});
   }
-  if (!run.eval_set.empty() && run.step == T.steps) {
-    const double acc = report_evaluation(run, "after");
-    if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
-    m["eval_accuracy_end"] = acc;
-  }
+  end_training(run, eval_start, m);
   return m;
 }
 

@@ -178,6 +178,20 @@ RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
   return out;
 }
 
+double begin_training(Run& run) {
+  const bool fresh = run.step == 0;
+  if (fresh && run.config.sft.steps > 0) sft_warmup(run);
+  ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
+  return fresh && !run.eval_set.empty() ? report_evaluation(run, "before") : NAN;
+}
+
+void end_training(Run& run, double eval_start, std::map<std::string, double>& m) {
+  if (run.eval_set.empty() || run.step != run.config.train.steps) return;
+  const double accuracy = report_evaluation(run, "after");
+  if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
+  m["eval_accuracy_end"] = accuracy;
+}
+
 double report_evaluation(Run& run, const char* when) {
   const auto [accuracy, tool_use] = evaluate(run);
   std::cerr << "eval " << when << " RL: accuracy " << 100 * accuracy << "%, tool use " << 100 * tool_use << "%\n";

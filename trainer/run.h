@@ -78,6 +78,13 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 // resumed run saved one, else a copy of the policy, saved there.
 void ensure_reference(Run& run);
 
+// What every trainer does before its first RL step: the warm-up (a fresh run with sft.steps > 0), the
+// reference policy (policy.kl_coef > 0), and the greedy evaluation "before" on a fresh run. Returns that
+// evaluation's accuracy, NaN when there is none.
+double begin_training(Run& run);
+// After the last step: the evaluation "after", adding eval_accuracy_start / eval_accuracy_end to `m`.
+void end_training(Run& run, double eval_start, std::map<std::string, double>& m);
+
 // Prompt ids of examples through the chat template.
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples);
 

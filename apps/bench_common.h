@@ -1,0 +1,43 @@
+// What bench_model and bench_update share after parsing their flags: the --device / --dtype values
+// checked and turned into LibTorch's, CPU memory tracking switched on, and the model loaded (or made with
+// random weights) with any error printed as "<app>: ...". Each returns nullopt after printing; the app
+// exits with code 2.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <iostream>
+#include <optional>
+#include <string>
+
+#include "common/memory.h"
+#include "model/transformer.h"
+
+namespace rlt {
+
+struct BenchModel {
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;
+  std::optional<Transformer> model;
+};
+
+inline std::optional<BenchModel> load_bench_model(const std::string& app, const std::string& model_dir,
+                                                  const std::string& device, const std::string& dtype) {
+  if (device == "cuda" && !at::hasCUDA()) {
+    std::cerr << app << ": --device cuda but no CUDA device is available\n";
+    return std::nullopt;
+  }
+  BenchModel b;
+  b.device = device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  b.dtype = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  if (b.device.is_cpu()) install_cpu_memory_tracking();
+  try {
+    b.model.emplace(Transformer::load_or_random(model_dir, b.dtype, b.device, /*seed=*/0));
+  } catch (const std::exception& e) {
+    std::cerr << app << ": " << e.what() << "\n";
+    return std::nullopt;
+  }
+  return b;
+}
+
+}  // namespace rlt
