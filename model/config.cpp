@@ -65,6 +65,35 @@ ModelConfig load_model_config(const std::string& path_in) {
   return model_config_from_json(raw, path);
 }
 
+std::vector<int64_t> generation_eos_ids(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
+  if (!std::filesystem::exists(path)) return {};
+  std::ifstream f(path);
+  if (!f) throw ModelConfigError(path + ": cannot open");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    throw ModelConfigError(path + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw ModelConfigError(path + ": expected a JSON object");
+  if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return {};
+  const nlohmann::json& e = j["eos_token_id"];
+  std::vector<int64_t> ids;
+  auto take = [&](const nlohmann::json& v) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      throw ModelConfigError(path + ": eos_token_id: expected a token id or a list of them, got " + e.dump());
+    }
+    ids.push_back(v.get<int64_t>());
+  };
+  if (e.is_array()) {
+    for (const auto& v : e) take(v);
+  } else {
+    take(e);
+  }
+  return ids;
+}
+
 ModelConfig model_config_from_json(const nlohmann::json& raw, const std::string& path) {
   ModelConfig c;
   c.raw = raw;

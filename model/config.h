@@ -58,4 +58,10 @@ ModelConfig load_model_config(const std::string& path);
 // The same from parsed JSON; `where` names its origin in errors.
 ModelConfig model_config_from_json(const nlohmann::json& j, const std::string& where);
 
+// What a checkpoint's generation_config.json says about stopping: every id of eos_token_id (a single id
+// or a list; Qwen2.5/3 instruct models list <|im_end|> and <|endoftext|>, Llama-3.1 three ids). Empty
+// when the folder has no generation_config.json or it names none. A file that is not JSON, or an
+// eos_token_id that is not an id or a list of ids, is a ModelConfigError naming the file.
+std::vector<int64_t> generation_eos_ids(const std::string& dir);
+
 }  // namespace rlt
