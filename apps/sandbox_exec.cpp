@@ -35,17 +35,8 @@ int main(int argc, char** argv) {
     return "--" + key;
   };
   std::string bad;
-  options.visit([&](const char* key, auto& value, const char*, rlt::FieldRange range = {}) {
-    using T = std::decay_t<decltype(value)>;
-    if constexpr (std::is_arithmetic_v<T>) {
-      if (!(double(value) >= range.lo && double(value) <= range.hi)) {
-        std::ostringstream why;
-        why << " " << flag_of(key) << " must lie in [" << range.lo << ", " << range.hi << "], got " << value << ";";
-        bad += why.str();
-      }
-    }
-  });
-  options.check([&](const std::string& key, const std::string& why) { bad += " " + flag_of(key) + ": " + why + ";"; });
+  rlt::validate(options,
+                [&](const std::string& key, const std::string& why) { bad += " " + flag_of(key) + ": " + why + ";"; });
   if (!bad.empty()) {
     std::cerr << "sandbox_exec: bad option:" << bad << "\n";
     return 2;

@@ -56,7 +56,6 @@ struct DatasetOptions {
     if (!prompt_key.empty() && prompt_key == answer_key) {
       fail("answer_key", "must differ from prompt_key ('" + prompt_key + "'): the answer would be the question");
     }
-    if (max_examples < 0) fail("max_examples", "must be >= 0 (0 = all)");
   }
 };
 

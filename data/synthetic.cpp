@@ -43,7 +43,8 @@ constexpr int kPhrasings = 4;
 
 std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& options) {
   std::string bad;
-  options.check([&](const std::string& key, const std::string& why) {
+  SyntheticOptions copy = options;  // visit() is non-const by the fields.h convention
+  validate(copy, [&](const std::string& key, const std::string& why) {
     if (bad.empty()) bad = "synthetic task options: " + key + ": " + why;
   });
   if (!bad.empty()) throw std::invalid_argument(bad);

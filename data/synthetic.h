@@ -31,17 +31,13 @@ struct SyntheticOptions {
     v("count", count, "problems generated", FieldRange{1, 1e9});
     v("seed", seed, "problem generator seed", FieldRange{0, 9.0e18});
   }
-  void check(const FieldFail& fail) const {
-    if (digits_a < 1 || digits_a > 18) fail("digits_a", "must be in [1, 18] (operands are 64-bit integers)");
-    if (digits_b < 1 || digits_b > 18) fail("digits_b", "must be in [1, 18] (operands are 64-bit integers)");
-    if (count < 1) fail("count", "must be >= 1");
-    if (seed < 0) fail("seed", "must be >= 0");
-  }
+  // Ranges only (operands are 64-bit integers: at most 18 digits), checked by validate().
+  void check(const FieldFail& fail) const {}
 };
 
 // `count` problems such as "What is 347 * 829?" in a few phrasings, each with its exact product as the
 // answer ("287663") and source "synthetic:#i". Deterministic in the options. Throws std::invalid_argument
-// when the options fail check().
+// when the options fail validate().
 std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& options);
 
 // The tag strings that delimit code and interpreter output, shared by the chat template, the rollout

@@ -73,7 +73,6 @@ struct LossOptions {
     if (loss_mask_only && !response_only) {
       fail("loss_mask_only", "true needs loss.response_only: true (it only drops rows inside response windows)");
     }
-    if (temperature <= 0) fail("temperature", "must be > 0");
   }
 };
 

@@ -23,19 +23,9 @@ namespace {
 
 // Range check of every numeric option from visit(), so options built in code (not read from YAML)
 // are checked as strictly as the config reader checks them.
-struct RangeCheck {
-  void operator()(const char* key, const double& value, const char* /*doc*/, const FieldRange& r) const {
-    TORCH_CHECK(value >= r.lo && value <= r.hi, "policy_loss: option ", key, " = ", value, " is outside [", r.lo, ", ",
-                r.hi, "]");
-  }
-  template <class E>
-  void operator()(const char* /*key*/, const E& /*enum value*/, const char* /*doc*/) const {}
-};
-
 void validate(const PolicyLossOptions& opt) {
   PolicyLossOptions copy = opt;  // visit() is non-const by the fields.h convention (the reader writes)
-  copy.visit(RangeCheck{});
-  opt.check([](const std::string& key, const std::string& why) {
+  rlt::validate(copy, [](const std::string& key, const std::string& why) {
     TORCH_CHECK(false, "policy_loss: option ", key, ": ", why);
   });
 }

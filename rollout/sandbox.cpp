@@ -679,21 +679,9 @@ std::string valid_utf8(const std::string& s) {
 }
 
 void validate(const SandboxOptions& options) {
-  SandboxOptions copy = options;
+  SandboxOptions copy = options;  // visit() is non-const by the fields.h convention
   std::string errors;
-  auto fail = [&](const std::string& key, const std::string& why) { errors += " " + key + ": " + why + ";"; };
-  copy.visit([&](const char* key, auto& value, const char*, FieldRange range = {}) {
-    using T = std::decay_t<decltype(value)>;
-    if constexpr (std::is_arithmetic_v<T>) {
-      const double v = static_cast<double>(value);
-      if (!(v >= range.lo && v <= range.hi)) {
-        std::ostringstream why;
-        why << value << " is out of range [" << range.lo << ", " << range.hi << "]";
-        fail(key, why.str());
-      }
-    }
-  });
-  options.check(fail);
+  rlt::validate(copy, [&](const std::string& key, const std::string& why) { errors += " " + key + ": " + why + ";"; });
   if (!errors.empty()) throw SandboxError("bad sandbox options:" + errors);
 }
 
