@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "common/files.h"
 
@@ -14,13 +15,63 @@ namespace fs = std::filesystem;
 
 std::string checkpoint_dir(const Run& run) { return (fs::path(run.out_dir) / "checkpoint").string(); }
 
+namespace {
+
+// The files of a Hugging Face folder beside config.json and the weights, which the model folder of a
+// checkpoint carries over from where the run's model and tokenizer came from, so that transformers'
+// AutoModelForCausalLM and AutoTokenizer load it as a whole.
+constexpr const char* kSideFiles[] = {"generation_config.json",
+                                      "tokenizer.json",
+                                      "tokenizer_config.json",
+                                      "tokenizer.model",
+                                      "special_tokens_map.json",
+                                      "chat_template.jinja",
+                                      "added_tokens.json",
+                                      "vocab.json",
+                                      "merges.txt"};
+
+void copy_side_files(const Run& run, const fs::path& model_dir) {
+  std::vector<fs::path> sources;
+  if (!run.config.model.path.empty()) {
+    for (const char* name : kSideFiles) sources.push_back(fs::path(run.config.model.path) / name);
+  }
+  // A tokenizer from elsewhere (model.tokenizer, or the demo's trained one) wins over the checkpoint's.
+  const fs::path tok = run.tokenizer->path();
+  if (!tok.empty()) {
+    if (fs::is_directory(tok)) {
+      for (const char* name :
+           {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"}) {
+        sources.push_back(tok / name);
+      }
+    } else {
+      sources.push_back(tok);
+    }
+  }
+  for (const auto& src : sources) {
+    if (!fs::is_regular_file(src)) continue;
+    std::ifstream in(src, std::ios::binary);
+    std::ofstream out(model_dir / src.filename(), std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+    if (!in || !out) throw RunError(src.string() + ": cannot copy into the checkpoint");
+  }
+}
+
+}  // namespace
+
 void save_checkpoint(Run& run) {
   const auto& extra = run.extra;
   const std::string dir = checkpoint_dir(run), tmp = dir + ".tmp", old = dir + ".old";
   remove_tree(tmp);
   fs::create_directories(tmp);
-  run.policy->save((fs::path(tmp) / "model").string());
+  run.policy->save((fs::path(tmp) / "model").string());  // in the model's dtype
+  copy_side_files(run, fs::path(tmp) / "model");
   torch::save(*run.optimizer, (fs::path(tmp) / "optimizer.pt").string());
+  if (!run.master.empty()) {  // the fp32 weights AdamW updates: the bf16 model folder is their rounding
+    torch::serialize::OutputArchive a;
+    const auto named = run.policy->named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) a.write(named[i].first, run.master[i].detach().cpu());
+    a.save_to((fs::path(tmp) / "master.pt").string());
+  }
   if (!extra.empty()) {
     torch::serialize::OutputArchive a;
     for (const auto& [name, t] : extra) a.write(name, t.detach().cpu());
@@ -60,6 +111,20 @@ void load_checkpoint(Run& run) {
   }
   try {
     torch::load(*run.optimizer, (fs::path(dir) / "optimizer.pt").string());
+    if (!run.master.empty()) {
+      const std::string path = (fs::path(dir) / "master.pt").string();
+      if (!fs::exists(path)) throw RunError(path + ": missing; a bf16 run with fp32 master weights saves it");
+      torch::serialize::InputArchive a;
+      a.load_from(path);
+      const auto named = run.policy->named_parameters();
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < named.size(); ++i) {
+        at::Tensor v;
+        a.read(named[i].first, v);
+        run.master[i].copy_(v);
+        named[i].second.detach().copy_(run.master[i]);
+      }
+    }
     if (!run.extra.empty()) {
       torch::serialize::InputArchive a;
       a.load_from((fs::path(dir) / "extra.pt").string());

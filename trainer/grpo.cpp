@@ -60,7 +60,6 @@ std::map<std::string, double> train_grpo(Run& run) {
   MetricsLog log(run.out_dir, /*append=*/run.step > 0);
   SandboxPool pool(cfg.sandbox);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-  std::vector<at::Tensor> params = run.policy->parameters();
 
   const double eval_start = begin_training(run);  // warm-up, reference, evaluation before RL
   std::map<std::string, double> m;
@@ -121,9 +120,10 @@ std::map<std::string, double> train_grpo(Run& run) {
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           out.loss.backward();
+          accumulate_gradients(run);                                   // bf16 + master weights: into the fp32 gradients
           um.add_micro_batch(out.loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
         }
-        um.end_optimizer_step(apply_gradients(run, params, um.step_loss(), total_optimizer_steps));
+        um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
     run.optimizer->zero_grad();

@@ -97,6 +97,7 @@ std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const Rollo
             {"steps", double(T.steps)},
             {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
             {"skipped_steps", double(run.skipped_steps)},
+            {"optimizer_memory_mib", optimizer_memory_bytes(run) / 1048576.0},
             {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, times.update)},
             {"time_scoring_s", times.scoring},
             {"time_update_s", times.update},

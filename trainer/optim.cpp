@@ -11,8 +11,14 @@ namespace rlt {
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
   auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
+  std::vector<at::Tensor> policy_params = run.policy->parameters();
+  run.master.clear();
+  if (t.master_weights == MasterWeights::kFp32 && run.policy->lm_head().scalar_type() == at::kBFloat16) {
+    for (const auto& p : policy_params) run.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
+    policy_params = run.master;
+  }
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(run.policy->parameters(), std::make_unique<torch::optim::AdamWOptions>(o));
+  groups.emplace_back(policy_params, std::make_unique<torch::optim::AdamWOptions>(o));
   if (!run.extra.empty()) {
     std::vector<at::Tensor> params;
     for (const auto& [name, p] : run.extra) params.push_back(p);
@@ -74,8 +80,45 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
   }
 }
 
-double apply_gradients(Run& run, const std::vector<at::Tensor>& params, const at::Tensor& loss,
-                       int64_t total_optimizer_steps) {
+std::vector<at::Tensor> optimizer_params(const Run& run) {
+  std::vector<at::Tensor> params = run.master.empty() ? run.policy->parameters() : run.master;
+  for (const auto& [name, p] : run.extra) params.push_back(p);
+  return params;
+}
+
+void accumulate_gradients(Run& run) {
+  if (run.master.empty()) return;
+  std::vector<at::Tensor> params = run.policy->parameters();  // handles sharing the parameters' storage
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& g = params[i].mutable_grad();
+    if (!g.defined()) continue;
+    at::Tensor& mg = run.master[i].mutable_grad();
+    if (mg.defined())
+      mg.add_(g);  // bf16 + fp32 -> fp32: the sum is never rounded to bf16
+    else
+      mg = g.to(at::kFloat);
+    g = at::Tensor();  // released: the next backward starts a fresh bf16 gradient
+  }
+}
+
+int64_t optimizer_memory_bytes(const Run& run) {
+  int64_t bytes = 0;
+  for (const auto& m : run.master) bytes += m.nbytes() + (m.grad().defined() ? m.grad().nbytes() : 0);
+  for (const auto& group : run.optimizer->param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = run.optimizer->state().find(p.unsafeGetTensorImpl());
+      if (it == run.optimizer->state().end()) continue;
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
+    }
+  }
+  return bytes;
+}
+
+double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
+  accumulate_gradients(run);
+  const std::vector<at::Tensor> params = optimizer_params(run);
   const double clip = run.config.train.grad_clip;
   const double norm = torch::nn::utils::clip_grad_norm_(params, clip > 0 ? clip : INFINITY);
   const bool loss_finite = !loss.defined() || loss.isfinite().all().item<bool>();
@@ -88,6 +131,11 @@ double apply_gradients(Run& run, const std::vector<at::Tensor>& params, const at
   set_learning_rate(*run.optimizer, learning_rate(run.config.train, run.optimizer_steps, total_optimizer_steps),
                     run.extra_lr_scale);
   run.optimizer->step();
+  if (!run.master.empty()) {  // the bf16 weights the model computes with: the masters, rounded to nearest
+    at::NoGradGuard no_grad;
+    const std::vector<at::Tensor> params = run.policy->parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(run.master[i]);
+  }
   ++run.optimizer_steps;
   return norm;
 }

@@ -14,8 +14,21 @@
 
 namespace rlt {
 
-// One AdamW: the policy's parameters, then run.extra's (a second group at its own learning rate).
+// One AdamW: the policy's parameters (or, for a bf16 model with train.master_weights fp32, their fp32
+// master copies in run.master), then run.extra's (a second group at its own learning rate).
 void make_optimizer(Run& run, const ExtraParams& extra);
+
+// The tensors AdamW updates, in its order: run.master (or the policy's parameters), then run.extra's.
+// Gradient clipping reads their gradients.
+std::vector<at::Tensor> optimizer_params(const Run& run);
+
+// Call after each backward: with master weights, adds the policy's bf16 gradients into the fp32 master
+// gradients and releases the bf16 ones, so micro-batches accumulate in fp32. Nothing otherwise.
+void accumulate_gradients(Run& run);
+
+// Bytes the optimizer holds beside the model: master weights, their gradients and AdamW's two moments
+// (for every parameter it updates, run.extra included).
+int64_t optimizer_memory_bytes(const Run& run);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);
@@ -32,9 +45,10 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
 
 // Ends one optimizer step whose gradients have been accumulated: clips the global norm (train.grad_clip),
 // and applies AdamW at the schedule's learning rate only when `loss` () and the norm are finite; otherwise
-// zeroes the gradients and counts the step in run.skipped_steps (never applied). Returns the norm. The one
-// host sync of an optimizer step: clipping needs the norm on the host, and the finite check rides on it.
-double apply_gradients(Run& run, const std::vector<at::Tensor>& params, const at::Tensor& loss,
-                       int64_t total_optimizer_steps);
+// zeroes the gradients and counts the step in run.skipped_steps (never applied). With master weights it
+// first takes any bf16 gradients still pending (accumulate_gradients), and after the step rounds the
+// masters into the bf16 parameters. Returns the norm. The one host sync of an optimizer step: clipping
+// needs the norm on the host, and the finite check rides on it.
+double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps);
 
 }  // namespace rlt

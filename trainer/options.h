@@ -72,6 +72,15 @@ inline const EnumNames<ScaleRewards>& enum_names(ScaleRewards) {
   return names;
 }
 
+// Where AdamW keeps the weights it updates when the model computes in bf16: fp32 master copies (the bf16
+// weights are their rounding), or the bf16 weights themselves. A bf16 weight cannot absorb an update below
+// half its resolution (2^-8 relative): at lr 1e-6 a plain bf16 AdamW step changed 1.5% of the weights.
+enum class MasterWeights { kFp32, kNone };
+inline const EnumNames<MasterWeights>& enum_names(MasterWeights) {
+  static const EnumNames<MasterWeights> names{{"fp32", MasterWeights::kFp32}, {"none", MasterWeights::kNone}};
+  return names;
+}
+
 enum class LrSchedule { kConstant, kLinear, kCosine };
 inline const EnumNames<LrSchedule>& enum_names(LrSchedule) {
   static const EnumNames<LrSchedule> names{
@@ -89,6 +98,9 @@ struct TrainOptions {
   double lr = 1e-6;
   double beta1 = 0.9, beta2 = 0.98, adam_eps = 1e-8, weight_decay = 0.1;
   double grad_clip = 1.0;  // max global gradient norm; 0 = off
+  // bf16 models: fp32 master weights, fp32 AdamW moments and fp32 gradient accumulation (fp32 models
+  // need none of it).
+  MasterWeights master_weights = MasterWeights::kFp32;
   LrSchedule lr_schedule = LrSchedule::kConstant;
   int64_t warmup_steps = 0;   // optimizer steps of linear warm-up from 0
   double min_lr_ratio = 0.0;  // linear/cosine decay ends at lr * min_lr_ratio
@@ -115,6 +127,7 @@ struct TrainOptions {
     v("adam_eps", adam_eps, "AdamW epsilon", FieldRange{0, 1});
     v("weight_decay", weight_decay, "AdamW decoupled weight decay", FieldRange{0, 10});
     v("grad_clip", grad_clip, "max global gradient norm; 0 = off", FieldRange{0, 1e9});
+    v("master_weights", master_weights, "bf16 models: fp32 (master weights, moments, gradients) | none");
     v("lr_schedule", lr_schedule, "constant | linear | cosine");
     v("warmup_steps", warmup_steps, "optimizer steps of linear warm-up", FieldRange{0, 1e9});
     v("min_lr_ratio", min_lr_ratio, "decay floor as a fraction of lr", FieldRange{0, 1});

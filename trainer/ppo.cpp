@@ -111,8 +111,6 @@ std::map<std::string, double> train_ppo(Run& run) {
   MetricsLog log(run.out_dir, /*append=*/run.step > 0);
   SandboxPool pool(cfg.sandbox);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-  std::vector<at::Tensor> params = run.policy->parameters();
-  for (const auto& [name, p] : run.extra) params.push_back(p);
 
   const double eval_start = begin_training(run);  // warm-up, reference, evaluation before RL
   std::map<std::string, double> m;
@@ -198,11 +196,12 @@ std::map<std::string, double> train_ppo(Run& run) {
               aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.policy.agg, cfg.policy.agg_norm, denom);  // ()
           at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
           loss.backward();
+          accumulate_gradients(run);                               // bf16 + master weights: into the fp32 gradients
           um.add_micro_batch(loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
           um.add_update_term("value_loss", vf_loss);
           um.add_token_sum("value_clip_frac", (vf_clipped * b.loss_mask).sum());
         }
-        um.end_optimizer_step(apply_gradients(run, params, um.step_loss(), total_optimizer_steps));
+        um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
     run.optimizer->zero_grad();

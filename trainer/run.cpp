@@ -127,6 +127,17 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.extra = extra.make(*run.policy, config);
   make_optimizer(run, extra);
+  {
+    int64_t n = 0;
+    for (const auto& p : run.policy->parameters()) n += p.numel();
+    // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the model's.
+    const int64_t moments = 2 * n * (run.master.empty() ? run.policy->lm_head().element_size() : 4);
+    std::cerr << "optimizer: AdamW over " << n << " parameters, "
+              << (run.master.empty() ? std::string("in the model's dtype")
+                                     : "on fp32 master weights (" + std::to_string(optimizer_memory_bytes(run) >> 20) +
+                                           " MiB) while the model computes in bf16")
+              << "; moments " << (moments >> 20) << " MiB once stepped\n";
+  }
   if (resume) load_checkpoint(run);
   return run;
 }

@@ -55,6 +55,10 @@ struct Run {
   std::map<std::string, at::Tensor> extra;
   double extra_lr_scale = 1.0;  // the second group's learning rate over the policy's
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  // Mixed precision (model.dtype bfloat16, train.master_weights fp32): fp32 copies of the policy's
+  // parameters, in the order of policy->parameters(). AdamW steps these (its moments are fp32 too); the
+  // bf16 parameters are their rounding, refreshed after every step. Empty otherwise.
+  std::vector<at::Tensor> master;
   int64_t step = 0;             // RL steps done
   int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
   int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
