@@ -11,8 +11,7 @@ out=${OUT:-runs/gpu_model}
 mkdir -p "$out"
 source scripts/gpu_build.sh
 if [ "${1:-}" != "--bench-only" ]; then
-  (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
-  echo "ctest rc=$? ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"
+  run_gpu_ctest || ctest_failed=1
   # ctest hides a passing test's output: run the parity test again for its per-case figures.
   (cd build-gpu && bin/test_transformer --gtest_filter='TransformerCuda.*') > "$out/bf16_parity.log" 2>&1
   grep -E "bf16 parity|PASSED|FAILED" "$out/bf16_parity.log"
@@ -39,3 +38,5 @@ for f in sorted(glob.glob(os.path.join(out, "rlt_*.json")) + glob.glob(os.path.j
 json.dump(recs, open(os.path.join(out, "bench_model.json"), "w"), indent=1)
 PY
 ls -la "$out"
+# The script's status: a failed or skipped test fails the call, after the benchmarks have run.
+exit "${ctest_failed:-0}"

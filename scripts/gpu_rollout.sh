@@ -15,9 +15,7 @@ source scripts/gpu_build.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
 # Every test (ctest runs the fixtures that make the transformers references), CUDA ones included.
 if [ "${SKIP_CTEST:-0}" != 1 ]; then
-  (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
-  echo "ctest rc=$? ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"
-  grep -E "^ *[0-9]+/[0-9]+ Test .*(Failed|Skipped|\*\*\*)" "$out/ctest.log" | head -20
+  run_gpu_ctest || ctest_failed=1
 fi
 model=configs/models/qwen2.5-0.5b
 [ "${SKIP_BENCH:-0}" = 1 ] || build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
@@ -28,3 +26,5 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   OUT="$out/train" SKIP_UPDATE_BENCH=1 SKIP_OFF=1 bash scripts/gpu_train.sh "${STEPS:-1}" "${MAX_NEW:-512}"
 fi
 ls -la "$out"
+# The script's status: a failed or skipped test fails the call, after the benchmarks have run.
+exit "${ctest_failed:-0}"
