@@ -1,4 +1,4 @@
-// sentencepiece behind the Tokenizer interface; see tokenizer.h.
+// sentencepiece and tokenizer.json behind the Tokenizer interface; see tokenizer.h.
 #include "data/tokenizer.h"
 
 #include <sentencepiece_processor.h>
@@ -10,7 +10,12 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
 #include "data/dataset.h"
+#include "data/hf_tokenizer.h"
 
 namespace sentencepiece::logging {
 void SetMinLogLevel(int v);  // exported by libsentencepiece, not declared in its public headers
@@ -58,7 +63,69 @@ std::string raw_piece_text(const sentencepiece::SentencePieceProcessor& sp, int 
 
 }  // namespace
 
-Tokenizer Tokenizer::load(const std::string& model_file) {
+namespace {
+
+// A special token as tokenizer_config.json writes it: "<|im_end|>", {"content": "<|im_end|>", ...}, or null.
+std::string config_token(const nlohmann::json& cfg, const char* key) {
+  if (!cfg.contains(key) || cfg[key].is_null()) return "";
+  if (cfg[key].is_string()) return cfg[key].get<std::string>();
+  if (cfg[key].is_object() && cfg[key].contains("content") && cfg[key]["content"].is_string()) {
+    return cfg[key]["content"].get<std::string>();
+  }
+  return "";
+}
+
+}  // namespace
+
+Tokenizer Tokenizer::load(const std::string& path) {
+  if (std::filesystem::is_directory(path)) return from_checkpoint(path);
+  const bool json = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  if (!json) return load_sentencepiece(path);
+  Tokenizer t;
+  t.hf_ = HfTokenizer::load(path);
+  const int64_t V = t.hf_->vocab_size();
+  t.piece_text_.reserve(V);
+  for (int64_t id = 0; id < V; ++id) t.piece_text_.push_back(t.hf_->token_bytes(id));
+  t.path_ = path;
+  return t;
+}
+
+Tokenizer Tokenizer::from_checkpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path json = fs::path(dir) / "tokenizer.json", model = fs::path(dir) / "tokenizer.model";
+  Tokenizer t;
+  if (fs::exists(json)) {
+    t = load(json.string());
+  } else if (fs::exists(model)) {
+    t = load_sentencepiece(model.string());
+  } else {
+    throw DataError(dir + ": holds neither tokenizer.json nor tokenizer.model");
+  }
+  const fs::path cfg_path = fs::path(dir) / "tokenizer_config.json";
+  if (fs::exists(cfg_path)) {
+    std::ifstream f(cfg_path);
+    nlohmann::json cfg;
+    try {
+      cfg = nlohmann::json::parse(f);
+    } catch (const nlohmann::json::exception& e) {
+      throw DataError(cfg_path.string() + ": not valid JSON: " + e.what());
+    }
+    auto id_of = [&](const char* key, int64_t dflt) -> int64_t {
+      const std::string tok = config_token(cfg, key);
+      if (tok.empty()) return cfg.contains(key) && cfg[key].is_null() ? -1 : dflt;
+      const int64_t id = t.piece_id(tok);
+      if (id < 0)
+        throw DataError(cfg_path.string() + ": " + key + " '" + tok + "' is not in the tokenizer's vocabulary");
+      return id;
+    };
+    t.bos_ = id_of("bos_token", t.bos_);
+    t.eos_ = id_of("eos_token", t.eos_);
+    t.pad_ = id_of("pad_token", t.pad_);
+  }
+  return t;
+}
+
+Tokenizer Tokenizer::load_sentencepiece(const std::string& model_file) {
   Tokenizer t;
   t.sp_ = std::make_shared<sentencepiece::SentencePieceProcessor>();
   std::ifstream in(model_file, std::ios::binary);
@@ -129,14 +196,19 @@ void Tokenizer::train(const std::vector<std::string>& corpus, const std::string&
   }
 }
 
-std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
+std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special_tokens) const {
+  if (hf_) return hf_->encode(text, add_special_tokens);
   std::vector<int> ids;
   const auto status = sp_->Encode(text, &ids);
   if (!status.ok()) throw DataError(path_ + ": encode failed: " + std::string(status.message()));
-  return {ids.begin(), ids.end()};
+  std::vector<int64_t> out;
+  if (add_special_tokens && bos_ >= 0) out.push_back(bos_);
+  out.insert(out.end(), ids.begin(), ids.end());
+  return out;
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
+  if (hf_) return hf_->decode(ids);
   std::vector<int> v;
   v.reserve(ids.size());
   for (int64_t id : ids) {
@@ -158,6 +230,7 @@ const std::string& Tokenizer::piece_text(int64_t id) const {
 }
 
 int64_t Tokenizer::piece_id(const std::string& piece) const {
+  if (hf_) return hf_->token_to_id(piece);
   const int id = sp_->PieceToId(piece);
   // PieceToId answers unk for unknown pieces; only the unk piece itself maps there legitimately.
   if (sp_->IsUnknown(id) && sp_->IdToPiece(id) != piece) return -1;

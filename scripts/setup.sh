@@ -2,14 +2,14 @@
 # Installs what a fresh Debian machine lacks (idempotently: nothing is fetched twice), then configures
 # and builds everything into build/ (executables in build/bin/).
 #   Debian packages: cmake, ninja, yaml-cpp, sentencepiece, Eigen, GoogleTest, nlohmann-json, CLI11, libseccomp,
-#                    PCRE2 (tokenizer.json pre-tokenizer regexes), bubblewrap (the sandbox's read-only root)
+#                    PCRE2 + utf8proc (tokenizer.json regexes and NFC), bubblewrap
 #   PyPI:            torch==2.11.0, whose LibTorch (share/cmake) we link; the GPU host has the same one.
 # Usage: bash scripts/setup.sh [extra cmake args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(cmake ninja-build g++ python3 clang-format libyaml-cpp-dev libsentencepiece-dev libeigen3-dev libgtest-dev
-      libgmock-dev nlohmann-json3-dev libcli11-dev libseccomp-dev libpcre2-dev bubblewrap)
+      libgmock-dev nlohmann-json3-dev libcli11-dev libseccomp-dev libpcre2-dev libutf8proc-dev bubblewrap)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -34,11 +34,11 @@ if ! "$py" -c 'import transformers, safetensors, sys; sys.exit(0 if transformers
   echo "setup: installing transformers==5.17.0 safetensors (reference models for the tests)"
   "$py" -m pip install -q transformers==5.17.0 safetensors
 fi
-# The independent references of the data tests: HF tokenizers (tokenizer.json parity), jinja2 (transformers'
-# apply_chat_template renders with it), pyarrow (scripts/to_jsonl.py reads parquet).
-if ! "$py" -c 'import tokenizers, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then
-  echo "setup: installing tokenizers==0.23.3 jinja2 pyarrow (references for the tokenizer and chat-template tests)"
-  "$py" -m pip install -q tokenizers==0.23.3 jinja2 pyarrow
+# The independent references of the data tests: HF tokenizers and sentencepiece (tokenizer parity), jinja2
+# (transformers' apply_chat_template renders with it), pyarrow (parquet datasets).
+if ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then
+  echo "setup: installing tokenizers==0.23.3 sentencepiece jinja2 pyarrow (references for the tokenizer and chat-template tests)"
+  "$py" -m pip install -q tokenizers==0.23.3 sentencepiece jinja2 pyarrow
 fi
 torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null | tail -n1)
 

@@ -1,0 +1,801 @@
+// tokenizer.json -> the pipeline the `tokenizers` library runs: added tokens split out of the raw text,
+// then per remaining segment normalizer -> pre-tokenizer -> BPE, then the post-processor; decode runs
+// the decoder chain over the tokens' strings. Written from the library's documented semantics; the
+// parity tests (tests/data/check_hf_tokenizer.py) hold it to the library byte for byte.
+#include "data/hf_tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <utf8proc.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <fstream>
+#include <mutex>
+#include <unordered_map>
+
+#include "data/dataset.h"
+
+namespace rlt {
+
+namespace {
+
+using Json = nlohmann::json;
+
+// GPT-2's reversible byte <-> printable-character alphabet: bytes that are printable Latin-1 map to
+// themselves, the other 68 to U+0100 onwards, in byte order.
+struct ByteAlphabet {
+  std::string to_char[256];                       // byte -> UTF-8 of its character
+  std::unordered_map<uint32_t, uint8_t> to_byte;  // code point -> byte
+  ByteAlphabet() {
+    int next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      const uint32_t cp = printable ? b : next++;
+      to_char[b] = utf8(cp);
+      to_byte[cp] = static_cast<uint8_t>(b);
+    }
+  }
+  static std::string utf8(uint32_t cp) {
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      s += static_cast<char>(0xE0 | (cp >> 12));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      s += static_cast<char>(0xF0 | (cp >> 18));
+      s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    return s;
+  }
+};
+
+const ByteAlphabet& alphabet() {
+  static const ByteAlphabet a;
+  return a;
+}
+
+// Length of the UTF-8 sequence starting at s[i] when it is valid, else 0.
+size_t utf8_len(const std::string& s, size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return 0;
+  }
+  return n;
+}
+
+// Decodes one UTF-8 character at s[i] (valid, of length n).
+uint32_t code_point(const std::string& s, size_t i, size_t n) {
+  const auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<unsigned char>(s[i + k])); };
+  if (n == 1) return b(0);
+  if (n == 2) return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+  if (n == 3) return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+  return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+}
+
+// The library's lossy UTF-8: each maximal invalid subsequence becomes one U+FFFD.
+std::string lossy_utf8(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_len(s, i);
+    if (n > 0 && !(n == 3 && code_point(s, i, 3) >= 0xD800 && code_point(s, i, 3) <= 0xDFFF) &&
+        !(n == 4 && code_point(s, i, 4) > 0x10FFFF) && !(n == 2 && code_point(s, i, 2) < 0x80) &&
+        !(n == 3 && code_point(s, i, 3) < 0x800) && !(n == 4 && code_point(s, i, 4) < 0x10000)) {
+      out.append(s, i, n);
+      i += n;
+      continue;
+    }
+    // Skip the longest prefix of a would-be sequence (Rust's from_utf8_lossy: one U+FFFD per maximal
+    // invalid prefix, the W3C/Unicode "substitution of maximal subparts").
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t want = (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 && c <= 0xF4 ? 4 : 1;
+    size_t k = 1;
+    if (want > 1 && c >= 0xC2) {
+      for (; k < want && i + k < s.size(); ++k) {
+        const auto d = static_cast<unsigned char>(s[i + k]);
+        unsigned lo = 0x80, hi = 0xBF;
+        if (k == 1 && c == 0xE0) lo = 0xA0;
+        if (k == 1 && c == 0xED) hi = 0x9F;
+        if (k == 1 && c == 0xF0) lo = 0x90;
+        if (k == 1 && c == 0xF4) hi = 0x8F;
+        if (d < lo || d > hi) break;
+      }
+    }
+    out += "\xEF\xBF\xBD";
+    i += k;
+  }
+  return out;
+}
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  if (from.empty()) return s;
+  std::string out;
+  size_t i = 0;
+  for (size_t j; (j = s.find(from, i)) != std::string::npos; i = j + from.size()) out.append(s, i, j - i) += to;
+  return out.append(s, i, std::string::npos);
+}
+
+std::string str(const Json& j, const char* key, const std::string& dflt = "") {
+  return j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : dflt;
+}
+bool flag(const Json& j, const char* key, bool dflt = false) {
+  return j.contains(key) && j[key].is_boolean() ? j[key].get<bool>() : dflt;
+}
+
+// A compiled Split / ByteLevel regex: UTF mode with Unicode properties (\p{L}, and \s, \d as Unicode),
+// JIT-compiled; invalid UTF-8 never matches instead of failing the call.
+class Regex {
+ public:
+  Regex(const std::string& pattern, const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(),
+                          PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &off, nullptr);
+    if (code_ == nullptr) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof(msg));
+      throw DataError(where + ": regex '" + pattern + "' does not compile at offset " + std::to_string(off) + ": " +
+                      reinterpret_cast<char*>(msg));
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter when JIT is unavailable
+  }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+  ~Regex() { pcre2_code_free(code_); }
+  // [begin, end) of every non-empty match, left to right.
+  std::vector<std::pair<size_t, size_t>> find_all(const std::string& s) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
+    size_t pos = 0;
+    while (pos <= s.size()) {
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (ov[1] == ov[0]) {  // an empty match: step one character on
+        pos = ov[0] + std::max<size_t>(1, ov[0] < s.size() ? std::max<size_t>(1, utf8_len(s, ov[0])) : 1);
+        continue;
+      }
+      out.emplace_back(ov[0], ov[1]);
+      pos = ov[1];
+    }
+    pcre2_match_data_free(md);
+    return out;
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+};
+
+// GPT-2's pre-tokenizer regex, used by a ByteLevel pre-tokenizer with use_regex.
+constexpr const char* kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+}  // namespace
+
+struct HfTokenizer::Impl {
+  std::string path;
+
+  // --- model: BPE
+  std::unordered_map<std::string, int32_t> vocab;                    // base vocabulary and added tokens
+  std::vector<std::string> id_to_token;                              // (V)
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a << 32 | b) -> (rank, merged id)
+  bool ignore_merges = false, byte_fallback = false, fuse_unk = false;
+  int32_t unk_id = -1;
+  int32_t byte_ids[256];  // <0xXX> pieces (byte_fallback), -1 when absent
+
+  // --- normalizer
+  struct Normalizer {
+    std::string type, a, b;
+  };
+  std::vector<Normalizer> normalizers;
+
+  // --- pre-tokenizer
+  struct PreTokenizer {
+    std::string type;  // Split | ByteLevel | Metaspace | Digits | WhitespaceSplit
+    std::shared_ptr<Regex> regex;
+    std::string behavior;
+    bool invert = false, add_prefix_space = false, individual_digits = false, split = true;
+    std::string replacement, prepend_scheme;
+  };
+  std::vector<PreTokenizer> pre_tokenizers;
+  bool byte_level = false;  // a ByteLevel pre-tokenizer maps bytes onto the alphabet
+
+  // --- added tokens, matched longest first
+  struct Added {
+    std::string content;
+    int32_t id;
+    bool special, lstrip, rstrip, single_word;
+  };
+  std::vector<Added> added;
+  std::vector<uint8_t> special;  // (V) 1 = a special added token
+
+  // --- post-processor (single sequences)
+  std::vector<int64_t> prefix, suffix;
+
+  // --- decoder
+  struct Decoder {
+    std::string type, a, b;
+    int64_t start = 0, stop = 0;
+    std::string prepend_scheme;
+  };
+  std::vector<Decoder> decoders;
+
+  mutable std::mutex cache_mu;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;  // pre-token -> ids
+
+  [[noreturn]] void fail(const std::string& what) const { throw DataError(path + ": " + what); }
+
+  void load_model(const Json& m) {
+    if (str(m, "type") != "BPE") fail("model.type '" + str(m, "type") + "' is not supported (BPE only)");
+    if (!str(m, "continuing_subword_prefix").empty() || !str(m, "end_of_word_suffix").empty()) {
+      fail("model: continuing_subword_prefix / end_of_word_suffix are not supported");
+    }
+    if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"].get<double>() > 0) {
+      fail("model.dropout: BPE dropout is not supported");
+    }
+    ignore_merges = flag(m, "ignore_merges");
+    byte_fallback = flag(m, "byte_fallback");
+    fuse_unk = flag(m, "fuse_unk");
+    if (!m.contains("vocab") || !m["vocab"].is_object()) fail("model.vocab: missing or not an object");
+    int32_t max_id = -1;
+    for (const auto& [tok, id] : m["vocab"].items()) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
+        fail("model.vocab['" + tok + "']: not a token id");
+      }
+      vocab[tok] = id.get<int32_t>();
+      max_id = std::max(max_id, id.get<int32_t>());
+    }
+    id_to_token.assign(max_id + 1, "");
+    for (const auto& [tok, id] : vocab) id_to_token[id] = tok;
+    if (m.contains("unk_token") && m["unk_token"].is_string()) {
+      auto it = vocab.find(m["unk_token"].get<std::string>());
+      if (it != vocab.end()) unk_id = it->second;
+    }
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      auto it = vocab.find(name);
+      byte_ids[b] = it == vocab.end() ? -1 : it->second;
+    }
+    if (!m.contains("merges") || !m["merges"].is_array()) fail("model.merges: missing or not a list");
+    int32_t rank = 0;
+    for (const auto& mg : m["merges"]) {
+      std::string a, b;
+      if (mg.is_string()) {  // "a b"
+        const std::string s = mg.get<std::string>();
+        const auto sp = s.find(' ', 1);
+        if (sp == std::string::npos) fail("model.merges[" + std::to_string(rank) + "]: '" + s + "' is not 'a b'");
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else if (mg.is_array() && mg.size() == 2 && mg[0].is_string() && mg[1].is_string()) {  // ["a", "b"]
+        a = mg[0].get<std::string>();
+        b = mg[1].get<std::string>();
+      } else {
+        fail("model.merges[" + std::to_string(rank) + "]: neither 'a b' nor [\"a\", \"b\"]");
+      }
+      auto ia = vocab.find(a), ib = vocab.find(b), iab = vocab.find(a + b);
+      if (ia == vocab.end() || ib == vocab.end() || iab == vocab.end()) {
+        fail("model.merges[" + std::to_string(rank) + "]: '" + a + "' + '" + b + "' is not in the vocabulary");
+      }
+      const uint64_t key = (static_cast<uint64_t>(ia->second) << 32) | static_cast<uint32_t>(ib->second);
+      merges.emplace(key, std::make_pair(rank, iab->second));  // the first (lowest) rank wins
+      ++rank;
+    }
+  }
+
+  void load_normalizer(const Json& n) {
+    if (n.is_null()) return;
+    const std::string type = str(n, "type");
+    if (type == "Sequence") {
+      for (const auto& x : n["normalizers"]) load_normalizer(x);
+    } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
+      normalizers.push_back({type, "", ""});
+    } else if (type == "Prepend") {
+      normalizers.push_back({type, str(n, "prepend"), ""});
+    } else if (type == "Replace") {
+      if (!n.contains("pattern") || !n["pattern"].contains("String")) fail("normalizer Replace: only String patterns");
+      normalizers.push_back({type, n["pattern"]["String"].get<std::string>(), str(n, "content")});
+    } else {
+      fail("normalizer '" + type + "' is not supported");
+    }
+  }
+
+  void load_pre_tokenizer(const Json& p) {
+    if (p.is_null()) return;
+    const std::string type = str(p, "type");
+    PreTokenizer t;
+    t.type = type;
+    if (type == "Sequence") {
+      for (const auto& x : p["pretokenizers"]) load_pre_tokenizer(x);
+      return;
+    } else if (type == "Split") {
+      if (!p.contains("pattern")) fail("pre_tokenizer Split: no pattern");
+      const Json& pat = p["pattern"];
+      std::string re;
+      if (pat.contains("Regex")) {
+        re = pat["Regex"].get<std::string>();
+      } else if (pat.contains("String")) {  // a literal: quote it
+        re = "\\Q" + pat["String"].get<std::string>() + "\\E";
+      } else {
+        fail("pre_tokenizer Split: pattern is neither Regex nor String");
+      }
+      t.regex = std::make_shared<Regex>(re, path + ": pre_tokenizer Split");
+      t.behavior = str(p, "behavior", "Isolated");
+      t.invert = flag(p, "invert");
+      if (t.behavior != "Isolated" && t.behavior != "Removed") {
+        fail("pre_tokenizer Split behavior '" + t.behavior + "' is not supported (Isolated, Removed)");
+      }
+    } else if (type == "ByteLevel") {
+      t.add_prefix_space = flag(p, "add_prefix_space");
+      if (flag(p, "use_regex", true)) t.regex = std::make_shared<Regex>(kGpt2Regex, path + ": ByteLevel");
+      byte_level = true;
+    } else if (type == "Metaspace") {
+      t.replacement = str(p, "replacement", "\xe2\x96\x81");
+      t.prepend_scheme = str(p, "prepend_scheme", flag(p, "add_prefix_space", true) ? "always" : "never");
+      t.split = flag(p, "split", true);
+    } else if (type == "Digits") {
+      t.individual_digits = flag(p, "individual_digits");
+    } else if (type == "WhitespaceSplit") {
+    } else {
+      fail("pre_tokenizer '" + type + "' is not supported");
+    }
+    pre_tokenizers.push_back(std::move(t));
+  }
+
+  int64_t special_id(const std::string& token, const std::string& where) const {
+    auto it = vocab.find(token);
+    if (it == vocab.end()) fail(where + ": special token '" + token + "' is not in the vocabulary");
+    return it->second;
+  }
+
+  void load_post_processor(const Json& p) {
+    if (p.is_null()) return;
+    const std::string type = str(p, "type");
+    if (type == "Sequence") {
+      for (const auto& x : p["processors"]) load_post_processor(x);
+    } else if (type == "ByteLevel") {  // offsets only
+    } else if (type == "TemplateProcessing") {
+      bool seen_a = false;
+      for (const auto& item : p["single"]) {
+        if (item.contains("Sequence")) {
+          seen_a = true;
+        } else if (item.contains("SpecialToken")) {
+          const std::string name = item["SpecialToken"]["id"].get<std::string>();
+          std::vector<int64_t> ids;
+          if (p.contains("special_tokens") && p["special_tokens"].contains(name)) {
+            for (const auto& id : p["special_tokens"][name]["ids"]) ids.push_back(id.get<int64_t>());
+          } else {
+            ids.push_back(special_id(name, "post_processor"));
+          }
+          auto& dst = seen_a ? suffix : prefix;
+          dst.insert(dst.end(), ids.begin(), ids.end());
+        }
+      }
+    } else {
+      fail("post_processor '" + type + "' is not supported");
+    }
+  }
+
+  void load_decoder(const Json& d) {
+    if (d.is_null()) return;
+    const std::string type = str(d, "type");
+    Decoder x;
+    x.type = type;
+    if (type == "Sequence") {
+      for (const auto& y : d["decoders"]) load_decoder(y);
+      return;
+    } else if (type == "Replace") {
+      if (!d.contains("pattern") || !d["pattern"].contains("String")) fail("decoder Replace: only String patterns");
+      x.a = d["pattern"]["String"].get<std::string>();
+      x.b = str(d, "content");
+    } else if (type == "Strip") {
+      x.a = str(d, "content", " ");
+      x.start = d.value("start", 0);
+      x.stop = d.value("stop", 0);
+    } else if (type == "Metaspace") {
+      x.a = str(d, "replacement", "\xe2\x96\x81");
+      x.prepend_scheme = str(d, "prepend_scheme", flag(d, "add_prefix_space", true) ? "always" : "never");
+    } else if (type != "ByteLevel" && type != "ByteFallback" && type != "Fuse") {
+      fail("decoder '" + type + "' is not supported");
+    }
+    decoders.push_back(std::move(x));
+  }
+
+  void load_added(const Json& list) {
+    for (const auto& a : list) {
+      Added t{a.at("content").get<std::string>(),
+              a.at("id").get<int32_t>(),
+              flag(a, "special"),
+              flag(a, "lstrip"),
+              flag(a, "rstrip"),
+              flag(a, "single_word")};
+      if (t.content.empty()) fail("added_tokens: an empty token (id " + std::to_string(t.id) + ")");
+      if (t.id >= static_cast<int32_t>(id_to_token.size())) id_to_token.resize(t.id + 1);
+      id_to_token[t.id] = t.content;
+      vocab[t.content] = t.id;
+      added.push_back(t);
+    }
+    std::stable_sort(added.begin(), added.end(),
+                     [](const Added& x, const Added& y) { return x.content.size() > y.content.size(); });
+    special.assign(id_to_token.size(), 0);
+    for (const auto& t : added) special[t.id] = t.special;
+  }
+
+  // ---------------------------------------------------------------- encode
+
+  struct Segment {
+    std::string text;
+    size_t offset;    // where it starts in the input
+    int32_t id = -1;  // an added token, else -1
+  };
+
+  static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+  // Added tokens out of the raw text: at each position the longest token that matches (leftmost first);
+  // lstrip / rstrip tokens take the whitespace beside them.
+  std::vector<Segment> split_added(const std::string& text) const {
+    std::vector<Segment> out;
+    size_t start = 0, i = 0;
+    while (i < text.size()) {
+      const Added* hit = nullptr;
+      for (const auto& a : added) {
+        if (text.compare(i, a.content.size(), a.content) != 0) continue;
+        if (a.single_word) {
+          const size_t e = i + a.content.size();
+          const bool left_ok = i == 0 || is_space(text[i - 1]);
+          const bool right_ok = e == text.size() || is_space(text[e]);
+          if (!left_ok || !right_ok) continue;
+        }
+        hit = &a;
+        break;  // sorted longest first
+      }
+      if (hit == nullptr) {
+        ++i;
+        continue;
+      }
+      size_t b = i, e = i + hit->content.size();
+      if (hit->lstrip) {
+        while (b > start && is_space(text[b - 1])) --b;
+      }
+      if (hit->rstrip) {
+        while (e < text.size() && is_space(text[e])) ++e;
+      }
+      if (b > start) out.push_back({text.substr(start, b - start), start, -1});
+      out.push_back({text.substr(b, e - b), b, hit->id});
+      start = i = e;
+    }
+    if (start < text.size()) out.push_back({text.substr(start), start, -1});
+    return out;
+  }
+
+  std::string normalize(std::string s) const {
+    for (const auto& n : normalizers) {
+      if (n.type == "Prepend") {
+        if (!s.empty()) s = n.a + s;
+      } else if (n.type == "Replace") {
+        s = replace_all(std::move(s), n.a, n.b);
+      } else {
+        int opts = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
+        if (n.type == "NFKC") opts |= UTF8PROC_COMPAT;
+        if (n.type == "NFD") opts = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE;
+        if (n.type == "NFKD") opts = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+        utf8proc_uint8_t* out = nullptr;
+        const auto len = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), s.size(), &out,
+                                      static_cast<utf8proc_option_t>(opts));
+        if (len >= 0) s.assign(reinterpret_cast<char*>(out), len);  // invalid UTF-8: left as it is
+        std::free(out);
+      }
+    }
+    return s;
+  }
+
+  // Splits `s` at the regex's matches, keeping both matches and the gaps between them (Isolated), or
+  // only the gaps (Removed).
+  static void split_regex(const std::string& s, const Regex& re, bool keep_matches, std::vector<std::string>& out) {
+    size_t pos = 0;
+    for (const auto& [b, e] : re.find_all(s)) {
+      if (b > pos) out.push_back(s.substr(pos, b - pos));
+      if (keep_matches) out.push_back(s.substr(b, e - b));
+      pos = e;
+    }
+    if (pos < s.size()) out.push_back(s.substr(pos));
+  }
+
+  std::vector<std::string> pre_tokenize(const std::string& s, bool at_input_start) const {
+    std::vector<std::string> pieces{s};
+    for (const auto& p : pre_tokenizers) {
+      std::vector<std::string> next;
+      for (size_t k = 0; k < pieces.size(); ++k) {
+        const std::string& x = pieces[k];
+        if (p.type == "Split") {
+          split_regex(x, *p.regex, p.behavior == "Isolated", next);
+        } else if (p.type == "ByteLevel") {
+          const std::string y = p.add_prefix_space && (x.empty() || x[0] != ' ') ? " " + x : x;
+          std::vector<std::string> parts;
+          if (p.regex)
+            split_regex(y, *p.regex, true, parts);
+          else
+            parts.push_back(y);
+          for (const auto& part : parts) {
+            std::string mapped;
+            for (unsigned char c : part) mapped += alphabet().to_char[c];
+            next.push_back(std::move(mapped));
+          }
+        } else if (p.type == "Metaspace") {
+          std::string y = replace_all(x, " ", p.replacement);
+          const bool prepend =
+              p.prepend_scheme == "always" || (p.prepend_scheme == "first" && at_input_start && k == 0);
+          if (prepend && y.compare(0, p.replacement.size(), p.replacement) != 0) y = p.replacement + y;
+          if (!p.split) {
+            next.push_back(y);
+            continue;
+          }
+          size_t b = 0;  // MergedWithNext: each replacement starts a piece
+          for (size_t j = p.replacement.size(); j <= y.size(); ++j) {
+            if (j == y.size() || y.compare(j, p.replacement.size(), p.replacement) == 0) {
+              if (j > b) next.push_back(y.substr(b, j - b));
+              b = j;
+            }
+          }
+        } else if (p.type == "Digits") {
+          size_t b = 0;
+          for (size_t j = 0; j <= x.size(); ++j) {
+            const bool end = j == x.size();
+            const bool d = !end && x[j] >= '0' && x[j] <= '9';
+            const bool prev_d = j > 0 && x[j - 1] >= '0' && x[j - 1] <= '9';
+            if (end || (j > b && (p.individual_digits ? (d || prev_d) : d != prev_d))) {
+              if (j > b) next.push_back(x.substr(b, j - b));
+              b = j;
+            }
+          }
+        } else if (p.type == "WhitespaceSplit") {
+          size_t b = 0;
+          for (size_t j = 0; j <= x.size(); ++j) {
+            if (j == x.size() || is_space(x[j])) {
+              if (j > b) next.push_back(x.substr(b, j - b));
+              b = j + 1;
+            }
+          }
+        }
+      }
+      pieces.swap(next);
+    }
+    if (!byte_level) return pieces;
+    return pieces;
+  }
+
+  // One pre-token through the BPE model (cached).
+  void bpe(const std::string& word, std::vector<int64_t>& out) const {
+    {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      auto it = cache.find(word);
+      if (it != cache.end()) {
+        out.insert(out.end(), it->second.begin(), it->second.end());
+        return;
+      }
+    }
+    std::vector<int32_t> ids;
+    auto whole = vocab.find(word);
+    if (ignore_merges && whole != vocab.end()) {
+      ids.push_back(whole->second);
+    } else {
+      // Symbols: one per character, or its <0xXX> bytes, or unk.
+      for (size_t i = 0; i < word.size();) {
+        size_t n = utf8_len(word, i);
+        if (n == 0) n = 1;
+        auto it = vocab.find(word.substr(i, n));
+        if (it != vocab.end()) {
+          ids.push_back(it->second);
+        } else if (byte_fallback && std::all_of(word.begin() + i, word.begin() + i + n,
+                                                [&](char c) { return byte_ids[static_cast<unsigned char>(c)] >= 0; })) {
+          for (size_t k = 0; k < n; ++k) ids.push_back(byte_ids[static_cast<unsigned char>(word[i + k])]);
+        } else if (unk_id >= 0) {
+          if (!(fuse_unk && !ids.empty() && ids.back() == unk_id)) ids.push_back(unk_id);
+        }
+        i += n;
+      }
+      // Merges, lowest rank first; among equal ranks the leftmost.
+      while (ids.size() > 1) {
+        int32_t best_rank = INT32_MAX, best_id = -1;
+        size_t best_pos = 0;
+        for (size_t k = 0; k + 1 < ids.size(); ++k) {
+          auto it = merges.find((static_cast<uint64_t>(ids[k]) << 32) | static_cast<uint32_t>(ids[k + 1]));
+          if (it != merges.end() && it->second.first < best_rank) {
+            best_rank = it->second.first;
+            best_id = it->second.second;
+            best_pos = k;
+          }
+        }
+        if (best_id < 0) break;
+        ids[best_pos] = best_id;
+        ids.erase(ids.begin() + best_pos + 1);
+      }
+    }
+    out.insert(out.end(), ids.begin(), ids.end());
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (cache.size() > 200000) cache.clear();  // bounded: a long run never grows it without end
+    cache.emplace(word, std::move(ids));
+  }
+
+  // ---------------------------------------------------------------- decode
+
+  // The decoder chain over token strings. exact: one token's own bytes (no lossy UTF-8, no Strip).
+  std::string run_decoders(std::vector<std::string> toks, bool exact) const {
+    if (decoders.empty()) {
+      std::string s;
+      for (size_t i = 0; i < toks.size(); ++i) s += (i ? " " : "") + toks[i];  // the library joins with spaces
+      return exact ? s : lossy_utf8(s);
+    }
+    for (const auto& d : decoders) {
+      if (d.type == "ByteLevel") {
+        std::string bytes;
+        for (const auto& t : toks) {
+          for (size_t i = 0; i < t.size();) {
+            size_t n = utf8_len(t, i);
+            if (n == 0) {
+              bytes += t[i++];
+              continue;
+            }
+            auto it = alphabet().to_byte.find(code_point(t, i, n));
+            if (it != alphabet().to_byte.end())
+              bytes += static_cast<char>(it->second);
+            else
+              bytes.append(t, i, n);
+            i += n;
+          }
+        }
+        toks = {exact ? bytes : lossy_utf8(bytes)};
+      } else if (d.type == "Replace") {
+        for (auto& t : toks) t = replace_all(t, d.a, d.b);
+      } else if (d.type == "ByteFallback") {
+        std::vector<std::string> next;
+        std::string pending;  // consecutive <0xXX> bytes
+        size_t pending_n = 0;
+        auto flush = [&] {
+          if (pending_n == 0) return;
+          if (exact) {
+            next.push_back(pending);
+          } else {
+            bool valid = true;
+            for (size_t i = 0; i < pending.size();) {
+              const size_t n = utf8_len(pending, i);
+              if (n == 0) {
+                valid = false;
+                break;
+              }
+              i += n;
+            }
+            std::string repl;
+            for (size_t i = 0; i < pending_n; ++i) repl += "\xEF\xBF\xBD";
+            next.push_back(valid ? pending : repl);
+          }
+          pending.clear();
+          pending_n = 0;
+        };
+        for (const auto& t : toks) {
+          if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' && std::isxdigit(t[3]) &&
+              std::isxdigit(t[4])) {
+            pending += static_cast<char>(std::stoi(t.substr(3, 2), nullptr, 16));
+            ++pending_n;
+          } else {
+            flush();
+            next.push_back(t);
+          }
+        }
+        flush();
+        toks.swap(next);
+      } else if (d.type == "Fuse") {
+        std::string s;
+        for (const auto& t : toks) s += t;
+        toks = {s};
+      } else if (d.type == "Strip") {
+        if (exact) continue;
+        for (auto& t : toks) {
+          for (int64_t k = 0; k < d.start && t.compare(0, d.a.size(), d.a) == 0; ++k) t.erase(0, d.a.size());
+          for (int64_t k = 0;
+               k < d.stop && t.size() >= d.a.size() && t.compare(t.size() - d.a.size(), d.a.size(), d.a) == 0; ++k) {
+            t.erase(t.size() - d.a.size());
+          }
+        }
+      } else if (d.type == "Metaspace") {
+        for (size_t i = 0; i < toks.size(); ++i) {
+          toks[i] = replace_all(toks[i], d.a, " ");
+          if (!exact && i == 0 && d.prepend_scheme != "never" && !toks[i].empty() && toks[i][0] == ' ') {
+            toks[i].erase(0, 1);
+          }
+        }
+      }
+    }
+    std::string s;
+    for (const auto& t : toks) s += t;
+    return exact ? s : lossy_utf8(s);
+  }
+};
+
+HfTokenizer::HfTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HfTokenizer::~HfTokenizer() = default;
+
+std::shared_ptr<const HfTokenizer> HfTokenizer::load(const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->path = path;
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw DataError(path + ": cannot open the tokenizer");
+  Json j;
+  try {
+    j = Json::parse(f);
+  } catch (const Json::exception& e) {
+    throw DataError(path + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("model")) impl->fail("not a tokenizer.json (no \"model\")");
+  try {
+    impl->load_model(j["model"]);
+    impl->load_added(j.value("added_tokens", Json::array()));
+    impl->load_normalizer(j.value("normalizer", Json()));
+    impl->load_pre_tokenizer(j.value("pre_tokenizer", Json()));
+    impl->load_post_processor(j.value("post_processor", Json()));
+    impl->load_decoder(j.value("decoder", Json()));
+  } catch (const Json::exception& e) {
+    impl->fail(std::string("malformed: ") + e.what());
+  }
+  return std::shared_ptr<const HfTokenizer>(new HfTokenizer(std::move(impl)));
+}
+
+std::vector<int64_t> HfTokenizer::encode(const std::string& text, bool add_special_tokens) const {
+  const Impl& m = *impl_;
+  std::vector<int64_t> ids;
+  if (add_special_tokens) ids = m.prefix;
+  for (const auto& seg : m.split_added(text)) {
+    if (seg.id >= 0) {
+      ids.push_back(seg.id);
+      continue;
+    }
+    for (const auto& piece : m.pre_tokenize(m.normalize(seg.text), seg.offset == 0)) m.bpe(piece, ids);
+  }
+  if (add_special_tokens) ids.insert(ids.end(), m.suffix.begin(), m.suffix.end());
+  return ids;
+}
+
+std::string HfTokenizer::decode(const std::vector<int64_t>& ids) const {
+  std::vector<std::string> toks;
+  toks.reserve(ids.size());
+  for (int64_t id : ids) {
+    if (id < 0 || id >= vocab_size() || impl_->id_to_token[id].empty()) {
+      throw DataError(impl_->path + ": decode: id " + std::to_string(id) + " is not in the vocabulary of " +
+                      std::to_string(vocab_size()));
+    }
+    toks.push_back(impl_->id_to_token[id]);
+  }
+  return impl_->run_decoders(std::move(toks), /*exact=*/false);
+}
+
+std::string HfTokenizer::token_bytes(int64_t id) const {
+  if (id < 0 || id >= vocab_size()) return "";
+  return impl_->run_decoders({impl_->id_to_token[id]}, /*exact=*/true);
+}
+
+int64_t HfTokenizer::token_to_id(const std::string& token) const {
+  auto it = impl_->vocab.find(token);
+  return it == impl_->vocab.end() ? -1 : it->second;
+}
+
+int64_t HfTokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
+
+bool HfTokenizer::is_special(int64_t id) const {
+  return id >= 0 && id < static_cast<int64_t>(impl_->special.size()) && impl_->special[id];
+}
+
+const std::vector<int64_t>& HfTokenizer::prefix_ids() const { return impl_->prefix; }
+const std::vector<int64_t>& HfTokenizer::suffix_ids() const { return impl_->suffix; }
+
+}  // namespace rlt

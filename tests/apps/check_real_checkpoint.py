@@ -1,0 +1,83 @@
+"""A real checkpoint end to end, on the CPU: transformers saves a random Qwen3-architecture model (vocabulary
+sized as Qwen3's) beside the published Qwen3 tokenizer.json, tokenizer_config.json (with its chat template)
+and a generation_config.json; grpo_train runs 2 GRPO steps of configs/retool.yaml on the DAPO-Math
+fixture, in slime's ReTool format (<tool_call> JSON, <tool_response> turns), with the model's own template
+and stop ids; the checkpoint it writes is a complete HF folder that transformers' AutoModelForCausalLM and
+AutoTokenizer load and generate from, and whose weights equal the ones grpo_train saved.
+
+usage: check_real_checkpoint.py GRPO_TRAIN SOURCE_DIR FIXTURES_DIR
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+import transformers
+
+grpo, src, fixtures = sys.argv[1:4]
+qwen3 = os.path.join(fixtures, "tokenizers", "qwen3")
+dapo = os.path.join(fixtures, "data", "dapo_math_17k.head200.jsonl")
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    ckpt = os.path.join(tmp, "qwen3-tiny")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=4096, tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = [151645, 151643]  # Qwen instruct: <|im_end|>, <|endoftext|>
+    model.generation_config.pad_token_id = 151643
+    model.save_pretrained(ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(qwen3, name), ckpt)
+
+    out = os.path.join(tmp, "run")
+    cmd = [grpo, "--config", os.path.join(src, "configs", "retool.yaml"), "--out", out,
+           "--set", "model.path=" + ckpt, "--set", "model.device=cpu", "--set", "model.dtype=float32",
+           "--set", "model.activation_checkpointing=false",
+           "--set", "data.path=" + dapo, "--set", "data.max_examples=8",
+           "--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "train.micro_batch_size=4",
+           "--set", "train.checkpoint_every=0", "--set", "train.eval_every=0",
+           "--set", "sampling.samples_per_prompt=2", "--set", "sampling.max_new_tokens=24",
+           "--set", "rollout.max_context=1024", "--set", "rollout.max_turns=2",
+           "--set", "sandbox.workers=2", "--set", "loss.impl=selective"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    text = p.stdout + p.stderr
+    check(p.returncode == 0, f"grpo_train exit {p.returncode}:\n{text[-3000:]}")
+    if p.returncode == 0:
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        check(len(rows) == 2, f"{len(rows)} metrics rows, want 2")
+        samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+        # The model's own template framed the prompt: Qwen's chat markers, the DAPO problem text.
+        check(all(s["prompt"].startswith("<|im_start|>") for s in samples), "prompt not in Qwen's chat template")
+        check(all("<|im_start|>assistant\n" in s["prompt"] for s in samples), "no generation prompt")
+
+        saved = os.path.join(out, "checkpoint", "model")
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            check(os.path.exists(os.path.join(saved, name)), f"checkpoint lacks {name}")
+        tok = transformers.AutoTokenizer.from_pretrained(saved)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
+        check(reloaded.generation_config.eos_token_id == [151645, 151643], "generation_config lost its stop ids")
+        ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        gen = reloaded.generate(ids, max_new_tokens=4, do_sample=False)
+        check(gen.shape[1] > ids.shape[1], "transformers generated nothing from the saved checkpoint")
+        # The update moved the weights (2 steps), so the saved model is not the one we started from.
+        start = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+        moved = any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), reloaded.state_dict().values()))
+        check(moved or all(r["grad_norm"] == 0 for r in rows), "the saved weights equal the starting ones")
+
+if failures:
+    print("\n\n".join(failures))
+    sys.exit(1)
+print("real checkpoint: grpo_train trained it and transformers reloads it")

@@ -1,0 +1,76 @@
+// The trainer's Tokenizer on real checkpoint tokenizer folders: special tokens from tokenizer_config.json,
+// piece_text as the exact bytes each sampled token adds (the rollout's stop-string search reads it), and
+// the errors a wrong folder gets. Encode/decode parity with HF tokenizers is tests/data/check_hf_tokenizer.py.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "data/dataset.h"
+#include "data/tokenizer.h"
+#include "tests/common/tmpdir.h"
+
+namespace rlt {
+namespace {
+
+const std::string kFixtures = RLT_FIXTURES_DIR;
+
+TEST(HfTokenizer, QwenFolderTakesItsSpecialTokensFromTheConfig) {
+  const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/qwen3");
+  EXPECT_EQ(t.vocab_size(), 151669);
+  EXPECT_EQ(t.eos_id(), 151645) << "<|im_end|>, tokenizer_config.json's eos_token";
+  EXPECT_EQ(t.piece_id("<|im_end|>"), 151645);
+  EXPECT_EQ(t.bos_id(), -1) << "bos_token: null";
+  EXPECT_EQ(t.pad_id(), 151643) << "<|endoftext|>";
+  // Special-token text in a rendered template becomes the token, not its characters.
+  EXPECT_EQ(t.encode("<|im_start|>user"), (std::vector<int64_t>{151644, 872}));
+}
+
+TEST(HfTokenizer, LlamaFolderAddsBeginOfTextOnlyWhenAsked) {
+  const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/llama-3.1");
+  EXPECT_EQ(t.bos_id(), 128000);
+  EXPECT_EQ(t.eos_id(), 128009) << "<|eot_id|> (Llama-3.1-Instruct's tokenizer_config.json)";
+  // The published ids of "Hello 世界 123" (fixtures README).
+  EXPECT_EQ(t.encode("Hello 世界 123", /*add_special_tokens=*/true),
+            (std::vector<int64_t>{128000, 9906, 127365, 220, 4513}));
+  EXPECT_EQ(t.encode("Hello 世界 123"), (std::vector<int64_t>{9906, 127365, 220, 4513}));
+}
+
+TEST(HfTokenizer, PieceTextsAreTheBytesEachTokenAdds) {
+  for (const char* fam : {"qwen3", "llama-3.1", "mistral-7b-v0.3"}) {
+    const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/" + fam);
+    // An emoji split across byte-level tokens, CJK, spaces and a newline: the concatenated piece texts are
+    // the text (Mistral's Metaspace prefixes one space to the first piece, as its decoder then strips).
+    const std::string text = "Robot 🤖 says 你好\n  done";
+    std::string joined;
+    for (int64_t id : t.encode(text)) joined += t.piece_text(id);
+    const std::string want = std::string(fam) == "mistral-7b-v0.3" ? " " + text : text;
+    EXPECT_EQ(joined, want) << fam;
+    EXPECT_EQ(t.decode(t.encode(text)), text) << fam;
+  }
+  // A byte-level token's text is its bytes, not its alphabet spelling ("Ġthe" is " the").
+  const Tokenizer q = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/qwen3");
+  const int64_t the = q.piece_id("\xc4\xa0the");  // "Ġthe"
+  ASSERT_GE(the, 0);
+  EXPECT_EQ(q.piece_text(the), " the");
+}
+
+TEST(HfTokenizer, WrongFoldersAndFilesNameThemselves) {
+  rlt::testing::TempDir tmp("hf_tok");
+  auto expect_error = [](const std::string& path, const std::string& fragment) {
+    try {
+      Tokenizer::load(path);
+      ADD_FAILURE() << "accepted " << path;
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  expect_error(tmp.path().string(), "neither tokenizer.json nor tokenizer.model");
+  std::ofstream(tmp.path() / "tokenizer.json") << R"({"model": {"type": "WordPiece", "vocab": {}}})";
+  expect_error(tmp.path().string(), "WordPiece");
+  std::ofstream(tmp.path() / "tokenizer.json") << "{broken";
+  expect_error((tmp.path() / "tokenizer.json").string(), "not valid JSON");
+}
+
+}  // namespace
+}  // namespace rlt
