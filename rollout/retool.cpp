@@ -4,6 +4,7 @@
 // last sample, or tool output to append. A sequence samples when that queue runs dry.
 #include "rollout/retool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <thread>
@@ -288,7 +289,10 @@ class Loop {
     const std::string& piece = tok_.piece_text(id);
     s.turn_text += piece;
     s.traj.response_text += piece;
-    if (id == tok_.eos_id()) return finish(s, FinishReason::kEos);
+    const bool stop_id = options_.stop_ids.empty() ? id == tok_.eos_id()
+                                                   : std::find(options_.stop_ids.begin(), options_.stop_ids.end(),
+                                                               id) != options_.stop_ids.end();
+    if (stop_id) return finish(s, FinishReason::kEos);
     if (!options_.stop.empty() && ends_with(s.traj.response_text, options_.stop)) {
       return finish(s, FinishReason::kStop);
     }

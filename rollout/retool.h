@@ -61,6 +61,9 @@ struct RolloutOptions {
   int64_t max_tool_output_tokens = 256;
   // Extra stop string that ends a trajectory ("" = none).
   std::string stop;
+  // Token ids that end a trajectory (FinishReason::kEos). Not a config key: the trainer sets them from the
+  // checkpoint's generation_config.json and the tokenizer's EOS. Empty: the tokenizer's EOS alone.
+  std::vector<int64_t> stop_ids;
   // Said to the model, as a tool turn, when a turn is not parseable: an empty or unopened code block,
   // or text posing as interpreter output.
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";

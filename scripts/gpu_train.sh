@@ -41,7 +41,10 @@ with open(sys.argv[3], "w") as f:
         a, b = rng.randint(100, 9999), rng.randint(100, 9999)
         f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
 PY
-common=(--config configs/retool.yaml --set model.path=$ckpt --set model.tokenizer= --set data.path=$out/math.jsonl
+# The checkpoint's own tokenizer: the published Qwen tokenizer files (Qwen2.5 and Qwen3 share the base
+# vocabulary), as a real Qwen folder has them.
+cp .gpu/fixtures/tokenizers/qwen3/tokenizer.json .gpu/fixtures/tokenizers/qwen3/tokenizer_config.json "$ckpt/"
+common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0)
 limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"

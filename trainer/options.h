@@ -19,7 +19,8 @@ struct ModelOptions {
   // A Hugging Face checkpoint folder (config.json + safetensors). Empty: a new model from the init_*
   // fields, sized to the tokenizer (the built-in demo).
   std::string path;
-  // A sentencepiece .model file. Empty: one is trained on the synthetic task into the run folder.
+  // A tokenizer.json, a sentencepiece .model or a folder holding one. Empty: the checkpoint's own
+  // (model.path); with no checkpoint (the built-in demo), one is trained on the synthetic task.
   std::string tokenizer;
   int64_t tokenizer_vocab = 400;  // vocabulary of a trained tokenizer
   std::string device = "cpu";     // cpu | cuda | cuda:N
@@ -37,7 +38,7 @@ struct ModelOptions {
   template <class V>
   void visit(V&& v) {
     v("path", path, "Hugging Face checkpoint folder; empty = a new model from init_*");
-    v("tokenizer", tokenizer, "sentencepiece .model; empty = train one on the synthetic task");
+    v("tokenizer", tokenizer, "tokenizer.json, .model or folder; empty = model.path's own (the demo trains one)");
     v("tokenizer_vocab", tokenizer_vocab, "vocabulary of a trained tokenizer", FieldRange{300, 1e6});
     v("device", device, "cpu | cuda | cuda:N");
     v("dtype", dtype, "float32 | bfloat16");

@@ -73,9 +73,18 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   if (run.device.is_cuda() && !at::hasCUDA()) {
     throw RunError("model.device: " + config.model.device + " requested, but no CUDA device is available");
   }
-  // Tokenizer.
+  // Tokenizer: model.tokenizer (a file or a folder) when set; else the checkpoint's own (tokenizer.json,
+  // then tokenizer.model); only the built-in demo, with no checkpoint, trains one.
   if (!config.model.tokenizer.empty()) {
     run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(config.model.tokenizer));
+  } else if (!config.model.path.empty()) {
+    if (!fs::is_directory(config.model.path)) throw RunError("model.path: " + config.model.path + " is not a folder");
+    try {
+      run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_checkpoint(config.model.path));
+    } catch (const DataError& e) {
+      throw RunError(std::string("model.path: ") + e.what() +
+                     " (a checkpoint is trained with its own tokenizer; set model.tokenizer to use another)");
+    }
   } else {
     const std::string path = (fs::path(out_dir) / "tokenizer.model").string();
     if (!(resume && fs::exists(path))) {
@@ -101,6 +110,15 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
         Transformer::load(config.model.path, scalar_type(config.model.dtype), run.device));
   } else {
     run.policy = new_model(config, run.tokenizer->vocab_size(), run.device);
+  }
+  // Stop ids: generation_config.json's eos_token_id (one or a list) and the tokenizer's EOS; rollout.stop
+  // adds a stop string.
+  if (!config.model.path.empty()) {
+    for (int64_t id : generation_eos_ids(config.model.path)) run.config.rollout.stop_ids.push_back(id);
+  }
+  if (run.tokenizer->eos_id() >= 0) run.config.rollout.stop_ids.push_back(run.tokenizer->eos_id());
+  if (run.config.rollout.stop_ids.empty()) {
+    throw RunError("model: neither generation_config.json nor the tokenizer names an end-of-sequence token");
   }
   if (run.policy->config().vocab_size < run.tokenizer->vocab_size()) {
     throw RunError("model.tokenizer: " + std::to_string(run.tokenizer->vocab_size()) +

@@ -224,6 +224,29 @@ TEST_F(ReToolTest, AnswerEndsTheTrajectory) {
   EXPECT_EQ(p->released_, std::vector<int64_t>{0});
 }
 
+// A checkpoint's generation_config.json may name stop ids other than the tokenizer's EOS (Qwen instruct:
+// <|im_end|> and <|endoftext|>): each one ends the trajectory, and the tokenizer's EOS alone does not when
+// the list is given without it.
+TEST_F(ReToolTest, EveryStopIdEndsTheTrajectory) {
+  const std::vector<int64_t> stop = enc("!");
+  ASSERT_EQ(stop.size(), 1u);
+  auto p = policy({"Thinking hard! then more text"});
+  RolloutOptions o;
+  o.tools = false;
+  o.stop_ids = {stop[0]};
+  FakeTool tool;
+  auto trajs = rollout(*p, *tok_, {enc("Q?")}, sampling(1), o, tool.runner());
+  check_consistent(trajs[0], *p, 0);
+  EXPECT_EQ(trajs[0].finish, FinishReason::kEos);
+  EXPECT_EQ(trajs[0].response_text, "Thinking hard!");
+  // Without the id in the list, the same script runs on past it.
+  auto q = policy({"Thinking hard! then more text"});
+  RolloutOptions plain;
+  plain.tools = false;
+  auto more = rollout(*q, *tok_, {enc("Q?")}, sampling(1), plain, tool.runner());
+  EXPECT_NE(more[0].response_text.find("then more text"), std::string::npos);
+}
+
 TEST_F(ReToolTest, ToolCallAppendsMaskedInterpreterTurn) {
   auto p = policy({"I compute.<code>\nprint(6*7)\n</code>Answer: \\boxed{42}"});
   FakeTool tool;
