@@ -18,26 +18,43 @@ namespace {
 
 using json = nlohmann::json;
 
-// One top-level member we care about (the prompt or the answer key), as the parser met it.
+// A member we care about (the prompt or the answer), as the parser met it.
 struct Member {
-  enum Kind { kMissing, kString, kNumber, kOther } kind = kMissing;
+  enum Kind { kMissing, kString, kNumber, kMessages, kOther } kind = kMissing;
   std::string text;       // the string, or the number exactly as written in the file
   const char* type = "";  // for messages: "a boolean", "an array", ...
-  int count = 0;          // how often the key appears in the object
+  int count = 0;          // how often its path appears in the object
 };
+
+// One chat message of a prompt given as a list, and the first problem met in it.
+struct MessageFields {
+  Member role, content;
+  const char* element_type = nullptr;  // set when the list element is not an object
+};
+
+// "reward_model.ground_truth" -> {"reward_model", "ground_truth"}.
+std::vector<std::string> split_path(const std::string& key) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  for (size_t e; (e = key.find('.', b)) != std::string::npos; b = e + 1) out.push_back(key.substr(b, e - b));
+  out.push_back(key.substr(b));
+  return out;
+}
 
 // A SAX pass over one line instead of a DOM: it validates the whole line like json::parse, but also sees
 // each number's source text, so an answer written as 12.50 or 123456789012345678901234 (past 64 bits)
-// reaches the reward exactly as written instead of through a double. Only the two wanted top-level
-// members are kept; everything else is walked and dropped.
+// reaches the reward exactly as written instead of through a double. It follows the path of every value
+// (object keys and array indices) and keeps the two wanted members, at their dotted paths, and the
+// role/content of each message when the prompt is a list; everything else is walked and dropped.
 class LineReader : public nlohmann::json_sax<json> {
  public:
   LineReader(const std::string& prompt_key, const std::string& answer_key)
-      : prompt_key_(prompt_key), answer_key_(answer_key) {}
+      : prompt_path_(split_path(prompt_key)), answer_path_(split_path(answer_key)) {}
 
   const char* root_type = nullptr;  // type of the line's value; "an object" is the only good one
   Member prompt, answer;
-  std::string error;  // the parser's message when the line is not valid JSON
+  std::vector<MessageFields> messages;  // when the prompt is a list
+  std::string error;                    // the parser's message when the line is not valid JSON
 
   bool null() override { return value(Member::kOther, "", "null"); }
   bool boolean(bool) override { return value(Member::kOther, "", "a boolean"); }
@@ -46,12 +63,12 @@ class LineReader : public nlohmann::json_sax<json> {
   bool number_float(number_float_t, const string_t& s) override { return value(Member::kNumber, s, "a number"); }
   bool string(string_t& s) override { return value(Member::kString, s, "a string"); }
   bool binary(binary_t&) override { return value(Member::kOther, "", "binary data"); }
-  bool start_object(std::size_t) override { return open("an object"); }
+  bool start_object(std::size_t) override { return open(false, "an object"); }
   bool end_object() override { return close(); }
-  bool start_array(std::size_t) override { return open("an array"); }
+  bool start_array(std::size_t) override { return open(true, "an array"); }
   bool end_array() override { return close(); }
   bool key(string_t& k) override {
-    if (depth_ == 1) key_ = k;
+    stack_.back().key = k;
     return true;
   }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
@@ -66,34 +83,87 @@ class LineReader : public nlohmann::json_sax<json> {
   }
 
  private:
-  bool value(Member::Kind kind, const std::string& text, const char* type) {
-    if (depth_ == 0) root_type = type;
-    if (depth_ != 1 || !in_object_) return true;
-    Member* m = key_ == prompt_key_ ? &prompt : key_ == answer_key_ ? &answer : nullptr;
-    if (m != nullptr) {
-      m->kind = kind;
-      m->text = text;
-      m->type = type;
-      m->count += 1;
+  struct Frame {
+    bool array = false;
+    int64_t index = -1;  // arrays: the element being read
+    std::string key;     // objects: the member being read
+  };
+
+  // Advances the enclosing array's index and tells whether the value about to come sits at `path`
+  // (object keys only; a path never crosses an array).
+  void enter_value() {
+    if (!stack_.empty() && stack_.back().array) ++stack_.back().index;
+  }
+  bool at(const std::vector<std::string>& path) const {
+    if (stack_.size() != path.size() || stack_.empty() || !in_object_) return false;
+    for (size_t i = 0; i < path.size(); ++i) {
+      if (stack_[i].array || stack_[i].key != path[i]) return false;
     }
     return true;
   }
-  bool open(const char* type) {
-    if (depth_ == 0) in_object_ = std::strcmp(type, "an object") == 0;
-    value(Member::kOther, "", type);  // a nested container as a member's value is the wrong type
-    ++depth_;
+  // The message index when the value about to come is element [i] of the prompt list (depth +1) or a
+  // member of it (depth +2; `field` is its key), else -1.
+  int64_t message_index(size_t extra) const {
+    const size_t n = prompt_path_.size();
+    if (prompt.kind != Member::kMessages || stack_.size() != n + extra) return -1;
+    for (size_t i = 0; i < n; ++i) {
+      if (stack_[i].array || stack_[i].key != prompt_path_[i]) return -1;
+    }
+    return stack_[n].array ? stack_[n].index : -1;
+  }
+  void record(Member& m, Member::Kind kind, const std::string& text, const char* type) {
+    m.kind = kind;
+    m.text = text;
+    m.type = type;
+    m.count += 1;
+  }
+  bool value(Member::Kind kind, const std::string& text, const char* type) {
+    if (stack_.empty()) root_type = type;
+    enter_value();
+    if (at(prompt_path_)) record(prompt, kind, text, type);
+    if (at(answer_path_)) record(answer, kind, text, type);
+    if (const int64_t i = message_index(1); i >= 0) {  // a list element that is not an object
+      if (static_cast<int64_t>(messages.size()) <= i) messages.resize(i + 1);
+      messages[i].element_type = type;
+    }
+    if (const int64_t i = message_index(2); i >= 0) {
+      if (static_cast<int64_t>(messages.size()) <= i) messages.resize(i + 1);
+      const std::string& field = stack_.back().key;
+      if (field == "role") record(messages[i].role, kind, text, type);
+      if (field == "content") record(messages[i].content, kind, text, type);
+    }
+    return true;
+  }
+  bool open(bool array, const char* type) {
+    if (stack_.empty()) {
+      root_type = type;
+      in_object_ = !array;
+    } else {
+      enter_value();
+      const bool prompt_list = array && at(prompt_path_);
+      if (at(prompt_path_)) record(prompt, prompt_list ? Member::kMessages : Member::kOther, "", type);
+      if (at(answer_path_)) record(answer, Member::kOther, "", type);  // a container is the wrong type
+      if (const int64_t i = message_index(1); i >= 0) {
+        if (static_cast<int64_t>(messages.size()) <= i) messages.resize(i + 1);
+        if (array) messages[i].element_type = type;
+      }
+      if (const int64_t i = message_index(2); i >= 0) {
+        const std::string& field = stack_.back().key;
+        if (field == "role") record(messages[i].role, Member::kOther, "", type);
+        if (field == "content") record(messages[i].content, Member::kOther, "", type);
+      }
+    }
+    stack_.push_back(Frame{array, -1, ""});
     return true;
   }
   bool close() {
-    --depth_;
+    stack_.pop_back();
     return true;
   }
 
-  const std::string& prompt_key_;
-  const std::string& answer_key_;
-  int depth_ = 0;
+  std::vector<std::string> prompt_path_, answer_path_;
+  std::vector<Frame> stack_;
   bool in_object_ = false;
-  std::string key_;
 };
 
 bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n\f\v") == std::string::npos; }
@@ -124,8 +194,10 @@ bool parse_line(const std::string& line, const DatasetOptions& o, PromptExample&
       why = "key '" + *key + "' appears " + std::to_string(m->count) + " times";
       return false;
     }
+    if (!is_answer && m->kind == Member::kMessages) continue;
     if (m->kind != Member::kString && !(is_answer && m->kind == Member::kNumber)) {
-      why = "key '" + *key + "' is " + m->type + ", expected a string" + (is_answer ? " or a number" : "");
+      why = "key '" + *key + "' is " + m->type + ", expected a string" +
+            (is_answer ? " or a number" : " or a list of chat messages");
       return false;
     }
     // An empty answer could never be matched (the reward treats no answer as wrong), so it is a data bug.
@@ -133,6 +205,43 @@ bool parse_line(const std::string& line, const DatasetOptions& o, PromptExample&
       why = std::string("empty ") + (is_answer ? "answer" : "prompt") + " (key '" + *key + "')";
       return false;
     }
+  }
+  if (reader.prompt.kind == Member::kMessages) {
+    if (reader.messages.empty()) {
+      why = "key '" + o.prompt_key + "' is an empty list of messages";
+      return false;
+    }
+    for (size_t i = 0; i < reader.messages.size(); ++i) {
+      const MessageFields& f = reader.messages[i];
+      const std::string at = o.prompt_key + "[" + std::to_string(i) + "]";
+      if (f.element_type != nullptr) {
+        why = at + " is " + f.element_type + ", expected a message object {\"role\", \"content\"}";
+        return false;
+      }
+      for (const auto& [name, m] : {std::pair<const char*, const Member*>{"role", &f.role}, {"content", &f.content}}) {
+        if (m->kind == Member::kMissing) {
+          why = at + "." + name + ": missing";
+          return false;
+        }
+        if (m->kind != Member::kString) {
+          why = at + "." + name + ": is " + m->type + ", expected a string";
+          return false;
+        }
+      }
+      const std::string& role = f.role.text;
+      if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
+        why = at + ".role: '" + role + "' is not one of system, user, assistant, tool";
+        return false;
+      }
+      out.messages.push_back({role, f.content.text});
+      if (role == "user") out.prompt = f.content.text;  // the last user turn: the question
+    }
+    if (out.prompt.empty() || is_blank(out.prompt)) {
+      why = "key '" + o.prompt_key + "' has no non-empty user message";
+      return false;
+    }
+    out.answer = std::move(reader.answer.text);
+    return true;
   }
   out.prompt = std::move(reader.prompt.text);
   out.answer = std::move(reader.answer.text);

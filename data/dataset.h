@@ -1,10 +1,10 @@
-// Prompt datasets: JSONL files with one {"prompt": ..., "answer": ...} object per line, loaded whole into
+// Prompt datasets: JSONL files with one object per line holding a prompt (a string, or a list of chat
+// messages) and an answer, at top-level or dotted keys, loaded whole into
 // memory, and a sampler that walks them in deterministic shuffled epochs. A bad line is an error naming
 // file:line and what is wrong, or (skip_malformed) is skipped and counted, so a typo in line 40,117 of a
 // dataset is found before a run starts, not hours into it.
-// Leaves out: streaming files larger than memory, other formats (parquet, JSON arrays), chat-formatted
-// prompts (a list of messages): a prompt here is one question; the chat template (data/chat_template.h)
-// frames it.
+// Parquet files go through scripts/to_jsonl.py first. Leaves out: streaming files larger than memory,
+// JSON arrays, keys that contain a dot, array indices in key paths.
 #pragma once
 
 #include <cstdint>
@@ -16,10 +16,19 @@
 
 namespace rlt {
 
+// One turn of a prompt given as a conversation.
+struct ChatMessage {
+  std::string role;  // system | user | assistant | tool
+  std::string content;
+};
+
 struct PromptExample {
-  std::string prompt;  // the question, before any chat template
+  std::string prompt;  // the question, before any chat template (a conversation's last user turn)
   std::string answer;  // reference answer (compared by the reward, data/reward.h)
   std::string source;  // where it came from: "file:line", or "synthetic:#i"
+  // The conversation, when the dataset gives the prompt as a list of messages (DAPO-Math-17k as slime
+  // ships it); empty for a string prompt. A model's own chat template renders it whole.
+  std::vector<ChatMessage> messages;
 };
 
 // Any problem with data files (datasets, tokenizer models): the message names the file, and the line
@@ -32,9 +41,11 @@ class DataError : public std::runtime_error {
 struct DatasetOptions {
   // The JSONL file: one JSON object per line; blank lines are ignored.
   std::string path;
-  // Key of the question in each object (a string).
+  // Key of the question in each object: a string, or a list of chat messages [{"role", "content"}]. A
+  // dotted path reaches into nested objects (a key that itself holds a dot cannot be named).
   std::string prompt_key = "prompt";
-  // Key of the reference answer (a string, or a number: kept as the exact text written in the file).
+  // Key of the reference answer (a string, or a number: kept as the exact text written in the file);
+  // dotted, e.g. reward_model.ground_truth (verl's parquet schema).
   std::string answer_key = "answer";
   // false: the first bad line is an error naming file:line. true: bad lines are skipped and counted
   // (Dataset::skipped), the first few reasons kept for the log.

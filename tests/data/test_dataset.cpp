@@ -456,3 +456,99 @@ TEST(Synthetic, ToolUseTraceRejectsWhatItCannotSolve) {
 
 }  // namespace
 }  // namespace rlt
+
+namespace rlt {
+namespace {
+
+const std::string kHfData = std::string(RLT_FIXTURES_DIR) + "/data";
+
+// DAPO-Math-17k as slime ships it: the prompt is a list of chat messages, the answer is under "label".
+TEST(Dataset, DapoMathPromptsAreChatMessages) {
+  DatasetOptions o = options_for(kHfData + "/dapo_math_17k.head200.jsonl");
+  o.answer_key = "label";
+  const Dataset d = load_jsonl(o);
+  ASSERT_EQ(d.examples.size(), 200u);
+  const PromptExample& ex = d.examples[0];
+  ASSERT_EQ(ex.messages.size(), 1u);
+  EXPECT_EQ(ex.messages[0].role, "user");
+  EXPECT_EQ(ex.prompt, ex.messages[0].content) << "the question is the last user turn";
+  EXPECT_NE(ex.prompt.find("In triangle $ABC$"), std::string::npos);
+  EXPECT_EQ(ex.answer, "34");  // rows 0-2: 34, 113, -3 (fixtures README)
+  EXPECT_EQ(d.examples[1].answer, "113");
+  EXPECT_EQ(d.examples[2].answer, "-3");
+  // Row 175 (0-based): a "\nabla" became a JSON "\n" escape: a real newline, kept as published.
+  EXPECT_NE(d.examples[175].prompt.find("\nabla"), std::string::npos);
+}
+
+// AIME 2024: `problem` / zero-padded string answers; the reward counts "25" for "025".
+TEST(Dataset, Aime2024KeysAndZeroPaddedAnswers) {
+  DatasetOptions o = options_for(kHfData + "/aime2024.jsonl");
+  o.prompt_key = "problem";
+  const Dataset d = load_jsonl(o);
+  ASSERT_EQ(d.examples.size(), 30u);
+  EXPECT_TRUE(d.examples[0].messages.empty()) << "a string prompt";
+  bool padded = false;
+  for (const auto& ex : d.examples) {
+    if (ex.answer.size() == 3 && ex.answer[0] == '0') {
+      padded = true;
+      EXPECT_TRUE(answers_match(ex.answer.substr(1), ex.answer)) << ex.answer;
+      EXPECT_FALSE(answers_match(ex.answer.substr(1) + "0", ex.answer)) << ex.answer;
+    }
+  }
+  EXPECT_TRUE(padded) << "the fixture has zero-padded answers such as 025";
+}
+
+TEST(Dataset, DottedKeysReachNestedObjects) {
+  TempDir dir("dataset_nested");
+  // verl's schema: the reference answer under reward_model.ground_truth, numbers kept as written.
+  const std::string path = write_file(
+      dir, "verl.jsonl",
+      "{\"data_source\": \"math_dapo\", \"prompt\": [{\"content\": \"What is 2+3?\", \"role\": \"user\"}], "
+      "\"reward_model\": {\"ground_truth\": \"5\", \"style\": \"rule\"}, \"extra_info\": {\"index\": \"a\"}}\n"
+      "{\"prompt\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"7*6?\"}], "
+      "\"reward_model\": {\"ground_truth\": 42.0, \"style\": \"rule\"}}\n");
+  DatasetOptions o = options_for(path);
+  o.answer_key = "reward_model.ground_truth";
+  const Dataset d = load_jsonl(o);
+  ASSERT_EQ(d.examples.size(), 2u);
+  EXPECT_EQ(d.examples[0].answer, "5");
+  EXPECT_EQ(d.examples[1].answer, "42.0") << "as written in the file";
+  ASSERT_EQ(d.examples[1].messages.size(), 2u);
+  EXPECT_EQ(d.examples[1].messages[0].role, "system");
+  EXPECT_EQ(d.examples[1].prompt, "7*6?");
+  // The same key one level up is not the nested one: a reader that matched the last key alone would take
+  // "style" objects' siblings; this one must say the path is missing.
+  o.answer_key = "ground_truth";
+  EXPECT_NE(load_error(o).find("missing key 'ground_truth'"), std::string::npos) << load_error(o);
+}
+
+TEST(Dataset, BadMessagesNameFileLineAndPath) {
+  TempDir dir("dataset_bad_messages");
+  const struct {
+    const char* line;
+    const char* fragment;
+  } rows[] = {
+      {R"({"prompt": [], "answer": "1"})", "empty list of messages"},
+      {R"({"prompt": ["hi"], "answer": "1"})", "prompt[0] is a string, expected a message object"},
+      {R"({"prompt": [{"role": "user"}], "answer": "1"})", "prompt[0].content: missing"},
+      {R"({"prompt": [{"role": "user", "content": "q"}, {"role": 3, "content": "x"}], "answer": "1"})",
+       "prompt[1].role: is a number"},
+      {R"({"prompt": [{"role": "robot", "content": "q"}], "answer": "1"})", "prompt[0].role: 'robot' is not one of"},
+      {R"({"prompt": [{"role": "system", "content": "s"}], "answer": "1"})", "no non-empty user message"},
+      {R"({"prompt": "q", "reward_model": {"ground_truth": {"x": 1}}})", "is an object"},
+  };
+  for (const auto& row : rows) {
+    const bool nested = std::string(row.line).find("reward_model") != std::string::npos;
+    const std::string good =
+        nested ? R"({"prompt": "ok", "reward_model": {"ground_truth": "2"}})" : R"({"prompt": "ok", "answer": "2"})";
+    const std::string path = write_file(dir, "bad.jsonl", good + "\n" + row.line + "\n");
+    DatasetOptions o = options_for(path);
+    if (nested) o.answer_key = "reward_model.ground_truth";
+    const std::string err = load_error(o);
+    EXPECT_NE(err.find(path + ":2: "), std::string::npos) << err;
+    EXPECT_NE(err.find(row.fragment), std::string::npos) << err;
+  }
+}
+
+}  // namespace
+}  // namespace rlt
