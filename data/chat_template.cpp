@@ -1,6 +1,8 @@
 // Placeholder substitution for the chat template; see chat_template.h.
 #include "data/chat_template.h"
 
+#include "data/dataset.h"
+#include "data/hf_chat.h"
 #include "data/tokenizer.h"
 
 namespace rlt {
@@ -35,6 +37,23 @@ std::vector<int64_t> encode_prompt(const Tokenizer& tokenizer, const ChatTemplat
   const auto body = tokenizer.encode(render_prompt(options, question));
   ids.insert(ids.end(), body.begin(), body.end());
   return ids;
+}
+
+std::vector<int64_t> encode_chat(const Tokenizer& tokenizer, const HfChatTemplate& chat,
+                                 const ChatTemplateOptions& options, const std::vector<ChatMessage>& messages,
+                                 const std::string& question) {
+  nlohmann::ordered_json conv = nlohmann::ordered_json::array();
+  const bool has_system = !messages.empty() && messages.front().role == "system";
+  std::string system = options.system;
+  if (!options.tools.empty()) system += (system.empty() ? "" : "\n") + options.tools;
+  if (!has_system && !system.empty()) conv.push_back({{"role", "system"}, {"content", system}});
+  if (messages.empty()) {
+    conv.push_back({{"role", "user"}, {"content", question}});
+  } else {
+    for (const auto& m : messages) conv.push_back({{"role", m.role}, {"content", m.content}});
+  }
+  const auto vars = nlohmann::ordered_json::parse(options.template_vars);
+  return tokenizer.encode(chat.render(conv, nullptr, /*add_generation_prompt=*/true, vars));
 }
 
 }  // namespace rlt

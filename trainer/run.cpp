@@ -125,13 +125,28 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                    " pieces, more than the model's vocabulary of " + std::to_string(run.policy->config().vocab_size));
   }
   run.policy->set_activation_checkpointing(config.model.activation_checkpointing);
+  // The chat template: the model's own (from model.tokenizer when it is a folder, else model.path).
+  if (config.chat.template_kind == ChatTemplateKind::kModel) {
+    const std::string dir = fs::is_directory(config.model.tokenizer) ? config.model.tokenizer : config.model.path;
+    if (dir.empty()) throw RunError("chat.template: model needs a checkpoint folder (model.path) that has one");
+    try {
+      run.chat = std::make_shared<HfChatTemplate>(HfChatTemplate::from_folder(dir));
+    } catch (const DataError& e) {
+      throw RunError(std::string("chat.template: model: ") + e.what());
+    }
+  }
   // Prompts: the last eval_prompts are held out.
   std::vector<PromptExample> examples = config.train.prompts == PromptSource::kJsonl
                                             ? load_jsonl(config.data).examples
                                             : make_multiplication_tasks(config.synthetic);
   // A prompt that leaves no room for a response is the dataset's problem: say which one, before training.
   for (const auto& ex : examples) {
-    const int64_t n = static_cast<int64_t>(encode_prompt(*run.tokenizer, config.chat, ex.prompt).size());
+    int64_t n = 0;
+    try {
+      n = static_cast<int64_t>(encode_prompts(run, {ex}).front().size());
+    } catch (const jinja::TemplateRaise& e) {
+      throw DataError(ex.source + ": the chat template refuses this prompt: " + e.what());
+    }
     if (n + 1 >= config.rollout.max_context) {
       throw DataError(ex.source + ": the prompt is " + std::to_string(n) +
                       " tokens after the chat template, which leaves no room for a response within "
@@ -179,7 +194,10 @@ void ensure_reference(Run& run) {
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples) {
   std::vector<std::vector<int64_t>> out;
   out.reserve(examples.size());
-  for (const auto& ex : examples) out.push_back(encode_prompt(*run.tokenizer, run.config.chat, ex.prompt));
+  for (const auto& ex : examples) {
+    out.push_back(run.chat ? encode_chat(*run.tokenizer, *run.chat, run.config.chat, ex.messages, ex.prompt)
+                           : encode_prompt(*run.tokenizer, run.config.chat, ex.prompt));
+  }
   return out;
 }
 

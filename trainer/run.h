@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "data/hf_chat.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "rollout/retool.h"
@@ -44,6 +45,8 @@ struct Run {
   at::Device device = at::kCPU;
   std::unique_ptr<Tokenizer> tokenizer;
   ToolTags tags;  // how the model calls the interpreter and how its output comes back
+  // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
+  std::shared_ptr<const HfChatTemplate> chat;
   std::unique_ptr<Transformer> policy;
   // Only when policy.kl_coef > 0: the policy as RL starts (after the warm-up), saved once to
   // out_dir/reference so a resumed run keeps it.

@@ -1,9 +1,9 @@
 """A real checkpoint end to end, on the CPU: transformers saves a random Qwen3-architecture model (vocabulary
 sized as Qwen3's) beside the published Qwen3 tokenizer.json, tokenizer_config.json (with its chat template)
 and a generation_config.json; grpo_train runs 2 GRPO steps of configs/retool.yaml on the DAPO-Math
-fixture, in slime's ReTool format (<tool_call> JSON, <tool_response> turns), with the model's own template
-and stop ids; the checkpoint it writes is a complete HF folder that transformers' AutoModelForCausalLM and
-AutoTokenizer load and generate from, and whose weights equal the ones grpo_train saved.
+fixture (chat-message prompts, "label" answers), with the model's own tokenizer, chat template and stop ids;
+the checkpoint it writes is a complete HF folder that transformers' AutoModelForCausalLM and AutoTokenizer
+load and generate from. The prompt ids grpo_train sampled from are transformers' own apply_chat_template ids.
 
 usage: check_real_checkpoint.py GRPO_TRAIN SOURCE_DIR FIXTURES_DIR
 """
@@ -47,7 +47,7 @@ with tempfile.TemporaryDirectory() as tmp:
            "--set", "model.activation_checkpointing=false",
            "--set", "data.path=" + dapo, "--set", "data.max_examples=8",
            "--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "train.micro_batch_size=4",
-           "--set", "train.checkpoint_every=0", "--set", "train.eval_every=0",
+           "--set", "train.checkpoint_every=0", "--set", "train.log_samples=4",
            "--set", "sampling.samples_per_prompt=2", "--set", "sampling.max_new_tokens=24",
            "--set", "rollout.max_context=1024", "--set", "rollout.max_turns=2",
            "--set", "sandbox.workers=2", "--set", "loss.impl=selective"]
@@ -58,9 +58,24 @@ with tempfile.TemporaryDirectory() as tmp:
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         check(len(rows) == 2, f"{len(rows)} metrics rows, want 2")
         samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
-        # The model's own template framed the prompt: Qwen's chat markers, the DAPO problem text.
-        check(all(s["prompt"].startswith("<|im_start|>") for s in samples), "prompt not in Qwen's chat template")
-        check(all("<|im_start|>assistant\n" in s["prompt"] for s in samples), "no generation prompt")
+        check(len(samples) >= 2, f"{len(samples)} samples logged")
+        # The model's own template framed the prompt: decoded, it is transformers' apply_chat_template text
+        # for the row's messages with the config's system turn.
+        tok0 = transformers.AutoTokenizer.from_pretrained(ckpt)
+        rows_by_text = {}
+        for line in open(dapo):
+            row = json.loads(line)
+            rows_by_text[row["prompt"][-1]["content"]] = row
+        for s in samples:
+            user = s["prompt"].split("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+            row = rows_by_text.get(user)
+            check(row is not None, f"sampled prompt is no DAPO row: {s['prompt'][:200]!r}")
+            if row is None:
+                continue
+            system = s["prompt"].split("<|im_start|>system\n", 1)[-1].split("<|im_end|>", 1)[0]
+            want = tok0.apply_chat_template([{"role": "system", "content": system}] + row["prompt"],
+                                            add_generation_prompt=True, tokenize=False)
+            check(s["prompt"] == want, f"prompt differs from apply_chat_template:\n{s['prompt']!r}\n{want!r}")
 
         saved = os.path.join(out, "checkpoint", "model")
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
