@@ -4,7 +4,8 @@
 // block's logits from the saved lse, form its gradient for any per-token upstream gradient, and
 // accumulate dE and dW (fp32 for bf16/fp16 inputs); blocks whose softmax is below eps everywhere are
 // skipped (gradient filtering). The target-token term (the "indexed matmul") is added outside the
-// blocks, so filtering never drops it. Runs on CPU and GPU; a fused CUDA kernel will be tested against it.
+// blocks, so filtering never drops it. Runs on CPU and GPU; on CUDA the block epilogues run as fused kernels
+// (loss/cuda/cce_kernels.cu), tested against these ATen epilogues in tests/loss/test_cce.cpp (CceCuda.*).
 #pragma once
 
 #include <ATen/ATen.h>

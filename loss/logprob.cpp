@@ -15,15 +15,21 @@ namespace rlt {
 
 namespace {
 
-// Rows per ATen chunk of the selective path when chunk_size is 0 (automatic).
-constexpr int64_t kSelectiveAutoChunk = 1024;
+// The selective path's ATen chunks, when chunk_size is 0: rows such that one chunk's [rows, V] fp32
+// working set (log-sum-exp and entropy temporaries) stays near 1M elements (4 MiB). A fixed 1024 rows
+// was a whole batch's logits at seed 000's shapes on the CPU (bench_loss --case seed000: +100%).
+constexpr int64_t kSelectiveChunkElems = int64_t{1} << 20;
+// The hidden-state path's LM-head matmul, when chunk_size is 0: as many rows per GEMM as cce uses
+// (cce_blocks), so a GPU keeps large GEMMs; naive keeps its documented "all rows at once".
+constexpr int64_t kHiddenAutoRows = 4096;
 
-SelectiveArgs selective_args(const LossOptions& opt, bool inplace_backward) {
+SelectiveArgs selective_args(const LossOptions& opt, int64_t V) {
   SelectiveArgs a;
   a.temperature = opt.temperature;
-  a.chunk_size = opt.chunk_size > 0 ? opt.chunk_size : kSelectiveAutoChunk;
+  a.chunk_size =
+      opt.chunk_size > 0 ? opt.chunk_size : std::max<int64_t>(1, kSelectiveChunkElems / std::max<int64_t>(V, 1));
   a.entropy = opt.entropy;
-  a.inplace_backward = inplace_backward;
+  a.inplace_backward = opt.inplace_backward;
   return a;
 }
 
@@ -129,14 +135,35 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
       a.softcap = in.logit_softcap;
       lp = cce_logprobs(hidden, in.lm_head, targets, a);
     } else {
-      at::Tensor logits = fp32_logits(hidden, in.lm_head);  // (T', V): only the kept rows
-      if (in.logit_softcap > 0) logits = at::tanh(logits / in.logit_softcap) * in.logit_softcap;
-      if (opt.impl == LogprobImpl::kNaive) {
-        lp = naive_chunked(logits, targets, opt);
-      } else {
-        // We built these logits and nothing else reads them: their buffer takes the gradient.
-        lp = selective_logprobs(logits, at::Tensor(), targets, selective_args(opt, /*inplace_backward=*/true));
+      // fp32 logits of chunk_size kept rows at a time: the LM-head matmul's [rows, V] working set is
+      // bounded for every impl (under autograd each chunk's logits, or its log-softmax for naive, are
+      // still saved for the backward: that is what these paths trade against cce's recomputation).
+      const int64_t N = hidden.size(0), V = in.lm_head.size(0);
+      const int64_t rows = opt.chunk_size > 0                ? opt.chunk_size
+                           : opt.impl == LogprobImpl::kNaive ? std::max<int64_t>(N, 1)
+                                                             : kHiddenAutoRows;
+      // bf16/fp16 weights over several chunks: upcast the LM head once, so autograd sums the chunks' dW
+      // in fp32 and rounds it once (per-chunk bf16 dW summed in bf16 loses 2^-9 per chunk).
+      const auto acc = accumulation_dtype(hidden.scalar_type());
+      const bool upcast = hidden.scalar_type() != acc && N > rows;
+      const at::Tensor w = upcast ? in.lm_head.to(acc) : in.lm_head;  // (V, D)
+      std::vector<at::Tensor> lps, ents;
+      for (int64_t s = 0; s < std::max<int64_t>(N, 1); s += rows) {
+        const int64_t n = std::min(rows, N - s);
+        const at::Tensor h = hidden.narrow(0, s, n);                                         // (n, D)
+        at::Tensor logits = upcast ? at::mm(h.to(acc), w.t()) : fp32_logits(h, in.lm_head);  // (n, V) fp32
+        if (in.logit_softcap > 0) logits = at::tanh(logits / in.logit_softcap) * in.logit_softcap;
+        const at::Tensor tgt = targets.narrow(0, s, n);
+        // selective: the logits are this module's own, so inplace_backward may give their buffer to the
+        // gradient; it is honoured as configured (the option's doc says when it saves memory).
+        auto r = opt.impl == LogprobImpl::kNaive
+                     ? naive_chunked(logits, tgt, opt)
+                     : selective_logprobs(logits, at::Tensor(), tgt, selective_args(opt, V));
+        lps.push_back(r.first);
+        if (r.second.defined()) ents.push_back(r.second);
+        if (N == 0) break;
       }
+      lp = {at::cat(lps), ents.empty() ? at::Tensor() : at::cat(ents)};
     }
   } else if (opt.impl == LogprobImpl::kNaive) {
     // The reference gathers the kept rows into a [T', V] copy, as the seed's PR does.
@@ -144,7 +171,7 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
     lp = naive_chunked(logits, targets, opt);
   } else {
     // Reads the kept rows where they are: no [T', V] copy.
-    lp = selective_logprobs(in.logits, keep, targets, selective_args(opt, opt.inplace_backward));
+    lp = selective_logprobs(in.logits, keep, targets, selective_args(opt, in.logits.size(1)));
   }
   out.logprobs = scatter_rows(lp.first, keep, T);
   out.entropy = scatter_rows(lp.second, keep, T);

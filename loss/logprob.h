@@ -10,7 +10,8 @@
 // Two kinds of input:
 //   * logits (T, V): paths naive and selective read the kept rows directly (no [T', V] copy for selective);
 //   * hidden (T, D) + lm_head (V, D): every path. naive/selective build fp32 logits for the kept rows
-//     only (and selective then overwrites them with their gradient); cce never holds [T', V].
+//     only, chunk_size rows per LM-head matmul (selective's inplace_backward then lets the gradient
+//     take their buffer); cce never holds [T', V].
 // Output dtype: float32 (float64 for float64 inputs), whatever the input dtype: log-probs feed
 // exp(logp_new - logp_old) and must not carry bf16 rounding (DESIGN.md, Numerics).
 #pragma once

@@ -38,9 +38,10 @@ struct LossOptions {
   // Seed 001: further keep only response rows with loss_mask = 1 (drops tool output and padding);
   // their log-probs come back as 0. Only valid with response_only, and only on the policy-loss path.
   bool loss_mask_only = false;
-  // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path.
-  // 0 = automatic: naive all rows at once, selective 1024 rows (its ATen chunks; the CUDA kernel
-  // streams rows and needs none), cce 4096 rows (measured best on the H200, docs/benchmarks.md).
+  // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path, and on
+  // the hidden-state path the LM-head matmul's fp32 [rows, V] logits too. 0 = automatic: naive all rows
+  // at once; selective 1M logits per ATen chunk (the CUDA kernel streams rows and needs none) and 4096
+  // rows per LM-head matmul; cce 4096 rows (measured best on the H200, docs/benchmarks.md).
   int64_t chunk_size = 0;
   // cce: vocabulary entries per block; 0 = automatic (about 8M logits per [rows, vocab] block).
   int64_t vocab_chunk_size = 0;
@@ -52,8 +53,10 @@ struct LossOptions {
   bool grad_filter = true;
   // cce: the gradient-filtering threshold; 2^-12 is the smallest bf16 value that survives rounding.
   double grad_filter_eps = 1.0 / 4096.0;
-  // selective: write the logits' gradient into the logits' own buffer (seed 003). Only for logits that
-  // nothing else reads after the loss (the module sets it for logits it built from hidden states).
+  // selective: write the logits' gradient into the logits' own buffer (seed 003), saving a [T', V]
+  // gradient. Given logits: only when nothing else reads them after the loss. Hidden-state path: the
+  // logits are the module's own, so true is always safe there and saves the buffer; false keeps a
+  // separate gradient buffer (an ablation of seed 003).
   bool inplace_backward = false;
 
   template <class V>

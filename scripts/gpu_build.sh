@@ -13,7 +13,7 @@ fi
 export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # Every test on the GPU host (ctest runs the fixtures that make the transformers references, CUDA ones
-# included), logged to $out/ctest.log. Fails (returns 1) when a test fails or when any test was skipped:
+# included), logged to $out/ctest.log. Fails (returns 1) when a test fails or when a CUDA test was skipped:
 # on a machine with a GPU a skipped CUDA test is a test that did not run.
 run_gpu_ctest() {
   (cd build-gpu && ctest --output-on-failure -j 8) > "$out/ctest.log" 2>&1
@@ -21,9 +21,12 @@ run_gpu_ctest() {
   echo "ctest rc=$rc ($(grep -E 'tests passed|tests failed' "$out/ctest.log"))"
   grep -E "^ *[0-9]+/[0-9]+ Test .*(Failed|\*\*\*)" "$out/ctest.log" | head -20
   local skipped
-  skipped=$(grep -cE "^ *[0-9]+/[0-9]+ Test .*Skipped" "$out/ctest.log")
+  # A CUDA test (its name says Cuda/cuda/Gpu) that skipped did not run; host-dependent skips (a sandbox
+  # isolation level the host lacks) are reported, not failed.
+  grep -E "^ *[0-9]+/[0-9]+ Test .*Skipped" "$out/ctest.log" | head -20
+  skipped=$(grep -E "^ *[0-9]+/[0-9]+ Test .*Skipped" "$out/ctest.log" | grep -cE "Cuda|cuda|CUDA|Gpu|_gpu|Bf16")
   if [ "$skipped" -gt 0 ]; then
-    echo "ctest: $skipped test(s) skipped on a GPU host: each must run here"
+    echo "ctest: $skipped CUDA test(s) skipped on a GPU host: each must run here"
     return 1
   fi
   return $rc

@@ -44,7 +44,7 @@ PY
 # The checkpoint's own tokenizer: the published Qwen tokenizer files (Qwen2.5 and Qwen3 share the base
 # vocabulary), as a real Qwen folder has them.
 cp .gpu/fixtures/tokenizers/qwen3/tokenizer.json .gpu/fixtures/tokenizers/qwen3/tokenizer_config.json "$ckpt/"
-common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl
+common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0)
 limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"

@@ -1,6 +1,8 @@
 // Shared assertions for numerical tests: NaN/Inf first, then |actual - expected| <= atol + rtol |expected|
-// elementwise, reporting the worst element. Every tolerance used with these must also be shown to
-// reject a known-bad input (expect_tolerance_bites), so a tolerance can never accept everything.
+// elementwise, reporting the worst element. Every tolerance used with these must also reject the output
+// of a wrong implementation (an off-by-one target, a dropped row, a missing temperature, a bf16-rounded
+// logit): RLT_EXPECT_CLOSE_REJECTING takes that output beside the real one. Moving one element by a
+// multiple of the tolerance's own allowance would prove nothing: it is rejected by any tolerance.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,32 +40,32 @@ inline ::testing::AssertionResult close(const at::Tensor& actual, const at::Tens
   return close(actual, expected, at::scalar_tensor(atol, at::kDouble), rtol, what);
 }
 
-// The same tolerance must reject the result with one element moved by 4x its allowance.
-inline void expect_tolerance_bites(const at::Tensor& actual, const at::Tensor& expected, const at::Tensor& atol_t,
-                                   double rtol, const std::string& what) {
-  at::Tensor bad = actual.detach().to(at::kCPU).to(at::kDouble).clone();
-  at::Tensor e = expected.detach().to(at::kCPU).to(at::kDouble);
-  if (bad.numel() == 0) return;
-  const int64_t i = bad.numel() / 2;
-  const double atol = atol_t.to(at::kCPU).to(at::kDouble).expand_as(e).flatten()[i].item<double>();
-  const double allowance = atol + rtol * std::abs(e.flatten()[i].item<double>());
-  bad.flatten()[i] = e.flatten()[i].item<double>() + 4 * allowance + 1e-300;
-  EXPECT_FALSE(close(bad, expected, atol_t, rtol, what + " (known-bad)")) << what << ": tolerance accepts a bad value";
-  at::Tensor nan = actual.detach().to(at::kCPU).to(at::kDouble).clone();
-  nan.flatten()[i] = std::nan("");
-  EXPECT_FALSE(close(nan, expected, atol_t, rtol, what + " (NaN)")) << what << ": NaN accepted";
+// The output of a deliberately wrong implementation must fail the same check: this is what shows the
+// tolerance can tell a right result from a plausible wrong one. `why` names the mistake.
+inline ::testing::AssertionResult rejects(const at::Tensor& wrong, const at::Tensor& expected, const at::Tensor& atol,
+                                          double rtol, const std::string& what, const std::string& why) {
+  if (close(wrong, expected, atol, rtol, what)) {
+    return ::testing::AssertionFailure() << what << ": the tolerance accepts a wrong implementation (" << why << ")";
+  }
+  return ::testing::AssertionSuccess();
 }
 
-inline void expect_tolerance_bites(const at::Tensor& actual, const at::Tensor& expected, double atol, double rtol,
-                                   const std::string& what) {
-  expect_tolerance_bites(actual, expected, at::scalar_tensor(atol, at::kDouble), rtol, what);
+inline ::testing::AssertionResult rejects(const at::Tensor& wrong, const at::Tensor& expected, double atol, double rtol,
+                                          const std::string& what, const std::string& why) {
+  return rejects(wrong, expected, at::scalar_tensor(atol, at::kDouble), rtol, what, why);
 }
 
-// Both at once: the result is close, and the tolerance is not vacuous.
-#define RLT_EXPECT_CLOSE(actual, expected, atol, rtol, what)                              \
-  do {                                                                                    \
-    EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)));     \
-    ::rlt::testing::expect_tolerance_bites((actual), (expected), (atol), (rtol), (what)); \
+// Close only. Use it where the same tolerance is shown elsewhere in the test to reject a wrong
+// implementation (tests/model still pair theirs that way).
+#define RLT_EXPECT_CLOSE(actual, expected, atol, rtol, what) \
+  EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)))
+
+// Both at once: the result is close, and the output `wrong` of a wrong implementation (named by `why`)
+// is not.
+#define RLT_EXPECT_CLOSE_REJECTING(actual, wrong, why, expected, atol, rtol, what)            \
+  do {                                                                                        \
+    EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)));         \
+    EXPECT_TRUE(::rlt::testing::rejects((wrong), (expected), (atol), (rtol), (what), (why))); \
   } while (0)
 
 }  // namespace rlt::testing

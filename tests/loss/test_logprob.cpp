@@ -103,11 +103,24 @@ void expect_matches_reference(const at::Tensor& logits, const at::Tensor& target
   SCOPED_TRACE(what);
   Result r = reference(logits, targets, opt.temperature, opt.entropy == EntropyMode::kGrad);
   Result o = ours(logits, targets, opt);
+  // Wrong implementations each tolerance must reject: an off-by-one target (log-probs, gradients), an
+  // off-by-one row (entropy, which does not depend on the target), a missing temperature.
+  const int64_t V = logits.size(1);
+  Result off_target = ours(logits, (targets + 1).remainder(V), opt);
+  Result off_row = ours(logits.roll(/*shifts=*/-1, /*dims=*/0), targets, opt);
   const bool fp64 = dt == at::kDouble, half = dt == at::kBFloat16 || dt == at::kHalf;
   EXPECT_EQ(o.lp.scalar_type(), fp64 ? at::kDouble : at::kFloat) << "log-probs come out in fp32 (fp64)";
   const double lp_atol = fp64 ? kAtolFp64 : kLogprobAtol;
-  RLT_EXPECT_CLOSE(o.lp, r.lp, lp_atol, 0.0, what + " logprobs");
-  if (opt.entropy != EntropyMode::kNone) RLT_EXPECT_CLOSE(o.H, r.H, lp_atol, 0.0, what + " entropy");
+  RLT_EXPECT_CLOSE_REJECTING(o.lp, off_target.lp, "target y + 1", r.lp, lp_atol, 0.0, what + " logprobs");
+  if (opt.temperature != 1.0) {
+    LossOptions no_temp = opt;
+    no_temp.temperature = 1.0;
+    EXPECT_TRUE(rlt::testing::rejects(ours(logits, targets, no_temp).lp, r.lp, lp_atol, 0.0, what + " logprobs",
+                                      "temperature ignored"));
+  }
+  if (opt.entropy != EntropyMode::kNone) {
+    RLT_EXPECT_CLOSE_REJECTING(o.H, off_row.H, "row t + 1", r.H, lp_atol, 0.0, what + " entropy");
+  }
   const double g_rtol = fp64                  ? 0.0
                         : dt == at::kBFloat16 ? kGradRtolBf16
                         : dt == at::kHalf     ? kGradRtolFp16
@@ -116,7 +129,8 @@ void expect_matches_reference(const at::Tensor& logits, const at::Tensor& target
                             : half ? at::scalar_tensor(kGradAtolHalf, at::kDouble) + kLseErrFp32 * r.lse_sensitivity
                                    : kGradAtolFp32 + kLseErrFp32 * r.lse_sensitivity;
   // The reference gradient rounded to the logits dtype is what a perfect kernel would store.
-  RLT_EXPECT_CLOSE(o.grad, r.grad.to(dt).to(at::kDouble), g_atol, g_rtol, what + " grad");
+  RLT_EXPECT_CLOSE_REJECTING(o.grad, off_target.grad, "target y + 1", r.grad.to(dt).to(at::kDouble), g_atol, g_rtol,
+                             what + " grad");
 }
 
 TEST(Logprob, PathsMatchFloat64NaiveOnOddShapes) {
@@ -328,9 +342,14 @@ TEST(LogprobCuda, KernelMatchesReferenceAndAtenPath) {
         auto k = selective_logprobs(logits, r, t, a);
         a.use_cuda_kernel = false;
         auto c = selective_logprobs(logits, r, t, a);
-        RLT_EXPECT_CLOSE(k.first, c.first, kLogprobAtol, 0.0, "kernel vs aten logprobs");
+        // Wrong: an off-by-one target (log-probs) and an off-by-one row (entropy).
+        auto w = selective_logprobs(logits, r, (t + 1).remainder(V), a);
+        auto w_row = selective_logprobs(logits, (r + 1).remainder(T), t, a);
+        RLT_EXPECT_CLOSE_REJECTING(k.first, w.first, "target y + 1", c.first, kLogprobAtol, 0.0,
+                                   "kernel vs aten logprobs");
         if (ent != EntropyMode::kNone)
-          RLT_EXPECT_CLOSE(k.second, c.second, kLogprobAtol, 0.0, "kernel vs aten entropy");
+          RLT_EXPECT_CLOSE_REJECTING(k.second, w_row.second, "row r + 1", c.second, kLogprobAtol, 0.0,
+                                     "kernel vs aten entropy");
       }
     }
   }

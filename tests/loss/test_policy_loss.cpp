@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -24,8 +25,9 @@ constexpr double kTolF32 = 1e-6;
 // so 1e-7 has margin yet is far below the O(0.1) gradients compared.
 constexpr double kFdStep = 1e-6;
 constexpr double kFdTol = 1e-7;
-// Each accuracy test also checks that an expected value moved by this many tolerances is rejected.
-constexpr double kBadFactor = 10.0;
+// Each accuracy check is paired with a wrong implementation (a symmetric clip where clip-higher is
+// asked, a sign flip in the clip, a missing dual clip, another KL estimator, an unmasked mean, each
+// micro-batch's own denominator) whose value the same tolerance must reject.
 
 // NaN/Inf fail before the tolerance is looked at.
 bool near(double got, double want, double tol) { return std::isfinite(got) && std::abs(got - want) <= tol; }
@@ -86,7 +88,10 @@ TEST(PolicyLoss, ClipHigherPositiveAdvantage) {
   EXPECT_TRUE(near(t.pg_loss, -1.28, kTolF64));
   EXPECT_TRUE(near(t.dloss_dlogprob, 0.0, kTolF64));
   EXPECT_TRUE(near(t.clip_frac, 1.0, kTolF64));
-  EXPECT_FALSE(near(t.loss, -1.28 + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+  // Wrong: a symmetric clip (eps_high ignored) gives -1.2.
+  PolicyLossOptions symmetric = opt;
+  symmetric.clip_eps_high = symmetric.clip_eps_low;
+  EXPECT_FALSE(near(one_token(0.5, 1.0, symmetric).loss, -1.28, kTolF64));
   // ratio = e^{0.22} = 1.2461: above 1+0.2 (would clip symmetrically) but below 1.28 -> unclipped,
   // A=2 -> pg = -2*1.2461 = -2.4922, d/dlogprob (-A e^{lp - lp_old}) = -A*ratio = -2.4922.
   t = one_token(0.22, 2.0, opt);
@@ -114,7 +119,11 @@ TEST(PolicyLoss, ClipHigherNegativeAdvantage) {
   EXPECT_TRUE(near(t.loss, 0.8, kTolF64)) << t.loss;
   EXPECT_TRUE(near(t.dloss_dlogprob, 0.0, kTolF64));
   EXPECT_TRUE(near(t.clip_frac, 1.0, kTolF64));
-  EXPECT_FALSE(near(t.loss, 0.8 - kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+  // Wrong: a sign flip in the clip (max(A r, A clip(r)) instead of max(-A r, -A clip(r))) gives
+  // max(-0.6065, -0.8) = -0.6065; the pessimistic min instead of max gives 0.6065.
+  const double r = std::exp(-0.5), r_clip = std::clamp(r, 0.8, 1.28);
+  EXPECT_FALSE(near(std::max(-1.0 * r, -1.0 * r_clip), t.loss, kTolF64));
+  EXPECT_FALSE(near(std::min(r, r_clip), t.loss, kTolF64));
   // ratio = e^{-0.2} = 0.8187 inside [0.8, 1.28], A=-1 -> pg = 0.8187, gradient 0.8187.
   t = one_token(-0.2, -1.0, opt);
   EXPECT_TRUE(near(t.loss, std::exp(-0.2), kTolF64)) << t.loss;
@@ -130,8 +139,11 @@ TEST(PolicyLoss, DualClip) {
   EXPECT_TRUE(near(t.loss, 3.0, kTolF64)) << t.loss;
   EXPECT_TRUE(near(t.dloss_dlogprob, 0.0, kTolF64));
   EXPECT_TRUE(near(t.dual_clip_frac, 1.0, kTolF64));
-  EXPECT_TRUE(near(t.clip_frac, 0.0, kTolF64));                     // pg2 = 1.2 is not the max
-  EXPECT_FALSE(near(t.loss, 3.0 + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+  EXPECT_TRUE(near(t.clip_frac, 0.0, kTolF64));  // pg2 = 1.2 is not the max
+  // Wrong: without the dual clip the loss is e^3 = 20.0855.
+  PolicyLossOptions no_dual = opt;
+  no_dual.clip_c = 0.0;
+  EXPECT_FALSE(near(one_token(3.0, -1.0, no_dual).loss, 3.0, kTolF64));
   // Same ratio, A=+1: dual clip does not apply -> max(-20.0855, -1.2) = -1.2.
   t = one_token(3.0, 1.0, opt);
   EXPECT_TRUE(near(t.loss, -1.2, kTolF64)) << t.loss;
@@ -181,7 +193,15 @@ TEST(PolicyLoss, KlEstimators) {
     EXPECT_TRUE(near(val(out.kl), kl_mean, kTolF64)) << val(out.kl);
     EXPECT_TRUE(near(val(out.loss), 0.1 * kl_mean, kTolF64)) << val(out.loss);
     EXPECT_TRUE(near(val(out.pg_loss), 0.0, kTolF64));
-    EXPECT_FALSE(near(val(out.kl), kl_mean + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+    // Wrong: each other estimator used where this one is asked (k1 mean 0.1, k2 0.085, k3 0.0782).
+    for (const Case& other : cases) {
+      if (other.est == c.est) continue;
+      PolicyLossOptions wrong = opt;
+      wrong.kl_estimator = other.est;
+      PolicyLossInputs w = in;
+      w.logprobs = in.logprobs.detach();
+      EXPECT_FALSE(near(val(policy_loss(w, wrong).kl), kl_mean, kTolF64)) << enum_to_string(other.est);
+    }
     out.loss.backward();
     const at::Tensor grad = in.logprobs.grad();  // (1, 2)
     EXPECT_TRUE(near(val(grad[0][0]), 0.05 * c.dk0, kTolF64)) << val(grad[0][0]);
@@ -217,7 +237,13 @@ TEST(PolicyLoss, EntropyBonus) {
   const PolicyLossOutput out = policy_loss(in, opt);
   EXPECT_TRUE(near(val(out.loss), -0.02, kTolF64)) << val(out.loss);
   EXPECT_TRUE(near(val(out.entropy), 2.0, kTolF64)) << val(out.entropy);
-  EXPECT_FALSE(near(val(out.loss), -0.02 + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+  // Wrong: the masked token counted (-0.01 * 3 / 2 = -0.015), or the bonus added with the wrong
+  // sign (+0.02).
+  PolicyLossInputs unmasked = in;
+  unmasked.loss_mask = at::ones({1, 2}, at::kDouble);
+  unmasked.entropy = in.entropy.detach();
+  EXPECT_FALSE(near(val(policy_loss(unmasked, opt).loss), -0.02, kTolF64));
+  EXPECT_FALSE(near(+opt.entropy_coef * 2.0, -0.02, kTolF64));
   out.loss.backward();
   EXPECT_TRUE(near(val(in.entropy.grad()[0][0]), -0.01, kTolF64));
   EXPECT_TRUE(near(val(in.entropy.grad()[0][1]), 0.0, kTolF64));
@@ -247,7 +273,15 @@ TEST(AggregateLoss, AllModesWithEmptySequence) {
     const double global = val(aggregate_loss(per_token, mask, c.agg, /*agg_norm=*/4.0, /*global_denominator=*/10.0));
     EXPECT_TRUE(near(local, c.local, kTolF64)) << local;
     EXPECT_TRUE(near(global, c.global, kTolF64)) << global;
-    EXPECT_FALSE(near(local, c.local + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+    // Wrong: every other aggregation mode, and this mode over a dropped row (row 1 missing).
+    for (const Case& other : cases) {
+      if (other.agg == c.agg) continue;
+      EXPECT_FALSE(near(val(aggregate_loss(per_token, mask, other.agg, 4.0, 0.0)), c.local, kTolF64))
+          << enum_to_string(other.agg);
+    }
+    const at::Tensor keep = at::tensor({0, 2}, at::kLong);
+    EXPECT_FALSE(near(val(aggregate_loss(per_token.index_select(0, keep), mask.index_select(0, keep), c.agg, 4.0, 0.0)),
+                      c.local, kTolF64));
     // All tokens masked: denominators clamp to >= 1 -> exactly 0, not NaN.
     const double empty = val(aggregate_loss(per_token, at::zeros_like(mask), c.agg, 4.0, 0.0));
     EXPECT_TRUE(near(empty, 0.0, kTolF64)) << empty;
@@ -344,8 +378,12 @@ TEST(PolicyLoss, GradientAccumulationMatchesFullBatch) {
     EXPECT_TRUE(near(max_abs_diff(ent_acc.grad(), ent_full.grad()), 0.0, kTolF64));
     // Masked positions get exactly zero gradient, even where logprobs_old is -inf / -1e4.
     EXPECT_EQ(val((lp_full.grad() * (1 - b.loss_mask)).abs().sum()), 0.0);
-    // Known-bad: a gradient moved by more than the tolerance must fail.
-    EXPECT_FALSE(near(max_abs_diff(lp_acc.grad() + kBadFactor * kTolF64, lp_full.grad()), 0.0, kTolF64));
+    // Wrong: each micro-batch divided by its own denominator instead of the mini-batch's.
+    const at::Tensor lp_own = b.logprobs.clone().requires_grad_();
+    const at::Tensor ent_own = b.entropy.clone().requires_grad_();
+    for (const auto& [start, len] : splits)
+      policy_loss(rows_of(b, lp_own, ent_own, start, len, 0.0), opt).loss.backward();
+    EXPECT_FALSE(near(max_abs_diff(lp_own.grad(), lp_full.grad()), 0.0, kTolF64));
     if (agg == LossAgg::kTokenMean) {
       // Known-bad: averaging micro-batch token-means (10 and 5 tokens) weighs the tokens of the second
       // micro-batch twice as much as those of the first, so it is not the mini-batch token-mean.
@@ -412,10 +450,17 @@ TEST(PolicyLoss, GradientMatchesFiniteDifference) {
       EXPECT_TRUE(near(val(grad[0][0]), 0.0, kTolF64));  // dual-clipped: no pg gradient
     }
     EXPECT_GT(val(grad.abs().max()), 0.1);  // the comparison is not between two near-zero tensors
-    // Known-bad: one element moved by more than the tolerance must fail.
-    at::Tensor bad = grad.clone();
-    bad[1][2] += kBadFactor * kFdTol;
-    EXPECT_FALSE(near(max_abs_diff(bad, grad_fd), 0.0, kFdTol));
+    // Wrong: the autograd gradient of a loss without the dual clip and with the next KL estimator
+    // (k2 where k3 is asked, k3 where k2, ...) must fail the finite-difference tolerance.
+    PolicyLossOptions right = opt;
+    opt.clip_c = 0.0;
+    opt.kl_estimator = c.est == KlEstimator::kK1   ? KlEstimator::kK2
+                       : c.est == KlEstimator::kK2 ? KlEstimator::kK3
+                                                   : KlEstimator::kK1;
+    const at::Tensor lp_wrong = logprobs.clone().requires_grad_();
+    loss_at(lp_wrong).backward();
+    opt = right;
+    EXPECT_FALSE(near(max_abs_diff(lp_wrong.grad(), grad_fd), 0.0, kFdTol));
   }
 }
 
@@ -433,7 +478,10 @@ TEST(PolicyLoss, Metrics) {
   const PolicyLossOutput out = policy_loss(in, PolicyLossOptions{});
   EXPECT_TRUE(near(val(out.clip_frac), 1.0 / 3, kTolF64)) << val(out.clip_frac);
   EXPECT_TRUE(near(val(out.approx_kl), 0.085, kTolF64)) << val(out.approx_kl);
-  EXPECT_FALSE(near(val(out.approx_kl), 0.085 + kBadFactor * kTolF64, kTolF64));  // known-bad must fail
+  // Wrong: the masked token counted: 0.5 (0.25 + 0.25 + 0.01 + 4) / 4 = 0.56375.
+  PolicyLossInputs unmasked = in;
+  unmasked.loss_mask = at::ones({1, 4}, at::kDouble);
+  EXPECT_FALSE(near(val(policy_loss(unmasked, PolicyLossOptions{}).approx_kl), 0.085, kTolF64));
   EXPECT_TRUE(near(val(out.dual_clip_frac), 0.0, kTolF64));
   // pg = [-1.2, -0.6065, -1.1052] -> token-mean = -(1.2 + e^{-0.5} + e^{0.1})/3.
   EXPECT_TRUE(near(val(out.loss), -(1.2 + std::exp(-0.5) + std::exp(0.1)) / 3, kTolF64)) << val(out.loss);
@@ -464,7 +512,8 @@ TEST(PolicyLoss, Float32) {
   const PolicyLossOutput out = policy_loss(in, clip_higher());
   EXPECT_EQ(out.loss.scalar_type(), at::kFloat);
   EXPECT_TRUE(near(val(out.loss), -1.28, kTolF32)) << val(out.loss);
-  EXPECT_FALSE(near(val(out.loss), -1.28 + kBadFactor * kTolF32, kTolF32));  // known-bad must fail
+  // Wrong: a symmetric clip gives -1.2 in float32 too.
+  EXPECT_FALSE(near(val(policy_loss(in, PolicyLossOptions{}).loss), -1.28, kTolF32));
 }
 
 std::vector<std::string> failed_keys(const PolicyLossOptions& opt) {

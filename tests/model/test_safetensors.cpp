@@ -590,13 +590,16 @@ Named interop_tensors() {  // mirrors tensors() in kPythonScript, in sorted name
 }
 
 TEST_F(SafetensorsTest, InteropWithPythonSafetensors) {
-  if (std::system("python3 -c 'import safetensors, torch' > /dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "python3 with safetensors and torch not available";
-  }
+  // The configured Python (CMake's Python3_EXECUTABLE): it must have safetensors and torch, so a missing
+  // package fails here instead of skipping silently.
+  const std::string python = RLT_PYTHON;
+  ASSERT_EQ(std::system(("'" + python + "' -c 'import safetensors, torch' > /dev/null 2>&1").c_str()), 0)
+      << python << " cannot import safetensors and torch (scripts/setup.sh installs them)";
   const std::string script = path("interop.py"), out = path("py_out.txt"), d = dir_.string();
   write_bytes(script, kPythonScript);
   const auto run = [&](const std::string& mode) {
-    const int rc = std::system(("python3 '" + script + "' " + mode + " '" + d + "' > '" + out + "' 2>&1").c_str());
+    const int rc =
+        std::system(("'" + python + "' '" + script + "' " + mode + " '" + d + "' > '" + out + "' 2>&1").c_str());
     return std::make_pair(rc, read_bytes(out));
   };
 
