@@ -49,33 +49,29 @@ at::ScalarType parse_dtype(const std::string& s, const Json& j, const std::strin
   j.fail(key, "unsupported dtype '" + s + "' (float32 | bfloat16 | float16)");
 }
 
+// A checkpoint's JSON file (config.json, generation_config.json), or a ModelConfigError naming it.
+nlohmann::json read_json(const std::string& path, const char* what) {
+  std::ifstream f(path);
+  if (!f) throw ModelConfigError(path + ": cannot open " + what);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    throw ModelConfigError(path + ": not valid JSON: " + e.what());
+  }
+}
+
 }  // namespace
 
 ModelConfig load_model_config(const std::string& path_in) {
   std::string path = path_in;
   if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "config.json").string();
-  std::ifstream f(path);
-  if (!f) throw ModelConfigError(path + ": cannot open model config");
-  nlohmann::json raw;
-  try {
-    raw = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw ModelConfigError(path + ": not valid JSON: " + e.what());
-  }
-  return model_config_from_json(raw, path);
+  return model_config_from_json(read_json(path, "model config"), path);
 }
 
 std::vector<int64_t> generation_eos_ids(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
   if (!std::filesystem::exists(path)) return {};
-  std::ifstream f(path);
-  if (!f) throw ModelConfigError(path + ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw ModelConfigError(path + ": not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = read_json(path, "generation config");
   if (!j.is_object()) throw ModelConfigError(path + ": expected a JSON object");
   if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return {};
   const nlohmann::json& e = j["eos_token_id"];
