@@ -209,7 +209,6 @@ struct HfTokenizer::Impl {
     std::string replacement, prepend_scheme;
   };
   std::vector<PreTokenizer> pre_tokenizers;
-  bool byte_level = false;  // a ByteLevel pre-tokenizer maps bytes onto the alphabet
 
   // --- added tokens, matched longest first
   struct Added {
@@ -339,7 +338,6 @@ struct HfTokenizer::Impl {
     } else if (type == "ByteLevel") {
       t.add_prefix_space = flag(p, "add_prefix_space");
       if (flag(p, "use_regex", true)) t.regex = std::make_shared<Regex>(kGpt2Regex, path + ": ByteLevel");
-      byte_level = true;
     } else if (type == "Metaspace") {
       t.replacement = str(p, "replacement", "\xe2\x96\x81");
       t.prepend_scheme = str(p, "prepend_scheme", flag(p, "add_prefix_space", true) ? "always" : "never");
@@ -571,7 +569,6 @@ struct HfTokenizer::Impl {
       }
       pieces.swap(next);
     }
-    if (!byte_level) return pieces;
     return pieces;
   }
 
