@@ -47,7 +47,7 @@ struct Variant {
 // Inputs of one measured call; tensors on the bench device.
 struct Inputs {
   at::Tensor logits, hidden, lm_head, targets;
-  RowSelection rows;
+  at::Tensor rows;               // (T') the response rows to score, or undefined for every row
   std::function<void()> refill;  // regenerates logits deterministically (for in-place variants)
 };
 
@@ -135,7 +135,6 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
     loss.backward();
     if (!have_first) {
       first.logprobs = o.logprobs.detach();
-      first.keep_index = o.keep_index;
       have_first = true;
     }
   };
@@ -158,11 +157,7 @@ void run_variant(Bench& b, const std::string& case_name, const Variant& v, Input
     rec["ms"] = ms;
     rec["peak_extra_mb"] = double(peak) / kMiB;
     // Accuracy on the kept rows against float64 naive (computed from the same inputs).
-    at::Tensor lp = first.logprobs.to(at::kDouble), r = ref;
-    if (first.keep_index.defined()) {
-      lp = lp.index_select(0, first.keep_index);
-      r = r.index_select(0, first.keep_index);
-    }
+    const at::Tensor lp = first.logprobs.to(at::kDouble), r = in.rows.defined() ? ref.index_select(0, in.rows) : ref;
     at::Tensor diff = (lp - r).abs();
     rec["max_abs_err"] =
         diff.numel() ? (at::isfinite(lp).all().item<bool>() ? diff.max().item<double>() : std::nan("")) : 0.0;
@@ -269,14 +264,13 @@ void case_seed000(Bench& b) {
 void case_seed001(Bench& b) {
   const int64_t T = scaled(205280, b.scale), V = 76032, D = 2560, L = 2048;
   for (double frac : {1.0, 0.5, 0.25, 0.0625}) {
-    // Packed sequences of L positions, each ending in a response of frac * L tokens.
+    // Packed sequences of L positions, each ending in a response of frac * L tokens: its rows.
     std::vector<int64_t> w;
     for (int64_t s = 0; s < T; s += L) {
       const int64_t len = std::min(L, T - s), resp = std::max<int64_t>(1, std::llround(len * frac));
-      w.push_back(s + len - resp);
-      w.push_back(s + len);
+      for (int64_t t = s + len - resp; t < s + len; ++t) w.push_back(t);
     }
-    at::Tensor windows = at::tensor(w, at::kLong).view({-1, 2}).to(b.device);
+    const at::Tensor response_rows = at::tensor(w, at::kLong).to(b.device);  // (T')
     LossOptions base = b.base;
     base.response_only = true;
     base.loss_mask_only = false;
@@ -294,7 +288,7 @@ void case_seed001(Bench& b) {
       in.logits.requires_grad_(true);
       in.refill = fill;
       in.targets = at::randint(0, V, {T}, at::TensorOptions().dtype(at::kLong).device(b.device));
-      in.rows.response_windows = windows;
+      in.rows = response_rows;
       const at::Tensor ref = reference_logprobs(in, 1.0);
       run_variant(b, "seed001", {"naive", with(base, LogprobImpl::kNaive), false}, in, "fwbw", ref, extra);
       run_variant(b, "seed001", {"selective", with(base, LogprobImpl::kSelective), false}, in, "fwbw", ref, extra);
@@ -307,7 +301,7 @@ void case_seed001(Bench& b) {
     {  // cce from hidden states (T, D) and the LM head (V, D), fp32
       Inputs in;
       make_lm(T, V, D, at::kFloat, b.device, in);
-      in.rows.response_windows = windows;
+      in.rows = response_rows;
       const at::Tensor ref = reference_logprobs(in, 1.0);
       run_variant(b, "seed001", {"cce", with(base, LogprobImpl::kCce), true}, in, "fwbw", ref, extra);
     }

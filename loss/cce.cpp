@@ -19,9 +19,9 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
-#include <torch/csrc/autograd/custom_function.h>
-
+#include "loss/autograd_state.h"
 #include "loss/logprob.h"
 
 namespace rlt {
@@ -55,14 +55,25 @@ void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
   }
 }
 
+// One call's settings: the user's options, with what they leave to the call resolved.
+struct State {
+  LossOptions options;
+  int64_t rb = 0, vb = 0;  // row and vocabulary block sizes (chunk_size, vocab_chunk_size or automatic)
+  double cap = 0.0;        // the model's final-logit softcap; 0 = none
+  bool kernel = false;     // the fused CUDA block epilogues
+  // The gradient-filtering threshold in force; 0 = no filtering.
+  double eps() const { return options.grad_filter ? options.grad_filter_eps : 0.0; }
+};
+
 class CceFn : public torch::autograd::Function<CceFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                               const at::Tensor& targets, double temp, int64_t row_block_req, int64_t vocab_block_req,
-                               int64_t entropy_mode, double eps, bool kernel, double cap) {
+                               const at::Tensor& targets, const State& state) {
     const int64_t N = hidden.size(0), V = weight.size(0);
-    const auto [rb, vb] = cce_blocks(N, V, hidden.size(1), row_block_req, vocab_block_req);
-    const auto entropy = static_cast<EntropyMode>(entropy_mode);
+    const int64_t rb = state.rb, vb = state.vb;
+    const double temp = state.options.temperature, cap = state.cap;
+    const bool kernel = state.kernel;
+    const EntropyMode entropy = state.options.entropy;
     const auto acc = accumulation_dtype(hidden.scalar_type());
     const auto opts = hidden.options().dtype(acc);
     at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                          // (N)
@@ -121,13 +132,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
       if (entropy != EntropyMode::kNone) H.narrow(0, r0, n).copy_(s.log() - t / s);  // lse - E_p[z]
     }
     ctx->save_for_backward({hidden, weight, targets, lse, H});
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["rb"] = rb;
-    ctx->saved_data["vb"] = vb;
-    ctx->saved_data["entropy"] = entropy_mode;
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["kernel"] = kernel;
-    ctx->saved_data["cap"] = cap;
+    save_state(ctx, state);
     if (entropy != EntropyMode::kGrad) ctx->mark_non_differentiable({H});
     return {logp, H};
   }
@@ -135,13 +140,12 @@ class CceFn : public torch::autograd::Function<CceFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor hidden = saved[0], weight = saved[1], targets = saved[2], lse = saved[3], H = saved[4];
-    const double temp = ctx->saved_data["temp"].toDouble();
-    const int64_t rb = ctx->saved_data["rb"].toInt(), vb = ctx->saved_data["vb"].toInt();
-    const auto entropy = static_cast<EntropyMode>(ctx->saved_data["entropy"].toInt());
-    const double eps = ctx->saved_data["eps"].toDouble();
-    const bool kernel = ctx->saved_data["kernel"].toBool();
-    const double cap = ctx->saved_data["cap"].toDouble();
-    variable_list out(10);
+    const State& state = saved_state<State>(ctx);
+    const double temp = state.options.temperature, eps = state.eps(), cap = state.cap;
+    const int64_t rb = state.rb, vb = state.vb;
+    const EntropyMode entropy = state.options.entropy;
+    const bool kernel = state.kernel;
+    variable_list out(4);
     at::Tensor glp = grads[0];
     at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();
     if (!glp.defined() && !gH.defined()) return out;
@@ -264,24 +268,29 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
 }
 
 std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
-                                               const at::Tensor& targets, const CceArgs& a) {
+                                               const at::Tensor& targets, const LossOptions& options, double softcap,
+                                               bool use_cuda_kernel) {
   TORCH_CHECK(hidden.dim() == 2 && lm_head.dim() == 2 && hidden.size(1) == lm_head.size(1),
               "cce: hidden (N, D) and lm_head (V, D) must agree on D: ", hidden.sizes(), " vs ", lm_head.sizes());
   TORCH_CHECK(hidden.scalar_type() == lm_head.scalar_type(), "cce: hidden and lm_head dtypes differ");
   TORCH_CHECK(at::isFloatingType(hidden.scalar_type()), "cce: inputs must be floating point");
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0) && targets.scalar_type() == at::kLong,
               "cce: targets must be (N) int64");
-  TORCH_CHECK(a.temperature > 0, "cce: temperature must be > 0");
+  TORCH_CHECK(options.temperature > 0, "cce: temperature must be > 0");
+  TORCH_CHECK(softcap >= 0, "cce: softcap must be >= 0");
   at::Tensor h = hidden.contiguous(), w = lm_head.contiguous();
+  State state;
+  state.options = options;
+  std::tie(state.rb, state.vb) =
+      cce_blocks(h.size(0), w.size(0), h.size(1), options.chunk_size, options.vocab_chunk_size);
+  state.cap = softcap;
 #ifdef RLT_HAVE_CUDA
-  const bool kernel = a.use_cuda_kernel && h.is_cuda() && h.scalar_type() != at::kDouble;
+  state.kernel = use_cuda_kernel && h.is_cuda() && h.scalar_type() != at::kDouble;
 #else
-  const bool kernel = false;
+  (void)use_cuda_kernel;
 #endif
-  TORCH_CHECK(a.softcap >= 0, "cce: softcap must be >= 0");
-  auto outs = CceFn::apply(h, w, targets, a.temperature, a.row_block, a.vocab_block, static_cast<int64_t>(a.entropy),
-                           a.grad_filter_eps, kernel, a.softcap);
-  return {outs[0], a.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
+  auto outs = CceFn::apply(h, w, targets, state);
+  return {outs[0], options.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 
 }  // namespace rlt

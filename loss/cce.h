@@ -14,20 +14,15 @@
 
 namespace rlt {
 
-struct CceArgs {
-  double temperature = 1.0;
-  int64_t row_block = 0;    // rows per block; 0 = automatic
-  int64_t vocab_block = 0;  // vocabulary entries per block; 0 = automatic
-  EntropyMode entropy = EntropyMode::kNone;
-  double grad_filter_eps = 0.0;  // 0 = no filtering
-  double softcap = 0.0;          // final-logit softcap: z <- cap * tanh(z / cap) before everything; 0 = none
-  bool use_cuda_kernel = true;   // on CUDA, the fused block epilogues (loss/cuda/cce_kernels.cu)
-};
-
-// hidden (N, D), lm_head (V, D) same float dtype; targets (N) int64.
+// hidden (N, D), lm_head (V, D) same float dtype; targets (N) int64. Reads options.temperature,
+// entropy, chunk_size (rows per block; 0 = automatic), vocab_chunk_size (vocabulary entries per block;
+// 0 = automatic) and grad_filter / grad_filter_eps. softcap: the model's final-logit softcap,
+// z <- cap * tanh(z / cap) before everything; 0 = none. use_cuda_kernel: on CUDA, the fused block
+// epilogues (loss/cuda/cce_kernels.cu); false forces the ATen epilogues (tests).
 // Returns (logprobs (N), entropy (N) or undefined), float32 (float64 for float64 inputs).
 std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
-                                               const at::Tensor& targets, const CceArgs& args);
+                                               const at::Tensor& targets, const LossOptions& options,
+                                               double softcap = 0.0, bool use_cuda_kernel = true);
 
 // The (row, vocabulary) block sizes cce uses for N rows, V entries, hidden size D (automatic choice
 // when the requested size is 0).

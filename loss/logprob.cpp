@@ -1,6 +1,6 @@
-// The entry point: build the keep-index, run the chosen path on the kept rows only, scatter back.
-// Scattering uses index_copy into zeros, whose backward is an index_select of the upstream gradient,
-// so rows outside the keep-index get exactly zero gradient (seed 001: they have no path to the loss).
+// The entry point: check the row index, run the chosen path on the listed rows (response_only) or on
+// every row (then pick the listed ones), return them in the caller's order. Rows not listed have no
+// path to the outputs, so they get exactly zero gradient (seed 001).
 #include "loss/logprob.h"
 
 #include <algorithm>
@@ -15,29 +15,29 @@ namespace rlt {
 
 namespace {
 
-// The selective path's ATen chunks, when chunk_size is 0: rows such that one chunk's [rows, V] fp32
-// working set (log-sum-exp and entropy temporaries) stays near 1M elements (4 MiB). A fixed 1024 rows
-// was a whole batch's logits at seed 000's shapes on the CPU (bench_loss --case seed000: +100%).
-constexpr int64_t kSelectiveChunkElems = int64_t{1} << 20;
 // The hidden-state path's LM-head matmul, when chunk_size is 0: as many rows per GEMM as cce uses
 // (cce_blocks), so a GPU keeps large GEMMs; naive keeps its documented "all rows at once".
 constexpr int64_t kHiddenAutoRows = 4096;
 
-SelectiveArgs selective_args(const LossOptions& opt, int64_t V) {
-  SelectiveArgs a;
-  a.temperature = opt.temperature;
-  a.chunk_size =
-      opt.chunk_size > 0 ? opt.chunk_size : std::max<int64_t>(1, kSelectiveChunkElems / std::max<int64_t>(V, 1));
-  a.entropy = opt.entropy;
-  a.inplace_backward = opt.inplace_backward;
-  return a;
+// The row index must name distinct rows of the batch: a repeated row would make the in-place
+// selective backward write one row's gradient twice instead of summing it. One host read.
+void check_rows(const at::Tensor& rows, int64_t T, const at::Device& device) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a (T') int64 index, got ", rows.sizes(),
+              " ", rows.scalar_type());
+  TORCH_CHECK(rows.device() == device, "rows are on ", rows.device(), ", the inputs on ", device);
+  if (rows.numel() == 0) return;
+  const at::Tensor sorted = std::get<0>(rows.sort());
+  const at::Tensor distinct = (sorted.narrow(0, 1, sorted.size(0) - 1) > sorted.narrow(0, 0, sorted.size(0) - 1)).all();
+  const at::Tensor facts = at::stack({sorted[0], sorted[-1], distinct.to(at::kLong)}).cpu();  // (3)
+  const auto f = facts.accessor<int64_t, 1>();
+  TORCH_CHECK(f[0] >= 0 && f[1] < T, "rows must lie in [0, T) with T = ", T, ", got [", f[0], ", ", f[1], "]");
+  TORCH_CHECK(f[2] == 1, "rows must be distinct (a row listed twice)");
 }
 
-// (T') -> (T): values at `keep`, zeros elsewhere. Differentiable.
-at::Tensor scatter_rows(const at::Tensor& values, const at::Tensor& keep, int64_t T) {
-  if (!values.defined() || !keep.defined()) return values;
-  return at::zeros({T}, values.options()).index_copy(0, keep, values);
-}
+// Log-probs (and entropy) of every row of hidden (N, D) through the LM head, naive or selective:
+// fp32 logits of chunk_size rows at a time, so the LM-head matmul's [rows, V] working set is bounded for
+// every impl (under autograd each chunk's logits, or its log-softmax for naive, are still saved for the
+// backward: that is what these paths trade against cce's recomputation).
 
 // naive_logprobs over chunks of `chunk` rows (0 = one chunk), concatenated (seeds 003/004). Under
 // autograd each chunk's log-softmax is still saved; chunking bounds the no-grad working set.
@@ -101,6 +101,40 @@ at::Tensor fp32_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
   return at::mm(hidden.to(acc), lm_head.to(acc).t());
 }
 
+// Log-probs (and entropy) of every row of hidden (N, D) through the LM head, naive or selective: fp32
+// logits of chunk_size rows at a time, so the LM-head matmul's [rows, V] working set is bounded for
+// every impl (under autograd each chunk's logits, or its log-softmax for naive, are still saved for the
+// backward: that is what these paths trade against cce's recomputation).
+static std::pair<at::Tensor, at::Tensor> hidden_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
+                                                         const at::Tensor& targets, double softcap,
+                                                         const LossOptions& opt) {
+  const int64_t N = hidden.size(0);
+  const int64_t rows = opt.chunk_size > 0                ? opt.chunk_size
+                       : opt.impl == LogprobImpl::kNaive ? std::max<int64_t>(N, 1)
+                                                         : kHiddenAutoRows;
+  // bf16/fp16 weights over several chunks: upcast the LM head once, so autograd sums the chunks' dW
+  // in fp32 and rounds it once (per-chunk bf16 dW summed in bf16 loses 2^-9 per chunk).
+  const auto acc = accumulation_dtype(hidden.scalar_type());
+  const bool upcast = hidden.scalar_type() != acc && N > rows;
+  const at::Tensor w = upcast ? lm_head.to(acc) : lm_head;  // (V, D)
+  std::vector<at::Tensor> lps, ents;
+  for (int64_t s = 0; s < std::max<int64_t>(N, 1); s += rows) {
+    const int64_t n = std::min(rows, N - s);
+    const at::Tensor h = hidden.narrow(0, s, n);                                      // (n, D)
+    at::Tensor logits = upcast ? at::mm(h.to(acc), w.t()) : fp32_logits(h, lm_head);  // (n, V) fp32
+    if (softcap > 0) logits = at::tanh(logits / softcap) * softcap;
+    const at::Tensor tgt = targets.narrow(0, s, n);
+    // selective: the logits are this module's own, so inplace_backward may give their buffer to the
+    // gradient; it is honoured as configured (the option's doc says when it saves memory).
+    auto r = opt.impl == LogprobImpl::kNaive ? naive_chunked(logits, tgt, opt)
+                                             : selective_logprobs(logits, at::Tensor(), tgt, opt);
+    lps.push_back(r.first);
+    if (r.second.defined()) ents.push_back(r.second);
+    if (N == 0) break;
+  }
+  return {at::cat(lps), ents.empty() ? at::Tensor() : at::cat(ents)};
+}
+
 LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
   const bool from_hidden = in.hidden.defined();
   TORCH_CHECK(from_hidden != in.logits.defined(), "give either logits or hidden + lm_head, not both");
@@ -117,64 +151,29 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& opt) {
   TORCH_CHECK(in.targets.scalar_type() == at::kLong, "targets must be int64");
   TORCH_CHECK(in.targets.device() == source.device(), "targets and inputs on different devices");
 
-  LogprobOutput out;
-  out.keep_index = build_keep_index(T, in.rows, opt.response_only, opt.loss_mask_only);  // (T') or all
-  const at::Tensor& keep = out.keep_index;
-  at::Tensor targets = keep.defined() ? in.targets.index_select(0, keep) : in.targets;  // (T')
+  if (in.rows.defined()) check_rows(in.rows, T, source.device());
 
-  std::pair<at::Tensor, at::Tensor> lp;  // (T') log-probs, entropy
+  // loss.response_only: the listed rows are gathered before any path runs (no [T', V] copy for
+  // selective on logits: it reads them in place); otherwise every row is computed and the listed ones
+  // are picked from the results.
+  const at::Tensor& rows = in.rows;  // (T') or undefined = all T
+  const bool listed_only = rows.defined() && opt.response_only;
+  const at::Tensor targets = listed_only ? in.targets.index_select(0, rows) : in.targets;  // (T') or (T)
+  std::pair<at::Tensor, at::Tensor> lp;  // log-probs, entropy: (T') or (T)
   if (from_hidden) {
-    at::Tensor hidden = keep.defined() ? in.hidden.index_select(0, keep) : in.hidden;  // (T', D)
-    if (opt.impl == LogprobImpl::kCce) {
-      CceArgs a;
-      a.temperature = opt.temperature;
-      a.row_block = opt.chunk_size;
-      a.vocab_block = opt.vocab_chunk_size;
-      a.entropy = opt.entropy;
-      a.grad_filter_eps = opt.grad_filter ? opt.grad_filter_eps : 0.0;
-      a.softcap = in.logit_softcap;
-      lp = cce_logprobs(hidden, in.lm_head, targets, a);
-    } else {
-      // fp32 logits of chunk_size kept rows at a time: the LM-head matmul's [rows, V] working set is
-      // bounded for every impl (under autograd each chunk's logits, or its log-softmax for naive, are
-      // still saved for the backward: that is what these paths trade against cce's recomputation).
-      const int64_t N = hidden.size(0), V = in.lm_head.size(0);
-      const int64_t rows = opt.chunk_size > 0                ? opt.chunk_size
-                           : opt.impl == LogprobImpl::kNaive ? std::max<int64_t>(N, 1)
-                                                             : kHiddenAutoRows;
-      // bf16/fp16 weights over several chunks: upcast the LM head once, so autograd sums the chunks' dW
-      // in fp32 and rounds it once (per-chunk bf16 dW summed in bf16 loses 2^-9 per chunk).
-      const auto acc = accumulation_dtype(hidden.scalar_type());
-      const bool upcast = hidden.scalar_type() != acc && N > rows;
-      const at::Tensor w = upcast ? in.lm_head.to(acc) : in.lm_head;  // (V, D)
-      std::vector<at::Tensor> lps, ents;
-      for (int64_t s = 0; s < std::max<int64_t>(N, 1); s += rows) {
-        const int64_t n = std::min(rows, N - s);
-        const at::Tensor h = hidden.narrow(0, s, n);                                         // (n, D)
-        at::Tensor logits = upcast ? at::mm(h.to(acc), w.t()) : fp32_logits(h, in.lm_head);  // (n, V) fp32
-        if (in.logit_softcap > 0) logits = at::tanh(logits / in.logit_softcap) * in.logit_softcap;
-        const at::Tensor tgt = targets.narrow(0, s, n);
-        // selective: the logits are this module's own, so inplace_backward may give their buffer to the
-        // gradient; it is honoured as configured (the option's doc says when it saves memory).
-        auto r = opt.impl == LogprobImpl::kNaive
-                     ? naive_chunked(logits, tgt, opt)
-                     : selective_logprobs(logits, at::Tensor(), tgt, selective_args(opt, V));
-        lps.push_back(r.first);
-        if (r.second.defined()) ents.push_back(r.second);
-        if (N == 0) break;
-      }
-      lp = {at::cat(lps), ents.empty() ? at::Tensor() : at::cat(ents)};
-    }
+    const at::Tensor hidden = listed_only ? in.hidden.index_select(0, rows) : in.hidden;  // (T', D) or (T, D)
+    lp = opt.impl == LogprobImpl::kCce ? cce_logprobs(hidden, in.lm_head, targets, opt, in.logit_softcap)
+                                       : hidden_logprobs(hidden, in.lm_head, targets, in.logit_softcap, opt);
   } else if (opt.impl == LogprobImpl::kNaive) {
     // The reference gathers the kept rows into a [T', V] copy, as the seed's PR does.
-    at::Tensor logits = keep.defined() ? in.logits.index_select(0, keep) : in.logits;
-    lp = naive_chunked(logits, targets, opt);
+    lp = naive_chunked(listed_only ? in.logits.index_select(0, rows) : in.logits, targets, opt);
   } else {
-    // Reads the kept rows where they are: no [T', V] copy.
-    lp = selective_logprobs(in.logits, keep, targets, selective_args(opt, in.logits.size(1)));
+    lp = selective_logprobs(in.logits, listed_only ? rows : at::Tensor(), targets, opt);
   }
-  out.logprobs = scatter_rows(lp.first, keep, T);
-  out.entropy = scatter_rows(lp.second, keep, T);
+  LogprobOutput out;
+  const bool pick = rows.defined() && !listed_only;
+  out.logprobs = pick ? lp.first.index_select(0, rows) : lp.first;
+  if (lp.second.defined()) out.entropy = pick ? lp.second.index_select(0, rows) : lp.second;
   return out;
 }
 

@@ -3,9 +3,15 @@
 //
 // Shape legend (used throughout loss/):
 //   T   flattened positions of a batch (B*G*L, or a packed batch)
-//   T'  kept rows (response rows, or response rows with loss_mask = 1)
-//   V   vocabulary size      D   hidden size      W   response windows
+//   T'  kept rows: the rows the caller asks for (response rows, or response rows with loss_mask = 1)
+//   V   vocabulary size      D   hidden size
 // Row t scores targets[t]: the caller aligns targets with rows (usually targets[t] = ids[t + 1]).
+//
+// Row selection (seed 001) is one index: the caller lists the rows it needs, in the order it wants the
+// results (trainer/batch.h builds it once per batch, in (sequence, response position) order), and the
+// outputs come back in that order, one value per listed row. With response_only the paths compute
+// those rows only; without, they compute all T rows and the listed ones are picked afterwards (the
+// baseline seed 001 measures against). Nothing is scattered back over all T rows.
 //
 // Two kinds of input:
 //   * logits (T, V): paths naive and selective read the kept rows directly (no [T', V] copy for selective);
@@ -19,7 +25,6 @@
 #include <ATen/ATen.h>
 
 #include "loss/options.h"
-#include "loss/row_select.h"
 
 namespace rlt {
 
@@ -28,20 +33,22 @@ struct LogprobInputs {
   at::Tensor hidden;   // (T, D) float: hidden states before the LM head
   at::Tensor lm_head;  // (V, D) float: LM-head weight (same dtype as hidden)
   at::Tensor targets;  // (T) int64: token whose log-prob row t returns
-  RowSelection rows;   // response windows / loss mask; needed with response_only / loss_mask_only
+  // (T') int64: the rows to score, distinct, in [0, T), in the order the outputs take; undefined = all
+  // T rows in order. The loss module never chooses rows itself: response_only only decides whether
+  // the rows not listed are computed at all.
+  at::Tensor rows;
   // The model's final-logit softcap (gemma2): logits = cap * tanh(z / cap) before the softmax and the
   // temperature; 0 = none. A property of the model (ModelConfig::final_softcap), not a loss option.
   double logit_softcap = 0.0;
 };
 
 struct LogprobOutput {
-  at::Tensor logprobs;    // (T) float32/64: log p(targets[t]); 0 outside the kept rows
-  at::Tensor entropy;     // (T) float32/64 when options.entropy != none; 0 outside the kept rows
-  at::Tensor keep_index;  // (T') int64 rows computed; undefined when all rows were computed
+  at::Tensor logprobs;  // (T') float32/64: log p(targets[rows[i]]) of row rows[i]
+  at::Tensor entropy;   // (T') float32/64 when options.entropy != none
 };
 
 // Gradients flow to logits, or to hidden and lm_head, through log-probs (and entropy when
-// options.entropy == grad); rows outside the kept set get exactly zero gradient.
+// options.entropy == grad); rows not listed get exactly zero gradient.
 LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& options);
 
 // The reference: full log_softmax over the vocabulary, then gather. Half-precision logits are upcast

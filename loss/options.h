@@ -32,11 +32,13 @@ inline const EnumNames<EntropyMode>& enum_names(EntropyMode) {
 struct LossOptions {
   // Log-prob algorithm: naive | selective | cce.
   LogprobImpl impl = LogprobImpl::kSelective;
-  // Seed 001: compute only rows inside the batch's response windows (gather before the
-  // cross-entropy, scatter the results back). Bit-identical to the full path on kept rows.
+  // Seed 001: compute only the rows the caller lists (LogprobInputs::rows: the response rows), gathered
+  // before the cross-entropy. false computes every row of the batch and picks the listed ones after:
+  // the baseline's memory, bit-identical results on the listed rows.
   bool response_only = true;
-  // Seed 001: further keep only response rows with loss_mask = 1 (drops tool output and padding);
-  // their log-probs come back as 0. Only valid with response_only, and only on the policy-loss path.
+  // Seed 001: list only response rows with loss_mask = 1 (drops tool output): the trainer builds its
+  // row index from them (trainer/batch.cpp), and their log-probs read as 0 in the (S, R) response
+  // layout. Only valid with response_only, and only on the policy-loss path.
   bool loss_mask_only = false;
   // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path, and on
   // the hidden-state path the LM-head matmul's fp32 [rows, V] logits too. 0 = automatic: naive all rows

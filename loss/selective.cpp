@@ -9,8 +9,9 @@
 // so only lse (and H when its gradient flows) is saved: T' floats instead of a [T', V] log-softmax.
 #include "loss/selective.h"
 
-#include <torch/csrc/autograd/custom_function.h>
+#include <algorithm>
 
+#include "loss/autograd_state.h"
 #include "loss/logprob.h"
 
 namespace rlt {
@@ -28,36 +29,38 @@ at::Tensor chunk_rows(const at::Tensor& logits, const at::Tensor& rows, int64_t 
   return temp == 1.0 ? x : x / temp;
 }
 
-bool use_kernel(const at::Tensor& logits, const SelectiveArgs& a) {
-#ifdef RLT_HAVE_CUDA
-  return a.use_cuda_kernel && logits.is_cuda() && logits.scalar_type() != at::kDouble;
-#else
-  return false;
-#endif
-}
+// The ATen chunks' rows when chunk_size is 0: one chunk's [rows, V] fp32 working set (log-sum-exp and
+// entropy temporaries) stays near 1M elements (4 MiB). A fixed 1024 rows was a whole batch's logits at
+// seed 000's shapes on the CPU (bench_loss --case seed000: +100%).
+constexpr int64_t kChunkElems = int64_t{1} << 20;
+
+struct State {
+  LossOptions options;
+  int64_t chunk = 0;    // rows per ATen chunk, resolved
+  bool kernel = false;  // the fused CUDA kernel
+};
 
 class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
  public:
   // logits (T, V); rows (T') or an empty tensor for all rows; targets (T').
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& rows_or_empty,
-                               const at::Tensor& targets, double temperature, int64_t chunk_size, int64_t entropy_mode,
-                               bool inplace, bool kernel) {
+                               const at::Tensor& targets, const State& state) {
     const at::Tensor rows = rows_or_empty.numel() > 0 ? rows_or_empty : at::Tensor();
     const int64_t N = targets.size(0);
-    const auto entropy = static_cast<EntropyMode>(entropy_mode);
+    const EntropyMode entropy = state.options.entropy;
+    const double temperature = state.options.temperature;
     const auto opts = logits.options().dtype(accumulation_dtype(logits.scalar_type()));
     at::Tensor logp = at::empty({N}, opts);                                                      // (T')
     at::Tensor lse = at::empty({N}, opts);                                                       // (T')
     at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (T')
-    if (kernel) {
+    if (state.kernel) {
 #ifdef RLT_HAVE_CUDA
       cuda::selective_forward(logits, rows, targets, temperature, logp, lse,
                               entropy != EntropyMode::kNone ? &H : nullptr);
 #endif
     } else {
-      const int64_t chunk = chunk_size > 0 ? chunk_size : std::max<int64_t>(N, 1);
-      for (int64_t s = 0; s < N; s += chunk) {
-        const int64_t n = std::min(chunk, N - s);
+      for (int64_t s = 0; s < N; s += state.chunk) {
+        const int64_t n = std::min(state.chunk, N - s);
         at::Tensor x = chunk_rows(logits, rows, s, n, temperature);  // (n, V)
         at::Tensor l = at::logsumexp(x, {1});                        // (n)
         lse.narrow(0, s, n).copy_(l);
@@ -70,11 +73,7 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
       }
     }
     ctx->save_for_backward({logits, rows_or_empty, targets, lse, H});
-    ctx->saved_data["temperature"] = temperature;
-    ctx->saved_data["chunk"] = chunk_size;
-    ctx->saved_data["entropy"] = entropy_mode;
-    ctx->saved_data["inplace"] = inplace;
-    ctx->saved_data["kernel"] = kernel;
+    save_state(ctx, state);
     if (entropy != EntropyMode::kGrad) ctx->mark_non_differentiable({H});
     return {logp, H};
   }
@@ -83,22 +82,20 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
     auto saved = ctx->get_saved_variables();
     at::Tensor logits = saved[0], rows = saved[1].numel() > 0 ? saved[1] : at::Tensor();
     at::Tensor targets = saved[2], lse = saved[3], H = saved[4];
-    const double temp = ctx->saved_data["temperature"].toDouble();
-    const int64_t chunk_size = ctx->saved_data["chunk"].toInt();
-    const auto entropy = static_cast<EntropyMode>(ctx->saved_data["entropy"].toInt());
-    const bool inplace = ctx->saved_data["inplace"].toBool();
-    const bool kernel = ctx->saved_data["kernel"].toBool();
+    const State& state = saved_state<State>(ctx);
+    const double temp = state.options.temperature;
+    const EntropyMode entropy = state.options.entropy;
     const int64_t N = targets.size(0);
     at::Tensor glp = grads[0];                                                // (T') or undefined
     at::Tensor gH = entropy == EntropyMode::kGrad ? grads[1] : at::Tensor();  // (T') or undefined
-    variable_list out(8);
+    variable_list out(4);
     if (!glp.defined() && !gH.defined()) return out;
     if (!glp.defined()) glp = at::zeros_like(lse);
 
     // The gradient buffer: the logits themselves (seed 003), or a fresh one. Rows outside the kept
     // set get 0: they have no path to the loss.
     at::Tensor grad;
-    if (inplace) {
+    if (state.options.inplace_backward) {
       grad = logits.detach();
       if (rows.defined()) {
         at::Tensor dropped = at::ones({logits.size(0)}, logits.options().dtype(at::kBool));
@@ -108,16 +105,15 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
     } else {
       grad = rows.defined() ? at::zeros_like(logits) : at::empty_like(logits);
     }
-    if (kernel) {
+    if (state.kernel) {
 #ifdef RLT_HAVE_CUDA
       cuda::selective_backward(logits, rows, targets, lse, H, glp, gH.defined() ? gH : at::Tensor(), temp, grad);
 #endif
       out[0] = grad;
       return out;
     }
-    const int64_t chunk = chunk_size > 0 ? chunk_size : std::max<int64_t>(N, 1);
-    for (int64_t s = 0; s < N; s += chunk) {
-      const int64_t n = std::min(chunk, N - s);
+    for (int64_t s = 0; s < N; s += state.chunk) {
+      const int64_t n = std::min(state.chunk, N - s);
       at::Tensor x = chunk_rows(logits, rows, s, n, temp);         // (n, V)
       at::Tensor logp_all = x - lse.narrow(0, s, n).unsqueeze(1);  // (n, V) fresh buffer
       at::Tensor p = logp_all.exp();                               // (n, V)
@@ -145,18 +141,27 @@ class SelectiveFn : public torch::autograd::Function<SelectiveFn> {
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> selective_logprobs(const at::Tensor& logits, const at::Tensor& rows,
-                                                     const at::Tensor& targets, const SelectiveArgs& args) {
+                                                     const at::Tensor& targets, const LossOptions& options,
+                                                     bool use_cuda_kernel) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (T, V), got ", logits.sizes());
   TORCH_CHECK(at::isFloatingType(logits.scalar_type()), "logits must be floating point");
   TORCH_CHECK(targets.dim() == 1 && targets.scalar_type() == at::kLong, "targets must be (T') int64");
   TORCH_CHECK(rows.defined() ? rows.size(0) == targets.size(0) : logits.size(0) == targets.size(0),
               "targets must have one entry per kept row");
-  TORCH_CHECK(args.temperature > 0, "temperature must be > 0");
+  TORCH_CHECK(options.temperature > 0, "temperature must be > 0");
   at::Tensor x = logits.is_contiguous() ? logits : logits.contiguous();
   at::Tensor r = rows.defined() ? rows : at::empty({0}, targets.options());
-  auto outs = SelectiveFn::apply(x, r, targets, args.temperature, args.chunk_size, static_cast<int64_t>(args.entropy),
-                                 args.inplace_backward, use_kernel(x, args));
-  return {outs[0], args.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
+  State state;
+  state.options = options;
+  state.chunk =
+      options.chunk_size > 0 ? options.chunk_size : std::max<int64_t>(1, kChunkElems / std::max<int64_t>(x.size(1), 1));
+#ifdef RLT_HAVE_CUDA
+  state.kernel = use_cuda_kernel && x.is_cuda() && x.scalar_type() != at::kDouble;
+#else
+  (void)use_cuda_kernel;
+#endif
+  auto outs = SelectiveFn::apply(x, r, targets, state);
+  return {outs[0], options.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }
 
 }  // namespace rlt

@@ -11,19 +11,15 @@
 
 namespace rlt {
 
-struct SelectiveArgs {
-  double temperature = 1.0;
-  int64_t chunk_size = 1024;  // rows per ATen chunk; 0 = all kept rows at once
-  EntropyMode entropy = EntropyMode::kNone;
-  bool inplace_backward = false;  // write the gradient into `logits` itself (seed 003)
-  bool use_cuda_kernel = true;    // on CUDA tensors, the fused kernel; false forces the ATen chunks
-};
-
-// logits (T, V); rows (T') int64 kept rows or undefined for all T rows; targets (T') int64 aligned with
-// the kept rows. Returns (logprobs (T'), entropy (T') or undefined), float32 (float64 for float64).
-// Gradient reaches `logits` only (zero on rows that were not kept).
+// logits (T, V); rows (T') int64 distinct kept rows or undefined for all T rows; targets (T') int64
+// aligned with the kept rows. Reads options.temperature, entropy, inplace_backward (write the gradient
+// into `logits` itself, seed 003) and chunk_size (rows per ATen chunk; 0 = about 1M logits per chunk).
+// use_cuda_kernel: on CUDA tensors, the fused kernel; false forces the ATen chunks (tests).
+// Returns (logprobs (T'), entropy (T') or undefined), float32 (float64 for float64). Gradient reaches
+// `logits` only (zero on rows that were not kept).
 std::pair<at::Tensor, at::Tensor> selective_logprobs(const at::Tensor& logits, const at::Tensor& rows,
-                                                     const at::Tensor& targets, const SelectiveArgs& args);
+                                                     const at::Tensor& targets, const LossOptions& options,
+                                                     bool use_cuda_kernel = true);
 
 #ifdef RLT_HAVE_CUDA
 namespace cuda {

@@ -3,9 +3,13 @@
 //
 // Layout: S sequences right-padded to L tokens (prompt + response), flattened to T = S * L rows. Row t
 // scores ids[t + 1], so sequence s's response token j (at position P_s + j) is scored by row
-// s * L + P_s - 1 + j; its response window is [s * L + P_s - 1, s * L + P_s + R_s - 1). Right padding
-// keeps every real token's causal context free of padding, so the forward needs no attention mask.
-// Response-aligned tensors are (S, R) with R the longest response.
+// s * L + P_s - 1 + j. Right padding keeps every real token's causal context free of padding, so the
+// forward needs no attention mask. The policy loss reads (S, R) response-aligned tensors, R the longest
+// response.
+//
+// One row index links the two: for each response token, in (sequence, position) order, the row that
+// scores it and its slot s * R + j in the (S, R) layout. The loss module computes exactly those rows and
+// returns them in that order (loss/logprob.h); one index_copy places them in the (S, R) layout.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,15 +22,19 @@
 
 namespace rlt {
 
+// Response tokens of a batch, in (sequence, position) order.
+struct ResponseRows {
+  at::Tensor rows;   // (N) int64: the flattened row s * L + P_s - 1 + j that scores the token
+  at::Tensor slots;  // (N) int64: its slot s * R + j in the (S, R) response layout
+};
+
 struct PackedBatch {
-  at::Tensor ids;               // (S, L) int64, right-padded
-  at::Tensor positions;         // (S, L) int64
-  at::Tensor targets;           // (T) int64: ids shifted left by one (padding scores the pad id)
-  RowSelection rows;            // response windows (S, 2) and loss mask (T) over the flattened rows
-  at::Tensor gather;            // (S, R) int64: row of response token j of sequence s (padding -> row 0)
-  at::Tensor loss_mask;         // (S, R) float: 1 = a sampled token that counts in the loss
-  at::Tensor resp_valid;        // (S, R) float: 1 = a response token (sampled or tool output)
-  at::Tensor logprobs_sampled;  // (S, R) float: the rollout's sampling log-probs (0 on tool tokens)
+  at::Tensor ids;         // (S, L) int64, right-padded
+  at::Tensor positions;   // (S, L) int64
+  at::Tensor targets;     // (T) int64: ids shifted left by one (padding scores the pad id)
+  ResponseRows response;  // every response token (sampled or tool output)
+  ResponseRows sampled;   // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
+  at::Tensor loss_mask;   // (S, R) float: 1 = a sampled token that counts in the loss
   int64_t S = 0, L = 0, R = 0;
 };
 
@@ -34,12 +42,17 @@ struct PackedBatch {
 PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device);
 
 struct ResponseLogprobs {
-  at::Tensor logprobs;  // (S, R) float32, differentiable when grad mode is on; 0 on rows not computed
+  at::Tensor logprobs;  // (S, R) float32, differentiable when grad mode is on; 0 on slots not computed
   at::Tensor entropy;   // (S, R) float32 when options.entropy != none
   at::Tensor hidden;    // (S, L, D) the decoder's output (PPO's value head reads it)
 };
 
-// One forward of `model` over the batch and the loss module on its response rows.
+// One forward of `model` over the batch and the loss module on its response rows: every response
+// token's, or with options.loss_mask_only the sampled tokens' only (the others read 0).
 ResponseLogprobs response_logprobs(const Transformer& model, const PackedBatch& batch, const LossOptions& options);
+
+// values (N), one per entry of `rows`, placed in the (S, R) response layout of `batch`; 0 elsewhere.
+// Differentiable (index_copy's backward gathers the slots).
+at::Tensor to_response_layout(const at::Tensor& values, const ResponseRows& rows, const PackedBatch& batch);
 
 }  // namespace rlt

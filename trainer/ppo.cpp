@@ -92,10 +92,11 @@ ExtraParams value_head_params() {
   return e;
 }
 
-at::Tensor value_head(const Run& run, const at::Tensor& hidden, const at::Tensor& gather) {
-  const int64_t S = gather.size(0), R = gather.size(1), D = hidden.size(2);
-  at::Tensor h = hidden.reshape({-1, D}).index_select(0, gather.reshape({-1})).to(at::kFloat);  // (S * R, D)
-  return at::addmm(run.extra.at("value_head.bias"), h, run.extra.at("value_head.weight").t()).view({S, R});
+at::Tensor value_head(const Run& run, const at::Tensor& hidden, const PackedBatch& batch) {
+  const int64_t D = hidden.size(2);
+  at::Tensor h = hidden.reshape({-1, D}).index_select(0, batch.sampled.rows).to(at::kFloat);            // (N, D)
+  at::Tensor v = at::addmm(run.extra.at("value_head.bias"), h, run.extra.at("value_head.weight").t());  // (N, 1)
+  return to_response_layout(v.squeeze(1), batch.sampled, batch);                                        // (S, R)
 }
 
 std::map<std::string, double> train_ppo(Run& run) {
@@ -135,8 +136,8 @@ std::map<std::string, double> train_ppo(Run& run) {
       at::NoGradGuard no_grad;
       for (size_t k = 0; k < K; ++k) {
         ResponseLogprobs r = response_logprobs(*run.policy, batches[k], cfg.loss);
-        logprobs_old[k] = r.logprobs;                                                         // (S_m, R)
-        values_old[k] = value_head(run, r.hidden, batches[k].gather) * batches[k].loss_mask;  // (S_m, R)
+        logprobs_old[k] = r.logprobs;                           // (S_m, R)
+        values_old[k] = value_head(run, r.hidden, batches[k]);  // (S_m, R), 0 off the mask
         if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
       }
     }
@@ -183,7 +184,7 @@ std::map<std::string, double> train_ppo(Run& run) {
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           // Clipped value loss: 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2).
-          at::Tensor values = value_head(run, r.hidden, b.gather);  // (S_m, R)
+          at::Tensor values = value_head(run, r.hidden, b);  // (S_m, R)
           at::Tensor vf_tok = (values - returns[k]).square();
           at::Tensor vf_clipped = at::zeros_like(vf_tok);
           if (ppo.value_clip > 0) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "trainer/batch.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -27,8 +28,9 @@ std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, cons
 // (1)), float32, zero-initialised so every first value is 0.
 ExtraParams value_head_params();
 
-// Values (S, R) float32 of a batch's response tokens from hidden (S, L, D).
-at::Tensor value_head(const Run& run, const at::Tensor& hidden, const at::Tensor& gather);
+// Values (S, R) float32 of a batch's sampled response tokens (loss_mask = 1: the actions GAE credits)
+// from hidden (S, L, D), read at the batch's row index; 0 on every other slot.
+at::Tensor value_head(const Run& run, const at::Tensor& hidden, const PackedBatch& batch);
 
 // Trains run.config.train.steps - run.step PPO steps, like train_grpo, with GAE advantages from the
 // value head instead of group-relative ones.

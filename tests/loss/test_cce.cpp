@@ -250,14 +250,13 @@ TEST(CceCuda, KernelEpilogueMatchesAtenEpilogue) {
     Grads r[2];
     for (int kernel = 0; kernel < 2; ++kernel) {
       at::Tensor E = lm.E.clone().requires_grad_(true), W = lm.W.clone().requires_grad_(true);
-      CceArgs a;
+      LossOptions a;
       a.temperature = temp;
-      a.row_block = 8;
-      a.vocab_block = 100;
+      a.chunk_size = 8;
+      a.vocab_chunk_size = 100;
       a.entropy = EntropyMode::kGrad;
-      a.use_cuda_kernel = kernel == 1;
-      a.softcap = cap;
-      auto [lp, H] = cce_logprobs(E, W, lm.y, a);
+      a.grad_filter = false;
+      auto [lp, H] = cce_logprobs(E, W, lm.y, a, cap, /*use_cuda_kernel=*/kernel == 1);
       auto g = torch::autograd::grad({(u1 * lp).sum() + (u2 * H).sum()}, {E, W});
       r[kernel] = {lp.detach(), H.detach(), g[0], g[1]};
     }
@@ -280,16 +279,13 @@ TEST(Cce, ResponseOnlyGathersHiddenRows) {
   in.hidden = lm.E.clone().requires_grad_(true);
   in.lm_head = lm.W.clone().requires_grad_(true);
   in.targets = lm.y;
-  in.rows.response_windows = at::tensor({2, 9, 30, 37}, at::kLong).view({-1, 2});
+  in.rows = at::cat({at::arange(30, 37, at::kLong), at::arange(2, 9, at::kLong)});  // (14), not sorted
   LogprobOutput out = token_logprobs(in, o);
-  ASSERT_TRUE(out.keep_index.defined());
-  EXPECT_EQ(out.keep_index.size(0), 14);
+  ASSERT_EQ(out.logprobs.size(0), 14);
   Grads r = reference(lm, 1.0, false);
-  at::Tensor kept = at::zeros({N}, at::kBool);
-  kept.index_fill_(0, out.keep_index, true);
-  RLT_EXPECT_CLOSE(out.logprobs.index_select(0, out.keep_index), r.lp.index_select(0, out.keep_index), kLogprobAtol,
-                   0.0, "kept rows");
-  EXPECT_EQ(out.logprobs.masked_select(~kept).abs().max().item<double>(), 0.0);
+  at::Tensor kept = at::zeros({N}, at::kBool).index_fill_(0, in.rows, true);
+  RLT_EXPECT_CLOSE_REJECTING(out.logprobs, r.lp.index_select(0, std::get<0>(in.rows.sort())), "rows sorted",
+                             r.lp.index_select(0, in.rows), kLogprobAtol, 0.0, "listed rows, in order");
   out.logprobs.sum().backward();
   EXPECT_EQ(in.hidden.grad().index_select(0, (~kept).nonzero().squeeze(1)).abs().max().item<double>(), 0.0)
       << "rows outside the windows get no gradient";
@@ -300,14 +296,14 @@ TEST(Cce, GradcheckFloat64) {
   at::manual_seed(50);
   const at::Tensor u1 = at::randn({5}, at::kDouble), u2 = at::randn({5}, at::kDouble);
   for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.6, 0.0}, {0.8, 2.0}}) {
-    CceArgs a;
+    LossOptions a;
     a.temperature = temp;
-    a.softcap = cap;
-    a.row_block = 2;
-    a.vocab_block = 4;
+    a.chunk_size = 2;
+    a.vocab_chunk_size = 4;
     a.entropy = EntropyMode::kGrad;
+    a.grad_filter = false;
     auto F = [&](const std::vector<at::Tensor>& x) {
-      auto [lp, H] = cce_logprobs(x[0], x[1], lm.y, a);
+      auto [lp, H] = cce_logprobs(x[0], x[1], lm.y, a, cap);
       return (u1 * lp).sum() + (u2 * H).sum();
     };
     EXPECT_TRUE(

@@ -126,41 +126,35 @@ TEST(EigenReference, LogitPathsOnOddShapes) {
   }
 }
 
-// Response-only and loss-mask rows: the kept rows equal the reference's rows, the others are 0 with
-// zero gradient. A dropped row (the last window one short) must be caught.
-TEST(EigenReference, RowSelection) {
+// Listed rows (a sequence's response rows in the trainer's order): each result is the reference's value
+// at its row, with or without response_only; unlisted rows get zero gradient. A wrong row (one off) and
+// a dropped row (the last one) must be caught.
+TEST(EigenReference, ListedRows) {
   const int64_t T = 17, V = 23;
   at::manual_seed(2);
   const at::Tensor z = at::randn({T, V}, at::kFloat) * 2, y = at::randint(0, V, {T}, at::kLong);
-  RowSelection rows;
-  rows.response_windows = at::tensor({1, 5, 5, 6, 9, 9, 11, 17}, at::kLong).view({-1, 2});  // touching, empty
-  rows.loss_mask = at::tensor({1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 1}, at::kLong);
-  const ref::Vec lp_all = ref::selective_logprob(to_eigen(z), ids_of(y));  // (T)
-  for (bool mask_only : {false, true}) {
+  const at::Tensor rows = at::tensor({1, 2, 3, 4, 5, 11, 12, 13, 14, 15, 16}, at::kLong);
+  const at::Tensor lp_all = to_tensor(ref::selective_logprob(to_eigen(z), ids_of(y)));  // (T)
+  const at::Tensor want = lp_all.index_select(0, rows);
+  const at::Tensor off_by_one = lp_all.index_select(0, rows - 1);
+  const at::Tensor dropped = at::cat({want.narrow(0, 0, want.size(0) - 1), at::zeros({1}, want.options())});
+  for (bool response_only : {true, false}) {
     for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
-      SCOPED_TRACE(std::string(enum_to_string(impl)) + (mask_only ? " loss_mask_only" : " response_only"));
+      const std::string what = std::string(enum_to_string(impl)) + (response_only ? " response_only" : " all rows");
       LossOptions o;
       o.impl = impl;
-      o.response_only = true;
-      o.loss_mask_only = mask_only;
+      o.response_only = response_only;
       at::Tensor x = z.clone().requires_grad_(true);
       LogprobInputs in;
       in.logits = x;
       in.targets = y;
       in.rows = rows;
-      const at::Tensor lp = token_logprobs(in, o).logprobs;  // (T)
+      const at::Tensor lp = token_logprobs(in, o).logprobs;  // (T')
       const at::Tensor grad = torch::autograd::grad({lp.sum()}, {x})[0];
-      // Expected: the reference on kept rows (windows [1, 6) and [11, 17), masked rows dropped), 0 elsewhere.
-      at::Tensor kept = at::zeros({T}, at::kBool);
-      kept.narrow(0, 1, 5).fill_(true);
-      kept.narrow(0, 11, 6).fill_(true);
-      if (mask_only) kept &= rows.loss_mask != 0;
-      const at::Tensor want = at::where(kept, to_tensor(lp_all), 0.0);
-      at::Tensor dropped_kept = kept.clone();
-      dropped_kept[16] = false;  // a window one short
-      const at::Tensor wrong = at::where(dropped_kept, to_tensor(lp_all), 0.0);
-      RLT_EXPECT_CLOSE_REJECTING(lp, wrong, "dropped row", want, kLogprobAtolFp32, 0.0, "kept rows");
-      EXPECT_EQ(grad.index_select(0, (~kept).nonzero().squeeze(1)).abs().max().item<double>(), 0.0);
+      RLT_EXPECT_CLOSE_REJECTING(lp, off_by_one, "row t - 1", want, kLogprobAtolFp32, 0.0, what);
+      EXPECT_TRUE(rlt::testing::rejects(dropped, want, kLogprobAtolFp32, 0.0, what, "last row dropped"));
+      at::Tensor unlisted = at::ones({T}, at::kBool).index_fill_(0, rows, false);
+      EXPECT_EQ(grad.index_select(0, unlisted.nonzero().squeeze(1)).abs().max().item<double>(), 0.0) << what;
     }
   }
 }

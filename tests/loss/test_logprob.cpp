@@ -1,5 +1,5 @@
 // The logits-based paths (naive, selective: ATen chunks and the CUDA kernel) against float64 naive,
-// row selection (response_only bit-identical to the full path, loss_mask_only zeros), and float64
+// the row index (results in the caller's order, response_only bit-identical to computing every row), and float64
 // gradient checks of the selective autograd function.
 #include <gtest/gtest.h>
 
@@ -72,8 +72,10 @@ Result reference(const at::Tensor& logits, const at::Tensor& targets, double tem
   return {lp.detach(), H.detach(), g[0], sens};
 }
 
-Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt, const RowSelection& rows = {},
-            const at::Tensor& row_mask = at::Tensor()) {
+// Our log-probs of `rows` (all rows when undefined) and the gradient of sum(u1 lp) (+ sum(u2 H)), the
+// upstream gradients being those of the reference at the same rows (times row_mask when given).
+Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptions& opt,
+            const at::Tensor& rows = at::Tensor(), const at::Tensor& row_mask = at::Tensor()) {
   at::Tensor x = logits.detach().clone().requires_grad_(true);
   LogprobInputs in;
   in.logits = x;
@@ -84,6 +86,7 @@ Result ours(const at::Tensor& logits, const at::Tensor& targets, const LossOptio
   u1 = u1.to(out.logprobs.options());
   u2 = u2.to(out.logprobs.options());
   if (row_mask.defined()) u1 = u1 * row_mask.to(u1.options()), u2 = u2 * row_mask.to(u2.options());
+  if (rows.defined()) u1 = u1.index_select(0, rows), u2 = u2.index_select(0, rows);
   at::Tensor loss = (u1 * out.logprobs).sum();
   if (opt.entropy == EntropyMode::kGrad) loss = loss + (u2 * out.entropy).sum();
   auto g = torch::autograd::grad({loss}, {x});
@@ -177,37 +180,29 @@ TEST(Logprob, EntropyGradientFlowsOnlyWhenAsked) {
   }
 }
 
-// Windows of a 3-sequence batch of 37 rows: an empty window, touching windows and a tail window.
-RowSelection windows(at::Device dev = at::kCPU) {
-  RowSelection rows;
-  rows.response_windows = at::tensor({3, 10, 10, 12, 15, 15, 20, 37}, at::kLong).view({-1, 2}).to(dev);
-  at::manual_seed(99);
-  rows.loss_mask = (at::rand({37}) > 0.3).to(at::kLong).to(dev);
-  return rows;
+// The response rows of a 3-sequence batch of 37 rows ([3, 12) and [20, 37)), listed out of order, as a
+// caller may list them: the results must come back in this order.
+at::Tensor response_rows(at::Device dev = at::kCPU) {
+  std::vector<int64_t> r;
+  for (int64_t t = 20; t < 37; ++t) r.push_back(t);
+  for (int64_t t = 11; t >= 3; --t) r.push_back(t);
+  return at::tensor(r, at::kLong).to(dev);
 }
 
-at::Tensor window_mask(int64_t T) {
+at::Tensor response_mask(int64_t T) {
   at::Tensor m = at::zeros({T}, at::kBool);
   m.narrow(0, 3, 9).fill_(true);    // [3, 12)
   m.narrow(0, 20, 17).fill_(true);  // [20, 37)
   return m;
 }
 
-TEST(Logprob, KeepIndexFromWindowsAndMask) {
-  RowSelection rows = windows();
-  at::Tensor keep = build_keep_index(37, rows, true, false);
-  EXPECT_TRUE(at::equal(keep, window_mask(37).nonzero().squeeze(1)));
-  at::Tensor keep_m = build_keep_index(37, rows, true, true);
-  EXPECT_TRUE(at::equal(keep_m, (window_mask(37) & (rows.loss_mask != 0)).nonzero().squeeze(1)));
-  EXPECT_FALSE(build_keep_index(37, rows, false, false).defined()) << "no selection: all rows";
-  RowSelection all;
-  all.response_windows = at::tensor({0, 37}, at::kLong).view({1, 2});
-  EXPECT_FALSE(build_keep_index(37, all, true, false).defined()) << "a window covering everything: no gather";
-}
-
-TEST(Logprob, ResponseOnlyIsBitIdenticalToFullPathOnKeptRows) {
+// Listed rows come back in the caller's order, equal bit for bit to the same rows of an all-rows call,
+// with or without response_only (which only decides whether unlisted rows are computed); gradients
+// too, and exactly zero on rows not listed. Wrong: the rows in sorted order, or one row off.
+TEST(Logprob, ListedRowsComeBackInOrderAndBitIdentical) {
   const int64_t T = 37, V = 1013;
-  const at::Tensor kept = window_mask(T);
+  const at::Tensor kept = response_mask(T), rows = response_rows();
+  const at::Tensor out_idx = (~kept).nonzero().squeeze(1);
   for (auto dt : {at::kFloat, at::kBFloat16}) {
     const at::Tensor logits = make_logits(T, V, dt, 3), targets = make_targets(T, V, 3);
     for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
@@ -218,43 +213,21 @@ TEST(Logprob, ResponseOnlyIsBitIdenticalToFullPathOnKeptRows) {
         o.entropy = EntropyMode::kGrad;
         o.response_only = false;
         SCOPED_TRACE(name(o, dt));
-        // Upstream gradient only on kept rows, as the policy loss would give.
-        Result full = ours(logits, targets, o, {}, kept);
-        o.response_only = true;
-        Result sel = ours(logits, targets, o, windows(), kept);
-        const at::Tensor idx = kept.nonzero().squeeze(1), out_idx = (~kept).nonzero().squeeze(1);
-        EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx))) << "log-probs";
-        EXPECT_TRUE(at::equal(sel.H.index_select(0, idx), full.H.index_select(0, idx))) << "entropy";
-        EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx))) << "gradients";
-        EXPECT_EQ(sel.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "0 outside windows";
-        EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "zero grad outside";
-        // And a wrong index would be caught: the full path's dropped rows are not zero.
-        EXPECT_GT(full.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0);
+        // All rows, upstream gradient only on the response rows, as the policy loss would give.
+        const Result full = ours(logits, targets, o, at::Tensor(), kept);
+        for (bool response_only : {true, false}) {
+          o.response_only = response_only;
+          const Result sel = ours(logits, targets, o, rows);
+          EXPECT_TRUE(at::equal(sel.lp, full.lp.index_select(0, rows))) << "log-probs, response_only " << response_only;
+          EXPECT_TRUE(at::equal(sel.H, full.H.index_select(0, rows))) << "entropy";
+          EXPECT_TRUE(at::equal(sel.grad, full.grad)) << "gradients, and 0 on rows not listed";
+          EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0);
+          // A wrong order or a wrong row would be caught.
+          EXPECT_FALSE(at::equal(sel.lp, full.lp.index_select(0, std::get<0>(rows.sort()))));
+          EXPECT_FALSE(at::equal(sel.lp, full.lp.index_select(0, rows - 1)));
+        }
       }
     }
-  }
-}
-
-TEST(Logprob, LossMaskOnlyZerosMaskedRows) {
-  const int64_t T = 37, V = 1013;
-  RowSelection rows = windows();
-  const at::Tensor kept = window_mask(T) & (rows.loss_mask != 0);
-  const at::Tensor logits = make_logits(T, V, at::kFloat, 4), targets = make_targets(T, V, 4);
-  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective}) {
-    LossOptions o;
-    o.impl = impl;
-    o.entropy = EntropyMode::kValue;
-    o.response_only = false;
-    Result full = ours(logits, targets, o, {}, kept);
-    o.response_only = true;
-    o.loss_mask_only = true;
-    Result sel = ours(logits, targets, o, rows, kept);
-    const at::Tensor idx = kept.nonzero().squeeze(1), out_idx = (~kept).nonzero().squeeze(1);
-    EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx))) << enum_to_string(impl);
-    EXPECT_EQ(sel.lp.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "masked rows return 0";
-    EXPECT_EQ(sel.H.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "masked entropy is 0";
-    EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0) << "no gradient on masked rows";
-    EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx)));
   }
 }
 
@@ -264,19 +237,25 @@ TEST(Logprob, BadInputsAreRejected) {
   LogprobInputs in;
   in.logits = logits;
   in.targets = targets;
-  auto win = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong).view({-1, 2}); };
-  in.rows.response_windows = win({2, 9});  // end past T
-  EXPECT_THROW(token_logprobs(in, o), c10::Error);
-  in.rows.response_windows = win({5, 3});  // start > end
-  EXPECT_THROW(token_logprobs(in, o), c10::Error);
-  in.rows.response_windows = at::tensor({1, 2, 3}, at::kLong);  // not (W, 2)
-  EXPECT_THROW(token_logprobs(in, o), c10::Error);
-  in.rows.response_windows = at::Tensor();  // response_only without windows
-  EXPECT_THROW(token_logprobs(in, o), c10::Error);
-  o.response_only = false;
-  o.loss_mask_only = true;  // without response_only
-  EXPECT_THROW(token_logprobs(in, o), c10::Error);
-  o.loss_mask_only = false;
+  auto expect_error = [&](const std::string& want) {
+    try {
+      token_logprobs(in, o);
+      ADD_FAILURE() << "accepted; wanted an error with: " << want;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(want), std::string::npos) << e.what_without_backtrace();
+    }
+  };
+  in.rows = at::tensor({2, 8}, at::kLong);  // row past T
+  expect_error("rows must lie in [0, T) with T = 8, got [2, 8]");
+  in.rows = at::tensor({-1, 3}, at::kLong);  // negative row
+  expect_error("rows must lie in [0, T)");
+  in.rows = at::tensor({3, 5, 3}, at::kLong);  // a row listed twice
+  expect_error("rows must be distinct");
+  in.rows = at::tensor({1, 2}, at::kInt);  // not int64
+  expect_error("rows must be a (T') int64 index");
+  in.rows = at::tensor({1, 2}, at::kLong).view({1, 2});  // not 1-D
+  expect_error("rows must be a (T') int64 index");
+  in.rows = at::Tensor();
   in.targets = make_targets(7, 5, 5);  // wrong length
   EXPECT_THROW(token_logprobs(in, o), c10::Error);
   in.targets = targets;
@@ -295,7 +274,7 @@ TEST(Logprob, SelectiveGradcheckFloat64) {
   const at::Tensor u1 = at::randn({4}, at::kDouble), u2 = at::randn({4}, at::kDouble);
   for (bool subset : {false, true}) {
     for (double temp : {1.0, 0.8}) {
-      SelectiveArgs a;
+      LossOptions a;
       a.temperature = temp;
       a.chunk_size = 3;
       a.entropy = EntropyMode::kGrad;
@@ -334,14 +313,12 @@ TEST(LogprobCuda, KernelMatchesReferenceAndAtenPath) {
           }
         }
         // The kernel and the ATen chunks compute the same function.
-        SelectiveArgs a;
+        LossOptions a;
         a.entropy = ent;
         at::Tensor r = at::tensor({0, 5, 6, 36}, at::kLong).to(dev);
         at::Tensor t = targets.index_select(0, r);
-        a.use_cuda_kernel = true;
-        auto k = selective_logprobs(logits, r, t, a);
-        a.use_cuda_kernel = false;
-        auto c = selective_logprobs(logits, r, t, a);
+        auto k = selective_logprobs(logits, r, t, a, /*use_cuda_kernel=*/true);
+        auto c = selective_logprobs(logits, r, t, a, /*use_cuda_kernel=*/false);
         // Wrong: an off-by-one target (log-probs) and an off-by-one row (entropy).
         auto w = selective_logprobs(logits, r, (t + 1).remainder(V), a);
         auto w_row = selective_logprobs(logits, (r + 1).remainder(T), t, a);
@@ -359,19 +336,20 @@ TEST(LogprobCuda, ResponseOnlyBitIdenticalOnGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const at::Device dev(at::kCUDA, 0);
   const int64_t T = 37, V = 4096;
-  const at::Tensor kept = window_mask(T);
+  const at::Tensor kept = response_mask(T).to(dev), rows = response_rows(dev);
+  const at::Tensor out_idx = (~kept).nonzero().squeeze(1);
   for (auto dt : {at::kFloat, at::kBFloat16}) {
     const at::Tensor logits = make_logits(T, V, dt, 9, dev), targets = make_targets(T, V, 9, dev);
     LossOptions o;
     o.entropy = EntropyMode::kGrad;
     o.response_only = false;
-    Result full = ours(logits, targets, o, {}, kept.to(dev));
+    Result full = ours(logits, targets, o, at::Tensor(), kept);
     o.response_only = true;
-    Result sel = ours(logits, targets, o, windows(dev), kept.to(dev));
-    const at::Tensor idx = kept.nonzero().squeeze(1).to(dev), out_idx = (~kept).nonzero().squeeze(1).to(dev);
-    EXPECT_TRUE(at::equal(sel.lp.index_select(0, idx), full.lp.index_select(0, idx)));
-    EXPECT_TRUE(at::equal(sel.grad.index_select(0, idx), full.grad.index_select(0, idx)));
+    Result sel = ours(logits, targets, o, rows);
+    EXPECT_TRUE(at::equal(sel.lp, full.lp.index_select(0, rows)));
+    EXPECT_TRUE(at::equal(sel.grad, full.grad));
     EXPECT_EQ(sel.grad.index_select(0, out_idx).abs().max().item<double>(), 0.0);
+    EXPECT_FALSE(at::equal(sel.lp, full.lp.index_select(0, std::get<0>(rows.sort())))) << "order is checked";
   }
 }
 

@@ -8,7 +8,7 @@
 #include <iostream>
 
 #include "loss/logprob.h"
-#include "model/config.h"
+#include "tests/common/tiny_model.h"
 #include "trainer/config.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
@@ -16,20 +16,7 @@
 namespace rlt {
 namespace {
 
-ModelConfig tiny_model() {
-  const nlohmann::json j = {{"model_type", "llama"},
-                            {"vocab_size", 96},
-                            {"hidden_size", 32},
-                            {"intermediate_size", 64},
-                            {"num_hidden_layers", 2},
-                            {"num_attention_heads", 2},
-                            {"num_key_value_heads", 1},
-                            {"rms_norm_eps", 1e-6},
-                            {"rope_theta", 10000.0},
-                            {"tie_word_embeddings", false},
-                            {"max_position_embeddings", 64}};
-  return model_config_from_json(j, "tiny");
-}
+ModelConfig tiny_model() { return rlt::testing::tiny_llama(96); }
 
 // A run around a model in `dtype` whose weights are `start` (the same values for every run), with the
 // optimizer the trainer makes. No weight decay and no clipping, so only the gradient moves a weight.

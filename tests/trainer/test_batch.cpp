@@ -1,0 +1,122 @@
+// The trainer's one row layout (trainer/batch.h): pack() lists each response token's scoring row once,
+// the loss module computes exactly those rows, and the (S, R) response layout the policy loss reads holds
+// the log-prob of response token j of sequence s at (s, j). Reference: each trajectory alone through the
+// model, a float64 log-softmax over the full vocabulary. Each check is paired with a wrongly packed
+// batch (an off-by-one row, a dropped row, two sequences' slots swapped) that it must reject.
+#include <gtest/gtest.h>
+
+#include <ATen/core/grad_mode.h>
+
+#include <string>
+#include <vector>
+
+#include "model/transformer.h"
+#include "tests/common/check.h"
+#include "tests/common/tiny_model.h"
+#include "trainer/batch.h"
+
+namespace rlt {
+namespace {
+
+ModelConfig tiny_model() { return rlt::testing::tiny_llama(50); }
+
+// Prompts of 3, 5 and 2 tokens; responses of 4, 1 and 6 tokens, tool output (loss_mask 0) inside.
+std::vector<Trajectory> trajectories() {
+  std::vector<Trajectory> t(3);
+  t[0].prompt_ids = {1, 7, 9};
+  t[0].response_ids = {11, 12, 13, 14};
+  t[0].loss_mask = {1, 0, 0, 1};
+  t[1].prompt_ids = {1, 4, 4, 8, 2};
+  t[1].response_ids = {30};
+  t[1].loss_mask = {1};
+  t[2].prompt_ids = {1, 5};
+  t[2].response_ids = {21, 22, 23, 24, 25, 26};
+  t[2].loss_mask = {1, 1, 0, 0, 1, 1};
+  for (auto& x : t) x.logprobs.assign(x.response_ids.size(), 0.f);
+  return t;
+}
+
+// (S, R) float64: log p(response token j of s) from s alone; 0 on padding slots.
+at::Tensor reference(const Transformer& model, const std::vector<Trajectory>& trajs, int64_t R) {
+  at::NoGradGuard no_grad;
+  at::Tensor out = at::zeros({static_cast<int64_t>(trajs.size()), R}, at::kDouble);
+  for (size_t s = 0; s < trajs.size(); ++s) {
+    const auto ids = trajs[s].ids();
+    const int64_t n = static_cast<int64_t>(ids.size()), P = trajs[s].window_begin();
+    const at::Tensor x = at::tensor(ids, at::kLong).view({1, n});
+    const at::Tensor h = model.forward(x, at::arange(n, at::kLong).view({1, n}), at::Tensor())[0];  // (n, D)
+    const at::Tensor logp = at::log_softmax(at::mm(h.to(at::kDouble), model.lm_head().to(at::kDouble).t()), 1);
+    for (int64_t j = 0; j + P < n; ++j) out[s][j] = logp[P - 1 + j][ids[P + j]];
+  }
+  return out;
+}
+
+at::Tensor logprobs(const Transformer& model, const PackedBatch& b, const LossOptions& o) {
+  at::NoGradGuard no_grad;
+  return response_logprobs(model, b, o).logprobs;
+}
+
+TEST(Batch, RowIndexLinksEachResponseTokenToItsScoringRow) {
+  const Transformer model(tiny_model(), at::kFloat, at::kCPU, /*seed=*/3);
+  const auto trajs = trajectories();
+  const PackedBatch b = pack(trajs, 0, 3, at::kCPU);
+  ASSERT_EQ(b.R, 6);
+  ASSERT_EQ(b.L, 8);
+  // Sequence-major order, one entry per response token: rows s*L + P_s - 1 + j, slots s*R + j.
+  EXPECT_TRUE(at::equal(b.response.rows, at::tensor({2, 3, 4, 5, 12, 17, 18, 19, 20, 21, 22}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.response.slots, at::tensor({0, 1, 2, 3, 6, 12, 13, 14, 15, 16, 17}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.sampled.rows, at::tensor({2, 5, 12, 17, 18, 21, 22}, at::kLong)));
+  const at::Tensor want = reference(model, trajs, b.R);  // (S, R)
+
+  // Wrongly packed batches the check must reject.
+  PackedBatch off_row = b, dropped = b, swapped = b;
+  off_row.response.rows = b.response.rows + 1;
+  dropped.response.rows = b.response.rows.narrow(0, 0, 10);
+  dropped.response.slots = b.response.slots.narrow(0, 0, 10);
+  swapped.response.slots = b.response.slots.clone();
+  swapped.response.slots[4] = 0;  // sequence 1's token lands on sequence 0's first slot ...
+  swapped.response.slots[0] = 6;  // ... and the other way round
+  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective, LogprobImpl::kCce}) {
+    for (bool response_only : {true, false}) {
+      LossOptions o;
+      o.impl = impl;
+      o.response_only = response_only;
+      const std::string what = std::string(enum_to_string(impl)) + (response_only ? " response_only" : " all rows");
+      const at::Tensor got = logprobs(model, b, o);
+      RLT_EXPECT_CLOSE_REJECTING(got, logprobs(model, off_row, o), "row t + 1", want, 1e-5, 0.0, what);
+      EXPECT_TRUE(rlt::testing::rejects(logprobs(model, dropped, o), want, 1e-5, 0.0, what, "last token dropped"));
+      EXPECT_TRUE(rlt::testing::rejects(logprobs(model, swapped, o), want, 1e-5, 0.0, what, "slots swapped"));
+    }
+  }
+}
+
+TEST(Batch, LossMaskOnlyScoresTheSampledTokensAlone) {
+  const Transformer model(tiny_model(), at::kFloat, at::kCPU, /*seed=*/4);
+  const auto trajs = trajectories();
+  const PackedBatch b = pack(trajs, 0, 3, at::kCPU);
+  for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective, LogprobImpl::kCce}) {
+    LossOptions o;
+    o.impl = impl;
+    const at::Tensor all = logprobs(model, b, o);
+    o.loss_mask_only = true;
+    at::Tensor lp;
+    at::Tensor hidden_grad;
+    {
+      // The gradient reaches only the sampled tokens' scoring rows.
+      ResponseLogprobs r = response_logprobs(model, b, o);
+      lp = r.logprobs.detach();
+      at::Tensor h = r.hidden;
+      h.retain_grad();
+      r.logprobs.sum().backward();
+      hidden_grad = h.grad().reshape({b.S * b.L, -1}).abs().sum(1);  // (T)
+    }
+    const std::string what = enum_to_string(impl);
+    EXPECT_TRUE(at::equal(lp, all * b.loss_mask)) << what << ": sampled slots as before, tool slots 0";
+    const at::Tensor scored = at::zeros({b.S * b.L}, at::kBool).index_fill_(0, b.sampled.rows, true);
+    EXPECT_GT(hidden_grad.masked_select(scored).min().item<double>(), 0.0) << what;
+    EXPECT_EQ(hidden_grad.masked_select(~scored).max().item<double>(), 0.0) << what << ": tool rows get no gradient";
+  }
+}
+
+}  // namespace
+}  // namespace rlt
