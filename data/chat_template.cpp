@@ -41,7 +41,7 @@ std::vector<int64_t> encode_prompt(const Tokenizer& tokenizer, const ChatTemplat
 
 std::vector<int64_t> encode_chat(const Tokenizer& tokenizer, const HfChatTemplate& chat,
                                  const ChatTemplateOptions& options, const std::vector<ChatMessage>& messages,
-                                 const std::string& question) {
+                                 const std::string& question, const nlohmann::ordered_json& tools) {
   nlohmann::ordered_json conv = nlohmann::ordered_json::array();
   const bool has_system = !messages.empty() && messages.front().role == "system";
   std::string system = options.system;
@@ -53,7 +53,7 @@ std::vector<int64_t> encode_chat(const Tokenizer& tokenizer, const HfChatTemplat
     for (const auto& m : messages) conv.push_back({{"role", m.role}, {"content", m.content}});
   }
   const auto vars = nlohmann::ordered_json::parse(options.template_vars);
-  return tokenizer.encode(chat.render(conv, nullptr, /*add_generation_prompt=*/true, vars));
+  return tokenizer.encode(chat.render(conv, tools, /*add_generation_prompt=*/true, vars));
 }
 
 }  // namespace rlt

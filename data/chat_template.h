@@ -66,10 +66,12 @@ std::vector<int64_t> encode_prompt(const Tokenizer& tokenizer, const ChatTemplat
 
 // A prompt through the model's own template: the conversation (`messages`, or one user turn holding
 // `question` when empty), with options.system + options.tools as a system turn when it has none and they
-// are not empty, the generation prompt appended, options.template_vars as extra variables; encoded with
-// special-token text as special tokens (the template writes BOS itself where the model wants one).
+// are not empty, the generation prompt appended, options.template_vars as extra variables, `tools` (a list
+// of JSON schemas, or null) as the template's tools; encoded with special-token text as special tokens
+// (the template writes BOS itself where the model wants one).
 std::vector<int64_t> encode_chat(const Tokenizer& tokenizer, const HfChatTemplate& chat,
                                  const ChatTemplateOptions& options, const std::vector<ChatMessage>& messages,
-                                 const std::string& question);
+                                 const std::string& question,
+                                 const nlohmann::ordered_json& tools = nlohmann::ordered_json());
 
 }  // namespace rlt

@@ -24,7 +24,7 @@ std::string to_decimal(unsigned __int128 v) {
 }
 
 // Several phrasings so the policy learns the task, not one sentence; none contains other digits, which
-// tool_use_trace relies on to find the operands.
+// worked_solution relies on to find the operands.
 std::string phrase(int which, const std::string& a, const std::string& b) {
   switch (which) {
     case 0:
@@ -69,7 +69,7 @@ std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& opt
   return tasks;
 }
 
-std::vector<TraceSegment> tool_use_trace(const PromptExample& ex, const ToolTags& tags) {
+WorkedSolution worked_solution(const PromptExample& ex) {
   std::vector<std::string> numbers;
   for (size_t i = 0; i < ex.prompt.size();) {
     if (!std::isdigit(static_cast<unsigned char>(ex.prompt[i]))) {
@@ -82,28 +82,24 @@ std::vector<TraceSegment> tool_use_trace(const PromptExample& ex, const ToolTags
     i = j;
   }
   if (numbers.size() != 2) {
-    throw DataError(ex.source + ": tool_use_trace: expected a prompt with exactly two integers, found " +
+    throw DataError(ex.source + ": worked_solution: expected a prompt with exactly two integers, found " +
                     std::to_string(numbers.size()) + " in '" + ex.prompt + "'");
   }
   for (const std::string& n : numbers) {
     if (n.size() > 18) {
-      throw DataError(ex.source + ": tool_use_trace: operand " + n + " has more than 18 digits");
+      throw DataError(ex.source + ": worked_solution: operand " + n + " has more than 18 digits");
     }
   }
   const uint64_t a = std::stoull(numbers[0]), b = std::stoull(numbers[1]);
   const std::string product = to_decimal(static_cast<unsigned __int128>(a) * b);
   if (product != ex.answer) {
-    throw DataError(ex.source + ": tool_use_trace: " + numbers[0] + " * " + numbers[1] + " = " + product +
+    throw DataError(ex.source + ": worked_solution: " + numbers[0] + " * " + numbers[1] + " = " + product +
                     ", but the example's answer is '" + ex.answer + "'");
   }
   // Operands are re-printed from their values, so a prompt's "007" becomes 7: Python 3 rejects integer
   // literals with leading zeros.
   const std::string code = "print(" + std::to_string(a) + " * " + std::to_string(b) + ")";
-  return {
-      {tags.code_open + "\n" + code + "\n" + tags.code_close, true},
-      {tags.output_open + "\n" + product + "\n" + tags.output_close + "\n", false},
-      {"Answer: \\boxed{" + product + "}", true},
-  };
+  return {code, product, "Answer: \\boxed{" + product + "}"};
 }
 
 }  // namespace rlt

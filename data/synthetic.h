@@ -1,6 +1,6 @@
 // The built-in demo's task: multiplication of multi-digit numbers, which a small model cannot do in its
 // head but can by writing one line of Python, so tool use visibly pays off within a short run. Also the
-// worked tool-use trace for a supervised warm-up before RL.
+// worked solution a supervised warm-up before RL teaches.
 // Leaves out: other task families (the JSONL loader, data/dataset.h, is the way to bring real problems),
 // and traces for prompts that are not a two-operand multiplication.
 #pragma once
@@ -40,29 +40,16 @@ struct SyntheticOptions {
 // when the options fail validate().
 std::vector<PromptExample> make_multiplication_tasks(const SyntheticOptions& options);
 
-// The tag strings that delimit code and interpreter output, shared by the chat template, the rollout
-// (rollout/retool.h) and the warm-up traces, so all three agree.
-struct ToolTags {
-  std::string code_open = "<code>";
-  std::string code_close = "</code>";
-  std::string output_open = "<interpreter>";
-  std::string output_close = "</interpreter>";
+// The worked solution of a multiplication prompt: the one line of Python that solves it, what it prints,
+// and the final answer as the model writes it. rollout/tools.h lays it out as a tool-use trace in the
+// run's call format. The operands are the two integers in the prompt. Throws DataError naming ex.source
+// when the prompt does not hold exactly two integers of at most 18 digits, or when their product is not
+// ex.answer (a warm-up that teaches a wrong answer is worse than none).
+struct WorkedSolution {
+  std::string code;    // "print(347 * 829)"
+  std::string output;  // "287663"
+  std::string answer;  // "Answer: \\boxed{287663}"
 };
-
-// One piece of a worked trace: written by the model (trainable, loss_mask = 1) or produced by the tool
-// (not trainable, loss_mask = 0).
-struct TraceSegment {
-  std::string text;
-  bool trainable = true;
-};
-
-// The worked solution of a multiplication prompt, laid out exactly as a rollout would produce it:
-//   {"<code>\nprint(347 * 829)\n</code>", true}               the turn ends at the close tag
-//   {"<interpreter>\n287663\n</interpreter>\n", false}         as rollout/retool.cpp appends tool output
-//   {"Answer: \\boxed{287663}", true}                           the turn ends when the box closes
-// The operands are the two integers in the prompt. Throws DataError naming ex.source when the prompt does
-// not hold exactly two integers of at most 18 digits, or when their product is not ex.answer (a warm-up
-// that teaches a wrong answer is worse than none). The caller appends EOS after the last segment.
-std::vector<TraceSegment> tool_use_trace(const PromptExample& ex, const ToolTags& tags);
+WorkedSolution worked_solution(const PromptExample& ex);
 
 }  // namespace rlt

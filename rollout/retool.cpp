@@ -49,8 +49,9 @@ bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == s
 
 // How a turn's text stands after its latest token.
 struct TurnEnd {
-  enum Kind { kNone, kCode, kBadCode, kAnswer, kFakeOutput } kind = kNone;
-  std::string code;
+  enum Kind { kNone, kCode, kBadCode, kBadCall, kAnswer, kFakeOutput } kind = kNone;
+  std::string code;   // kCode
+  std::string error;  // kBadCall: what is wrong with the <tool_call>, said to the model
 };
 
 // A fenced block "```python\n...\n```" that the latest token closed; code set when so.
@@ -73,11 +74,19 @@ bool closes_fence(const std::string& text, std::string& code) {
   return true;
 }
 
-// Inside an open <code> block or an open ```python fence (where "\boxed{" is code, not an answer).
-bool inside_code(const std::string& text, const ToolTags& tags) {
-  const size_t open = text.rfind(tags.code_open);
+// The call format's open and close tags.
+std::pair<const std::string&, const std::string&> call_tags(const ToolProtocol& p) {
+  if (p.format == ToolFormat::kCode) return {p.code_open, p.code_close};
+  return {p.call_open, p.call_close};
+}
+
+// Inside an open call (<code> or <tool_call>) or an open ```python fence (where "\boxed{" is code, not
+// an answer).
+bool inside_code(const std::string& text, const ToolProtocol& p) {
+  const auto [open_tag, close_tag] = call_tags(p);
+  const size_t open = text.rfind(open_tag);
   if (open != std::string::npos) {
-    const size_t close = text.rfind(tags.code_close);
+    const size_t close = text.rfind(close_tag);
     if (close == std::string::npos || close < open) return true;
   }
   size_t count = 0;
@@ -85,16 +94,25 @@ bool inside_code(const std::string& text, const ToolTags& tags) {
   return count % 2 == 1;
 }
 
-TurnEnd classify_turn(const std::string& text, const ToolTags& tags) {
+TurnEnd classify_turn(const std::string& text, const ToolProtocol& p) {
   TurnEnd t;
-  if (ends_with(text, tags.code_close)) {
-    const size_t close = text.size() - tags.code_close.size();
-    const size_t open = text.rfind(tags.code_open, close);
+  const auto [open_tag, close_tag] = call_tags(p);
+  if (ends_with(text, close_tag)) {
+    const size_t close = text.size() - close_tag.size();
+    const size_t open = text.rfind(open_tag, close);
     if (open == std::string::npos) {
       t.kind = TurnEnd::kBadCode;
       return t;
     }
-    t.code = text.substr(open + tags.code_open.size(), close - open - tags.code_open.size());
+    const std::string body = text.substr(open + open_tag.size(), close - open - open_tag.size());
+    if (p.format == ToolFormat::kToolCall) {
+      ParsedToolCall call = parse_tool_call(body, p.tool_name);
+      t.kind = call.ok ? TurnEnd::kCode : TurnEnd::kBadCall;
+      t.code = std::move(call.code);
+      t.error = std::move(call.error);
+      return t;
+    }
+    t.code = body;
     t.kind = is_blank(t.code) ? TurnEnd::kBadCode : TurnEnd::kCode;
     return t;
   }
@@ -104,8 +122,8 @@ TurnEnd classify_turn(const std::string& text, const ToolTags& tags) {
     t.code = code;
     return t;
   }
-  if (inside_code(text, tags)) return t;
-  if (ends_with(text, tags.output_open) || ends_with(text, tags.output_close)) {
+  if (inside_code(text, p)) return t;
+  if (ends_with(text, p.output_open) || ends_with(text, p.output_close)) {
     t.kind = TurnEnd::kFakeOutput;  // the model writing the interpreter's part
     return t;
   }
@@ -139,8 +157,15 @@ struct Seq {
 class Loop {
  public:
   Loop(TokenPolicy& policy, const Tokenizer& tok, const SamplingOptions& sampling, const RolloutOptions& options,
-       const ToolRunner& tools, const ToolTags& tags)
-      : policy_(policy), tok_(tok), sampling_(sampling), options_(options), tools_(tools), tags_(tags) {}
+       const ToolRunner& tools, const ToolProtocol& protocol)
+      : policy_(policy),
+        tok_(tok),
+        sampling_(sampling),
+        options_(options),
+        tools_(tools),
+        protocol_(protocol),
+        reply_open_(tok.encode(protocol.reply_open)),
+        reply_close_(tok.encode(protocol.reply_close)) {}
 
   std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
                               int64_t first_prompt, RolloutStats& stats) {
@@ -247,24 +272,25 @@ class Loop {
     s.traj.turns += 1;
   }
 
-  std::vector<int64_t> interpreter_turn(const std::string& body) const {
-    std::vector<int64_t> ids = tok_.encode(tags_.output_open + "\n");
+  // The reply turn: the framing's tokens (encoded once) around the body's, the body cut to
+  // rollout.max_tool_output_tokens.
+  std::vector<int64_t> reply_turn(const std::string& body) const {
+    std::vector<int64_t> ids = reply_open_;
     std::vector<int64_t> text = tok_.encode(body);
     if (static_cast<int64_t>(text.size()) > options_.max_tool_output_tokens) {
       text.resize(options_.max_tool_output_tokens);
       const auto mark = tok_.encode("\n[output truncated]");
       text.insert(text.end(), mark.begin(), mark.end());
     }
-    const auto tail = tok_.encode("\n" + tags_.output_close + "\n");
     ids.insert(ids.end(), text.begin(), text.end());
-    ids.insert(ids.end(), tail.begin(), tail.end());
+    ids.insert(ids.end(), reply_close_.begin(), reply_close_.end());
     return ids;
   }
 
-  void give_feedback(Seq& s) {
+  void give_feedback(Seq& s, const std::string& message) {
     if (s.traj.turns >= options_.max_turns) return finish(s, FinishReason::kMaxTurns);
     s.traj.feedback_turns += 1;
-    if (append_forced(s, interpreter_turn(options_.feedback))) next_turn(s);
+    if (append_forced(s, reply_turn(message))) next_turn(s);
   }
 
   void sample(const std::vector<int64_t>& rows, const at::Tensor& logits) {
@@ -298,7 +324,7 @@ class Loop {
     }
     TurnEnd end;
     if (options_.tools) {
-      end = classify_turn(s.turn_text, tags_);
+      end = classify_turn(s.turn_text, protocol_);
     } else if (s.turn_text.find("\\boxed") != std::string::npos && extract_last_boxed(s.turn_text)) {
       end.kind = TurnEnd::kAnswer;
     }
@@ -311,7 +337,8 @@ class Loop {
     }
     // The turn ended with code, or is malformed: the last token goes to the cache before the tool turn.
     s.pending.push_back(id);
-    if (end.kind == TurnEnd::kBadCode || end.kind == TurnEnd::kFakeOutput) return give_feedback(s);
+    if (end.kind == TurnEnd::kBadCode || end.kind == TurnEnd::kFakeOutput) return give_feedback(s, options_.feedback);
+    if (end.kind == TurnEnd::kBadCall) return give_feedback(s, end.error);
     if (s.traj.tool_calls >= options_.max_tool_calls) return finish(s, FinishReason::kToolLimit);
     if (s.traj.turns >= options_.max_turns) return finish(s, FinishReason::kMaxTurns);
     s.traj.tool_calls += 1;
@@ -336,7 +363,7 @@ class Loop {
         SandboxResult r = s.tool.get();
         got = true;
         s.traj.tool_timeouts += r.timed_out;
-        if (append_forced(s, interpreter_turn(format_tool_output(r)))) next_turn(s);
+        if (append_forced(s, reply_turn(format_tool_output(r)))) next_turn(s);
       }
       if (got || !block) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -360,7 +387,8 @@ class Loop {
   const SamplingOptions& sampling_;
   const RolloutOptions& options_;
   const ToolRunner& tools_;
-  const ToolTags& tags_;
+  const ToolProtocol& protocol_;
+  const std::vector<int64_t> reply_open_, reply_close_;  // the reply framing's tokens
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
   int64_t forced_tokens_ = 0;
@@ -371,7 +399,8 @@ class Loop {
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
-                                const std::vector<int64_t>& streams, const ToolTags& tags, RolloutStats* stats) {
+                                const std::vector<int64_t>& streams, const ToolProtocol& protocol,
+                                RolloutStats* stats) {
   const auto t0 = Clock::now();
   RolloutStats local;
   TORCH_CHECK(streams.empty() || streams.size() == prompts.size(), "rollout: one stream per prompt");
@@ -390,7 +419,7 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
     std::vector<std::vector<int64_t>> wave(prompts.begin() + first, prompts.begin() + last);
     std::vector<int64_t> wave_streams;
     for (int64_t p = first; p < last; ++p) wave_streams.push_back(streams.empty() ? p : streams[p]);
-    Loop loop(policy, tokenizer, sampling, options, tools, tags);
+    Loop loop(policy, tokenizer, sampling, options, tools, protocol);
     auto trajs = loop.run(wave, wave_streams, first, local);
     for (auto& t : trajs) out.push_back(std::move(t));
   }

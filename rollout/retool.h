@@ -1,7 +1,10 @@
-// The ReTool multi-turn loop: the policy writes text and code; a turn ends at </code> (or the close of a
-// ```python block), at a closed \boxed{...}, or at EOS. Code runs in the sandbox and its output is appended
-// as <interpreter>...</interpreter> tokens with loss_mask = 0 and no log-probs; generation goes on until an
-// answer, EOS, the turn limit, the tool-call limit, or the context budget (then truncated and marked so).
+// The ReTool multi-turn loop: the policy writes text and tool calls; a turn ends at a call's close tag
+// (</code>, the close of a ```python block, or </tool_call>: rollout/tools.h), at a closed \boxed{...}, or
+// at EOS. Code runs in the sandbox and its output is appended in the protocol's reply framing (an
+// <interpreter> block, or the chat template's tool turn) as tokens with loss_mask = 0 and no log-probs;
+// a malformed call is answered in the same framing with what is wrong, and the run goes on. Generation
+// goes on until an answer, EOS, the turn limit, the tool-call limit, or the context budget (then
+// truncated and marked so).
 //
 // Token in, token out: a trajectory holds the exact sampled ids with their sampling log-probs, and tool
 // output is tokenised on its own and appended; the model's text is never re-tokenised, so the trainer
@@ -19,10 +22,10 @@
 
 #include "common/fields.h"
 #include "data/reward.h"
-#include "data/synthetic.h"
 #include "rollout/policy.h"
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"
+#include "rollout/tools.h"
 
 namespace rlt {
 
@@ -59,13 +62,18 @@ struct RolloutOptions {
   int64_t max_context = 9216;
   // Tokens of one tool output kept (the rest is cut and marked).
   int64_t max_tool_output_tokens = 256;
+  // How the policy calls the tool: code (<code>...</code>, ```python) | tool_call (<tool_call>{json}
+  // </tool_call>). The trainer builds the run's ToolProtocol from these two and the chat template.
+  ToolFormat tool_format = ToolFormat::kCode;
+  // The tool's name in tool_call format (and in the schema the chat template lists).
+  std::string tool_name = "code_interpreter";
   // Extra stop string that ends a trajectory ("" = none).
   std::string stop;
   // Token ids that end a trajectory (FinishReason::kEos). Not a config key: the trainer sets them from the
   // checkpoint's generation_config.json and the tokenizer's EOS. Empty: the tokenizer's EOS alone.
   std::vector<int64_t> stop_ids;
   // Said to the model, as a tool turn, when a turn is not parseable: an empty or unopened code block,
-  // or text posing as interpreter output.
+  // or text posing as interpreter output. (A malformed <tool_call> is answered with what is wrong in it.)
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
   // Sequences decoded at once (prompts x samples_per_prompt are split into waves); 0 = all.
   int64_t max_batch = 0;
@@ -75,6 +83,9 @@ struct RolloutOptions {
   template <class V>
   void visit(V&& v) {
     v("tools", tools, "run code turns in the sandbox");
+    v("tool_format", tool_format,
+      "how the policy calls the tool: code (<code>, ```python) | tool_call (<tool_call>{json})");
+    v("tool_name", tool_name, "the tool's name in tool_call format");
     v("max_turns", max_turns, "assistant turns per trajectory", FieldRange{1, 1e6});
     v("max_tool_calls", max_tool_calls, "code executions per trajectory", FieldRange{0, 1e6});
     v("max_context", max_context, "prompt + response tokens per sequence", FieldRange{2, 1e9});
@@ -84,7 +95,9 @@ struct RolloutOptions {
     v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
     v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
   }
-  void check(const FieldFail& fail) const {}
+  void check(const FieldFail& fail) const {
+    if (tool_name.empty()) fail("tool_name", "must not be empty");
+  }
 };
 
 struct Trajectory {
@@ -111,8 +124,7 @@ struct Trajectory {
 // Runs one piece of code; returns a future so calls overlap (SandboxPool::submit fits).
 using ToolRunner = std::function<std::future<SandboxResult>(const std::string& code)>;
 
-// The interpreter turn appended after a tool call: tags.output_open + "\n" + output + "\n" +
-// tags.output_close + "\n", output being stdout, then stderr when the code failed, and a note for a
+// The tool's output as the reply shows it: stdout, then stderr when the code failed, and a note for a
 // timeout or truncation.
 std::string format_tool_output(const SandboxResult& r);
 
@@ -135,7 +147,7 @@ struct RolloutStats {
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
-                                const std::vector<int64_t>& streams = {}, const ToolTags& tags = {},
+                                const std::vector<int64_t>& streams = {}, const ToolProtocol& protocol = {},
                                 RolloutStats* stats = nullptr);
 
 // Fills reward and correct from each trajectory's response_text and tool_calls; answers[i] is prompt i's.

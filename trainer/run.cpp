@@ -55,6 +55,26 @@ ModelPolicyOptions policy_options(const RolloutOptions& r) {
   return o;
 }
 
+// The run's tool protocol: rollout.tool_format and tool_name; the reply in the chat template's own tool
+// turn when prompts go through the model's template, else in <interpreter> blocks.
+ToolProtocol tool_protocol(const Config& c, const HfChatTemplate* chat) {
+  ToolProtocol p;
+  p.format = c.rollout.tool_format;
+  p.tool_name = c.rollout.tool_name;
+  if (chat && c.rollout.tools) {
+    try {
+      std::tie(p.reply_open, p.reply_close) =
+          template_tool_framing(*chat, nlohmann::ordered_json::parse(c.chat.template_vars), p.tool_name);
+    } catch (const DataError& e) {
+      throw RunError(std::string("chat.template: model with rollout.tools: ") + e.what());
+    }
+    // The fixed framing's tags mean nothing here: the model does not write the template's tool turn.
+    p.output_open.clear();
+    p.output_close.clear();
+  }
+  return p;
+}
+
 }  // namespace
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra) {
@@ -64,6 +84,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   // as the sampler reports its log-probs).
   run.config.loss.temperature = config.sampling.temperature > 0 ? config.sampling.temperature : 1.0;
   run.out_dir = out_dir;
+  run.tools = tool_protocol(config, nullptr);  // the model's template, when used, reframes the reply below
   fs::create_directories(out_dir);
   try {
     run.device = at::Device(config.model.device);
@@ -90,8 +111,8 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     if (!(resume && fs::exists(path))) {
       TokenizerTrainOptions o;
       o.vocab_size = config.model.tokenizer_vocab;
-      o.user_symbols = {run.tags.code_open, run.tags.code_close, run.tags.output_open, run.tags.output_close};
-      Tokenizer::train(tokenizer_corpus(config, run.tags), path, o);
+      o.user_symbols = run.tools.symbols();
+      Tokenizer::train(tokenizer_corpus(config, run.tools), path, o);
     }
     run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
   }
@@ -134,6 +155,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     } catch (const DataError& e) {
       throw RunError(std::string("chat.template: model: ") + e.what());
     }
+    run.tools = tool_protocol(config, run.chat.get());
   }
   // Prompts: the last eval_prompts are held out.
   std::vector<PromptExample> examples = config.train.prompts == PromptSource::kJsonl
@@ -192,10 +214,14 @@ void ensure_reference(Run& run) {
 }
 
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples) {
+  // tool_call format through the model's template: the template lists the tool (Qwen's <tools> block).
+  const bool list_tool = run.config.rollout.tools && run.tools.format == ToolFormat::kToolCall;
+  const nlohmann::ordered_json tools =
+      list_tool ? nlohmann::ordered_json::array({run.tools.tool_schema()}) : nlohmann::ordered_json();
   std::vector<std::vector<int64_t>> out;
   out.reserve(examples.size());
   for (const auto& ex : examples) {
-    out.push_back(run.chat ? encode_chat(*run.tokenizer, *run.chat, run.config.chat, ex.messages, ex.prompt)
+    out.push_back(run.chat ? encode_chat(*run.tokenizer, *run.chat, run.config.chat, ex.messages, ex.prompt, tools)
                            : encode_prompt(*run.tokenizer, run.config.chat, ex.prompt));
   }
   return out;
@@ -216,7 +242,7 @@ RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
     at::NoGradGuard no_grad;
     ModelPolicy policy(*run.policy, policy_options(cfg.rollout));
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, cfg.rollout, tools,
-                        streams, run.tags, &out.stats);
+                        streams, run.tools, &out.stats);
   }
   std::vector<std::string> answers;
   for (const auto& ex : out.examples) answers.push_back(ex.answer);

@@ -20,6 +20,7 @@
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "rollout/retool.h"
+#include "rollout/tools.h"
 #include "trainer/config.h"
 
 namespace rlt {
@@ -44,7 +45,7 @@ struct Run {
   std::string out_dir;
   at::Device device = at::kCPU;
   std::unique_ptr<Tokenizer> tokenizer;
-  ToolTags tags;  // how the model calls the interpreter and how its output comes back
+  ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
   // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
   std::shared_ptr<const HfChatTemplate> chat;
   std::unique_ptr<Transformer> policy;

@@ -15,14 +15,15 @@
 
 namespace rlt {
 
-std::vector<std::string> tokenizer_corpus(const Config& c, const ToolTags& tags) {
+std::vector<std::string> tokenizer_corpus(const Config& c, const ToolProtocol& tools) {
   SyntheticOptions s = c.synthetic;
   s.count = 600;
   s.seed = c.synthetic.seed + 7919;
   std::vector<std::string> docs;
   for (const auto& ex : make_multiplication_tasks(s)) {
     std::string trace = render_prompt(c.chat, ex.prompt);
-    for (const auto& seg : tool_use_trace(ex, tags)) trace += seg.text;
+    const WorkedSolution w = worked_solution(ex);
+    for (const auto& seg : tool_use_trace(tools, w.code, w.output, w.answer)) trace += seg.text;
     docs.push_back(trace);
     docs.push_back(render_prompt(c.chat, ex.prompt) + "Answer: \\boxed{" + ex.answer + "}");
   }
@@ -86,9 +87,13 @@ double sft_warmup(Run& run) {
       t.prompt_ids = prompts[k];
       // A fixed share uses the tool (a deterministic interleave, not a random draw).
       const bool tool = std::floor((k + 1) * o.tool_fraction) > std::floor(k * o.tool_fraction);
-      std::vector<TraceSegment> segs =
-          tool ? tool_use_trace(tasks[k], run.tags)
-               : std::vector<TraceSegment>{{"Answer: \\boxed{" + tasks[k].answer + "}", true}};
+      std::vector<TraceSegment> segs;
+      if (tool) {
+        const WorkedSolution w = worked_solution(tasks[k]);
+        segs = tool_use_trace(run.tools, w.code, w.output, w.answer);
+      } else {
+        segs = {{"Answer: \\boxed{" + tasks[k].answer + "}", true}};
+      }
       for (const auto& seg : segs) {
         for (int64_t id : run.tokenizer->encode(seg.text)) {
           t.response_ids.push_back(id);

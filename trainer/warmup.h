@@ -16,7 +16,7 @@ namespace rlt {
 
 // The text a new tokenizer learns from: prompts through the chat template and both kinds of warm-up
 // traces, so every piece the demo writes is in its vocabulary.
-std::vector<std::string> tokenizer_corpus(const Config& c, const ToolTags& tags);
+std::vector<std::string> tokenizer_corpus(const Config& c, const ToolProtocol& tools);
 
 // Supervised warm-up on synthetic tool-use traces (sft.*); returns the last loss. Tool output is masked
 // out of the loss as in RL.

@@ -1,7 +1,8 @@
 """A real checkpoint end to end, on the CPU: transformers saves a random Qwen3-architecture model (vocabulary
 sized as Qwen3's) beside the published Qwen3 tokenizer.json, tokenizer_config.json (with its chat template)
 and a generation_config.json; grpo_train runs 2 GRPO steps of configs/retool.yaml on the DAPO-Math
-fixture (chat-message prompts, "label" answers), with the model's own tokenizer, chat template and stop ids;
+fixture (chat-message prompts, "label" answers), with the model's own tokenizer, chat template and stop ids
+and the <tool_call> format (the template lists the code_interpreter tool);
 the checkpoint it writes is a complete HF folder that transformers' AutoModelForCausalLM and AutoTokenizer
 load and generate from. The prompt ids grpo_train sampled from are transformers' own apply_chat_template ids.
 
@@ -21,6 +22,12 @@ grpo, src, fixtures = sys.argv[1:4]
 qwen3 = os.path.join(fixtures, "tokenizers", "qwen3")
 dapo = os.path.join(fixtures, "data", "dapo_math_17k.head200.jsonl")
 failures = []
+# The tool the trainer offers in tool_call format (rollout/tools.cpp, ToolProtocol::tool_schema).
+CODE_INTERPRETER = {"type": "function", "function": {
+    "name": "code_interpreter",
+    "description": "Runs Python code in a sandbox and returns what it prints (or the error).",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+                   "required": ["code"]}}}
 
 
 def check(ok, what):
@@ -72,9 +79,11 @@ with tempfile.TemporaryDirectory() as tmp:
             check(row is not None, f"sampled prompt is no DAPO row: {s['prompt'][:200]!r}")
             if row is None:
                 continue
+            # The system turn as written: the config's text, before the template's own tools block.
             system = s["prompt"].split("<|im_start|>system\n", 1)[-1].split("<|im_end|>", 1)[0]
+            system = system.split("\n\n# Tools\n", 1)[0]
             want = tok0.apply_chat_template([{"role": "system", "content": system}] + row["prompt"],
-                                            add_generation_prompt=True, tokenize=False)
+                                            tools=[CODE_INTERPRETER], add_generation_prompt=True, tokenize=False)
             check(s["prompt"] == want, f"prompt differs from apply_chat_template:\n{s['prompt']!r}\n{want!r}")
 
         saved = os.path.join(out, "checkpoint", "model")

@@ -401,45 +401,26 @@ TEST(Synthetic, RejectsBadOptions) {
   EXPECT_THROW(make_multiplication_tasks(o), std::invalid_argument);
 }
 
-TEST(Synthetic, ToolUseTrace) {
+TEST(Synthetic, WorkedSolution) {
   SyntheticOptions o;
   o.count = 20;
   o.digits_a = 4;
   o.digits_b = 5;
   for (const PromptExample& ex : make_multiplication_tasks(o)) {
-    const auto trace = tool_use_trace(ex, ToolTags{});
-    ASSERT_EQ(trace.size(), 3u);
-    std::string all, model_text;
-    for (const auto& seg : trace) {
-      all += seg.text;
-      if (seg.trainable) model_text += seg.text;
-    }
+    const WorkedSolution w = worked_solution(ex);
     const auto nums = integers_in(ex.prompt);
-    EXPECT_TRUE(trace[0].trainable);
-    EXPECT_EQ(trace[0].text, "<code>\nprint(" + nums[0] + " * " + nums[1] + ")\n</code>");
-    EXPECT_FALSE(trace[1].trainable) << "tool output must not be trained on";
-    EXPECT_EQ(trace[1].text, "<interpreter>\n" + ex.answer + "\n</interpreter>\n");
-    EXPECT_TRUE(trace[2].trainable);
-    EXPECT_NE(all.find("\\boxed{" + ex.answer + "}"), std::string::npos) << all;
+    EXPECT_EQ(w.code, "print(" + nums[0] + " * " + nums[1] + ")");
+    EXPECT_EQ(w.output, ex.answer);
     // The reward reads the model's text and finds the answer in it.
-    EXPECT_EQ(extract_last_boxed(model_text), ex.answer);
-    EXPECT_TRUE(compute_reward(model_text, ex.answer, 1, RewardOptions{}).correct);
+    EXPECT_EQ(extract_last_boxed(w.answer), ex.answer);
+    EXPECT_TRUE(compute_reward(w.answer, ex.answer, 1, RewardOptions{}).correct);
   }
-  // Tags come from the struct, so the chat template and the rollout can change them in one place.
-  ToolTags tags;
-  tags.code_open = "```python";
-  tags.code_close = "```";
-  tags.output_open = "<output>";
-  tags.output_close = "</output>";
-  const auto trace = tool_use_trace({"What is 12 * 34?", "408", "t:1"}, tags);
-  EXPECT_EQ(trace[0].text, "```python\nprint(12 * 34)\n```");
-  EXPECT_EQ(trace[1].text, "<output>\n408\n</output>\n");
 }
 
-TEST(Synthetic, ToolUseTraceRejectsWhatItCannotSolve) {
+TEST(Synthetic, WorkedSolutionRejectsWhatItCannotSolve) {
   auto message = [](const PromptExample& ex) {
     try {
-      tool_use_trace(ex, ToolTags{});
+      worked_solution(ex);
     } catch (const DataError& e) {
       return std::string(e.what());
     }

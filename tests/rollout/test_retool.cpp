@@ -13,6 +13,7 @@
 
 #include "data/tokenizer.h"
 #include "model/config.h"
+#include "tests/common/fake_tool.h"
 #include "tests/common/tiny_tokenizer.h"
 #include "tests/common/tmpdir.h"
 
@@ -20,6 +21,7 @@ namespace rlt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::FakeTool;
 
 // Writes a fixed script per sequence: its logits put +100 on the script's next token (Gumbel noise is
 // below 18, so the draw is certain). Every token fed is recorded, so a test can check that the model saw
@@ -93,37 +95,6 @@ class ScriptedPolicy : public TokenPolicy {
   std::vector<Mode> mode_;
   int64_t base_ = 0;  // first sequence of the current wave
   std::mutex mu_;
-};
-
-// A tool that answers from a table (unknown code: an error), after an optional delay.
-struct FakeTool {
-  std::map<std::string, std::string> outputs;
-  std::map<std::string, int> delay_ms;
-  std::vector<std::string> calls;
-  std::vector<Clock::time_point> returned;
-  std::mutex mu;
-  ToolRunner runner() {
-    return [this](const std::string& code) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        calls.push_back(code);
-      }
-      return std::async(std::launch::async, [this, code] {
-        if (delay_ms.count(code)) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[code]));
-        SandboxResult r;
-        auto it = outputs.find(code);
-        if (it != outputs.end()) {
-          r.stdout_text = it->second;
-        } else {
-          r.exit_code = 1;
-          r.stderr_text = "NameError: unknown code";
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        returned.push_back(Clock::now());
-        return r;
-      });
-    };
-  }
 };
 
 class ReToolTest : public ::testing::Test {
