@@ -52,6 +52,12 @@ struct DatasetOptions {
   bool skip_malformed = false;
   // Keep the first max_examples examples in file order and stop reading there; 0 = all.
   int64_t max_examples = 0;
+  // The evaluation set (train.eval_every): its own JSONL file, e.g. AIME 2024 ({"problem", "answer"}),
+  // with its own keys (empty: prompt_key / answer_key). Empty path: train.eval_prompts are held out of
+  // the training prompts instead.
+  std::string eval_path;
+  std::string eval_prompt_key;
+  std::string eval_answer_key;
 
   template <class V>
   void visit(V&& v) {
@@ -60,6 +66,9 @@ struct DatasetOptions {
     v("answer_key", answer_key, "key of the reference answer in each object");
     v("skip_malformed", skip_malformed, "skip and count bad lines instead of stopping at the first");
     v("max_examples", max_examples, "keep the first N examples; 0 = all", FieldRange{0, 9.0e18});
+    v("eval_path", eval_path, "evaluation JSONL (e.g. AIME 2024); empty = hold out train.eval_prompts");
+    v("eval_prompt_key", eval_prompt_key, "question key of eval_path; empty = prompt_key");
+    v("eval_answer_key", eval_answer_key, "answer key of eval_path; empty = answer_key");
   }
   void check(const FieldFail& fail) const {
     if (prompt_key.empty()) fail("prompt_key", "must not be empty");
@@ -67,6 +76,19 @@ struct DatasetOptions {
     if (!prompt_key.empty() && prompt_key == answer_key) {
       fail("answer_key", "must differ from prompt_key ('" + prompt_key + "'): the answer would be the question");
     }
+    if (!eval_path.empty() && eval_options().prompt_key == eval_options().answer_key) {
+      fail("eval_answer_key", "must differ from the evaluation's prompt key: the answer would be the question");
+    }
+  }
+  // The options that read eval_path: this file's settings with the evaluation's path and keys.
+  DatasetOptions eval_options() const {
+    DatasetOptions o = *this;
+    o.path = eval_path;
+    if (!eval_prompt_key.empty()) o.prompt_key = eval_prompt_key;
+    if (!eval_answer_key.empty()) o.answer_key = eval_answer_key;
+    o.max_examples = 0;
+    o.eval_path.clear();
+    return o;
   }
 };
 

@@ -45,7 +45,9 @@ PY
 # vocabulary), as a real Qwen folder has them.
 cp .gpu/fixtures/tokenizers/qwen3/tokenizer.json .gpu/fixtures/tokenizers/qwen3/tokenizer_config.json "$ckpt/"
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
-        --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0)
+        --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0
+        --set data.eval_path=.gpu/fixtures/data/aime2024.jsonl --set train.eval_prompts=8 --set train.eval_samples=4
+        --set train.eval_every=$steps)
 limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"
 [ "${SKIP_OFF:-0}" = 1 ] || "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 --set loss.impl=naive --set loss.response_only=false \

@@ -92,6 +92,7 @@ std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const Rollo
   ++run.step;
   m.merge(um.read());
   m.merge(extra);
+  m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
   m.insert({{"step", double(run.step)},
             {"steps", double(T.steps)},

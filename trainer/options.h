@@ -111,8 +111,15 @@ struct TrainOptions {
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
   // model's weights).
   int64_t seed = 0;
-  int64_t eval_prompts = 0;  // held-out prompts scored greedily before and after training; 0 = none
-  int64_t log_samples = 4;   // trajectories per step written to samples.jsonl; 0 = none
+  // The evaluation set: without data.eval_path, the last eval_prompts training prompts are held out;
+  // with it, its first eval_prompts rows (0 = all). Evaluated before RL, after it, and every eval_every
+  // steps (0 = before and after only), eval_samples completions per problem: 1 = greedy; k > 1 =
+  // sampled as in training, pass@1 the mean accuracy over the k samples, pass@k the share of problems
+  // with a correct one.
+  int64_t eval_prompts = 0;
+  int64_t eval_every = 0;
+  int64_t eval_samples = 1;
+  int64_t log_samples = 4;  // trajectories per step written to samples.jsonl; 0 = none
 
   template <class V>
   void visit(V&& v) {
@@ -135,7 +142,12 @@ struct TrainOptions {
     v("scale_rewards", scale_rewards, "advantage scaling: group | batch | none");
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
-    v("eval_prompts", eval_prompts, "held-out prompts scored greedily at start and end", FieldRange{0, 1e6});
+    v("eval_prompts", eval_prompts,
+      "evaluation problems: held out of the training prompts, or the first N of data.eval_path (0 = all)",
+      FieldRange{0, 1e6});
+    v("eval_every", eval_every, "RL steps between evaluations; 0 = before and after training only", FieldRange{0, 1e9});
+    v("eval_samples", eval_samples, "completions per evaluation problem: 1 = greedy, k > 1 = pass@1 over k samples",
+      FieldRange{1, 1e6});
     v("log_samples", log_samples, "trajectories per step written to samples.jsonl", FieldRange{0, 1e6});
   }
   void check(const FieldFail& fail) const {}

@@ -75,6 +75,24 @@ ToolProtocol tool_protocol(const Config& c, const HfChatTemplate* chat) {
   return p;
 }
 
+// A prompt that leaves no room for a response is the dataset's problem: say which one, before training.
+void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& examples) {
+  for (const auto& ex : examples) {
+    int64_t n = 0;
+    try {
+      n = static_cast<int64_t>(encode_prompts(run, {ex}).front().size());
+    } catch (const jinja::TemplateRaise& e) {
+      throw DataError(ex.source + ": the chat template refuses this prompt: " + e.what());
+    }
+    if (n + 1 >= run.config.rollout.max_context) {
+      throw DataError(ex.source + ": the prompt is " + std::to_string(n) +
+                      " tokens after the chat template, which leaves no room for a response within "
+                      "rollout.max_context = " +
+                      std::to_string(run.config.rollout.max_context));
+    }
+  }
+}
+
 }  // namespace
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra) {
@@ -161,24 +179,18 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   std::vector<PromptExample> examples = config.train.prompts == PromptSource::kJsonl
                                             ? load_jsonl(config.data).examples
                                             : make_multiplication_tasks(config.synthetic);
-  // A prompt that leaves no room for a response is the dataset's problem: say which one, before training.
-  for (const auto& ex : examples) {
-    int64_t n = 0;
-    try {
-      n = static_cast<int64_t>(encode_prompts(run, {ex}).front().size());
-    } catch (const jinja::TemplateRaise& e) {
-      throw DataError(ex.source + ": the chat template refuses this prompt: " + e.what());
-    }
-    if (n + 1 >= config.rollout.max_context) {
-      throw DataError(ex.source + ": the prompt is " + std::to_string(n) +
-                      " tokens after the chat template, which leaves no room for a response within "
-                      "rollout.max_context = " +
-                      std::to_string(config.rollout.max_context));
-    }
+  check_prompt_lengths(run, examples);
+  if (!config.data.eval_path.empty()) {
+    // Its own file (AIME 2024: problem / zero-padded answer): every row, or the first eval_prompts.
+    DatasetOptions eo = config.data.eval_options();
+    eo.max_examples = config.train.eval_prompts;
+    run.eval_set = load_jsonl(eo).examples;
+    check_prompt_lengths(run, run.eval_set);
+  } else {
+    const int64_t n_eval = std::min<int64_t>(config.train.eval_prompts, static_cast<int64_t>(examples.size()) / 2);
+    run.eval_set.assign(examples.end() - n_eval, examples.end());
+    examples.resize(examples.size() - n_eval);
   }
-  const int64_t n_eval = std::min<int64_t>(config.train.eval_prompts, static_cast<int64_t>(examples.size()) / 2);
-  run.eval_set.assign(examples.end() - n_eval, examples.end());
-  examples.resize(examples.size() - n_eval);
   run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.extra = extra.make(*run.policy, config);
   make_optimizer(run, extra);
@@ -255,41 +267,73 @@ double begin_training(Run& run) {
   const bool fresh = run.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);
   ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
-  return fresh && !run.eval_set.empty() ? report_evaluation(run, "before") : NAN;
+  return fresh && !run.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
 }
 
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m) {
   if (run.eval_set.empty() || run.step != run.config.train.steps) return;
-  const double accuracy = report_evaluation(run, "after");
+  const double pass1 = run.last_eval_step == run.step ? run.last_eval_pass1 : report_evaluation(run, "after RL").pass1;
   if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
-  m["eval_accuracy_end"] = accuracy;
+  m["eval_accuracy_end"] = pass1;
 }
 
-double report_evaluation(Run& run, const char* when) {
-  const auto [accuracy, tool_use] = evaluate(run);
-  std::cerr << "eval " << when << " RL: accuracy " << 100 * accuracy << "%, tool use " << 100 * tool_use << "%\n";
-  return accuracy;
+std::map<std::string, double> periodic_evaluation(Run& run) {
+  const int64_t every = run.config.train.eval_every;
+  if (run.eval_set.empty() || every <= 0 || !(run.step % every == 0 || run.step == run.config.train.steps)) return {};
+  const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.step));
+  return {{"eval_pass@1", r.pass1}, {"eval_pass@k", r.pass_k}, {"eval_tool_use", r.tool_use}};
 }
 
-std::pair<double, double> evaluate(Run& run) {
-  if (run.eval_set.empty()) return {0.0, 0.0};
+EvalResult report_evaluation(Run& run, const std::string& when) {
+  const EvalResult r = evaluate(run);
+  std::cerr << "eval " << when << ": pass@1 " << 100 * r.pass1 << "%";
+  if (r.k > 1) std::cerr << " (" << r.k << " samples), pass@" << r.k << " " << 100 * r.pass_k << "%";
+  std::cerr << ", tool use " << 100 * r.tool_use << "%\n";
+  run.last_eval_step = static_cast<double>(run.step);
+  run.last_eval_pass1 = r.pass1;
+  return r;
+}
+
+EvalResult evaluate(Run& run) {
+  if (run.eval_set.empty()) return EvalResult{};
   at::NoGradGuard no_grad;
+  const int64_t k = run.config.train.eval_samples;
   SamplingOptions s = run.config.sampling;
-  s.temperature = 0;
-  s.samples_per_prompt = 1;
+  if (k == 1) s.temperature = 0;  // greedy
+  s.samples_per_prompt = k;
+  // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
+  s.seed = run.config.train.seed * 1000003 + run.step + (int64_t{1} << 40);
   SandboxPool pool(run.config.sandbox);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
   ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
-  auto trajs = rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout, tools);
+  auto trajs =
+      rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout, tools, {}, run.tools);
   std::vector<std::string> answers;
   for (const auto& ex : run.eval_set) answers.push_back(ex.answer);
   assign_rewards(trajs, answers, run.config.reward);
-  double correct = 0, tool = 0;
-  for (const auto& t : trajs) {
-    correct += t.correct;
-    tool += t.tool_calls > 0;
+  return summarize_evaluation(trajs, k);
+}
+
+EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k) {
+  TORCH_CHECK(k >= 1 && !trajs.empty() && trajs.size() % k == 0, "summarize_evaluation: ", trajs.size(),
+              " completions are not whole groups of k = ", k);
+  EvalResult r;
+  r.k = k;
+  const size_t P = trajs.size() / k;
+  for (size_t p = 0; p < P; ++p) {
+    int64_t correct = 0;
+    for (int64_t g = 0; g < k; ++g) {
+      const Trajectory& t = trajs[p * k + g];  // prompt-major
+      correct += t.correct;
+      r.tool_use += t.tool_calls > 0;
+    }
+    r.pass1 += static_cast<double>(correct) / k;
+    r.pass_k += correct > 0;
   }
-  return {correct / trajs.size(), tool / trajs.size()};
+  r.pass1 /= P;
+  r.pass_k /= P;
+  r.tool_use /= static_cast<double>(trajs.size());
+  return r;
 }
 
 }  // namespace rlt

@@ -53,7 +53,8 @@ struct Run {
   // out_dir/reference so a resumed run keeps it.
   std::unique_ptr<Transformer> reference;
   std::unique_ptr<PromptSampler> prompts;
-  std::vector<PromptExample> eval_set;  // train.eval_prompts held-out problems
+  std::vector<PromptExample> eval_set;              // held-out training prompts, or data.eval_path's problems
+  double last_eval_step = -1, last_eval_pass1 = 0;  // the latest evaluation: after which step, its pass@1
   // Named trainable tensors beside the policy (PPO's value head): optimised in a second parameter group
   // and checkpointed with the run.
   std::map<std::string, at::Tensor> extra;
@@ -87,10 +88,11 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 void ensure_reference(Run& run);
 
 // What every trainer does before its first RL step: the warm-up (a fresh run with sft.steps > 0), the
-// reference policy (policy.kl_coef > 0), and the greedy evaluation "before" on a fresh run. Returns that
-// evaluation's accuracy, NaN when there is none.
+// reference policy (policy.kl_coef > 0), and the evaluation "before" on a fresh run. Returns that
+// evaluation's pass@1, NaN when there is none.
 double begin_training(Run& run);
-// After the last step: the evaluation "after", adding eval_accuracy_start / eval_accuracy_end to `m`.
+// After the last step: the evaluation "after" (the last step's own when train.eval_every ran one there),
+// adding eval_accuracy_start / eval_accuracy_end (pass@1) to `m`.
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m);
 
 // Prompt ids of examples through the chat template.
@@ -107,9 +109,21 @@ struct RolloutBatch {
 };
 RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools);
 
-// Greedy accuracy and tool-use share on run.eval_set (no training).
-std::pair<double, double> evaluate(Run& run);
-// evaluate(), printed as "eval <when> RL: accuracy ..., tool use ..."; returns the accuracy.
-double report_evaluation(Run& run, const char* when);
+// One evaluation on run.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
+// else sampled at sampling.temperature / top_p / top_k with a noise stream of its own).
+struct EvalResult {
+  double pass1 = 0;     // mean over problems of (correct completions / k)
+  double pass_k = 0;    // share of problems with at least one correct completion
+  double tool_use = 0;  // share of completions that called the tool
+  int64_t k = 1;
+};
+EvalResult evaluate(Run& run);
+// The figures of prompt-major completions, k per problem.
+EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k);
+// evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.
+EvalResult report_evaluation(Run& run, const std::string& when);
+// After RL step run.step: when train.eval_every says so (and at the last step), an evaluation, as the
+// metrics eval_pass@1, eval_pass@k, eval_tool_use; else nothing.
+std::map<std::string, double> periodic_evaluation(Run& run);
 
 }  // namespace rlt

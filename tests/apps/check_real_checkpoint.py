@@ -21,6 +21,7 @@ import transformers
 grpo, src, fixtures = sys.argv[1:4]
 qwen3 = os.path.join(fixtures, "tokenizers", "qwen3")
 dapo = os.path.join(fixtures, "data", "dapo_math_17k.head200.jsonl")
+aime = os.path.join(fixtures, "data", "aime2024.jsonl")
 failures = []
 # The tool the trainer offers in tool_call format (rollout/tools.cpp, ToolProtocol::tool_schema).
 CODE_INTERPRETER = {"type": "function", "function": {
@@ -53,6 +54,8 @@ with tempfile.TemporaryDirectory() as tmp:
            "--set", "model.path=" + ckpt, "--set", "model.device=cpu", "--set", "model.dtype=float32",
            "--set", "model.activation_checkpointing=false",
            "--set", "data.path=" + dapo, "--set", "data.max_examples=8",
+           "--set", "data.eval_path=" + aime, "--set", "train.eval_prompts=2", "--set", "train.eval_samples=2",
+           "--set", "train.eval_every=2",
            "--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "train.micro_batch_size=4",
            "--set", "train.checkpoint_every=0", "--set", "train.log_samples=4",
            "--set", "sampling.samples_per_prompt=2", "--set", "sampling.max_new_tokens=24",
@@ -64,6 +67,10 @@ with tempfile.TemporaryDirectory() as tmp:
     if p.returncode == 0:
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         check(len(rows) == 2, f"{len(rows)} metrics rows, want 2")
+        # AIME 2024 evaluated after step 2 (the last): pass@1 from 2 samples of 2 problems.
+        last = rows[-1] if rows else {}
+        check("eval_pass@1" in last and last["eval_pass@1"] * 4 == int(last["eval_pass@1"] * 4),
+              f"no AIME evaluation in the last metrics row: {sorted(last)}")
         samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
         check(len(samples) >= 2, f"{len(samples)} samples logged")
         # The model's own template framed the prompt: decoded, it is transformers' apply_chat_template text

@@ -479,6 +479,35 @@ TEST(Dataset, Aime2024KeysAndZeroPaddedAnswers) {
   EXPECT_TRUE(padded) << "the fixture has zero-padded answers such as 025";
 }
 
+// The evaluation file beside DAPO training data: its own path and keys; unset keys fall back to the
+// training ones, and the same key for question and answer is refused.
+TEST(Dataset, EvaluationFileWithItsOwnKeys) {
+  DatasetOptions o = options_for(kHfData + "/dapo_math_17k.head200.jsonl");
+  o.answer_key = "label";
+  o.max_examples = 8;
+  o.eval_path = kHfData + "/aime2024.jsonl";
+  o.eval_prompt_key = "problem";
+  o.eval_answer_key = "answer";
+  const Dataset eval = load_jsonl(o.eval_options());
+  ASSERT_EQ(eval.examples.size(), 30u) << "max_examples caps the training file only";
+  EXPECT_EQ(eval.examples[7].answer, "025");
+  EXPECT_EQ(eval.examples[0].source.rfind(kHfData + "/aime2024.jsonl:1", 0), 0u) << eval.examples[0].source;
+  EXPECT_EQ(load_jsonl(o).examples.size(), 8u);
+  DatasetOptions fallback = o;
+  fallback.eval_answer_key.clear();  // -> "label", which AIME rows lack: an error naming file and line
+  try {
+    load_jsonl(fallback.eval_options());
+    ADD_FAILURE() << "AIME rows have no label";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("aime2024.jsonl:1"), std::string::npos) << e.what();
+  }
+  DatasetOptions same = o;
+  same.eval_answer_key = "problem";
+  std::string why;
+  validate(same, [&](const std::string& key, const std::string& msg) { why += key + ": " + msg; });
+  EXPECT_NE(why.find("eval_answer_key"), std::string::npos) << why;
+}
+
 TEST(Dataset, DottedKeysReachNestedObjects) {
   TempDir dir("dataset_nested");
   // verl's schema: the reference answer under reward_model.ground_truth, numbers kept as written.

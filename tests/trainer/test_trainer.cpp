@@ -190,6 +190,27 @@ TEST(MicroBatches, RangesNeverCrossAMiniBatchAndDenominatorsAddUp) {
 // already divides each micro-batch by its mini-batch's denominator, so a mini-batch's loss and pg_loss
 // are the SUMS of its micro-batch terms, and the step reports their mean over optimizer steps. Token
 // means (kl, clip_frac, ...) are weighted by each micro-batch's loss-mask tokens.
+// pass@1 from k samples is the mean over problems of each one's correct share; pass@k the share of problems
+// with a correct completion. Two problems, k = 4: 3 of 4 and 0 of 4 correct, so pass@1 = 0.375 (the share
+// of problems solved by a majority, or by the first sample, would both read 0.5) and pass@4 = 0.5.
+TEST(Evaluation, PassAtOneFromKSamplesAndPassAtK) {
+  std::vector<Trajectory> t(8);
+  const bool correct[8] = {true, false, true, true, false, false, false, false};
+  for (int i = 0; i < 8; ++i) {
+    t[i].correct = correct[i];
+    t[i].tool_calls = i % 2;
+  }
+  const EvalResult r = summarize_evaluation(t, 4);
+  EXPECT_EQ(r.k, 4);
+  EXPECT_DOUBLE_EQ(r.pass1, (3.0 / 4 + 0.0) / 2);
+  EXPECT_DOUBLE_EQ(r.pass_k, 0.5);
+  EXPECT_DOUBLE_EQ(r.tool_use, 0.5);
+  const EvalResult greedy = summarize_evaluation(t, 1);  // eight problems, one completion each
+  EXPECT_DOUBLE_EQ(greedy.pass1, 3.0 / 8);
+  EXPECT_DOUBLE_EQ(greedy.pass_k, greedy.pass1);
+  EXPECT_THROW(summarize_evaluation(t, 3), c10::Error) << "8 completions are not groups of 3";
+}
+
 TEST(UpdateMetrics, LossesAddUpPerMiniBatchAndTokenMeansWeighByTokens) {
   auto scalar = [](double v) { return at::scalar_tensor(v, at::kFloat); };
   auto micro = [&](double pg, double kl, double clip, int64_t tokens, double logprob) {
@@ -301,7 +322,10 @@ class Trainers : public ::testing::TestWithParam<bool> {  // true = PPO
 
 TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   TempDir tmp(GetParam() ? "ppo" : "grpo");
-  const Config c = tiny_config();
+  Config c = tiny_config();
+  c.train.eval_prompts = 4;  // held out; pass@1 from 2 samples after steps 2 and 4
+  c.train.eval_every = 2;
+  c.train.eval_samples = 2;
   const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
   run_to(c, full, /*resume=*/false, train(), extra());
   const auto a = read_metrics(full);
@@ -318,6 +342,14 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
     }
   }
   EXPECT_GT(a[3]["kl"].get<double>(), 0) << "the policy moved away from the saved reference";
+  for (size_t i = 0; i < 4; ++i) {
+    const bool due = (i + 1) % 2 == 0;
+    EXPECT_EQ(a[i].contains("eval_pass@1"), due) << "step " << i + 1;
+    if (!due) continue;
+    const double p1 = a[i]["eval_pass@1"].get<double>(), pk = a[i]["eval_pass@k"].get<double>();
+    EXPECT_TRUE(0 <= p1 && p1 <= pk && pk <= 1) << a[i].dump();
+    EXPECT_EQ(std::fmod(p1 * 8, 1.0), 0.0) << "4 problems x 2 samples: a multiple of 1/8";
+  }
   double reward_std_max = 0;
   for (const auto& row : a) reward_std_max = std::max(reward_std_max, row["reward_std"].get<double>());
   EXPECT_GT(reward_std_max, 0) << "some step must have unequal rewards, so advantages are not all 0";
@@ -341,6 +373,9 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   for (size_t i = 0; i < 4; ++i) {
     for (const char* k : {"loss", "grad_norm", "reward_mean", "kl", "lr"}) {
       EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+    if (a[i].contains("eval_pass@1")) {
+      EXPECT_EQ(a[i]["eval_pass@1"].get<double>(), b[i]["eval_pass@1"].get<double>()) << "step " << i + 1;
     }
   }
   // Resuming a folder without a checkpoint, and a prompt longer than the context, are input errors.
