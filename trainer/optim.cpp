@@ -102,6 +102,13 @@ void accumulate_gradients(Run& run) {
   }
 }
 
+void copy_master_weights_to_model(Run& run) {
+  if (run.master.empty()) return;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> params = run.policy->parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(run.master[i]);  // rounded to nearest
+}
+
 int64_t optimizer_memory_bytes(const Run& run) {
   int64_t bytes = 0;
   for (const auto& m : run.master) bytes += m.nbytes() + (m.grad().defined() ? m.grad().nbytes() : 0);
@@ -131,11 +138,7 @@ double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer
   set_learning_rate(*run.optimizer, learning_rate(run.config.train, run.optimizer_steps, total_optimizer_steps),
                     run.extra_lr_scale);
   run.optimizer->step();
-  if (!run.master.empty()) {  // the bf16 weights the model computes with: the masters, rounded to nearest
-    at::NoGradGuard no_grad;
-    const std::vector<at::Tensor> params = run.policy->parameters();
-    for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(run.master[i]);
-  }
+  copy_master_weights_to_model(run);
   ++run.optimizer_steps;
   return norm;
 }

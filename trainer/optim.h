@@ -26,6 +26,10 @@ std::vector<at::Tensor> optimizer_params(const Run& run);
 // gradients and releases the bf16 ones, so micro-batches accumulate in fp32. Nothing otherwise.
 void accumulate_gradients(Run& run);
 
+// With master weights: the bf16 weights the model computes with become the masters, rounded to nearest.
+// Whatever trains run.master (the RL optimizer, the warm-up) calls it after each step.
+void copy_master_weights_to_model(Run& run);
+
 // Bytes the optimizer holds beside the model: master weights, their gradients and AdamW's two moments
 // (for every parameter it updates, run.extra included).
 int64_t optimizer_memory_bytes(const Run& run);

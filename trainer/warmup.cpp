@@ -62,9 +62,12 @@ double sft_warmup(Run& run) {
   if (o.steps == 0) return 0.0;
   const std::vector<PromptExample> tasks = warmup_tasks(run.config.synthetic, o);
   const auto prompts = encode_prompts(run, tasks);
+  // A bf16 model with master weights trains the run's fp32 masters here too (its own AdamW state): plain
+  // bf16 AdamW would round most small updates away, and the RL optimizer then starts from the masters the
+  // warm-up left, not from the weights before it.
+  const std::vector<at::Tensor> trained = run.master.empty() ? run.policy->parameters() : run.master;
   torch::optim::AdamW opt(
-      run.policy->parameters(),
-      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.adam_eps).weight_decay(o.weight_decay));
+      trained, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.adam_eps).weight_decay(o.weight_decay));
   TrainOptions sched;  // the schedule's fields, read by learning_rate()
   sched.lr = o.lr;
   sched.lr_schedule = o.lr_schedule;
@@ -109,8 +112,10 @@ double sft_warmup(Run& run) {
     ResponseLogprobs r = response_logprobs(*run.policy, b, lo);
     at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / b.loss_mask.sum().clamp_min(1);  // token-mean NLL
     loss.backward();
-    if (o.grad_clip > 0) torch::nn::utils::clip_grad_norm_(run.policy->parameters(), o.grad_clip);
+    accumulate_gradients(run);  // master weights: the bf16 gradients into the fp32 masters' gradients
+    if (o.grad_clip > 0) torch::nn::utils::clip_grad_norm_(trained, o.grad_clip);
     opt.step();
+    copy_master_weights_to_model(run);
     loss_value = loss.item<double>();
     if (step % 20 == 0 || step + 1 == o.steps) {
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
