@@ -685,59 +685,18 @@ void validate(const SandboxOptions& options) {
   if (!errors.empty()) throw SandboxError("bad sandbox options:" + errors);
 }
 
-// One attempt at namespace level `level`. Returns false (and leaves `result` alone) when the kernel
-// refused that level's namespaces, so the caller can try the next one.
-bool run_at_level(const std::string& code, const SandboxOptions& o, const std::string& exe, bool drop_uid, int level,
-                  SandboxResult& result) {
-  const Host& h = host();
-  const int ns_flags = kLevels[level];
-  const bool userns = ns_flags & CLONE_NEWUSER, pidns = ns_flags & CLONE_NEWPID;
-
-  // The private working directory.
-  std::string dir = tmp_root_of(o) + "/rlt-sandbox-XXXXXX";
-  if (mkdtemp(dir.data()) == nullptr) throw SandboxError("mkdtemp " + dir + ": " + errno_text(errno));
+// What P makes for one call. Members are destroyed in reverse: the cgroup is removed, the descriptors are
+// closed, and the private directory is removed last.
+struct CallFiles {
   struct DirGuard {
-    std::string path;
-    ~DirGuard() { remove_tree(path); }
-  } dir_guard{dir};
-  if (drop_uid && chown(dir.c_str(), kSandboxUid, kSandboxGid) != 0) {
-    throw SandboxError("chown " + dir + ": " + errno_text(errno));
-  }
-
-  // The code, as the interpreter's stdin (a script read from stdin: tracebacks say File "<stdin>").
-  Fd code_fd(memfd_create("rlt-sandbox-code", MFD_CLOEXEC));
-  if (code_fd.fd < 0) throw SandboxError("memfd_create: " + errno_text(errno));
-  for (size_t done = 0; done < code.size();) {
-    const ssize_t n = write(code_fd.fd, code.data() + done, code.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw SandboxError("writing the code: " + errno_text(errno));
-    done += n;
-  }
-  {
-    // A read-only descriptor, so the code cannot rewrite its own script.
-    const std::string self = "/proc/self/fd/" + std::to_string(code_fd.fd);
-    const int ro = open(self.c_str(), O_RDONLY | O_CLOEXEC);
-    if (ro >= 0) code_fd.reset(ro);
-    lseek(code_fd.fd, 0, SEEK_SET);
-  }
-
-  int pipe_fds[3][2];
-  Fd out_r, out_w, err_r, err_w, status_r, status_w, sync_p, sync_c;
-  for (auto& pf : pipe_fds) {
-    if (pipe2(pf, O_CLOEXEC) != 0) throw SandboxError("pipe: " + errno_text(errno));
-  }
-  out_r.reset(pipe_fds[0][0]), out_w.reset(pipe_fds[0][1]);
-  err_r.reset(pipe_fds[1][0]), err_w.reset(pipe_fds[1][1]);
-  status_r.reset(pipe_fds[2][0]), status_w.reset(pipe_fds[2][1]);
-  {
-    // A socket pair, so that P's "go" to a B that already died is EPIPE without a SIGPIPE.
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-      throw SandboxError("socketpair: " + errno_text(errno));
+    std::string path;  // empty until mkdtemp made it
+    ~DirGuard() {
+      if (!path.empty()) remove_tree(path);
     }
-    sync_p.reset(sv[0]), sync_c.reset(sv[1]);
-  }
-
+  } dir;
+  Fd code;                                            // the interpreter's stdin
+  Fd out_r, out_w, err_r, err_w, status_r, status_w;  // C's stdout and stderr; B's (and C's) reports
+  Fd sync_p, sync_c;                                  // P's "go" to B
   // Per-call pids cgroup (root only): made before the clone, B moved in before it may start C.
   struct CgroupGuard {
     std::string path;
@@ -751,46 +710,109 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const std::s
       }
     }
   } cgroup;
+};
+
+// The private working directory.
+void make_private_dir(CallFiles& f, const SandboxOptions& o, bool drop_uid) {
+  std::string dir = tmp_root_of(o) + "/rlt-sandbox-XXXXXX";
+  if (mkdtemp(dir.data()) == nullptr) throw SandboxError("mkdtemp " + dir + ": " + errno_text(errno));
+  f.dir.path = dir;
+  if (drop_uid && chown(dir.c_str(), kSandboxUid, kSandboxGid) != 0) {
+    throw SandboxError("chown " + dir + ": " + errno_text(errno));
+  }
+}
+
+// The code, as the interpreter's stdin (a script read from stdin: tracebacks say File "<stdin>").
+void make_code_fd(CallFiles& f, const std::string& code) {
+  f.code.reset(memfd_create("rlt-sandbox-code", MFD_CLOEXEC));
+  if (f.code.fd < 0) throw SandboxError("memfd_create: " + errno_text(errno));
+  for (size_t done = 0; done < code.size();) {
+    const ssize_t n = write(f.code.fd, code.data() + done, code.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw SandboxError("writing the code: " + errno_text(errno));
+    done += n;
+  }
+  {
+    // A read-only descriptor, so the code cannot rewrite its own script.
+    const std::string self = "/proc/self/fd/" + std::to_string(f.code.fd);
+    const int ro = open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ro >= 0) f.code.reset(ro);
+    lseek(f.code.fd, 0, SEEK_SET);
+  }
+}
+
+// The output and status pipes, and the sync socket pair.
+void make_channels(CallFiles& f) {
+  int pipe_fds[3][2];
+  for (auto& pf : pipe_fds) {
+    if (pipe2(pf, O_CLOEXEC) != 0) throw SandboxError("pipe: " + errno_text(errno));
+  }
+  f.out_r.reset(pipe_fds[0][0]), f.out_w.reset(pipe_fds[0][1]);
+  f.err_r.reset(pipe_fds[1][0]), f.err_w.reset(pipe_fds[1][1]);
+  f.status_r.reset(pipe_fds[2][0]), f.status_w.reset(pipe_fds[2][1]);
+  {
+    // A socket pair, so that P's "go" to a B that already died is EPIPE without a SIGPIPE.
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+      throw SandboxError("socketpair: " + errno_text(errno));
+    }
+    f.sync_p.reset(sv[0]), f.sync_c.reset(sv[1]);
+  }
+}
+
+// The call's pids cgroup, capped at max_processes (+1 for B); left out where there is none to make.
+void make_pids_cgroup(CallFiles& f, const Host& h, const SandboxOptions& o) {
   if (!h.pids_root.empty() && g_pids_cgroup_ok.load()) {
     static std::atomic<uint64_t> seq{0};
     const std::string path =
         h.pids_root + "/rlt-sandbox-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
     if (mkdir(path.c_str(), 0755) == 0) {
-      cgroup.path = path;
+      f.cgroup.path = path;
       try {
         write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
       } catch (const SandboxError&) {
         g_pids_cgroup_ok = false;  // no pids controller here (v2 without delegation): stop trying
         rmdir(path.c_str());
-        cgroup.path.clear();
+        f.cgroup.path.clear();
       }
     }
   }
+}
 
-  // argv, envp and the limits, before the clone.
-  std::vector<std::string> args = {exe, "-I", "-B", "-u", "-"};
-  if (!o.site_packages) args.insert(args.begin() + 1, "-S");
-  std::vector<std::string> env = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8",
-                                  // One thread per math library: python's threads count as processes.
-                                  "OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"};
+// The interpreter's argv and environment; a Plan points into them.
+struct Command {
+  std::vector<std::string> args, env;
   std::vector<char*> argv, envp;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
+};
 
+void make_command(Command& cmd, const SandboxOptions& o, const std::string& exe, const std::string& dir) {
+  cmd.args = {exe, "-I", "-B", "-u", "-"};
+  if (!o.site_packages) cmd.args.insert(cmd.args.begin() + 1, "-S");
+  cmd.env = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8",
+             // One thread per math library: python's threads count as processes.
+             "OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"};
+  for (auto& a : cmd.args) cmd.argv.push_back(a.data());
+  cmd.argv.push_back(nullptr);
+  for (auto& e : cmd.env) cmd.envp.push_back(e.data());
+  cmd.envp.push_back(nullptr);
+}
+
+// The limits, the descriptors and the confinement B and C apply, all settled before the clone.
+Plan make_plan(const SandboxOptions& o, const Host& h, const std::string& exe, bool drop_uid, int ns_flags,
+               const CallFiles& f, const Command& cmd) {
+  const bool userns = ns_flags & CLONE_NEWUSER, pidns = ns_flags & CLONE_NEWPID;
   const SeccompVariant variant{pidns, !drop_uid, h.landlock_abi >= 3};
   const std::vector<sock_filter>& filter = seccomp_program(variant);
   Plan plan;
   plan.exe = exe.c_str();
-  plan.argv = argv.data();
-  plan.envp = envp.data();
-  plan.workdir = dir.c_str();
-  plan.fds[kFdCode] = code_fd.fd;
-  plan.fds[kFdOut] = out_w.fd;
-  plan.fds[kFdErr] = err_w.fd;
-  plan.fds[kFdStatus] = status_w.fd;
-  plan.fds[kFdSync] = sync_c.fd;
+  plan.argv = cmd.argv.data();
+  plan.envp = cmd.envp.data();
+  plan.workdir = f.dir.path.c_str();
+  plan.fds[kFdCode] = f.code.fd;
+  plan.fds[kFdOut] = f.out_w.fd;
+  plan.fds[kFdErr] = f.err_w.fd;
+  plan.fds[kFdStatus] = f.status_w.fd;
+  plan.fds[kFdSync] = f.sync_c.fd;
   const rlim_t cpu = static_cast<rlim_t>(std::ceil(o.timeout_s)) + 1;
   plan.cpu_soft = cpu;
   plan.cpu_hard = cpu + 1;
@@ -806,6 +828,205 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const std::s
   plan.pidns = pidns;
   plan.landlock_abi = h.landlock_abi;
   plan.seccomp = sock_fprog{static_cast<unsigned short>(filter.size()), const_cast<sock_filter*>(filter.data())};
+  return plan;
+}
+
+// B, killed and reaped on every way out unless P has reaped it already.
+struct ChildGuard {
+  pid_t pid;
+  bool reaped = false;
+  ~ChildGuard() {
+    if (reaped) return;
+    kill(pid, SIGKILL);
+    while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
+};
+
+// Map only the sandbox ids (identity) into B's namespace, so C can setresuid to them in there. False
+// when the kernel refuses the maps.
+bool map_sandbox_ids(pid_t b) {
+  const std::string proc = "/proc/" + std::to_string(b);
+  try {
+    write_file(proc + "/gid_map", std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n");
+    write_file(proc + "/uid_map", std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n");
+  } catch (const SandboxError&) {
+    return false;
+  }
+  return true;
+}
+
+// Whether B made it into the call's pids cgroup.
+bool join_pids_cgroup(const CallFiles& f, pid_t b) {
+  if (f.cgroup.path.empty()) return false;
+  try {
+    write_file(f.cgroup.path + "/cgroup.procs", std::to_string(b));
+    return true;
+  } catch (const SandboxError&) {
+    return false;
+  }
+}
+
+// What P learns of a call while it runs.
+struct Watch {
+  std::string out, err;      // kept up to the cap
+  std::string status_bytes;  // B's reports not parsed yet
+  bool timed_out = false, hard_killed = false, truncated = false;
+  pid_t c_pid = -1;  // C as B sees it (only used without a pid namespace, where it is also P's view)
+  bool done = false, failed = false;
+  int c_status = 0, fail_stage = 0, fail_errno = 0, b_status = 0;
+};
+
+void kill_sandbox(pid_t b, bool pidns, const Watch& w) {
+  if (pidns) {
+    kill(b, SIGKILL);  // init gone: the kernel kills the rest of the namespace
+  } else if (w.c_pid > 0 && !w.done) {
+    kill(-w.c_pid, SIGKILL);  // C's group; B reaps it, kills the daemons that left it, and reports
+  } else {
+    kill(b, SIGKILL);
+  }
+}
+
+// One read of C's stdout or stderr into `text`, kept up to the cap and drained past it; EOF closes `fd`.
+void read_stream(Fd& fd, std::string& text, size_t cap, bool& truncated) {
+  char buf[65536];
+  const ssize_t got = read(fd.fd, buf, sizeof buf);
+  if (got < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (got <= 0) {
+    fd.reset();
+    return;
+  }
+  const size_t keep = std::min(static_cast<size_t>(got), cap - std::min(cap, text.size()));
+  text.append(buf, keep);
+  if (keep < static_cast<size_t>(got)) truncated = true;
+}
+
+// One read of the status pipe. Returns true at its end, with `status_r` closed.
+bool read_reports(Fd& status_r, Watch& w) {
+  char buf[65536];
+  const ssize_t got = read(status_r.fd, buf, sizeof buf);
+  if (got < 0 && (errno == EINTR || errno == EAGAIN)) return false;
+  // Status: fixed-size records, then EOF once B (and C, before its execve) are gone.
+  if (got > 0) {
+    w.status_bytes.append(buf, got);
+    while (w.status_bytes.size() >= sizeof(Report)) {
+      Report r;
+      std::memcpy(&r, w.status_bytes.data(), sizeof r);
+      w.status_bytes.erase(0, sizeof r);
+      if (r.kind == kStarted) w.c_pid = r.a;
+      if (r.kind == kDone) w.done = true, w.c_status = r.a;
+      if (r.kind == kFailed && !w.failed) w.failed = true, w.fail_stage = r.a, w.fail_errno = r.b;
+    }
+    return false;
+  }
+  status_r.reset();
+  return true;
+}
+
+// Read stdout/stderr (kept up to the cap, drained past it) and B's reports until B is gone, killing the
+// sandbox at the deadline (and B itself 2 s later). Returns with B reaped, or with nothing left to read.
+void supervise(Watch& w, ChildGuard& b, bool pidns, const SandboxOptions& o, Clock::time_point t0, CallFiles& f) {
+  const size_t cap = static_cast<size_t>(o.max_output_bytes);
+  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
+  auto hard_deadline = Clock::time_point::max(), drain_deadline = Clock::time_point::max();
+  struct Stream {
+    Fd* fd;
+    std::string* text;
+  } streams[2] = {{&f.out_r, &w.out}, {&f.err_r, &w.err}};
+  for (;;) {
+    const auto now = Clock::now();
+    if (!w.timed_out && !b.reaped && now >= deadline) {
+      w.timed_out = true;
+      kill_sandbox(b.pid, pidns, w);
+      hard_deadline = now + std::chrono::seconds(2);
+    }
+    if (w.timed_out && !w.hard_killed && !b.reaped && now >= hard_deadline) {
+      w.hard_killed = true;
+      kill(b.pid, SIGKILL);
+      if (w.c_pid > 0 && !pidns && !w.done) kill(-w.c_pid, SIGKILL);
+    }
+    if (b.reaped && (now >= drain_deadline || (f.out_r.fd < 0 && f.err_r.fd < 0))) break;
+    auto next = b.reaped ? drain_deadline : w.timed_out ? hard_deadline : deadline;
+    const long wait_ms =
+        std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count() + 1);
+    pollfd pfds[3];
+    int which[3];  // 0, 1: streams[i]; 2: status
+    int n = 0;
+    for (int i = 0; i < 2; ++i) {
+      if (streams[i].fd->fd >= 0) pfds[n] = {streams[i].fd->fd, POLLIN, 0}, which[n++] = i;
+    }
+    if (f.status_r.fd >= 0) pfds[n] = {f.status_r.fd, POLLIN, 0}, which[n++] = 2;
+    if (n == 0) break;
+    if (poll(pfds, n, static_cast<int>(std::min<long>(wait_ms, INT_MAX))) < 0) {
+      if (errno == EINTR) continue;
+      throw SandboxError("poll: " + errno_text(errno));
+    }
+    for (int i = 0; i < n; ++i) {
+      if (pfds[i].revents == 0) continue;
+      if (which[i] < 2) {
+        read_stream(*streams[which[i]].fd, *streams[which[i]].text, cap, w.truncated);
+      } else if (read_reports(f.status_r, w)) {
+        while (waitpid(b.pid, &w.b_status, 0) < 0 && errno == EINTR) {
+        }
+        b.reaped = true;
+        // In a pid namespace every writer is dead once init is reaped; without one, a process that slipped
+        // out may still hold the pipes: give them a moment, then stop reading.
+        drain_deadline = Clock::now() + std::chrono::milliseconds(pidns ? 1000 : 250);
+      }
+    }
+  }
+}
+
+// The result of a call that ran, from what P saw; `wall` runs from the clone to the end of supervise.
+SandboxResult make_result(Watch& w, const SandboxOptions& o, Clock::duration wall) {
+  const size_t cap = static_cast<size_t>(o.max_output_bytes);
+  auto code_of = [](int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? 128 + WTERMSIG(st) : 1; };
+  SandboxResult result;
+  result.stdout_text = std::move(w.out);
+  result.stderr_text = std::move(w.err);
+  if (result.stdout_text.size() >= cap) trim_partial_utf8(result.stdout_text);
+  if (result.stderr_text.size() >= cap) trim_partial_utf8(result.stderr_text);
+  result.truncated = w.truncated;
+  result.timed_out = w.timed_out;
+  // Without B's report (B killed by code that could reach it in a fallback level): B's own status.
+  result.exit_code = w.timed_out ? 128 + SIGKILL : w.done ? code_of(w.c_status) : code_of(w.b_status);
+  result.wall_ms = std::chrono::duration<double, std::milli>(wall).count();
+  return result;
+}
+
+// What confined the call, as "+"-joined tokens (SandboxResult::isolation).
+std::string isolation_of(int ns_flags, bool drop_uid, bool in_cgroup, const Plan& plan) {
+  std::string iso;
+  auto add = [&iso](const char* token) { iso += iso.empty() ? token : std::string("+") + token; };
+  if (ns_flags & CLONE_NEWUSER) add("userns");
+  if (ns_flags & CLONE_NEWPID) add("pidns");
+  if (ns_flags & CLONE_NEWNET) add("netns");
+  if (ns_flags & CLONE_NEWIPC) add("ipcns");
+  if (drop_uid) add("setuid");
+  if (in_cgroup) add("pids-cgroup");
+  if (plan.set_nproc) add("nproc");
+  if (plan.landlock_abi > 0) add("landlock");
+  if (plan.seccomp.len > 0) add("seccomp");
+  return iso;
+}
+
+// One attempt at namespace level `level`. Returns false (and leaves `result` alone) when the kernel
+// refused that level's namespaces, so the caller can try the next one.
+bool run_at_level(const std::string& code, const SandboxOptions& o, const std::string& exe, bool drop_uid, int level,
+                  SandboxResult& result) {
+  const Host& h = host();
+  const int ns_flags = kLevels[level];
+  const bool userns = ns_flags & CLONE_NEWUSER, pidns = ns_flags & CLONE_NEWPID;
+
+  CallFiles f;
+  make_private_dir(f, o, drop_uid);
+  make_code_fd(f, code);
+  make_channels(f);
+  make_pids_cgroup(f, h, o);
+  // argv, envp and the limits, before the clone.
+  Command cmd;
+  make_command(cmd, o, exe, f.dir.path);
+  const Plan plan = make_plan(o, h, exe, drop_uid, ns_flags, f, cmd);
 
   // Clone with every signal blocked, so none of P's handlers runs in B before B resets them.
   sigset_t all, old;
@@ -824,164 +1045,32 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const std::s
     throw SandboxError("clone: " + errno_text(clone_errno));
   }
   // From here on B exists: make sure it is killed and reaped on every way out.
-  struct ChildGuard {
-    pid_t pid;
-    bool reaped = false;
-    ~ChildGuard() {
-      if (reaped) return;
-      kill(pid, SIGKILL);
-      while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
-      }
-    }
-  } b_guard{b};
-  code_fd.reset(), out_w.reset(), err_w.reset(), status_w.reset(), sync_c.reset();
+  ChildGuard b_guard{b};
+  f.code.reset(), f.out_w.reset(), f.err_w.reset(), f.status_w.reset(), f.sync_c.reset();
 
-  if (userns && drop_uid) {
-    // Map only the sandbox ids (identity) into B's namespace, so C can setresuid to them in there.
-    const std::string proc = "/proc/" + std::to_string(b);
-    try {
-      write_file(proc + "/gid_map", std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n");
-      write_file(proc + "/uid_map", std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n");
-    } catch (const SandboxError&) {
-      return false;  // this kernel's user namespaces are not usable for us: next level
-    }
-  }
-  bool in_cgroup = false;
-  if (!cgroup.path.empty()) {
-    try {
-      write_file(cgroup.path + "/cgroup.procs", std::to_string(b));
-      in_cgroup = true;
-    } catch (const SandboxError&) {
-    }
-  }
+  // This kernel's user namespaces are not usable for us: next level.
+  if (userns && drop_uid && !map_sandbox_ids(b)) return false;
+  const bool in_cgroup = join_pids_cgroup(f, b);
   const char go = 1;
-  if (send(sync_p.fd, &go, 1, MSG_NOSIGNAL) != 1) {
+  if (send(f.sync_p.fd, &go, 1, MSG_NOSIGNAL) != 1) {
     // B died before it could be released: fall through, the status pipe tells why.
   }
 
-  // Read stdout/stderr (kept up to the cap, drained past it) and B's reports until B is gone.
-  const size_t cap = static_cast<size_t>(o.max_output_bytes);
-  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
-  auto hard_deadline = Clock::time_point::max(), drain_deadline = Clock::time_point::max();
-  bool timed_out = false, hard_killed = false, truncated = false;
-  std::string out, err, status_bytes;
-  pid_t c_pid = -1;  // C as B sees it (only used without a pid namespace, where it is also P's view)
-  bool done = false, failed = false;
-  int c_status = 0, fail_stage = 0, fail_errno = 0, b_status = 0;
-  auto kill_sandbox = [&] {
-    if (pidns) {
-      kill(b, SIGKILL);  // init gone: the kernel kills the rest of the namespace
-    } else if (c_pid > 0 && !done) {
-      kill(-c_pid, SIGKILL);  // C's group; B reaps it, kills the daemons that left it, and reports
-    } else {
-      kill(b, SIGKILL);
-    }
-  };
-  struct Stream {
-    Fd* fd;
-    std::string* text;
-  } streams[2] = {{&out_r, &out}, {&err_r, &err}};
-  for (;;) {
-    const auto now = Clock::now();
-    if (!timed_out && !b_guard.reaped && now >= deadline) {
-      timed_out = true;
-      kill_sandbox();
-      hard_deadline = now + std::chrono::seconds(2);
-    }
-    if (timed_out && !hard_killed && !b_guard.reaped && now >= hard_deadline) {
-      hard_killed = true;
-      kill(b, SIGKILL);
-      if (c_pid > 0 && !pidns && !done) kill(-c_pid, SIGKILL);
-    }
-    if (b_guard.reaped && (now >= drain_deadline || (out_r.fd < 0 && err_r.fd < 0))) break;
-    auto next = b_guard.reaped ? drain_deadline : timed_out ? hard_deadline : deadline;
-    const long wait_ms =
-        std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count() + 1);
-    pollfd pfds[3];
-    int which[3];  // 0, 1: streams[i]; 2: status
-    int n = 0;
-    for (int i = 0; i < 2; ++i) {
-      if (streams[i].fd->fd >= 0) pfds[n] = {streams[i].fd->fd, POLLIN, 0}, which[n++] = i;
-    }
-    if (status_r.fd >= 0) pfds[n] = {status_r.fd, POLLIN, 0}, which[n++] = 2;
-    if (n == 0) break;
-    if (poll(pfds, n, static_cast<int>(std::min<long>(wait_ms, INT_MAX))) < 0) {
-      if (errno == EINTR) continue;
-      throw SandboxError("poll: " + errno_text(errno));
-    }
-    char buf[65536];
-    for (int i = 0; i < n; ++i) {
-      if (pfds[i].revents == 0) continue;
-      Fd& fd = which[i] < 2 ? *streams[which[i]].fd : status_r;
-      const ssize_t got = read(fd.fd, buf, sizeof buf);
-      if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (which[i] < 2) {
-        if (got <= 0) {
-          fd.reset();
-          continue;
-        }
-        std::string& text = *streams[which[i]].text;
-        const size_t keep = std::min(static_cast<size_t>(got), cap - std::min(cap, text.size()));
-        text.append(buf, keep);
-        if (keep < static_cast<size_t>(got)) truncated = true;
-        continue;
-      }
-      // Status: fixed-size records, then EOF once B (and C, before its execve) are gone.
-      if (got > 0) {
-        status_bytes.append(buf, got);
-        while (status_bytes.size() >= sizeof(Report)) {
-          Report r;
-          std::memcpy(&r, status_bytes.data(), sizeof r);
-          status_bytes.erase(0, sizeof r);
-          if (r.kind == kStarted) c_pid = r.a;
-          if (r.kind == kDone) done = true, c_status = r.a;
-          if (r.kind == kFailed && !failed) failed = true, fail_stage = r.a, fail_errno = r.b;
-        }
-        continue;
-      }
-      status_r.reset();
-      while (waitpid(b, &b_status, 0) < 0 && errno == EINTR) {
-      }
-      b_guard.reaped = true;
-      // In a pid namespace every writer is dead once init is reaped; without one, a process that slipped
-      // out may still hold the pipes: give them a moment, then stop reading.
-      drain_deadline = Clock::now() + std::chrono::milliseconds(pidns ? 1000 : 250);
-    }
-  }
+  Watch w;
+  supervise(w, b_guard, pidns, o, t0, f);
   const auto t1 = Clock::now();
   if (!b_guard.reaped) {
     kill(b, SIGKILL);
-    while (waitpid(b, &b_status, 0) < 0 && errno == EINTR) {
+    while (waitpid(b, &w.b_status, 0) < 0 && errno == EINTR) {
     }
     b_guard.reaped = true;
   }
-  if (failed && !timed_out) {
-    throw SandboxError(std::string("sandbox setup failed while ") + stage_name(fail_stage) + " (" + exe +
-                       "): " + errno_text(fail_errno));
+  if (w.failed && !w.timed_out) {
+    throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" + exe +
+                       "): " + errno_text(w.fail_errno));
   }
-  auto code_of = [](int st) { return WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? 128 + WTERMSIG(st) : 1; };
-  result = SandboxResult{};
-  result.stdout_text = std::move(out);
-  result.stderr_text = std::move(err);
-  if (result.stdout_text.size() >= cap) trim_partial_utf8(result.stdout_text);
-  if (result.stderr_text.size() >= cap) trim_partial_utf8(result.stderr_text);
-  result.truncated = truncated;
-  result.timed_out = timed_out;
-  // Without B's report (B killed by code that could reach it in a fallback level): B's own status.
-  result.exit_code = timed_out ? 128 + SIGKILL : done ? code_of(c_status) : code_of(b_status);
-  result.wall_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  std::string iso;
-  auto add = [&iso](const char* token) { iso += iso.empty() ? token : std::string("+") + token; };
-  if (userns) add("userns");
-  if (pidns) add("pidns");
-  if (ns_flags & CLONE_NEWNET) add("netns");
-  if (ns_flags & CLONE_NEWIPC) add("ipcns");
-  if (drop_uid) add("setuid");
-  if (in_cgroup) add("pids-cgroup");
-  if (plan.set_nproc) add("nproc");
-  if (plan.landlock_abi > 0) add("landlock");
-  if (plan.seccomp.len > 0) add("seccomp");
-  result.isolation = iso;
+  result = make_result(w, o, t1 - t0);
+  result.isolation = isolation_of(ns_flags, drop_uid, in_cgroup, plan);
   return true;
 }
 
