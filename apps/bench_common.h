@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
 
 #include <iostream>
 #include <optional>
@@ -20,6 +21,16 @@ struct BenchModel {
   at::ScalarType dtype = at::kFloat;
   std::optional<Transformer> model;
 };
+
+// The options every model benchmark takes: --model, --device, --dtype, --batch.
+inline void add_model_options(CLI::App& app, std::string& model_dir, std::string& device, std::string& dtype,
+                              int64_t& batch) {
+  app.add_option("--model", model_dir, "folder with config.json (random weights when it holds no safetensors)")
+      ->required();
+  app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", dtype, "float32 | bfloat16")->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--batch", batch, "sequences")->check(CLI::Range(1, 4096));
+}
 
 inline std::optional<BenchModel> load_bench_model(const std::string& app, const std::string& model_dir,
                                                   const std::string& device, const std::string& dtype) {

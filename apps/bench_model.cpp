@@ -123,11 +123,7 @@ int main(int argc, char** argv) {
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path;
   int64_t B = 8, P = 256, N = 64;
   int reps = 3;
-  app.add_option("--model", model_dir, "folder with config.json (random weights when it holds no safetensors)")
-      ->required();
-  app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--dtype", dtype, "float32 | bfloat16")->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--batch", B, "sequences")->check(CLI::Range(1, 4096));
+  add_model_options(app, model_dir, device, dtype, B);
   app.add_option("--prompt-len", P, "prompt tokens per sequence")->check(CLI::Range(1, 1 << 20));
   app.add_option("--new-tokens", N, "decoded tokens per sequence")->check(CLI::Range(1, 1 << 20));
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));

@@ -97,11 +97,7 @@ int main(int argc, char** argv) {
   int64_t B = 8, L = 4096, P = 256;
   double tool_fraction = 0.2;
   int reps = 3;
-  app.add_option("--model", model_dir, "folder with config.json (random weights when it holds no safetensors)")
-      ->required();
-  app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--dtype", dtype, "float32 | bfloat16")->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--batch", B, "sequences")->check(CLI::Range(1, 4096));
+  add_model_options(app, model_dir, device, dtype, B);
   app.add_option("--seq-len", L, "tokens per sequence (prompt + response)")->check(CLI::Range(2, 1 << 22));
   app.add_option("--prompt-len", P, "prompt tokens per sequence")->check(CLI::Range(1, 1 << 22));
   app.add_option("--tool-fraction", tool_fraction, "share of response tokens with loss_mask 0")

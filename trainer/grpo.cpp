@@ -52,10 +52,8 @@ at::Tensor group_advantages(const at::Tensor& rewards, ScaleRewards scale) {
 std::map<std::string, double> train_grpo(Run& run) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
-  const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt, S = P * G;
-  const int64_t mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, S) : S;
-  const int64_t micro = std::min(T.micro_batch_size, mini);
-  const int64_t total_optimizer_steps = T.steps * T.num_iterations * ((S + mini - 1) / mini);
+  const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
+  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
   MetricsLog log(run.out_dir, /*append=*/run.step > 0);
   SandboxPool pool(cfg.sandbox);

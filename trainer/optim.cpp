@@ -80,6 +80,16 @@ double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begi
   }
 }
 
+StepShape step_shape(const Config& c) {
+  const TrainOptions& T = c.train;
+  StepShape s;
+  s.S = T.prompts_per_step * c.sampling.samples_per_prompt;
+  s.mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, s.S) : s.S;
+  s.micro = std::min(T.micro_batch_size, s.mini);
+  s.total_optimizer_steps = T.steps * T.num_iterations * ((s.S + s.mini - 1) / s.mini);
+  return s;
+}
+
 std::vector<at::Tensor> optimizer_params(const Run& run) {
   std::vector<at::Tensor> params = run.master.empty() ? run.policy->parameters() : run.master;
   for (const auto& [name, p] : run.extra) params.push_back(p);

@@ -39,6 +39,14 @@ double learning_rate(const TrainOptions& o, int64_t step, int64_t total);
 // Sets the policy group's learning rate to lr and the extra group's to lr * extra_lr_scale.
 void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scale = 1.0);
 
+// A step's batch sizes: S = prompts_per_step x samples_per_prompt trajectories, optimizer steps over
+// mini-batches of `mini` (train.mini_batch_size, 0 = all S), forward/backward over micro-batches of
+// `micro`, and the optimizer steps of the whole run (the learning-rate schedule's length).
+struct StepShape {
+  int64_t S = 0, mini = 0, micro = 0, total_optimizer_steps = 0;
+};
+StepShape step_shape(const Config& config);
+
 // Micro-batch ranges [begin, end) over S sequences: mini-batches of `mini`, each split into `micro`;
 // a range never crosses a mini-batch boundary.
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t mini, int64_t micro);

@@ -103,10 +103,7 @@ std::map<std::string, double> train_ppo(Run& run) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
   const PpoOptions& ppo = cfg.ppo;
-  const int64_t S = T.prompts_per_step * cfg.sampling.samples_per_prompt;
-  const int64_t mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, S) : S;
-  const int64_t micro = std::min(T.micro_batch_size, mini);
-  const int64_t total_optimizer_steps = T.steps * T.num_iterations * ((S + mini - 1) / mini);
+  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
   TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
   MetricsLog log(run.out_dir, /*append=*/run.step > 0);
