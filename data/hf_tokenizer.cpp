@@ -11,9 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <fstream>
 #include <mutex>
+#include <queue>
 #include <unordered_map>
 
 #include "data/dataset.h"
@@ -217,6 +219,9 @@ struct HfTokenizer::Impl {
     bool special, lstrip, rstrip, single_word;
   };
   std::vector<Added> added;
+  // added's indices by the token's first byte, longest first: a text position is only compared with the
+  // tokens that can start there (Mistral v0.3 has 771 added tokens, Llama-3.1 256).
+  std::array<std::vector<uint32_t>, 256> added_by_byte;
   std::vector<uint8_t> special;  // (V) 1 = a special added token
 
   // --- post-processor (single sequences)
@@ -426,6 +431,9 @@ struct HfTokenizer::Impl {
     }
     std::stable_sort(added.begin(), added.end(),
                      [](const Added& x, const Added& y) { return x.content.size() > y.content.size(); });
+    for (uint32_t k = 0; k < added.size(); ++k) {
+      added_by_byte[static_cast<unsigned char>(added[k].content[0])].push_back(k);
+    }
     special.assign(id_to_token.size(), 0);
     for (const auto& t : added) special[t.id] = t.special;
   }
@@ -447,7 +455,8 @@ struct HfTokenizer::Impl {
     size_t start = 0, i = 0;
     while (i < text.size()) {
       const Added* hit = nullptr;
-      for (const auto& a : added) {
+      for (uint32_t k : added_by_byte[static_cast<unsigned char>(text[i])]) {
+        const Added& a = added[k];
         if (text.compare(i, a.content.size(), a.content) != 0) continue;
         if (a.single_word) {
           const size_t e = i + a.content.size();
@@ -572,6 +581,48 @@ struct HfTokenizer::Impl {
     return pieces;
   }
 
+  // Applies the merges to a word's symbols: the lowest rank first, among equal ranks the leftmost. A heap
+  // of candidate pairs over a linked list of symbols: O(n log n) in the symbols, where rescanning the word
+  // after every merge was O(n^2) (a Metaspace line without splitting, as Mistral's, is one long word).
+  void merge(std::vector<int32_t>& ids) const {
+    const int n = static_cast<int>(ids.size());
+    if (n < 2) return;
+    std::vector<int> prev(n), next(n);
+    for (int k = 0; k < n; ++k) prev[k] = k - 1, next[k] = k + 1 < n ? k + 1 : -1;
+    struct Cand {
+      int32_t rank;
+      int pos;  // the left symbol's index: symbols keep their left end, so it orders them left to right
+      int32_t left, right, merged;
+      bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    };
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
+    auto push = [&](int a) {
+      if (a < 0 || next[a] < 0) return;
+      auto it = merges.find((static_cast<uint64_t>(ids[a]) << 32) | static_cast<uint32_t>(ids[next[a]]));
+      if (it != merges.end()) heap.push({it->second.first, a, ids[a], ids[next[a]], it->second.second});
+    };
+    for (int k = 0; k + 1 < n; ++k) push(k);
+    std::vector<uint8_t> dead(n, 0);
+    while (!heap.empty()) {
+      const Cand c = heap.top();
+      heap.pop();
+      const int b = next[c.pos];
+      // Stale: a symbol of the pair was merged away or changed since the candidate was pushed.
+      if (dead[c.pos] || b < 0 || ids[c.pos] != c.left || ids[b] != c.right) continue;
+      ids[c.pos] = c.merged;
+      dead[b] = 1;
+      next[c.pos] = next[b];
+      if (next[b] >= 0) prev[next[b]] = c.pos;
+      push(prev[c.pos]);
+      push(c.pos);
+    }
+    int w = 0;
+    for (int k = 0; k < n; ++k) {
+      if (!dead[k]) ids[w++] = ids[k];
+    }
+    ids.resize(w);
+  }
+
   // One pre-token through the BPE model (cached).
   void bpe(const std::string& word, std::vector<int64_t>& out) const {
     {
@@ -602,22 +653,7 @@ struct HfTokenizer::Impl {
         }
         i += n;
       }
-      // Merges, lowest rank first; among equal ranks the leftmost.
-      while (ids.size() > 1) {
-        int32_t best_rank = INT32_MAX, best_id = -1;
-        size_t best_pos = 0;
-        for (size_t k = 0; k + 1 < ids.size(); ++k) {
-          auto it = merges.find((static_cast<uint64_t>(ids[k]) << 32) | static_cast<uint32_t>(ids[k + 1]));
-          if (it != merges.end() && it->second.first < best_rank) {
-            best_rank = it->second.first;
-            best_id = it->second.second;
-            best_pos = k;
-          }
-        }
-        if (best_id < 0) break;
-        ids[best_pos] = best_id;
-        ids.erase(ids.begin() + best_pos + 1);
-      }
+      merge(ids);
     }
     out.insert(out.end(), ids.begin(), ids.end());
     std::lock_guard<std::mutex> lock(cache_mu);
