@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/memory.h"
+#include "loss/logprob.h"
 
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -16,6 +17,20 @@
 #endif
 
 namespace rlt {
+
+namespace {
+
+// The next-token logits the sampler draws from, computed as training computes them: the loss module's
+// fp32-output LM-head GEMM (loss/logprob.h fp32_logits), then the model's softcap. A bf16 GEMM would round
+// the logits to bf16 and the rollout's log-probs would disagree with the trainer's by about 1e-2.
+at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden /*(N, D)*/) {
+  at::Tensor z = fp32_logits(hidden, model.lm_head());  // (N, V) fp32
+  const double cap = model.config().final_softcap;
+  if (cap > 0) z = at::tanh(z / cap) * cap;
+  return z;
+}
+
+}  // namespace
 
 #ifdef RLT_HAVE_CUDA
 struct ModelPolicy::StepGraph {
@@ -60,7 +75,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   const auto dev = head.device();
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
   at::Tensor hidden = model_.forward(ids.to(dev), pos.to(dev), mask.to(dev), &prefill);  // (U, P, D)
-  at::Tensor logits = model_.logits(hidden.select(1, P - 1));                            // (U, V)
+  at::Tensor logits = next_token_logits(model_, hidden.select(1, P - 1));                // (U, V)
   // The G samples of a prompt share its prefill: copy its cache row G times.
   auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N)
@@ -107,15 +122,15 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
     at::Tensor rows_picked;
     at::Tensor hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);  // (Bc, D)
     cache_.length += 1;
-    return model_.logits(hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
+    return next_token_logits(model_, hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
   }
 #endif
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
   at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
-                                     &cache_);                                        // (Bc, 1, D)
-  return model_.logits(hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
+                                     &cache_);                                                    // (Bc, 1, D)
+  return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
 }
 
 at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {

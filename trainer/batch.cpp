@@ -18,8 +18,9 @@ PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t en
   b.R = std::max<int64_t>(b.R, 1);
   const int64_t S = b.S, L = b.L, R = b.R;
   at::Tensor ids = at::zeros({S, L}, at::kLong), mask = at::zeros({S, R}, at::kFloat);
+  at::Tensor lp = at::zeros({S, R}, at::kFloat);
   auto ids_a = ids.accessor<int64_t, 2>();
-  auto mask_a = mask.accessor<float, 2>();
+  auto mask_a = mask.accessor<float, 2>(), lp_a = lp.accessor<float, 2>();
   std::vector<int64_t> rows, slots, sampled_rows, sampled_slots;  // the one row index, and its loss-mask subset
   for (int64_t s = 0; s < S; ++s) {
     const Trajectory& t = trajs[begin + s];
@@ -31,6 +32,7 @@ PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t en
       rows.push_back(s * L + P - 1 + j);
       slots.push_back(s * R + j);
       mask_a[s][j] = t.loss_mask[j];
+      lp_a[s][j] = t.logprobs[j];
       if (t.loss_mask[j]) {
         sampled_rows.push_back(rows.back());
         sampled_slots.push_back(slots.back());
@@ -47,6 +49,7 @@ PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t en
   b.response = {index(rows), index(slots)};
   b.sampled = {index(sampled_rows), index(sampled_slots)};
   b.loss_mask = mask.to(device);
+  b.logprobs_rollout = lp.to(device);
   return b;
 }
 

@@ -29,12 +29,13 @@ struct ResponseRows {
 };
 
 struct PackedBatch {
-  at::Tensor ids;         // (S, L) int64, right-padded
-  at::Tensor positions;   // (S, L) int64
-  at::Tensor targets;     // (T) int64: ids shifted left by one (padding scores the pad id)
-  ResponseRows response;  // every response token (sampled or tool output)
-  ResponseRows sampled;   // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
-  at::Tensor loss_mask;   // (S, R) float: 1 = a sampled token that counts in the loss
+  at::Tensor ids;               // (S, L) int64, right-padded
+  at::Tensor positions;         // (S, L) int64
+  at::Tensor targets;           // (T) int64: ids shifted left by one (padding scores the pad id)
+  ResponseRows response;        // every response token (sampled or tool output)
+  ResponseRows sampled;         // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
+  at::Tensor loss_mask;         // (S, R) float: 1 = a sampled token that counts in the loss
+  at::Tensor logprobs_rollout;  // (S, R) float: the rollout's sampling log-probs (0 on tool tokens and padding)
   int64_t S = 0, L = 0, R = 0;
 };
 

@@ -99,6 +99,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     peaks.end("scoring");
     const auto t_update = Clock::now();
     UpdateMetrics um(run.device);
+    LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
@@ -116,6 +117,9 @@ std::map<std::string, double> train_grpo(Run& run) {
           in.loss_mask = b.loss_mask;
           in.entropy = r.entropy;
           in.global_denominator = denom;
+          // On the rollout's weights: the scored old log-probs, or (on-policy: one iteration, one optimizer
+          // step) this pass's own, computed before the step.
+          if (it == 0) mismatch.add(in.logprobs_old, b.logprobs_rollout, b.loss_mask);
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           out.loss.backward();
           accumulate_gradients(run);                                   // bf16 + master weights: into the fp32 gradients
@@ -130,7 +134,8 @@ std::map<std::string, double> train_grpo(Run& run) {
     peaks.end("update");
 
     // 6. Metrics, warnings, checkpoint.
-    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps);
+    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
+                    mismatch.read());
   }
   end_training(run, eval_start, m);
   return m;

@@ -40,6 +40,22 @@ void UpdateMetrics::add_micro_batch(const at::Tensor& loss, const PolicyLossOutp
   tokens_ = tokens_.defined() ? tokens_ + tokens : tokens;
 }
 
+void LogprobMismatch::add(const at::Tensor& trainer, const at::Tensor& rollout, const at::Tensor& loss_mask) {
+  const at::Tensor valid = loss_mask.detach() != 0;                                                // (S_m, R)
+  const at::Tensor d = at::where(valid, (trainer.detach() - rollout).abs(), 0.0).to(at::kDouble);  // (S_m, R)
+  const at::Tensor s = d.sum(), m = d.max(), n = valid.sum().to(at::kDouble);
+  sum_ = sum_.defined() ? sum_ + s : s;
+  max_ = max_.defined() ? at::maximum(max_, m) : m;
+  count_ = count_.defined() ? count_ + n : n;
+}
+
+std::map<std::string, double> LogprobMismatch::read() const {
+  if (!sum_.defined()) return {};
+  const at::Tensor h = at::stack({sum_, max_, count_}).cpu();  // one device-to-host copy
+  const double* v = h.data_ptr<double>();
+  return {{"logprob_mismatch_mean", v[0] / std::max(1.0, v[2])}, {"logprob_mismatch_max", v[1]}};
+}
+
 void UpdateMetrics::add_update_term(const std::string& name, const at::Tensor& value) { add(per_update_, name, value); }
 
 void UpdateMetrics::add_token_sum(const std::string& name, const at::Tensor& sum) { add(per_token_, name, sum); }

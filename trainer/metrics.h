@@ -74,6 +74,20 @@ class UpdateMetrics {
   int64_t updates_ = 0;
 };
 
+// How far the rollout's sampling log-probs are from the trainer's own log-probs of the same tokens under
+// the same weights (both through the loss module): over every sampled token of the step,
+// logprob_mismatch_mean = mean |trainer - rollout| and logprob_mismatch_max = max |trainer - rollout|.
+// Summed on the device; read once.
+class LogprobMismatch {
+ public:
+  // trainer, rollout, loss_mask (S_m, R); the mask's nonzero entries are the sampled tokens.
+  void add(const at::Tensor& trainer, const at::Tensor& rollout, const at::Tensor& loss_mask);
+  std::map<std::string, double> read() const;
+
+ private:
+  at::Tensor sum_, max_, count_;  // () float64
+};
+
 class MetricsLog;
 
 // Seconds a step spent scoring, updating, and in all.

@@ -163,6 +163,8 @@ std::map<std::string, double> train_ppo(Run& run) {
     peaks.end("scoring");
     const auto t_update = Clock::now();
     UpdateMetrics um(run.device);
+    LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights (the scored old ones)
+    for (size_t k = 0; k < K; ++k) mismatch.add(logprobs_old[k], batches[k].logprobs_rollout, batches[k].loss_mask);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
@@ -213,11 +215,12 @@ std::map<std::string, double> train_ppo(Run& run) {
       v_sum += values_old[k].sum().item<double>();
       ret_sum += returns[k].sum().item<double>();
     }
-    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
-                    {{"value_mean", v_sum / std::max(1.0, n_act)},
-                     {"return_mean", ret_sum / std::max(1.0, n_act)},
-                     {"advantage_mean", adv_mean},
-                     {"advantage_std", adv_std}});
+    std::map<std::string, double> extra = mismatch.read();
+    extra.insert({{"value_mean", v_sum / std::max(1.0, n_act)},
+                  {"return_mean", ret_sum / std::max(1.0, n_act)},
+                  {"advantage_mean", adv_mean},
+                  {"advantage_std", adv_std}});
+    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
   }
   end_training(run, eval_start, m);
   return m;

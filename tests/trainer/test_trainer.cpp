@@ -337,6 +337,10 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
       EXPECT_TRUE(std::isfinite(row[k].get<double>())) << k;
     }
     EXPECT_GT(row["grad_norm"].get<double>(), 0) << "the update must move the policy";
+    // fp32: the rollout's log-probs are the trainer's own (tests/trainer/test_batch.cpp holds them to 1e-6).
+    ASSERT_TRUE(row.contains("logprob_mismatch_max")) << row.dump();
+    EXPECT_LE(row["logprob_mismatch_max"].get<double>(), 1e-5);
+    EXPECT_LE(row["logprob_mismatch_mean"].get<double>(), row["logprob_mismatch_max"].get<double>());
     if (GetParam()) {
       EXPECT_TRUE(row.contains("value_loss"));
     }
