@@ -17,6 +17,12 @@ void PolicyLossOptions::check(const FieldFail& fail) const {
   if (agg == LossAgg::kSeqMeanTokenSumNorm && !(agg_norm > 0.0)) {
     fail("agg_norm", "must be > 0 when agg is seq-mean-token-sum-norm (e.g. the max response length)");
   }
+  if (tis != 0.0 && tis < 1.0) fail("tis", "must be 0 (off) or >= 1: a cap below 1 shrinks on-policy tokens too");
+  const bool icepop = icepop_low != 0.0 || icepop_high != 0.0;
+  if (icepop && !(icepop_low > 0.0 && icepop_low <= 1.0 && icepop_high >= 1.0)) {
+    fail("icepop_high",
+         "the band [icepop_low, icepop_high] must hold 1 with icepop_low > 0 (e.g. 0.5 and 2), or both 0");
+  }
 }
 
 namespace {
@@ -119,6 +125,10 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   TORCH_CHECK(!use_entropy || in.entropy.defined(), "policy_loss: entropy is required when entropy_coef != 0");
   if (in.logprobs_ref.defined()) check_like_logprobs(in.logprobs_ref, logprobs, "logprobs_ref");
   if (in.entropy.defined()) check_like_logprobs(in.entropy, logprobs, "entropy");
+  const bool use_tis = opt.tis != 0.0, use_icepop = opt.icepop_low != 0.0 || opt.icepop_high != 0.0;
+  TORCH_CHECK(!(use_tis || use_icepop) || in.logprobs_rollout.defined(),
+              "policy_loss: logprobs_rollout is required with tis or icepop");
+  if (use_tis || use_icepop) check_like_logprobs(in.logprobs_rollout, logprobs, "logprobs_rollout");
 
   const at::Tensor valid = in.loss_mask != 0;  // (S, L) bool
   // Behaviour log-probs and advantages are constants of the surrogate: detached in case a caller
@@ -144,6 +154,13 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
     // -A*c so a few stale tokens with huge ratios cannot dominate the update.
     dual_bound = -advantages * opt.clip_c;
     pg = at::where(advantages < 0, at::minimum(pg_max, dual_bound), pg_max);
+  }
+  // Rollout/trainer mismatch: rho = pi_old / pi_rollout per token, a constant weight on the surrogate.
+  at::Tensor rho;  // (S, L), defined with tis or icepop
+  if (use_tis || use_icepop) {
+    rho = at::exp(at::where(valid, logprobs_old - in.logprobs_rollout.detach().to(dtype), 0.0));
+    if (use_tis) pg = pg * at::clamp_max(rho, opt.tis);
+    if (use_icepop) pg = at::where((rho >= opt.icepop_low) & (rho <= opt.icepop_high), pg, 0.0);
   }
   at::Tensor per_token = pg;  // (S, L)
 
@@ -183,6 +200,10 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   out.dual_clip_frac = dual_bound.defined()
                            ? masked_token_mean(((advantages < 0) & (pg_max > dual_bound)).to(dtype), valid)
                            : at::zeros({}, logprobs.options());
+  const at::Tensor zero = at::zeros({}, logprobs.options());
+  out.tis_clip_frac = use_tis ? masked_token_mean((rho > opt.tis).to(dtype), valid) : zero;
+  out.icepop_frac =
+      use_icepop ? masked_token_mean(((rho < opt.icepop_low) | (rho > opt.icepop_high)).to(dtype), valid) : zero;
   return out;
 }
 

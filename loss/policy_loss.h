@@ -1,8 +1,8 @@
 // Clipped-surrogate policy loss for RL post-training (PPO / GRPO / DAPO / Dr. GRPO variants) on
 // precomputed per-token log-probs, with an optional KL penalty to a reference policy, an entropy bonus
 // and four loss aggregations. Leaves out: computing log-probs (loss/logprob.h), advantage estimation
-// (GAE, group normalisation), the value loss (which reuses aggregate_loss), sequence-level ratios
-// (GSPO) and inference-engine mismatch corrections (truncated importance sampling).
+// (GAE, group normalisation), the value loss (which reuses aggregate_loss) and sequence-level ratios
+// (GSPO).
 //
 // Shape letters: S = sequences in the (micro-)batch, L = padded response length.
 //
@@ -14,6 +14,12 @@
 // of KL(pi || pi_ref) on samples from pi:
 //   k1 = -log_q,   k2 = 0.5 log_q^2,   k3 = exp(log_q) - 1 - log_q   (k3: unbiased and >= 0)
 // loss_tok is then reduced to a scalar by aggregate_loss (see LossAgg for each denominator).
+//
+// Rollout/trainer mismatch corrections (the sampler's log-probs logprobs_rollout differ from the trainer's
+// logprobs_old on the same weights; rho = exp(logprobs_old - logprobs_rollout), a constant):
+//   tis     pg *= min(rho, tis)                       truncated importance sampling (Yao et al. 2025)
+//   icepop  pg *= [icepop_low <= rho <= icepop_high]  tokens outside the band give no gradient (IcePop)
+// Both leave the denominators as they are: a masked token still counts, with a zero term.
 //
 // Masking: loss_mask != 0 marks tokens that count (its values are used as 0/1, not as weights). The
 // log-ratios are zeroed outside the mask before exp(), so garbage log-probs at prompt/padding
@@ -82,8 +88,11 @@ struct PolicyLossOptions {
   KlEstimator kl_estimator = KlEstimator::kK3;  // Schulman's k1/k2/k3 estimators of KL(pi || pi_ref)
   double entropy_coef = 0.0;                    // entropy bonus weight (loss -= coef * entropy)
   LossAgg agg = LossAgg::kTokenMean;
-  double agg_norm = 0.0;  // constant normaliser for seq-mean-token-sum-norm (Dr. GRPO: e.g. max
-                          // response length); required > 0 in that mode
+  double agg_norm = 0.0;    // constant normaliser for seq-mean-token-sum-norm (Dr. GRPO: e.g. max
+                            // response length); required > 0 in that mode
+  double tis = 0.0;         // truncated importance sampling cap C on rho; 0 = off
+  double icepop_low = 0.0;  // IcePop band [low, high] on rho; both 0 = off
+  double icepop_high = 0.0;
 
   template <class V>
   void visit(V&& v) {
@@ -107,20 +116,29 @@ struct PolicyLossOptions {
       "constant normaliser of seq-mean-token-sum-norm (Dr. GRPO: the max response length); must be "
       "> 0 in that mode, unused otherwise",
       FieldRange{0, kInf});
+    v("tis", tis,
+      "truncated importance sampling: weight each token's surrogate by min(rho, tis), rho = "
+      "exp(logprobs_old - logprobs_rollout); 0 = off",
+      FieldRange{0, kInf});
+    v("icepop_low", icepop_low, "IcePop: tokens with rho below this give no gradient; 0 with icepop_high 0 = off",
+      FieldRange{0, kInf});
+    v("icepop_high", icepop_high, "IcePop: tokens with rho above this give no gradient", FieldRange{0, kInf});
   }
 
-  // Cross-field rules: clip_c is 0 or > 1; agg_norm > 0 when agg is seq-mean-token-sum-norm.
+  // Cross-field rules: clip_c is 0 or > 1; agg_norm > 0 when agg is seq-mean-token-sum-norm; the IcePop
+  // band is off or 0 < low <= 1 <= high; tis is 0 or >= 1.
   void check(const FieldFail& fail) const;
 };
 
 struct PolicyLossInputs {
-  at::Tensor logprobs;      // (S, L) new log-probs (requires grad); float32 or float64, sets the dtype
-  at::Tensor logprobs_old;  // (S, L) behaviour-policy log-probs (treated as constant: detached)
-  at::Tensor logprobs_ref;  // (S, L) reference log-probs (detached); required iff kl_coef != 0
-  at::Tensor advantages;    // (S, L) or (S): per-token or per-sequence advantages (detached)
-  at::Tensor loss_mask;     // (S, L) != 0: token counts in the loss; 0 = prompt/tool output/padding
-  at::Tensor entropy;       // (S, L) per-token entropy (differentiable); required iff entropy_coef != 0;
-                            // optional otherwise (metric only)
+  at::Tensor logprobs;          // (S, L) new log-probs (requires grad); float32 or float64, sets the dtype
+  at::Tensor logprobs_old;      // (S, L) behaviour-policy log-probs (treated as constant: detached)
+  at::Tensor logprobs_ref;      // (S, L) reference log-probs (detached); required iff kl_coef != 0
+  at::Tensor advantages;        // (S, L) or (S): per-token or per-sequence advantages (detached)
+  at::Tensor loss_mask;         // (S, L) != 0: token counts in the loss; 0 = prompt/tool output/padding
+  at::Tensor entropy;           // (S, L) per-token entropy (differentiable); required iff entropy_coef != 0;
+                                // optional otherwise (metric only)
+  at::Tensor logprobs_rollout;  // (S, L) the sampler's log-probs (detached); required iff tis or icepop is on
   // Gradient accumulation: when a mini-batch is split into micro-batches, pass the mini-batch's
   // global denominator here (token count for token-mean, non-empty sequence count for
   // seq-mean-token-mean, sequence count for seq-mean-token-sum*) so that the sum of micro-batch
@@ -142,6 +160,8 @@ struct PolicyLossOutput {
                               //    policy (detached)
   at::Tensor dual_clip_frac;  // () fraction of mask tokens where A < 0 and the dual-clip bound -A*c
                               //    was the smaller one (detached; 0 when clip_c = 0)
+  at::Tensor tis_clip_frac;   // () fraction of mask tokens whose rho exceeded the tis cap (0 when off)
+  at::Tensor icepop_frac;     // () fraction of mask tokens IcePop dropped (0 when off)
 };
 
 // Starts by checking options (ranges and check()), shapes, dtypes and devices (TORCH_CHECK, throws

@@ -116,6 +116,7 @@ std::map<std::string, double> train_grpo(Run& run) {
           in.advantages = advantages.narrow(0, begin, end - begin);  // (S_m)
           in.loss_mask = b.loss_mask;
           in.entropy = r.entropy;
+          in.logprobs_rollout = b.logprobs_rollout;  // policy.tis / icepop
           in.global_denominator = denom;
           // On the rollout's weights: the scored old log-probs, or (on-policy: one iteration, one optimizer
           // step) this pass's own, computed before the step.

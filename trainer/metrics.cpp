@@ -35,6 +35,8 @@ void UpdateMetrics::add_micro_batch(const at::Tensor& loss, const PolicyLossOutp
   add(per_token_, "clip_frac", out.clip_frac * tokens);
   add(per_token_, "approx_kl", out.approx_kl * tokens);
   add(per_token_, "dual_clip_frac", out.dual_clip_frac * tokens);
+  if (out.tis_clip_frac.defined()) add(per_token_, "tis_clip_frac", out.tis_clip_frac * tokens);
+  if (out.icepop_frac.defined()) add(per_token_, "icepop_frac", out.icepop_frac * tokens);
   if (out.entropy.defined()) add(per_token_, "entropy", out.entropy * tokens);
   add(per_token_, "logprob_mean", (logprobs.detach() * loss_mask).sum());
   tokens_ = tokens_.defined() ? tokens_ + tokens : tokens;

@@ -180,6 +180,7 @@ std::map<std::string, double> train_ppo(Run& run) {
           in.advantages = advantages[k];  // (S_m, R) per token
           in.loss_mask = b.loss_mask;
           in.entropy = r.entropy;
+          in.logprobs_rollout = b.logprobs_rollout;  // policy.tis / icepop
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           // Clipped value loss: 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2).

@@ -562,12 +562,60 @@ struct CollectFields {
   }
 };
 
+// Rollout/trainer mismatch corrections on three on-policy tokens (ratio 1, A = 1, token-mean) whose
+// sampler log-probs differ from the trainer's: rho = exp(old - rollout) = 1, 4, 1/4. By hand:
+//   none             pg = -1, -1, -1              loss -1          d/dlp = -1/3 each
+//   tis 2            pg = -1, -2, -1/4            loss -3.25/3     d/dlp = -1/3, -2/3, -1/12
+//   icepop [0.5, 2]  pg = -1, 0, 0 (rho 4, 1/4 out) loss -1/3      d/dlp = -1/3, 0, 0
+// Wrong: TIS without the cap (weights 1, 4, 1/4) gives -5.25/3; IcePop renormalised over kept tokens -1.
+TEST(PolicyLoss, TruncatedImportanceSamplingAndIcePop) {
+  auto run = [](const PolicyLossOptions& opt, bool with_rollout = true) {
+    PolicyLossInputs in;
+    in.logprobs = mat({{-1.0, -2.0, -3.0}}).requires_grad_();
+    in.logprobs_old = mat({{-1.0, -2.0, -3.0}});
+    if (with_rollout) in.logprobs_rollout = mat({{-1.0, -2.0 - std::log(4.0), -3.0 + std::log(4.0)}});
+    in.advantages = vec({1.0});
+    in.loss_mask = at::ones({1, 3}, at::kDouble);
+    const PolicyLossOutput out = policy_loss(in, opt);
+    out.loss.backward();
+    return std::make_tuple(out, in.logprobs.grad());
+  };
+  PolicyLossOptions none;
+  auto [o0, g0] = run(none, false);
+  EXPECT_TRUE(near(val(o0.loss), -1.0, kTolF64));
+  EXPECT_EQ(val(o0.tis_clip_frac), 0.0);
+  PolicyLossOptions tis;
+  tis.tis = 2.0;
+  auto [o1, g1] = run(tis);
+  EXPECT_TRUE(near(val(o1.loss), -3.25 / 3, kTolF64)) << val(o1.loss);
+  EXPECT_FALSE(near(-5.25 / 3, -3.25 / 3, kTolF64)) << "an uncapped weight is told apart";
+  EXPECT_TRUE(near(val(o1.pg_loss), -3.25 / 3, kTolF64)) << "pg_loss carries the weight too: still == loss";
+  EXPECT_TRUE(near(max_abs_diff(g1, mat({{-1.0 / 3, -2.0 / 3, -1.0 / 12}})), 0.0, kTolF64)) << g1;
+  EXPECT_TRUE(near(val(o1.tis_clip_frac), 1.0 / 3, kTolF64));
+  PolicyLossOptions ice;
+  ice.icepop_low = 0.5;
+  ice.icepop_high = 2.0;
+  auto [o2, g2] = run(ice);
+  EXPECT_TRUE(near(val(o2.loss), -1.0 / 3, kTolF64)) << val(o2.loss);
+  EXPECT_FALSE(near(-1.0, -1.0 / 3, kTolF64)) << "renormalising over the kept tokens is told apart";
+  EXPECT_TRUE(near(max_abs_diff(g2, mat({{-1.0 / 3, 0.0, 0.0}})), 0.0, kTolF64)) << g2;
+  EXPECT_TRUE(near(val(o2.icepop_frac), 2.0 / 3, kTolF64));
+  // Both need the sampler's log-probs, and their options keep 1 inside.
+  EXPECT_THROW(run(tis, false), c10::Error);
+  PolicyLossOptions bad = tis;
+  bad.tis = 0.5;
+  EXPECT_THROW(run(bad), c10::Error);
+  bad = ice;
+  bad.icepop_low = 1.5;
+  EXPECT_THROW(run(bad), c10::Error);
+}
+
 TEST(PolicyLossOptions, VisitListsEveryFieldAndEnumNames) {
   PolicyLossOptions opt;
   std::vector<std::string> names;
   opt.visit(CollectFields{&names});
   EXPECT_EQ(names, (std::vector<std::string>{"clip_eps_low", "clip_eps_high", "clip_c", "kl_coef", "kl_estimator",
-                                             "entropy_coef", "agg", "agg_norm"}));
+                                             "entropy_coef", "agg", "agg_norm", "tis", "icepop_low", "icepop_high"}));
   EXPECT_STREQ(enum_to_string(KlEstimator::kK2), "k2");
   EXPECT_STREQ(enum_to_string(LossAgg::kTokenMean), "token-mean");
   EXPECT_STREQ(enum_to_string(LossAgg::kSeqMeanTokenMean), "seq-mean-token-mean");
