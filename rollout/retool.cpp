@@ -275,10 +275,15 @@ class Loop {
   // The reply turn: the framing's tokens (encoded once) around the body's, the body cut to
   // rollout.max_tool_output_tokens.
   std::vector<int64_t> reply_turn(const std::string& body) const {
-    std::vector<int64_t> ids = reply_open_;
     std::vector<int64_t> text = tok_.encode(body);
-    if (static_cast<int64_t>(text.size()) > options_.max_tool_output_tokens) {
-      text.resize(options_.max_tool_output_tokens);
+    const bool cut = static_cast<int64_t>(text.size()) > options_.max_tool_output_tokens;
+    if (cut) text.resize(options_.max_tool_output_tokens);
+    if (protocol_.render_reply) {
+      // A template that transforms the content (tojson): the kept output's text through the template.
+      return tok_.encode(protocol_.reply_text(tok_.decode(text) + (cut ? "\n[output truncated]" : "")));
+    }
+    std::vector<int64_t> ids = reply_open_;
+    if (cut) {
       const auto mark = tok_.encode("\n[output truncated]");
       text.insert(text.end(), mark.begin(), mark.end());
     }

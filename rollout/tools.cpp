@@ -39,40 +39,62 @@ nlohmann::ordered_json ToolProtocol::tool_schema() const {
   return {{"type", "function"}, {"function", fn}};
 }
 
-std::pair<std::string, std::string> template_tool_framing(const HfChatTemplate& chat,
-                                                          const nlohmann::ordered_json& vars,
-                                                          const std::string& tool_name) {
-  // Placeholder contents no template writes itself; the probe checks that the tool's content is inserted
-  // as is (quotes, a backslash and a newline would come out changed through tojson or an escape filter).
-  const std::string kQuestion = "RLT_QUESTION_7f3a", kAssistant = "RLT_ASSISTANT_7f3a", kTool = "RLT_TOOL_7f3a";
+namespace {
+
+// Placeholder contents no template writes itself.
+const std::string kQuestion = "RLT_QUESTION_7f3a", kAssistant = "RLT_ASSISTANT_7f3a", kTool = "RLT_TOOL_7f3a";
+
+// The template's rendering of [user, assistant, tool(content)] with the generation prompt.
+std::string render_tool_turn(const HfChatTemplate& chat, const nlohmann::ordered_json& vars,
+                             const std::string& tool_name, const std::string& tool_content) {
+  nlohmann::ordered_json conv = nlohmann::ordered_json::array();
+  conv.push_back({{"role", "user"}, {"content", kQuestion}});
+  conv.push_back({{"role", "assistant"}, {"content", kAssistant}});
+  conv.push_back({{"role", "tool"}, {"name", tool_name}, {"content", tool_content}});
+  try {
+    return chat.render(conv, nullptr, /*add_generation_prompt=*/true, vars);
+  } catch (const std::exception& e) {
+    throw DataError(std::string("the chat template cannot render a tool turn (") + e.what() +
+                    "); use chat.template: fixed, whose replies are <interpreter> blocks");
+  }
+}
+
+}  // namespace
+
+TemplateReply template_tool_framing(const HfChatTemplate& chat, const nlohmann::ordered_json& vars,
+                                    const std::string& tool_name) {
+  // The probe: quotes, a backslash and a newline come out changed through tojson or an escape filter.
   const std::string kProbe = "a \"quoted\" line\\\nand another";
-  auto render = [&](const std::string& tool_content) {
-    nlohmann::ordered_json conv = nlohmann::ordered_json::array();
-    conv.push_back({{"role", "user"}, {"content", kQuestion}});
-    conv.push_back({{"role", "assistant"}, {"content", kAssistant}});
-    conv.push_back({{"role", "tool"}, {"name", tool_name}, {"content", tool_content}});
-    try {
-      return chat.render(conv, nullptr, /*add_generation_prompt=*/true, vars);
-    } catch (const std::exception& e) {
-      throw DataError(std::string("the chat template cannot render a tool turn (") + e.what() +
-                      "); use chat.template: fixed, whose replies are <interpreter> blocks");
-    }
-  };
-  const std::string text = render(kTool);
+  const std::string text = render_tool_turn(chat, vars, tool_name, kTool);
   const size_t a = text.find(kAssistant), t = text.find(kTool);
   if (a == std::string::npos || t == std::string::npos || t < a || text.find(kTool, t + 1) != std::string::npos) {
     throw DataError(
         "the chat template does not write an assistant message followed by a tool message's content "
         "once; use chat.template: fixed");
   }
-  const std::string open = text.substr(a + kAssistant.size(), t - a - kAssistant.size());
-  const std::string close = text.substr(t + kTool.size());
-  if (render(kProbe) != text.substr(0, t) + kProbe + close) {
-    throw DataError(
-        "the chat template changes a tool message's content (quotes it or escapes it), so its tool turn "
-        "cannot be appended as tokens; use chat.template: fixed");
+  TemplateReply r;
+  r.open = text.substr(a + kAssistant.size(), t - a - kAssistant.size());
+  r.close = text.substr(t + kTool.size());
+  r.verbatim = render_tool_turn(chat, vars, tool_name, kProbe) == text.substr(0, t) + kProbe + r.close;
+  return r;
+}
+
+void use_template_reply(ToolProtocol& p, std::shared_ptr<const HfChatTemplate> chat,
+                        const nlohmann::ordered_json& vars) {
+  const TemplateReply r = template_tool_framing(*chat, vars, p.tool_name);
+  p.reply_open = r.open;
+  p.reply_close = r.close;
+  p.render_reply = nullptr;
+  if (!r.verbatim) {
+    // Everything after the assistant's content in the template's rendering of this very output.
+    p.render_reply = [chat, vars, name = p.tool_name](const std::string& output) {
+      const std::string text = render_tool_turn(*chat, vars, name, output);
+      return text.substr(text.find(kAssistant) + kAssistant.size());
+    };
   }
-  return {open, close};
+  // The fixed framing's tags mean nothing here: the model does not write the template's tool turn.
+  p.output_open.clear();
+  p.output_close.clear();
 }
 
 ParsedToolCall parse_tool_call(const std::string& body, const std::string& tool_name) {

@@ -17,6 +17,8 @@
 // own text is never re-tokenised.
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,25 +52,39 @@ struct ToolProtocol {
   std::string output_close = "</interpreter>";
   std::string reply_open = "<interpreter>\n";
   std::string reply_close = "\n</interpreter>\n";
+  // Set when the chat template transforms a tool message's content (Llama-3.1 writes it through tojson):
+  // the whole reply is then the template rendered for each call, and reply_open / reply_close are unused.
+  std::function<std::string(const std::string& output)> render_reply;
 
   // How the policy writes a call running `code` (the warm-up traces use it).
   std::string call_text(const std::string& code) const;
   // The tool turn around `output`.
-  std::string reply_text(const std::string& output) const { return reply_open + output + reply_close; }
+  std::string reply_text(const std::string& output) const {
+    return render_reply ? render_reply(output) : reply_open + output + reply_close;
+  }
   // The tags a demo tokenizer keeps as single pieces.
   std::vector<std::string> symbols() const;
   // The JSON schema of the tool, for a chat template's `tools` (tool_call format).
   nlohmann::ordered_json tool_schema() const;
 };
 
-// The reply framing of a model's chat template: (text after an assistant message's content up to a tool
-// message's content, text after the tool content through the next generation prompt). Rendered with
-// placeholder contents; `vars` are the template's extra variables (chat.template_vars). Throws DataError
-// when the template refuses a tool turn (its own raise_exception message) or does not insert the tool's
-// content verbatim (a template that JSON-quotes it, as Llama-3.1's does, cannot be framed this way).
-std::pair<std::string, std::string> template_tool_framing(const HfChatTemplate& chat,
-                                                          const nlohmann::ordered_json& vars,
-                                                          const std::string& tool_name);
+// The reply framing of a model's chat template: the text after an assistant message's content up to a
+// tool message's content (open), and after the tool content through the next generation prompt (close).
+// Rendered with placeholder contents; `vars` are the template's extra variables (chat.template_vars).
+// verbatim: the template inserts the content as it is, so open + output + close is its tool turn for any
+// output (false for a template that JSON-quotes it, as Llama-3.1's does). Throws DataError when the
+// template refuses a tool turn (its own raise_exception message; Gemma-2 has no tool role).
+struct TemplateReply {
+  std::string open, close;
+  bool verbatim = true;
+};
+TemplateReply template_tool_framing(const HfChatTemplate& chat, const nlohmann::ordered_json& vars,
+                                    const std::string& tool_name);
+
+// Makes p's reply the template's own tool turn: the framing's tokens around the output's when the template
+// inserts it verbatim, else the template rendered for each call (render_reply). Throws as above.
+void use_template_reply(ToolProtocol& p, std::shared_ptr<const HfChatTemplate> chat,
+                        const nlohmann::ordered_json& vars);
 
 // A <tool_call> body (the text between the tags): {"name": tool_name, "arguments": {"code": "..."}}, the
 // arguments also as a JSON-encoded string. Returns the code, or an error message written for the model

@@ -57,20 +57,16 @@ ModelPolicyOptions policy_options(const RolloutOptions& r) {
 
 // The run's tool protocol: rollout.tool_format and tool_name; the reply in the chat template's own tool
 // turn when prompts go through the model's template, else in <interpreter> blocks.
-ToolProtocol tool_protocol(const Config& c, const HfChatTemplate* chat) {
+ToolProtocol tool_protocol(const Config& c, const std::shared_ptr<const HfChatTemplate>& chat) {
   ToolProtocol p;
   p.format = c.rollout.tool_format;
   p.tool_name = c.rollout.tool_name;
   if (chat && c.rollout.tools) {
     try {
-      std::tie(p.reply_open, p.reply_close) =
-          template_tool_framing(*chat, nlohmann::ordered_json::parse(c.chat.template_vars), p.tool_name);
+      use_template_reply(p, chat, nlohmann::ordered_json::parse(c.chat.template_vars));
     } catch (const DataError& e) {
       throw RunError(std::string("chat.template: model with rollout.tools: ") + e.what());
     }
-    // The fixed framing's tags mean nothing here: the model does not write the template's tool turn.
-    p.output_open.clear();
-    p.output_close.clear();
   }
   return p;
 }
@@ -173,7 +169,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     } catch (const DataError& e) {
       throw RunError(std::string("chat.template: model: ") + e.what());
     }
-    run.tools = tool_protocol(config, run.chat.get());
+    run.tools = tool_protocol(config, run.chat);
   }
   // Prompts: the last eval_prompts are held out.
   std::vector<PromptExample> examples = config.train.prompts == PromptSource::kJsonl

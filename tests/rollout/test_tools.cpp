@@ -95,15 +95,21 @@ TEST(ToolProtocol, MalformedCallsAreAnsweredWithWhatIsWrong) {
 
 TEST(ToolProtocol, ReplyFramingOfPublishedTemplates) {
   const auto none = nlohmann::ordered_json::object();
-  const auto [q_open, q_close] = template_tool_framing(fixture_template("Qwen2.5-Instruct"), none, "code_interpreter");
-  EXPECT_EQ(q_open, "<|im_end|>\n<|im_start|>user\n<tool_response>\n");
-  EXPECT_EQ(q_close, "\n</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  const TemplateReply q = template_tool_framing(fixture_template("Qwen2.5-Instruct"), none, "code_interpreter");
+  EXPECT_EQ(q.open, "<|im_end|>\n<|im_start|>user\n<tool_response>\n");
+  EXPECT_EQ(q.close, "\n</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_TRUE(q.verbatim);
   // Qwen3 without thinking: the generation prompt after the tool turn carries the empty think block.
-  const auto [t_open, t_close] =
+  const TemplateReply t =
       template_tool_framing(fixture_template("Qwen3"), {{"enable_thinking", false}}, "code_interpreter");
-  EXPECT_EQ(t_open, "<|im_end|>\n<|im_start|>user\n<tool_response>\n");
-  EXPECT_EQ(t_close, "\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
-  // Templates that cannot frame a tool reply as appended tokens are refused with the reason.
+  EXPECT_EQ(t.open, "<|im_end|>\n<|im_start|>user\n<tool_response>\n");
+  EXPECT_EQ(t.close, "\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  // Llama-3.1 writes the content through tojson: not verbatim, so its replies are rendered per call.
+  const TemplateReply l = template_tool_framing(
+      fixture_template("Llama-3.1-Instruct", "<|begin_of_text|>", "<|eot_id|>"), none, "code_interpreter");
+  EXPECT_FALSE(l.verbatim);
+  EXPECT_EQ(l.open, "<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n\"");
+  // A template without a tool role is refused with the reason.
   auto refusal = [&](const std::string& name) {
     try {
       template_tool_framing(fixture_template(name, "<bos>", "<eos>"), none, "code_interpreter");
@@ -112,8 +118,6 @@ TEST(ToolProtocol, ReplyFramingOfPublishedTemplates) {
     }
     return std::string("accepted");
   };
-  EXPECT_NE(refusal("Llama-3.1-Instruct").find("changes a tool message's content"), std::string::npos)
-      << "Llama-3.1 writes tool content through tojson";
   EXPECT_NE(refusal("Gemma-2-it").find("cannot render a tool turn"), std::string::npos) << "Gemma-2 has no tool role";
 }
 
@@ -149,16 +153,21 @@ class ReplayPolicy : public TokenPolicy {
   size_t pos_ = 0;
 };
 
-class QwenToolCall : public ::testing::Test {
+// A published tokenizer with a published template: Qwen2.5's (verbatim tool content) on the Qwen3 tokenizer,
+// Llama-3.1's (tool content through tojson, rendered per call) on its own.
+struct ModelCase {
+  std::string name, tokenizer, chat_template, bos, eos, end_of_turn;
+};
+std::ostream& operator<<(std::ostream& os, const ModelCase& c) { return os << c.name; }
+
+class ModelToolCall : public ::testing::TestWithParam<ModelCase> {
  protected:
   void SetUp() override {
-    tok_ = std::make_unique<Tokenizer>(Tokenizer::load(kFixtures + "/tokenizers/qwen3"));
-    chat_ = std::make_unique<HfChatTemplate>(fixture_template("Qwen2.5-Instruct"));
+    const ModelCase& c = GetParam();
+    tok_ = std::make_unique<Tokenizer>(Tokenizer::load(kFixtures + "/tokenizers/" + c.tokenizer));
+    chat_ = std::make_shared<HfChatTemplate>(fixture_template(c.chat_template, c.bos, c.eos));
     protocol_.format = ToolFormat::kToolCall;
-    std::tie(protocol_.reply_open, protocol_.reply_close) =
-        template_tool_framing(*chat_, nlohmann::ordered_json::object(), protocol_.tool_name);
-    protocol_.output_open.clear();
-    protocol_.output_close.clear();
+    use_template_reply(protocol_, chat_, nlohmann::ordered_json::object());
     chat_options_.template_kind = ChatTemplateKind::kModel;
     chat_options_.system = "You are a helpful assistant.";
     chat_options_.tools = "";
@@ -173,13 +182,13 @@ class QwenToolCall : public ::testing::Test {
       const auto ids = tok_->encode(part);
       script.insert(script.end(), ids.begin(), ids.end());
     }
-    ReplayPolicy policy(tok_->vocab_size(), script, tok_->eos_id());
+    ReplayPolicy policy(tok_->vocab_size(), script, tok_->piece_id(GetParam().eos));
     SamplingOptions s;
     s.samples_per_prompt = 1;
     s.max_new_tokens = 200;
     RolloutOptions o;
     o.tool_format = ToolFormat::kToolCall;
-    o.stop_ids = {tok_->eos_id()};
+    o.stop_ids = {tok_->piece_id(GetParam().eos)};
     testing::FakeTool tool;
     tool.outputs["print(6*7)"] = "42\n";
     auto trajs = rollout(policy, *tok_, {prompt()}, s, o, tool.runner(), {}, protocol_);
@@ -193,7 +202,7 @@ class QwenToolCall : public ::testing::Test {
     conv.push_back({{"role", "user"}, {"content", kQuestion}});
     for (const auto& t : turns) conv.push_back(t);
     std::string text = chat_->render(conv, nlohmann::ordered_json::array({protocol_.tool_schema()}), false);
-    const std::string end = "<|im_end|>\n";
+    const std::string& end = GetParam().end_of_turn;
     EXPECT_EQ(text.substr(text.size() - end.size()), end);
     return text.substr(0, text.size() - end.size());
   }
@@ -207,12 +216,12 @@ class QwenToolCall : public ::testing::Test {
 
   const std::string kQuestion = "What is 6 * 7?";
   std::unique_ptr<Tokenizer> tok_;
-  std::unique_ptr<HfChatTemplate> chat_;
+  std::shared_ptr<HfChatTemplate> chat_;
   ToolProtocol protocol_;
   ChatTemplateOptions chat_options_;
 };
 
-TEST_F(QwenToolCall, TrajectoryIsTheTemplatesOwnConversation) {
+TEST_P(ModelToolCall, TrajectoryIsTheTemplatesOwnConversation) {
   const std::string call =
       "I will compute it.\n<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(6*7)\"}}\n"
       "</tool_call>";
@@ -236,7 +245,7 @@ TEST_F(QwenToolCall, TrajectoryIsTheTemplatesOwnConversation) {
   EXPECT_NE(prompt_text + call + fixed.reply_text("42") + answer, want);
 }
 
-TEST_F(QwenToolCall, MalformedJsonIsAnsweredAndTheRunGoesOn) {
+TEST_P(ModelToolCall, MalformedJsonIsAnsweredAndTheRunGoesOn) {
   const std::string bad =
       "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(6*7)\"\n</tool_call>";
   const std::string answer = "So \\boxed{42}";
@@ -249,6 +258,13 @@ TEST_F(QwenToolCall, MalformedJsonIsAnsweredAndTheRunGoesOn) {
   EXPECT_EQ(reply.rfind(protocol_.reply_open, 0), 0u) << reply;
   EXPECT_NE(reply.find("Error: the tool call is not valid JSON"), std::string::npos) << reply;
 }
+
+INSTANTIATE_TEST_SUITE_P(Published, ModelToolCall,
+                         ::testing::Values(ModelCase{"qwen", "qwen3", "Qwen2.5-Instruct", "", "<|im_end|>",
+                                                     "<|im_end|>\n"},
+                                           ModelCase{"llama", "llama-3.1", "Llama-3.1-Instruct", "<|begin_of_text|>",
+                                                     "<|eot_id|>", "<|eot_id|>"}),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace rlt
