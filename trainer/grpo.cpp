@@ -54,12 +54,7 @@ std::map<std::string, double> train_grpo(Run& run) {
   const TrainOptions& T = cfg.train;
   const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
-  if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  MetricsLog log(run.out_dir, /*append=*/run.step > 0);
-  SandboxPool pool(cfg.sandbox);
-  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-
-  const double eval_start = begin_training(run);  // warm-up, reference, evaluation before RL
+  const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
@@ -67,7 +62,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards.
-    RolloutBatch rb = collect_rollouts(run, tools);
+    RolloutBatch rb = collect_rollouts(run);
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss.
@@ -135,7 +130,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     peaks.end("update");
 
     // 6. Metrics, warnings, checkpoint.
-    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
+    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
                     mismatch.read());
   }
   end_training(run, eval_start, m);

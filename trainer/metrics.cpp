@@ -101,7 +101,7 @@ std::map<std::string, double> UpdateMetrics::read() const {
   return m;
 }
 
-std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const RolloutBatch& rb, const UpdateMetrics& um,
+std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra) {
   const TrainOptions& T = run.config.train;
@@ -121,8 +121,9 @@ std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const Rollo
             {"time_scoring_s", times.scoring},
             {"time_update_s", times.update},
             {"time_step_s", times.step}});
-  log.write(m);
-  log.plot();
+  TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
+  run.log->write(m);
+  run.log->plot();
   if (run.checkpoint_due()) save_checkpoint(run);
   return m;
 }

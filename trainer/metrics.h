@@ -98,7 +98,7 @@ struct StepTimes {
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
 // metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the console and the plot;
 // samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics.
-std::map<std::string, double> finish_step(Run& run, MetricsLog& log, const RolloutBatch& rb, const UpdateMetrics& um,
+std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra = {});
 

@@ -105,12 +105,7 @@ std::map<std::string, double> train_ppo(Run& run) {
   const PpoOptions& ppo = cfg.ppo;
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
   TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
-  if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  MetricsLog log(run.out_dir, /*append=*/run.step > 0);
-  SandboxPool pool(cfg.sandbox);
-  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-
-  const double eval_start = begin_training(run);  // warm-up, reference, evaluation before RL
+  const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
@@ -118,7 +113,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
     // 1. Rollout and rewards.
-    RolloutBatch rb = collect_rollouts(run, tools);
+    RolloutBatch rb = collect_rollouts(run);
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S)
     const auto micro_ranges = micro_batch_ranges(S, mini, micro);
     std::vector<PackedBatch> batches;
@@ -221,7 +216,7 @@ std::map<std::string, double> train_ppo(Run& run) {
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},
                   {"advantage_std", adv_std}});
-    m = finish_step(run, log, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
+    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
   }
   end_training(run, eval_start, m);
   return m;

@@ -20,6 +20,7 @@
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/warmup.h"
 
@@ -235,7 +236,14 @@ std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vect
   return out;
 }
 
-RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
+ToolRunner tool_runner(Run& run) {
+  if (!run.sandbox) run.sandbox = std::make_shared<SandboxPool>(run.config.sandbox);
+  std::shared_ptr<SandboxPool> pool = run.sandbox;
+  return [pool](const std::string& code) { return pool->submit(code); };
+}
+
+RolloutBatch collect_rollouts(Run& run) {
+  const ToolRunner tools = tool_runner(run);
   const Config& cfg = run.config;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t P = cfg.train.prompts_per_step;
@@ -260,6 +268,8 @@ RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools) {
 }
 
 double begin_training(Run& run) {
+  if (!run.device.is_cuda()) install_cpu_memory_tracking();
+  run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.step > 0);
   const bool fresh = run.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);
   ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
@@ -299,11 +309,9 @@ EvalResult evaluate(Run& run) {
   s.samples_per_prompt = k;
   // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
   s.seed = run.config.train.seed * 1000003 + run.step + (int64_t{1} << 40);
-  SandboxPool pool(run.config.sandbox);
-  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
   ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
-  auto trajs =
-      rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout, tools, {}, run.tools);
+  auto trajs = rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout,
+                       tool_runner(run), {}, run.tools);
   std::vector<std::string> answers;
   for (const auto& ex : run.eval_set) answers.push_back(ex.answer);
   assign_rewards(trajs, answers, run.config.reward);

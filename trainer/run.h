@@ -20,10 +20,13 @@
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "rollout/retool.h"
+#include "rollout/sandbox.h"
 #include "rollout/tools.h"
 #include "trainer/config.h"
 
 namespace rlt {
+
+class MetricsLog;
 
 // Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
 // print it and exit with code 2.
@@ -46,6 +49,10 @@ struct Run {
   at::Device device = at::kCPU;
   std::unique_ptr<Tokenizer> tokenizer;
   ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
+  // The run's interpreter pool (made on first use: tool_runner) and its metrics.jsonl / console / plot
+  // writer (begin_training). Shared pointers: MetricsLog is complete in trainer/metrics.h only.
+  std::shared_ptr<SandboxPool> sandbox;
+  std::shared_ptr<MetricsLog> log;
   // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
   std::shared_ptr<const HfChatTemplate> chat;
   std::unique_ptr<Transformer> policy;
@@ -87,8 +94,9 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 // resumed run saved one, else a copy of the policy, saved there.
 void ensure_reference(Run& run);
 
-// What every trainer does before its first RL step: the warm-up (a fresh run with sft.steps > 0), the
-// reference policy (policy.kl_coef > 0), and the evaluation "before" on a fresh run. Returns that
+// What every trainer does before its first RL step: CPU memory tracking (the peak-memory metrics), the
+// metrics log, the warm-up (a fresh run with sft.steps > 0), the reference policy (policy.kl_coef > 0),
+// and the evaluation "before" on a fresh run. Returns that
 // evaluation's pass@1, NaN when there is none.
 double begin_training(Run& run);
 // After the last step: the evaluation "after" (the last step's own when train.eval_every ran one there),
@@ -107,7 +115,10 @@ struct RolloutBatch {
   double seconds = 0;                   // wall time of the generation (tool calls included)
   RolloutStats stats;                   // where the generation's time went
 };
-RolloutBatch collect_rollouts(Run& run, const ToolRunner& tools);
+RolloutBatch collect_rollouts(Run& run);
+
+// Runs code on the run's interpreter pool (sandbox.workers processes), made on first use and kept.
+ToolRunner tool_runner(Run& run);
 
 // One evaluation on run.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
 // else sampled at sampling.temperature / top_p / top_k with a noise stream of its own).
