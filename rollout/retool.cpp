@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <iostream>
 #include <thread>
 
 #include "common/memory.h"
@@ -184,10 +185,13 @@ class Loop {
     std::vector<int64_t> to_sample(seqs_.size());
     for (size_t n = 0; n < seqs_.size(); ++n) to_sample[n] = static_cast<int64_t>(n);
     auto t = Clock::now();
+    start_ = t;
+    next_progress_ = options_.progress_s;
     at::Tensor logits = policy_.start(prompts, G);  // (N, V)
     device_synchronize(logits.device());
     stats.prefill_s += lap(t);
     for (;;) {
+      report_progress();
       if (!to_sample.empty()) {
         sample(to_sample, logits);
         stats.sample_s += lap(t);
@@ -226,6 +230,7 @@ class Loop {
       }
       if (!pick.empty()) logits = logits.index_select(0, at::tensor(pick, at::kLong).to(logits.device()));
     }
+    if (printed_) std::cerr << "\n";
     stats.forced_tokens += forced_tokens_;
     std::vector<Trajectory> out;
     out.reserve(seqs_.size());
@@ -351,6 +356,24 @@ class Loop {
     s.tool = tools_(end.code);
   }
 
+  // The live line of a long rollout (rollout.progress_s): "\r"-rewritten in place, ended by run().
+  void report_progress() {
+    if (options_.progress_s <= 0) return;
+    const double s = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (s < next_progress_) return;
+    next_progress_ = s + options_.progress_s;
+    int64_t done = 0, waiting = 0, sampled = 0;
+    for (const auto& q : seqs_) {
+      done += q.state == SeqState::kDone;
+      waiting += q.state == SeqState::kWaiting;
+      sampled += q.traj.sampled_tokens();
+    }
+    std::cerr << "\rrollout " << static_cast<int64_t>(s) << " s: " << done << "/" << seqs_.size()
+              << " trajectories done, " << static_cast<int64_t>(sampled / s) << " sampled tokens/s, " << waiting
+              << " tool calls in flight   " << std::flush;
+    printed_ = true;
+  }
+
   bool any_waiting() const {
     for (const auto& s : seqs_) {
       if (s.state == SeqState::kWaiting) return true;
@@ -397,6 +420,9 @@ class Loop {
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
   int64_t forced_tokens_ = 0;
+  Clock::time_point start_;
+  double next_progress_ = 0;  // seconds since start_ of the next live line
+  bool printed_ = false;
 };
 
 }  // namespace

@@ -79,6 +79,9 @@ struct RolloutOptions {
   int64_t max_batch = 0;
   // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
   bool cuda_graphs = true;
+  // A rollout still running after this many seconds prints a live line to stderr, and again every as many
+  // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
+  double progress_s = 10;
 
   template <class V>
   void visit(V&& v) {
@@ -94,6 +97,7 @@ struct RolloutOptions {
     v("feedback", feedback, "message for an unparseable turn");
     v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
     v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
+    v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {
     if (tool_name.empty()) fail("tool_name", "must not be empty");

@@ -195,6 +195,27 @@ TEST_F(ReToolTest, AnswerEndsTheTrajectory) {
   EXPECT_EQ(p->released_, std::vector<int64_t>{0});
 }
 
+// A long rollout says where it is on one live line (rollout.progress_s); a short one, or 0, says nothing.
+TEST_F(ReToolTest, LongRolloutsPrintALiveProgressLine) {
+  FakeTool tool;
+  tool.outputs["\nprint(6*7)\n"] = "42\n";
+  auto run = [&](double progress_s) {
+    auto p = policy({"<code>\nprint(6*7)\n</code>Answer: \\boxed{42}"});
+    RolloutOptions o;
+    o.progress_s = progress_s;
+    ::testing::internal::CaptureStderr();
+    rollout(*p, *tok_, {enc("Q")}, sampling(1), o, tool.runner());
+    return ::testing::internal::GetCapturedStderr();
+  };
+  const std::string line = run(1e-9);  // "long" from the first iteration on
+  EXPECT_NE(line.find("\rrollout "), std::string::npos) << line;
+  EXPECT_NE(line.find("/1 trajectories done"), std::string::npos) << line;
+  EXPECT_NE(line.find("tool calls in flight"), std::string::npos) << line;
+  EXPECT_EQ(line.back(), '\n') << "the line is ended when the rollout is";
+  EXPECT_EQ(run(0), "");
+  EXPECT_EQ(run(3600), "") << "a rollout shorter than progress_s prints nothing";
+}
+
 // A checkpoint's generation_config.json may name stop ids other than the tokenizer's EOS (Qwen instruct:
 // <|im_end|> and <|endoftext|>): each one ends the trajectory, and the tokenizer's EOS alone does not when
 // the list is given without it.
