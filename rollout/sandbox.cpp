@@ -1,31 +1,32 @@
 // The sandboxed interpreter (sandbox.h). One call is three processes:
 //
-//   caller thread P --clone(new user, pid, net, ipc namespaces)--> init B (pid 1 of the new namespace)
-//   init B --clone--> C: setpgid, chdir, rlimits, drop capabilities (and the uid when the interpreter is
-//                    reachable by uid 65534), no_new_privs, Landlock, seccomp, execve(python3 -I -B -u -)
+//   caller thread P --clone(CLONE_VM | CLONE_VFORK, new user, pid, net, ipc, mount namespaces), execve-->
+//     init B: rlt-sandbox-init (rollout/sandbox_init.cpp), pid 1 of the new namespace
+//   init B: builds the read-only root (the jail) --fork--> C: setpgid, chdir, rlimits, drop capabilities
+//     (and the uid when the interpreter is reachable by uid 65534), no_new_privs, Landlock, seccomp,
+//     execve(python3 -I -B -u -)
 //
-// B stays outside every restriction so it can report C's exit status on a pipe (kDone) and then kill
-// whatever C left behind: as pid 1 it takes the whole namespace down with it. P enforces the wall clock
-// (SIGKILL to B, which kills the namespace), reads stdout/stderr (kept up to the cap, the rest drained),
-// then removes the pids cgroup and the private directory. Where the kernel refuses namespaces, levels
-// fall back (kLevels); without a pid namespace B is a child subreaper and kills C's process group and
-// every descendant reparented to it, so even setsid() daemons die; only a process that escapes while B
-// itself is being killed (a second timeout past the grace) could survive there.
-//
-// Everything the children need is prepared before the clone: they are copies of a multithreaded
-// process, so between clone and execve they use only async-signal-safe calls and raw syscalls (no
-// malloc, no glibc setuid wrapper, which would signal threads that do not exist in the copy). The
-// clones are raw syscalls rather than fork() for the same reason: no atfork handlers run. Each clone
-// copies the caller's page tables, so its cost grows with the trainer's resident memory (milliseconds
-// for a few GiB).
+// P never copies its own address space: B shares it only until its immediate execve of the small init
+// program (P's thread is suspended meanwhile), and C is a fork of that small program. So a call costs
+// the same whatever the trainer's resident memory. P decides everything before the clone and hands it to
+// B as a plan (rollout/sandbox_plan.h) in a memfd; after the clone it writes B's uid/gid maps, moves B
+// into the call's pids and memory cgroups, and lets it go. B stays outside every restriction so it can
+// report C's exit status on a pipe (kDone) and then kill whatever C left behind: as pid 1 it takes the
+// whole namespace down with it. P enforces the wall clock (SIGKILL to B, which kills the namespace), reads
+// stdout/stderr (kept up to the cap, the rest drained), then removes the cgroups and the private
+// directory. Where the kernel refuses a level (kLevels), the next is tried: without a mount namespace
+// reads are confined by Landlock where the kernel has it; without a pid namespace B is a child subreaper
+// and kills C's process group and every descendant reparented to it, so even setsid() daemons die; only
+// a process that escapes while B itself is being killed (a second timeout past the grace) could survive
+// there.
 #include "rollout/sandbox.h"
 
 #include "common/files.h"
+#include "rollout/sandbox_plan.h"
 
 #include <fcntl.h>
-#include <linux/capability.h>
+#include <limits.h>
 #include <linux/filter.h>
-#include <linux/seccomp.h>
 #include <poll.h>
 #include <sched.h>
 #include <seccomp.h>
@@ -40,7 +41,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <dirent.h>
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -68,69 +68,45 @@ namespace rlt {
 
 namespace {
 
-// ---------------------------------------------------------------------------------------------------
-// Kernel interfaces the Debian 12 headers (Linux 6.1) may lack. Numbers are the same on every arch.
+using namespace sandbox;
+using Clock = std::chrono::steady_clock;
+
 #ifndef SYS_landlock_create_ruleset
 #define SYS_landlock_create_ruleset 444
-#define SYS_landlock_add_rule 445
-#define SYS_landlock_restrict_self 446
 #endif
 #ifndef SYS_close_range
 #define SYS_close_range 436
 #endif
-
-// Landlock ABI 1..6 (linux/landlock.h; later ABIs add nothing used here): the ruleset attribute grew a field at v4 and
-// at v6; the kernel accepts the prefix it knows, so the size passed follows the ABI.
-struct LandlockRulesetAttr {
-  uint64_t handled_access_fs = 0;
-  uint64_t handled_access_net = 0;  // ABI >= 4
-  uint64_t scoped = 0;              // ABI >= 6
-};
-struct __attribute__((packed)) LandlockPathBeneath {
-  uint64_t allowed_access;
-  int32_t parent_fd;
-};
-constexpr int kLandlockRulePathBeneath = 1;
 constexpr uint32_t kLandlockCreateRulesetVersion = 1u << 0;
-// Write-side filesystem rights (reads and execution are not handled, so they stay allowed everywhere).
-constexpr uint64_t kFsWriteFile = 1ull << 1;
-constexpr uint64_t kFsRemoveDir = 1ull << 4;
-constexpr uint64_t kFsRemoveFile = 1ull << 5;
-constexpr uint64_t kFsMakeChar = 1ull << 6;
-constexpr uint64_t kFsMakeDir = 1ull << 7;
-constexpr uint64_t kFsMakeReg = 1ull << 8;
-constexpr uint64_t kFsMakeSock = 1ull << 9;
-constexpr uint64_t kFsMakeFifo = 1ull << 10;
-constexpr uint64_t kFsMakeBlock = 1ull << 11;
-constexpr uint64_t kFsMakeSym = 1ull << 12;
-constexpr uint64_t kFsRefer = 1ull << 13;     // ABI >= 2
-constexpr uint64_t kFsTruncate = 1ull << 14;  // ABI >= 3
-constexpr uint64_t kNetBindTcp = 1ull << 0;   // ABI >= 4
-constexpr uint64_t kNetConnectTcp = 1ull << 1;
-constexpr uint64_t kScopeAbstractUnix = 1ull << 0;  // ABI >= 6
-constexpr uint64_t kScopeSignal = 1ull << 1;
-
-// The uid/gid a call drops to when the caller is root and the interpreter is reachable by it.
-constexpr uid_t kSandboxUid = 65534;
-constexpr gid_t kSandboxGid = 65534;
-
-using Clock = std::chrono::steady_clock;
 
 std::string errno_text(int err) { return std::strerror(err); }
 
 // ---------------------------------------------------------------------------------------------------
-// Namespace levels, strongest first. The first call tries level 0 and moves down (for good: the result
-// is kept in g_level) when the kernel refuses it; level 1 needs CAP_SYS_ADMIN, so only root tries it.
-constexpr int kLevels[] = {CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC,
-                           CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC, 0};
-constexpr int kNumLevels = 3;
+// Levels, strongest first. The first call tries level 0 and moves down (for good: the result is kept in
+// g_level) when the kernel refuses it; levels without a user namespace need CAP_SYS_ADMIN, so only root
+// tries them. `jail`: a mount namespace with a minimal read-only root and a tmpfs working directory.
+struct Level {
+  int ns_flags;
+  bool jail;
+  bool root_only;
+};
+constexpr Level kLevels[] = {
+    {CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWNS, true, false},
+    {CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWNS, true, true},
+    {CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC, false, false},
+    {CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC, false, true},
+    {0, false, false},
+};
+constexpr int kNumLevels = sizeof(kLevels) / sizeof(kLevels[0]);
 std::atomic<int> g_level{0};
 
 // What the host offers, probed once.
 struct Host {
   bool root = false;
-  int landlock_abi = 0;   // 0: no Landlock
-  std::string pids_root;  // our pids cgroup directory, where per-call cgroups are made; empty: none
+  int landlock_abi = 0;    // 0: no Landlock
+  std::string pids_dir;    // our cgroup directory with the pids controller, where per-call cgroups are made
+  std::string memory_dir;  // the same for the memory controller (v1: another hierarchy; v2: the same dir)
+  bool memory_v1 = false;  // memory.limit_in_bytes (v1) rather than memory.max (v2)
 };
 
 // Landlock ABI version, 0 when the kernel has none (or it is disabled).
@@ -139,16 +115,16 @@ int probe_landlock() {
   return v > 0 ? static_cast<int>(v) : 0;
 }
 
-// The directory of this process's pids cgroup (v1 "pids" hierarchy, or v2 when the unified hierarchy is
-// the only one), if we may make child cgroups there; empty otherwise.
-std::string probe_pids_cgroup() {
+// The directory of this process's cgroup for `controller` (its v1 hierarchy, or v2 when only the
+// unified hierarchy has it), if we may make child cgroups there; empty otherwise. `v1` tells which.
+std::string probe_cgroup(const std::string& controller, bool& v1) {
   std::ifstream cg("/proc/self/cgroup");
   std::string line, v1_path, v2_path;
   while (std::getline(cg, line)) {
     const size_t a = line.find(':'), b = line.find(':', a + 1);
     if (a == std::string::npos || b == std::string::npos) continue;
     const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
-    if (controllers.find(",pids,") != std::string::npos) v1_path = line.substr(b + 1);
+    if (controllers.find("," + controller + ",") != std::string::npos) v1_path = line.substr(b + 1);
     if (line.compare(0, a, "0") == 0 && b == a + 1) v2_path = line.substr(b + 1);
   }
   std::ifstream mi("/proc/self/mountinfo");
@@ -167,13 +143,15 @@ std::string probe_pids_cgroup() {
       if (path.compare(0, root.size(), root) == 0) return mount_point + path.substr(root.size());
       return "";
     };
-    if (fstype == "cgroup" && !v1_path.empty() && ("," + super + ",").find(",pids,") != std::string::npos) {
+    if (fstype == "cgroup" && !v1_path.empty() &&
+        ("," + super + ",").find("," + controller + ",") != std::string::npos) {
       v1_dir = under(v1_path);
     } else if (fstype == "cgroup2" && !v2_path.empty()) {
       v2_dir = under(v2_path);
     }
   }
-  std::string dir = !v1_dir.empty() ? v1_dir : v2_dir;
+  v1 = !v1_dir.empty();
+  std::string dir = v1 ? v1_dir : v2_dir;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   if (dir.empty() || access(dir.c_str(), W_OK) != 0) return "";
   return dir;
@@ -184,13 +162,17 @@ const Host& host() {
     Host x;
     x.root = geteuid() == 0;
     x.landlock_abi = probe_landlock();
-    if (x.root) x.pids_root = probe_pids_cgroup();
+    if (x.root) {
+      bool v1 = false;
+      x.pids_dir = probe_cgroup("pids", v1);
+      x.memory_dir = probe_cgroup("memory", x.memory_v1);
+    }
     return x;
   }();
   return h;
 }
-// Cleared when a per-call cgroup turns out to have no pids controller (v2 without delegation).
-std::atomic<bool> g_pids_cgroup_ok{true};
+// Cleared when a per-call cgroup turns out to lack the controller (v2 without delegation).
+std::atomic<bool> g_pids_cgroup_ok{true}, g_memory_cgroup_ok{true};
 
 // ---------------------------------------------------------------------------------------------------
 // Seccomp: built with libseccomp in the caller (it allocates), exported as BPF once per variant, and
@@ -288,259 +270,6 @@ const std::vector<sock_filter>& seccomp_program(const SeccompVariant& v) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The children. Reports go to P on a pipe as fixed-size records (atomic: smaller than PIPE_BUF).
-enum ReportKind : int32_t { kFailed = 1, kStarted = 2, kDone = 3 };
-enum Stage : int32_t {
-  kStageFds,
-  kStageSync,
-  kStageClone,
-  kStageChdir,
-  kStageRlimit,
-  kStageCaps,
-  kStageUid,
-  kStagePrctl,
-  kStageLandlock,
-  kStageSeccomp,
-  kStageExec,
-};
-const char* stage_name(int32_t s) {
-  static const char* names[] = {"arranging descriptors",       "waiting for the caller",
-                                "starting the interpreter",    "entering the working directory",
-                                "setting resource limits",     "dropping capabilities",
-                                "dropping to the sandbox uid", "prctl",
-                                "applying Landlock",           "installing the seccomp filter",
-                                "executing the interpreter"};
-  return s >= 0 && s < int32_t(sizeof(names) / sizeof(names[0])) ? names[s] : "?";
-}
-struct Report {
-  int32_t kind, a, b;
-};
-
-// Descriptor numbers inside B and C, after arrange_fds.
-constexpr int kFdCode = 0, kFdOut = 1, kFdErr = 2, kFdStatus = 3, kFdSync = 4, kNumChildFds = 5;
-
-// Everything B and C need, built by P before the clone.
-struct Plan {
-  const char* exe = nullptr;
-  char* const* argv = nullptr;
-  char* const* envp = nullptr;
-  const char* workdir = nullptr;
-  int fds[kNumChildFds] = {-1, -1, -1, -1, -1};  // P's numbers for code, out, err, status, sync
-  rlim_t cpu_soft = 0, cpu_hard = 0, as = 0, fsize = 0, nofile = 0, nproc = 0;
-  bool set_nproc = false;
-  bool drop_uid = false;
-  bool pidns = false;
-  int landlock_abi = 0;
-  sock_fprog seccomp{0, nullptr};  // len 0: none
-};
-
-void child_report(int fd, int32_t kind, int32_t a, int32_t b) {
-  const Report r{kind, a, b};
-  ssize_t n;
-  do {
-    n = write(fd, &r, sizeof r);
-  } while (n < 0 && errno == EINTR);
-}
-
-[[noreturn]] void child_fail(int fd, Stage stage) {
-  const int err = errno;
-  child_report(fd, kFailed, stage, err);
-  _exit(125);
-}
-
-pid_t raw_clone(unsigned long flags) {
-  // clone(flags, stack = 0 (the child continues on its copy of this stack), ...): fork semantics.
-  return static_cast<pid_t>(syscall(SYS_clone, flags | SIGCHLD, nullptr, nullptr, nullptr, nullptr));
-}
-
-// Moves fds[0..n) to 0..n-1 and closes every other descriptor (P's other files, and the pipes of other
-// calls running at the same time, whose readers would otherwise wait for our exit to see EOF).
-bool arrange_fds(int* fds, int n) {
-  for (int i = 0; i < n; ++i) {
-    if (fds[i] < n) {
-      fds[i] = fcntl(fds[i], F_DUPFD, n);
-      if (fds[i] < 0) return false;
-    }
-  }
-  for (int i = 0; i < n; ++i) {
-    if (dup2(fds[i], i) < 0) return false;
-  }
-  if (syscall(SYS_close_range, static_cast<unsigned>(n), ~0u, 0u) != 0) {
-    rlimit r{};
-    const rlim_t top = getrlimit(RLIMIT_NOFILE, &r) == 0 ? std::min<rlim_t>(r.rlim_cur, 1 << 16) : 1024;
-    for (rlim_t fd = n; fd < top; ++fd) close(static_cast<int>(fd));
-  }
-  return true;
-}
-
-void set_limit(int resource, rlim_t soft, rlim_t hard) {
-  const rlimit r{soft, hard};
-  if (setrlimit(resource, &r) != 0) child_fail(kFdStatus, kStageRlimit);
-}
-
-bool apply_landlock(int abi) {
-  uint64_t fs = kFsWriteFile | kFsRemoveDir | kFsRemoveFile | kFsMakeChar | kFsMakeDir | kFsMakeReg | kFsMakeSock |
-                kFsMakeFifo | kFsMakeBlock | kFsMakeSym;
-  if (abi >= 2) fs |= kFsRefer;
-  if (abi >= 3) fs |= kFsTruncate;
-  LandlockRulesetAttr attr;
-  attr.handled_access_fs = fs;
-  if (abi >= 4) attr.handled_access_net = kNetBindTcp | kNetConnectTcp;  // no rule: every TCP bind/connect
-  if (abi >= 6) attr.scoped = kScopeAbstractUnix | kScopeSignal;         // no signal leaves the domain
-  const size_t size = abi >= 6 ? 24 : abi >= 4 ? 16 : 8;
-  const int ruleset = static_cast<int>(syscall(SYS_landlock_create_ruleset, &attr, size, 0u));
-  if (ruleset < 0) return false;
-  bool ok = true;
-  // Writes: the working directory (C's cwd by now), and /dev/null (subprocess.DEVNULL opens it).
-  const int dir = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
-  LandlockPathBeneath rule{fs, dir};
-  ok &= dir >= 0 && syscall(SYS_landlock_add_rule, ruleset, kLandlockRulePathBeneath, &rule, 0u) == 0;
-  const int null = open("/dev/null", O_PATH | O_CLOEXEC);
-  if (null >= 0) {
-    LandlockPathBeneath devnull{kFsWriteFile | (abi >= 3 ? kFsTruncate : 0), null};
-    syscall(SYS_landlock_add_rule, ruleset, kLandlockRulePathBeneath, &devnull, 0u);
-    close(null);
-  }
-  if (dir >= 0) close(dir);
-  ok &= ok && syscall(SYS_landlock_restrict_self, ruleset, 0u) == 0;
-  close(ruleset);
-  return ok;
-}
-
-// C: limits, identity, confinement, execve. Never returns.
-[[noreturn]] void interpreter_main(const Plan& p) {
-  setpgid(0, 0);  // its own group, so P (or B) can kill the group without hitting B
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, nullptr);
-  fcntl(kFdStatus, F_SETFD, FD_CLOEXEC);  // closed by a successful execve: EOF means exec'd or dead
-  if (chdir(p.workdir) != 0) child_fail(kFdStatus, kStageChdir);
-  set_limit(RLIMIT_CPU, p.cpu_soft, p.cpu_hard);
-  set_limit(RLIMIT_AS, p.as, p.as);
-  set_limit(RLIMIT_FSIZE, p.fsize, p.fsize);
-  set_limit(RLIMIT_NOFILE, p.nofile, p.nofile);
-  set_limit(RLIMIT_CORE, 0, 0);
-  if (p.set_nproc) set_limit(RLIMIT_NPROC, p.nproc, p.nproc);
-  // Empty the bounding set first (needs CAP_SETPCAP, which the uid change would take away), so that not
-  // even a uid-0 execve can grant capabilities again. EINVAL past the last capability the kernel knows.
-  for (int cap = 0; cap <= 63; ++cap) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
-  prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-  if (p.drop_uid) {
-    if (syscall(SYS_setgroups, 0, nullptr) != 0 || syscall(SYS_setresgid, kSandboxGid, kSandboxGid, kSandboxGid) != 0 ||
-        syscall(SYS_setresuid, kSandboxUid, kSandboxUid, kSandboxUid) != 0) {
-      child_fail(kFdStatus, kStageUid);
-    }
-  } else {
-    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
-    __user_cap_data_struct data[2] = {};
-    if (syscall(SYS_capset, &header, data) != 0) child_fail(kFdStatus, kStageCaps);
-  }
-  // Set after the credential change, which clears it: C dies with B.
-  if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
-    child_fail(kFdStatus, kStagePrctl);
-  }
-  if (p.landlock_abi > 0 && !apply_landlock(p.landlock_abi)) child_fail(kFdStatus, kStageLandlock);
-  if (p.seccomp.len > 0 && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0u, &p.seccomp) != 0) {
-    child_fail(kFdStatus, kStageSeccomp);
-  }
-  execve(p.exe, p.argv, p.envp);
-  const int err = errno;
-  child_report(kFdStatus, kFailed, kStageExec, err);
-  _exit(127);
-}
-
-// Without a pid namespace: kill every child of B (a subreaper, so C's orphans, daemons included, end up
-// here) and reap, until none is left. Children are listed in /proc/self/task/<tid>/children.
-void kill_descendants() {
-  char path[64] = "/proc/self/task/";
-  {
-    char digits[16];
-    int n = 0;
-    for (long t = syscall(SYS_gettid); t > 0; t /= 10) digits[n++] = static_cast<char>('0' + t % 10);
-    size_t at = std::strlen(path);
-    while (n > 0) path[at++] = digits[--n];
-    std::memcpy(path + at, "/children", 10);
-  }
-  for (int rounds = 0; rounds < 100000; ++rounds) {
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) break;  // no CONFIG_PROC_CHILDREN: the process-group kill is all we can do
-    char buf[4096];
-    long pid = 0;
-    bool in_number = false;
-    for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) {
-      for (ssize_t i = 0; i < n; ++i) {
-        if (buf[i] >= '0' && buf[i] <= '9') {
-          pid = pid * 10 + (buf[i] - '0');
-          in_number = true;
-        } else if (in_number) {
-          kill(static_cast<pid_t>(pid), SIGKILL);
-          pid = 0;
-          in_number = false;
-        }
-      }
-    }
-    if (in_number) kill(static_cast<pid_t>(pid), SIGKILL);
-    close(fd);
-    const pid_t w = waitpid(-1, nullptr, 0);
-    if (w < 0 && errno == ECHILD) return;
-  }
-  while (waitpid(-1, nullptr, WNOHANG) > 0) {
-  }
-}
-
-// B: the namespace's init (or a subreaper without one). Never returns.
-[[noreturn]] void init_main(Plan p) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // the caller's thread gone: the whole sandbox goes
-  // Default dispositions (P's handlers must not run here, and ignored signals would stay ignored in
-  // python), then unblock (P blocked everything around the clone).
-  struct sigaction dfl {};
-  dfl.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG; ++sig) {
-    if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, nullptr);
-  }
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, nullptr);
-  setsid();
-  if (!arrange_fds(p.fds, kNumChildFds)) child_fail(p.fds[3] >= 0 ? p.fds[3] : kFdStatus, kStageFds);
-  char go = 0;
-  ssize_t got;
-  do {
-    got = read(kFdSync, &go, 1);
-  } while (got < 0 && errno == EINTR);
-  if (got != 1) _exit(125);  // P gave up (or died) before letting us go
-  close(kFdSync);
-  if (!p.pidns) prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
-  const pid_t c = raw_clone(0);
-  if (c == 0) interpreter_main(p);
-  if (c < 0) child_fail(kFdStatus, kStageClone);
-  child_report(kFdStatus, kStarted, c, 0);
-  close(kFdCode);  // only C holds the code and the output pipes now
-  close(kFdOut);
-  close(kFdErr);
-  int status = 0;
-  for (;;) {
-    int st = 0;
-    const pid_t w = waitpid(-1, &st, 0);
-    if (w == c) {
-      status = st;
-      break;
-    }
-    if (w < 0 && errno != EINTR) break;
-  }
-  if (p.pidns) {
-    kill(-1, SIGKILL);  // from init: everything else in the namespace
-    while (waitpid(-1, nullptr, 0) > 0 || errno == EINTR) {
-    }
-  } else {
-    kill(-c, SIGKILL);
-    kill_descendants();
-  }
-  child_report(kFdStatus, kDone, status, 0);
-  _exit(0);
-}
-
-// ---------------------------------------------------------------------------------------------------
 // P's side.
 
 void write_file(const std::string& path, const std::string& text) {
@@ -551,22 +280,60 @@ void write_file(const std::string& path, const std::string& text) {
   }
 }
 
-// The interpreter, resolved once per (python, tmp root): the real executable, and whether the sandbox
-// can run it as kSandboxUid (only asked when we are root).
+// The system files every interpreter needs: the loader's cache, the libraries, the usual bin
+// directories (many are symlinks into /usr on merged-/usr systems, recreated as such). Nothing else of
+// /etc: no passwd, no hosts, no certificates (there is no network).
+constexpr const char* kSystemReadPaths[] = {"/usr",
+                                            "/bin",
+                                            "/sbin",
+                                            "/lib",
+                                            "/lib32",
+                                            "/lib64",
+                                            "/libx32",
+                                            "/etc/ld.so.cache",
+                                            "/etc/ld.so.conf",
+                                            "/etc/ld.so.conf.d",
+                                            "/etc/localtime",
+                                            "/etc/alternatives"};
+
+// The interpreter, resolved once per (python, tmp root, namespaces): the real executable, the host paths
+// it reads (kSystemReadPaths, its prefixes and sys.path), and whether the sandbox can run it as
+// kSandboxUid (only asked when we are root).
 struct Interpreter {
   std::string exe;
+  std::vector<std::string> read_paths;
   bool drop_uid = false;
 };
 
-// `python -I -c "print(sys.executable)"` in the caller's own environment (a pyenv shim needs it).
-std::string resolve_executable(const std::string& python) {
+// Sorted, without duplicates, without entries beneath another entry, and without the tmp root or its
+// ancestors (the call's directory is made beneath it, so it cannot be a read-only bind).
+std::vector<std::string> normalize_read_paths(std::vector<std::string> paths, const std::string& tmp_root) {
+  for (auto& p : paths) {
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+  }
+  std::sort(paths.begin(), paths.end());
+  paths.erase(std::unique(paths.begin(), paths.end()), paths.end());
+  auto beneath = [](const std::string& p, const std::string& dir) {
+    return p == dir || (p.compare(0, dir.size(), dir) == 0 && (dir == "/" || p[dir.size()] == '/'));
+  };
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    if (p.empty() || p[0] != '/' || beneath(tmp_root, p)) continue;
+    if (!out.empty() && beneath(p, out.back())) continue;  // sorted: an ancestor comes just before
+    out.push_back(p);
+  }
+  return out;
+}
+
+// Runs `python -I -c <script>` in the caller's own environment (a pyenv shim needs it); its stdout.
+std::string run_in_caller_env(const std::string& python, const std::string& script) {
   int out[2];
   if (pipe2(out, O_CLOEXEC) != 0) throw SandboxError("pipe: " + errno_text(errno));
   Fd read_end(out[0]), write_end(out[1]);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, write_end.fd, 1);
-  std::vector<std::string> args = {python, "-I", "-c", "import sys; sys.stdout.write(sys.executable)"};
+  std::vector<std::string> args = {python, "-I", "-c", script};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -575,21 +342,71 @@ std::string resolve_executable(const std::string& python) {
   posix_spawn_file_actions_destroy(&actions);
   if (err != 0) throw SandboxError("cannot run the interpreter '" + python + "': " + errno_text(err));
   write_end.reset();
-  std::string exe;
+  std::string text;
   char buf[4096];
   for (ssize_t n; (n = read(read_end.fd, buf, sizeof buf)) != 0;) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) break;
-    exe.append(buf, n);
+    text.append(buf, n);
   }
   int st = 0;
   while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
   }
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0 || exe.empty() || exe[0] != '/') {
-    throw SandboxError("the interpreter '" + python + "' does not report its sys.executable (status " +
-                       std::to_string(st) + ")");
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    throw SandboxError("the interpreter '" + python + "' failed to describe itself (status " + std::to_string(st) +
+                       ")");
   }
-  return exe;
+  return text;
+}
+
+// The real executable (sys.executable: a pyenv shim resolves to it) and the directories it reads.
+Interpreter probe_interpreter(const SandboxOptions& o, const std::string& tmp_root) {
+  const std::string text = run_in_caller_env(
+      o.python,
+      "import json, os, sys\n"
+      "p = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)}\n"
+      "p.update(x for x in sys.path if x)\n"
+      "paths = sorted({f(x) for x in p if os.path.exists(x) for f in (os.path.abspath, os.path.realpath)})\n"
+      "sys.stdout.write(json.dumps({'exe': sys.executable, 'paths': paths}))\n");
+  Interpreter in;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    in.exe = j.at("exe").get<std::string>();
+    in.read_paths = j.at("paths").get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception&) {
+    throw SandboxError("the interpreter '" + o.python + "' described itself as '" + text.substr(0, 200) + "'");
+  }
+  if (in.exe.empty() || in.exe[0] != '/') {
+    throw SandboxError("the interpreter '" + o.python + "' reports no absolute sys.executable");
+  }
+  in.read_paths.insert(in.read_paths.end(), std::begin(kSystemReadPaths), std::end(kSystemReadPaths));
+  in.read_paths = normalize_read_paths(std::move(in.read_paths), tmp_root);
+  return in;
+}
+
+// rlt-sandbox-init: $RLT_SANDBOX_INIT, else beside this executable, else where the build put it.
+const std::string& init_path() {
+  static const std::string path = [] {
+    std::vector<std::string> tried;
+    if (const char* env = std::getenv("RLT_SANDBOX_INIT"); env != nullptr && env[0] != '\0') tried.push_back(env);
+    char self[PATH_MAX];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n > 0) {
+      const std::string exe(self, n);
+      tried.push_back(exe.substr(0, exe.rfind('/')) + "/rlt-sandbox-init");
+    }
+#ifdef RLT_SANDBOX_INIT_PATH
+    tried.push_back(RLT_SANDBOX_INIT_PATH);
+#endif
+    for (const auto& p : tried) {
+      if (access(p.c_str(), X_OK) == 0) return p;
+    }
+    return std::string();
+  }();
+  if (path.empty()) {
+    throw SandboxError("rlt-sandbox-init not found: set RLT_SANDBOX_INIT, or keep it beside the executable");
+  }
+  return path;
 }
 
 std::string tmp_root_of(const SandboxOptions& o) {
@@ -598,23 +415,26 @@ std::string tmp_root_of(const SandboxOptions& o) {
   return env != nullptr && env[0] == '/' ? env : "/tmp";
 }
 
-SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const std::string& exe, bool drop_uid);
+SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const Interpreter& in);
 
 Interpreter interpreter_for(const SandboxOptions& o) {
   static std::mutex mu;
-  static std::map<std::pair<std::string, std::string>, Interpreter> cache;
-  const auto key = std::make_pair(o.python, tmp_root_of(o));
+  static std::map<std::tuple<std::string, std::string, bool>, Interpreter> cache;
+  const std::string tmp_root = tmp_root_of(o);
+  const auto key = std::make_tuple(o.python, tmp_root, o.namespaces);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  Interpreter in;
-  in.exe = resolve_executable(o.python);
+  Interpreter in = probe_interpreter(o, tmp_root);
   if (host().root) {
-    // Can uid 65534 reach the interpreter, its libraries and the tmp root? Ask the sandbox itself.
+    // Can uid 65534 reach the interpreter, its libraries and the tmp root? Ask the sandbox itself (in a
+    // jail it can, wherever the interpreter lives: the jail's own directories are world-readable).
     SandboxOptions probe = o;
     probe.timeout_s = std::max(o.timeout_s, 10.0);
+    Interpreter as_nobody = in;
+    as_nobody.drop_uid = true;
     try {
-      const SandboxResult r = run_levels("import sys, encodings\n", probe, in.exe, /*drop_uid=*/true);
+      const SandboxResult r = run_levels("import sys, encodings\n", probe, as_nobody);
       in.drop_uid = !r.timed_out && r.exit_code == 0;
     } catch (const SandboxError&) {
       in.drop_uid = false;  // e.g. execve: EACCES (a pyenv under a 0700 /root)
@@ -686,7 +506,8 @@ void validate(const SandboxOptions& options) {
 }
 
 // What P makes for one call. Members are destroyed in reverse: the cgroup is removed, the descriptors are
-// closed, and the private directory is removed last.
+// What P makes for one call. Members are destroyed in reverse: the cgroups are removed, the descriptors
+// are closed, and the private directory is removed last.
 struct CallFiles {
   struct DirGuard {
     std::string path;  // empty until mkdtemp made it
@@ -695,24 +516,29 @@ struct CallFiles {
     }
   } dir;
   Fd code;                                            // the interpreter's stdin
+  Fd plan;                                            // the encoded SandboxPlan, B's fd 5
   Fd out_r, out_w, err_r, err_w, status_r, status_w;  // C's stdout and stderr; B's (and C's) reports
   Fd sync_p, sync_c;                                  // P's "go" to B
-  // Per-call pids cgroup (root only): made before the clone, B moved in before it may start C.
+  // Per-call cgroups (root only): made before the clone, B moved in before it may start C. One directory
+  // per hierarchy (v1 keeps pids and memory apart; v2 has one directory for both).
   struct CgroupGuard {
-    std::string path;
+    std::vector<std::string> paths;
+    bool pids = false, memory = false;  // which limits are set
     ~CgroupGuard() {
-      // Every task in it is the sandbox's, so whatever is still listed (a process that slipped out of a
+      // Every task in them is the sandbox's, so whatever is still listed (a process that slipped out of a
       // fallback level's kills) is killed here; rmdir succeeds once the last one has exited.
-      for (int i = 0; !path.empty() && i < 400 && rmdir(path.c_str()) != 0 && errno == EBUSY; ++i) {
-        std::ifstream procs(path + "/cgroup.procs");
-        for (pid_t pid; procs >> pid;) kill(pid, SIGKILL);
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      for (const std::string& path : paths) {
+        for (int i = 0; i < 400 && rmdir(path.c_str()) != 0 && errno == EBUSY; ++i) {
+          std::ifstream procs(path + "/cgroup.procs");
+          for (pid_t pid; procs >> pid;) kill(pid, SIGKILL);
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
       }
     }
-  } cgroup;
+  } cgroups;
 };
 
-// The private working directory.
+// The private working directory: the interpreter's cwd on the host, or the mount point of the jail.
 void make_private_dir(CallFiles& f, const SandboxOptions& o, bool drop_uid) {
   std::string dir = tmp_root_of(o) + "/rlt-sandbox-XXXXXX";
   if (mkdtemp(dir.data()) == nullptr) throw SandboxError("mkdtemp " + dir + ": " + errno_text(errno));
@@ -722,16 +548,22 @@ void make_private_dir(CallFiles& f, const SandboxOptions& o, bool drop_uid) {
   }
 }
 
-// The code, as the interpreter's stdin (a script read from stdin: tracebacks say File "<stdin>").
-void make_code_fd(CallFiles& f, const std::string& code) {
-  f.code.reset(memfd_create("rlt-sandbox-code", MFD_CLOEXEC));
-  if (f.code.fd < 0) throw SandboxError("memfd_create: " + errno_text(errno));
-  for (size_t done = 0; done < code.size();) {
-    const ssize_t n = write(f.code.fd, code.data() + done, code.size() - done);
+// A memfd holding `bytes`, its offset at the end.
+int memfd_with(const char* name, const std::string& bytes) {
+  Fd fd(memfd_create(name, MFD_CLOEXEC));
+  if (fd.fd < 0) throw SandboxError("memfd_create: " + errno_text(errno));
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = write(fd.fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw SandboxError("writing the code: " + errno_text(errno));
+    if (n < 0) throw SandboxError(std::string("writing ") + name + ": " + errno_text(errno));
     done += n;
   }
+  return fd.release();
+}
+
+// The code, as the interpreter's stdin (a script read from stdin: tracebacks say File "<stdin>").
+void make_code_fd(CallFiles& f, const std::string& code) {
+  f.code.reset(memfd_with("rlt-sandbox-code", code));
   {
     // A read-only descriptor, so the code cannot rewrite its own script.
     const std::string self = "/proc/self/fd/" + std::to_string(f.code.fd);
@@ -760,75 +592,197 @@ void make_channels(CallFiles& f) {
   }
 }
 
-// The call's pids cgroup, capped at max_processes (+1 for B); left out where there is none to make.
-void make_pids_cgroup(CallFiles& f, const Host& h, const SandboxOptions& o) {
-  if (!h.pids_root.empty() && g_pids_cgroup_ok.load()) {
-    static std::atomic<uint64_t> seq{0};
-    const std::string path =
-        h.pids_root + "/rlt-sandbox-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
-    if (mkdir(path.c_str(), 0755) == 0) {
-      f.cgroup.path = path;
-      try {
-        write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
-      } catch (const SandboxError&) {
-        g_pids_cgroup_ok = false;  // no pids controller here (v2 without delegation): stop trying
-        rmdir(path.c_str());
-        f.cgroup.path.clear();
+// The call's cgroups: pids capped at max_processes (+1 for B), memory at memory_mb for the whole call
+// (its processes and what it keeps in its tmpfs). Each is left out where there is none to make.
+void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o) {
+  static std::atomic<uint64_t> seq{0};
+  const std::string name = "/rlt-sandbox-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
+  auto make = [&](const std::string& root) -> std::string {
+    const std::string path = root + name;
+    for (const auto& p : f.cgroups.paths) {
+      if (p == path) return p;
+    }
+    if (mkdir(path.c_str(), 0755) != 0) return "";
+    f.cgroups.paths.push_back(path);
+    return path;
+  };
+  if (!h.pids_dir.empty() && g_pids_cgroup_ok.load()) {
+    const std::string path = make(h.pids_dir);
+    try {
+      if (!path.empty()) write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
+      f.cgroups.pids = !path.empty();
+    } catch (const SandboxError&) {
+      g_pids_cgroup_ok = false;  // no pids controller here (v2 without delegation): stop trying
+    }
+  }
+  if (!h.memory_dir.empty() && g_memory_cgroup_ok.load()) {
+    const std::string path = make(h.memory_dir);
+    const std::string bytes = std::to_string(o.memory_mb << 20);
+    try {
+      if (!path.empty()) {
+        write_file(path + (h.memory_v1 ? "/memory.limit_in_bytes" : "/memory.max"), bytes);
+        // No swap either, where the kernel accounts it (v1 needs the limit above first).
+        try {
+          if (h.memory_v1) {
+            write_file(path + "/memory.memsw.limit_in_bytes", bytes);
+          } else {
+            write_file(path + "/memory.swap.max", "0");
+          }
+        } catch (const SandboxError&) {
+        }
       }
+      f.cgroups.memory = !path.empty();
+    } catch (const SandboxError&) {
+      g_memory_cgroup_ok = false;
     }
   }
 }
 
-// The interpreter's argv and environment; a Plan points into them.
-struct Command {
-  std::vector<std::string> args, env;
-  std::vector<char*> argv, envp;
-};
-
-void make_command(Command& cmd, const SandboxOptions& o, const std::string& exe, const std::string& dir) {
-  cmd.args = {exe, "-I", "-B", "-u", "-"};
-  if (!o.site_packages) cmd.args.insert(cmd.args.begin() + 1, "-S");
-  cmd.env = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8",
-             // One thread per math library: python's threads count as processes.
-             "OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"};
-  for (auto& a : cmd.args) cmd.argv.push_back(a.data());
-  cmd.argv.push_back(nullptr);
-  for (auto& e : cmd.env) cmd.envp.push_back(e.data());
-  cmd.envp.push_back(nullptr);
+// Whether B made it into every cgroup made for the call.
+bool join_cgroups(const CallFiles& f, pid_t b) {
+  if (f.cgroups.paths.empty()) return false;
+  try {
+    for (const auto& path : f.cgroups.paths) write_file(path + "/cgroup.procs", std::to_string(b));
+    return true;
+  } catch (const SandboxError&) {
+    return false;
+  }
 }
 
-// The limits, the descriptors and the confinement B and C apply, all settled before the clone.
-Plan make_plan(const SandboxOptions& o, const Host& h, const std::string& exe, bool drop_uid, int ns_flags,
-               const CallFiles& f, const Command& cmd) {
-  const bool userns = ns_flags & CLONE_NEWUSER, pidns = ns_flags & CLONE_NEWPID;
-  const SeccompVariant variant{pidns, !drop_uid, h.landlock_abi >= 3};
-  const std::vector<sock_filter>& filter = seccomp_program(variant);
-  Plan plan;
-  plan.exe = exe.c_str();
-  plan.argv = cmd.argv.data();
-  plan.envp = cmd.envp.data();
-  plan.workdir = f.dir.path.c_str();
-  plan.fds[kFdCode] = f.code.fd;
-  plan.fds[kFdOut] = f.out_w.fd;
-  plan.fds[kFdErr] = f.err_w.fd;
-  plan.fds[kFdStatus] = f.status_w.fd;
-  plan.fds[kFdSync] = f.sync_c.fd;
-  const rlim_t cpu = static_cast<rlim_t>(std::ceil(o.timeout_s)) + 1;
-  plan.cpu_soft = cpu;
-  plan.cpu_hard = cpu + 1;
-  plan.as = static_cast<rlim_t>(o.memory_mb) << 20;
-  plan.fsize = static_cast<rlim_t>(o.max_file_mb) << 20;
-  plan.nofile = static_cast<rlim_t>(o.max_open_files);
+// The interpreter's argv and environment.
+void make_command(SandboxPlan& plan, const SandboxOptions& o, const std::string& exe, const std::string& dir) {
+  plan.exe = exe;
+  plan.argv = {exe, "-I", "-B", "-u", "-"};
+  if (!o.site_packages) plan.argv.insert(plan.argv.begin() + 1, "-S");
+  plan.envp = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8",
+               // One thread per math library: python's threads count as processes.
+               "OMP_NUM_THREADS=1", "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"};
+}
+
+// The limits and the confinement B and C apply, all settled before the clone.
+SandboxPlan make_plan(const SandboxOptions& o, const Host& h, const Interpreter& in, const Level& level,
+                      const std::string& workdir) {
+  const bool userns = level.ns_flags & CLONE_NEWUSER, pidns = level.ns_flags & CLONE_NEWPID;
+  SandboxPlan plan;
+  plan.init = init_path();
+  plan.userns = userns;
+  make_command(plan, o, in.exe, workdir);
+  plan.workdir = workdir;
+  plan.cpu_soft = static_cast<int64_t>(std::ceil(o.timeout_s)) + 1;
+  plan.cpu_hard = plan.cpu_soft + 1;
+  plan.as = o.memory_mb << 20;
+  plan.fsize = o.max_file_mb << 20;
+  plan.nofile = o.max_open_files;
   // RLIMIT_NPROC counts the tasks of a uid within a user namespace (Linux >= 5.14), and is never
   // enforced for uid 0, namespace or not: it is this call's own count only in a user namespace of its own
   // and under a uid other than 0 (dropped to 65534, or a non-root caller's).
-  plan.set_nproc = userns && (drop_uid || !h.root);
-  plan.nproc = static_cast<rlim_t>(o.max_processes);
-  plan.drop_uid = drop_uid;
+  plan.set_nproc = userns && (in.drop_uid || !h.root);
+  plan.nproc = o.max_processes;
+  plan.drop_uid = in.drop_uid;
   plan.pidns = pidns;
+  plan.jail = level.jail;
+  plan.disk_bytes = o.disk_mb << 20;
+  plan.disk_inodes = 1024 + 64 * o.disk_mb;
+  // The owner of the jail's working directory as B's namespace sees it (map_ids maps these; a level
+  // without a user namespace is root's).
+  plan.work_uid = in.drop_uid ? kSandboxUid : 0;
+  plan.work_gid = in.drop_uid ? kSandboxGid : 0;
   plan.landlock_abi = h.landlock_abi;
-  plan.seccomp = sock_fprog{static_cast<unsigned short>(filter.size()), const_cast<sock_filter*>(filter.data())};
+  plan.landlock_read = h.landlock_abi > 0;
+  plan.read_paths = in.read_paths;
+  const std::vector<sock_filter>& filter = seccomp_program({pidns, !in.drop_uid, h.landlock_abi >= 3});
+  plan.seccomp.assign(reinterpret_cast<const char*>(filter.data()), filter.size() * sizeof(sock_filter));
   return plan;
+}
+
+// The plan in a memfd, B's fd 5 (B reads it from the start).
+void make_plan_fd(CallFiles& f, const SandboxPlan& plan) {
+  f.plan.reset(memfd_with("rlt-sandbox-plan", plan.encode()));
+}
+
+// What B's clone runs on its own small stack, in P's address space while P's thread waits: the
+// descriptors moved into place, then straight into rlt-sandbox-init. Only raw descriptor calls here.
+struct Spawn {
+  const char* init;
+  int fds[kNumChildFds];
+};
+
+// Moves fds[0..n) to 0..n-1 and closes every other descriptor (P's other files, and the pipes of other
+// calls running at the same time, whose readers would otherwise wait for our exit to see EOF).
+bool arrange_fds(int* fds, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (fds[i] < n) {
+      fds[i] = fcntl(fds[i], F_DUPFD, n);
+      if (fds[i] < 0) return false;
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (dup2(fds[i], i) < 0) return false;
+  }
+  if (syscall(SYS_close_range, static_cast<unsigned>(n), ~0u, 0u) != 0) {
+    rlimit r{};
+    const rlim_t top = getrlimit(RLIMIT_NOFILE, &r) == 0 ? std::min<rlim_t>(r.rlim_cur, 1 << 16) : 1024;
+    for (rlim_t fd = n; fd < top; ++fd) close(static_cast<int>(fd));
+  }
+  return true;
+}
+
+int spawn_init(void* arg) {
+  Spawn& s = *static_cast<Spawn*>(arg);
+  prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // kept across the execve
+  if (!arrange_fds(s.fds, kNumChildFds)) {
+    write_report(s.fds[kFdStatus] >= 0 ? s.fds[kFdStatus] : kFdStatus, {kFailed, kStageFds, errno});
+    _exit(125);
+  }
+  char name[] = "rlt-sandbox-init";
+  char* argv[] = {name, nullptr};
+  char* envp[] = {nullptr};
+  execve(s.init, argv, envp);
+  write_report(kFdStatus, {kFailed, kStageInit, errno});
+  _exit(127);
+}
+
+// clone(CLONE_VM | CLONE_VFORK | flags) of spawn_init: returns B's pid once B has executed the init
+// program (or died trying), -1 with errno when the kernel refused the clone.
+pid_t spawn_b(const CallFiles& f, int ns_flags) {
+  Spawn s{init_path().c_str(), {f.code.fd, f.out_w.fd, f.err_w.fd, f.status_w.fd, f.sync_c.fd, f.plan.fd}};
+  constexpr size_t kStack = 64 << 10;
+  void* stack = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+  if (stack == MAP_FAILED) throw SandboxError("mmap: " + errno_text(errno));
+  // Every signal blocked, so none of P's handlers runs on B's side of the shared memory before the execve
+  // (which resets them).
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  const pid_t b =
+      clone(spawn_init, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_VFORK | ns_flags | SIGCHLD, &s);
+  const int err = errno;
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  munmap(stack, kStack);
+  errno = err;
+  return b;
+}
+
+// B's user namespace gets uid 0 (so B's second execve holds the namespace's capabilities) and, for root,
+// the sandbox ids C may drop to: root maps 0 and 65534 to themselves, any other caller 0 to its own uid.
+// False when the kernel refuses the maps.
+bool map_ids(pid_t b, bool root) {
+  const std::string proc = "/proc/" + std::to_string(b);
+  try {
+    if (root) {
+      write_file(proc + "/gid_map",
+                 "0 0 1\n" + std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n");
+      write_file(proc + "/uid_map",
+                 "0 0 1\n" + std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n");
+    } else {
+      write_file(proc + "/setgroups", "deny");
+      write_file(proc + "/gid_map", "0 " + std::to_string(getegid()) + " 1\n");
+      write_file(proc + "/uid_map", "0 " + std::to_string(geteuid()) + " 1\n");
+    }
+  } catch (const SandboxError&) {
+    return false;
+  }
+  return true;
 }
 
 // B, killed and reaped on every way out unless P has reaped it already.
@@ -842,30 +796,6 @@ struct ChildGuard {
     }
   }
 };
-
-// Map only the sandbox ids (identity) into B's namespace, so C can setresuid to them in there. False
-// when the kernel refuses the maps.
-bool map_sandbox_ids(pid_t b) {
-  const std::string proc = "/proc/" + std::to_string(b);
-  try {
-    write_file(proc + "/gid_map", std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n");
-    write_file(proc + "/uid_map", std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n");
-  } catch (const SandboxError&) {
-    return false;
-  }
-  return true;
-}
-
-// Whether B made it into the call's pids cgroup.
-bool join_pids_cgroup(const CallFiles& f, pid_t b) {
-  if (f.cgroup.path.empty()) return false;
-  try {
-    write_file(f.cgroup.path + "/cgroup.procs", std::to_string(b));
-    return true;
-  } catch (const SandboxError&) {
-    return false;
-  }
-}
 
 // What P learns of a call while it runs.
 struct Watch {
@@ -995,62 +925,76 @@ SandboxResult make_result(Watch& w, const SandboxOptions& o, Clock::duration wal
 }
 
 // What confined the call, as "+"-joined tokens (SandboxResult::isolation).
-std::string isolation_of(int ns_flags, bool drop_uid, bool in_cgroup, const Plan& plan) {
+std::string isolation_of(const Level& level, const SandboxPlan& plan, bool in_cgroups, const CallFiles& f) {
   std::string iso;
   auto add = [&iso](const char* token) { iso += iso.empty() ? token : std::string("+") + token; };
-  if (ns_flags & CLONE_NEWUSER) add("userns");
-  if (ns_flags & CLONE_NEWPID) add("pidns");
-  if (ns_flags & CLONE_NEWNET) add("netns");
-  if (ns_flags & CLONE_NEWIPC) add("ipcns");
-  if (drop_uid) add("setuid");
-  if (in_cgroup) add("pids-cgroup");
+  const int ns = level.ns_flags;
+  if (ns & CLONE_NEWUSER) add("userns");
+  if (ns & CLONE_NEWPID) add("pidns");
+  if (ns & CLONE_NEWNET) add("netns");
+  if (ns & CLONE_NEWIPC) add("ipcns");
+  if (plan.jail) add("mountns"), add("disk-quota");
+  if (plan.drop_uid) add("setuid");
+  if (in_cgroups && f.cgroups.pids) add("pids-cgroup");
+  if (in_cgroups && f.cgroups.memory) add("memory-cgroup");
   if (plan.set_nproc) add("nproc");
   if (plan.landlock_abi > 0) add("landlock");
-  if (plan.seccomp.len > 0) add("seccomp");
+  if (plan.landlock_abi > 0 && plan.landlock_read) add("landlock-read");
+  if (!plan.seccomp.empty()) add("seccomp");
   return iso;
 }
 
-// One attempt at namespace level `level`. Returns false (and leaves `result` alone) when the kernel
-// refused that level's namespaces, so the caller can try the next one.
-bool run_at_level(const std::string& code, const SandboxOptions& o, const std::string& exe, bool drop_uid, int level,
+// Said once per process where neither a mount namespace nor Landlock confines what the code reads.
+void warn_if_reads_unconfined(const SandboxPlan& plan) {
+  static std::once_flag once;
+  if (plan.jail || (plan.landlock_abi > 0 && plan.landlock_read)) return;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "rlt sandbox: this host allows neither a mount namespace nor Landlock, so tool code can read every "
+                 "file the trainer's user can (isolation lacks mountns and landlock-read)\n");
+  });
+}
+
+// One attempt at `level`. Returns false (and leaves `result` alone) when the kernel refused that level's
+// namespaces or its read-only root, so the caller can try the next one.
+bool run_at_level(const std::string& code, const SandboxOptions& o, const Interpreter& in, const Level& level,
                   SandboxResult& result) {
   const Host& h = host();
-  const int ns_flags = kLevels[level];
-  const bool userns = ns_flags & CLONE_NEWUSER, pidns = ns_flags & CLONE_NEWPID;
+  const bool userns = level.ns_flags & CLONE_NEWUSER, pidns = level.ns_flags & CLONE_NEWPID;
 
   CallFiles f;
-  make_private_dir(f, o, drop_uid);
+  make_private_dir(f, o, in.drop_uid);
   make_code_fd(f, code);
   make_channels(f);
-  make_pids_cgroup(f, h, o);
-  // argv, envp and the limits, before the clone.
-  Command cmd;
-  make_command(cmd, o, exe, f.dir.path);
-  const Plan plan = make_plan(o, h, exe, drop_uid, ns_flags, f, cmd);
+  make_cgroups(f, h, o);
+  const SandboxPlan plan = make_plan(o, h, in, level, f.dir.path);
+  make_plan_fd(f, plan);
 
-  // Clone with every signal blocked, so none of P's handlers runs in B before B resets them.
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
   const auto t0 = Clock::now();
-  const pid_t b = raw_clone(static_cast<unsigned long>(ns_flags));
-  if (b == 0) init_main(plan);
-  const int clone_errno = errno;
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  const pid_t b = spawn_b(f, level.ns_flags);
   if (b < 0) {
-    if (ns_flags != 0 && (clone_errno == EPERM || clone_errno == EINVAL || clone_errno == ENOSPC ||
-                          clone_errno == EUSERS || clone_errno == ENOSYS)) {
+    const int err = errno;
+    if (level.ns_flags != 0 && (err == EPERM || err == EINVAL || err == ENOSPC || err == EUSERS || err == ENOSYS)) {
       return false;
     }
-    throw SandboxError("clone: " + errno_text(clone_errno));
+    throw SandboxError("clone: " + errno_text(err));
   }
   // From here on B exists: make sure it is killed and reaped on every way out.
   ChildGuard b_guard{b};
-  f.code.reset(), f.out_w.reset(), f.err_w.reset(), f.status_w.reset(), f.sync_c.reset();
+  f.code.reset(), f.out_w.reset(), f.err_w.reset(), f.status_w.reset(), f.sync_c.reset(), f.plan.reset();
 
+  // B has run the init program or died trying; a failed execve reported before B's exit released us.
+  if (pollfd p{f.status_r.fd, POLLIN, 0}; poll(&p, 1, 0) == 1) {
+    Watch w;
+    read_reports(f.status_r, w);
+    if (w.failed) {
+      throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" + init_path() +
+                         "): " + errno_text(w.fail_errno));
+    }
+  }
   // This kernel's user namespaces are not usable for us: next level.
-  if (userns && drop_uid && !map_sandbox_ids(b)) return false;
-  const bool in_cgroup = join_pids_cgroup(f, b);
+  if (userns && !map_ids(b, h.root)) return false;
+  const bool in_cgroups = join_cgroups(f, b);
   const char go = 1;
   if (send(f.sync_p.fd, &go, 1, MSG_NOSIGNAL) != 1) {
     // B died before it could be released: fall through, the status pipe tells why.
@@ -1066,20 +1010,22 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const std::s
     b_guard.reaped = true;
   }
   if (w.failed && !w.timed_out) {
-    throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" + exe +
-                       "): " + errno_text(w.fail_errno));
+    if (w.fail_stage == kStageJail) return false;  // no code ran: the next level, without the jail
+    throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" +
+                       (w.fail_stage <= kStageInit ? init_path() : in.exe) + "): " + errno_text(w.fail_errno));
   }
   result = make_result(w, o, t1 - t0);
-  result.isolation = isolation_of(ns_flags, drop_uid, in_cgroup, plan);
+  result.isolation = isolation_of(level, plan, in_cgroups, f);
+  warn_if_reads_unconfined(plan);
   return true;
 }
 
-SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const std::string& exe, bool drop_uid) {
+SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const Interpreter& in) {
   for (;;) {
     int level = o.namespaces ? g_level.load() : kNumLevels - 1;
-    if (level == 1 && !host().root) level = 2;  // namespaces without a user namespace need CAP_SYS_ADMIN
+    while (level + 1 < kNumLevels && kLevels[level].root_only && !host().root) ++level;
     SandboxResult r;
-    if (run_at_level(code, o, exe, drop_uid, level, r)) return r;
+    if (run_at_level(code, o, in, kLevels[level], r)) return r;
     if (level + 1 >= kNumLevels) throw SandboxError("no sandbox level could start");
     int expected = g_level.load();
     while (expected <= level && !g_level.compare_exchange_weak(expected, level + 1)) {
@@ -1102,7 +1048,7 @@ nlohmann::json SandboxResult::to_json() const {
 SandboxResult run_python(const std::string& code, const SandboxOptions& options) {
   validate(options);
   const Interpreter in = interpreter_for(options);
-  return run_levels(code, options, in.exe, in.drop_uid);
+  return run_levels(code, options, in);
 }
 
 // ---------------------------------------------------------------------------------------------------

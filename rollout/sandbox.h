@@ -1,17 +1,17 @@
 // The sandboxed Python interpreter that runs the policy's tool calls: each call is one `python3 -I` in a
 // child process with resource limits, a private working directory, an (almost) empty environment, no
-// network, and as much kernel isolation as the host allows (namespaces, Landlock, seccomp, a dropped
-// uid, a pids cgroup); `isolation` in the result says which were applied. The trainer keeps running
-// whatever the code does. Leaves out: a total disk quota (only per-file size and time bound what a call
-// writes inside its own directory), a total memory cap across processes (RLIMIT_AS is per process, so a
-// call may hold up to max_processes x memory_mb), and hiding readable host files (reads are not confined,
-// only writes, signals, processes and the network). See sandbox.cpp for the layout of the processes.
+// network, and as much kernel isolation as the host allows (namespaces, a minimal read-only root, Landlock,
+// seccomp, a dropped uid, pids and memory cgroups); `isolation` in the result says which were applied.
+// The trainer keeps running whatever the code does. See sandbox.cpp for the layout of the processes.
 //
-// What the code sees: its private directory as cwd, HOME and TMPDIR; stdin at end of file; PATH, LANG and
-// one-thread math libraries as the whole environment. It may write only inside its directory (and
-// /dev/null), so no /dev/shm (multiprocessing's locks fail); where the uid cannot be dropped (the
-// interpreter is reachable by root only, e.g. a pyenv under /root), chmod/chown/utime fail too
-// (shutil.copy does; shutil.copyfile works).
+// What the code sees: its private directory as cwd, HOME and TMPDIR (a tmpfs of disk_mb in the jail);
+// stdin at end of file; PATH, LANG and one-thread math libraries as the whole environment. Reads: in the
+// jail (a mount namespace) only the interpreter's own files (prefix, standard library, sys.path), the
+// system's /usr and /lib, the loader's /etc files and five /dev nodes exist; without one, Landlock
+// allows reads only there. It may write only inside its directory (and /dev/null), so no /dev/shm
+// (multiprocessing's locks fail). Where the uid cannot be dropped (no jail, and the interpreter is
+// reachable by root only, e.g. a pyenv under /root), chmod/chown/utime fail too (shutil.copy does;
+// shutil.copyfile works).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +36,9 @@ struct SandboxOptions {
   // Wall-clock limit of one call; the whole process tree is killed at it. RLIMIT_CPU is set a little
   // above it as a second line.
   double timeout_s = 5.0;
-  // RLIMIT_AS of every sandboxed process, in MiB. numpy and sympy import in 256; 1024 leaves room for work.
+  // Memory, in MiB: RLIMIT_AS of every sandboxed process, and where a memory cgroup can be made, the whole
+  // call's memory (all its processes and the files in its tmpfs directory). numpy and sympy import in
+  // 256; 1024 leaves room for work.
   int64_t memory_mb = 1024;
   // Tasks (processes and threads, python itself included) one call may run at once: a pids cgroup where
   // the host lets us make one, and RLIMIT_NPROC where the call has a user namespace of its own and a uid
@@ -44,6 +46,9 @@ struct SandboxOptions {
   int64_t max_processes = 64;
   // RLIMIT_FSIZE, in MiB: the largest file the code may write (0: no file at all).
   int64_t max_file_mb = 16;
+  // In the jail: the size of the call's tmpfs directory, in MiB (everything it writes, all files
+  // together; with 64 entries per MiB besides 1024). Without a jail only max_file_mb bounds each file.
+  int64_t disk_mb = 64;
   // RLIMIT_NOFILE: open file descriptors per process.
   int64_t max_open_files = 64;
   // Bytes of stdout and of stderr kept, each; the rest is read and dropped (the child never blocks on a
@@ -60,16 +65,18 @@ struct SandboxOptions {
   // importable (no numpy, no sympy), and a call starts in a quarter of the time where site-packages hold
   // many packages (10 ms against 37 ms on the development machine), which is most of a tiny model's step.
   bool site_packages = true;
-  // false: no namespaces even where the kernel allows them, the fallback used where it refuses them (to
-  // test that path, or for hosts where they misbehave); rlimits, Landlock, seccomp and the uid still apply.
+  // false: no namespaces (and so no jail) even where the kernel allows them, the fallback used where it
+  // refuses them (to test that path, or for hosts where they misbehave); rlimits, cgroups, Landlock (reads
+  // included), seccomp and the uid still apply.
   bool namespaces = true;
 
   template <class V>
   void visit(V&& v) {
     v("timeout_s", timeout_s, "wall-clock limit of one call, seconds", FieldRange{0.01, 3600});
-    v("memory_mb", memory_mb, "address-space limit (RLIMIT_AS) per process, MiB", FieldRange{16, 1e7});
+    v("memory_mb", memory_mb, "memory per process (RLIMIT_AS) and per call (memory cgroup), MiB", FieldRange{16, 1e7});
     v("max_processes", max_processes, "processes and threads one call may run at once", FieldRange{1, 1e6});
     v("max_file_mb", max_file_mb, "largest file the code may write (RLIMIT_FSIZE), MiB", FieldRange{0, 1e7});
+    v("disk_mb", disk_mb, "size of the call's tmpfs directory in the jail, MiB", FieldRange{1, 1e6});
     v("max_open_files", max_open_files, "open files per process (RLIMIT_NOFILE)", FieldRange{8, 1e6});
     v("max_output_bytes", max_output_bytes, "stdout and stderr bytes kept, each", FieldRange{1, 1e9});
     v("workers", workers, "concurrent calls in a SandboxPool", FieldRange{1, 4096});
@@ -92,9 +99,12 @@ struct SandboxResult {
   bool timed_out = false;  // the wall-clock limit killed it
   bool truncated = false;  // stdout or stderr went past max_output_bytes
   double wall_ms = 0;      // from starting the sandbox to its last process gone
-  // What was applied, '+'-joined from: userns, pidns, netns, ipcns, setuid (ran as uid 65534),
-  // pids-cgroup, nproc (RLIMIT_NPROC effective), landlock, seccomp. The other rlimits, the private
-  // directory and the empty environment are always applied.
+  // What was applied, '+'-joined from: userns, pidns, netns, ipcns, mountns (the minimal read-only root),
+  // disk-quota (the tmpfs directory of disk_mb), setuid (ran as uid 65534), pids-cgroup, memory-cgroup
+  // (memory_mb for the whole call), nproc (RLIMIT_NPROC effective), landlock (writes confined),
+  // landlock-read (reads confined), seccomp. The other rlimits, the private directory and the empty
+  // environment are always applied. Without mountns and landlock-read, reads are not confined (a
+  // warning says so once per process).
   std::string isolation;
   // {"stdout", "stderr", "exit_code", "timed_out", "truncated", "wall_ms", "isolation"}; invalid UTF-8 in
   // the output becomes U+FFFD, so dump() never throws.

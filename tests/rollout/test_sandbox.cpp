@@ -470,6 +470,112 @@ TEST_P(Containment, NetworkIsBlocked) {
   close(listener);
 }
 
+TEST_P(Containment, ReadsOutsideTheAllowlistFail) {
+  if (!contains(isolation_, "mountns") && !contains(isolation_, "landlock-read")) {
+    GTEST_SKIP() << "this level confines no reads (" << isolation_ << ")";
+  }
+  // World-readable secrets of the user running the trainer: a token file, and the trainer's environment.
+  TestDir dir;
+  const std::string secret = "rlt-secret-" + std::to_string(getpid());
+  const std::string token = dir.file("token.txt", secret + "\n");
+  chmod(token.c_str(), 0644);
+  setenv("RLT_SANDBOX_SECRET_ENV", secret.c_str(), 1);
+  const std::string code =
+      "import os, glob\n"
+      "tries = {'file': lambda: open('" +
+      token + "').read(), 'dir': lambda: os.listdir('" + dir.path() +
+      "'),\n"
+      "  'environ': lambda: open('/proc/" +
+      std::to_string(getpid()) +
+      "/environ', 'rb').read().decode('latin1'),\n"
+      "  'etc': lambda: open('/etc/passwd').read(), 'home': lambda: os.listdir('/root'),\n"
+      "  'glob': lambda: str(glob.glob('" +
+      dir.path() +
+      "/*'))}\n"
+      "for name, t in tries.items():\n"
+      "  try:\n    text = t()\n    print(name, 'READ', text[:200] if isinstance(text, str) else text)\n"
+      "  except OSError as e:\n    print(name, 'denied', e.errno)\n"
+      // The control: what the allowlist keeps is still readable, and the call's own directory.
+      "import json\nprint('own module', len(open(json.__file__).read()) > 100)\n"
+      "open('mine.txt', 'w').write('kept')\nprint('own file', open('mine.txt').read())\n";
+  const SandboxResult r = run_python(code, options_);
+  unsetenv("RLT_SANDBOX_SECRET_ENV");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_FALSE(contains(r.stdout_text, secret)) << r.stdout_text;
+  for (const char* name : {"file ", "environ ", "etc ", "home "}) {
+    EXPECT_TRUE(contains(r.stdout_text, std::string(name) + "denied")) << name << "\n" << r.stdout_text;
+  }
+  EXPECT_FALSE(contains(r.stdout_text, "token.txt")) << "the directory listing leaked: " << r.stdout_text;
+  EXPECT_TRUE(contains(r.stdout_text, "own module True")) << r.stdout_text;
+  EXPECT_TRUE(contains(r.stdout_text, "own file kept")) << r.stdout_text;
+}
+
+TEST_P(Containment, DiskQuotaBoundsEverythingTheCallWrites) {
+  if (!contains(isolation_, "disk-quota")) GTEST_SKIP() << "no disk quota at this level (" << isolation_ << ")";
+  options_.disk_mb = 4;
+  options_.max_file_mb = 2;
+  // Files of 1 MiB, each under max_file_mb, until the directory is full; then many empty files.
+  const std::string code =
+      "import os, errno\nn = 0\ntry:\n  while n < 64:\n    with open(f'f{n}', 'wb') as f:\n"
+      "      f.write(b'x' * (1 << 20))\n    n += 1\nexcept OSError as e:\n  print('full', e.errno == errno.ENOSPC)\n"
+      "print('files', n)\nfor i in range(n + 1):\n  try: os.remove(f'f{i}')\n  except OSError: pass\n"
+      "k = 0\ntry:\n  while k < 100000:\n    open(f'e{k}', 'w').close()\n    k += 1\nexcept OSError as e:\n"
+      "  print('inodes', e.errno == errno.ENOSPC)\nprint('empty', k)\n"
+      "for i in range(k): os.remove(f'e{i}')\n"
+      "open('after', 'w').write('room again')\nprint(open('after').read())\n";
+  const SandboxResult r = run_python(code, options_);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_TRUE(contains(r.stdout_text, "full True")) << r.stdout_text;
+  const size_t at = r.stdout_text.find("files ");
+  ASSERT_NE(at, std::string::npos) << r.stdout_text;
+  const int files = std::atoi(r.stdout_text.c_str() + at + 6);
+  EXPECT_LE(files, 4) << "more than disk_mb was written";
+  EXPECT_GE(files, 2) << "the quota is far below disk_mb";
+  EXPECT_TRUE(contains(r.stdout_text, "inodes True")) << r.stdout_text;
+  EXPECT_TRUE(contains(r.stdout_text, "room again")) << r.stdout_text;
+  // The control: the same code under a larger quota writes all 64 files.
+  options_.disk_mb = 128;
+  const SandboxResult big = run_python(code, options_);
+  EXPECT_TRUE(contains(big.stdout_text, "files 64")) << big.stdout_text << big.stderr_text;
+}
+
+TEST_P(Containment, MemoryCapCoversTheWholeCall) {
+  if (!contains(isolation_, "memory-cgroup")) GTEST_SKIP() << "no memory cgroup here (" << isolation_ << ")";
+  // Four processes of 150 MiB each: each is under the per-process RLIMIT_AS of 256 MiB, all together
+  // over the call's 256 MiB.
+  const std::string code =
+      "import os, sys, time\nkids = []\nfor i in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
+      "    x = b'x' * (150 << 20)\n    os.write(1, b'held\\n')\n    time.sleep(1.5)\n    os._exit(0)\n"
+      "  kids.append(pid)\nfor pid in kids:\n  os.waitpid(pid, 0)\nprint('parent done')\n";
+  options_.memory_mb = 256;
+  options_.timeout_s = 10;
+  const SandboxResult capped = run_python(code, options_);
+  size_t held = 0;
+  for (size_t at = 0; (at = capped.stdout_text.find("held", at)) != std::string::npos; ++at) ++held;
+  EXPECT_LT(held, 4u) << "all four held 600 MiB under a 256 MiB cap: " << capped.stdout_text;
+  EXPECT_FALSE(capped.timed_out);
+  // The control: with room for all four, all four hold.
+  options_.memory_mb = 1024;
+  const SandboxResult roomy = run_python(code, options_);
+  EXPECT_EQ(roomy.exit_code, 0) << roomy.stderr_text;
+  EXPECT_TRUE(contains(roomy.stdout_text, "held\nheld\nheld\nheld\nparent done")) << roomy.stdout_text;
+}
+
+TEST_P(Containment, OrdinaryWorkStillRuns) {
+  options_.timeout_s = 60;  // sympy's import under a loaded ctest
+  const SandboxResult r = run_python(
+      "import fractions, math\nprint(sum(fractions.Fraction(1, k) for k in range(1, 7)), math.comb(10, 3))\n"
+      "open('notes.txt', 'w').write('x = 41\\n')\nprint(int(open('notes.txt').read().split('=')[1]) + 1)\n"
+      "try:\n  import numpy, sympy\n  print('libs', int(numpy.arange(10).sum()), sympy.factorint(360))\n"
+      "except ModuleNotFoundError:\n  print('libs missing')\n",
+      options_);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_TRUE(contains(r.stdout_text, "49/20 120\n42\n")) << r.stdout_text;
+  if (!contains(r.stdout_text, "libs missing")) {
+    EXPECT_TRUE(contains(r.stdout_text, "libs 45 {2: 3, 3: 2, 5: 1}")) << r.stdout_text;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Hosts, Containment,
                          ::testing::Values(Variant{"Namespaces", true, nullptr},
                                            Variant{"NoNamespaces", false, nullptr},
