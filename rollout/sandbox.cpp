@@ -24,6 +24,7 @@
 #include "common/files.h"
 #include "rollout/sandbox_plan.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/filter.h>
@@ -157,6 +158,8 @@ std::string probe_cgroup(const std::string& controller, bool& v1) {
   return dir;
 }
 
+void remove_stale_cgroups(const std::string& dir);
+
 const Host& host() {
   static const Host h = [] {
     Host x;
@@ -166,6 +169,8 @@ const Host& host() {
       bool v1 = false;
       x.pids_dir = probe_cgroup("pids", v1);
       x.memory_dir = probe_cgroup("memory", x.memory_v1);
+      remove_stale_cgroups(x.pids_dir);
+      if (x.memory_dir != x.pids_dir) remove_stale_cgroups(x.memory_dir);
     }
     return x;
   }();
@@ -519,24 +524,66 @@ struct CallFiles {
   Fd plan;                                            // the encoded SandboxPlan, B's fd 5
   Fd out_r, out_w, err_r, err_w, status_r, status_w;  // C's stdout and stderr; B's (and C's) reports
   Fd sync_p, sync_c;                                  // P's "go" to B
-  // Per-call cgroups (root only): made before the clone, B moved in before it may start C. One directory
-  // per hierarchy (v1 keeps pids and memory apart; v2 has one directory for both).
+  // The call's cgroups (root only), B moved in before it may start C: one directory per hierarchy (v1
+  // keeps pids and memory apart; v2 has one directory for both), taken from the idle ones and given back.
   struct CgroupGuard {
     std::vector<std::string> paths;
     bool pids = false, memory = false;  // which limits are set
-    ~CgroupGuard() {
-      // Every task in them is the sandbox's, so whatever is still listed (a process that slipped out of a
-      // fallback level's kills) is killed here; rmdir succeeds once the last one has exited.
-      for (const std::string& path : paths) {
-        for (int i = 0; i < 400 && rmdir(path.c_str()) != 0 && errno == EBUSY; ++i) {
-          std::ifstream procs(path + "/cgroup.procs");
-          for (pid_t pid; procs >> pid;) kill(pid, SIGKILL);
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-      }
-    }
+    ~CgroupGuard();
   } cgroups;
 };
+
+// Per-call cgroups are reused: making and removing a memory cgroup costs milliseconds, so a call takes an
+// idle set (every process of its last call gone) and gives it back; they are removed at exit, and the
+// ones a killed trainer left behind when the next one starts (host()).
+struct CgroupPool {
+  std::mutex mu;
+  std::vector<std::vector<std::string>> idle;
+  ~CgroupPool() {
+    for (const auto& set : idle) {
+      for (const auto& path : set) rmdir(path.c_str());
+    }
+  }
+};
+CgroupPool& cgroup_pool() {
+  static CgroupPool pool;
+  return pool;
+}
+
+CallFiles::CgroupGuard::~CgroupGuard() {
+  if (paths.empty()) return;
+  // Every task in them is the sandbox's, so whatever is still listed (a process that slipped out of a
+  // fallback level's kills) is killed here; the set is idle once none is listed.
+  bool empty = false;
+  for (int i = 0; i < 400 && !empty; ++i) {
+    empty = true;
+    for (const std::string& path : paths) {
+      std::ifstream procs(path + "/cgroup.procs");
+      for (pid_t pid; procs >> pid;) kill(pid, SIGKILL), empty = false;
+    }
+    if (!empty) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (empty) {
+    std::lock_guard<std::mutex> lock(cgroup_pool().mu);
+    cgroup_pool().idle.push_back(std::move(paths));
+  } else {
+    for (const std::string& path : paths) rmdir(path.c_str());
+  }
+}
+
+// Removes the per-call cgroups of trainers that are gone (named rlt-sandbox-<pid>-<n>).
+void remove_stale_cgroups(const std::string& dir) {
+  if (dir.empty()) return;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  while (dirent* e = readdir(d)) {
+    const char* name = e->d_name;
+    if (std::strncmp(name, "rlt-sandbox-", 12) != 0) continue;
+    const long pid = std::strtol(name + 12, nullptr, 10);
+    if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) rmdir((dir + "/" + name).c_str());
+  }
+  closedir(d);
+}
 
 // The private working directory: the interpreter's cwd on the host, or the mount point of the jail.
 void make_private_dir(CallFiles& f, const SandboxOptions& o, bool drop_uid) {
@@ -595,43 +642,57 @@ void make_channels(CallFiles& f) {
 // The call's cgroups: pids capped at max_processes (+1 for B), memory at memory_mb for the whole call
 // (its processes and what it keeps in its tmpfs). Each is left out where there is none to make.
 void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o) {
-  static std::atomic<uint64_t> seq{0};
-  const std::string name = "/rlt-sandbox-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
-  auto make = [&](const std::string& root) -> std::string {
-    const std::string path = root + name;
-    for (const auto& p : f.cgroups.paths) {
-      if (p == path) return p;
+  const bool want_pids = !h.pids_dir.empty() && g_pids_cgroup_ok.load();
+  const bool want_memory = !h.memory_dir.empty() && g_memory_cgroup_ok.load();
+  if (!want_pids && !want_memory) return;
+  {
+    std::lock_guard<std::mutex> lock(cgroup_pool().mu);
+    if (!cgroup_pool().idle.empty()) {
+      f.cgroups.paths = std::move(cgroup_pool().idle.back());
+      cgroup_pool().idle.pop_back();
     }
-    if (mkdir(path.c_str(), 0755) != 0) return "";
-    f.cgroups.paths.push_back(path);
-    return path;
+  }
+  if (f.cgroups.paths.empty()) {
+    static std::atomic<uint64_t> seq{0};
+    const std::string name = "/rlt-sandbox-" + std::to_string(getpid()) + "-" + std::to_string(seq.fetch_add(1));
+    for (const std::string& root : {h.pids_dir, h.memory_dir}) {
+      const std::string path = root + name;
+      if (root.empty() || std::find(f.cgroups.paths.begin(), f.cgroups.paths.end(), path) != f.cgroups.paths.end()) {
+        continue;
+      }
+      if (mkdir(path.c_str(), 0755) == 0) f.cgroups.paths.push_back(path);
+    }
+  }
+  auto in_set = [&](const std::string& root) -> std::string {
+    for (const auto& p : f.cgroups.paths) {
+      if (!root.empty() && p.compare(0, root.size() + 1, root + "/") == 0) return p;
+    }
+    return "";
   };
-  if (!h.pids_dir.empty() && g_pids_cgroup_ok.load()) {
-    const std::string path = make(h.pids_dir);
+  if (const std::string path = in_set(h.pids_dir); want_pids && !path.empty()) {
     try {
-      if (!path.empty()) write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
-      f.cgroups.pids = !path.empty();
+      write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
+      f.cgroups.pids = true;
     } catch (const SandboxError&) {
       g_pids_cgroup_ok = false;  // no pids controller here (v2 without delegation): stop trying
     }
   }
-  if (!h.memory_dir.empty() && g_memory_cgroup_ok.load()) {
-    const std::string path = make(h.memory_dir);
+  if (const std::string path = in_set(h.memory_dir); want_memory && !path.empty()) {
     const std::string bytes = std::to_string(o.memory_mb << 20);
-    try {
-      if (!path.empty()) {
-        write_file(path + (h.memory_v1 ? "/memory.limit_in_bytes" : "/memory.max"), bytes);
-        // No swap either, where the kernel accounts it (v1 needs the limit above first).
-        try {
-          if (h.memory_v1) {
-            write_file(path + "/memory.memsw.limit_in_bytes", bytes);
-          } else {
-            write_file(path + "/memory.swap.max", "0");
-          }
-        } catch (const SandboxError&) {
-        }
+    // No swap either, where the kernel accounts it. v1 keeps memory <= memory+swap at every write, so the
+    // combined limit is written before and after (one of the two fits, whichever way the limit moves).
+    auto no_swap = [&] {
+      try {
+        write_file(path + (h.memory_v1 ? "/memory.memsw.limit_in_bytes" : "/memory.swap.max"),
+                   h.memory_v1 ? bytes : "0");
+      } catch (const SandboxError&) {
       }
-      f.cgroups.memory = !path.empty();
+    };
+    try {
+      no_swap();
+      write_file(path + (h.memory_v1 ? "/memory.limit_in_bytes" : "/memory.max"), bytes);
+      no_swap();
+      f.cgroups.memory = true;
     } catch (const SandboxError&) {
       g_memory_cgroup_ok = false;
     }
