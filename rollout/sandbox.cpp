@@ -1,24 +1,25 @@
-// The sandboxed interpreter (sandbox.h). One call is three processes:
+// The sandboxed interpreter (sandbox.h). One call is four processes:
 //
-//   caller thread P --clone(CLONE_VM | CLONE_VFORK, new user, pid, net, ipc, mount namespaces), execve-->
-//     init B: rlt-sandbox-init (rollout/sandbox_init.cpp), pid 1 of the new namespace
-//   init B: builds the read-only root (the jail) --fork--> C: setpgid, chdir, rlimits, drop capabilities
-//     (and the uid when the interpreter is reachable by uid 65534), no_new_privs, Landlock, seccomp,
+//   caller thread P --clone(CLONE_VM | CLONE_VFORK), execve--> B: rlt-sandbox-init (sandbox_init.cpp)
+//   B --clone(new user, pid, net, ipc, mount namespaces)--> B2: pid 1 of the new namespaces; B writes
+//     its uid maps and waits for it
+//   B2: builds the read-only root (the jail) --fork--> C: setpgid, chdir, rlimits, drop capabilities (and
+//     the uid when the interpreter is reachable by uid 65534), no_new_privs, Landlock, seccomp,
 //     execve(python3 -I -B -u -)
 //
 // P never copies its own address space: B shares it only until its immediate execve of the small init
-// program (P's thread is suspended meanwhile), and C is a fork of that small program. So a call costs
-// the same whatever the trainer's resident memory. P decides everything before the clone and hands it to
-// B as a plan (rollout/sandbox_plan.h) in a memfd; after the clone it writes B's uid/gid maps, moves B
-// into the call's pids and memory cgroups, and lets it go. B stays outside every restriction so it can
+// program (P's thread is suspended meanwhile, as in posix_spawn), and B2 and C are forks of that small
+// program. So a call costs the same whatever the trainer's resident memory. P decides everything before
+// the clone and hands it to B as a plan (rollout/sandbox_plan.h) in a memfd; after the clone it moves B
+// into the call's pids and memory cgroups and lets it go. B2 stays outside every restriction so it can
 // report C's exit status on a pipe (kDone) and then kill whatever C left behind: as pid 1 it takes the
-// whole namespace down with it. P enforces the wall clock (SIGKILL to B, which kills the namespace), reads
-// stdout/stderr (kept up to the cap, the rest drained), then removes the cgroups and the private
-// directory. Where the kernel refuses a level (kLevels), the next is tried: without a mount namespace
-// reads are confined by Landlock where the kernel has it; without a pid namespace B is a child subreaper
-// and kills C's process group and every descendant reparented to it, so even setsid() daemons die; only
-// a process that escapes while B itself is being killed (a second timeout past the grace) could survive
-// there.
+// whole namespace down with it. P enforces the wall clock (SIGKILL to B, whose death kills B2 and so the
+// namespace), reads stdout/stderr (kept up to the cap, the rest drained), then gives the cgroups back and
+// removes the private directory. Where the kernel refuses a level (kLevels), the next is tried: without
+// a mount namespace reads are confined by Landlock where the kernel has it; without any namespace B does
+// B2's part itself as a child subreaper and kills C's process group and every descendant reparented to
+// it, so even setsid() daemons die; only a process that escapes while B itself is being killed (a second
+// timeout past the grace) could survive there.
 #include "rollout/sandbox.h"
 
 #include "common/files.h"
@@ -639,9 +640,9 @@ void make_channels(CallFiles& f) {
   }
 }
 
-// The call's cgroups: pids capped at max_processes (+1 for B), memory at memory_mb for the whole call
+// The call's cgroups: pids capped at max_processes (plus B and B2), memory at memory_mb for the whole call
 // (its processes and what it keeps in its tmpfs). Each is left out where there is none to make.
-void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o) {
+void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o, const Level& level) {
   const bool want_pids = !h.pids_dir.empty() && g_pids_cgroup_ok.load();
   const bool want_memory = !h.memory_dir.empty() && g_memory_cgroup_ok.load();
   if (!want_pids && !want_memory) return;
@@ -671,7 +672,8 @@ void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o) {
   };
   if (const std::string path = in_set(h.pids_dir); want_pids && !path.empty()) {
     try {
-      write_file(path + "/pids.max", std::to_string(o.max_processes + 1));  // +1: B
+      const int64_t inits = level.ns_flags != 0 ? 2 : 1;  // B, and B2 where it makes namespaces
+      write_file(path + "/pids.max", std::to_string(o.max_processes + inits));
       f.cgroups.pids = true;
     } catch (const SandboxError&) {
       g_pids_cgroup_ok = false;  // no pids controller here (v2 without delegation): stop trying
@@ -725,8 +727,10 @@ SandboxPlan make_plan(const SandboxOptions& o, const Host& h, const Interpreter&
                       const std::string& workdir) {
   const bool userns = level.ns_flags & CLONE_NEWUSER, pidns = level.ns_flags & CLONE_NEWPID;
   SandboxPlan plan;
-  plan.init = init_path();
-  plan.userns = userns;
+  plan.ns_flags = level.ns_flags;
+  plan.map_uid = h.root ? 0 : geteuid();
+  plan.map_gid = h.root ? 0 : getegid();
+  plan.map_sandbox_ids = h.root;
   make_command(plan, o, in.exe, workdir);
   plan.workdir = workdir;
   plan.cpu_soft = static_cast<int64_t>(std::ceil(o.timeout_s)) + 1;
@@ -803,9 +807,9 @@ int spawn_init(void* arg) {
   _exit(127);
 }
 
-// clone(CLONE_VM | CLONE_VFORK | flags) of spawn_init: returns B's pid once B has executed the init
-// program (or died trying), -1 with errno when the kernel refused the clone.
-pid_t spawn_b(const CallFiles& f, int ns_flags) {
+// clone(CLONE_VM | CLONE_VFORK) of spawn_init: returns B's pid once B has executed the init program (or
+// died trying), -1 with errno when the kernel refused the clone.
+pid_t spawn_b(const CallFiles& f) {
   Spawn s{init_path().c_str(), {f.code.fd, f.out_w.fd, f.err_w.fd, f.status_w.fd, f.sync_c.fd, f.plan.fd}};
   constexpr size_t kStack = 64 << 10;
   void* stack = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
@@ -815,35 +819,12 @@ pid_t spawn_b(const CallFiles& f, int ns_flags) {
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
-  const pid_t b =
-      clone(spawn_init, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_VFORK | ns_flags | SIGCHLD, &s);
+  const pid_t b = clone(spawn_init, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_VFORK | SIGCHLD, &s);
   const int err = errno;
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   munmap(stack, kStack);
   errno = err;
   return b;
-}
-
-// B's user namespace gets uid 0 (so B's second execve holds the namespace's capabilities) and, for root,
-// the sandbox ids C may drop to: root maps 0 and 65534 to themselves, any other caller 0 to its own uid.
-// False when the kernel refuses the maps.
-bool map_ids(pid_t b, bool root) {
-  const std::string proc = "/proc/" + std::to_string(b);
-  try {
-    if (root) {
-      write_file(proc + "/gid_map",
-                 "0 0 1\n" + std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n");
-      write_file(proc + "/uid_map",
-                 "0 0 1\n" + std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n");
-    } else {
-      write_file(proc + "/setgroups", "deny");
-      write_file(proc + "/gid_map", "0 " + std::to_string(getegid()) + " 1\n");
-      write_file(proc + "/uid_map", "0 " + std::to_string(geteuid()) + " 1\n");
-    }
-  } catch (const SandboxError&) {
-    return false;
-  }
-  return true;
 }
 
 // B, killed and reaped on every way out unless P has reaped it already.
@@ -1021,25 +1002,19 @@ void warn_if_reads_unconfined(const SandboxPlan& plan) {
 bool run_at_level(const std::string& code, const SandboxOptions& o, const Interpreter& in, const Level& level,
                   SandboxResult& result) {
   const Host& h = host();
-  const bool userns = level.ns_flags & CLONE_NEWUSER, pidns = level.ns_flags & CLONE_NEWPID;
+  const bool pidns = level.ns_flags & CLONE_NEWPID;
 
   CallFiles f;
   make_private_dir(f, o, in.drop_uid);
   make_code_fd(f, code);
   make_channels(f);
-  make_cgroups(f, h, o);
+  make_cgroups(f, h, o, level);
   const SandboxPlan plan = make_plan(o, h, in, level, f.dir.path);
   make_plan_fd(f, plan);
 
   const auto t0 = Clock::now();
-  const pid_t b = spawn_b(f, level.ns_flags);
-  if (b < 0) {
-    const int err = errno;
-    if (level.ns_flags != 0 && (err == EPERM || err == EINVAL || err == ENOSPC || err == EUSERS || err == ENOSYS)) {
-      return false;
-    }
-    throw SandboxError("clone: " + errno_text(err));
-  }
+  const pid_t b = spawn_b(f);
+  if (b < 0) throw SandboxError("clone: " + errno_text(errno));
   // From here on B exists: make sure it is killed and reaped on every way out.
   ChildGuard b_guard{b};
   f.code.reset(), f.out_w.reset(), f.err_w.reset(), f.status_w.reset(), f.sync_c.reset(), f.plan.reset();
@@ -1053,8 +1028,6 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const Interp
                          "): " + errno_text(w.fail_errno));
     }
   }
-  // This kernel's user namespaces are not usable for us: next level.
-  if (userns && !map_ids(b, h.root)) return false;
   const bool in_cgroups = join_cgroups(f, b);
   const char go = 1;
   if (send(f.sync_p.fd, &go, 1, MSG_NOSIGNAL) != 1) {
@@ -1071,7 +1044,13 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const Interp
     b_guard.reaped = true;
   }
   if (w.failed && !w.timed_out) {
-    if (w.fail_stage == kStageJail) return false;  // no code ran: the next level, without the jail
+    // No code ran: the kernel refused this level's namespaces, their maps or the jail. Only a refusal
+    // moves to the next level for good; running out of processes or memory is an error of this call.
+    const int e = w.fail_errno;
+    const bool refused = e == EPERM || e == EACCES || e == EINVAL || e == ENOSPC || e == EUSERS || e == ENOSYS;
+    if (refused && (w.fail_stage == kStageNamespaces || w.fail_stage == kStageMaps || w.fail_stage == kStageJail)) {
+      return false;
+    }
     throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" +
                        (w.fail_stage <= kStageInit ? init_path() : in.exe) + "): " + errno_text(w.fail_errno));
   }

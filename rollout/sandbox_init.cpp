@@ -1,15 +1,16 @@
 // rlt-sandbox-init: the init process (B) of one sandboxed call, and the interpreter's set-up (C). The
-// trainer (P, rollout/sandbox.cpp) starts it with clone(CLONE_VM | CLONE_VFORK | namespaces) and an
-// immediate execve, so a call never copies the trainer's page tables; this small static program then
+// trainer (P, rollout/sandbox.cpp) starts it with clone(CLONE_VM | CLONE_VFORK) and an immediate execve
+// (what posix_spawn does), so a call never copies the trainer's page tables; this small static program then
 // does everything that needs a process of its own:
 //
-//   B: reads the plan (fd 5), waits for P's "go" (P has written the uid maps and joined B to the call's
-//      cgroups by then), builds the mount namespace's read-only root (jail), forks C, waits for it,
-//      reports its status and kills whatever it left behind (as pid 1 of its pid namespace, or as a
-//      subreaper without one).
+//   B: reads the plan (fd 5), waits for P's "go" (P has moved B into the call's cgroups by then), makes
+//      the namespaces with a child B2 and writes B2's uid maps, then waits for B2.
+//   B2: pid 1 of the new namespaces: builds the mount namespace's read-only root (jail), forks C, waits
+//      for it, reports its status and kills whatever it left behind (as pid 1 of its pid namespace, or
+//      as a subreaper where no namespace was made, and B itself does this part).
 //   C: chdir, rlimits, capabilities and uid dropped, no_new_privs, Landlock, seccomp, execve(python).
 //
-// B is single-threaded and small, so C is a plain fork and may allocate. The jail: a tmpfs root holding
+// B is single-threaded and small, so B2 and C are plain forks and may allocate. The jail: a tmpfs root holding
 // read-only binds of the plan's read_paths (the system's /usr and /lib, a few /etc files, the
 // interpreter's prefix and sys.path), five /dev nodes, and the call's directory as a tmpfs of its own
 // whose size is the disk quota; everything else of the host is absent. See rollout/sandbox_plan.h.
@@ -323,7 +324,71 @@ void kill_descendants() {
   }
 }
 
-// The plan stays open (fd 5) until B's last execve, which re-reads it.
+// `text` written to /proc/<pid>/<file>; false (errno set) when the kernel refuses it.
+bool write_proc(pid_t pid, const char* file, const std::string& text) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/" + file;
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const int err = errno;
+  close(fd);
+  errno = err;
+  return ok;
+}
+
+// B2's user namespace: uid and gid 0 to the caller's (root's 0, or its own uid), and for root the
+// sandbox ids to themselves, so C may drop to them.
+bool write_maps(pid_t b2, const SandboxPlan& p) {
+  std::string uids = "0 " + std::to_string(p.map_uid) + " 1\n", gids = "0 " + std::to_string(p.map_gid) + " 1\n";
+  if (p.map_sandbox_ids) {
+    uids += std::to_string(kSandboxUid) + " " + std::to_string(kSandboxUid) + " 1\n";
+    gids += std::to_string(kSandboxGid) + " " + std::to_string(kSandboxGid) + " 1\n";
+  } else if (!write_proc(b2, "setgroups", "deny")) {
+    return false;
+  }
+  return write_proc(b2, "gid_map", gids) && write_proc(b2, "uid_map", uids);
+}
+
+// B makes the plan's namespaces with a child, B2, writes its uid maps (B holds the caller's
+// capabilities; B2 holds the new namespace's from the clone on, which an execve before the maps exist
+// would have taken away), and lets it go. Returns in B2. B waits for B2 and exits with its status.
+void enter_namespaces(const SandboxPlan& plan) {
+  int ready[2];
+  if (pipe2(ready, O_CLOEXEC) != 0) fail(kStageNamespaces);
+  const pid_t b2 = static_cast<pid_t>(
+      syscall(SYS_clone, static_cast<unsigned long>(plan.ns_flags) | SIGCHLD, nullptr, nullptr, nullptr, nullptr));
+  if (b2 < 0) fail(kStageNamespaces);
+  if (b2 == 0) {
+    close(ready[1]);
+    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // B killed (the caller's timeout): B2 and its namespace go
+    char go = 0;
+    ssize_t got;
+    do {
+      got = read(ready[0], &go, 1);
+    } while (got < 0 && errno == EINTR);
+    if (got != 1) _exit(125);  // B is gone, or it could not write the maps (and said so)
+    close(ready[0]);
+    return;
+  }
+  close(ready[0]);
+  if ((plan.ns_flags & CLONE_NEWUSER) && !write_maps(b2, plan)) {
+    const int err = errno;
+    kill(b2, SIGKILL);
+    fail(kStageMaps, err);
+  }
+  if (write(ready[1], "1", 1) != 1) fail(kStageNamespaces);
+  close(ready[1]);
+  close(kFdCode);  // only B2 and C hold the code and the output pipes now
+  close(kFdOut);
+  close(kFdErr);
+  close(kFdStatus);
+  int st = 0;
+  while (waitpid(b2, &st, 0) < 0 && errno == EINTR) {
+  }
+  _exit(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+}
+
+// The plan, from the start of its memfd.
 bool read_plan(SandboxPlan& p) {
   std::string bytes;
   char buf[65536];
@@ -338,9 +403,7 @@ bool read_plan(SandboxPlan& p) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  // argv[1] == "mapped": the second execve in a user namespace, after P's "go".
-  const bool mapped = argc > 1 && std::strcmp(argv[1], "mapped") == 0;
+int main() {
   prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // the caller's thread gone: the whole sandbox goes
   // Default dispositions (ignored signals stay ignored across execve), then unblock (P blocked every
   // signal around the clone).
@@ -352,27 +415,18 @@ int main(int argc, char** argv) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
-  if (!mapped) setsid();
+  setsid();
   SandboxPlan plan;
   if (!read_plan(plan)) fail(kStagePlan, EINVAL);
-  if (!mapped) {
-    char go = 0;
-    ssize_t got;
-    do {
-      got = read(kFdSync, &go, 1);
-    } while (got < 0 && errno == EINTR);
-    if (got != 1) _exit(125);  // P gave up (or died) before letting us go
-    close(kFdSync);
-    if (plan.userns) {
-      // Uid 0 is mapped now: this execve gives B the namespace's capabilities (mounts, setresuid).
-      char name[] = "rlt-sandbox-init", flag[] = "mapped";
-      char* args[] = {name, flag, nullptr};
-      char* env[] = {nullptr};
-      execve(plan.init.c_str(), args, env);
-      fail(kStageInit);
-    }
-  }
   close(kFdPlan);
+  char go = 0;
+  ssize_t got;
+  do {
+    got = read(kFdSync, &go, 1);
+  } while (got < 0 && errno == EINTR);
+  if (got != 1) _exit(125);  // P gave up (or died) before letting us go
+  close(kFdSync);
+  if (plan.ns_flags != 0) enter_namespaces(plan);  // returns in B2, the namespaces' init
   if (plan.jail && !build_jail(plan)) fail(kStageJail);
   if (!plan.pidns) prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
   const pid_t c = fork();

@@ -33,13 +33,16 @@ inline void write_report(int fd, const Report& r) {
   } while (n < 0 && errno == EINTR);
 }
 
-// Where a setup step failed (kFailed's a). Steps before kStageExec ran no sandboxed code; kStageJail
-// failing means this kernel refuses the mount namespace's root, so the caller moves to a level without it.
+// Where a setup step failed (kFailed's a). Steps before kStageExec ran no sandboxed code; kStageNamespaces,
+// kStageMaps and kStageJail failing mean this kernel refuses the level's namespaces, their uid maps or the
+// mount namespace's root, so the caller moves to the next level.
 enum Stage : int32_t {
   kStageFds,
   kStageInit,
   kStagePlan,
   kStageSync,
+  kStageNamespaces,
+  kStageMaps,
   kStageJail,
   kStageClone,
   kStageChdir,
@@ -56,6 +59,8 @@ inline const char* stage_name(int32_t s) {
                                 "starting rlt-sandbox-init",
                                 "reading the plan",
                                 "waiting for the caller",
+                                "making the namespaces",
+                                "writing the uid maps",
                                 "building the read-only root",
                                 "starting the interpreter",
                                 "entering the working directory",
@@ -70,10 +75,11 @@ inline const char* stage_name(int32_t s) {
 }
 
 struct SandboxPlan {
-  // rlt-sandbox-init itself: in a user namespace B executes it once more after P has written the uid
-  // maps, since the first execve (before the maps) left it without capabilities in the namespace.
-  std::string init;
-  bool userns = false;
+  // The namespaces B makes (clone flags); with CLONE_NEWUSER, B maps uid and gid 0 of the new namespace to
+  // map_uid / map_gid, and with map_sandbox_ids (root only) kSandboxUid / kSandboxGid to themselves.
+  int64_t ns_flags = 0;
+  int64_t map_uid = 0, map_gid = 0;
+  bool map_sandbox_ids = false;
   std::string exe;                        // the interpreter, an absolute path
   std::vector<std::string> argv, envp;    // its arguments (argv[0] included) and whole environment
   std::string workdir;                    // the call's private directory (the same path inside the jail)
@@ -108,7 +114,8 @@ struct SandboxPlan {
       put_int(static_cast<int64_t>(l.size()));
       for (const auto& s : l) put_str(s);
     };
-    put_str(init), put_int(userns), put_str(exe), put_list(argv), put_list(envp), put_str(workdir);
+    put_int(ns_flags), put_int(map_uid), put_int(map_gid), put_int(map_sandbox_ids), put_str(exe), put_list(argv),
+        put_list(envp), put_str(workdir);
     for (int64_t v :
          {cpu_soft, cpu_hard, as, fsize, nofile, nproc, int64_t(set_nproc), int64_t(drop_uid), int64_t(pidns),
           int64_t(jail), disk_bytes, disk_inodes, work_uid, work_gid, landlock_abi, int64_t(landlock_read)}) {
@@ -142,7 +149,8 @@ struct SandboxPlan {
       for (int64_t i = 0; ok && i < n; ++i) l.push_back(get_str());
       return l;
     };
-    init = get_str(), userns = get_int(), exe = get_str(), argv = get_list(), envp = get_list(), workdir = get_str();
+    ns_flags = get_int(), map_uid = get_int(), map_gid = get_int(), map_sandbox_ids = get_int();
+    exe = get_str(), argv = get_list(), envp = get_list(), workdir = get_str();
     cpu_soft = get_int(), cpu_hard = get_int(), as = get_int(), fsize = get_int(), nofile = get_int();
     nproc = get_int(), set_nproc = get_int(), drop_uid = get_int(), pidns = get_int(), jail = get_int();
     disk_bytes = get_int(), disk_inodes = get_int(), work_uid = get_int(), work_gid = get_int();
