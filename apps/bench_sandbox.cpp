@@ -4,7 +4,8 @@
 //   bare       posix_spawn of `python -I -S -c pass` (the interpreter's start-up: the floor)
 //   fork_exec  fork() + execve of the same (what a call cost when each clone copied the caller's tables)
 //   bwrap      bubblewrap running the same in a jail like ours (--unshare-all, read-only binds), if on PATH
-//   sandbox    run_python("pass") without site-packages, one call at a time and through a SandboxPool
+//   sandbox    run_python("pass") without site-packages, one call at a time and on --workers threads,
+//              and one at a time with sandbox.cgroups off
 // then --load-s seconds of the demo's tool calls on --workers workers: calls/s, p50/p99 latency, calls
 // lost or timed out, and processes or directories left behind. Prints a table, or one JSON object with
 // --json. Bad flags are exit code 2.
@@ -26,9 +27,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <iostream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,11 +133,20 @@ nlohmann::json summary(const Rate& r) {
           {"p99_ms", percentile(r.ms, 0.99)}};
 }
 
-// Processes on the host, and this tmp root's rlt-sandbox-* entries: what a leak would leave.
-int64_t count_processes() {
+// The sandbox's processes still alive (rlt-sandbox-init, or the interpreter reading its script from
+// stdin), and this tmp root's rlt-sandbox-* entries: what a leak would leave.
+int64_t count_sandbox_processes(const std::string& exe) {
   int64_t n = 0;
   if (DIR* d = opendir("/proc")) {
-    while (dirent* e = readdir(d)) n += e->d_name[0] >= '1' && e->d_name[0] <= '9';
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+      std::ifstream in(std::string("/proc/") + e->d_name + "/cmdline");
+      std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const bool init = cmd.rfind("rlt-sandbox-init", 0) == 0;
+      const bool script = cmd.rfind(exe + '\0', 0) == 0 && cmd.size() >= 3 &&
+                          cmd.compare(cmd.size() - 3, 3, std::string("\0-\0", 3)) == 0;
+      n += init || script;
+    }
     closedir(d);
   }
   return n;
@@ -221,6 +233,9 @@ int main(int argc, char** argv) {
   out["fork_exec"] = {{"one", summary(measure(calls, 1, [&] { return fork_exec_wait(bare_args); }))}};
   out["sandbox"] = {{"one", summary(measure(calls, 1, sandbox_pass))},
                     {"workers", summary(measure(calls, workers, sandbox_pass))}};
+  o.cgroups = false;  // the same without the per-call cgroups (their attach is the v1 hosts' cost)
+  out["sandbox_no_cgroups"] = {{"one", summary(measure(calls, 1, sandbox_pass))}};
+  o.cgroups = true;
   const std::string bwrap = which("bwrap");
   if (!bwrap.empty()) {
     // A jail like ours: new namespaces, the system and the interpreter's prefix read-only, a tmpfs home.
@@ -248,7 +263,7 @@ int main(int argc, char** argv) {
     lo.timeout_s = 10;
     const std::string tmp_root =
         std::getenv("TMPDIR") && std::getenv("TMPDIR")[0] == '/' ? std::getenv("TMPDIR") : "/tmp";
-    const int64_t procs_before = count_processes(), dirs_before = count_sandbox_dirs(tmp_root);
+    const int64_t procs_before = count_sandbox_processes(exe), dirs_before = count_sandbox_dirs(tmp_root);
     std::vector<double> lat;
     int64_t done = 0, wrong = 0, timed_out = 0, errors = 0;
     {
@@ -288,7 +303,7 @@ int main(int argc, char** argv) {
                         {"sandbox_errors", errors},
                         {"p50_ms", percentile(lat, 0.5)},
                         {"p99_ms", percentile(lat, 0.99)},
-                        {"processes_left", count_processes() - procs_before},
+                        {"processes_left", count_sandbox_processes(exe) - procs_before},
                         {"dirs_left", count_sandbox_dirs(tmp_root) - dirs_before}});
   }
   std::free(ballast);
@@ -309,6 +324,7 @@ int main(int argc, char** argv) {
   if (out.contains("bwrap") && out["bwrap"].contains("mean_ms")) row("bwrap, 1", out["bwrap"]);
   row("sandbox, 1", out["sandbox"]["one"]);
   row(("sandbox, " + std::to_string(workers)).c_str(), out["sandbox"]["workers"]);
+  row("sandbox no cgroups, 1", out["sandbox_no_cgroups"]["one"]);
   std::printf("overhead beyond start-up: %.2f ms per call\n", overhead);
   if (out.contains("load")) std::cout << "load: " << out["load"].dump() << "\n";
   return 0;

@@ -643,8 +643,8 @@ void make_channels(CallFiles& f) {
 // The call's cgroups: pids capped at max_processes (plus B and B2), memory at memory_mb for the whole call
 // (its processes and what it keeps in its tmpfs). Each is left out where there is none to make.
 void make_cgroups(CallFiles& f, const Host& h, const SandboxOptions& o, const Level& level) {
-  const bool want_pids = !h.pids_dir.empty() && g_pids_cgroup_ok.load();
-  const bool want_memory = !h.memory_dir.empty() && g_memory_cgroup_ok.load();
+  const bool want_pids = o.cgroups && !h.pids_dir.empty() && g_pids_cgroup_ok.load();
+  const bool want_memory = o.cgroups && !h.memory_dir.empty() && g_memory_cgroup_ok.load();
   if (!want_pids && !want_memory) return;
   {
     std::lock_guard<std::mutex> lock(cgroup_pool().mu);
