@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_sandbox}
 mkdir -p "$out"
 source scripts/gpu_build.sh
+[ -x .gpu/bin/bwrap ] && export PATH="$PWD/.gpu/bin:$PATH"  # bubblewrap, carried for the peer row
 {
   uname -a
   nproc
