@@ -80,7 +80,8 @@ void save_checkpoint(Run& run) {
   nlohmann::json state = {{"step", run.step},
                           {"optimizer_steps", run.optimizer_steps},
                           {"skipped_steps", run.skipped_steps},
-                          {"prompts_consumed", run.prompts->consumed()}};
+                          {"prompts_consumed", run.prompts->consumed()},
+                          {"old_logprobs", enum_to_string(run.old_logprobs)}};
   {
     std::ofstream f((fs::path(tmp) / "state.json").string());
     f << state.dump(2) << "\n";
@@ -106,6 +107,11 @@ void load_checkpoint(Run& run) {
     run.optimizer_steps = state.at("optimizer_steps").get<int64_t>();
     run.skipped_steps = state.at("skipped_steps").get<int64_t>();
     run.prompts->seek(state.at("prompts_consumed").get<int64_t>());
+    // A switch to recompute (the rollout's log-probs missed train.old_logprobs_tol) holds for the rest of
+    // the run; a checkpoint from before the key existed keeps the config's setting.
+    if (state.value("old_logprobs", std::string()) == enum_to_string(OldLogprobs::kRecompute)) {
+      run.old_logprobs = OldLogprobs::kRecompute;
+    }
   } catch (const nlohmann::json::exception& e) {
     throw RunError(state_path + ": " + e.what());
   }

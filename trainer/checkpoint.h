@@ -1,5 +1,6 @@
 // Atomic checkpoints of a run: the model as a Hugging Face folder, the optimizer state, run.extra and the
-// step counters, written under a temporary name and renamed into place.
+// step counters (and the old log-probs in force, train.old_logprobs), written under a temporary name and
+// renamed into place.
 #pragma once
 
 #include <ATen/ATen.h>

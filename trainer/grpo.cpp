@@ -2,8 +2,9 @@
 //   1. rollout: prompts x G samples with sandboxed tool calls (rollout/retool.h)
 //   2. rewards: boxed-answer match and tool-use shaping (data/reward.h)
 //   3. advantages: group-relative, scaled per train.scale_rewards
-//   4. old log-probs (only when an update is off-policy) and reference log-probs (only when
-//      policy.kl_coef > 0: no reference model exists otherwise), all through the loss module
+//   4. old log-probs (only when an update is off-policy, and then the rollout's own unless
+//      train.old_logprobs is recompute) and reference log-probs (only when policy.kl_coef > 0: no
+//      reference model exists otherwise), all through the loss module
 //   5. num_iterations x mini-batches x micro-batches: policy loss (loss/policy_loss.h), backward with
 //      the mini-batch's global denominator, gradient clipping, AdamW, the learning-rate schedule
 //   6. metrics, checkpoint
@@ -76,15 +77,21 @@ std::map<std::string, double> train_grpo(Run& run) {
     for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
 
     // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
-    // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent.
+    // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent. Off-policy,
+    // they are the rollout's sampling log-probs (train.old_logprobs: rollout; the same loss module on the
+    // same weights, so equal to a recomputation up to rounding, and the policy's scoring forward is saved),
+    // or a scoring forward (recompute, or since the mismatch exceeded train.old_logprobs_tol).
     peaks.end("rollout");
     const auto t_score = Clock::now();
     const bool on_policy = T.num_iterations == 1 && mini == S;
+    const bool use_rollout = !on_policy && run.old_logprobs == OldLogprobs::kRollout;
+    const bool score_old = !on_policy && !use_rollout;
     std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
     {
       at::NoGradGuard no_grad;
       for (size_t k = 0; k < batches.size(); ++k) {
-        if (!on_policy) logprobs_old[k] = response_logprobs(*run.policy, batches[k], cfg.loss).logprobs;
+        if (use_rollout) logprobs_old[k] = batches[k].logprobs_rollout;  // (S_m, R)
+        if (score_old) logprobs_old[k] = response_logprobs(*run.policy, batches[k], cfg.loss).logprobs;
         if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
       }
     }
@@ -113,9 +120,13 @@ std::map<std::string, double> train_grpo(Run& run) {
           in.entropy = r.entropy;
           in.logprobs_rollout = b.logprobs_rollout;  // policy.tis / icepop
           in.global_denominator = denom;
-          // On the rollout's weights: the scored old log-probs, or (on-policy: one iteration, one optimizer
-          // step) this pass's own, computed before the step.
-          if (it == 0) mismatch.add(in.logprobs_old, b.logprobs_rollout, b.loss_mask);
+          // The mismatch needs the trainer's log-probs on the rollout's weights: the scored old ones, or this
+          // pass's own while no optimizer step has moved the weights, i.e. in the first iteration's first
+          // mini-batch (on-policy, the only one). With the rollout's old log-probs, later mini-batches are
+          // scored on moved weights and are left out: the figure then covers the first mini-batch only.
+          if (it == 0 && (score_old || mb_begin == 0)) {
+            mismatch.add(score_old ? logprobs_old[k] : r.logprobs, b.logprobs_rollout, b.loss_mask);
+          }
           PolicyLossOutput out = policy_loss(in, cfg.policy);
           out.loss.backward();
           accumulate_gradients(run);                                   // bf16 + master weights: into the fp32 gradients
@@ -129,9 +140,10 @@ std::map<std::string, double> train_grpo(Run& run) {
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
 
-    // 6. Metrics, warnings, checkpoint.
-    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps,
-                    mismatch.read());
+    // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
+    std::map<std::string, double> extra = mismatch.read();
+    check_old_logprobs(run, use_rollout, extra);
+    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
   }
   end_training(run, eval_start, m);
   return m;

@@ -58,6 +58,21 @@ std::map<std::string, double> LogprobMismatch::read() const {
   return {{"logprob_mismatch_mean", v[0] / std::max(1.0, v[2])}, {"logprob_mismatch_max", v[1]}};
 }
 
+void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, double>& metrics) {
+  metrics["old_logprobs_recomputed"] = used_rollout ? 0.0 : 1.0;
+  const auto it = metrics.find("logprob_mismatch_mean");
+  const double tol = run.config.train.old_logprobs_tol;
+  // A mismatch that is not a number fails the test too: the rollout's log-probs cannot be trusted then.
+  if (!used_rollout || run.old_logprobs == OldLogprobs::kRecompute || it == metrics.end() || it->second <= tol) {
+    return;
+  }
+  std::cerr << "warning: step " << run.step + 1 << ": logprob_mismatch_mean " << it->second
+            << " exceeds train.old_logprobs_tol " << tol
+            << ": the rollout's log-probs no longer stand in for the trainer's; the old log-probs are recomputed "
+               "(one scoring forward) from the next step on\n";
+  run.old_logprobs = OldLogprobs::kRecompute;
+}
+
 void UpdateMetrics::add_update_term(const std::string& name, const at::Tensor& value) { add(per_update_, name, value); }
 
 void UpdateMetrics::add_token_sum(const std::string& name, const at::Tensor& sum) { add(per_token_, name, sum); }

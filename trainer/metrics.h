@@ -88,6 +88,13 @@ class LogprobMismatch {
   at::Tensor sum_, max_, count_;  // () float64
 };
 
+// After the update: adds old_logprobs_recomputed to a step's metrics (1 = the old log-probs were the
+// trainer's own, from a scoring forward or, on-policy GRPO, the update's own pass; 0 = the rollout's) and,
+// when they were the rollout's and the step's logprob_mismatch_mean (already in `metrics`) exceeds
+// train.old_logprobs_tol, prints one warning and switches run.old_logprobs to recompute for the following
+// steps. Call it before finish_step, so the checkpoint a step writes holds the switch.
+void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, double>& metrics);
+
 class MetricsLog;
 
 // Seconds a step spent scoring, updating, and in all.

@@ -89,13 +89,32 @@ inline const EnumNames<LrSchedule>& enum_names(LrSchedule) {
   return names;
 }
 
+// Where an off-policy update (train.num_iterations > 1, or mini-batches) takes the old policy's log-probs:
+// the rollout's own sampling log-probs, which come through the loss module's fp32 path and so equal the
+// trainer's on the same weights up to rounding (GRPO then spends no scoring forward on the policy), or a
+// scoring forward of the policy before the update. An on-policy GRPO update needs neither: its old
+// log-probs are its own, detached.
+enum class OldLogprobs { kRollout, kRecompute };
+inline const EnumNames<OldLogprobs>& enum_names(OldLogprobs) {
+  static const EnumNames<OldLogprobs> names{{"rollout", OldLogprobs::kRollout}, {"recompute", OldLogprobs::kRecompute}};
+  return names;
+}
+
 struct TrainOptions {
-  PromptSource prompts = PromptSource::kSynthetic;  // data.path (jsonl) or the synthetic task
-  int64_t steps = 40;                               // RL steps (rollout + update)
-  int64_t prompts_per_step = 16;                    // prompts per step; each gets sampling.samples_per_prompt
-  int64_t num_iterations = 1;                       // passes over each step's rollouts (PPO epochs)
-  int64_t mini_batch_size = 0;                      // sequences per optimizer step; 0 = the whole batch
-  int64_t micro_batch_size = 32;                    // sequences per forward/backward (gradient accumulation)
+  PromptSource prompts = PromptSource::kSynthetic;   // data.path (jsonl) or the synthetic task
+  int64_t steps = 40;                                // RL steps (rollout + update)
+  int64_t prompts_per_step = 16;                     // prompts per step; each gets sampling.samples_per_prompt
+  int64_t num_iterations = 1;                        // passes over each step's rollouts (PPO epochs)
+  int64_t mini_batch_size = 0;                       // sequences per optimizer step; 0 = the whole batch
+  int64_t micro_batch_size = 32;                     // sequences per forward/backward (gradient accumulation)
+  OldLogprobs old_logprobs = OldLogprobs::kRollout;  // off-policy old log-probs: the rollout's, or scored
+  // The rollout's log-probs stand in for the old policy's while the measured logprob_mismatch_mean (nats
+  // per sampled token, rollout vs trainer on the same weights) stays at or below this; the first step above
+  // it warns once and the run recomputes from the next step on. 1e-3 sits between the two measured regimes:
+  // fp32 about 2e-7 (tests/trainer/test_trainer.cpp), bf16 on the H200 7.7e-3 (docs/benchmarks.md), so
+  // fp32 runs reuse the rollout's and bf16 runs switch after their first step. An error of 1e-3 in a
+  // log-ratio moves the importance ratio by 0.1%, 200x inside the default clip range of 0.2.
+  double old_logprobs_tol = 1e-3;
   double lr = 1e-6;
   double beta1 = 0.9, beta2 = 0.98, adam_eps = 1e-8, weight_decay = 0.1;
   double grad_clip = 1.0;  // max global gradient norm; 0 = off
@@ -129,6 +148,10 @@ struct TrainOptions {
     v("num_iterations", num_iterations, "passes over each step's rollouts", FieldRange{1, 1000});
     v("mini_batch_size", mini_batch_size, "sequences per optimizer step; 0 = all", FieldRange{0, 1e9});
     v("micro_batch_size", micro_batch_size, "sequences per forward/backward", FieldRange{1, 1e9});
+    v("old_logprobs", old_logprobs,
+      "off-policy old log-probs: rollout (the sampler's, no scoring forward) | recompute (a scoring forward)");
+    v("old_logprobs_tol", old_logprobs_tol,
+      "rollout: the logprob_mismatch_mean above which the run switches to recompute", FieldRange{0, 1e9});
     v("lr", lr, "peak learning rate", FieldRange{0, 10});
     v("beta1", beta1, "AdamW beta1", FieldRange{0, 1});
     v("beta2", beta2, "AdamW beta2", FieldRange{0, 1});

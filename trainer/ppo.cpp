@@ -1,7 +1,8 @@
 // PPO with the ReTool rollout, one step read top to bottom:
 //   1. rollout: prompts x G samples with sandboxed tool calls (rollout/retool.h), rewards (data/reward.h)
-//   2. scoring (no grad): one forward of the policy per micro-batch gives the old log-probs (loss module)
-//      and the old values (value head on the same hidden states); reference log-probs only when
+//   2. scoring (no grad): one forward of the policy per micro-batch gives the old values (value head on
+//      its hidden states) and its log-probs (loss module), which are the old ones with
+//      train.old_logprobs: recompute, else measure the rollout's; reference log-probs only when
 //      policy.kl_coef > 0
 //   3. advantages: the sequence's reward on its last sampled token, GAE(gamma, lambda) over the sampled
 //      tokens only (tool output is the environment's part of a step), whitened over the batch
@@ -119,17 +120,22 @@ std::map<std::string, double> train_ppo(Run& run) {
     std::vector<PackedBatch> batches;
     for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
 
-    // 2. Scoring: old log-probs and old values from one forward; reference log-probs.
+    // 2. Scoring: old values and the policy's log-probs from one forward; reference log-probs. The values
+    // need the forward whatever train.old_logprobs says, so the rollout's old log-probs save nothing here:
+    // they keep PPO on the same old log-probs as GRPO, and the scored ones measure the mismatch.
     peaks.end("rollout");
     const auto t_score = Clock::now();
     const size_t K = batches.size();
+    const bool use_rollout = run.old_logprobs == OldLogprobs::kRollout;
     std::vector<at::Tensor> logprobs_old(K), logprobs_ref(K), values_old(K), advantages(K), returns(K);
+    LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights (the scored ones)
     {
       at::NoGradGuard no_grad;
       for (size_t k = 0; k < K; ++k) {
         ResponseLogprobs r = response_logprobs(*run.policy, batches[k], cfg.loss);
-        logprobs_old[k] = r.logprobs;                           // (S_m, R)
-        values_old[k] = value_head(run, r.hidden, batches[k]);  // (S_m, R), 0 off the mask
+        mismatch.add(r.logprobs, batches[k].logprobs_rollout, batches[k].loss_mask);
+        logprobs_old[k] = use_rollout ? batches[k].logprobs_rollout : r.logprobs;  // (S_m, R)
+        values_old[k] = value_head(run, r.hidden, batches[k]);                     // (S_m, R), 0 off the mask
         if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
       }
     }
@@ -158,8 +164,6 @@ std::map<std::string, double> train_ppo(Run& run) {
     peaks.end("scoring");
     const auto t_update = Clock::now();
     UpdateMetrics um(run.device);
-    LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights (the scored old ones)
-    for (size_t k = 0; k < K; ++k) mismatch.add(logprobs_old[k], batches[k].logprobs_rollout, batches[k].loss_mask);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
@@ -212,6 +216,7 @@ std::map<std::string, double> train_ppo(Run& run) {
       ret_sum += returns[k].sum().item<double>();
     }
     std::map<std::string, double> extra = mismatch.read();
+    check_old_logprobs(run, use_rollout, extra);  // above train.old_logprobs_tol: recompute from the next step
     extra.insert({{"value_mean", v_sum / std::max(1.0, n_act)},
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},

@@ -99,7 +99,8 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   // as the sampler reports its log-probs).
   run.config.loss.temperature = config.sampling.temperature > 0 ? config.sampling.temperature : 1.0;
   run.out_dir = out_dir;
-  run.tools = tool_protocol(config, nullptr);  // the model's template, when used, reframes the reply below
+  run.old_logprobs = config.train.old_logprobs;  // a resumed run's switch comes from its checkpoint
+  run.tools = tool_protocol(config, nullptr);    // the model's template, when used, reframes the reply below
   fs::create_directories(out_dir);
   try {
     run.device = at::Device(config.model.device);

@@ -75,6 +75,10 @@ struct Run {
   int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
   int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
   int64_t stop_after = 0;       // > 0: checkpoint and return once `step` reaches it (--stop-after)
+  // The old log-probs in force: train.old_logprobs, switched to recompute for good once a step's
+  // logprob_mismatch_mean exceeds train.old_logprobs_tol (check_old_logprobs, trainer/metrics.h).
+  // Checkpointed, so a resumed run keeps the switch.
+  OldLogprobs old_logprobs = OldLogprobs::kRollout;
 };
 
 // Makes the named extra parameters of a run for its policy (PPO: the value head, sized to the hidden

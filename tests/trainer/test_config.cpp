@@ -82,6 +82,8 @@ TEST(Config, WrongTypes) {
   expect_error(write_yaml("t2.yaml", "loss:\n\n  chunk_size: 1.5\n"), {}, {":3", "loss.chunk_size", "integer"});
   expect_error(write_yaml("t3.yaml", "sampling:\n  temperature: hot\n"), {}, {":2", "sampling.temperature", "number"});
   expect_error(write_yaml("t4.yaml", "loss:\n  impl: fast\n"), {}, {":2", "loss.impl", "naive | selective | cce"});
+  expect_error("", {"train.old_logprobs=cached"},
+               {"--set train.old_logprobs=cached", "train.old_logprobs", "rollout | recompute"});
   expect_error(write_yaml("t5.yaml", "loss:\n  impl: [cce]\n"), {}, {":2", "loss.impl", "single value"});
   expect_error(write_yaml("t6.yaml", "loss: 3\n"), {}, {":1", "loss", "mapping"});
 }
@@ -107,6 +109,10 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   expect_error("", {"sampling.seed=3"}, {"sampling.seed", "unknown key"});
   expect_error("", {"train.prompts=jsonl"}, {"data.path", "jsonl"});
   expect_error("", {"policy.entropy_coef=0.01", "loss.entropy=value"}, {"loss.entropy", "grad"});
+  // TIS / IcePop weigh by exp(logprobs_old - logprobs_rollout): 1 when the old log-probs are the rollout's.
+  expect_error("", {"policy.tis=2"}, {"train.old_logprobs", "recompute"});
+  expect_error("", {"policy.icepop_low=0.5", "policy.icepop_high=2"}, {"train.old_logprobs", "recompute"});
+  EXPECT_NO_THROW(load_config("", {"policy.tis=2", "train.old_logprobs=recompute"}));
   EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "policy.entropy_coef=0.01", "loss.entropy=grad"}))
       << "greedy sampling scores at any temperature";
 }

@@ -1,7 +1,8 @@
 // The GRPO and PPO trainers: group advantages, the learning-rate schedules, GAE against an independent
 // reference, micro-batch accounting, the non-finite-step guard, and end-to-end runs of both algorithms on
-// a tiny model with real sandboxed tool calls: metrics, checkpoints, and a resumed run that reproduces
-// the uninterrupted run's losses exactly.
+// a tiny model with real sandboxed tool calls: metrics, checkpoints, a resumed run that reproduces the
+// uninterrupted run's losses exactly, and train.old_logprobs (the rollout's log-probs against recomputed
+// ones, and the switch to recompute above the tolerance).
 #include <gtest/gtest.h>
 
 #include <cctype>
@@ -326,6 +327,10 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   c.train.eval_prompts = 4;  // held out; pass@1 from 2 samples after steps 2 and 4
   c.train.eval_every = 2;
   c.train.eval_samples = 2;
+  // Bit for bit needs the old log-probs recomputed: the rollout's own depend, at the rounding level
+  // (~1e-7), on which rows share a decode step, which depends on when tool calls return (OldLogprobs
+  // below holds the rollout's to the recomputed ones within that).
+  c.train.old_logprobs = OldLogprobs::kRecompute;
   const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
   run_to(c, full, /*resume=*/false, train(), extra());
   const auto a = read_metrics(full);
@@ -413,19 +418,160 @@ TEST(MixedPrecisionRun, WarmUpTrainsTheMastersRlStartsFrom) {
   EXPECT_GT(moved, 0) << "the warm-up moved the masters RL starts from";
 }
 
+// A step's metrics, one row per step, and the policy's parameters at the end of a run.
+struct RunResult {
+  std::vector<nlohmann::json> rows;
+  std::vector<at::Tensor> params;
+};
+
+// The tiny run, without KL or checkpoints, warmed up so that its first RL step has unequal rewards (and a
+// loss that depends on the log-probs): every warm-up trace uses the tool, so some first answers are right.
+Config varied_first_step_config(int64_t steps) {
+  Config c = tiny_config();
+  c.policy.kl_coef = 0;
+  c.train.steps = steps;
+  c.train.checkpoint_every = 0;
+  c.sft.tool_fraction = 1.0;
+  c.sft.steps = 80;
+  c.sft.warmup_steps = 8;
+  return c;
+}
+
+// train.old_logprobs: an off-policy GRPO run (two iterations over two mini-batches) that takes the old
+// log-probs from the rollout trains like the same run that recomputes them with a scoring forward: the
+// two differ only by the rollout/trainer mismatch, in fp32 ~2e-7 per token on average and <= 1e-5 at
+// most (measured: means 1.3e-7 to 1.8e-7, maxima 1.9e-6 to 3.3e-6). The wrong implementation it must
+// reject: the trainer scoring at temperature 0.7 a rollout sampled (and its log-probs taken) at 1, so the
+// rollout's log-probs are another distribution's; the same pair of runs then parts by far more than the
+// tolerances.
+TEST(OldLogprobs, RolloutAndRecomputeTrainAlikeInFp32) {
+  TempDir tmp("old_logprobs");
+  const Config base = varied_first_step_config(/*steps=*/2);  // each run sets its own
+  // score_temperature 0: the trainer scores at the sampling temperature (make_run's one value).
+  auto train = [&](OldLogprobs mode, double score_temperature, const std::string& name, int64_t steps) {
+    Config c = base;
+    c.train.old_logprobs = mode;
+    c.train.steps = steps;  // 0: the warm-up only
+    rlt::Run run = make_run(c, (tmp.path() / name).string(), /*resume=*/false);
+    if (score_temperature > 0) run.config.loss.temperature = score_temperature;
+    train_grpo(run);
+    RunResult r{read_metrics((tmp.path() / name).string()), {}};
+    for (const auto& p : run.policy->parameters()) r.params.push_back(p.detach().clone());
+    return r;
+  };
+  // The update's share of the weights that differs between two runs: ||W_a - W_b|| / ||W_a - W_0||.
+  const RunResult start = train(OldLogprobs::kRecompute, 0, "start", 0);
+  auto weight_diff = [&](const RunResult& a, const RunResult& b) {
+    double d = 0, u = 0;
+    for (size_t i = 0; i < a.params.size(); ++i) {
+      d += (a.params[i] - b.params[i]).to(at::kDouble).square().sum().item<double>();
+      u += (a.params[i] - start.params[i]).to(at::kDouble).square().sum().item<double>();
+    }
+    return std::sqrt(d / u);
+  };
+  const RunResult recompute = train(OldLogprobs::kRecompute, 0, "recompute", 2);
+  const RunResult rollout = train(OldLogprobs::kRollout, 0, "rollout", 2);
+  ASSERT_EQ(recompute.rows.size(), 2u);
+  ASSERT_EQ(rollout.rows.size(), 2u);
+  ASSERT_GT(recompute.rows[0]["reward_std"].get<double>(), 1e-3) << "unequal rewards: the loss depends on the ratios";
+  // A log-prob error e moves a token's ratio by e, so the loss (a mean of A * ratio terms, |A| ~ 1) by
+  // about the mean mismatch, 2e-7: 1e-6 leaves 5x (measured: loss 4e-9 to 4e-8 apart, grad norm 3e-7 of
+  // 0.24). The wrong implementation below parts the step-1 loss by 2.9e-2.
+  constexpr double kLossTol = 1e-6, kGradRel = 1e-5;
+  // AdamW's first steps move each weight by about lr whatever its gradient's size, so a weight whose
+  // gradient is within rounding of 0 can move either way: compare the whole update, ||W_a - W_b|| over
+  // ||W_a - W_0||, not each weight (measured: 3e-6 to 5e-6; the wrong implementation: 0.98).
+  constexpr double kWeightRel = 1e-4;
+  for (size_t i = 0; i < 2; ++i) {
+    const auto &a = recompute.rows[i], &b = rollout.rows[i];
+    EXPECT_EQ(a["old_logprobs_recomputed"].get<double>(), 1.0) << "step " << i + 1;
+    EXPECT_EQ(b["old_logprobs_recomputed"].get<double>(), 0.0) << "step " << i + 1;
+    EXPECT_EQ(a["reward_mean"].get<double>(), b["reward_mean"].get<double>()) << "the same rollout, step " << i + 1;
+    EXPECT_NEAR(a["loss"].get<double>(), b["loss"].get<double>(), kLossTol) << "step " << i + 1;
+    EXPECT_NEAR(a["grad_norm"].get<double>(), b["grad_norm"].get<double>(), kGradRel * a["grad_norm"].get<double>())
+        << "step " << i + 1;
+    // The rollout run measures the mismatch on its first mini-batch only (later ones see moved weights).
+    EXPECT_LE(b["logprob_mismatch_max"].get<double>(), 1e-5) << "step " << i + 1;
+  }
+  EXPECT_LT(weight_diff(recompute, rollout), kWeightRel);
+
+  // The wrong implementation: rollout log-probs at temperature 1 standing in for old log-probs scored at
+  // 0.7. It is caught at step 1 (the following steps recompute), so step 1 must show the difference.
+  const RunResult wrong_recompute = train(OldLogprobs::kRecompute, 0.7, "wrong_recompute", 2);
+  const RunResult wrong_rollout = train(OldLogprobs::kRollout, 0.7, "wrong_rollout", 2);
+  ASSERT_EQ(wrong_recompute.rows[0]["reward_mean"].get<double>(), wrong_rollout.rows[0]["reward_mean"].get<double>());
+  EXPECT_GT(std::abs(wrong_recompute.rows[0]["loss"].get<double>() - wrong_rollout.rows[0]["loss"].get<double>()),
+            kLossTol);
+  EXPECT_GT(wrong_rollout.rows[0]["logprob_mismatch_mean"].get<double>(), base.train.old_logprobs_tol);
+  EXPECT_EQ(wrong_rollout.rows[1]["old_logprobs_recomputed"].get<double>(), 1.0) << "switched after step 1";
+  EXPECT_GT(weight_diff(wrong_recompute, wrong_rollout), kWeightRel);
+}
+
+// Above train.old_logprobs_tol the run warns once and recomputes from the next step on, and a resumed
+// run keeps the switch (state.json). Forced in fp32 with a tolerance of 1e-12 (the mismatch is ~2e-7);
+// at the default 1e-3 the same run never switches. Without the switch saved, a resumed run would go back
+// to the rollout's log-probs: a run resumed from a checkpoint whose state.json lost it must show that.
+TEST_P(Trainers, AMismatchAboveTheToleranceSwitchesToRecomputeOnceAndAResumeKeepsIt) {
+  TempDir tmp(GetParam() ? "ppo_switch" : "grpo_switch");
+  Config c = tiny_config();
+  c.policy.kl_coef = 0;
+  c.train.steps = 3;
+  c.train.checkpoint_every = 1;
+  c.sft.steps = 20;
+  const std::string kWarning = "exceeds train.old_logprobs_tol";
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  auto recomputed = [](const std::vector<nlohmann::json>& rows) {
+    std::vector<double> out;
+    for (const auto& row : rows) out.push_back(row["old_logprobs_recomputed"].get<double>());
+    return out;
+  };
+  auto run_captured = [&](const Config& cfg, const std::string& dir, bool resume, int64_t stop_after) {
+    ::testing::internal::CaptureStderr();
+    rlt::Run run = make_run(cfg, dir, resume, extra());
+    run.stop_after = stop_after;
+    train()(run);
+    return ::testing::internal::GetCapturedStderr();
+  };
+  // Within the tolerance: no switch, no warning.
+  const std::string calm = (tmp.path() / "calm").string();
+  EXPECT_EQ(count(run_captured(c, calm, false, 0), kWarning), 0u);
+  EXPECT_EQ(recomputed(read_metrics(calm)), std::vector<double>({0, 0, 0}));
+
+  c.train.old_logprobs_tol = 1e-12;
+  const std::string full = (tmp.path() / "full").string();
+  EXPECT_EQ(count(run_captured(c, full, false, 0), kWarning), 1u);
+  EXPECT_EQ(recomputed(read_metrics(full)), std::vector<double>({0, 1, 1}));
+  EXPECT_GT(read_metrics(full)[0]["logprob_mismatch_mean"].get<double>(), 1e-12);
+
+  // Stopped after the step that switched, then resumed: recomputes without a second warning.
+  const std::string part = (tmp.path() / "part").string();
+  EXPECT_EQ(count(run_captured(c, part, false, 1), kWarning), 1u);
+  std::filesystem::copy(part, part + "_lost", std::filesystem::copy_options::recursive);
+  EXPECT_EQ(count(run_captured(c, part, true, 0), kWarning), 0u);
+  EXPECT_EQ(recomputed(read_metrics(part)), std::vector<double>({0, 1, 1}));
+
+  // The wrong implementation: the switch not saved. The resumed run takes the rollout's again, and
+  // switches (and warns) a second time.
+  const std::string state_path = part + "_lost/checkpoint/state.json";
+  nlohmann::json state = nlohmann::json::parse(std::ifstream(state_path));
+  ASSERT_EQ(state["old_logprobs"], "recompute");
+  state.erase("old_logprobs");
+  std::ofstream(state_path) << state.dump();
+  EXPECT_EQ(count(run_captured(c, part + "_lost", true, 0), kWarning), 1u);
+  EXPECT_EQ(recomputed(read_metrics(part + "_lost")), std::vector<double>({0, 0, 1}));
+}
+
 // The ablation the README tables: every loss path and row selection on the same first RL step (same
 // warm-up, same rollout) gives the same loss, log-probs and gradient norm, while the update's memory
 // differs. Two iterations over two mini-batches make the second pass off-policy, so the loss depends on
 // the log-probs (an on-policy first pass has ratio 1 whatever they are).
 TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   TempDir tmp("ablation");
-  Config base = tiny_config();
-  base.policy.kl_coef = 0;
-  base.train.steps = 1;
-  base.train.checkpoint_every = 0;
-  base.sft.tool_fraction = 1.0;  // every warm-up trace uses the tool: some first-step answers are right
-  base.sft.steps = 80;
-  base.sft.warmup_steps = 8;
+  const Config base = varied_first_step_config(/*steps=*/1);
   struct Variant {
     LogprobImpl impl;
     bool response_only, loss_mask_only;
