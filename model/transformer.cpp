@@ -320,6 +320,12 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     cache->v[i].index_copy_(2, cache->step_slot, v);
     k = cache->k[i];  // (B, Hkv, max_len, hd)
     v = cache->v[i];
+  } else if (cache && cache->step_rows.defined()) {
+    const int64_t past = cache->length;
+    cache->k[i].narrow(2, past, L).index_copy_(0, cache->step_rows, k);
+    cache->v[i].narrow(2, past, L).index_copy_(0, cache->step_rows, v);
+    k = cache->k[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);  // (B, Hkv, S, hd)
+    v = cache->v[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);
   } else if (cache) {
     const int64_t past = cache->length;
     cache->k[i].narrow(2, past, L).copy_(k);
@@ -375,9 +381,14 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
               "a step at KvCache::step_slot takes one token per row and a mask over all ", cache->max_len, " slots");
   const int64_t past = cache ? cache->length : 0, S = fixed ? cache->max_len : past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
+  const bool some_rows = cache && cache->step_rows.defined();
+  TORCH_CHECK(!some_rows || (!fixed && cache->step_rows.size(0) == B && attention_mask.defined()),
+              "a forward over KvCache::step_rows takes one input row per listed row and an attention mask");
   const auto dev = embed_.device();
   if (fixed) {
     cache->positions.index_copy_(1, cache->step_slot, positions);
+  } else if (some_rows) {
+    cache->positions.narrow(1, past, L).index_copy_(0, cache->step_rows, positions.to(dev));
   } else if (cache) {
     cache->positions.narrow(1, past, L).copy_(positions);
   }
@@ -409,8 +420,10 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     full_mask = (causal & keep) | self;
     if (c.sliding_window > 0) {
       // The window counts positions: a cached row may hold holes, so slot distance can exceed it.
-      at::Tensor k_pos = cache ? cache->positions.narrow(1, 0, S) : positions.to(dev);  // (B, S)
-      at::Tensor q_pos = positions.to(dev);                                             // (B, L)
+      at::Tensor k_pos = !cache      ? positions.to(dev)
+                         : some_rows ? cache->positions.narrow(1, 0, S).index_select(0, cache->step_rows)
+                                     : cache->positions.narrow(1, 0, S);  // (B, S)
+      at::Tensor q_pos = positions.to(dev);                               // (B, L)
       at::Tensor in_window = k_pos.view({B, 1, 1, S}) > (q_pos - c.sliding_window).view({B, 1, L, 1});
       sliding_mask = (causal & keep & in_window) | self;
     }

@@ -43,6 +43,32 @@ struct ModelPolicy::StepGraph {
 struct ModelPolicy::StepGraph {};
 #endif
 
+at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
+  size_t K = 0;
+  for (const auto& run : runs) {
+    TORCH_CHECK(!run.empty(), "extend: an empty run");
+    K = std::max(K, run.size());
+  }
+  // Token t of every run still that long, one step per t; a row's logits are kept after its last token.
+  std::vector<at::Tensor> out(rows.size());
+  for (size_t t = 0; t < K; ++t) {
+    std::vector<int64_t> r, tok;
+    std::vector<size_t> which;
+    for (size_t j = 0; j < rows.size(); ++j) {
+      if (t >= runs[j].size()) continue;
+      r.push_back(rows[j]);
+      tok.push_back(runs[j][t]);
+      which.push_back(j);
+    }
+    at::Tensor logits = step(r, tok);
+    for (size_t i = 0; i < which.size(); ++i) {
+      if (t + 1 == runs[which[i]].size()) out[which[i]] = logits[static_cast<int64_t>(i)];
+    }
+  }
+  return at::stack(out);
+}
+
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
 }
@@ -131,6 +157,61 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
                                      &cache_);                                                    // (Bc, 1, D)
   return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
+}
+
+at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
+  const int64_t E = static_cast<int64_t>(rows.size());
+  int64_t K = 0;
+  for (const auto& run : runs) {
+    TORCH_CHECK(!run.empty(), "extend: an empty run");
+    K = std::max<int64_t>(K, static_cast<int64_t>(run.size()));
+  }
+  if (K == 1) {  // one token each: a decode step (the graphed path on a GPU)
+    std::vector<int64_t> tokens(E);
+    for (int64_t j = 0; j < E; ++j) tokens[j] = runs[j][0];
+    return step(rows, tokens);
+  }
+  if (cache_.length + K > cache_.max_len) compact(K);
+  const int64_t L = cache_.length;
+  // Input row j is sequence rows[j]: its run at columns [0, k_j), padding after it (a hole in the cache).
+  std::vector<int64_t> cache_row(E), ids(E * K, 0), pos(E * K, 0), last(E);
+  std::vector<uint8_t> fed(E * K, 0), seen(cache_rows(), 0);
+  for (int64_t j = 0; j < E; ++j) {
+    const int64_t n = rows[j];
+    TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "extend: sequence ", n,
+                " was released or never started");
+    const int64_t r = cache_row_[n], k = static_cast<int64_t>(runs[j].size());
+    TORCH_CHECK(!seen[r], "extend: sequence ", n, " listed twice");
+    seen[r] = 1;
+    cache_row[j] = r;
+    for (int64_t t = 0; t < K; ++t) {
+      ids[j * K + t] = t < k ? runs[j][t] : 0;
+      pos[j * K + t] = length_[n] + t;  // a padding slot's position is never read: it is a hole
+      fed[j * K + t] = t < k;
+    }
+    last[j] = j * K + k - 1;
+    length_[n] += k;
+  }
+  const auto dev = valid_.device();
+  at::Tensor rows_t = at::tensor(cache_row, at::kLong).to(dev);
+  // Slots [L, L + K) are holes for every row, then the runs' own slots of the listed rows.
+  valid_.narrow(1, L, K).zero_();
+  valid_.narrow(1, L, K).index_copy_(0, rows_t, at::tensor(fed).view({E, K}).to(dev, at::kBool));
+  at::Tensor mask = valid_.narrow(1, 0, L + K).index_select(0, rows_t);  // (E, L + K)
+  cache_.step_rows = rows_t;
+  at::Tensor hidden;
+  try {
+    hidden = model_.forward(at::tensor(ids).view({E, K}).to(dev), at::tensor(pos).view({E, K}).to(dev), mask,
+                            &cache_);  // (E, K, D); cache_.length becomes L + K
+  } catch (...) {
+    cache_.step_rows = at::Tensor();
+    throw;
+  }
+  cache_.step_rows = at::Tensor();
+  at::Tensor h = hidden.reshape({E * K, -1}).index_select(0, at::tensor(last).to(dev));  // (E, D)
+  return next_token_logits(model_, h);                                                   // (E, V)
 }
 
 at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {

@@ -4,7 +4,8 @@
 // never stalls the batch.
 //
 // ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
-// slot for every cache row; rows not fed that step write a slot that their attention mask hides. Holes
+// slot for every cache row; rows not fed that step write a slot that their attention mask hides. A run of
+// several tokens (a tool's reply) enters in one forward over its rows only (extend). Holes
 // and finished rows are squeezed out (KvCache::gather) when the cache fills up or half its rows are
 // finished, and the cache grows on demand, so memory follows the tokens actually held. On a GPU each
 // decode step replays a CUDA graph captured for the cache's current shape (ModelPolicyOptions::cuda_graphs).
@@ -30,6 +31,10 @@ class TokenPolicy {
   virtual at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) = 0;
   // Appends tokens[j] to sequence rows[j] (rows distinct) and returns their next-token logits (rows.size(), V).
   virtual at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) = 0;
+  // Appends runs[j] (one or more tokens: tool output, the template's framing) to sequence rows[j] (rows
+  // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
+  // runs through step(), one token per call; ModelPolicy takes them in one forward.
+  virtual at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
   // Sequences that will not be fed again; their memory may be reclaimed.
   virtual void release(const std::vector<int64_t>& rows) {}
   virtual int64_t vocab_size() const = 0;
@@ -49,6 +54,10 @@ class ModelPolicy : public TokenPolicy {
   ~ModelPolicy() override;
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
+  // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
+  // the cache, the shorter runs and the rows not listed leave holes there. Eager, also on a GPU: a feed's
+  // shape changes with every tool reply, so no graph would be replayed twice.
+  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
   int64_t vocab_size() const override { return model_.config().vocab_size; }
 

@@ -1,7 +1,8 @@
 // The ReTool loop; see retool.h. One pass of the main loop: sample for the sequences whose logits are
-// ready, pick up finished tool calls, feed every sequence that has a token to feed (one token each), and
-// repeat. A sequence's state is a queue of tokens not yet in the model's cache ("pending"): its own
-// last sample, or tool output to append. A sequence samples when that queue runs dry.
+// ready, pick up finished tool calls, feed every sequence that has tokens to feed (a decode step for the
+// ones with one token, one multi-token forward for those with a tool's reply), and repeat. A sequence's
+// state is a queue of tokens not yet in the model's cache ("pending"): its own last sample, or tool output
+// to append. A sequence samples when that queue runs dry.
 #include "rollout/retool.h"
 
 #include <algorithm>
@@ -197,17 +198,26 @@ class Loop {
         stats.sample_s += lap(t);
       }
       collect_tools(/*block=*/false);
-      std::vector<int64_t> rows, tokens;
+      // A sequence with one token to feed (its last sample) joins the decode step; one with several (its
+      // last sample, then a tool's reply or feedback) is fed all of them at once, in one forward over the
+      // rows that have such runs.
+      std::vector<int64_t> rows, tokens, run_rows;
+      std::vector<std::vector<int64_t>> runs;
       for (size_t n = 0; n < seqs_.size(); ++n) {
-        if (!seqs_[n].pending.empty()) {
+        std::deque<int64_t>& q = seqs_[n].pending;
+        if (q.empty()) continue;
+        if (q.size() == 1) {
           rows.push_back(static_cast<int64_t>(n));
-          tokens.push_back(seqs_[n].pending.front());
-          seqs_[n].pending.pop_front();
+          tokens.push_back(q.front());
+        } else {
+          run_rows.push_back(static_cast<int64_t>(n));
+          runs.emplace_back(q.begin(), q.end());
         }
+        q.clear();
       }
       release_finished();
       to_sample.clear();
-      if (rows.empty()) {
+      if (rows.empty() && run_rows.empty()) {
         if (!any_waiting()) break;
         lap(t);
         collect_tools(/*block=*/true);  // nothing to decode: wait for a tool call to return
@@ -215,11 +225,23 @@ class Loop {
         continue;
       }
       lap(t);
-      logits = policy_.step(rows, tokens);  // (rows, V)
-      device_synchronize(logits.device());
-      stats.decode_s += lap(t);
-      stats.decode_steps += 1;
-      stats.fed_rows += static_cast<int64_t>(rows.size());
+      std::vector<at::Tensor> parts;
+      if (!rows.empty()) {
+        parts.push_back(policy_.step(rows, tokens));  // (rows, V)
+        device_synchronize(parts.back().device());
+        stats.decode_s += lap(t);
+        stats.decode_steps += 1;
+        stats.fed_rows += static_cast<int64_t>(rows.size());
+      }
+      if (!run_rows.empty()) {
+        parts.push_back(policy_.extend(run_rows, runs));  // (run_rows, V)
+        device_synchronize(parts.back().device());
+        stats.feed_s += lap(t);
+        stats.feed_steps += 1;
+        for (const auto& r : runs) stats.feed_tokens += static_cast<int64_t>(r.size());
+        rows.insert(rows.end(), run_rows.begin(), run_rows.end());
+      }
+      logits = parts.size() == 1 ? parts[0] : at::cat(parts);  // (rows, V), rows in the same order
       std::vector<int64_t> pick;
       for (size_t j = 0; j < rows.size(); ++j) {
         const Seq& s = seqs_[rows[j]];

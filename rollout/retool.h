@@ -11,7 +11,8 @@
 // scores exactly the tokens that were sampled.
 //
 // Tool calls run concurrently on a pool and never stall the batch: a sequence waiting for its tool is
-// just not fed, and the others keep decoding (rollout/policy.h).
+// just not fed, and the others keep decoding (rollout/policy.h). A reply enters the cache in one
+// multi-token forward (TokenPolicy::extend), not one decode step per token.
 #pragma once
 
 #include <cstdint>
@@ -135,11 +136,14 @@ std::string format_tool_output(const SandboxResult& r);
 // Where a rollout's wall time went, summed over its waves. Decode steps are synchronised with the device
 // so that their time is the model's, not the sampler's.
 struct RolloutStats {
-  int64_t decode_steps = 0;   // one-token policy steps (a step feeds every sequence with a pending token)
+  int64_t decode_steps = 0;   // one-token policy steps (a step feeds every sequence with one pending token)
   int64_t fed_rows = 0;       // sequences fed, summed over the decode steps
-  int64_t forced_tokens = 0;  // tool output and feedback tokens fed one step at a time
+  int64_t feed_steps = 0;     // multi-token forwards (TokenPolicy::extend): a tool's reply or feedback, whole
+  int64_t feed_tokens = 0;    // tokens fed by those (a reply, and the sampled token before it if still unfed)
+  int64_t forced_tokens = 0;  // tool output and feedback tokens (fed in the multi-token forwards)
   double prefill_s = 0;       // the prompts' prefill
   double decode_s = 0;        // the decode steps (model forward to next-token logits)
+  double feed_s = 0;          // the multi-token forwards
   double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host
   double tool_wait_s = 0;     // blocked on tool calls with nothing else to decode
   double total_s = 0;         // the whole rollout; the rest is host bookkeeping (turn parsing, batching)

@@ -202,7 +202,9 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
           {"time_rollout_tool_wait_s", rb.stats.tool_wait_s},
           {"rollout_decode_steps", double(rb.stats.decode_steps)},
           {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
-          {"rollout_forced_tokens", double(rb.stats.forced_tokens)}};
+          {"rollout_forced_tokens", double(rb.stats.forced_tokens)},
+          {"rollout_feed_steps", double(rb.stats.feed_steps)},
+          {"time_rollout_feed_s", rb.stats.feed_s}};
 }
 
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {

@@ -248,13 +248,17 @@ TEST_F(ReToolTest, ToolCallAppendsMaskedInterpreterTurn) {
   const Trajectory& t = trajs[0];
   check_consistent(t, *p, 0);
   ASSERT_EQ(tool.calls, std::vector<std::string>{"\nprint(6*7)\n"});
-  // Every response token but the last (the answer ends the trajectory) is fed in a one-token step; the
-  // interpreter block is the forced part.
-  const int64_t R = static_cast<int64_t>(t.response_ids.size());
-  EXPECT_EQ(stats.fed_rows, R - 1);
-  EXPECT_EQ(stats.decode_steps, R - 1);
-  EXPECT_EQ(stats.forced_tokens, R - t.sampled_tokens());
-  EXPECT_LE(stats.prefill_s + stats.decode_s + stats.sample_s + stats.tool_wait_s, stats.total_s);
+  // Every response token but the last (the answer ends the trajectory) is fed: the interpreter block (the
+  // forced part) in one multi-token forward, with the call's close tag when the tool answered before that
+  // was fed, and every other token in a one-token step.
+  const int64_t R = static_cast<int64_t>(t.response_ids.size()), F = R - t.sampled_tokens();
+  EXPECT_EQ(stats.forced_tokens, F);
+  EXPECT_EQ(stats.feed_steps, 1);
+  EXPECT_GE(stats.feed_tokens, F);
+  EXPECT_LE(stats.feed_tokens, F + 1);
+  EXPECT_EQ(stats.fed_rows + stats.feed_tokens, R - 1);
+  EXPECT_EQ(stats.decode_steps, stats.fed_rows) << "one sequence: one row per decode step";
+  EXPECT_LE(stats.prefill_s + stats.decode_s + stats.feed_s + stats.sample_s + stats.tool_wait_s, stats.total_s);
   EXPECT_EQ(t.finish, FinishReason::kAnswer);
   EXPECT_EQ(t.tool_calls, 1);
   EXPECT_EQ(t.turns, 2);
@@ -539,25 +543,35 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
       policy.release({0, 4});
       released[0] = released[4] = true;
     }
+    // Every third step feeds runs of 1 to 4 tokens in one forward (a tool's reply): the other rows and
+    // the shorter runs leave holes, and the next compaction squeezes them out.
+    const bool runs_step = t % 3 == 2;
     std::vector<int64_t> rows, tokens;
+    std::vector<std::vector<int64_t>> runs;
     for (int64_t n = 0; n < N; ++n) {
       if (released[n] || (t + n) % 3 == 0) continue;  // idle rows leave holes
       rows.push_back(n);
-      tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
-      seqs[n].push_back(tokens.back());
+      const int64_t k = runs_step ? 1 + (n + t) % 4 : 1;
+      runs.emplace_back();
+      for (int64_t i = 0; i < k; ++i) {
+        runs.back().push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+        seqs[n].push_back(runs.back().back());
+      }
+      tokens.push_back(runs.back().back());
     }
-    at::Tensor logits = policy.step(rows, tokens).cpu();
+    at::Tensor logits = (runs_step ? policy.extend(rows, runs) : policy.step(rows, tokens)).cpu();
     ASSERT_EQ(logits.size(0), int64_t(rows.size()));
     for (size_t j = 0; j < rows.size(); ++j) {
       const at::Tensor ref = full_logits(m, seqs[rows[j]]);
       const double err = (logits[j] - ref).abs().max().item<double>();
-      EXPECT_LT(err, kTol) << "step " << t << " sequence " << rows[j] << " max|logit| "
-                           << ref.abs().max().item<double>();
+      EXPECT_LT(err, kTol) << (runs_step ? "multi-token feed " : "step ") << t << " sequence " << rows[j]
+                           << " max|logit| " << ref.abs().max().item<double>();
     }
   }
   EXPECT_GT(policy.compactions(), 3);
   EXPECT_EQ(policy.cache_rows(), 3) << "released rows are dropped";
-  // One graph per cache the steps ran on: the first, and one after each compaction.
+  // One graph per cache the one-token steps ran on: the first, and one after each compaction (a
+  // multi-token feed runs eagerly; every compaction here is followed by a one-token step).
   EXPECT_EQ(policy.graph_captures(), cuda ? policy.compactions() + 1 : 0);
   // A known-bad check: a sequence's logits are not another's (the tolerance can fail).
   EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
@@ -567,48 +581,65 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                          ::testing::Combine(::testing::Values("llama", "gemma2"), ::testing::Values("cpu", "cuda")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
+// A model-backed policy whose logits are steered to `prefix` for each sequence's first tokens (a random
+// tiny model cannot write code, so its first turn is forced open with a code block; what it samples after
+// is its own). multi_token: a tool's reply enters in one forward (ModelPolicy::extend); else one token per
+// step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
+// token, for the check that must reject it.
+class Steered : public TokenPolicy {
+ public:
+  Steered(const Transformer& m, std::vector<int64_t> prefix, bool multi_token = false, bool drop_first = false)
+      : inner_(m), prefix_(std::move(prefix)), multi_token_(multi_token), drop_first_(drop_first) {}
+  at::Tensor start(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
+    count_.assign(p.size() * r, 0);
+    std::vector<int64_t> rows(p.size() * r);
+    for (size_t n = 0; n < rows.size(); ++n) rows[n] = n;
+    return steer(rows, inner_.start(p, r));
+  }
+  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
+    for (int64_t n : rows) ++count_[n];
+    return steer(rows, inner_.step(rows, tokens));
+  }
+  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
+    if (!multi_token_) return TokenPolicy::extend(rows, runs);
+    std::vector<std::vector<int64_t>> fed = runs;
+    for (auto& r : fed) {
+      if (drop_first_ && r.size() > 1) r.erase(r.begin());
+    }
+    for (size_t j = 0; j < rows.size(); ++j) count_[rows[j]] += static_cast<int64_t>(runs[j].size());
+    ++extends_;
+    return steer(rows, inner_.extend(rows, fed));
+  }
+  void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
+  int64_t vocab_size() const override { return inner_.vocab_size(); }
+  int64_t extends() const { return extends_; }
+
+ private:
+  at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const int64_t k = count_[rows[j]];
+      if (k < int64_t(prefix_.size())) logits[j][prefix_[k]] += 1000.0;
+    }
+    return logits;
+  }
+  ModelPolicy inner_;
+  std::vector<int64_t> prefix_;
+  std::vector<int64_t> count_;
+  bool multi_token_, drop_first_;
+  int64_t extends_ = 0;
+};
+
 TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
-  // A random tiny model cannot write code, so its first turn is forced open with a code block through
-  // the prompt; what it samples after is its own. The point: real sandboxed calls inside a model rollout,
-  // reproducible under a seed, and loss masks that match the tool turns.
+  // Real sandboxed calls inside a model rollout (Steered: its first turn is one code block), reproducible
+  // under a seed, and loss masks that match the tool turns.
   const Transformer m = tiny_model("llama", 5);
   SandboxOptions so;
   so.timeout_s = 5;
   SandboxPool pool(so);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
-  // Scripted first turn through a ScriptedPolicy would bypass the model; instead: a model-backed policy
-  // whose logits are steered to one code block for each sequence's first tokens.
-  class Steered : public TokenPolicy {
-   public:
-    Steered(const Transformer& m, std::vector<int64_t> prefix) : inner_(m), prefix_(std::move(prefix)) {}
-    at::Tensor start(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
-      count_.assign(p.size() * r, 0);
-      std::vector<int64_t> rows(p.size() * r);
-      for (size_t n = 0; n < rows.size(); ++n) rows[n] = n;
-      return steer(rows, inner_.start(p, r));
-    }
-    at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
-      for (int64_t n : rows) ++count_[n];
-      return steer(rows, inner_.step(rows, tokens));
-    }
-    void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
-    int64_t vocab_size() const override { return inner_.vocab_size(); }
-
-   private:
-    at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
-      for (size_t j = 0; j < rows.size(); ++j) {
-        const int64_t k = count_[rows[j]];
-        if (k < int64_t(prefix_.size())) logits[j][prefix_[k]] += 1000.0;
-      }
-      return logits;
-    }
-    ModelPolicy inner_;
-    std::vector<int64_t> prefix_;
-    std::vector<int64_t> count_;
-  };
   const auto prefix = enc("<code>\nprint(347 * 829)\n</code>");
   auto run = [&](int64_t seed) {
-    Steered policy(m, prefix);
+    Steered policy(m, prefix, /*multi_token=*/true);
     SamplingOptions s = sampling(3);
     s.seed = seed;
     s.max_new_tokens = 24;
@@ -638,6 +669,50 @@ TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
     }
   }
   EXPECT_TRUE(differs) << "another seed, other samples";
+}
+
+TEST_F(ReToolTest, ToolRepliesFedInOneForwardGiveTheOneTokenTrajectories) {
+  // The same rollout twice: tool replies fed one token per decode step, and in one multi-token forward.
+  // float64, so the two differ only by rounding: the same tokens, log-probs within 1e-6 (they are stored
+  // as float). A feed that loses each run's first token (the call's close tag) must fail the same check.
+  const Transformer m = tiny_model("llama", 7);
+  FakeTool tool;
+  tool.outputs["\nprint(347 * 829)\n"] = "287663\n";
+  const auto prefix = enc("<code>\nprint(347 * 829)\n</code>");
+  auto run = [&](bool multi, bool drop_first, RolloutStats* stats) {
+    Steered policy(m, prefix, multi, drop_first);
+    SamplingOptions s = sampling(3);
+    s.seed = 4;
+    s.max_new_tokens = 24;
+    RolloutOptions o;
+    o.max_context = 120;
+    auto out = rollout(policy, *tok_, {enc("Q: 347 * 829?"), enc("Q: again")}, s, o, tool.runner(), {}, {}, stats);
+    if (multi) EXPECT_GT(policy.extends(), 0);
+    return out;
+  };
+  RolloutStats one_stats, multi_stats;
+  const auto one = run(false, false, &one_stats), multi = run(true, false, &multi_stats),
+             bad = run(true, true, nullptr);
+  ASSERT_EQ(one.size(), 6u);
+  ASSERT_EQ(multi.size(), 6u);
+  auto max_diff = [](const Trajectory& x, const Trajectory& y) {
+    if (x.response_ids != y.response_ids) return 1e30;
+    double d = 0;
+    for (size_t k = 0; k < x.logprobs.size(); ++k) d = std::max(d, double(std::abs(x.logprobs[k] - y.logprobs[k])));
+    return d;
+  };
+  double worst_bad = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_GE(one[i].tool_calls, 1);
+    EXPECT_EQ(one[i].loss_mask, multi[i].loss_mask);
+    EXPECT_LT(max_diff(one[i], multi[i]), 1e-6) << "trajectory " << i;
+    worst_bad = std::max(worst_bad, max_diff(one[i], bad[i]));
+  }
+  EXPECT_GT(worst_bad, 1e-3) << "a feed that drops a token must change the trajectories";
+  // Every forced token went in a multi-token forward, and the decode steps fell by as many tokens.
+  EXPECT_GT(multi_stats.forced_tokens, 0);
+  EXPECT_EQ(multi_stats.forced_tokens, one_stats.forced_tokens);
+  EXPECT_GE(multi_stats.feed_tokens, multi_stats.forced_tokens);
 }
 
 }  // namespace
