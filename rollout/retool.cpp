@@ -234,7 +234,9 @@ class Loop {
         stats.fed_rows += static_cast<int64_t>(rows.size());
       }
       if (!run_rows.empty()) {
-        parts.push_back(policy_.extend(run_rows, runs));  // (run_rows, V)
+        // (run_rows, V); rollout.multi_token_feed off: TokenPolicy's one-token-per-step feed.
+        parts.push_back(options_.multi_token_feed ? policy_.extend(run_rows, runs)
+                                                  : policy_.TokenPolicy::extend(run_rows, runs));
         device_synchronize(parts.back().device());
         stats.feed_s += lap(t);
         stats.feed_steps += 1;

@@ -80,6 +80,9 @@ struct RolloutOptions {
   int64_t max_batch = 0;
   // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
   bool cuda_graphs = true;
+  // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
+  // false: one token per decode step, as before; the trajectories are the same up to rounding.
+  bool multi_token_feed = true;
   // A rollout still running after this many seconds prints a live line to stderr, and again every as many
   // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
@@ -98,6 +101,7 @@ struct RolloutOptions {
     v("feedback", feedback, "message for an unparseable turn");
     v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
     v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
+    v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {

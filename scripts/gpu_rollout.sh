@@ -6,7 +6,8 @@
 # STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
 # checkpoint (scripts/gpu_train.sh, switches on only).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
-# SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off).
+# SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
+# FEED_AB=1 (the steps again with tool replies fed one token per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_rollout}
