@@ -4,7 +4,8 @@
 # bench_model at the setting (64 x (256 prompt + 512 new), sampling, random Qwen2.5-0.5B shape)
 # beside transformers generate in the same command; then grpo_train --config configs/retool.yaml for
 # STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
-# checkpoint (scripts/gpu_train.sh, switches on only).
+# checkpoint (scripts/gpu_train.sh, switches on only); bench_rollout: the ReTool loop with sandboxed tool
+# calls beside plain decoding through the same loop (SKIP_LOOP=1 skips it).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
 # FEED_AB=1 (the steps again with tool replies fed one token per step).
@@ -23,6 +24,11 @@ model=configs/models/qwen2.5-0.5b
   --new-tokens 512 --reps 2 --json "$out/rlt.json" 2>&1 | tee -a "$out/bench.log"
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_model_peers.py --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
   --new-tokens 512 --reps 2 --json "$out/hf.json" 2>&1 | tee -a "$out/bench.log"
+# The ReTool loop with sandboxed tool calls (steered: a call every 96 free samples) beside plain decoding
+# through the same loop, 64 x (256 + 512), the sandbox as configs/retool.yaml has it.
+[ "${SKIP_LOOP:-0}" = 1 ] || build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 \
+  --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 \
+  --json "$out/loop.json" 2>&1 | tee -a "$out/loop.log"
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   OUT="$out/train" SKIP_UPDATE_BENCH=1 SKIP_OFF=1 bash scripts/gpu_train.sh "${STEPS:-1}" "${MAX_NEW:-512}"
 fi
