@@ -8,7 +8,12 @@
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
 // seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
 // (scripts/gpu_model.sh).
+// --trace FILE profiles one short run of each mode, plus a multi-token extend (a tool reply's feed), with
+// the Kineto profiler (CPU ops and CUDA kernels) into a Chrome trace; scripts/trace_summary.py splits it
+// by phase into GPU-busy time, launch gaps and the top kernels.
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -55,8 +60,12 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
   KvCache cache = KvCache::allocate(c, B, P + N, opts.dtype(m.lm_head().scalar_type()));
   Run r;
   auto t0 = std::chrono::steady_clock::now();
-  at::Tensor h = m.forward(ids, pos, at::Tensor(), &cache);  // (B, P, D)
-  device_synchronize(dev);
+  at::Tensor h;
+  {
+    RECORD_USER_SCOPE("phase:prefill");
+    h = m.forward(ids, pos, at::Tensor(), &cache);  // (B, P, D)
+    device_synchronize(dev);
+  }
   r.prefill_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
   for (int64_t s = 0; s < N; ++s) {
@@ -105,6 +114,50 @@ Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int6
   return r;
 }
 
+// The profiled phases: each inside a user scope named after it, ending in a device synchronisation so
+// that its kernels fall inside it. Short runs (8 decode steps): enough to see each step's pattern.
+void trace_phases(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, const SamplingOptions& so,
+                  const std::string& path) {
+  namespace prof = torch::autograd::profiler;
+  const prof::ProfilerConfig config(prof::ProfilerState::KINETO, /*report_input_shapes=*/true);
+  std::set<torch::profiler::impl::ActivityType> acts{torch::profiler::impl::ActivityType::CPU};
+  if (dev.is_cuda()) acts.insert(torch::profiler::impl::ActivityType::CUDA);
+  prof::prepareProfiler(config, acts);
+  prof::enableProfiler(config, acts);
+  const int64_t steps = 8;
+  for (bool sample : {false, true}) {
+    RECORD_USER_SCOPE(sample ? "phase:prefill+decode_sample" : "phase:prefill+decode_greedy");
+    run_once(m, dev, B, P, steps, sample, 7);
+  }
+  std::vector<bool> graph_modes = {false};
+  if (dev.is_cuda()) graph_modes.push_back(true);
+  for (bool graphs : graph_modes) {
+    RECORD_USER_SCOPE(graphs ? "phase:rollout_graph" : "phase:rollout_eager");
+    run_policy_once(m, dev, B, P, steps, graphs, so, 7);
+  }
+  {
+    // A tool reply's feed: 4 of the B rows (spread over the batch) take 24 tokens each in one forward
+    // (ModelPolicy::extend).
+    at::NoGradGuard ng;
+    ModelPolicyOptions po;
+    ModelPolicy policy(m, po);
+    std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
+    policy.start(prompts, 1);
+    device_synchronize(dev);
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < B && rows.size() < 4; r += std::max<int64_t>(1, B / 4)) rows.push_back(r);
+    // The first feed, the same shape again one slot later (a new context length), then a new row count.
+    for (const char* name : {"phase:extend_4x24", "phase:extend_4x24_next", "phase:extend_2x10"}) {
+      RECORD_USER_SCOPE(name);
+      const bool two = std::string(name) == "phase:extend_2x10";
+      std::vector<int64_t> r(rows.begin(), rows.begin() + (two ? 2 : rows.size()));
+      policy.extend(r, std::vector<std::vector<int64_t>>(r.size(), std::vector<int64_t>(two ? 10 : 24, 2)));
+      device_synchronize(dev);
+    }
+  }
+  prof::disableProfiler()->save(path);
+}
+
 }  // namespace
 
 // bench_model reads one section: the sampler's options for the rollout's path (temperature, top-k/p).
@@ -128,6 +181,9 @@ int main(int argc, char** argv) {
   app.add_option("--new-tokens", N, "decoded tokens per sequence")->check(CLI::Range(1, 1 << 20));
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));
   app.add_option("--json", json_path, "write the records to this JSON file");
+  std::string trace_path;
+  app.add_option("--trace", trace_path,
+                 "also profile a short run of each mode into this Chrome trace (scripts/trace_summary.py reads it)");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   BenchModelConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;
@@ -146,6 +202,7 @@ int main(int argc, char** argv) {
   std::vector<bool> graph_modes = {false};
   if (dev.is_cuda()) graph_modes.push_back(true);
   for (bool graphs : graph_modes) run_policy_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, cfg.sampling, 1);
+  if (!trace_path.empty()) trace_phases(*model, dev, B, P, cfg.sampling, trace_path);
   json records = json::array();
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(7) << "batch" << std::setw(8) << "prompt"
             << std::setw(6) << "new" << std::setw(14) << "tokens/s" << std::setw(11) << "seconds" << std::setw(14)
@@ -160,6 +217,10 @@ int main(int argc, char** argv) {
     for (bool graphs : graph_modes) {
       all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
     }
+    std::cerr << "rep " << i << ": prefill " << all_runs[0].back().prefill_s
+              << " s, decode s greedy/sample/eager/graph";
+    for (auto& r : all_runs) std::cerr << " " << (r.empty() ? 0.0 : r.back().decode_s);
+    std::cerr << "\n";
   }
   for (int kind = 0; kind < 4; ++kind) {
     const std::vector<Run>& runs = all_runs[kind];
@@ -168,7 +229,8 @@ int main(int argc, char** argv) {
       std::vector<double> v;
       for (const auto& r : runs) v.push_back(get(r));
       std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
+      const size_t n = v.size();
+      return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
     };
     const double pre = median([](const Run& r) { return r.prefill_s; });
     const double dec = median([](const Run& r) { return r.decode_s; });

@@ -10,11 +10,14 @@
 //
 // Modes, run in this order in one process on the same prompts and seed:
 //   plain            tools off: --new-tokens sampled per trajectory
-//   tools            the steered loop, tool replies fed in one forward (rollout.multi_token_feed)
+//   tools            the steered loop, tool replies fed in one forward (rollout.multi_token_feed), an
+//                    eager one at its exact shape (the default)
+//   tools_feedgraphs the same, each feed a replayed CUDA graph per (rows, tokens) bucket
+//                    (ModelPolicyOptions::feed_graphs)
 //   tools_onetoken   the same with tool replies fed one token per decode step
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
-// feed_steps, forced_tokens}.
+// feed_steps, forced_tokens, cache_compactions, step_graph_captures, feed_graph_captures}.
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
@@ -42,6 +45,7 @@ class ToolSteered : public TokenPolicy {
   ToolSteered(const Transformer& m, ModelPolicyOptions po, std::vector<int64_t> script, std::vector<int64_t> reply_end,
               int64_t every)
       : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every) {}
+  const ModelPolicy& inner() const { return inner_; }
 
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
     const size_t N = prompts.size() * repeats;
@@ -98,6 +102,7 @@ class ToolSteered : public TokenPolicy {
   }
   ModelPolicy inner_;
   std::vector<int64_t> script_, reply_end_;
+
   int64_t every_;
   std::vector<Row> rows_;
 };
@@ -160,9 +165,16 @@ int main(int argc, char** argv) {
 
   struct Mode {
     std::string name;
-    bool tools, multi_token;
+    bool tools, multi_token, feed_graphs;
   };
-  const std::vector<Mode> modes = {{"plain", false, true}, {"tools", true, true}, {"tools_onetoken", true, false}};
+  const std::vector<Mode> modes = {{"plain", false, true, true},
+                                   {"tools", true, true, false},
+                                   {"tools_feedgraphs", true, true, true},
+                                   {"tools_onetoken", true, false, false}};
+  struct PolicyCounts {
+    int64_t compactions = 0, step_graphs = 0, feed_graphs = 0;
+  };
+  PolicyCounts counts;  // of the last run
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
     RolloutOptions o;
     o.tools = mode.tools;
@@ -174,8 +186,13 @@ int main(int argc, char** argv) {
     o.progress_s = 0;
     SamplingOptions s = sampling;
     s.max_new_tokens = new_tokens;
-    ToolSteered policy(model, po, script, reply_end, mode.tools ? every : (1 << 30));
-    return rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
+    ModelPolicyOptions mpo = po;
+    mpo.feed_graphs = mode.feed_graphs;
+    ToolSteered policy(model, mpo, script, reply_end, mode.tools ? every : (1 << 30));
+    auto out = rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
+    const ModelPolicy& inner = policy.inner();
+    counts = {inner.compactions(), inner.graph_captures() - inner.feed_graph_captures(), inner.feed_graph_captures()};
+    return out;
   };
   // Warm-up: kernels, graphs, the allocator and the sandbox pool, outside the timed runs.
   for (const Mode& m : modes) {
@@ -187,7 +204,7 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
-            << "steps"
+            << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures"
             << "\n";
   json records = json::array();
   double plain_tps = 0;
@@ -206,7 +223,8 @@ int main(int argc, char** argv) {
               << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
               << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
-              << st.decode_steps << "\n";
+              << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
+              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << "\n";
     records.push_back({{"mode", m.name},
                        {"batch", B},
                        {"prompt_len", P},
@@ -225,7 +243,10 @@ int main(int argc, char** argv) {
                        {"tool_wait_s", st.tool_wait_s},
                        {"decode_steps", st.decode_steps},
                        {"feed_steps", st.feed_steps},
-                       {"forced_tokens", st.forced_tokens}});
+                       {"forced_tokens", st.forced_tokens},
+                       {"cache_compactions", counts.compactions},
+                       {"step_graph_captures", counts.step_graphs},
+                       {"feed_graph_captures", counts.feed_graphs}});
   }
   if (!json_path.empty()) {
     const auto parent = std::filesystem::path(json_path).parent_path();

@@ -128,6 +128,16 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 
 }  // namespace
 
+NoCudnnAttention::NoCudnnAttention(bool active) : active_(active) {
+  if (!active_) return;
+  previous_ = at::globalContext().userEnabledCuDNNSDP();
+  at::globalContext().setSDPUseCuDNN(false);
+}
+
+NoCudnnAttention::~NoCudnnAttention() {
+  if (active_) at::globalContext().setSDPUseCuDNN(previous_);
+}
+
 KvCache KvCache::allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts) {
   KvCache kv;
   kv.max_len = max_len;
@@ -315,7 +325,17 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
   k = k.transpose(1, 2);  // (B, Hkv, L, hd)
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
-  if (cache && cache->step_slot.defined()) {
+  if (cache && cache->step_slot.defined() && cache->step_rows.defined()) {
+    // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows' whole
+    // cache: (B, Hkv, max_len, hd).
+    const auto& rows = cache->step_rows;
+    at::Tensor heads = at::arange(Hkv, rows.options()).view({1, Hkv, 1});
+    const c10::List<std::optional<at::Tensor>> at_slots{rows.view({B, 1, 1}), heads, cache->step_slot.view({1, 1, L})};
+    cache->k[i].index_put_(at_slots, k);
+    cache->v[i].index_put_(at_slots, v);
+    k = cache->k[i].index_select(0, rows);
+    v = cache->v[i].index_select(0, rows);
+  } else if (cache && cache->step_slot.defined()) {
     cache->k[i].index_copy_(2, cache->step_slot, k);
     cache->v[i].index_copy_(2, cache->step_slot, v);
     k = cache->k[i];  // (B, Hkv, max_len, hd)
@@ -350,7 +370,7 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     const int64_t G = H / Hkv;
     a = at::scaled_dot_product_attention(q.reshape({B, Hkv, G, hd}), k, v, mask, /*dropout_p=*/0.0,
                                          /*is_causal=*/false, c.attn_scale)
-            .view({B, H, 1, hd});
+            .reshape({B, H, 1, hd});  // not view: the memory-efficient kernel's output is not contiguous
   } else {
     a = at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
                                          /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
@@ -377,15 +397,19 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   // A fixed-shape step (KvCache::step_slot): one token written at a slot held on the device, attention
   // over every slot; nothing in it depends on a host-side length.
   const bool fixed = cache && cache->step_slot.defined();
-  TORCH_CHECK(!fixed || (L == 1 && attention_mask.defined() && attention_mask.size(1) == cache->max_len),
-              "a step at KvCache::step_slot takes one token per row and a mask over all ", cache->max_len, " slots");
+  TORCH_CHECK(
+      !fixed || (cache->step_slot.numel() == L && attention_mask.defined() && attention_mask.size(1) == cache->max_len),
+      "a step at KvCache::step_slot takes one slot per input column and a mask over all ", cache->max_len, " slots");
   const int64_t past = cache ? cache->length : 0, S = fixed ? cache->max_len : past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const bool some_rows = cache && cache->step_rows.defined();
-  TORCH_CHECK(!some_rows || (!fixed && cache->step_rows.size(0) == B && attention_mask.defined()),
+  TORCH_CHECK(!some_rows || (cache->step_rows.size(0) == B && attention_mask.defined()),
               "a forward over KvCache::step_rows takes one input row per listed row and an attention mask");
   const auto dev = embed_.device();
-  if (fixed) {
+  if (fixed && some_rows) {
+    const c10::List<std::optional<at::Tensor>> at_slots{cache->step_rows.view({B, 1}), cache->step_slot.view({1, L})};
+    cache->positions.index_put_(at_slots, positions.to(dev));
+  } else if (fixed) {
     cache->positions.index_copy_(1, cache->step_slot, positions);
   } else if (some_rows) {
     cache->positions.narrow(1, past, L).index_copy_(0, cache->step_rows, positions.to(dev));
@@ -411,7 +435,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   at::Tensor full_mask, sliding_mask;
   auto build_masks = [&] {
     auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
-    at::Tensor q_slot = fixed ? cache->step_slot.view({1, 1}) : at::arange(past, S, lopts).view({L, 1});
+    at::Tensor q_slot = fixed ? cache->step_slot.view({L, 1}) : at::arange(past, S, lopts).view({L, 1});
     at::Tensor k_slot = at::arange(0, S, lopts).view({1, S});
     at::Tensor causal = (k_slot <= q_slot).view({1, 1, L, S});
     at::Tensor keep =

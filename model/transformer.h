@@ -24,20 +24,37 @@ namespace rlt {
 // row with nothing to add writes a slot that its attention mask then hides, so rows may hold holes.
 // Slots carry the RoPE position they were written with, and sliding windows are measured in positions,
 // not slots, so holes never shrink a window.
+// While alive, scaled_dot_product_attention skips cuDNN (flash or memory-efficient attention take the
+// calls); the previous setting comes back at the end of the scope. cuDNN's attention builds an execution
+// plan for every new shape and stride and then caches it: about 40 ms each on an H200 (bench_model
+// --trace), where the whole forward of a tool reply's feed takes 3 ms of GPU time. A rollout's shapes
+// change at every step (rows, context length, the feed's width), so it would pay that cost almost every
+// time. The setting is process-wide: use the guard on the thread that runs the model, around forwards.
+class NoCudnnAttention {
+ public:
+  explicit NoCudnnAttention(bool active = true);
+  ~NoCudnnAttention();
+  NoCudnnAttention(const NoCudnnAttention&) = delete;
+  NoCudnnAttention& operator=(const NoCudnnAttention&) = delete;
+
+ private:
+  bool active_, previous_ = true;
+};
+
 struct KvCache {
   std::vector<at::Tensor> k, v;  // per layer: (B, Hkv, max_len, hd)
   at::Tensor positions;          // (B, max_len) int64: the position each slot was written with
   int64_t length = 0;            // slots filled so far
   int64_t max_len = 0;
-  // Set for a one-token step whose work must not depend on `length`, so that a captured CUDA graph can
-  // replay it: (1) int64 on the cache's device, the slot the step writes. The step then attends over all
-  // max_len slots (its attention mask must span them and hide the unwritten ones), and forward leaves
-  // `length` to the caller.
+  // Set for a step whose work must not depend on `length`, so that a captured CUDA graph can replay it:
+  // (L) int64 on the cache's device, the slots the step's L tokens write, in order. The step then attends
+  // over all max_len slots (its attention mask must span them and hide the unwritten ones), and forward
+  // leaves `length` to the caller. With step_rows too, only those rows are written (a fixed-shape feed).
   at::Tensor step_slot;
   // Set for a forward over some of the cache's rows only (a multi-token feed of a few sequences while
   // the others wait): (B') int64 on the cache's device, the cache row of each input row. The new keys
-  // and values go to those rows' slots [length, length + L); the other rows' slots there are left as they
-  // are (the caller's mask hides them), and length advances for all rows.
+  // and values go to those rows' slots [length, length + L) (or step_slot's); the other rows' slots there
+  // are left as they are (the caller's mask hides them), and length advances for all rows.
   at::Tensor step_rows;
   static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
   // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]

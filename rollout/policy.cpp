@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -30,13 +31,29 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
   return z;
 }
 
+// The fixed shapes a feed of E rows x K tokens runs at, so that a few captured graphs serve every feed:
+// tokens to a power of two up to 16, then to a multiple of 16 (a 24-token reply costs 8 hole slots);
+// rows to a power of two, at most the cache's rows.
+int64_t feed_cols(int64_t K) {
+  if (K > 16) return (K + 15) / 16 * 16;
+  int64_t b = 1;
+  while (b < K) b *= 2;
+  return b;
+}
+
+int64_t feed_rows(int64_t E, int64_t cache_rows) {
+  int64_t b = 1;
+  while (b < E) b *= 2;
+  return std::min(b, cache_rows);
+}
+
 }  // namespace
 
 #ifdef RLT_HAVE_CUDA
 struct ModelPolicy::StepGraph {
   at::cuda::CUDAGraph graph;
-  at::Tensor inputs;  // (3 Bc + 1) int64: what fixed_step reads; written before each replay
-  at::Tensor hidden;  // (Bc, D): what it writes, in the graph's private memory pool
+  at::Tensor inputs;  // int64: what fixed_step / fixed_extend reads; written before each replay
+  at::Tensor hidden;  // what it writes ((Bc, D) or (Eb Kb, D)), in the graph's private memory pool
   int64_t rows = 0, slots = 0;
 };
 #else
@@ -77,6 +94,7 @@ ModelPolicy::~ModelPolicy() = default;
 
 at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   at::NoGradGuard no_grad;
+  NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(!prompts.empty() && repeats >= 1, "start: needs at least one prompt and repeats >= 1");
   const int64_t U = static_cast<int64_t>(prompts.size()), N = U * repeats;
   int64_t P = 0;
@@ -85,31 +103,35 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
     P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
   }
   // Left padding: every prompt ends in the last column, whose hidden state gives the first logits.
-  at::Tensor ids = at::zeros({U, P}, at::kLong), pos = at::zeros({U, P}, at::kLong);
-  at::Tensor mask = at::zeros({U, P}, at::kLong);
+  // Filled as host vectors, one tensor each at the end (a tensor write per token costs a dispatch each:
+  // 180 ms for 64 x 256 prompt tokens, twice the prefill forward on an H200).
+  std::vector<int64_t> ids(U * P, 0), pos(U * P, 0), mask(U * P, 0);
   length_.assign(N, 0);
   for (int64_t u = 0; u < U; ++u) {
     const int64_t n = static_cast<int64_t>(prompts[u].size()), pad = P - n;
     for (int64_t j = 0; j < n; ++j) {
-      ids[u][pad + j] = prompts[u][j];
-      pos[u][pad + j] = j;
-      mask[u][pad + j] = 1;
+      ids[u * P + pad + j] = prompts[u][j];
+      pos[u * P + pad + j] = j;
+      mask[u * P + pad + j] = 1;
     }
     for (int64_t g = 0; g < repeats; ++g) length_[u * repeats + g] = n;
   }
   const at::Tensor& head = model_.lm_head();
   const auto dev = head.device();
+  auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).view({U, P}).to(dev); };
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
-  at::Tensor hidden = model_.forward(ids.to(dev), pos.to(dev), mask.to(dev), &prefill);  // (U, P, D)
-  at::Tensor logits = next_token_logits(model_, hidden.select(1, P - 1));                // (U, V)
+  at::Tensor mask_d = to_dev(mask);
+  at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)
+  at::Tensor logits = next_token_logits(model_, hidden.select(1, P - 1));          // (U, V)
   // The G samples of a prompt share its prefill: copy its cache row G times.
   auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N)
   at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
   graph_.reset();  // a graph reads the cache tensors it was captured with
+  feed_graphs_.clear();
   cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
   valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
-  valid_.narrow(1, 0, P).copy_(mask.to(dev).index_select(0, rows) != 0);
+  valid_.narrow(1, 0, P).copy_(mask_d.index_select(0, rows) != 0);
   cache_row_.resize(N);
   seq_of_row_.resize(N);
   for (int64_t n = 0; n < N; ++n) cache_row_[n] = seq_of_row_[n] = n;
@@ -118,6 +140,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
 
 at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
   at::NoGradGuard no_grad;
+  NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
   if (cache_.length + 1 > cache_.max_len) compact(1);
   const int64_t Bc = cache_rows();
@@ -161,6 +184,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
 
 at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
   at::NoGradGuard no_grad;
+  NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   const int64_t E = static_cast<int64_t>(rows.size());
   int64_t K = 0;
@@ -173,11 +197,21 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     for (int64_t j = 0; j < E; ++j) tokens[j] = runs[j][0];
     return step(rows, tokens);
   }
-  if (cache_.length + K > cache_.max_len) compact(K);
-  const int64_t L = cache_.length;
+  const auto dev = valid_.device();
+  bool graphs = false;
+#ifdef RLT_HAVE_CUDA
+  graphs = options_.cuda_graphs && options_.feed_graphs && dev.is_cuda();
+#endif
+  // The fixed-shape form (bucketed rows x tokens, the write slots on the device) is what a graph
+  // captures; without graphs it runs eagerly at the exact shape.
+  const bool fixed = graphs || options_.fixed_shape_extend;
+  const int64_t Kb = fixed ? feed_cols(K) : K;
+  if (cache_.length + Kb > cache_.max_len) compact(Kb);
+  const int64_t L = cache_.length, Bc = cache_rows();
+  const int64_t Eb = fixed ? feed_rows(E, Bc) : E;
   // Input row j is sequence rows[j]: its run at columns [0, k_j), padding after it (a hole in the cache).
-  std::vector<int64_t> cache_row(E), ids(E * K, 0), pos(E * K, 0), last(E);
-  std::vector<uint8_t> fed(E * K, 0), seen(cache_rows(), 0);
+  std::vector<int64_t> cache_row(Eb), ids(Eb * Kb, 0), pos(Eb * Kb, 0), fed(Eb * Kb, 0), last(E);
+  std::vector<uint8_t> seen(Bc, 0);
   for (int64_t j = 0; j < E; ++j) {
     const int64_t n = rows[j];
     TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "extend: sequence ", n,
@@ -186,32 +220,78 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     TORCH_CHECK(!seen[r], "extend: sequence ", n, " listed twice");
     seen[r] = 1;
     cache_row[j] = r;
-    for (int64_t t = 0; t < K; ++t) {
-      ids[j * K + t] = t < k ? runs[j][t] : 0;
-      pos[j * K + t] = length_[n] + t;  // a padding slot's position is never read: it is a hole
-      fed[j * K + t] = t < k;
+    for (int64_t t = 0; t < Kb; ++t) {
+      ids[j * Kb + t] = t < k ? runs[j][t] : 0;
+      pos[j * Kb + t] = length_[n] + t;  // a padding slot's position is never read: it is a hole
+      fed[j * Kb + t] = t < k;
     }
-    last[j] = j * K + k - 1;
+    last[j] = j * Kb + k - 1;
     length_[n] += k;
   }
-  const auto dev = valid_.device();
-  at::Tensor rows_t = at::tensor(cache_row, at::kLong).to(dev);
-  // Slots [L, L + K) are holes for every row, then the runs' own slots of the listed rows.
-  valid_.narrow(1, L, K).zero_();
-  valid_.narrow(1, L, K).index_copy_(0, rows_t, at::tensor(fed).view({E, K}).to(dev, at::kBool));
-  at::Tensor mask = valid_.narrow(1, 0, L + K).index_select(0, rows_t);  // (E, L + K)
-  cache_.step_rows = rows_t;
+  // The bucket's extra rows are rows not listed (there are enough: Eb <= Bc), fed nothing: the slots they
+  // write stay holes, and their outputs are never read.
+  for (int64_t r = 0, j = E; j < Eb; ++r) {
+    if (!seen[r]) cache_row[j++] = r;
+  }
+  at::Tensor hidden;  // (Eb Kb, D)
+  if (fixed) {
+    // One host vector, one copy: ids, positions, fed, the rows, then the first slot.
+    std::vector<int64_t> packed = ids;
+    packed.insert(packed.end(), pos.begin(), pos.end());
+    packed.insert(packed.end(), fed.begin(), fed.end());
+    packed.insert(packed.end(), cache_row.begin(), cache_row.end());
+    packed.push_back(L);
+#ifdef RLT_HAVE_CUDA
+    if (graphs) {
+      hidden = graph_extend(packed, Eb, Kb);
+    } else
+#endif
+    {
+      hidden = fixed_extend(at::tensor(packed, at::kLong).to(dev), Eb, Kb);
+    }
+    cache_.length = L + Kb;
+  } else {
+    at::Tensor rows_t = at::tensor(cache_row, at::kLong).to(dev);
+    // Slots [L, L + K) are holes for every row, then the runs' own slots of the listed rows.
+    valid_.narrow(1, L, K).zero_();
+    valid_.narrow(1, L, K).index_copy_(0, rows_t, at::tensor(fed).view({E, K}).to(dev, at::kBool));
+    at::Tensor mask = valid_.narrow(1, 0, L + K).index_select(0, rows_t);  // (E, L + K)
+    cache_.step_rows = rows_t;
+    try {
+      hidden = model_.forward(at::tensor(ids).view({E, K}).to(dev), at::tensor(pos).view({E, K}).to(dev), mask,
+                              &cache_);  // (E, K, D); cache_.length becomes L + K
+    } catch (...) {
+      cache_.step_rows = at::Tensor();
+      throw;
+    }
+    cache_.step_rows = at::Tensor();
+    hidden = hidden.reshape({E * K, -1});
+  }
+  at::Tensor h = hidden.index_select(0, at::tensor(last).to(dev));  // (E, D)
+  return next_token_logits(model_, h);                              // (E, V)
+}
+
+at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb) {
+  const int64_t n = Eb * Kb;
+  at::Tensor ids = inputs.narrow(0, 0, n).view({Eb, Kb}), pos = inputs.narrow(0, n, n).view({Eb, Kb});
+  at::Tensor fed = inputs.narrow(0, 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, 3 * n, Eb);
+  at::Tensor slots = inputs.narrow(0, 3 * n + Eb, 1) + at::arange(Kb, inputs.options());  // (Kb)
+  // Slots [L, L + Kb) are holes for every row, then the runs' own slots of the listed rows.
+  valid_.index_fill_(1, slots, false);
+  const c10::List<std::optional<at::Tensor>> at_slots{rows.view({Eb, 1}), slots.view({1, Kb})};
+  valid_.index_put_(at_slots, fed);
+  at::Tensor mask = valid_.index_select(0, rows);  // (Eb, max_len)
+  cache_.step_slot = slots;
+  cache_.step_rows = rows;
   at::Tensor hidden;
   try {
-    hidden = model_.forward(at::tensor(ids).view({E, K}).to(dev), at::tensor(pos).view({E, K}).to(dev), mask,
-                            &cache_);  // (E, K, D); cache_.length becomes L + K
+    hidden = model_.forward(ids, pos, mask, &cache_);  // (Eb, Kb, D)
   } catch (...) {
-    cache_.step_rows = at::Tensor();
+    cache_.step_slot = cache_.step_rows = at::Tensor();
     throw;
   }
-  cache_.step_rows = at::Tensor();
-  at::Tensor h = hidden.reshape({E * K, -1}).index_select(0, at::tensor(last).to(dev));  // (E, D)
-  return next_token_logits(model_, h);                                                   // (E, V)
+  cache_.step_slot = cache_.step_rows = at::Tensor();
+  return hidden.view({n, -1});
 }
 
 at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {
@@ -233,47 +313,69 @@ at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {
 }
 
 #ifdef RLT_HAVE_CUDA
-at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
+std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& inputs,
+                                                             const std::function<at::Tensor(const at::Tensor&)>& run,
+                                                             const char* what) {
+  // A step or a feed is idempotent (it rewrites the same slots with the same values), so the warm-up run
+  // that cuBLAS and SDPA need before a capture leaves the state as one run would; the capture itself runs
+  // nothing, and the caller's replay computes the output.
   const auto dev = valid_.device();
-  const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1;
-  at::Tensor in = at::tensor(packed, at::kLong).to(dev);  // (3 Bc + 1 + picks)
-  pick = in.narrow(0, n_in, picks);
-  if (graph_) {  // start() and compact() drop the graph whenever the cache tensors change
-    TORCH_CHECK(graph_->rows == Bc && graph_->slots == cache_.max_len, "ModelPolicy: stale step graph");
-    graph_->inputs.copy_(in.narrow(0, 0, n_in));
-    graph_->graph.replay();
-    return graph_->hidden;
-  }
-  // A new cache: capture this step. A step is idempotent (it rewrites the same slot with the same
-  // values), so the warm-up run that cuBLAS and SDPA need before a capture leaves the state as one step
-  // would; the capture itself runs nothing, and the replay after it computes the step's output.
   auto g = std::make_unique<StepGraph>();
-  g->rows = Bc;
+  g->rows = cache_rows();
   g->slots = cache_.max_len;
-  g->inputs = in.narrow(0, 0, n_in).clone();
+  g->inputs = inputs.clone();
   device_synchronize(dev);
   {
     c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()));
-    fixed_step(g->inputs);
+    run(g->inputs);
     device_synchronize(dev);
     g->graph.capture_begin();
     try {
-      g->hidden = fixed_step(g->inputs);
+      g->hidden = run(g->inputs);
     } catch (const std::exception& e) {
       try {
         g->graph.capture_end();  // leave the stream out of capture mode; the partial graph is dropped
       } catch (...) {
       }
-      throw std::runtime_error(std::string("ModelPolicy: capturing the decode step as a CUDA graph failed (") +
+      throw std::runtime_error(std::string("ModelPolicy: capturing the ") + what + " as a CUDA graph failed (" +
                                e.what() + "); rollout.cuda_graphs=false runs it eagerly");
     }
     g->graph.capture_end();
   }
   device_synchronize(dev);
-  graph_ = std::move(g);
   ++graph_captures_;
+  return g;
+}
+
+at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
+  const auto dev = valid_.device();
+  const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1;
+  at::Tensor in = at::tensor(packed, at::kLong).to(dev);  // (3 Bc + 1 + picks)
+  pick = in.narrow(0, n_in, picks);
+  if (graph_) {  // start() and compact() drop the graphs whenever the cache tensors change
+    TORCH_CHECK(graph_->rows == Bc && graph_->slots == cache_.max_len, "ModelPolicy: stale step graph");
+    graph_->inputs.copy_(in.narrow(0, 0, n_in));
+  } else {
+    graph_ = capture(
+        in.narrow(0, 0, n_in), [this](const at::Tensor& x) { return fixed_step(x); }, "decode step");
+  }
   graph_->graph.replay();
   return graph_->hidden;
+}
+
+at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb) {
+  at::Tensor in = at::tensor(packed, at::kLong).to(valid_.device());
+  auto& g = feed_graphs_[{Eb, Kb}];
+  if (g) {
+    TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "ModelPolicy: stale feed graph");
+    g->inputs.copy_(in);
+  } else {
+    g = capture(
+        in, [this, Eb, Kb](const at::Tensor& x) { return fixed_extend(x, Eb, Kb); }, "multi-token feed");
+    ++feed_graph_captures_;
+  }
+  g->graph.replay();
+  return g->hidden;
 }
 #endif
 
@@ -311,6 +413,7 @@ void ModelPolicy::compact(int64_t need) {
   order = at::where(keep, order, at::zeros_like(order));
   const int64_t grow = std::max(options_.slot_chunk, S / 4) + need;
   graph_.reset();  // a graph reads the cache tensors it was captured with
+  feed_graphs_.clear();
   cache_ = cache_.gather(rows, order, S + grow);
   valid_ = at::zeros({B, S + grow}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);

@@ -16,7 +16,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "model/transformer.h"
@@ -46,6 +49,17 @@ struct ModelPolicyOptions {
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
   // cache shape (rows x slots), so again after each compaction or growth. Ignored on the CPU.
   bool cuda_graphs = true;
+  // Off: the policy's forwards keep attention off cuDNN (NoCudnnAttention), whose per-shape plans cost
+  // ~40 ms each and a rollout's shapes change every step.
+  bool cudnn_attention = false;
+  // extend() at the bucketed fixed shape that the CUDA graphs capture, also without graphs (on the CPU:
+  // the tests check that form against the full forward). On a GPU with cuda_graphs it is always used.
+  bool fixed_shape_extend = false;
+  // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket, captured
+  // once per bucket and cache shape. Off by default: every compaction drops the graphs, and a capture costs
+  // two forwards' host time, so in the ReTool loop (bench_rollout, H200) 14 of 23 feeds were captures and
+  // graphed feeds took 0.93 s against 0.81 s eager. Worth it once caches outlive many feeds.
+  bool feed_graphs = false;
 };
 
 class ModelPolicy : public TokenPolicy {
@@ -55,8 +69,9 @@ class ModelPolicy : public TokenPolicy {
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
-  // the cache, the shorter runs and the rows not listed leave holes there. Eager, also on a GPU: a feed's
-  // shape changes with every tool reply, so no graph would be replayed twice.
+  // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
+  // feed runs at a bucketed shape (rows to a power of two, K to a power of two up to 16, then a multiple
+  // of 16: fixed_extend) whose CUDA graph is captured once per bucket and cache shape and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
   int64_t vocab_size() const override { return model_.config().vocab_size; }
@@ -67,6 +82,7 @@ class ModelPolicy : public TokenPolicy {
   int64_t compactions() const { return compactions_; }
   // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
   int64_t graph_captures() const { return graph_captures_; }
+  int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
 
  private:
   struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
@@ -81,6 +97,15 @@ class ModelPolicy : public TokenPolicy {
   // pick) in, captures a graph when the cache changed, replays it. Returns the hidden states (Bc, D) and,
   // through `pick`, the picked rows on the device.
   at::Tensor graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick);
+  // A feed at a fixed shape: Eb rows x Kb tokens written at slots [L, L + Kb) of the listed rows (the slot
+  // and rows on the device), attention over every slot. inputs (3 Eb Kb + Eb + 1) int64 on the device: ids,
+  // positions, fed (0/1), each (Eb, Kb) row-major, then the cache rows, then L. Returns (Eb Kb, D).
+  at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb);
+  // The graph path of extend() (CUDA builds): one graph per (Eb, Kb) for the current cache.
+  at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb);
+  // Captures `run` on `inputs` (a copy kept as the graph's input buffer) after one warm-up run.
+  std::unique_ptr<StepGraph> capture(const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor&)>& run,
+                                     const char* what);
 
   const Transformer& model_;
   ModelPolicyOptions options_;
@@ -91,7 +116,8 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
   int64_t compactions_ = 0;
   std::unique_ptr<StepGraph> graph_;
-  int64_t graph_captures_ = 0;
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
+  int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
 };
 
 }  // namespace rlt

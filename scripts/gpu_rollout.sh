@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU host for the rollout engine: build; every test (ctest: on CUDA, ModelPolicy replays
 # CUDA graphs through holes and compaction against float64 full forwards);
-# bench_model at the setting (64 x (256 prompt + 512 new), sampling, random Qwen2.5-0.5B shape)
+# bench_model at the setting (64 x (256 prompt + 512 new), sampling, random Qwen2.5-0.5B shape;
+# 3 reps, the median; plus a Kineto trace of each mode split by phase: trace_summary.txt)
 # beside transformers generate in the same command; then grpo_train --config configs/retool.yaml for
 # STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
 # checkpoint (scripts/gpu_train.sh, switches on only); bench_rollout: the ReTool loop with sandboxed tool
@@ -21,9 +22,14 @@ if [ "${SKIP_CTEST:-0}" != 1 ]; then
 fi
 model=configs/models/qwen2.5-0.5b
 [ "${SKIP_BENCH:-0}" = 1 ] || build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
-  --new-tokens 512 --reps 2 --json "$out/rlt.json" 2>&1 | tee -a "$out/bench.log"
+  --new-tokens 512 --reps 3 --trace "$out/trace.json" --json "$out/rlt.json" 2>&1 | tee -a "$out/bench.log"
+# The trace (tens of MB) stays on the host: its per-phase summary comes back.
+if [ -f "$out/trace.json" ]; then
+  python3 scripts/trace_summary.py "$out/trace.json" --top 15 --json "$out/trace_summary.json" > "$out/trace_summary.txt"
+  rm -f "$out/trace.json"
+fi
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 scripts/bench_model_peers.py --model $model --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 \
-  --new-tokens 512 --reps 2 --json "$out/hf.json" 2>&1 | tee -a "$out/bench.log"
+  --new-tokens 512 --reps 3 --json "$out/hf.json" 2>&1 | tee -a "$out/bench.log"
 # The ReTool loop with sandboxed tool calls (steered: a call every 96 free samples) beside plain decoding
 # through the same loop, 64 x (256 + 512), the sandbox as configs/retool.yaml has it.
 [ "${SKIP_LOOP:-0}" = 1 ] || build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 \

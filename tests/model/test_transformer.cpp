@@ -189,6 +189,27 @@ void check_padded_decode(bool fixed) {
 
 TEST(Transformer, MaskedDecodeOfAPaddedBatchEqualsEachSequencesForward) { check_padded_decode(/*fixed=*/false); }
 
+// The guard switches cuDNN attention off for its scope and gives back whatever was set before it, nested
+// or inactive; a guard that only ever set it back to "on" fails the middle check.
+TEST(Transformer, NoCudnnAttentionRestoresThePreviousSetting) {
+  auto& ctx = at::globalContext();
+  const bool before = ctx.userEnabledCuDNNSDP();
+  ctx.setSDPUseCuDNN(true);
+  {
+    NoCudnnAttention outer;
+    EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
+    {
+      NoCudnnAttention inner;
+      EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
+    }
+    EXPECT_FALSE(ctx.userEnabledCuDNNSDP());  // the inner guard restores "off", as it found it
+    NoCudnnAttention inactive(false);
+    EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
+  }
+  EXPECT_TRUE(ctx.userEnabledCuDNNSDP());
+  ctx.setSDPUseCuDNN(before);
+}
+
 TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) { check_padded_decode(/*fixed=*/true); }
 
 std::string bytes_of(const fs::path& p) {
