@@ -49,8 +49,9 @@ struct ModelPolicyOptions {
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
   // cache shape (rows x slots), so again after each compaction or growth. Ignored on the CPU.
   bool cuda_graphs = true;
-  // Off: the policy's forwards keep attention off cuDNN (NoCudnnAttention), whose per-shape plans cost
-  // ~40 ms each and a rollout's shapes change every step.
+  // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
+  // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
+  // Captured steps keep cuDNN: their plan is built once per capture.
   bool cudnn_attention = false;
   // extend() at the bucketed fixed shape that the CUDA graphs capture, also without graphs (on the CPU:
   // the tests check that form against the full forward). On a GPU with cuda_graphs it is always used.
