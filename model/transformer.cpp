@@ -398,8 +398,9 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be (B, L) int64, got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions must be shaped like ids");
   const int64_t B = ids.size(0), L = ids.size(1);
-  // A fixed-shape step (KvCache::step_slot): one token written at a slot held on the device, attention
-  // over every slot; nothing in it depends on a host-side length.
+  // A fixed-shape step (KvCache::step_slot): L tokens per row written at slots held on the device (of
+  // the step_rows rows only, if set), attention over every slot; nothing in it depends on a host-side
+  // length.
   const bool fixed = cache && cache->step_slot.defined();
   TORCH_CHECK(
       !fixed || (cache->step_slot.numel() == L && attention_mask.defined() && attention_mask.size(1) == cache->max_len),
