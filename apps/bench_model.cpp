@@ -24,6 +24,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "apps/bench_common.h"
 #include "common/config.h"
@@ -146,12 +147,18 @@ void trace_phases(const Transformer& m, const at::Device& dev, int64_t B, int64_
     device_synchronize(dev);
     std::vector<int64_t> rows;
     for (int64_t r = 0; r < B && rows.size() < 4; r += std::max<int64_t>(1, B / 4)) rows.push_back(r);
-    // The first feed, the same shape again one slot later (a new context length), then a new row count.
-    for (const char* name : {"phase:extend_4x24", "phase:extend_4x24_next", "phase:extend_2x10"}) {
+    // The first feed, the same shape again 24 slots later (a new context length), then fewer rows and
+    // tokens. Phase names carry the real row counts (fewer than 4 when B < 4).
+    const size_t few = std::min<size_t>(2, rows.size());
+    const std::string many = "phase:extend_" + std::to_string(rows.size()) + "x24";
+    const std::vector<std::tuple<std::string, size_t, int64_t>> feeds = {
+        {many, rows.size(), 24},
+        {many + "_next", rows.size(), 24},
+        {"phase:extend_" + std::to_string(few) + "x10", few, 10}};
+    for (const auto& [name, n_rows, n_tokens] : feeds) {
       RECORD_USER_SCOPE(name);
-      const bool two = std::string(name) == "phase:extend_2x10";
-      std::vector<int64_t> r(rows.begin(), rows.begin() + (two ? 2 : rows.size()));
-      policy.extend(r, std::vector<std::vector<int64_t>>(r.size(), std::vector<int64_t>(two ? 10 : 24, 2)));
+      std::vector<int64_t> r(rows.begin(), rows.begin() + n_rows);
+      policy.extend(r, std::vector<std::vector<int64_t>>(r.size(), std::vector<int64_t>(n_tokens, 2)));
       device_synchronize(dev);
     }
   }

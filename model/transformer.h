@@ -54,7 +54,8 @@ struct KvCache {
   // Set for a forward over some of the cache's rows only (a multi-token feed of a few sequences while
   // the others wait): (B') int64 on the cache's device, the cache row of each input row. The new keys
   // and values go to those rows' slots [length, length + L) (or step_slot's); the other rows' slots there
-  // are left as they are (the caller's mask hides them), and length advances for all rows.
+  // are left as they are (the caller's mask hides them), and length advances for all rows (unless
+  // step_slot is set: then the caller moves it).
   at::Tensor step_rows;
   static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
   // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]

@@ -162,10 +162,15 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
     const int64_t r = cache_row_[n];
     TORCH_CHECK(!fed[r], "step: sequence ", n, " listed twice");
     ids[r] = tokens[j];
-    pos[r] = length_[n]++;
+    pos[r] = length_[n];
     fed[r] = 1;
     pick[j] = r;
   }
+  // Each fed sequence holds one token more, once the step has run: a step that throws (a bad row, a
+  // failed capture) leaves the positions as they were.
+  auto advance = [&] {
+    for (int64_t n : rows) ++length_[n];
+  };
 #ifdef RLT_HAVE_CUDA
   if (graphs) {
     // One host vector, one copy: ids, positions, fed flags, the slot, then the rows to pick.
@@ -177,6 +182,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
     at::Tensor rows_picked;
     at::Tensor hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);  // (Bc, D)
     cache_.length += 1;
+    advance();
     return next_token_logits(model_, hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
   }
 #endif
@@ -184,13 +190,13 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
   at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
-                                     &cache_);                                                    // (Bc, 1, D)
+                                     &cache_);  // (Bc, 1, D)
+  advance();
   return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
 }
 
 at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
   at::NoGradGuard no_grad;
-  NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   const int64_t E = static_cast<int64_t>(rows.size());
   int64_t K = 0;
@@ -203,6 +209,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     for (int64_t j = 0; j < E; ++j) tokens[j] = runs[j][0];
     return step(rows, tokens);
   }
+  NoCudnnAttention attention(!options_.cudnn_attention);  // after the step above, which keeps cuDNN when graphed
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
@@ -232,7 +239,6 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
       fed[j * Kb + t] = t < k;
     }
     last[j] = j * Kb + k - 1;
-    length_[n] += k;
   }
   // The bucket's extra rows are rows not listed (there are enough: Eb <= Bc), fed nothing: the slots they
   // write stay holes, and their outputs are never read.
@@ -273,6 +279,9 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     cache_.step_rows = at::Tensor();
     hidden = hidden.reshape({E * K, -1});
   }
+  // The runs are in the cache: each sequence holds its run's tokens more (not before: a feed that throws
+  // leaves the positions as they were).
+  for (int64_t j = 0; j < E; ++j) length_[rows[j]] += static_cast<int64_t>(runs[j].size());
   at::Tensor h = hidden.index_select(0, at::tensor(last).to(dev));  // (E, D)
   return next_token_logits(model_, h);                              // (E, V)
 }

@@ -54,7 +54,8 @@ struct ModelPolicyOptions {
   // Captured steps keep cuDNN: their plan is built once per capture.
   bool cudnn_attention = false;
   // extend() at the bucketed fixed shape that the CUDA graphs capture, also without graphs (on the CPU:
-  // the tests check that form against the full forward). On a GPU with cuda_graphs it is always used.
+  // the tests check that form against the full forward). With feed_graphs (and cuda_graphs) on a GPU it
+  // is always used.
   bool fixed_shape_extend = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket, captured
   // once per bucket and cache shape. Off by default: every compaction drops the graphs, and a capture costs

@@ -190,7 +190,8 @@ void check_padded_decode(bool fixed) {
 TEST(Transformer, MaskedDecodeOfAPaddedBatchEqualsEachSequencesForward) { check_padded_decode(/*fixed=*/false); }
 
 // The guard switches cuDNN attention off for its scope and gives back whatever was set before it, nested
-// or inactive; a guard that only ever set it back to "on" fails the middle check.
+// or inactive; a guard that only ever set it back to "on" fails the nested check, and one that ignored
+// `active` fails the inactive one.
 TEST(Transformer, NoCudnnAttentionRestoresThePreviousSetting) {
   auto& ctx = at::globalContext();
   const bool before = ctx.userEnabledCuDNNSDP();
@@ -203,8 +204,11 @@ TEST(Transformer, NoCudnnAttentionRestoresThePreviousSetting) {
       EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
     }
     EXPECT_FALSE(ctx.userEnabledCuDNNSDP());  // the inner guard restores "off", as it found it
-    NoCudnnAttention inactive(false);
-    EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
+  }
+  EXPECT_TRUE(ctx.userEnabledCuDNNSDP());
+  {
+    NoCudnnAttention inactive(false);  // an inactive guard leaves cuDNN on, and on after it
+    EXPECT_TRUE(ctx.userEnabledCuDNNSDP());
   }
   EXPECT_TRUE(ctx.userEnabledCuDNNSDP());
   ctx.setSDPUseCuDNN(before);

@@ -587,6 +587,29 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
 }
 
+// A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
+// were: the next step still matches the full forward. A policy that advanced a sequence's position before
+// checking the rest of the list would give the sequence listed first a position one (or a run) too far.
+TEST(ModelPolicy, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
+  for (bool fixed : {false, true}) {
+    const Transformer m = tiny_model("llama", 3);
+    ModelPolicyOptions po;
+    po.fixed_shape_extend = fixed;
+    ModelPolicy policy(m, po);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}};
+    policy.start(seqs, 1);
+    EXPECT_THROW(policy.step({0, 0}, {7, 8}), c10::Error);
+    EXPECT_THROW(policy.extend({1, 0, 1}, {{3, 4}, {5}, {6, 7}}), c10::Error);
+    at::Tensor logits = policy.extend({0, 1}, {{7, 8}, {9}}).cpu();
+    seqs[0].insert(seqs[0].end(), {7, 8});
+    seqs[1].push_back(9);
+    for (int64_t n = 0; n < 2; ++n) {
+      EXPECT_LT((logits[n] - full_logits(m, seqs[n])).abs().max().item<double>(), 1e-9)
+          << (fixed ? "fixed-shape" : "exact") << " feed, sequence " << n;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                          ::testing::Combine(::testing::Values("llama", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda")),
