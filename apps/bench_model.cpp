@@ -4,7 +4,10 @@
 //   rollout_eager / rollout_graph   the rollout's own path: ModelPolicy (compacting cache, masked steps)
 //                                   and sample_tokens (counter-based Gumbel noise, log-probs through the
 //                                   loss module, ids to the host every step), without and with a CUDA
-//                                   graph per decode step (rollout_graph on CUDA only).
+//                                   graph per decode step (rollout_graph on CUDA only);
+//   rollout_graph_aten              rollout_graph with the fused decode and sampling kernels off (their
+//                                   ATen forms): the before and after of those kernels in one command.
+// Every cache forward here (prefill included) runs the fused kernels unless said otherwise.
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
 // seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
 // (scripts/gpu_model.sh).
@@ -81,9 +84,12 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
 }
 
 // The rollout's path: B prompts x 1 sample through ModelPolicy, N sampled tokens each, every one fed back.
-Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
-                    SamplingOptions so, uint64_t seed) {
+// fused = false: the ATen forms of the decoder's and the sampler's fused kernels (the before of
+// rollout_graph).
+Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
+                    SamplingOptions so, uint64_t seed, bool fused = true) {
   at::NoGradGuard ng;
+  m.set_fused_kernels(fused);
   at::manual_seed(seed);
   at::Tensor ids = at::randint(0, m.config().vocab_size, {B, P}, at::kLong);
   std::vector<std::vector<int64_t>> prompts(B);
@@ -105,19 +111,20 @@ Run run_policy_once(const Transformer& m, const at::Device& dev, int64_t B, int6
   t0 = std::chrono::steady_clock::now();
   for (int64_t s = 0; s < N; ++s) {
     counters.fill_(s);
-    SampleOutput out = sample_tokens(logits, so, streams, counters);  // ids on the host
+    SampleOutput out = sample_tokens(logits, so, streams, counters, 0, fused);  // ids on the host
     const int64_t* next = out.ids.data_ptr<int64_t>();
     logits = policy.step(rows, std::vector<int64_t>(next, next + B));
   }
   device_synchronize(dev);
   r.decode_s = seconds_since(t0);
   r.peak = mem.peak_extra_bytes();
+  m.set_fused_kernels(true);
   return r;
 }
 
 // The profiled phases: each inside a user scope named after it, ending in a device synchronisation so
 // that its kernels fall inside it. Short runs (8 decode steps): enough to see each step's pattern.
-void trace_phases(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, const SamplingOptions& so,
+void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, const SamplingOptions& so,
                   const std::string& path) {
   namespace prof = torch::autograd::profiler;
   const prof::ProfilerConfig config(prof::ProfilerState::KINETO, /*report_input_shapes=*/true);
@@ -135,6 +142,51 @@ void trace_phases(const Transformer& m, const at::Device& dev, int64_t B, int64_
   for (bool graphs : graph_modes) {
     RECORD_USER_SCOPE(graphs ? "phase:rollout_graph" : "phase:rollout_eager");
     run_policy_once(m, dev, B, P, steps, graphs, so, 7);
+  }
+  for (bool fused : {true, false}) {
+    if (!dev.is_cuda()) break;
+    // The rollout's decode step in steady state, split: 16 graphed steps after the capture, alone (the
+    // policy's part: inputs in, graph replay, LM head), then 16 samplings of one step's logits alone
+    // (sample_tokens: noise, draw, log-probs, ids to the host). Their sum is one step of rollout_graph.
+    // Then the same with the decoder's and the sampler's fused kernels off (their ATen forms).
+    at::NoGradGuard ng;
+    m.set_fused_kernels(fused);
+    ModelPolicy policy(m, ModelPolicyOptions{});
+    std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
+    at::Tensor logits = policy.start(prompts, 1);
+    std::vector<int64_t> rows(B), tokens(B, 3);
+    for (int64_t b = 0; b < B; ++b) rows[b] = b;
+    for (int i = 0; i < 4; ++i) logits = policy.step(rows, tokens);  // the capture and a few replays
+    device_synchronize(dev);
+    SamplingOptions steady = so;
+    steady.seed = 7;
+    at::Tensor streams = at::arange(B, at::kLong), counters = at::zeros({B}, at::kLong);
+    const std::string tag = fused ? "_x16" : "_aten_x16";
+    {
+      // The two together, as rollout_graph runs them: sample, ids to the host, step.
+      RECORD_USER_SCOPE(("phase:steady_loop" + tag).c_str());
+      for (int i = 0; i < 16; ++i) {
+        counters.fill_(i);
+        SampleOutput out = sample_tokens(logits, steady, streams, counters, 0, fused);
+        const int64_t* next = out.ids.data_ptr<int64_t>();
+        logits = policy.step(rows, std::vector<int64_t>(next, next + B));
+      }
+      device_synchronize(dev);
+    }
+    {
+      RECORD_USER_SCOPE(("phase:steady_policy_step" + tag).c_str());
+      for (int i = 0; i < 16; ++i) logits = policy.step(rows, tokens);
+      device_synchronize(dev);
+    }
+    {
+      RECORD_USER_SCOPE(("phase:steady_sample" + tag).c_str());
+      for (int i = 0; i < 16; ++i) {
+        counters.fill_(i);
+        sample_tokens(logits, steady, streams, counters, 0, fused);
+      }
+      device_synchronize(dev);
+    }
+    m.set_fused_kernels(true);
   }
   {
     // A tool reply's feed: 4 of the B rows (spread over the batch) take 24 tokens each in one forward
@@ -218,18 +270,22 @@ int main(int argc, char** argv) {
   // Reps interleave the modes (greedy, sample, rollout eager, rollout graphed, greedy, ...) so that clock or
   // allocator drift over the run does not favour whichever mode would otherwise go last.
   // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
-  std::vector<Run> all_runs[4];
+  // Mode 4 (CUDA): rollout_graph with the decoder's and the sampler's fused kernels off, their ATen forms.
+  std::vector<Run> all_runs[5];
   for (int i = 0; i < reps; ++i) {
     for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
     for (bool graphs : graph_modes) {
       all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
     }
+    if (dev.is_cuda()) {
+      all_runs[4].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
+    }
     std::cerr << "rep " << i << ": prefill " << all_runs[0].back().prefill_s
-              << " s, decode s greedy/sample/eager/graph";
+              << " s, decode s greedy/sample/eager/graph/graph_aten";
     for (auto& r : all_runs) std::cerr << " " << (r.empty() ? 0.0 : r.back().decode_s);
     std::cerr << "\n";
   }
-  for (int kind = 0; kind < 4; ++kind) {
+  for (int kind = 0; kind < 5; ++kind) {
     const std::vector<Run>& runs = all_runs[kind];
     if (runs.empty()) continue;
     auto median = [&](auto get) {
@@ -244,7 +300,7 @@ int main(int argc, char** argv) {
     const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
     std::vector<std::tuple<std::string, double, double>> rows;
     if (kind == 0) rows.push_back({"prefill", double(B * P) / pre, pre});
-    const char* names[] = {"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph"};
+    const char* names[] = {"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph", "rollout_graph_aten"};
     rows.push_back({names[kind], double(B * N) / dec, dec});
     for (const auto& [mode, tps, secs] : rows) {
       std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P
@@ -259,8 +315,9 @@ int main(int argc, char** argv) {
                          {"tokens_per_s", tps},
                          {"seconds", secs},
                          {"peak_extra_mb", peak},
-                         {"note", kind < 2 ? "peak covers prefill + decode with the KV cache"
-                                           : "ModelPolicy + sample_tokens; peak covers prefill + decode"}});
+                         {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
+                                  : kind < 4 ? "ModelPolicy + sample_tokens; peak covers prefill + decode"
+                                             : "rollout_graph with the fused decode and sampling kernels off"}});
     }
   }
   if (!json_path.empty()) {

@@ -2,6 +2,8 @@
 // CUDA: c10's caching-allocator statistics (allocated bytes, aggregate over pools).
 #include "common/memory.h"
 
+#include <algorithm>
+
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
@@ -112,6 +114,20 @@ void device_synchronize(const at::Device& device) {
 #ifdef RLT_HAVE_CUDA
   if (device.is_cuda()) c10::cuda::device_synchronize();
 #endif
+}
+
+at::Tensor to_device_async(const at::Tensor& cpu, const at::Device& device) {
+  if (!device.is_cuda()) return cpu.to(device);
+  return cpu.pin_memory().to(device, /*non_blocking=*/true);  // the host allocator keeps the staging
+                                                              // buffer until the copy has run
+}
+
+at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device& device) {
+  if (!device.is_cuda()) return at::tensor(values, at::kLong);
+  at::Tensor staged =
+      at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(values.begin(), values.end(), staged.data_ptr<int64_t>());
+  return staged.to(device, /*non_blocking=*/true);
 }
 
 void release_cached_memory(const at::Device& device) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace rlt {
 
@@ -26,6 +27,12 @@ class PeakMemory {
 
 // Waits for all work queued on `device` (no-op on CPU).
 void device_synchronize(const at::Device& device);
+// A CPU tensor (or int64 host values) on `device` without waiting: staged in pinned memory and copied
+// asynchronously on the current stream. A copy from pageable memory first waits for all work queued on
+// the stream, which in a decode loop idles the GPU while the host launches what comes next. On the CPU,
+// the tensor itself.
+at::Tensor to_device_async(const at::Tensor& cpu, const at::Device& device);
+at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device& device);
 // Returns cached, unused device blocks to the driver (CUDA), e.g. after an out-of-memory error.
 void release_cached_memory(const at::Device& device);
 

@@ -9,8 +9,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <tuple>
 
 #include "model/safetensors.h"
+
+#ifdef RLT_HAVE_CUDA
+#include "model/cuda/decode_kernels.h"
+#endif
 
 namespace rlt {
 
@@ -179,6 +185,7 @@ Transformer& Transformer::operator=(const Transformer& other) {
   lm_head_ = other.lm_head_;
   layers_ = other.layers_;
   checkpointing_ = other.checkpointing_;
+  fused_kernels_ = other.fused_kernels_;
   bind_names();  // by_name_ must point at this object's members, not other's
   return *this;
 }
@@ -187,6 +194,7 @@ Transformer Transformer::clone() const {
   Transformer t;
   t.config_ = config_;
   t.checkpointing_ = checkpointing_;
+  t.fused_kernels_ = fused_kernels_;
   t.bind_names();  // points t's name table at t's own members
   for (const auto& [name, ptr] : by_name_) {
     if (ptr->defined()) *t.by_name_.at(name) = ptr->detach().clone();
@@ -306,25 +314,47 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
 }
 
 at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& mask, bool is_causal, KvCache* cache) const {
+                                      const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
   const bool gemma = c.gemma_norms;
+  // The fused kernels (model/cuda/decode_kernels.h) stand in for the ATen chains, value for value.
+  auto norm = [&](const at::Tensor& x, const at::Tensor& w, bool g) {
+#ifdef RLT_HAVE_CUDA
+    if (fused) return cuda::rms_norm(x, w, c.rms_norm_eps, g);
+#endif
+    return rms_norm(x, w, c.rms_norm_eps, g);
+  };
 
   // Attention block.
-  at::Tensor x = rms_norm(h, l.input_norm, c.rms_norm_eps, gemma);               // (B, L, D)
-  at::Tensor q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});                    // (B, L, H, hd)
-  at::Tensor k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});                  // (B, L, Hkv, hd)
-  at::Tensor v = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd}).transpose(1, 2);  // (B, Hkv, L, hd)
+  at::Tensor x = norm(h, l.input_norm, gemma);                       // (B, L, D)
+  at::Tensor q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});        // (B, L, H, hd)
+  at::Tensor k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});      // (B, L, Hkv, hd)
+  at::Tensor v_new = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});  // (B, L, Hkv, hd)
+  at::Tensor v = v_new.transpose(1, 2);                              // (B, Hkv, L, hd)
   if (c.qk_norm) {
-    q = rms_norm(q, l.q_norm, c.rms_norm_eps, false);
-    k = rms_norm(k, l.k_norm, c.rms_norm_eps, false);
+    q = norm(q, l.q_norm, false);
+    k = norm(k, l.k_norm, false);
   }
-  q = q.transpose(1, 2);  // (B, H, L, hd)
-  k = k.transpose(1, 2);  // (B, Hkv, L, hd)
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
+  // A decode step at the cache's step slot (the graphed step): the fused RoPE writes k and v to the cache.
+  const bool step_write = fused && cache && cache->step_slot.defined() && !cache->step_rows.defined();
+#ifdef RLT_HAVE_CUDA
+  if (step_write) {
+    cuda::rope_write_cache(q, k, v_new, cos, sin, cache->k[i], cache->v[i], cache->step_slot);
+    q = q.transpose(1, 2);
+  } else if (fused) {
+    cuda::rope_(q, k, cos, sin);  // in place, on the (B, L, heads, hd) layout
+    q = q.transpose(1, 2);        // (B, H, L, hd)
+    k = k.transpose(1, 2);        // (B, Hkv, L, hd)
+  } else
+#endif
+  {
+    q = q.transpose(1, 2);  // (B, H, L, hd)
+    k = k.transpose(1, 2);  // (B, Hkv, L, hd)
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+  }
   if (cache && cache->step_slot.defined() && cache->step_rows.defined()) {
     // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows' whole
     // cache: (B, Hkv, max_len, hd).
@@ -336,8 +366,10 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     k = cache->k[i].index_select(0, rows);
     v = cache->v[i].index_select(0, rows);
   } else if (cache && cache->step_slot.defined()) {
-    cache->k[i].index_copy_(2, cache->step_slot, k);
-    cache->v[i].index_copy_(2, cache->step_slot, v);
+    if (!step_write) {
+      cache->k[i].index_copy_(2, cache->step_slot, k);
+      cache->v[i].index_copy_(2, cache->step_slot, v);
+    }
     k = cache->k[i];  // (B, Hkv, max_len, hd)
     v = cache->v[i];
   } else if (cache && cache->step_rows.defined()) {
@@ -380,15 +412,31 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
                                          /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
   }
   at::Tensor o = linear(a.transpose(1, 2).reshape({B, L, H * hd}), l.o_w, l.o_b);  // (B, L, D)
-  if (gemma) o = rms_norm(o, l.post_attn_norm, c.rms_norm_eps, true);
-  at::Tensor h2 = h + o;
+  if (gemma) o = norm(o, l.post_attn_norm, true);
+  at::Tensor h2;
 
   // MLP block: down(act(gate(x)) * up(x)).
-  x = rms_norm(h2, gemma ? l.pre_ff_norm : l.post_attn_norm, c.rms_norm_eps, gemma);
-  at::Tensor g = at::linear(x, l.gate_w);
-  g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
-  at::Tensor m = at::linear(g * at::linear(x, l.up_w), l.down_w);  // (B, L, D)
-  if (gemma) m = rms_norm(m, l.post_ff_norm, c.rms_norm_eps, true);
+  const at::Tensor& ff_norm = gemma ? l.pre_ff_norm : l.post_attn_norm;
+#ifdef RLT_HAVE_CUDA
+  if (fused) {
+    std::tie(h2, x) = cuda::add_rms_norm(h, o, ff_norm, c.rms_norm_eps, gemma);
+  } else
+#endif
+  {
+    h2 = h + o;
+    x = rms_norm(h2, ff_norm, c.rms_norm_eps, gemma);
+  }
+  at::Tensor g = at::linear(x, l.gate_w), m;
+#ifdef RLT_HAVE_CUDA
+  if (fused && !c.gelu_tanh) {
+    m = at::linear(cuda::silu_mul(g, at::linear(x, l.up_w)), l.down_w);  // (B, L, D)
+  } else
+#endif
+  {
+    g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
+    m = at::linear(g * at::linear(x, l.up_w), l.down_w);  // (B, L, D)
+  }
+  if (gemma) m = norm(m, l.post_ff_norm, true);
   return h2 + m;
 }
 
@@ -458,6 +506,28 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     }
   };
 
+  // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels; training, scoring
+  // and the CPU keep the ATen forms, so the trainer's log-probs are bit-identical to the scoring forward's.
+  bool fused = false;
+#ifdef RLT_HAVE_CUDA
+  const at::ScalarType dt = h.scalar_type();
+  fused = fused_kernels_ && cache && !at::GradMode::is_enabled() && h.is_cuda() &&
+          (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && final_norm_.scalar_type() == dt;
+  if (fused && c.attn_softcap == 0) {
+    // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.
+    auto additive = [&](at::Tensor& m) {
+      if (m.defined()) {
+        m = at::zeros(m.sizes(), m.options().dtype(dt))
+                .masked_fill_(m.logical_not(), -std::numeric_limits<double>::infinity());
+      }
+    };
+    if (!fast || c.sliding_window > 0) {
+      build_masks();
+      additive(full_mask);
+      additive(sliding_mask);
+    }
+  }
+#endif
   for (int64_t i = 0; i < c.num_layers; ++i) {
     // The window restricts nothing while all S slots fit in it.
     const bool sliding = c.sliding_layers[i] && S > c.sliding_window;
@@ -471,14 +541,17 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     }
     if (checkpointing_ && !cache && at::GradMode::is_enabled()) {
       auto layer = c10::make_intrusive<LayerFnHolder>([this, i, cos, sin, mask, is_causal](const at::Tensor& x) {
-        return layer_forward(i, x, cos, sin, mask, is_causal, nullptr);
+        return layer_forward(i, x, cos, sin, mask, is_causal, nullptr, false);
       });
       h = CheckpointFn::apply(h, std::move(layer))[0];
     } else {
-      h = layer_forward(i, h, cos, sin, mask, is_causal, cache);
+      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused);
     }
   }
   if (cache && !fixed) cache->length = S;
+#ifdef RLT_HAVE_CUDA
+  if (fused) return cuda::rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
+#endif
   return rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
 }
 

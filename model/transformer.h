@@ -103,6 +103,11 @@ class Transformer {
   // Recompute each layer's activations in the backward instead of storing them (reentrant: parameter
   // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it).
   void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  // No-grad forwards through a KvCache on CUDA (the rollout's prefill, decode steps and feeds) run the
+  // fused RMSNorm, RoPE and SiLU-gate kernels of model/cuda/decode_kernels.h (on by default); off, they
+  // run the ATen forms like every other forward. Tests compare the two; bench_model measures both.
+  void set_fused_kernels(bool on) { fused_kernels_ = on; }
+  bool fused_kernels() const { return fused_kernels_; }
 
  private:
   struct Layer {
@@ -113,13 +118,14 @@ class Transformer {
   void bind_names();
   // mask (B, 1, L, S) bool, or undefined: then causal (is_causal) or no restriction (a decode step).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& mask, bool is_causal, KvCache* cache) const;
+                           const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
   std::vector<Layer> layers_;
   std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
   bool checkpointing_ = false;
+  bool fused_kernels_ = true;
 };
 
 }  // namespace rlt

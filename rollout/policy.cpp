@@ -365,7 +365,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
 at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
   const auto dev = valid_.device();
   const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1;
-  at::Tensor in = at::tensor(packed, at::kLong).to(dev);  // (3 Bc + 1 + picks)
+  at::Tensor in = to_device_async(packed, dev);  // (3 Bc + 1 + picks)
   pick = in.narrow(0, n_in, picks);
   if (graph_) {  // start() and compact() drop the graphs whenever the cache tensors change
     TORCH_CHECK(graph_->rows == Bc && graph_->slots == cache_.max_len, "ModelPolicy: stale step graph");
@@ -379,7 +379,7 @@ at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t p
 }
 
 at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb) {
-  at::Tensor in = at::tensor(packed, at::kLong).to(valid_.device());
+  at::Tensor in = to_device_async(packed, valid_.device());
   auto& g = feed_graphs_[{Eb, Kb}];
   if (g) {
     TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "ModelPolicy: stale feed graph");

@@ -3,12 +3,20 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <utility>
 
+#include "common/memory.h"
 #include "loss/logprob.h"
+#include "rollout/hash.h"
+
+#ifdef RLT_HAVE_CUDA
+#include "rollout/cuda/sample_kernels.h"
+#endif
 
 namespace rlt {
 
@@ -16,22 +24,12 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// MurmurHash3's 64-bit finaliser: a bijection on 64 bits whose output bits each depend on every input bit.
-uint64_t fmix64(uint64_t z) {
-  z ^= z >> 33;
-  z *= 0xff51afd7ed558ccdULL;
-  z ^= z >> 33;
-  z *= 0xc4ceb9fe1a85ec53ULL;
-  z ^= z >> 33;
-  return z;
-}
-
-// The same finaliser on int64 tensors. ATen's >> on int64 is arithmetic, so a logical shift masks the
+// fmix64 (rollout/hash.h) on int64 tensors. ATen's >> on int64 is arithmetic, so a logical shift masks the
 // sign-extended bits away; products wrap modulo 2^64 like uint64 arithmetic.
 at::Tensor shr(const at::Tensor& z, int64_t k) {
   return at::bitwise_right_shift(z, k).bitwise_and(static_cast<int64_t>((~0ULL) >> k));
 }
-at::Tensor fmix64(at::Tensor z) {
+at::Tensor fmix64_tensor(at::Tensor z) {
   z = z.bitwise_xor(shr(z, 33));
   z = z.mul(static_cast<int64_t>(0xff51afd7ed558ccdULL));
   z = z.bitwise_xor(shr(z, 33));
@@ -48,7 +46,7 @@ at::Tensor column_keys(int64_t vocab, at::Device device) {
   if (!t.defined()) {
     at::Tensor cpu = at::empty({vocab}, at::kLong);
     auto* p = cpu.data_ptr<int64_t>();
-    for (int64_t v = 0; v < vocab; ++v) p[v] = static_cast<int64_t>(fmix64(0x9e3779b97f4a7c15ULL * uint64_t(v + 1)));
+    for (int64_t v = 0; v < vocab; ++v) p[v] = static_cast<int64_t>(column_key(v));
     t = cpu.to(device);
   }
   return t;
@@ -76,20 +74,31 @@ at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double to
   return x;
 }
 
-at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
-                            at::Device device) {
+namespace {
+
+// Each row's key: the hash of (seed, stream, counter), (N) int64 on the CPU. Nested hashing keeps the
+// triples apart whatever their magnitudes.
+at::Tensor row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& counters) {
   TORCH_CHECK(streams.dim() == 1 && streams.sizes() == counters.sizes(), "streams and counters must be (N)");
   const int64_t N = streams.size(0);
   at::Tensor s = streams.to(at::kCPU, at::kLong).contiguous(), c = counters.to(at::kCPU, at::kLong).contiguous();
   at::Tensor rows = at::empty({N}, at::kLong);
   for (int64_t i = 0; i < N; ++i) {
-    // Nested hashing keeps (seed, stream, counter) triples apart whatever their magnitudes.
     uint64_t z = fmix64(uint64_t(seed) ^ 0x243f6a8885a308d3ULL);
     z = fmix64(z ^ uint64_t(s.data_ptr<int64_t>()[i]));
     z = fmix64(z ^ uint64_t(c.data_ptr<int64_t>()[i]) * 0xbf58476d1ce4e5b9ULL);
     rows.data_ptr<int64_t>()[i] = static_cast<int64_t>(z);
   }
-  at::Tensor z = fmix64(rows.to(device).view({N, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
+  return rows;
+}
+
+}  // namespace
+
+at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
+                            at::Device device) {
+  const int64_t N = streams.size(0);
+  at::Tensor rows = row_keys(seed, streams, counters);
+  at::Tensor z = fmix64_tensor(rows.to(device).view({N, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
   // The top 24 bits k, centred: (k + 0.5) / 2^24, never 0. float32 holds k + 0.5 exactly only below 2^23;
   // above, it rounds to an integer, and k = 2^24 - 1 would round to 2^24, a uniform of exactly 1, whose
   // Gumbel noise -log(-log u) is +inf (and NaN on a -inf logit, which argmax then picks). The clamp maps
@@ -98,8 +107,24 @@ at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::T
   return ((shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f)).clamp_max(kBelowOne);  // (N, V)
 }
 
+at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
+                         const at::Tensor& counters, bool fused) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "gumbel_argmax: logits must be (N, V) float32");
+  TORCH_CHECK(temperature > 0, "gumbel_argmax: temperature must be > 0");
+#ifdef RLT_HAVE_CUDA
+  if (fused && logits.is_cuda() && logits.stride(1) == 1) {
+    return cuda::gumbel_argmax(logits, to_device_async(row_keys(seed, streams, counters), logits.device()),
+                               temperature);
+  }
+#else
+  (void)fused;
+#endif
+  at::Tensor u = counter_uniforms(seed, streams, counters, logits.size(1), logits.device());
+  return (logits / temperature - (-u.log()).log()).argmax(-1);  // Gumbel-max: argmax(logits / T + g), g = -log(-log u)
+}
+
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
-                           const at::Tensor& counters, int64_t vocab_limit) {
+                           const at::Tensor& counters, int64_t vocab_limit, bool fused) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
   at::NoGradGuard no_grad;
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -113,9 +138,12 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   if (greedy) {
     ids = x.argmax(-1);
   } else {
-    at::Tensor kept = filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p);
-    at::Tensor u = counter_uniforms(options.seed, streams, counters, Vs, x.device());
-    ids = (kept - (-u.log()).log()).argmax(-1);  // Gumbel-max: argmax(logits / T + g), g = -log(-log u)
+    // Filtering works on the tempered logits; without it the draw applies the temperature itself (on a
+    // GPU inside its one pass).
+    const bool filter = (options.top_k > 0 && options.top_k < Vs) || options.top_p < 1;
+    ids = filter ? gumbel_argmax(filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p), 1.0,
+                                 options.seed, streams, counters, fused)
+                 : gumbel_argmax(x, options.temperature, options.seed, streams, counters, fused);
   }
   // The recorded log-prob: the full temperature softmax of the model's logits, through the loss module.
   LogprobInputs in;
@@ -126,11 +154,13 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   lo.response_only = false;
   lo.temperature = greedy ? 1.0 : options.temperature;
   at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (N)
-  at::Tensor cpu_logprobs = logprobs.to(at::kCPU, at::kFloat);
+  at::Tensor cpu_logprobs = logprobs.to(at::kCPU, at::kFloat).contiguous();
   // Non-finite logits would be drawn from silently (argmax takes a NaN); say so here, not many steps later.
-  TORCH_CHECK(N == 0 || cpu_logprobs.isfinite().all().item<bool>(), "sample_tokens: the policy's logits hold ",
-              logits.isnan().sum().item<int64_t>(), " NaN and ", logits.isinf().sum().item<int64_t>(),
-              " infinite values");
+  // (A loop over N floats: the ATen form costs three dispatches per decode step.)
+  const float* lp = cpu_logprobs.data_ptr<float>();
+  TORCH_CHECK(std::all_of(lp, lp + N, [](float v) { return std::isfinite(v); }),
+              "sample_tokens: the policy's logits hold ", logits.isnan().sum().item<int64_t>(), " NaN and ",
+              logits.isinf().sum().item<int64_t>(), " infinite values");
   return {ids.to(at::kCPU), cpu_logprobs};
 }
 

@@ -56,14 +56,22 @@ at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double to
 at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
                             at::Device device);
 
+// The Gumbel-max draw: ids (N) int64 = argmax_v logits[n, v] / T - log(-log u[n, v]), u =
+// counter_uniforms(seed, streams, counters). logits (N, V) float32 (already filtered, if at all). On a CUDA
+// device, unless `fused` is false, one kernel makes the noise on the fly (rollout/cuda/sample_kernels.cu),
+// bit-identical to the ATen form, which is the reference and the CPU path.
+at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
+                         const at::Tensor& counters, bool fused = true);
+
 struct SampleOutput {
   at::Tensor ids;       // (N) int64, on the CPU
   at::Tensor logprobs;  // (N) float32, on the CPU: log softmax(logits / T)[ids] through the loss module
 };
 
 // One token per row of logits (N, V) (final-logit softcap already applied). Rows at or past `vocab_limit`
-// (> 0) are never sampled: a checkpoint's embedding may be larger than its tokenizer.
+// (> 0) are never sampled: a checkpoint's embedding may be larger than its tokenizer. `fused` as in
+// gumbel_argmax (false: the ATen draw, for benchmarks' before/after).
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
-                           const at::Tensor& counters, int64_t vocab_limit = 0);
+                           const at::Tensor& counters, int64_t vocab_limit = 0, bool fused = true);
 
 }  // namespace rlt

@@ -1,11 +1,13 @@
 // Device helpers shared by the fused log-prob kernels: an online softmax state per thread
-// (max m, s = sum e^{x-m}, t = sum e^{x-m} (x-m)), merged across a block; dtype conversions.
+// (max m, s = sum e^{x-m}, t = sum e^{x-m} (x-m)), merged across a block (dtype conversions: common/cuda/dtypes.cuh).
 // t is kept relative to the running max so that the entropy log s - t/s is a sum of non-negative
 // terms (the textbook lse - E[x] cancels two numbers near the max logit).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "common/cuda/dtypes.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -35,32 +37,6 @@ __device__ __forceinline__ Online merge(Online a, Online b) {
   rebase(a, m, sa, ta);
   rebase(b, m, sb, tb);
   return {m, sa + sb, ta + tb};
-}
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half(v);
 }
 
 // Folds k consecutive values (already scaled by 1/temp) into the thread's state with one rescale.

@@ -106,23 +106,6 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = tail + threadIdx.x; i < V; i += kThreads) g[i] = from_f<T>(one(to_f(x[i]), i));
 }
 
-template <typename F>
-void dispatch(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(__nv_bfloat16{});
-      break;
-    case at::kHalf:
-      f(__half{});
-      break;
-    default:
-      TORCH_CHECK(false, "selective CUDA kernel: unsupported dtype ", t);
-  }
-}
-
 bool aligned16(const void* p, int64_t V, int64_t elem) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (V * elem) % 16 == 0;
 }
@@ -138,7 +121,7 @@ void selective_forward(const at::Tensor& logits, const at::Tensor& rows, const a
   if (N == 0) return;
   const float temp = static_cast<float>(temperature);
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(logits.scalar_type(), [&](auto tag) {
+  dispatch_float_types(logits.scalar_type(), "selective CUDA kernel", [&](auto tag) {
     using T = decltype(tag);
     const T* x = reinterpret_cast<const T*>(logits.data_ptr());
     forward_kernel<T><<<N, kThreads, 0, stream>>>(x, rows.defined() ? rows.data_ptr<int64_t>() : nullptr,
@@ -160,7 +143,7 @@ void selective_backward(const at::Tensor& logits, const at::Tensor& rows, const 
   at::Tensor gH_c = gH.defined() ? gH.to(at::kFloat).contiguous() : at::Tensor();
   const float temp = static_cast<float>(temperature);
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch(logits.scalar_type(), [&](auto tag) {
+  dispatch_float_types(logits.scalar_type(), "selective CUDA kernel", [&](auto tag) {
     using T = decltype(tag);
     const T* x = reinterpret_cast<const T*>(logits.data_ptr());
     T* g = reinterpret_cast<T*>(grad.data_ptr());

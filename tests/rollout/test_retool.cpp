@@ -487,8 +487,9 @@ nlohmann::json tiny_config(const std::string& type) {
   return j;
 }
 
-Transformer tiny_model(const std::string& type, uint64_t seed, at::Device device = at::kCPU) {
-  Transformer m(model_config_from_json(tiny_config(type), "tiny " + type), at::kDouble, device, seed);
+Transformer tiny_model(const std::string& type, uint64_t seed, at::Device device = at::kCPU,
+                       at::ScalarType dtype = at::kDouble) {
+  Transformer m(model_config_from_json(tiny_config(type), "tiny " + type), dtype, device, seed);
   at::NoGradGuard no_grad;
   for (auto& p : m.parameters()) p.mul_(10.0);  // std 0.2: logits far from uniform, so errors show
   return m;
@@ -507,16 +508,19 @@ at::Tensor full_logits(const Transformer& m, const std::vector<int64_t>& ids) {
 
 // (family, device): on "cuda" every decode step and every multi-token feed is a replayed CUDA graph,
 // recaptured at each compaction; "cpu_fixed" runs the feeds eagerly at the graphs' bucketed fixed shape
-// (padding rows, hole slots past each run, the write slots on the device).
+// (padding rows, hole slots past each run, the write slots on the device). "cuda_f32" is "cuda" in
+// float32, where the policy's cache forwards run the fused decode kernels (model/cuda/decode_kernels.h;
+// float64 keeps the ATen forms) against the ATen full forward.
 class ModelPolicyTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   const auto& [family, device] = GetParam();
-  if (device == "cuda" && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  const bool cuda = device == "cuda";
+  const bool cuda = device.rfind("cuda", 0) == 0, f32 = device == "cuda_f32";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   // The reference is each sequence's full forward on the same device: the RoPE tables are fp32 (as in
   // transformers), and CPU and CUDA fp32 cos/sin differ by an ulp, which shows as ~1e-5 in these logits.
-  const Transformer m = tiny_model(family, 3, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  const Transformer m =
+      tiny_model(family, 3, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), f32 ? at::kFloat : at::kDouble);
   ModelPolicyOptions po;
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
   po.cuda_graphs = true;
@@ -531,10 +535,13 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   // plain one to 1e-9 for both families (gemma2's eager attention once took its softmax in fp32 even for
   // float64, which showed here as 6e-7). A wrong slot, position or window moves logits by more than 1e-2
   // (the known-bad check at the end).
-  const double kTol = 1e-9;
-  at::Tensor first = policy.start(prompts, G).cpu();
+  // float32 (cuda_f32): the fused RMSNorm sums its squares in another order than ATen's mean, and the
+  // cache's SDPA kernels differ from the full forward's: ~1e-6 relative, on logits of magnitude ~50.
+  const double kTol = f32 ? 2e-3 : 1e-9;
+  at::Tensor first = policy.start(prompts, G).cpu().to(at::kDouble);
   for (int64_t n = 0; n < N; ++n) {
-    EXPECT_LT((first[n] - full_logits(m, seqs[n])).abs().max().item<double>(), kTol) << "prefill row " << n;
+    EXPECT_LT((first[n] - full_logits(m, seqs[n]).to(at::kDouble)).abs().max().item<double>(), kTol)
+        << "prefill row " << n;
   }
   std::vector<bool> released(N, false);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
@@ -565,10 +572,10 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
       }
       tokens.push_back(runs.back().back());
     }
-    at::Tensor logits = (runs_step ? policy.extend(rows, runs) : policy.step(rows, tokens)).cpu();
+    at::Tensor logits = (runs_step ? policy.extend(rows, runs) : policy.step(rows, tokens)).cpu().to(at::kDouble);
     ASSERT_EQ(logits.size(0), int64_t(rows.size()));
     for (size_t j = 0; j < rows.size(); ++j) {
-      const at::Tensor ref = full_logits(m, seqs[rows[j]]);
+      const at::Tensor ref = full_logits(m, seqs[rows[j]]).to(at::kDouble);
       const double err = (logits[j] - ref).abs().max().item<double>();
       EXPECT_LT(err, kTol) << (runs_step ? "multi-token feed " : "step ") << t << " sequence " << rows[j]
                            << " max|logit| " << ref.abs().max().item<double>();
@@ -585,6 +592,43 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   }
   // A known-bad check: a sequence's logits are not another's (the tolerance can fail).
   EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
+}
+
+// The fused decode kernels against the ATen forms inside the policy, on one float32 model: the same
+// rollout with them on and off gives logits within float32 noise, and a model whose second layer's
+// post-attention norm is off by 1% (w -> 1.01 w + 0.01: gemma's norms scale by 1 + w, and its random
+// init leaves w = 0) is rejected by that tolerance: a kernel reading the wrong norm weight or dropping it
+// moves logits by far more.
+TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const char* family : {"llama", "qwen2", "qwen3", "gemma2"}) {
+    Transformer m = tiny_model(family, 4, at::Device(at::kCUDA, 0), at::kFloat);
+    auto run = [&](bool fused) {
+      m.set_fused_kernels(fused);
+      ModelPolicyOptions po;
+      po.slot_chunk = 3;
+      ModelPolicy policy(m, po);
+      std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
+      for (int64_t t = 0; t < 6; ++t) {
+        out.push_back(t % 2 ? policy.extend({0, 3}, {{7, 8, 9}, {int64_t(10 + t)}}).cpu()
+                            : policy.step({0, 1, 2, 3}, {t + 1, t + 2, t + 3, t + 4}).cpu());
+      }
+      return at::cat(out);
+    };
+    const at::Tensor on = run(true), off = run(false);
+    const double scale = off.abs().max().item<double>(), err = (on - off).abs().max().item<double>();
+    EXPECT_LT(err, 1e-5 * scale) << family << ": fused against ATen, max |logit| " << scale;
+    {
+      at::NoGradGuard ng;
+      const auto params = m.named_parameters();
+      for (const auto& [name, t] : params) {
+        if (name == "model.layers.1.post_attention_layernorm.weight") t.mul_(1.01).add_(0.01);
+      }
+    }
+    const double moved = (run(true) - off).abs().max().item<double>();
+    EXPECT_GT(moved, 10 * 1e-5 * scale) << family << ": a 1% norm weight change must exceed the tolerance";
+    m.set_fused_kernels(true);
+  }
 }
 
 // A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
@@ -611,8 +655,8 @@ TEST(ModelPolicy, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
-                         ::testing::Combine(::testing::Values("llama", "gemma2"),
-                                            ::testing::Values("cpu", "cpu_fixed", "cuda")),
+                         ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
+                                            ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 // A model-backed policy whose logits are steered to `prefix` for each sequence's first tokens (a random

@@ -145,5 +145,42 @@ TEST(Sampler, VocabLimitIsNeverSampled) {
   EXPECT_TRUE(s.logprobs.isfinite().all().item<bool>());
 }
 
+// The fused CUDA draw (rollout/cuda/sample_kernels.cu) against the ATen form on the same device, bit for
+// bit: odd shapes, a temperature, a strided view (a vocabulary limit), filtered rows, more rows than a
+// grid's y-dimension holds, and the 64 x 151936 draw that holds the one uniform float32 rounds to 1.
+TEST(SamplerCuda, FusedDrawIsTheAtenDrawBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  auto check = [&](const at::Tensor& x, double T, int64_t seed, const char* what) {
+    const int64_t N = x.size(0);
+    at::Tensor streams = at::arange(N, at::kLong) * 7 + 3, counters = at::arange(N, at::kLong) % 5;
+    at::Tensor fused = gumbel_argmax(x, T, seed, streams, counters, /*fused=*/true).cpu();
+    at::Tensor ref = gumbel_argmax(x, T, seed, streams, counters, /*fused=*/false).cpu();
+    EXPECT_TRUE(at::equal(fused, ref)) << what << ": " << (fused != ref).sum().item<int64_t>() << " of " << N
+                                       << " rows drew another token";
+    return std::make_pair(fused, ref);
+  };
+  at::manual_seed(5);
+  at::Tensor x = at::randn({37, 1013}, cuda) * 3;
+  auto [fused, ref] = check(x, 0.7, 11, "37 x 1013, T 0.7");
+  // The comparison has teeth: the draw with another counter, or without the temperature, differs.
+  at::Tensor streams = at::arange(37, at::kLong) * 7 + 3, counters = at::arange(37, at::kLong) % 5;
+  const int64_t moved_counter = (gumbel_argmax(x, 0.7, 11, streams, counters + 1).cpu() != ref).sum().item<int64_t>();
+  const int64_t moved_temp = (gumbel_argmax(x, 1.0, 11, streams, counters).cpu() != ref).sum().item<int64_t>();
+  EXPECT_GT(moved_counter, 20) << "a draw with the next counter must differ in most rows";
+  EXPECT_GT(moved_temp, 2) << "a draw without the temperature must differ in some rows";
+  // The draw depends on the logits: the argmax of the noise alone is another token in most rows.
+  EXPECT_GT((gumbel_argmax(at::zeros_like(x), 0.7, 11, streams, counters).cpu() != ref).sum().item<int64_t>(), 20);
+  at::Tensor wide = at::randn({9, 4099}, cuda);
+  check(wide.narrow(1, 0, 3001), 1.3, 2, "a strided view (vocabulary limit)");
+  check(filter_top_k_top_p(x / 0.7, 5, 0.9), 1.0, 4, "top-k 5, top-p 0.9");
+  check(at::randn({70000, 5}, cuda), 1.0, 9, "70000 rows");
+  at::Tensor big = at::randn({64, 151936}, cuda);
+  auto [f_big, r_big] = check(big, 1.0, 0, "64 x 151936");
+  // Those rows with temperature 1 on the CPU: the same draws (x / 1 is exact on either device).
+  at::Tensor cpu = gumbel_argmax(big.cpu(), 1.0, 0, at::arange(64, at::kLong) * 7 + 3, at::arange(64, at::kLong) % 5);
+  EXPECT_TRUE(at::equal(f_big, cpu));
+}
+
 }  // namespace
 }  // namespace rlt

@@ -1,0 +1,133 @@
+// The fused decode kernels (model/cuda/decode_kernels.h) against the ATen chains they replace, written
+// out here as the model writes them, in float32, bfloat16 and float16 on odd shapes. RoPE, the SiLU gate
+// and the residual add round each operation as ATen does, so they must match bit for bit; RMSNorm sums
+// its squares in another order, so it must match to one rounding of the dtype and float64 to the
+// dtype's precision. Each check is paired with a wrong variant (no epsilon, the other norm form, the
+// rotation's sign, GELU for SiLU) that it must reject.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#ifdef RLT_HAVE_CUDA
+#include "model/cuda/decode_kernels.h"
+#endif
+
+namespace rlt {
+namespace {
+
+#ifdef RLT_HAVE_CUDA
+// The model's ATen forms (model/transformer.cpp).
+at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  if (gemma) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  return w * xf.to(x.scalar_type());
+}
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+// Largest |a - b| in units of the dtype's rounding step at |b| (1 = one rounding apart). Below the
+// dtype's smallest normal number the step stops shrinking (float16's subnormals start at 2^-14).
+double ulps(const at::Tensor& a, const at::Tensor& b) {
+  const bool half = a.scalar_type() == at::kHalf;
+  const double eps = a.scalar_type() == at::kFloat ? std::ldexp(1.0, -23)
+                     : half                        ? std::ldexp(1.0, -10)
+                                                   : std::ldexp(1.0, -7);
+  const double tiny = half ? std::ldexp(1.0, -14) : std::ldexp(1.0, -126);
+  at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
+  return ((ad - bd).abs() / (bd.abs().clamp_min(tiny) * eps)).max().item<double>();
+}
+
+const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+#endif
+
+TEST(DecodeKernelsCuda, RmsNormMatchesTheAtenFormAndFloat64) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(1);
+  for (auto dt : kTypes) {
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(dt);
+    // Rows of small values, where epsilon matters (mean square ~1e-8 against eps 1e-6), and of ordinary ones.
+    at::Tensor x = at::cat({at::randn({37, 29}, o) * 1e-4, at::randn({40, 29}, o)}), w = at::randn({29}, o);
+    at::Tensor x896 = at::randn({5, 3, 896}, o), w896 = at::randn({896}, o);
+    for (bool gemma : {false, true}) {
+      for (const auto& [xi, wi] : {std::make_pair(x, w), std::make_pair(x896, w896)}) {
+        at::Tensor got = cuda::rms_norm(xi, wi, 1e-6, gemma), ref = aten_rms_norm(xi, wi, 1e-6, gemma);
+        // float32: a few ulps (the sum's order); 16-bit: at most one rounding of the output apart.
+        // (Two roundings, of x_hat and of the product, so two steps at most.)
+        const double tol = dt == at::kFloat ? 64 : 2.01;
+        EXPECT_LE(ulps(got, ref), tol) << dt << " gemma " << gemma << " D " << xi.size(-1);
+        // float64 reference from the same inputs: within the dtype's precision.
+        at::Tensor xd = xi.to(at::kDouble), wd = wi.to(at::kDouble);
+        at::Tensor hat = xd * at::rsqrt(xd.pow(2).mean(-1, true) + 1e-6);
+        at::Tensor exact = gemma ? hat * (1 + wd) : hat * wd;
+        EXPECT_LE(ulps(got, exact), dt == at::kFloat ? 64 : 2.01) << dt << " against float64";
+        // Wrong variants: no epsilon (on the small rows, where it matters), the other form.
+        if (xi.size(-1) == 29) {
+          EXPECT_GT(ulps(aten_rms_norm(xi, wi, 0.0, gemma), got), 100 * tol) << "epsilon dropped must be rejected";
+        }
+        EXPECT_GT(ulps(aten_rms_norm(xi, wi, 1e-6, !gemma), got), 100 * tol) << "the other form must be rejected";
+      }
+      // The residual add: h bit for bit, the norm as above.
+      at::Tensor b = at::randn_like(x896);
+      auto [h, y] = cuda::add_rms_norm(x896, b, w896, 1e-5, gemma);
+      EXPECT_TRUE(at::equal(h, x896 + b)) << dt;
+      EXPECT_LE(ulps(y, aten_rms_norm(x896 + b, w896, 1e-5, gemma)), dt == at::kFloat ? 64 : 2.01) << dt;
+      EXPECT_GT(ulps(y, aten_rms_norm(x896, w896, 1e-5, gemma)), 1000) << "a norm of a alone must be rejected";
+    }
+  }
+#endif
+}
+
+TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(2);
+  for (auto dt : kTypes) {
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(dt);
+    const int64_t B = 3, L = 5, H = 6, Hkv = 2, hd = 10;
+    at::Tensor q = at::randn({B, L, H, hd}, o), k = at::randn({B, L, Hkv, hd}, o);
+    at::Tensor pos = at::randint(0, 4000, {B, L}, o.dtype(at::kFloat)).unsqueeze(-1);
+    at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
+    at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, L, hd)
+    at::Tensor cos = emb.cos().to(dt), sin = emb.sin().to(dt);
+    at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2);
+    at::Tensor q_ref = qt * cos + rotate_half(qt) * sin, k_ref = kt * cos + rotate_half(kt) * sin;
+    at::Tensor q_wrong = qt * cos - rotate_half(qt) * sin;  // the rotation's sign flipped
+    at::Tensor q2 = q.clone(), k2 = k.clone();
+    cuda::rope_(q2, k2, cos, sin);
+    EXPECT_TRUE(at::equal(q2.transpose(1, 2), q_ref)) << dt << " q: " << ulps(q2.transpose(1, 2), q_ref) << " ulps";
+    EXPECT_TRUE(at::equal(k2.transpose(1, 2), k_ref)) << dt << " k";
+    EXPECT_FALSE(at::equal(q2.transpose(1, 2), q_wrong)) << "a flipped rotation must be rejected";
+    // The decode step's form: k rotated and v written to the cache at the step's slots (here L = 5 slots
+    // of 9), q rotated in place, k left as it was; the ATen form rotates, then index_copy_ into the cache.
+    const int64_t S = 9;
+    at::Tensor v = at::randn({B, L, Hkv, hd}, o), slots = at::tensor({7, 1, 4, 0, 8}, o.dtype(at::kLong));
+    at::Tensor kc = at::randn({B, Hkv, S, hd}, o), vc = at::randn({B, Hkv, S, hd}, o);
+    const at::Tensor kc0 = kc.clone();
+    at::Tensor kc_ref = kc.clone().index_copy_(2, slots, k_ref),
+               vc_ref = vc.clone().index_copy_(2, slots, v.transpose(1, 2));
+    at::Tensor q3 = q.clone(), k3 = k.clone();
+    cuda::rope_write_cache(q3, k3, v, cos, sin, kc, vc, slots);
+    EXPECT_TRUE(at::equal(q3.transpose(1, 2), q_ref)) << dt << " q (cache form)";
+    EXPECT_TRUE(at::equal(k3, k)) << dt << " k must be left as it was";
+    EXPECT_TRUE(at::equal(kc, kc_ref)) << dt << " k cache";
+    EXPECT_TRUE(at::equal(vc, vc_ref)) << dt << " v cache";
+    at::Tensor kc_off = kc0.clone().index_copy_(2, (slots + 1) % S, k_ref);  // every write one slot later
+    EXPECT_FALSE(at::equal(kc, kc_off)) << "a write one slot off must be rejected";
+    at::Tensor g = at::randn({7, 3, 131}, o) * 3, u = at::randn({7, 3, 131}, o);
+    at::Tensor got = cuda::silu_mul(g, u);
+    EXPECT_TRUE(at::equal(got, at::silu(g) * u)) << dt << ": " << ulps(got, at::silu(g) * u) << " ulps";
+    EXPECT_FALSE(at::equal(got, at::gelu(g, "tanh") * u)) << "GELU in place of SiLU must be rejected";
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace rlt
