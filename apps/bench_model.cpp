@@ -6,7 +6,8 @@
 //                                   loss module, ids to the host every step), without and with a CUDA
 //                                   graph per decode step (rollout_graph on CUDA only);
 //   rollout_graph_aten              rollout_graph with the fused decode and sampling kernels off (their
-//                                   ATen forms): the before and after of those kernels in one command.
+//                                   ATen forms): the before and after of those kernels in one command;
+//   rollout_graph_unpacked          rollout_graph without packed q/k/v and gate/up weights.
 // Every cache forward here (prefill included) runs the fused kernels unless said otherwise.
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
 // seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
@@ -87,7 +88,7 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
 // fused = false: the ATen forms of the decoder's and the sampler's fused kernels (the before of
 // rollout_graph).
 Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
-                    SamplingOptions so, uint64_t seed, bool fused = true) {
+                    SamplingOptions so, uint64_t seed, bool fused = true, bool packed = true) {
   at::NoGradGuard ng;
   m.set_fused_kernels(fused);
   at::manual_seed(seed);
@@ -102,6 +103,7 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   PeakMemory mem(dev);
   ModelPolicyOptions po;
   po.cuda_graphs = graphs;
+  po.packed_weights = packed;
   ModelPolicy policy(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();
@@ -270,8 +272,9 @@ int main(int argc, char** argv) {
   // Reps interleave the modes (greedy, sample, rollout eager, rollout graphed, greedy, ...) so that clock or
   // allocator drift over the run does not favour whichever mode would otherwise go last.
   // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
-  // Mode 4 (CUDA): rollout_graph with the decoder's and the sampler's fused kernels off, their ATen forms.
-  std::vector<Run> all_runs[5];
+  // Modes 4, 5 (CUDA): rollout_graph with the decoder's and the sampler's fused kernels off (their ATen
+  // forms), and with the kernels but without packed projection weights.
+  std::vector<Run> all_runs[6];
   for (int i = 0; i < reps; ++i) {
     for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
     for (bool graphs : graph_modes) {
@@ -279,13 +282,15 @@ int main(int argc, char** argv) {
     }
     if (dev.is_cuda()) {
       all_runs[4].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
+      all_runs[5].push_back(
+          run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
     }
     std::cerr << "rep " << i << ": prefill " << all_runs[0].back().prefill_s
-              << " s, decode s greedy/sample/eager/graph/graph_aten";
+              << " s, decode s greedy/sample/eager/graph/graph_aten/graph_unpacked";
     for (auto& r : all_runs) std::cerr << " " << (r.empty() ? 0.0 : r.back().decode_s);
     std::cerr << "\n";
   }
-  for (int kind = 0; kind < 5; ++kind) {
+  for (int kind = 0; kind < 6; ++kind) {
     const std::vector<Run>& runs = all_runs[kind];
     if (runs.empty()) continue;
     auto median = [&](auto get) {
@@ -300,7 +305,8 @@ int main(int argc, char** argv) {
     const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
     std::vector<std::tuple<std::string, double, double>> rows;
     if (kind == 0) rows.push_back({"prefill", double(B * P) / pre, pre});
-    const char* names[] = {"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph", "rollout_graph_aten"};
+    const char* names[] = {"decode_greedy", "decode_sample",      "rollout_eager",
+                           "rollout_graph", "rollout_graph_aten", "rollout_graph_unpacked"};
     rows.push_back({names[kind], double(B * N) / dec, dec});
     for (const auto& [mode, tps, secs] : rows) {
       std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P
@@ -317,7 +323,8 @@ int main(int argc, char** argv) {
                          {"peak_extra_mb", peak},
                          {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
                                   : kind < 4 ? "ModelPolicy + sample_tokens; peak covers prefill + decode"
-                                             : "rollout_graph with the fused decode and sampling kernels off"}});
+                                  : kind < 5 ? "rollout_graph with the fused decode and sampling kernels off"
+                                             : "rollout_graph without packed q/k/v and gate/up weights"}});
     }
   }
   if (!json_path.empty()) {

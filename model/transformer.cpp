@@ -161,6 +161,8 @@ KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t
   const int64_t B = rows.size(0), S = slots.size(1);
   TORCH_CHECK(S <= new_max_len, "gather: ", S, " slots do not fit in ", new_max_len);
   KvCache out;
+  out.packed = packed;
+  out.fused_kernels = fused_kernels;
   out.max_len = new_max_len;
   out.length = S;
   for (size_t i = 0; i < k.size(); ++i) {
@@ -307,6 +309,19 @@ std::vector<at::Tensor> Transformer::parameters() const {
 
 const at::Tensor& Transformer::lm_head() const { return lm_head_; }
 
+PackedWeights Transformer::pack_weights() const {
+  at::NoGradGuard no_grad;
+  PackedWeights p;
+  for (const Layer& l : layers_) {
+    if (!config_.qk_norm) {
+      p.qkv_w.push_back(at::cat({l.q_w, l.k_w, l.v_w}, 0));
+      p.qkv_b.push_back(l.q_b.defined() ? at::cat({l.q_b, l.k_b, l.v_b}, 0) : at::Tensor());
+    }
+    p.gate_up_w.push_back(at::cat({l.gate_w, l.up_w}, 0));
+  }
+  return p;
+}
+
 at::Tensor Transformer::logits(const at::Tensor& hidden) const {
   at::Tensor z = at::matmul(hidden, lm_head_.t());  // (…, V)
   if (config_.final_softcap > 0) z = at::tanh(z / config_.final_softcap) * config_.final_softcap;
@@ -328,11 +343,21 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
   };
 
   // Attention block.
-  at::Tensor x = norm(h, l.input_norm, gemma);                       // (B, L, D)
-  at::Tensor q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});        // (B, L, H, hd)
-  at::Tensor k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});      // (B, L, Hkv, hd)
-  at::Tensor v_new = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});  // (B, L, Hkv, hd)
-  at::Tensor v = v_new.transpose(1, 2);                              // (B, Hkv, L, hd)
+  at::Tensor x = norm(h, l.input_norm, gemma);  // (B, L, D)
+  const PackedWeights* packed = fused && cache ? cache->packed : nullptr;
+  at::Tensor q, k, v_new;  // (B, L, H, hd), (B, L, Hkv, hd) x 2
+  if (packed && !packed->qkv_w.empty()) {
+    // One GEMM, then views of its three column blocks (rows strided by (H + 2 Hkv) hd).
+    at::Tensor qkv = linear(x, packed->qkv_w[i], packed->qkv_b[i]);
+    q = qkv.narrow(-1, 0, H * hd).view({B, L, H, hd});
+    k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
+    v_new = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, L, Hkv, hd});
+  } else {
+    q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});
+    k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});
+    v_new = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});
+  }
+  at::Tensor v = v_new.transpose(1, 2);  // (B, Hkv, L, hd)
   if (c.qk_norm) {
     q = norm(q, l.q_norm, false);
     k = norm(k, l.k_norm, false);
@@ -426,15 +451,24 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     h2 = h + o;
     x = rms_norm(h2, ff_norm, c.rms_norm_eps, gemma);
   }
-  at::Tensor g = at::linear(x, l.gate_w), m;
+  at::Tensor g, u, m;  // (B, L, F) x 2, (B, L, D)
+  if (packed) {
+    at::Tensor gu = at::linear(x, packed->gate_up_w[i]);  // one GEMM; rows strided by 2 F
+    const int64_t F = gu.size(-1) / 2;
+    g = gu.narrow(-1, 0, F);
+    u = gu.narrow(-1, F, F);
+  } else {
+    g = at::linear(x, l.gate_w);
+    u = at::linear(x, l.up_w);
+  }
 #ifdef RLT_HAVE_CUDA
   if (fused && !c.gelu_tanh) {
-    m = at::linear(cuda::silu_mul(g, at::linear(x, l.up_w)), l.down_w);  // (B, L, D)
+    m = at::linear(cuda::silu_mul(g, u), l.down_w);
   } else
 #endif
   {
     g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
-    m = at::linear(g * at::linear(x, l.up_w), l.down_w);  // (B, L, D)
+    m = at::linear(g * u, l.down_w);
   }
   if (gemma) m = norm(m, l.post_ff_norm, true);
   return h2 + m;
@@ -511,7 +545,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   bool fused = false;
 #ifdef RLT_HAVE_CUDA
   const at::ScalarType dt = h.scalar_type();
-  fused = fused_kernels_ && cache && !at::GradMode::is_enabled() && h.is_cuda() &&
+  fused = fused_kernels_ && cache && cache->fused_kernels && !at::GradMode::is_enabled() && h.is_cuda() &&
           (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && final_norm_.scalar_type() == dt;
   if (fused && c.attn_softcap == 0) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.

@@ -88,6 +88,9 @@ at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vect
 
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
+  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels() && model_.lm_head().is_cuda()) {
+    packed_ = model_.pack_weights();
+  }
 }
 
 ModelPolicy::~ModelPolicy() = default;
@@ -120,6 +123,8 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   const auto dev = head.device();
   auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).view({U, P}).to(dev); };
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
+  prefill.fused_kernels = options_.fused_kernels;  // gather() passes both on to the decode cache
+  prefill.packed = packed_.gate_up_w.empty() ? nullptr : &packed_;
   at::Tensor mask_d = to_dev(mask);
   at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)
   at::Tensor logits = next_token_logits(model_, hidden.select(1, P - 1));          // (U, V)

@@ -62,6 +62,13 @@ struct ModelPolicyOptions {
   // two forwards' host time, so in the ReTool loop (bench_rollout, H200) 14 of 23 feeds were captures and
   // graphed feeds took 0.93 s against 0.81 s eager. Worth it once caches outlive many feeds.
   bool feed_graphs = false;
+  // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
+  // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
+  bool fused_kernels = true;
+  // With fused_kernels on a GPU: the q/k/v and gate/up weights packed into one matrix each for the
+  // policy's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
+  // while the policy lives (0.47 GB for Qwen2.5-0.5B in bf16).
+  bool packed_weights = true;
 };
 
 class ModelPolicy : public TokenPolicy {
@@ -111,6 +118,7 @@ class ModelPolicy : public TokenPolicy {
 
   const Transformer& model_;
   ModelPolicyOptions options_;
+  PackedWeights packed_;  // when options_.packed_weights applies: the cache's forwards read it
   KvCache cache_;
   at::Tensor valid_;                 // (Bc, S) bool on the model's device: slot holds a token of the row
   std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released

@@ -80,6 +80,10 @@ struct RolloutOptions {
   int64_t max_batch = 0;
   // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
   bool cuda_graphs = true;
+  // The decode's fused CUDA kernels, and its packed q/k/v and gate/up weights (on a GPU; see
+  // ModelPolicyOptions: packing costs those weights' size again during the rollout).
+  bool fused_kernels = true;
+  bool packed_weights = true;
   // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
   // false: one token per decode step, as before; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
@@ -101,6 +105,9 @@ struct RolloutOptions {
     v("feedback", feedback, "message for an unparseable turn");
     v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
     v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
+    v("fused_kernels", fused_kernels, "fused CUDA kernels in the rollout's forwards (false: ATen forms; GPU only)");
+    v("packed_weights", packed_weights,
+      "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
     v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }

@@ -53,6 +53,8 @@ std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Devic
 ModelPolicyOptions policy_options(const RolloutOptions& r) {
   ModelPolicyOptions o;
   o.cuda_graphs = r.cuda_graphs;
+  o.fused_kernels = r.fused_kernels;
+  o.packed_weights = r.packed_weights;
   return o;
 }
 

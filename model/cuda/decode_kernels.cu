@@ -59,10 +59,13 @@ __global__ void __launch_bounds__(kNormThreads)
 // One thread per (row, head, i < hd / 2) pair of q and k: reads x_i and x_{i+h} before writing either.
 // With a cache (a decode step at KvCache::step_slot), k's rotated pair and v's pair go to the cache's
 // slot for position l instead of back into k: (B, Hkv, S, hd) tensors, slots[l] on the device.
+// q, k and v_new are (B, L, heads, hd) with heads packed in a row and rows (b, l) a fixed stride apart:
+// contiguous tensors, or views of one packed projection's output (PackedWeights).
 struct CacheWrite {
   void* k = nullptr;
   void* v = nullptr;
   const void* v_new = nullptr;  // (B, L, Hkv, hd)
+  int64_t v_row = 0;            // v_new's row stride
   const int64_t* slots = nullptr;
   int64_t S = 0;
 };
@@ -70,14 +73,14 @@ struct CacheWrite {
 template <typename T>
 __global__ void rope_kernel(T* __restrict__ q, T* __restrict__ k, const T* __restrict__ cos_t,
                             const T* __restrict__ sin_t, int64_t rows, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
-                            CacheWrite cw) {
+                            int64_t q_row, int64_t k_row, CacheWrite cw) {
   const int64_t half = hd / 2, heads = H + Hkv;
   const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (n >= rows * heads * half) return;
   const int64_t i = n % half, head = (n / half) % heads, row = n / (half * heads);  // row = b * L + l
   const bool is_q = head < H;
   const int64_t kv = head - H;
-  T* x = is_q ? q + (row * H + head) * hd : k + (row * Hkv + kv) * hd;
+  T* x = is_q ? q + row * q_row + head * hd : k + row * k_row + kv * hd;
   const T* c = cos_t + row * hd;
   const T* s = sin_t + row * hd;
   const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
@@ -94,20 +97,43 @@ __global__ void rope_kernel(T* __restrict__ q, T* __restrict__ k, const T* __res
   const int64_t dst = ((b * Hkv + kv) * cw.S + cw.slots[l]) * hd;
   T* kc = static_cast<T*>(cw.k) + dst;
   T* vc = static_cast<T*>(cw.v) + dst;
-  const T* vn = static_cast<const T*>(cw.v_new) + (row * Hkv + kv) * hd;
+  const T* vn = static_cast<const T*>(cw.v_new) + row * cw.v_row + kv * hd;
   kc[i] = from_f<T>(y1);
   kc[i + half] = from_f<T>(y2);
   vc[i] = vn[i];
   vc[i + half] = vn[i + half];
 }
 
+// g and u: rows of F elements a fixed stride apart (contiguous, or the halves of a packed gate/up output).
 template <typename T>
-__global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n) {
+__global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
+                                int64_t F, int64_t g_row, int64_t u_row) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float x = to_f(g[i]);
+  const int64_t r = i / F, j = i % F;
+  const float x = to_f(g[r * g_row + j]);
   const float act = round_to<T>(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x))));  // ATen's silu: x / (1 + e^-x)
-  out[i] = from_f<T>(__fmul_rn(act, to_f(u[i])));
+  out[i] = from_f<T>(__fmul_rn(act, to_f(u[r * u_row + j])));
+}
+
+// The stride between consecutive rows of t's last `inner` dims (packed: unit stride inside a row, the
+// inner dims contiguous within it), when the leading dims collapse into evenly spaced rows; -1 otherwise.
+int64_t row_stride(const at::Tensor& t, int64_t inner) {
+  const int64_t d = t.dim();
+  if (d < inner) return -1;
+  int64_t expect = 1;
+  for (int64_t i = d - 1; i >= d - inner; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expect) return -1;
+    expect *= t.size(i);
+  }
+  int64_t row = -1, span = 0;  // the innermost leading dim of size > 1 steps one row
+  for (int64_t i = d - inner - 1; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (row < 0) span = row = t.stride(i);
+    if (t.stride(i) != span) return -1;
+    span *= t.size(i);
+  }
+  return row < 0 ? expect : row;
 }
 
 template <typename T>
@@ -157,8 +183,10 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 namespace {
 
 void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const CacheWrite& cw) {
-  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous(),
-              "rope_: q (B, L, H, hd) and k (B, L, Hkv, hd) must be contiguous on CUDA");
+  const int64_t q_row = q.dim() == 4 ? row_stride(q, 2) : -1, k_row = k.dim() == 4 ? row_stride(k, 2) : -1;
+  TORCH_CHECK(q.is_cuda() && q_row > 0 && k_row > 0,
+              "rope_: q (B, L, H, hd) and k (B, L, Hkv, hd) on CUDA must hold each row's heads packed, rows evenly "
+              "spaced");
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), hd = q.size(3), Hkv = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == L && k.size(3) == hd && hd % 2 == 0, "rope_: q and k disagree");
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({B, 1, L, hd}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
@@ -171,7 +199,7 @@ void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
   dispatch_float_types(q.scalar_type(), "rope_", [&](auto tag) {
     using T = decltype(tag);
     rope_kernel<T><<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(q), ptr<T>(k), ptr<T>(cos), ptr<T>(sin), B * L,
-                                                                  L, H, Hkv, hd, cw);
+                                                                  L, H, Hkv, hd, q_row, k_row, cw);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -185,8 +213,9 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t B = k.size(0), L = k.size(1), Hkv = k.size(2), hd = k.size(3);
-  TORCH_CHECK(v.sizes() == k.sizes() && v.is_contiguous() && v.scalar_type() == k.scalar_type(),
-              "rope_write_cache: v must be contiguous and shaped like k");
+  const int64_t v_row = v.dim() == 4 ? row_stride(v, 2) : -1;
+  TORCH_CHECK(v.sizes() == k.sizes() && v_row > 0 && v.scalar_type() == k.scalar_type(),
+              "rope_write_cache: v must be shaped like k, each row's heads packed");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == hd &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
                   k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
@@ -198,22 +227,25 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
   cw.k = k_cache.data_ptr();
   cw.v = v_cache.data_ptr();
   cw.v_new = v.data_ptr();
+  cw.v_row = v_row;
   cw.slots = slots.data_ptr<int64_t>();
   cw.S = k_cache.size(2);
   launch_rope(q, k, cos, sin, cw);
 }
 
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
-  TORCH_CHECK(g.is_cuda() && g.is_contiguous() && u.is_contiguous() && g.sizes() == u.sizes() &&
+  const int64_t g_row = row_stride(g, 1), u_row = row_stride(u, 1);
+  TORCH_CHECK(g.is_cuda() && g.dim() >= 1 && g_row > 0 && u_row > 0 && g.sizes() == u.sizes() &&
                   g.scalar_type() == u.scalar_type(),
-              "silu_mul: g and u must be contiguous on CUDA, of one shape and dtype");
-  at::Tensor out = at::empty_like(g);
-  const int64_t n = g.numel();
+              "silu_mul: g and u must be on CUDA, of one shape and dtype, with unit-stride rows evenly spaced");
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  const int64_t n = g.numel(), F = g.size(-1);
   if (n == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(g.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_kernel<T><<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n);
+    silu_mul_kernel<T>
+        <<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F, g_row, u_row);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -7,7 +7,9 @@
 // the reference, the CPU path and the training path) bit for bit, except RMSNorm's sum of squares, whose
 // summation order differs (a few float32 ulps before the final rounding).
 //
-// Tensors are contiguous, in float32, bfloat16 or float16; weights in the activations' dtype.
+// Tensors are in float32, bfloat16 or float16; weights in the activations' dtype. RMSNorm takes
+// contiguous tensors; RoPE and the SiLU gate also take views of a packed projection's output
+// (PackedWeights: rows a fixed stride apart, each row's own elements packed).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -121,10 +121,29 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     EXPECT_TRUE(at::equal(vc, vc_ref)) << dt << " v cache";
     at::Tensor kc_off = kc0.clone().index_copy_(2, (slots + 1) % S, k_ref);  // every write one slot later
     EXPECT_FALSE(at::equal(kc, kc_off)) << "a write one slot off must be rejected";
+    // Views of one packed projection's output (PackedWeights: [q | k | v] per row): the same results.
+    at::Tensor qkv = at::randn({B, L, (H + 2 * Hkv) * hd}, o);
+    at::Tensor qv = qkv.narrow(-1, 0, H * hd).view({B, L, H, hd}),
+               kv = qkv.narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
+    at::Tensor vv = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, L, Hkv, hd});
+    at::Tensor qp_ref = qv.transpose(1, 2) * cos + rotate_half(qv.transpose(1, 2)) * sin;
+    at::Tensor kp_ref = kv.transpose(1, 2) * cos + rotate_half(kv.transpose(1, 2)) * sin;
+    at::Tensor kc2 = kc0.clone(), vc2 = vc.clone();
+    at::Tensor vc2_ref = vc.clone().index_copy_(2, slots, vv.transpose(1, 2));
+    at::Tensor kc2_ref = kc0.clone().index_copy_(2, slots, kp_ref);
+    cuda::rope_write_cache(qv, kv, vv, cos, sin, kc2, vc2, slots);
+    EXPECT_TRUE(at::equal(qv.transpose(1, 2), qp_ref)) << dt << " q (packed view)";
+    EXPECT_TRUE(at::equal(kc2, kc2_ref)) << dt << " k cache (packed view)";
+    EXPECT_TRUE(at::equal(vc2, vc2_ref)) << dt << " v cache (packed view)";
     at::Tensor g = at::randn({7, 3, 131}, o) * 3, u = at::randn({7, 3, 131}, o);
     at::Tensor got = cuda::silu_mul(g, u);
     EXPECT_TRUE(at::equal(got, at::silu(g) * u)) << dt << ": " << ulps(got, at::silu(g) * u) << " ulps";
     EXPECT_FALSE(at::equal(got, at::gelu(g, "tanh") * u)) << "GELU in place of SiLU must be rejected";
+    // The halves of a packed gate/up output.
+    at::Tensor gu = at::randn({7, 3, 262}, o) * 3;
+    at::Tensor gh = gu.narrow(-1, 0, 131), uh = gu.narrow(-1, 131, 131);
+    EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uh), at::silu(gh) * uh)) << dt << " (packed halves)";
+    EXPECT_FALSE(at::equal(cuda::silu_mul(gh, uh), at::silu(uh) * gh)) << "swapped halves must be rejected";
   }
 #endif
 }

@@ -595,7 +595,8 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
 }
 
 // The fused decode kernels against the ATen forms inside the policy, on one float32 model: the same
-// rollout with them on and off gives logits within float32 noise, and a model whose second layer's
+// rollout with them on (with and without packed q/k/v and gate/up weights) and off gives logits within
+// float32 noise, and a model whose second layer's
 // post-attention norm is off by 1% (w -> 1.01 w + 0.01: gemma's norms scale by 1 + w, and its random
 // init leaves w = 0) is rejected by that tolerance: a kernel reading the wrong norm weight or dropping it
 // moves logits by far more.
@@ -603,10 +604,11 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (const char* family : {"llama", "qwen2", "qwen3", "gemma2"}) {
     Transformer m = tiny_model(family, 4, at::Device(at::kCUDA, 0), at::kFloat);
-    auto run = [&](bool fused) {
+    auto run = [&](bool fused, bool packed = true) {
       m.set_fused_kernels(fused);
       ModelPolicyOptions po;
       po.slot_chunk = 3;
+      po.packed_weights = packed;
       ModelPolicy policy(m, po);
       std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
       for (int64_t t = 0; t < 6; ++t) {
@@ -615,9 +617,10 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
       }
       return at::cat(out);
     };
-    const at::Tensor on = run(true), off = run(false);
+    const at::Tensor on = run(true), off = run(false), unpacked = run(true, false);
     const double scale = off.abs().max().item<double>(), err = (on - off).abs().max().item<double>();
-    EXPECT_LT(err, 1e-5 * scale) << family << ": fused against ATen, max |logit| " << scale;
+    EXPECT_LT(err, 1e-5 * scale) << family << ": fused (packed weights) against ATen, max |logit| " << scale;
+    EXPECT_LT((unpacked - off).abs().max().item<double>(), 1e-5 * scale) << family << ": fused, unpacked weights";
     {
       at::NoGradGuard ng;
       const auto params = m.named_parameters();
