@@ -17,7 +17,8 @@
 //   tools_onetoken   the same with tool replies fed one token per decode step
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
-// feed_steps, forced_tokens, cache_compactions, step_graph_captures, feed_graph_captures}.
+// feed_steps, forced_tokens, cache_compactions, cache_reallocations (of them, those that made new cache
+// tensors), step_graph_captures, feed_graph_captures}.
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
@@ -172,7 +173,7 @@ int main(int argc, char** argv) {
                                    {"tools_feedgraphs", true, true, true},
                                    {"tools_onetoken", true, false, false}};
   struct PolicyCounts {
-    int64_t compactions = 0, step_graphs = 0, feed_graphs = 0;
+    int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
   };
   PolicyCounts counts;  // of the last run
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
@@ -191,7 +192,8 @@ int main(int argc, char** argv) {
     ToolSteered policy(model, mpo, script, reply_end, mode.tools ? every : (1 << 30));
     auto out = rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
     const ModelPolicy& inner = policy.inner();
-    counts = {inner.compactions(), inner.graph_captures() - inner.feed_graph_captures(), inner.feed_graph_captures()};
+    counts = {inner.compactions(), inner.reallocations(), inner.graph_captures() - inner.feed_graph_captures(),
+              inner.feed_graph_captures()};
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -206,7 +208,7 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
-            << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures"
+            << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(12) << "compactions"
             << "\n";
   json records = json::array();
   double plain_tps = 0;
@@ -226,7 +228,8 @@ int main(int argc, char** argv) {
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
               << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
               << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
-              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << "\n";
+              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(12)
+              << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)") << "\n";
     records.push_back({{"mode", m.name},
                        {"batch", B},
                        {"prompt_len", P},
@@ -247,6 +250,7 @@ int main(int argc, char** argv) {
                        {"feed_steps", st.feed_steps},
                        {"forced_tokens", st.forced_tokens},
                        {"cache_compactions", counts.compactions},
+                       {"cache_reallocations", counts.reallocations},
                        {"step_graph_captures", counts.step_graphs},
                        {"feed_graph_captures", counts.feed_graphs}});
   }

@@ -5,9 +5,10 @@
 //
 // ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
 // slot for every cache row; rows not fed that step write a slot that their attention mask hides. A run of
-// several tokens (a tool's reply) enters in one forward over its rows only (extend). Holes
-// and finished rows are squeezed out (KvCache::gather) when the cache fills up or half its rows are
-// finished, and the cache grows on demand, so memory follows the tokens actually held. On a GPU each
+// several tokens (a tool's reply) enters in one forward over its rows only (extend). Holes are squeezed
+// out (KvCache::gather) when the cache fills up, in place when that frees enough room, else into a new
+// cache that drops finished rows and grows; without CUDA graphs finished rows also go once they are
+// half the cache. Memory follows the tokens actually held. On a GPU each
 // decode step replays a CUDA graph captured for the cache's current shape (ModelPolicyOptions::cuda_graphs).
 //
 // Shapes: N sequences, Bc rows in the cache (N minus released rows, after compaction), S slots, V vocab.
@@ -89,6 +90,9 @@ class ModelPolicy : public TokenPolicy {
   int64_t cache_slots() const { return cache_.max_len; }
   int64_t cache_rows() const { return cache_.k.empty() ? 0 : cache_.k[0].size(0); }
   int64_t compactions() const { return compactions_; }
+  // Of them, those that made new cache tensors (dropping released rows, growing); the others squeezed
+  // the holes out in place, keeping every captured graph.
+  int64_t reallocations() const { return reallocations_; }
   // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
   int64_t graph_captures() const { return graph_captures_; }
   int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
@@ -96,8 +100,10 @@ class ModelPolicy : public TokenPolicy {
  private:
   struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
 
-  // Drops released rows and squeezes holes; leaves room for at least `need` more slots.
-  void compact(int64_t need);
+  // Squeezes holes out, in place when that frees a sixteenth of the slots beyond `need` (and released rows
+  // need not go); otherwise makes a new cache of the live rows with room for at least `need` more slots.
+  void compact(int64_t need, bool drop_released = false);
+  bool graphed() const;  // steps replay CUDA graphs
   // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA
   // graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row, then
   // the slot. Returns the hidden states (Bc, D).
@@ -124,7 +130,7 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
-  int64_t compactions_ = 0;
+  int64_t compactions_ = 0, reallocations_ = 0;
   std::unique_ptr<StepGraph> graph_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
