@@ -48,7 +48,8 @@ struct ModelPolicyOptions {
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
   // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
-  // cache shape (rows x slots), so again after each compaction or growth. Ignored on the CPU.
+  // cache tensors: again after each growth (a reallocation), not after an in-place squeeze. Ignored on
+  // the CPU.
   bool cuda_graphs = true;
   // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
@@ -59,9 +60,10 @@ struct ModelPolicyOptions {
   // is always used.
   bool fixed_shape_extend = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket, captured
-  // once per bucket and cache shape. Off by default: every compaction drops the graphs, and a capture costs
-  // two forwards' host time, so in the ReTool loop (bench_rollout, H200) 14 of 23 feeds were captures and
-  // graphed feeds took 0.93 s against 0.81 s eager. Worth it once caches outlive many feeds.
+  // once per bucket and cache tensors. Off by default: a capture costs two forwards' host time (~35 ms on
+  // the H200 host), and in the ReTool loop (bench_rollout) 13 of 76 feeds were still captures, which cost
+  // about what the replays saved (loop ratio 0.40-0.59 between calls). Worth it once caches outlive a
+  // rollout.
   bool feed_graphs = false;
   // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
   // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
@@ -80,8 +82,8 @@ class ModelPolicy : public TokenPolicy {
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
-  // feed runs at a bucketed shape (rows to a power of two, K to a power of two up to 16, then a multiple
-  // of 16: fixed_extend) whose CUDA graph is captured once per bucket and cache shape and replayed.
+  // feed runs at a bucketed shape (rows to a power of two, K to a power of two of at least 16:
+  // fixed_extend) whose CUDA graph is captured once per bucket and cache tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
   int64_t vocab_size() const override { return model_.config().vocab_size; }

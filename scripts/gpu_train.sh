@@ -7,7 +7,8 @@
 #      them off (rollout tokens/s, update tokens/s, peak memory from metrics.jsonl).
 # Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu_train.sh [steps] [max_new_tokens]
 # SKIP_UPDATE_BENCH=1 skips part 1; SKIP_OFF=1 skips the switches-off run; EAGER_ROLLOUT=1 adds one step
-# with the rollout's CUDA graphs off; FEED_AB=1 repeats the steps with rollout.multi_token_feed off;
+# with the rollout's CUDA graphs off; KERNELS_AB=1 adds one step with rollout.fused_kernels and
+# rollout.packed_weights off; FEED_AB=1 repeats the steps with rollout.multi_token_feed off;
 # TRAIN_TIMEOUT=S bounds each grpo_train run (default: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,11 +57,14 @@ limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 # EAGER_ROLLOUT=1: one more step with the switches on and the rollout's CUDA graphs off (same prompts).
 [ "${EAGER_ROLLOUT:-0}" = 1 ] && "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 \
   --set rollout.cuda_graphs=false --out "$out/run_eager" 2>&1 | tail -n 30 | tee "$out/train_eager.log"
+# KERNELS_AB=1: one more step with the rollout's fused kernels and packed weights off (same prompts).
+[ "${KERNELS_AB:-0}" = 1 ] && "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=1 \
+  --set rollout.fused_kernels=false --set rollout.packed_weights=false --out "$out/run_aten" 2>&1 | tail -n 30 | tee "$out/train_aten.log"
 # FEED_AB=1: the same steps again with tool replies fed one token per decode step (the same prompts).
 [ "${FEED_AB:-0}" = 1 ] && "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps \
   --set rollout.multi_token_feed=false --out "$out/run_onetoken" 2>&1 | tail -n 30 | tee "$out/train_onetoken.log"
-for r in on off eager onetoken; do cp "$out/run_$r/metrics.jsonl" "$out/metrics_$r.jsonl" 2>/dev/null; done
-rm -rf "$out/run_on" "$out/run_off" "$out/run_eager" "$out/run_onetoken"
+for r in on off eager aten onetoken; do cp "$out/run_$r/metrics.jsonl" "$out/metrics_$r.jsonl" 2>/dev/null; done
+rm -rf "$out/run_on" "$out/run_off" "$out/run_eager" "$out/run_aten" "$out/run_onetoken"
 python3 - "$out" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]

@@ -655,7 +655,7 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("gemma2", 5, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   ModelPolicyOptions po;
-  po.slot_chunk = 40;
+  po.slot_chunk = 80;
   po.feed_graphs = true;
   po.fixed_shape_extend = true;  // on the CPU too, feeds attend over every slot, as graphed steps do
   ModelPolicy policy(m, po);
