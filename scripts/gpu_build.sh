@@ -1,5 +1,8 @@
 # Sourced by the scripts/gpu_*.sh scripts on the GPU host, with $out set (and the hf fixtures copied into
-# .gpu/fixtures: cp -r ../shared/fixtures/hf/* .gpu/fixtures/): builds into build-gpu/ with
+# .gpu/fixtures: cp -r ../shared/fixtures/hf/* .gpu/fixtures/; besides the Debian packages that
+# ../shared/gpu/fetch-debs.sh downloads, data/ needs PCRE2 and utf8proc: from .gpu/debs,
+# apt-get download libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libutf8proc-dev
+# libutf8proc2): builds into build-gpu/ with
 # .gpu/build.sh (the log goes to $out/build.log; on failure its tail is printed and the caller exits),
 # then exports what the binaries and the Python peers need.
 export PYTHONUNBUFFERED=1
