@@ -117,9 +117,13 @@ void device_synchronize(const at::Device& device) {
 }
 
 at::Tensor to_device_async(const at::Tensor& cpu, const at::Device& device) {
+  TORCH_CHECK(cpu.is_cpu(), "to_device_async: the source must be a CPU tensor");
   if (!device.is_cuda()) return cpu.to(device);
-  return cpu.pin_memory().to(device, /*non_blocking=*/true);  // the host allocator keeps the staging
-                                                              // buffer until the copy has run
+  // Always a fresh staging buffer (the caller may reuse its own), which the host allocator keeps until
+  // the copy has run.
+  at::Tensor staged = at::empty(cpu.sizes(), cpu.options().pinned_memory(true));
+  staged.copy_(cpu);
+  return staged.to(device, /*non_blocking=*/true);
 }
 
 at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device& device) {

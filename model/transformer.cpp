@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -309,6 +310,12 @@ std::vector<at::Tensor> Transformer::parameters() const {
 
 const at::Tensor& Transformer::lm_head() const { return lm_head_; }
 
+namespace {
+std::atomic<int64_t> fused_forwards{0};
+}  // namespace
+
+int64_t Transformer::fused_forward_count() { return fused_forwards.load(); }
+
 PackedWeights Transformer::pack_weights() const {
   at::NoGradGuard no_grad;
   PackedWeights p;
@@ -547,6 +554,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   const at::ScalarType dt = h.scalar_type();
   fused = fused_kernels_ && cache && cache->fused_kernels && !at::GradMode::is_enabled() && h.is_cuda() &&
           (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && final_norm_.scalar_type() == dt;
+  if (fused) ++fused_forwards;
   if (fused && c.attn_softcap == 0) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.
     auto additive = [&](at::Tensor& m) {
@@ -555,7 +563,9 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
                 .masked_fill_(m.logical_not(), -std::numeric_limits<double>::infinity());
       }
     };
-    if (!fast || c.sliding_window > 0) {
+    bool any_sliding = false;  // a layer whose window restricts this forward (the loop below reads its mask)
+    for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
+    if (!fast || any_sliding) {
       build_masks();
       additive(full_mask);
       additive(sliding_mask);

@@ -127,6 +127,9 @@ class Transformer {
   // run the ATen forms like every other forward. Tests compare the two; bench_model measures both.
   void set_fused_kernels(bool on) { fused_kernels_ = on; }
   bool fused_kernels() const { return fused_kernels_; }
+  // Forwards that ran the fused kernels so far, in this process (tests check the path was taken: in
+  // float32 its results can equal the ATen forms' bit for bit).
+  static int64_t fused_forward_count();
 
  private:
   struct Layer {

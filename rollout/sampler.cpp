@@ -126,6 +126,7 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t s
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
                            const at::Tensor& counters, int64_t vocab_limit, bool fused) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
+  TORCH_CHECK(options.top_k >= 0 && options.top_p > 0 && options.top_p <= 1, "top_k must be >= 0 and top_p in (0, 1]");
   at::NoGradGuard no_grad;
   const int64_t N = logits.size(0), V = logits.size(1);
   // Columns past the limit are never drawn, so they are never looked at: the draw over the first

@@ -143,7 +143,8 @@ T* ptr(const at::Tensor& t) {
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() >= 1, "rms_norm: x must be contiguous on CUDA");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.scalar_type() == x.scalar_type() && w.is_contiguous() &&
+                  w.device() == x.device(),
               "rms_norm: weight must be (", x.size(-1), ") in the activations' dtype");
 }
 
@@ -173,8 +174,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool g
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
                                                double eps, bool gemma) {
   check_norm(a, w);
-  TORCH_CHECK(b.sizes() == a.sizes() && b.scalar_type() == a.scalar_type() && b.is_contiguous(),
-              "add_rms_norm: a and b must be contiguous, of one shape and dtype");
+  TORCH_CHECK(
+      b.sizes() == a.sizes() && b.scalar_type() == a.scalar_type() && b.is_contiguous() && b.device() == a.device(),
+      "add_rms_norm: a and b must be contiguous, of one shape and dtype");
   at::Tensor h = at::empty_like(a), out = at::empty_like(a);
   launch_norm(a, &b, &h, w, eps, gemma, out);
   return {h, out};
@@ -184,7 +186,8 @@ namespace {
 
 void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const CacheWrite& cw) {
   const int64_t q_row = q.dim() == 4 ? row_stride(q, 2) : -1, k_row = k.dim() == 4 ? row_stride(k, 2) : -1;
-  TORCH_CHECK(q.is_cuda() && q_row > 0 && k_row > 0,
+  TORCH_CHECK(q.is_cuda() && q_row > 0 && k_row > 0 && k.device() == q.device() && cos.device() == q.device() &&
+                  sin.device() == q.device(),
               "rope_: q (B, L, H, hd) and k (B, L, Hkv, hd) on CUDA must hold each row's heads packed, rows evenly "
               "spaced");
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), hd = q.size(3), Hkv = k.size(2);
@@ -218,10 +221,11 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
               "rope_write_cache: v must be shaped like k, each row's heads packed");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == hd &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
+                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type() &&
+                  v.device() == k.device() && k_cache.device() == k.device() && v_cache.device() == k.device(),
               "rope_write_cache: the caches must be contiguous (B, Hkv, S, hd) in k's dtype");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == L && slots.scalar_type() == at::kLong && slots.is_cuda() &&
-                  slots.is_contiguous(),
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == L && slots.scalar_type() == at::kLong &&
+                  slots.device() == k.device() && slots.is_contiguous(),
               "rope_write_cache: one int64 slot per position, on the device");
   CacheWrite cw;
   cw.k = k_cache.data_ptr();
@@ -236,7 +240,7 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   const int64_t g_row = row_stride(g, 1), u_row = row_stride(u, 1);
   TORCH_CHECK(g.is_cuda() && g.dim() >= 1 && g_row > 0 && u_row > 0 && g.sizes() == u.sizes() &&
-                  g.scalar_type() == u.scalar_type(),
+                  g.scalar_type() == u.scalar_type() && u.device() == g.device(),
               "silu_mul: g and u must be on CUDA, of one shape and dtype, with unit-stride rows evenly spaced");
   at::Tensor out = at::empty(g.sizes(), g.options());
   const int64_t n = g.numel(), F = g.size(-1);

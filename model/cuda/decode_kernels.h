@@ -30,7 +30,8 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 // rope_ for a decode step at KvCache::step_slot: q rotated in place; k rotated and written, with v (B, L,
 // Hkv, hd), to slots[l] of every row of the caches (B, Hkv, S, hd) (the ATen form: rotate, then two
-// index_copy_ calls); k itself is left as it was. slots (L) int64 on the device.
+// index_copy_ calls); k itself is left as it was. slots (L) int64 on the device, each in [0, S): unlike
+// index_copy_, the kernel does not check them (the caller's step slot is below the cache's slots).
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots);
 // silu(g) * u, each rounded to the dtype as ATen's two kernels round them.

@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t z = fmix64(key ^ column_key(v));
     const float u = fminf(__fmul_rn(__fadd_rn(float(z >> 40), 0.5f), kScale), kBelowOne);
     // kept - log(-log u), kept = logits times 1 / T.
-    const float s = __fsub_rn(__fmul_rn(row[v], inv_t), logf(-logf(u)));
+    // (+ 0 turns a -0 score into +0: at::argmax ranks the two equal, the packed order would not.)
+    const float s = __fadd_rn(__fsub_rn(__fmul_rn(row[v], inv_t), logf(-logf(u))), 0.0f);
     // NaN counts as the largest score (at::argmax's order); the sampler rejects non-finite logits anyway.
     const uint64_t p = isnan(s) ? (~uint64_t(0) << 32) | uint64_t(0xffffffffu - uint32_t(v)) : pack(s, v);
     mine = p > mine ? p : mine;
@@ -81,9 +82,11 @@ __global__ void unpack_kernel(const unsigned long long* __restrict__ best, int64
 at::Tensor gumbel_argmax(const at::Tensor& x, const at::Tensor& row_keys, double temperature) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "gumbel_argmax: logits must be (N, V) float32 on CUDA with unit column stride");
-  TORCH_CHECK(row_keys.is_cuda() && row_keys.scalar_type() == at::kLong && row_keys.numel() == x.size(0),
+  TORCH_CHECK(row_keys.device() == x.device() && row_keys.scalar_type() == at::kLong && row_keys.numel() == x.size(0) &&
+                  row_keys.is_contiguous(),
               "gumbel_argmax: one int64 row key per row, on the logits' device");
-  TORCH_CHECK(x.size(1) < (int64_t(1) << 32), "gumbel_argmax: vocabulary too large");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 32),
+              "gumbel_argmax: the vocabulary must have 1 to 2^32 - 1 entries");
   TORCH_CHECK(temperature > 0, "gumbel_argmax: temperature must be > 0");
   const int64_t N = x.size(0), V = x.size(1);
   auto lopts = x.options().dtype(at::kLong);

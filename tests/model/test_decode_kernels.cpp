@@ -135,6 +135,14 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     EXPECT_TRUE(at::equal(qv.transpose(1, 2), qp_ref)) << dt << " q (packed view)";
     EXPECT_TRUE(at::equal(kc2, kc2_ref)) << dt << " k cache (packed view)";
     EXPECT_TRUE(at::equal(vc2, vc2_ref)) << dt << " v cache (packed view)";
+    // k a packed view, v contiguous: each tensor's own row stride.
+    at::Tensor kc3 = kc0.clone(), vc3 = vc.clone(), q4 = qkv.narrow(-1, 0, H * hd).view({B, L, H, hd}).clone();
+    at::Tensor kv2 = at::randn({B, L, (H + 2 * Hkv) * hd}, o).narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
+    at::Tensor kp2_ref = kv2.transpose(1, 2) * cos + rotate_half(kv2.transpose(1, 2)) * sin;
+    cuda::rope_write_cache(q4, kv2, v, cos, sin, kc3, vc3, slots);
+    EXPECT_TRUE(at::equal(kc3, kc0.clone().index_copy_(2, slots, kp2_ref))) << dt << " k cache (mixed strides)";
+    EXPECT_TRUE(at::equal(vc3, vc.clone().index_copy_(2, slots, v.transpose(1, 2))))
+        << dt << " v cache (mixed strides)";
     at::Tensor g = at::randn({7, 3, 131}, o) * 3, u = at::randn({7, 3, 131}, o);
     at::Tensor got = cuda::silu_mul(g, u);
     EXPECT_TRUE(at::equal(got, at::silu(g) * u)) << dt << ": " << ulps(got, at::silu(g) * u) << " ulps";
@@ -143,6 +151,8 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     at::Tensor gu = at::randn({7, 3, 262}, o) * 3;
     at::Tensor gh = gu.narrow(-1, 0, 131), uh = gu.narrow(-1, 131, 131);
     EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uh), at::silu(gh) * uh)) << dt << " (packed halves)";
+    at::Tensor uc = at::randn({7, 3, 131}, o);  // g a packed half, u contiguous
+    EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uc), at::silu(gh) * uc)) << dt << " (mixed strides)";
     EXPECT_FALSE(at::equal(cuda::silu_mul(gh, uh), at::silu(uh) * gh)) << "swapped halves must be rejected";
   }
 #endif

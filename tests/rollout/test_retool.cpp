@@ -626,7 +626,14 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
       }
       return at::cat(out);
     };
-    const at::Tensor on = run(true), off = run(false), unpacked = run(true, false);
+    // The fused path ran for the fused runs and not for the other (in float32 their logits may be equal).
+    const int64_t before = Transformer::fused_forward_count();
+    const at::Tensor on = run(true);
+    const int64_t after_on = Transformer::fused_forward_count();
+    const at::Tensor off = run(false);
+    EXPECT_GE(after_on - before, 7) << family << ": the fused kernels did not run (prefill, 6 steps or feeds)";
+    EXPECT_EQ(Transformer::fused_forward_count(), after_on) << family << ": fused kernels ran while off";
+    const at::Tensor unpacked = run(true, false);
     const double scale = off.abs().max().item<double>(), err = (on - off).abs().max().item<double>();
     EXPECT_LT(err, 1e-5 * scale) << family << ": fused (packed weights) against ATen, max |logit| " << scale;
     EXPECT_LT((unpacked - off).abs().max().item<double>(), 1e-5 * scale) << family << ": fused, unpacked weights";
