@@ -2,8 +2,6 @@
 // CUDA: c10's caching-allocator statistics (allocated bytes, aggregate over pools).
 #include "common/memory.h"
 
-#include <algorithm>
-
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
@@ -128,10 +126,9 @@ at::Tensor to_device_async(const at::Tensor& cpu, const at::Device& device) {
 
 at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device& device) {
   if (!device.is_cuda()) return at::tensor(values, at::kLong);
-  at::Tensor staged =
-      at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::copy(values.begin(), values.end(), staged.data_ptr<int64_t>());
-  return staged.to(device, /*non_blocking=*/true);
+  // A view of the vector: the overload above copies it into its staging buffer before returning.
+  return to_device_async(
+      at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong), device);
 }
 
 void release_cached_memory(const at::Device& device) {

@@ -156,6 +156,27 @@ KvCache KvCache::allocate(const ModelConfig& c, int64_t batch, int64_t max_len, 
   return kv;
 }
 
+namespace {
+
+// (B, Hkv, S, hd): row r's slot j is src's row r, slot slots[r, j]. src (B, Hkv, S0, hd), slots (B, S).
+at::Tensor take_slots(const at::Tensor& src, const at::Tensor& slots) {
+  const int64_t B = slots.size(0), S = slots.size(1);
+  return src.gather(2, slots.view({B, 1, S, 1}).expand({B, src.size(1), S, src.size(3)}));
+}
+
+}  // namespace
+
+void KvCache::squeeze_(const at::Tensor& slots) {
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == positions.size(0) && slots.size(1) <= max_len,
+              "squeeze_: slots must be (B, S) with S <= ", max_len);
+  const int64_t S = slots.size(1);
+  for (auto* layers : {&k, &v}) {
+    for (at::Tensor& t : *layers) t.narrow(2, 0, S).copy_(take_slots(t, slots));  // one layer's copy at a time
+  }
+  positions.narrow(1, 0, S).copy_(positions.gather(1, slots));
+  length = S;
+}
+
 KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) const {
   TORCH_CHECK(rows.dim() == 1 && slots.dim() == 2 && slots.size(0) == rows.size(0),
               "gather: rows must be (B') and slots (B', S')");
@@ -168,10 +189,8 @@ KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t
   out.length = S;
   for (size_t i = 0; i < k.size(); ++i) {
     for (const auto* src : {&k[i], &v[i]}) {
-      const int64_t Hkv = src->size(1), hd = src->size(3);
-      at::Tensor idx = slots.view({B, 1, S, 1}).expand({B, Hkv, S, hd});
-      at::Tensor dst = at::zeros({B, Hkv, new_max_len, hd}, src->options());
-      dst.narrow(2, 0, S).copy_(src->index_select(0, rows).gather(2, idx));
+      at::Tensor dst = at::zeros({B, src->size(1), new_max_len, src->size(3)}, src->options());
+      dst.narrow(2, 0, S).copy_(take_slots(src->index_select(0, rows), slots));
       (src == &k[i] ? out.k : out.v).push_back(dst);
     }
   }
@@ -315,6 +334,15 @@ std::atomic<int64_t> fused_forwards{0};
 }  // namespace
 
 int64_t Transformer::fused_forward_count() { return fused_forwards.load(); }
+
+bool Transformer::fused_kernels_apply() const {
+#ifdef RLT_HAVE_CUDA
+  const at::ScalarType dt = final_norm_.scalar_type();
+  return fused_kernels_ && final_norm_.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+#else
+  return false;
+#endif
+}
 
 PackedWeights Transformer::pack_weights() const {
   at::NoGradGuard no_grad;
@@ -552,8 +580,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   bool fused = false;
 #ifdef RLT_HAVE_CUDA
   const at::ScalarType dt = h.scalar_type();
-  fused = fused_kernels_ && cache && cache->fused_kernels && !at::GradMode::is_enabled() && h.is_cuda() &&
-          (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && final_norm_.scalar_type() == dt;
+  fused = fused_kernels_apply() && cache && cache->fused_kernels && !at::GradMode::is_enabled() &&
+          final_norm_.scalar_type() == dt;
   if (fused) ++fused_forwards;
   if (fused && c.attn_softcap == 0) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.

@@ -79,6 +79,10 @@ struct KvCache {
   // squeezing out holes, growing, and copying a prefilled prompt to G rows.
   // rows (B') int64, slots (B', S') int64, both on the cache's device.
   KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
+  // gather() into this cache's own tensors, every row kept: row r's slot j becomes its slot slots[r, j]
+  // (slots (B, S) int64 on the cache's device, S <= max_len); length becomes S. Tensors and shapes stay,
+  // so a CUDA graph captured on them stays valid.
+  void squeeze_(const at::Tensor& slots);
 };
 
 class Transformer {
@@ -127,6 +131,10 @@ class Transformer {
   // run the ATen forms like every other forward. Tests compare the two; bench_model measures both.
   void set_fused_kernels(bool on) { fused_kernels_ = on; }
   bool fused_kernels() const { return fused_kernels_; }
+  // The fused kernels are on and can run this model: a CUDA build, parameters on a CUDA device in
+  // float32, bfloat16 or float16. (A forward runs them when, besides, it is no-grad and goes through a
+  // cache that allows them.)
+  bool fused_kernels_apply() const;
   // Forwards that ran the fused kernels so far, in this process (tests check the path was taken: in
   // float32 its results can equal the ATen forms' bit for bit).
   static int64_t fused_forward_count();

@@ -88,11 +88,8 @@ at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vect
 
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
-  const at::ScalarType dt = model_.lm_head().scalar_type();
-  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels() && model_.lm_head().is_cuda() &&
-      (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {  // the dtypes the fused path takes
+  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply())
     packed_ = model_.pack_weights();
-  }
 }
 
 ModelPolicy::~ModelPolicy() = default;
@@ -451,15 +448,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released) {
   // recaptured graphs. An in-place squeeze costs a gather of the cache (about 1 ms for Qwen2.5-0.5B at 64
   // x 800 slots on an H200), a recapture two forwards of host time (tens of ms).
   if (!drop_released && cache_.max_len - S >= need + cache_.max_len / 16) {
-    // One layer at a time, so the extra memory is one layer's squeezed copy.
-    for (auto* layers : {&cache_.k, &cache_.v}) {
-      for (at::Tensor& t : *layers) {
-        const at::Tensor idx = order.view({Bc, 1, S, 1}).expand({Bc, t.size(1), S, t.size(3)});
-        t.narrow(2, 0, S).copy_(t.gather(2, idx));
-      }
-    }
-    cache_.positions.narrow(1, 0, S).copy_(cache_.positions.gather(1, order));
-    cache_.length = S;
+    cache_.squeeze_(order);
     valid_.zero_();
     valid_.narrow(1, 0, S).copy_(keep);
     return;
