@@ -1,13 +1,17 @@
 // train_main; see app.h.
 #include "trainer/app.h"
 
+#include <torch/cuda.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "rollout/sandbox.h"
+#include "trainer/launch.h"
 
 namespace rlt {
 
@@ -23,6 +27,11 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   int64_t stop_after = 0;
   app.add_option("--stop-after", stop_after, "checkpoint and exit once this many RL steps are done (0 = run all)")
       ->check(CLI::NonNegativeNumber);
+  int nproc = 0;
+  app.add_option("--nproc", nproc,
+                 "run N data-parallel ranks on this machine, one GPU each (cuda:0..N-1), as torchrun "
+                 "--nproc-per-node N would")
+      ->check(CLI::Range(1, 1024));
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   Config cfg;
   if (!load_cli_config(cc, cfg)) return 2;
@@ -30,30 +39,71 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   if (out.empty()) {
     out = "runs/" + (cc.path.empty() ? name : std::filesystem::path(cc.path).stem().string());
   }
+  DistEnv env;
   try {
-    Run run = make_run(cfg, out, resume, extra);
-    run.stop_after = stop_after;
-    if (resume) std::cerr << name << ": resuming " << out << " at step " << run.step << "\n";
-    train(run);
-    std::cerr << name << ": done; metrics in " << out << "/metrics.jsonl, plot in " << out << "/plot.svg\n";
-    return 0;
-  } catch (const ConfigError& e) {
-    std::cerr << name << ": config error: " << e.what() << "\n";
+    env = dist_env();
   } catch (const RunError& e) {
     std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
+  if (nproc > 0) {
+    if (env.launched) {
+      std::cerr << name << ": --nproc inside a launched rank (RANK is set): use one launcher, torchrun or --nproc\n";
+      return 2;
+    }
+    return launch_ranks(name, nproc, without_nproc(argc, argv));
+  }
+  // Several ranks: messages say whose; rank 0 alone reports progress.
+  const std::string who = env.launched && env.world > 1 ? name + " rank " + std::to_string(env.rank) : name;
+  try {
+    std::shared_ptr<Collectives> dist;
+    if (env.launched) {
+      // One GPU per rank: model.device cuda means cuda:LOCAL_RANK.
+      if (cfg.model.device.rfind("cuda", 0) == 0) {
+        if (!at::hasCUDA() || static_cast<int64_t>(torch::cuda::device_count()) <= env.local_rank) {
+          throw RunError("LOCAL_RANK=" + std::to_string(env.local_rank) +
+                         " needs cuda:" + std::to_string(env.local_rank) + ", and this machine has " +
+                         std::to_string(torch::cuda::device_count()) + " CUDA device(s)");
+        }
+        cfg.model.device = "cuda:" + std::to_string(env.local_rank);
+      }
+      dist = connect(env, at::Device(cfg.model.device),
+                     std::chrono::milliseconds(static_cast<int64_t>(1000 * cfg.train.dist_timeout_s)));
+      if (env.rank == 0) {
+        std::cerr << name << ": rank 0 of " << env.world << " ("
+                  << (at::Device(cfg.model.device).is_cuda() ? "NCCL" : "store collectives, CPU")
+                  << "); every rank samples train.prompts_per_step / " << env.world << " prompts a step\n";
+      }
+    }
+    Run run = make_run(cfg, out, resume, extra, dist);
+    run.stop_after = stop_after;
+    if (resume && run.lead()) std::cerr << name << ": resuming " << out << " at step " << run.step << "\n";
+    train(run);
+    if (run.lead()) {
+      std::cerr << name << ": done; metrics in " << out << "/metrics.jsonl, plot in " << out << "/plot.svg\n";
+    }
+    return 0;
+  } catch (const ConfigError& e) {
+    std::cerr << who << ": config error: " << e.what() << "\n";
+  } catch (const RunError& e) {
+    std::cerr << who << ": " << e.what() << "\n";
   } catch (const DataError& e) {
-    std::cerr << name << ": data error: " << e.what() << "\n";
+    std::cerr << who << ": data error: " << e.what() << "\n";
   } catch (const ModelConfigError& e) {
-    std::cerr << name << ": model config error: " << e.what() << "\n";
+    std::cerr << who << ": model config error: " << e.what() << "\n";
   } catch (const safetensors::Error& e) {
-    std::cerr << name << ": checkpoint error: " << e.what() << "\n";
+    std::cerr << who << ": checkpoint error: " << e.what() << "\n";
   } catch (const SandboxError& e) {  // the machine, not the input: python3 missing, no fork
-    std::cerr << name << ": sandbox error: " << e.what() << "\n";
+    std::cerr << who << ": sandbox error: " << e.what() << "\n";
     return 1;
+  } catch (const DistError& e) {  // a peer died or hung: leave at once (NCCL's teardown could wait on it)
+    std::cerr << who << ": " << e.what() << "\n";
+    std::cerr.flush();
+    std::_Exit(1);
   } catch (const std::filesystem::filesystem_error& e) {  // e.g. an --out folder that cannot be written
-    std::cerr << name << ": " << e.what() << "\n";
+    std::cerr << who << ": " << e.what() << "\n";
   } catch (const c10::Error& e) {  // a broken invariant inside the trainer: a bug, not bad input
-    std::cerr << name << ": internal error: " << e.what_without_backtrace() << "\n";
+    std::cerr << who << ": internal error: " << e.what_without_backtrace() << "\n";
     return 1;
   }
   return 2;

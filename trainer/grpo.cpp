@@ -54,22 +54,30 @@ std::map<std::string, double> train_grpo(Run& run) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
   const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
-  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
+  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
   const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
+  // Several ranks: gradients summed over them as the backward produces them (trajectories are not).
+  std::unique_ptr<GradReducer> reducer = make_reducer(run);
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
-    // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards.
+    run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
+
+    // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb = collect_rollouts(run);
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
-    // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss.
-    at::Tensor rewards = at::empty({P, G}, at::kDouble);
-    for (int64_t s = 0; s < S; ++s) rewards[s / G][s % G] = trajs[s].reward;
-    at::Tensor advantages = group_advantages(rewards, T.scale_rewards).view({S}).to(at::kFloat).to(run.device);
+    // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
+    // reward (rb.table, all ranks'), then this rank's rows.
+    const at::Tensor rewards = rb.table.select(1, kReward).view({P, G});
+    at::Tensor advantages = group_advantages(rewards, T.scale_rewards)
+                                .view({P * G})
+                                .index_select(0, at::tensor(rb.index, at::kLong))
+                                .to(at::kFloat)
+                                .to(run.device);
 
     // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
     const auto micro_ranges = micro_batch_ranges(S, mini, micro);
@@ -99,13 +107,16 @@ std::map<std::string, double> train_grpo(Run& run) {
 
     // 5. Updates.
     peaks.end("scoring");
+    run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
     const auto t_update = Clock::now();
+    const double comm_before = reducer ? reducer->wait_seconds() : 0.0;
+    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device);
     LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
-        const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
+        const double denom = denoms[mb_begin / mini];
         run.optimizer->zero_grad();
         for (; k < batches.size() && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
@@ -128,8 +139,8 @@ std::map<std::string, double> train_grpo(Run& run) {
             mismatch.add(score_old ? logprobs_old[k] : r.logprobs, b.logprobs_rollout, b.loss_mask);
           }
           PolicyLossOutput out = policy_loss(in, cfg.policy);
-          out.loss.backward();
-          accumulate_gradients(run);                                   // bf16 + master weights: into the fp32 gradients
+          const bool ends_step = k + 1 == batches.size() || micro_ranges[k + 1].first >= mb_end;
+          backward(run, out.loss, reducer.get(), ends_step);           // master weights: into the fp32 gradients
           um.add_micro_batch(out.loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
         }
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
@@ -141,9 +152,11 @@ std::map<std::string, double> train_grpo(Run& run) {
     peaks.end("update");
 
     // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
-    std::map<std::string, double> extra = mismatch.read();
+    std::map<std::string, double> extra = mismatch.read(run.dist.get());
     check_old_logprobs(run, use_rollout, extra);
-    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
+    const double t_comm = reducer ? reducer->wait_seconds() - comm_before : 0.0;
+    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
+                    extra);
   }
   end_training(run, eval_start, m);
   return m;

@@ -51,11 +51,16 @@ void LogprobMismatch::add(const at::Tensor& trainer, const at::Tensor& rollout, 
   count_ = count_.defined() ? count_ + n : n;
 }
 
-std::map<std::string, double> LogprobMismatch::read() const {
+std::map<std::string, double> LogprobMismatch::read(Collectives* dist) const {
+  // Every rank measures or none does (the same mini-batch and iteration rules on each).
   if (!sum_.defined()) return {};
-  const at::Tensor h = at::stack({sum_, max_, count_}).cpu();  // one device-to-host copy
-  const double* v = h.data_ptr<double>();
-  return {{"logprob_mismatch_mean", v[0] / std::max(1.0, v[2])}, {"logprob_mismatch_max", v[1]}};
+  at::Tensor sums = at::stack({sum_, count_}).cpu(), max = max_.reshape({1}).cpu();  // device-to-host copies
+  if (dist) {
+    dist->all_reduce({sums}, ReduceOp::kSum);
+    dist->all_reduce({max}, ReduceOp::kMax);
+  }
+  const double* v = sums.data_ptr<double>();
+  return {{"logprob_mismatch_mean", v[0] / std::max(1.0, v[1])}, {"logprob_mismatch_max", max.item<double>()}};
 }
 
 void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, double>& metrics) {
@@ -66,10 +71,11 @@ void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, doubl
   if (!used_rollout || run.old_logprobs == OldLogprobs::kRecompute || it == metrics.end() || it->second <= tol) {
     return;
   }
-  std::cerr << "warning: step " << run.step + 1 << ": logprob_mismatch_mean " << it->second
-            << " exceeds train.old_logprobs_tol " << tol
-            << ": the rollout's log-probs no longer stand in for the trainer's; the old log-probs are recomputed "
-               "(one scoring forward) from the next step on\n";
+  if (run.lead())
+    std::cerr << "warning: step " << run.step + 1 << ": logprob_mismatch_mean " << it->second
+              << " exceeds train.old_logprobs_tol " << tol
+              << ": the rollout's log-probs no longer stand in for the trainer's; the old log-probs are recomputed "
+                 "(one scoring forward) from the next step on\n";
   run.old_logprobs = OldLogprobs::kRecompute;
 }
 
@@ -84,7 +90,7 @@ void UpdateMetrics::end_optimizer_step(double grad_norm) {
   ++updates_;
 }
 
-std::map<std::string, double> UpdateMetrics::read() const {
+std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
   std::vector<std::string> names;
   std::vector<at::Tensor> values;
   for (const auto& [name, v] : per_update_) {
@@ -109,6 +115,7 @@ std::map<std::string, double> UpdateMetrics::read() const {
   }
   if (values.empty()) return m;
   const at::Tensor host = at::stack(values).cpu();  // the one device-to-host copy
+  if (dist) dist->all_reduce({host}, ReduceOp::kSum);
   const double* h = host.data_ptr<double>();
   const double tokens = tokens_.defined() ? std::max(1.0, h[values.size() - 1]) : 1.0;
   for (size_t i = 0; i < per_update_.size(); ++i) m[names[i]] = h[i] / n_upd;
@@ -121,9 +128,9 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra) {
   const TrainOptions& T = run.config.train;
   std::map<std::string, double> m = rollout_metrics(run, rb);
-  log_samples(run, rb.trajs);
+  if (run.lead()) log_samples(run, rb.trajs);  // rank 0's first trajectories
   ++run.step;
-  m.merge(um.read());
+  m.merge(um.read(run.dist.get()));
   m.merge(extra);
   m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
@@ -135,7 +142,10 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, times.update)},
             {"time_scoring_s", times.scoring},
             {"time_update_s", times.update},
-            {"time_step_s", times.step}});
+            {"time_step_s", times.step},
+            {"world_size", double(run.dist->world())}});
+  if (run.dist->world() > 1) m["time_update_comm_s"] = times.comm;
+  if (!run.lead()) return m;
   TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
   run.log->write(m);
   run.log->plot();
@@ -157,30 +167,34 @@ std::map<std::string, double> PhasePeaks::metrics() const {
 }
 
 std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb) {
-  const std::vector<Trajectory>& trajs = rb.trajs;
-  const double S = static_cast<double>(trajs.size());
+  TORCH_CHECK(rb.table.defined() && rb.table.dim() == 2 && rb.table.size(1) == kTableColumns,
+              "rollout_metrics: the batch has no trajectory table (gather_table)");
+  const at::Tensor table = rb.table.contiguous();
+  auto t = table.accessor<double, 2>();
+  const int64_t n = table.size(0);
+  const double S = static_cast<double>(n);
   double correct = 0, tool_use = 0, tool_calls = 0, truncated = 0, len_sum = 0, len_max = 0, r_sum = 0;
   double sampled = 0, tokens = 0;
-  for (const auto& t : trajs) {
-    sampled += t.sampled_tokens();
-    tokens += t.window_end();
-    correct += t.correct;
-    tool_use += t.tool_calls > 0;
-    tool_calls += t.tool_calls;
-    truncated += t.truncated;
-    len_sum += t.response_ids.size();
-    len_max = std::max<double>(len_max, t.response_ids.size());
-    r_sum += t.reward;
+  for (int64_t s = 0; s < n; ++s) {
+    sampled += t[s][kSampledTokens];
+    tokens += t[s][kTokens];
+    correct += t[s][kCorrect];
+    tool_use += t[s][kToolCalls] > 0;
+    tool_calls += t[s][kToolCalls];
+    truncated += t[s][kTruncated];
+    len_sum += t[s][kResponseTokens];
+    len_max = std::max(len_max, t[s][kResponseTokens]);
+    r_sum += t[s][kReward];
   }
   const double r_mean = r_sum / S;
   double r_var = 0;
-  for (const auto& t : trajs) r_var += (t.reward - r_mean) * (t.reward - r_mean);
+  for (int64_t s = 0; s < n; ++s) r_var += (t[s][kReward] - r_mean) * (t[s][kReward] - r_mean);
   const double r_std = S > 1 ? std::sqrt(r_var / (S - 1)) : 0.0;
   const int64_t step = run.step + 1;
-  if (r_std == 0) {
+  if (r_std == 0 && run.lead()) {
     std::cerr << "warning: step " << step << ": every reward is " << r_mean << ": zero advantage, zero gradient\n";
   }
-  if (truncated > 0.5 * S) {
+  if (truncated > 0.5 * S && run.lead()) {
     std::cerr << "warning: step " << step << ": " << int(100 * truncated / S)
               << "% of completions hit a length limit (sampling.max_new_tokens / rollout.max_context)\n";
   }

@@ -60,8 +60,9 @@ class UpdateMetrics {
   const at::Tensor& step_loss() const { return step_loss_; }
   // Ends an optimizer step with its gradient norm (already on the host: clipping reads it).
   void end_optimizer_step(double grad_norm);
-  // Every metric, one device-to-host copy.
-  std::map<std::string, double> read() const;
+  // Every metric, one device-to-host copy; with `dist`, the sums of every rank (each rank's losses are its
+  // share of the step's, its token sums its own tokens'; the gradient norm is already the global one).
+  std::map<std::string, double> read(Collectives* dist = nullptr) const;
 
  private:
   void add(std::map<std::string, at::Tensor>& sums, const std::string& name, const at::Tensor& value);
@@ -82,7 +83,8 @@ class LogprobMismatch {
  public:
   // trainer, rollout, loss_mask (S_m, R); the mask's nonzero entries are the sampled tokens.
   void add(const at::Tensor& trainer, const at::Tensor& rollout, const at::Tensor& loss_mask);
-  std::map<std::string, double> read() const;
+  // Over every rank's tokens (a rank that measured nothing adds zeros).
+  std::map<std::string, double> read(Collectives* dist = nullptr) const;
 
  private:
   at::Tensor sum_, max_, count_;  // () float64
@@ -97,21 +99,24 @@ void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, doubl
 
 class MetricsLog;
 
-// Seconds a step spent scoring, updating, and in all.
+// Seconds a step spent scoring, updating, and in all; and of the update, waiting for the gradient
+// collectives once its backward was done (several ranks).
 struct StepTimes {
-  double scoring = 0, update = 0, step = 0;
+  double scoring = 0, update = 0, step = 0, comm = 0;
 };
 
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
 // metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the console and the plot;
-// samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics.
+// samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics. Every rank
+// calls it (the metrics are reduced over the ranks); rank 0 writes.
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra = {});
 
-// Per-step rollout metrics of a batch: accuracy, tool use, lengths, truncation, rewards, sampled_tokens and
-// tokens (prompt + response), rollout tokens/s and where the rollout's time went (time_rollout_*); and the
-// warnings of a degenerate step: every reward equal (zero advantage), most completions truncated.
+// Per-step rollout metrics of a batch, from its table (every rank's trajectories): accuracy, tool use,
+// lengths, truncation, rewards, sampled_tokens and tokens (prompt + response), rollout tokens/s and where the
+// rollout's time went (time_rollout_*); and the warnings of a degenerate step: every reward equal (zero
+// advantage), most completions truncated.
 std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch& rb);
 
 // Appends the first train.log_samples trajectories of a step to out_dir/samples.jsonl: step, prompt and

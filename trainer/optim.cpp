@@ -63,30 +63,61 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
   return ranges;
 }
 
-double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg) {
-  double tokens = 0, nonempty = 0;
-  for (int64_t s = begin; s < end; ++s) {
-    const int64_t n = trajs[s].sampled_tokens();
-    tokens += n;
-    nonempty += n > 0;
-  }
+namespace {
+
+// tokens, non-empty sequences, sequences -> the denominator of `agg`, clamped to >= 1.
+double denominator(double tokens, double nonempty, double sequences, LossAgg agg) {
   switch (agg) {
     case LossAgg::kTokenMean:
       return std::max(1.0, tokens);
     case LossAgg::kSeqMeanTokenMean:
       return std::max(1.0, nonempty);
     default:
-      return std::max<double>(1.0, end - begin);
+      return std::max(1.0, sequences);
   }
 }
 
-StepShape step_shape(const Config& c) {
+// Per mini-batch of `mini` sequences: (tokens, non-empty sequences, sequences), (n_mini, 3) float64.
+at::Tensor denominator_counts(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, int64_t mini) {
+  const int64_t n_mini = (end - begin + mini - 1) / mini;
+  at::Tensor counts = at::zeros({n_mini, 3}, at::kDouble);
+  auto c = counts.accessor<double, 2>();
+  for (int64_t s = begin; s < end; ++s) {
+    const int64_t n = trajs[s].sampled_tokens(), k = (s - begin) / mini;
+    c[k][0] += n;
+    c[k][1] += n > 0;
+    c[k][2] += 1;
+  }
+  return counts;
+}
+
+}  // namespace
+
+double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg) {
+  const at::Tensor c = denominator_counts(trajs, begin, end, std::max<int64_t>(1, end - begin));
+  if (c.size(0) == 0) return 1.0;
+  return denominator(c[0][0].item<double>(), c[0][1].item<double>(), c[0][2].item<double>(), agg);
+}
+
+std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs, int64_t mini, LossAgg agg,
+                                            Collectives& dist) {
+  at::Tensor counts = denominator_counts(trajs, 0, static_cast<int64_t>(trajs.size()), mini);
+  dist.all_reduce({counts}, ReduceOp::kSum);  // the ranks' k-th mini-batches are one
+  std::vector<double> out;
+  auto c = counts.accessor<double, 2>();
+  for (int64_t k = 0; k < counts.size(0); ++k) out.push_back(denominator(c[k][0], c[k][1], c[k][2], agg));
+  return out;
+}
+
+StepShape step_shape(const Config& c, int world) {
   const TrainOptions& T = c.train;
   StepShape s;
   s.S = T.prompts_per_step * c.sampling.samples_per_prompt;
   s.mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, s.S) : s.S;
-  s.micro = std::min(T.micro_batch_size, s.mini);
   s.total_optimizer_steps = T.steps * T.num_iterations * ((s.S + s.mini - 1) / s.mini);
+  s.S /= world;  // one rank's share (check_world)
+  s.mini /= world;
+  s.micro = std::min(T.micro_batch_size, s.mini);
   return s;
 }
 
@@ -96,20 +127,29 @@ std::vector<at::Tensor> optimizer_params(const Run& run) {
   return params;
 }
 
+void accumulate_gradient(const at::Tensor& param, const at::Tensor& master) {
+  at::Tensor& g = param.mutable_grad();
+  if (!g.defined()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor& mg = master.mutable_grad();
+  if (mg.defined())
+    mg.add_(g);  // bf16 + fp32 -> fp32: the sum is never rounded to bf16
+  else
+    mg = g.to(at::kFloat);
+  g = at::Tensor();  // released: the next backward starts a fresh bf16 gradient
+}
+
 void accumulate_gradients(Run& run) {
   if (run.master.empty()) return;
-  std::vector<at::Tensor> params = run.policy->parameters();  // handles sharing the parameters' storage
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor& g = params[i].mutable_grad();
-    if (!g.defined()) continue;
-    at::Tensor& mg = run.master[i].mutable_grad();
-    if (mg.defined())
-      mg.add_(g);  // bf16 + fp32 -> fp32: the sum is never rounded to bf16
-    else
-      mg = g.to(at::kFloat);
-    g = at::Tensor();  // released: the next backward starts a fresh bf16 gradient
-  }
+  const std::vector<at::Tensor> params = run.policy->parameters();  // handles sharing the parameters' storage
+  for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], run.master[i]);
+}
+
+void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
+  if (reducer && ends_step) reducer->arm();
+  loss.backward();
+  if (reducer && ends_step) reducer->finish();
+  accumulate_gradients(run);
 }
 
 void copy_master_weights_to_model(Run& run) {
@@ -138,7 +178,9 @@ double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer
   const std::vector<at::Tensor> params = optimizer_params(run);
   const double clip = run.config.train.grad_clip;
   const double norm = torch::nn::utils::clip_grad_norm_(params, clip > 0 ? clip : INFINITY);
-  const bool loss_finite = !loss.defined() || loss.isfinite().all().item<bool>();
+  at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
+  if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
+  const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
   if (!loss_finite || !std::isfinite(norm)) {
     run.optimizer->zero_grad();  // never applied
     ++run.skipped_steps;

@@ -25,6 +25,13 @@ std::vector<at::Tensor> optimizer_params(const Run& run);
 // Call after each backward: with master weights, adds the policy's bf16 gradients into the fp32 master
 // gradients and releases the bf16 ones, so micro-batches accumulate in fp32. Nothing otherwise.
 void accumulate_gradients(Run& run);
+// The same for one parameter and its master (GradReducer does it as each gradient becomes ready).
+void accumulate_gradient(const at::Tensor& param, const at::Tensor& master);
+
+// One micro-batch's backward. `ends_step`: the last before an optimizer step; with a reducer (several
+// ranks) its gradients are summed over the ranks as the backward produces them. Then
+// accumulate_gradients.
+void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step);
 
 // With master weights: the bf16 weights the model computes with become the masters, rounded to nearest.
 // Whatever trains run.master (the RL optimizer, the warm-up) calls it after each step.
@@ -41,11 +48,12 @@ void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scal
 
 // A step's batch sizes: S = prompts_per_step x samples_per_prompt trajectories, optimizer steps over
 // mini-batches of `mini` (train.mini_batch_size, 0 = all S), forward/backward over micro-batches of
-// `micro`, and the optimizer steps of the whole run (the learning-rate schedule's length).
+// `micro`, and the optimizer steps of the whole run (the learning-rate schedule's length). Over `world`
+// ranks, S and mini are one rank's share (check_world: they split evenly); micro is per rank.
 struct StepShape {
   int64_t S = 0, mini = 0, micro = 0, total_optimizer_steps = 0;
 };
-StepShape step_shape(const Config& config);
+StepShape step_shape(const Config& config, int world = 1);
 
 // Micro-batch ranges [begin, end) over S sequences: mini-batches of `mini`, each split into `micro`;
 // a range never crosses a mini-batch boundary.
@@ -54,13 +62,20 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 // The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
 // micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).
 double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg);
+// The denominator of each of this rank's mini-batches ([0, mini), [mini, 2 mini), ... of trajs) when
+// every rank's k-th mini-batch makes one: tokens and sequences summed over the ranks first, so each rank's
+// loss is its share of the one-process loss.
+std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs, int64_t mini, LossAgg agg,
+                                            Collectives& dist);
 
 // Ends one optimizer step whose gradients have been accumulated: clips the global norm (train.grad_clip),
 // and applies AdamW at the schedule's learning rate only when `loss` () and the norm are finite; otherwise
 // zeroes the gradients and counts the step in run.skipped_steps (never applied). With master weights it
 // first takes any bf16 gradients still pending (accumulate_gradients), and after the step rounds the
 // masters into the bf16 parameters. Returns the norm. The one host sync of an optimizer step: clipping
-// needs the norm on the host, and the finite check rides on it.
+// needs the norm on the host, and the finite check rides on it. Over several ranks the gradients are
+// already summed (GradReducer), so the norm is the global one; the loss is summed too, so every rank
+// skips or steps alike.
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps);
 
 }  // namespace rlt

@@ -139,6 +139,10 @@ struct TrainOptions {
   int64_t eval_every = 0;
   int64_t eval_samples = 1;
   int64_t log_samples = 4;  // trajectories per step written to samples.jsonl; 0 = none
+  // Several ranks (torchrun, --nproc): how long a collective may wait for a late rank before the job ends
+  // naming it (a rollout's length is the usual wait), and the size of a gradient bucket.
+  double dist_timeout_s = 1800;
+  int64_t dist_bucket_mb = 25;
 
   template <class V>
   void visit(V&& v) {
@@ -172,6 +176,10 @@ struct TrainOptions {
     v("eval_samples", eval_samples, "completions per evaluation problem: 1 = greedy, k > 1 = pass@1 over k samples",
       FieldRange{1, 1e6});
     v("log_samples", log_samples, "trajectories per step written to samples.jsonl", FieldRange{0, 1e6});
+    v("dist_timeout_s", dist_timeout_s, "several ranks: seconds a collective waits for a late rank",
+      FieldRange{1, 1e6});
+    v("dist_bucket_mb", dist_bucket_mb, "several ranks: MiB per gradient bucket summed during the backward",
+      FieldRange{1, 1e5});
   }
   void check(const FieldFail& fail) const {}
 };

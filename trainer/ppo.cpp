@@ -104,16 +104,19 @@ std::map<std::string, double> train_ppo(Run& run) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
   const PpoOptions& ppo = cfg.ppo;
-  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg);
+  const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
   TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
-  const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
+  const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
+  std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
-    // 1. Rollout and rewards.
+    run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
+
+    // 1. Rollout and rewards (this rank's prompts).
     RolloutBatch rb = collect_rollouts(run);
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S)
     const auto micro_ranges = micro_batch_ranges(S, mini, micro);
@@ -141,17 +144,20 @@ std::map<std::string, double> train_ppo(Run& run) {
     }
     const double t_scoring = seconds_since(t_score);
 
-    // 3. GAE per micro-batch (sequences are independent), then whitened over the whole batch.
-    double adv_sum = 0, adv_sq = 0, n_act = 0;
+    // 3. GAE per micro-batch (sequences are independent), then whitened over the whole batch (every rank's).
+    at::Tensor sums = at::zeros({5}, at::kDouble);  // advantages, their squares, actions, values, returns
     for (size_t k = 0; k < K; ++k) {
       const auto [begin, end] = micro_ranges[k];
       const at::Tensor rewards = terminal_rewards(trajs, begin, end, batches[k].R).to(run.device);
       std::tie(advantages[k], returns[k]) =
           gae_advantages(rewards, values_old[k], batches[k].loss_mask, ppo.gamma, ppo.lam);
-      adv_sum += advantages[k].sum().item<double>();
-      adv_sq += advantages[k].square().sum().item<double>();
-      n_act += batches[k].loss_mask.sum().item<double>();
+      sums += at::stack({advantages[k].sum(), advantages[k].square().sum(), batches[k].loss_mask.sum(),
+                         values_old[k].sum(), returns[k].sum()})
+                  .to(at::kDouble)
+                  .cpu();
     }
+    run.dist->all_reduce({sums}, ReduceOp::kSum);
+    const double adv_sum = sums[0].item<double>(), adv_sq = sums[1].item<double>(), n_act = sums[2].item<double>();
     const double adv_mean = adv_sum / std::max(1.0, n_act);
     const double adv_std = std::sqrt(std::max(0.0, adv_sq / std::max(1.0, n_act) - adv_mean * adv_mean));
     if (ppo.whiten_advantages) {
@@ -163,11 +169,14 @@ std::map<std::string, double> train_ppo(Run& run) {
     // 4. Updates.
     peaks.end("scoring");
     const auto t_update = Clock::now();
+    run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
+    const double comm_before = reducer ? reducer->wait_seconds() : 0.0;
+    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
-        const double denom = mini_batch_denominator(trajs, mb_begin, mb_end, cfg.policy.agg);
+        const double denom = denoms[mb_begin / mini];
         run.optimizer->zero_grad();
         for (; k < K && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
@@ -195,8 +204,8 @@ std::map<std::string, double> train_ppo(Run& run) {
           at::Tensor vf_loss =
               aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.policy.agg, cfg.policy.agg_norm, denom);  // ()
           at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
-          loss.backward();
-          accumulate_gradients(run);                               // bf16 + master weights: into the fp32 gradients
+          const bool ends_step = k + 1 == K || micro_ranges[k + 1].first >= mb_end;
+          backward(run, loss, reducer.get(), ends_step);           // master weights: into the fp32 gradients
           um.add_micro_batch(loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
           um.add_update_term("value_loss", vf_loss);
           um.add_token_sum("value_clip_frac", (vf_clipped * b.loss_mask).sum());
@@ -210,18 +219,16 @@ std::map<std::string, double> train_ppo(Run& run) {
     peaks.end("update");
 
     // 5. Metrics, checkpoint.
-    double v_sum = 0, ret_sum = 0;
-    for (size_t k = 0; k < K; ++k) {
-      v_sum += values_old[k].sum().item<double>();
-      ret_sum += returns[k].sum().item<double>();
-    }
-    std::map<std::string, double> extra = mismatch.read();
+    const double v_sum = sums[3].item<double>(), ret_sum = sums[4].item<double>();
+    std::map<std::string, double> extra = mismatch.read(run.dist.get());
     check_old_logprobs(run, use_rollout, extra);  // above train.old_logprobs_tol: recompute from the next step
     extra.insert({{"value_mean", v_sum / std::max(1.0, n_act)},
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},
                   {"advantage_std", adv_std}});
-    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step)}, total_optimizer_steps, extra);
+    const double t_comm = reducer ? reducer->wait_seconds() - comm_before : 0.0;
+    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
+                    extra);
   }
   end_training(run, eval_start, m);
   return m;

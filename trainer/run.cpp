@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
+#include <numeric>
 #include <sstream>
 
 #include "common/files.h"
@@ -94,8 +95,11 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
 
 }  // namespace
 
-Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra) {
+Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra,
+             std::shared_ptr<Collectives> dist) {
   Run run;
+  if (dist) run.dist = std::move(dist);
+  check_world(config, run.dist->world());
   run.config = config;
   // One temperature: the trainer scores the distribution it samples from (greedy decoding scores at 1,
   // as the sampler reports its log-probs).
@@ -125,13 +129,15 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                      " (a checkpoint is trained with its own tokenizer; set model.tokenizer to use another)");
     }
   } else {
+    // Rank 0 trains it into the run folder; the others wait for it and load the same file.
     const std::string path = (fs::path(out_dir) / "tokenizer.model").string();
-    if (!(resume && fs::exists(path))) {
+    if (run.lead() && !(resume && fs::exists(path))) {
       TokenizerTrainOptions o;
       o.vocab_size = config.model.tokenizer_vocab;
       o.user_symbols = run.tools.symbols();
       Tokenizer::train(tokenizer_corpus(config, run.tools), path, o);
     }
+    run.dist->barrier();
     run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
   }
   // Model: the checkpoint's when resuming, else the configured checkpoint, else a new one.
@@ -194,7 +200,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.extra = extra.make(*run.policy, config);
   make_optimizer(run, extra);
-  {
+  if (run.lead()) {
     int64_t n = 0;
     for (const auto& p : run.policy->parameters()) n += p.numel();
     // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the model's.
@@ -219,6 +225,7 @@ void ensure_reference(Run& run) {
   }
   if (run.step > 0) throw RunError(dir + ": missing; a resumed run with policy.kl_coef > 0 needs its reference");
   run.reference = std::make_unique<Transformer>(run.policy->clone());
+  if (!run.lead()) return;  // every rank holds the same policy (broadcast_weights); rank 0 saves it
   remove_tree(dir + ".tmp");
   run.reference->save(dir + ".tmp");
   remove_tree(dir);
@@ -245,37 +252,117 @@ ToolRunner tool_runner(Run& run) {
   return [pool](const std::string& code) { return pool->submit(code); };
 }
 
+void check_world(const Config& c, int world) {
+  if (world == 1) return;
+  const int64_t P = c.train.prompts_per_step, G = c.sampling.samples_per_prompt, S = P * G;
+  const int64_t mini = c.train.mini_batch_size > 0 ? std::min(c.train.mini_batch_size, S) : S;
+  const std::string w = std::to_string(world);
+  if (P % world != 0) {
+    throw RunError("train.prompts_per_step = " + std::to_string(P) + " does not split over " + w +
+                   " ranks: each rank samples whole prompts (a prompt's samples stay on one rank); use a multiple of " +
+                   w);
+  }
+  if (mini % G != 0 || S % mini != 0 || (mini / G) % world != 0) {
+    throw RunError(
+        "train.mini_batch_size = " + std::to_string(c.train.mini_batch_size) + ": with " + w +
+        " ranks a mini-batch must be whole prompts (a multiple of sampling.samples_per_prompt = " + std::to_string(G) +
+        "), divide the step's " + std::to_string(S) + " trajectories, and hold a multiple of " + w + " prompts");
+  }
+}
+
+void broadcast_weights(Run& run) {
+  if (run.dist->world() == 1) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : run.policy->parameters()) tensors.push_back(p.detach());
+  for (const auto& m : run.master) tensors.push_back(m.detach());
+  for (const auto& [name, t] : run.extra) tensors.push_back(t.detach());
+  run.dist->broadcast(tensors, 0);
+}
+
+at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs, const std::vector<int64_t>& index,
+                        int64_t S_step) {
+  TORCH_CHECK(trajs.size() == index.size(), "gather_table: ", trajs.size(), " trajectories, ", index.size(), " places");
+  at::Tensor table = at::zeros({S_step, kTableColumns}, at::kDouble);
+  auto t = table.accessor<double, 2>();
+  for (size_t i = 0; i < trajs.size(); ++i) {
+    const Trajectory& tr = trajs[i];
+    const int64_t s = index[i];
+    TORCH_CHECK(s >= 0 && s < S_step, "gather_table: place ", s, " outside the step's ", S_step, " trajectories");
+    t[s][kReward] = tr.reward;
+    t[s][kCorrect] = tr.correct;
+    t[s][kToolCalls] = tr.tool_calls;
+    t[s][kTruncated] = tr.truncated;
+    t[s][kResponseTokens] = static_cast<double>(tr.response_ids.size());
+    t[s][kSampledTokens] = static_cast<double>(tr.sampled_tokens());
+    t[s][kTokens] = static_cast<double>(tr.window_end());
+  }
+  dist.all_reduce({table}, ReduceOp::kSum);  // every row is one rank's, zero on the others
+  return table;
+}
+
 RolloutBatch collect_rollouts(Run& run) {
   const ToolRunner tools = tool_runner(run);
   const Config& cfg = run.config;
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t P = cfg.train.prompts_per_step;
+  const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
+  const int world = run.dist->world();
   RolloutBatch out;
+  // Every rank draws the step's P prompts; each samples its share (rank_prompts), with the noise stream of
+  // the prompt's draw index, as one process would.
   const int64_t first_draw = run.prompts->consumed();
-  out.examples = run.prompts->next(P);
-  std::vector<int64_t> streams(P);
-  for (int64_t i = 0; i < P; ++i) streams[i] = first_draw + i;
+  const std::vector<PromptExample> drawn = run.prompts->next(P);
+  std::vector<int64_t> mine(P);
+  std::iota(mine.begin(), mine.end(), 0);
+  if (world > 1) mine = rank_prompts(P, step_shape(cfg).mini / G, world, run.dist->rank());
+  std::vector<int64_t> streams;
+  for (int64_t p : mine) {
+    out.examples.push_back(drawn[p]);
+    streams.push_back(first_draw + p);
+    for (int64_t g = 0; g < G; ++g) out.index.push_back(p * G + g);
+  }
   SamplingOptions sampling = cfg.sampling;
   sampling.seed = cfg.train.seed * 1000003 + run.step;
+  RolloutOptions ro = cfg.rollout;
+  if (!run.lead()) ro.progress_s = 0;  // one live line: rank 0's
   {
     at::NoGradGuard no_grad;
     ModelPolicy policy(*run.policy, policy_options(cfg.rollout));
-    out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, cfg.rollout, tools,
-                        streams, run.tools, &out.stats);
+    out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
+                        run.tools, &out.stats);
   }
   std::vector<std::string> answers;
   for (const auto& ex : out.examples) answers.push_back(ex.answer);
   assign_rewards(out.trajs, answers, cfg.reward);
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.table = gather_table(*run.dist, out.trajs, out.index, P * G);
+  if (world > 1) {  // the step waits for the slowest rank; counts add up
+    RolloutStats& st = out.stats;
+    at::Tensor times = at::tensor(
+        {out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s, st.total_s}, at::kDouble);
+    at::Tensor counts = at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps),
+                                    double(st.feed_tokens), double(st.forced_tokens)},
+                                   at::kDouble);
+    run.dist->all_reduce({times}, ReduceOp::kMax);
+    run.dist->all_reduce({counts}, ReduceOp::kSum);
+    const double* t = times.data_ptr<double>();
+    const double* n = counts.data_ptr<double>();
+    out.seconds = t[0];
+    st.prefill_s = t[1], st.decode_s = t[2], st.feed_s = t[3], st.sample_s = t[4], st.tool_wait_s = t[5];
+    st.total_s = t[6];
+    st.decode_steps = int64_t(n[0]), st.fed_rows = int64_t(n[1]), st.feed_steps = int64_t(n[2]);
+    st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]);
+  }
   return out;
 }
 
 double begin_training(Run& run) {
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.step > 0);
+  if (run.lead()) run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.step > 0);
   const bool fresh = run.step == 0;
-  if (fresh && run.config.sft.steps > 0) sft_warmup(run);
-  ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
+  if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
+  broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
+  ensure_reference(run);   // only when policy.kl_coef > 0: the policy RL starts from
   return fresh && !run.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
 }
 
@@ -295,11 +382,12 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
 
 EvalResult report_evaluation(Run& run, const std::string& when) {
   const EvalResult r = evaluate(run);
+  run.last_eval_step = static_cast<double>(run.step);
+  run.last_eval_pass1 = r.pass1;
+  if (!run.lead()) return r;
   std::cerr << "eval " << when << ": pass@1 " << 100 * r.pass1 << "%";
   if (r.k > 1) std::cerr << " (" << r.k << " samples), pass@" << r.k << " " << 100 * r.pass_k << "%";
   std::cerr << ", tool use " << 100 * r.tool_use << "%\n";
-  run.last_eval_step = static_cast<double>(run.step);
-  run.last_eval_pass1 = r.pass1;
   return r;
 }
 
@@ -312,34 +400,51 @@ EvalResult evaluate(Run& run) {
   s.samples_per_prompt = k;
   // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
   s.seed = run.config.train.seed * 1000003 + run.step + (int64_t{1} << 40);
-  ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
-  auto trajs = rollout(policy, *run.tokenizer, encode_prompts(run, run.eval_set), s, run.config.rollout,
-                       tool_runner(run), {}, run.tools);
-  std::vector<std::string> answers;
-  for (const auto& ex : run.eval_set) answers.push_back(ex.answer);
-  assign_rewards(trajs, answers, run.config.reward);
-  return summarize_evaluation(trajs, k);
+  // Rank r evaluates problems r, r + world, ...; each with the noise stream of its index, as one process.
+  std::vector<PromptExample> problems;
+  std::vector<int64_t> streams;
+  for (size_t i = run.dist->rank(); i < run.eval_set.size(); i += run.dist->world()) {
+    problems.push_back(run.eval_set[i]);
+    streams.push_back(static_cast<int64_t>(i));
+  }
+  std::vector<Trajectory> trajs;
+  if (!problems.empty()) {
+    RolloutOptions ro = run.config.rollout;
+    if (!run.lead()) ro.progress_s = 0;
+    ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
+    trajs = rollout(policy, *run.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams, run.tools);
+    std::vector<std::string> answers;
+    for (const auto& ex : problems) answers.push_back(ex.answer);
+    assign_rewards(trajs, answers, run.config.reward);
+  }
+  return summarize_evaluation(trajs, k, run.dist.get());
 }
 
-EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k) {
-  TORCH_CHECK(k >= 1 && !trajs.empty() && trajs.size() % k == 0, "summarize_evaluation: ", trajs.size(),
+EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist) {
+  TORCH_CHECK(k >= 1 && trajs.size() % k == 0, "summarize_evaluation: ", trajs.size(),
               " completions are not whole groups of k = ", k);
-  EvalResult r;
-  r.k = k;
+  // Sums over problems (and over ranks), then means.
+  double pass1 = 0, pass_k = 0, tool_use = 0;
   const size_t P = trajs.size() / k;
   for (size_t p = 0; p < P; ++p) {
     int64_t correct = 0;
     for (int64_t g = 0; g < k; ++g) {
       const Trajectory& t = trajs[p * k + g];  // prompt-major
       correct += t.correct;
-      r.tool_use += t.tool_calls > 0;
+      tool_use += t.tool_calls > 0;
     }
-    r.pass1 += static_cast<double>(correct) / k;
-    r.pass_k += correct > 0;
+    pass1 += static_cast<double>(correct) / k;
+    pass_k += correct > 0;
   }
-  r.pass1 /= P;
-  r.pass_k /= P;
-  r.tool_use /= static_cast<double>(trajs.size());
+  at::Tensor sums = at::tensor({pass1, pass_k, tool_use, double(P)}, at::kDouble);
+  if (dist) dist->all_reduce({sums}, ReduceOp::kSum);
+  const double* v = sums.data_ptr<double>();
+  TORCH_CHECK(v[3] > 0, "summarize_evaluation: no completions");
+  EvalResult r;
+  r.k = k;
+  r.pass1 = v[0] / v[3];
+  r.pass_k = v[1] / v[3];
+  r.tool_use = v[2] / (v[3] * k);
   return r;
 }
 

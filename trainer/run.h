@@ -23,6 +23,7 @@
 #include "rollout/sandbox.h"
 #include "rollout/tools.h"
 #include "trainer/config.h"
+#include "trainer/dist.h"
 
 namespace rlt {
 
@@ -44,9 +45,14 @@ struct Run {
     return step == config.train.steps || step == stop_after || (every > 0 && step % every == 0);
   }
 
+  // Rank 0 writes the run folder (checkpoints, metrics.jsonl, samples.jsonl, the plot) and the console.
+  bool lead() const { return dist->lead(); }
+
   Config config;
   std::string out_dir;
   at::Device device = at::kCPU;
+  // The ranks of a data-parallel run (trainer/dist.h); one process: collectives that do nothing.
+  std::shared_ptr<Collectives> dist = single_process();
   std::unique_ptr<Tokenizer> tokenizer;
   ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
   // The run's interpreter pool (made on first use: tool_runner) and its metrics.jsonl / console / plot
@@ -91,8 +97,18 @@ struct ExtraParams {
 // Builds everything from the config: tokenizer (loaded, or trained on the synthetic task into out_dir),
 // model (loaded, or new), the extra parameters, the prompt stream, and the optimizer. With resume, the
 // model, extra parameters, optimizer state, step counters and prompt position come from out_dir's
-// checkpoint. Throws RunError / ConfigError / DataError / ModelConfigError for bad input.
-Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra = {});
+// checkpoint. Throws RunError / ConfigError / DataError / ModelConfigError for bad input. With `dist` (several
+// ranks) the step's shapes must split over the ranks (check_world), rank 0 alone trains a tokenizer, and
+// every rank builds the same run.
+Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra = {},
+             std::shared_ptr<Collectives> dist = nullptr);
+
+// A step's trajectories (train.prompts_per_step x samples_per_prompt) and its mini-batches must split
+// evenly over `world` ranks, whole prompts each: RunError naming the keys otherwise.
+void check_world(const Config& config, int world);
+
+// Rank 0's parameters (the policy's, its fp32 masters, run.extra) on every rank.
+void broadcast_weights(Run& run);
 
 // Makes run.reference when policy.kl_coef > 0 and there is none: loaded from out_dir/reference when a
 // resumed run saved one, else a copy of the policy, saved there.
@@ -112,13 +128,31 @@ std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vect
 
 // One step's rollout: the next train.prompts_per_step prompts, sampling.samples_per_prompt trajectories
 // each (prompt-major: trajectory s belongs to prompt s / G), rewards assigned. Noise streams follow the
-// prompt's draw index and the step, so a resumed run samples what the uninterrupted one did.
+// prompt's draw index and the step, so a resumed run samples what the uninterrupted one did, and a rank
+// samples its prompts (rank_prompts) exactly as one process samples them.
 struct RolloutBatch {
-  std::vector<PromptExample> examples;  // (P)
-  std::vector<Trajectory> trajs;        // (P * G)
-  double seconds = 0;                   // wall time of the generation (tool calls included)
-  RolloutStats stats;                   // where the generation's time went
+  std::vector<PromptExample> examples;  // (P_rank) this rank's prompts
+  std::vector<Trajectory> trajs;        // (P_rank * G)
+  std::vector<int64_t> index;           // (P_rank * G) each trajectory's place among the step's P * G
+  // (P * G, kTableColumns) float64 on the CPU: every trajectory of the step, gathered from every rank, one
+  // row each (TableColumn); what the step's advantages and metrics read.
+  at::Tensor table;
+  double seconds = 0;  // wall time of the generation (tool calls included); the slowest rank's
+  RolloutStats stats;  // where the generation's time went: times the slowest rank's, counts summed
 };
+enum TableColumn : int64_t {
+  kReward,
+  kCorrect,
+  kToolCalls,
+  kTruncated,
+  kResponseTokens,
+  kSampledTokens,
+  kTokens,  // prompt + response (window_end)
+  kTableColumns
+};
+// The table row of each of `trajs`, placed at `index`, summed over the ranks: (S_step, kTableColumns).
+at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs, const std::vector<int64_t>& index,
+                        int64_t S_step);
 RolloutBatch collect_rollouts(Run& run);
 
 // Runs code on the run's interpreter pool (sandbox.workers processes), made on first use and kept.
@@ -133,8 +167,8 @@ struct EvalResult {
   int64_t k = 1;
 };
 EvalResult evaluate(Run& run);
-// The figures of prompt-major completions, k per problem.
-EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k);
+// The figures of prompt-major completions, k per problem; over every rank's problems with `dist`.
+EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist = nullptr);
 // evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.
 EvalResult report_evaluation(Run& run, const std::string& when);
 // After RL step run.step: when train.eval_every says so (and at the last step), an evaluation, as the

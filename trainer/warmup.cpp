@@ -117,13 +117,13 @@ double sft_warmup(Run& run) {
     opt.step();
     copy_master_weights_to_model(run);
     loss_value = loss.item<double>();
-    if (step % 20 == 0 || step + 1 == o.steps) {
+    if (run.lead() && (step % 20 == 0 || step + 1 == o.steps)) {
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::cerr << "\rwarm-up " << step + 1 << "/" << o.steps << "  loss " << std::fixed << std::setprecision(4)
                 << loss_value << "  " << std::setprecision(1) << sec << " s" << std::flush;
     }
   }
-  std::cerr << "\n";
+  if (run.lead()) std::cerr << "\n";
   return loss_value;
 }
 

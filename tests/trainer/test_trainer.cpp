@@ -8,10 +8,12 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "tests/common/tmpdir.h"
+#include "tests/trainer/thread_ranks.h"
 #include "trainer/config.h"
 #include "trainer/grpo.h"
 #include "trainer/metrics.h"
@@ -606,6 +608,112 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   // Memory: full-vocabulary rows of every position (naive, all rows) vs CCE on loss-mask rows.
   EXPECT_GT(m[0]["peak_memory_update_mib"], 1.5 * m[6]["peak_memory_update_mib"]);
   EXPECT_GT(m[0]["peak_memory_update_mib"], m[2]["peak_memory_update_mib"]) << "row selection saves memory";
+}
+
+// Wrong data parallelism for the test below: gradients averaged over the ranks (DDP's default, which
+// with denominators already summed over the ranks halves the gradient), or not reduced at all (each rank
+// steps on its own half of the batch).
+class WrongGradients : public Collectives {
+ public:
+  WrongGradients(std::shared_ptr<Collectives> inner, bool average)
+      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)), average_(average) {}
+  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+  std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
+    if (average_) {
+      inner_->all_reduce(t, ReduceOp::kSum);
+      for (const auto& g : t) g.div_(world());
+    }
+    struct Done : Pending {
+      void wait() override {}
+    };
+    return std::make_unique<Done>();
+  }
+  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
+  void barrier() override { inner_->barrier(); }
+
+ private:
+  std::shared_ptr<Collectives> inner_;
+  bool average_;
+};
+
+// Data parallelism on two thread ranks (trainer/dist.h, the store's collectives) against one process, fp32,
+// same seed and config: 4 prompts x 4 samples a step, off-policy (two iterations over two mini-batches, so
+// the loss depends on the log-probs), 2 ranks x 2 prompts against 1 x 4. The same trajectories, the same
+// first-step loss (1e-5) and gradient norm (1e-5 relative), after 3 steps the same weights (within 1e-4 of
+// the update's size) and both ranks' weights equal bit for bit. Batch shapes differ between the two (each
+// rank pads its own sequences), so agreement is to fp32 rounding, not bits. The wrong implementations:
+// averaged gradients (half the gradient norm) and unreduced ones (the weights part).
+TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
+  TempDir tmp(GetParam() ? "ppo_dp" : "grpo_dp");
+  Config c = varied_first_step_config(/*steps=*/3);
+  c.train.prompts_per_step = 4;
+  c.train.mini_batch_size = 8;  // two prompts: one per rank
+  c.train.old_logprobs = OldLogprobs::kRecompute;
+  struct Result {
+    std::vector<nlohmann::json> rows;
+    std::vector<std::vector<at::Tensor>> params;  // per rank
+  };
+  auto train_on = [&](int world, const std::string& name, int64_t steps,
+                      std::function<std::shared_ptr<Collectives>(std::shared_ptr<Collectives>)> wrap = nullptr) {
+    Config cfg = c;
+    cfg.train.steps = steps;
+    const std::string dir = (tmp.path() / name).string();
+    Result r;
+    r.params.resize(world);
+    auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
+      rlt::Run run = make_run(cfg, dir, /*resume=*/false, extra(), world > 1 ? dist : nullptr);
+      train()(run);
+      for (const auto& p : run.policy->parameters()) r.params[rank].push_back(p.detach().clone());
+    };
+    if (world == 1)
+      body(0, nullptr);
+    else
+      rlt::testing::on_thread_ranks(world, body, std::chrono::seconds(300), wrap);
+    r.rows = read_metrics(dir);
+    return r;
+  };
+  const Result start = train_on(1, "start", 0);
+  const Result one = train_on(1, "one", 3);
+  const Result two = train_on(2, "two", 3);
+  auto update_diff = [&](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    double d = 0, u = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      d += (a[i] - b[i]).to(at::kDouble).square().sum().item<double>();
+      u += (a[i] - start.params[0][i]).to(at::kDouble).square().sum().item<double>();
+    }
+    return std::sqrt(d / u);
+  };
+  ASSERT_EQ(one.rows.size(), 3u);
+  ASSERT_EQ(two.rows.size(), 3u) << "rank 0 alone writes metrics.jsonl";
+  ASSERT_GT(one.rows[0]["reward_std"].get<double>(), 1e-3) << "unequal rewards: a non-zero gradient";
+  for (size_t i = 0; i < 3; ++i) {
+    for (const char* k : {"reward_mean", "accuracy", "sampled_tokens", "tokens", "response_length_max"}) {
+      EXPECT_EQ(two.rows[i][k].get<double>(), one.rows[i][k].get<double>()) << k << ", step " << i + 1;
+    }
+    EXPECT_EQ(two.rows[i]["world_size"].get<double>(), 2.0);
+  }
+  EXPECT_NEAR(two.rows[0]["loss"].get<double>(), one.rows[0]["loss"].get<double>(), 1e-5);
+  const double g1 = one.rows[0]["grad_norm"].get<double>();
+  EXPECT_NEAR(two.rows[0]["grad_norm"].get<double>(), g1, 1e-5 * g1);
+  EXPECT_NEAR(two.rows[0]["entropy"].get<double>(), one.rows[0]["entropy"].get<double>(), 1e-5);
+  for (size_t i = 0; i < two.params[0].size(); ++i) {
+    ASSERT_TRUE(at::equal(two.params[0][i], two.params[1][i])) << "the ranks' weights part at " << i;
+  }
+  EXPECT_LT(update_diff(two.params[0], one.params[0]), 1e-4);
+  std::cerr << std::scientific << std::setprecision(2) << "two ranks against one: step-1 loss "
+            << two.rows[0]["loss"].get<double>() - one.rows[0]["loss"].get<double>() << ", grad norm (relative) "
+            << two.rows[0]["grad_norm"].get<double>() / g1 - 1 << ", weights after 3 steps (relative to the update) "
+            << update_diff(two.params[0], one.params[0]) << "\n";
+
+  const Result averaged = train_on(2, "averaged", 1, [](std::shared_ptr<Collectives> d) {
+    return std::make_shared<WrongGradients>(d, /*average=*/true);
+  });
+  // Half the gradient at the first optimizer step; the step's mean over its four moves with the weights.
+  EXPECT_GT(std::abs(averaged.rows[0]["grad_norm"].get<double>() - g1), 0.3 * g1) << "averaging halves the gradient";
+  const Result unreduced = train_on(2, "unreduced", 3, [](std::shared_ptr<Collectives> d) {
+    return std::make_shared<WrongGradients>(d, /*average=*/false);
+  });
+  EXPECT_GT(update_diff(unreduced.params[0], one.params[0]), 1e-2);
 }
 
 INSTANTIATE_TEST_SUITE_P(GrpoAndPpo, Trainers, ::testing::Values(false, true),

@@ -1,0 +1,235 @@
+// Data-parallel pieces on the CPU (trainer/dist.h): torchrun's variables, how a step's prompts split over
+// the ranks, the store's collectives on thread ranks (sums, maxima, broadcast, a late rank named), the
+// loss denominators summed over ranks, the trajectory table, and the shapes a world size refuses.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "tests/trainer/thread_ranks.h"
+#include "trainer/config.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+
+namespace rlt {
+namespace {
+
+using rlt::testing::on_thread_ranks;
+
+DistEnv env_of(const std::map<std::string, std::string>& vars) {
+  return dist_env([&](const char* n) -> const char* {
+    auto it = vars.find(n);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+std::string error_of(const std::map<std::string, std::string>& vars) {
+  try {
+    env_of(vars);
+  } catch (const RunError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(DistEnv, ReadsTorchrunsVariablesAndRefusesPartialOrBadSets) {
+  EXPECT_FALSE(env_of({}).launched) << "no variables: one process";
+  const std::map<std::string, std::string> full = {
+      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29511"}};
+  const DistEnv e = env_of(full);
+  EXPECT_TRUE(e.launched);
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.world, 2);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.master_addr, "10.0.0.1");
+  EXPECT_EQ(e.master_port, 29511);
+  auto with = [&](const std::string& k, const std::string& v) {
+    auto m = full;
+    m[k] = v;
+    return m;
+  };
+  auto without = [&](const std::string& k) {
+    auto m = full;
+    m.erase(k);
+    return m;
+  };
+  EXPECT_NE(error_of(without("MASTER_PORT")).find("MASTER_PORT is not set"), std::string::npos);
+  EXPECT_NE(error_of(without("LOCAL_RANK")).find("LOCAL_RANK is not set"), std::string::npos);
+  EXPECT_NE(error_of(with("RANK", "2")).find("RANK=2"), std::string::npos) << "rank outside the world";
+  EXPECT_NE(error_of(with("WORLD_SIZE", "two")).find("WORLD_SIZE=two"), std::string::npos);
+  EXPECT_NE(error_of(with("MASTER_PORT", "70000")).find("MASTER_PORT=70000"), std::string::npos);
+  EXPECT_NE(error_of(with("RANK", "1x")).find("RANK=1x"), std::string::npos);
+}
+
+// A step of P = 8 prompts in mini-batches of 4 over 2 ranks: each rank samples half of every mini-batch,
+// so the ranks' k-th local mini-batches together are the one-process k-th mini-batch. The plain split
+// (rank 0 the first half of the step) would put a whole mini-batch on one rank and change what each
+// optimizer step sees: the property below rejects it.
+TEST(RankPrompts, EveryMiniBatchSplitsOverTheRanks) {
+  const int64_t P = 8, ppm = 4;
+  const int world = 2;
+  auto holds = [&](const std::vector<std::vector<int64_t>>& share) {
+    std::set<int64_t> all;
+    for (int r = 0; r < world; ++r) {
+      if (static_cast<int64_t>(share[r].size()) != P / world) return false;
+      all.insert(share[r].begin(), share[r].end());
+      // The k-th local mini-batch (ppm / world prompts) lies inside the k-th global one.
+      for (size_t j = 0; j < share[r].size(); ++j) {
+        if (share[r][j] / ppm != static_cast<int64_t>(j) / (ppm / world)) return false;
+      }
+    }
+    return static_cast<int64_t>(all.size()) == P;
+  };
+  std::vector<std::vector<int64_t>> share;
+  for (int r = 0; r < world; ++r) share.push_back(rank_prompts(P, ppm, world, r));
+  EXPECT_EQ(share[0], (std::vector<int64_t>{0, 1, 4, 5}));
+  EXPECT_EQ(share[1], (std::vector<int64_t>{2, 3, 6, 7}));
+  EXPECT_TRUE(holds(share));
+  EXPECT_FALSE(holds({{0, 1, 2, 3}, {4, 5, 6, 7}})) << "the plain split must fail the property";
+  EXPECT_EQ(rank_prompts(4, 4, 1, 0), (std::vector<int64_t>{0, 1, 2, 3})) << "one rank: the step in order";
+  EXPECT_THROW(rank_prompts(6, 3, 2, 0), c10::Error) << "3 prompts do not split over 2 ranks";
+}
+
+TEST(StoreCollectives, SumsMaximaAndBroadcastAgreeOnEveryRank) {
+  const int world = 3;
+  std::vector<at::Tensor> sums(world), maxima(world), cast(world);
+  on_thread_ranks(world, [&](int r, std::shared_ptr<Collectives> c) {
+    EXPECT_EQ(c->rank(), r);
+    EXPECT_EQ(c->world(), world);
+    // Two tensors of two dtypes in one call, as a gradient bucket might hold.
+    at::Tensor a = at::tensor({1.0 * (r + 1), 0.1 * r}, at::kDouble);
+    at::Tensor b = at::full({2, 2}, static_cast<float>(r), at::kFloat);
+    c->all_reduce({a, b}, ReduceOp::kSum);
+    at::Tensor m = at::tensor({double(r), -double(r)}, at::kDouble);
+    c->all_reduce({m}, ReduceOp::kMax);
+    at::Tensor x = at::full({3}, 10.0 * r, at::kFloat);
+    c->broadcast({x}, /*root=*/1);
+    c->barrier();
+    sums[r] = at::cat({a, b.flatten().to(at::kDouble)});
+    maxima[r] = m;
+    cast[r] = x;
+  });
+  // Rank order 0 + 1 + 2, on every rank the same bits.
+  const at::Tensor expect_sum = at::tensor({6.0, (0.0 + 0.1) + 0.2, 3.0, 3.0, 3.0, 3.0}, at::kDouble);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(at::equal(sums[r], sums[0])) << "rank " << r;
+    EXPECT_TRUE(at::equal(maxima[r], at::tensor({2.0, 0.0}, at::kDouble))) << "rank " << r;
+    EXPECT_TRUE(at::equal(cast[r], at::full({3}, 10.0f, at::kFloat))) << "rank 1's values on rank " << r;
+  }
+  EXPECT_TRUE(at::equal(sums[0], expect_sum)) << sums[0];
+}
+
+// Rank 1 marks where it is and never joins the collective: rank 0 gives up after the timeout with a
+// DistError naming rank 1 and its mark.
+TEST(StoreCollectives, ALateRankIsNamedWithWhereItWas) {
+  std::string message;
+  on_thread_ranks(
+      2,
+      [&](int r, std::shared_ptr<Collectives> c) {
+        c->mark(r == 0 ? "step 3: update" : "step 3: rollout");
+        if (r == 1) return;
+        at::Tensor t = at::ones({1});
+        try {
+          c->all_reduce({t}, ReduceOp::kSum);
+        } catch (const DistError& e) {
+          message = e.what();
+        }
+      },
+      std::chrono::milliseconds(300));
+  EXPECT_NE(message.find("rank 1 did not reach collective 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("step 3: rollout"), std::string::npos) << message;
+}
+
+Trajectory traj(int64_t sampled) {
+  Trajectory t;
+  t.response_ids.assign(sampled + 1, 5);
+  t.loss_mask.assign(sampled + 1, 0);
+  for (int64_t i = 0; i < sampled; ++i) t.loss_mask[i] = 1;
+  return t;
+}
+
+// One process with sequences of 3, 0, 5, 2 sampled tokens in one mini-batch, against two ranks holding
+// (3, 0) and (5, 2): each rank's denominator must be the whole mini-batch's. Each rank's own (the wrong
+// implementation: local means, then gradients summed) would double the gradient.
+TEST(MiniBatchDenominators, AreTheWholeMiniBatchsOverRanks) {
+  const std::vector<Trajectory> all = {traj(3), traj(0), traj(5), traj(2)};
+  for (LossAgg agg : {LossAgg::kTokenMean, LossAgg::kSeqMeanTokenMean, LossAgg::kSeqMeanTokenSum}) {
+    const double one = mini_batch_denominator(all, 0, 4, agg);
+    std::vector<double> got(2);
+    on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+      const std::vector<Trajectory> mine(all.begin() + 2 * r, all.begin() + 2 * r + 2);
+      got[r] = mini_batch_denominators(mine, 2, agg, *c).at(0);
+    });
+    EXPECT_EQ(got[0], one) << static_cast<int>(agg);
+    EXPECT_EQ(got[1], one) << static_cast<int>(agg);
+    const std::vector<Trajectory> rank1(all.begin() + 2, all.end());
+    EXPECT_NE(mini_batch_denominator(rank1, 0, 2, agg), one) << "a rank's own denominator differs";
+  }
+  // Two mini-batches per rank: the k-th of each rank together.
+  std::vector<std::vector<double>> two(2);
+  on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    const std::vector<Trajectory> mine =
+        r == 0 ? std::vector<Trajectory>{traj(1), traj(2)} : std::vector<Trajectory>{traj(4), traj(8)};
+    two[r] = mini_batch_denominators(mine, 1, LossAgg::kTokenMean, *c);
+  });
+  EXPECT_EQ(two[0], (std::vector<double>{1 + 4, 2 + 8}));
+  EXPECT_EQ(two[1], two[0]);
+}
+
+// Each rank's trajectories land in their rows of the step's table on every rank; a row no rank fills stays
+// zero, and a place outside the step is refused.
+TEST(GatherTable, EveryRanksRowsInTheirPlaces) {
+  std::vector<at::Tensor> tables(2);
+  on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    std::vector<Trajectory> t = {traj(2 + r), traj(7)};
+    t[0].reward = r == 0 ? 1.0 : -0.5;
+    t[1].tool_calls = 3;
+    t[1].correct = r == 1;
+    tables[r] = gather_table(*c, t, {r == 0 ? 0 : 2, r == 0 ? 1 : 3}, 4);
+  });
+  ASSERT_TRUE(at::equal(tables[0], tables[1]));
+  const at::Tensor& t = tables[0];
+  EXPECT_EQ(t[0][kReward].item<double>(), 1.0);
+  EXPECT_EQ(t[2][kReward].item<double>(), -0.5);
+  EXPECT_EQ(t[0][kSampledTokens].item<double>(), 2);
+  EXPECT_EQ(t[2][kSampledTokens].item<double>(), 3);
+  EXPECT_EQ(t[1][kToolCalls].item<double>(), 3);
+  EXPECT_EQ(t[3][kCorrect].item<double>(), 1);
+  EXPECT_EQ(t[1][kCorrect].item<double>(), 0);
+  auto one = single_process();
+  EXPECT_THROW(gather_table(*one, {traj(1)}, {4}, 4), c10::Error);
+}
+
+TEST(CheckWorld, StepsThatDoNotSplitAreRefusedNamingTheKey) {
+  Config c = load_config("", {});
+  c.train.prompts_per_step = 6;
+  c.sampling.samples_per_prompt = 4;
+  c.train.mini_batch_size = 0;
+  EXPECT_NO_THROW(check_world(c, 2));
+  EXPECT_NO_THROW(check_world(c, 3));
+  auto message = [&](const Config& cfg, int world) {
+    try {
+      check_world(cfg, world);
+    } catch (const RunError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(c, 4).find("train.prompts_per_step = 6"), std::string::npos);
+  c.train.mini_batch_size = 12;  // 3 prompts: not over 2 ranks
+  EXPECT_NE(message(c, 2).find("train.mini_batch_size = 12"), std::string::npos);
+  c.train.mini_batch_size = 6;  // not whole prompts
+  EXPECT_NE(message(c, 2).find("train.mini_batch_size = 6"), std::string::npos);
+  c.train.prompts_per_step = 8;
+  c.train.mini_batch_size = 8;  // 2 prompts per mini-batch, 4 mini-batches
+  EXPECT_NO_THROW(check_world(c, 2));
+  EXPECT_NO_THROW(check_world(c, 1));
+  const StepShape s = step_shape(c, 2);
+  EXPECT_EQ(s.S, 16);
+  EXPECT_EQ(s.mini, 4);
+  EXPECT_EQ(s.total_optimizer_steps, step_shape(c, 1).total_optimizer_steps) << "the schedule counts global steps";
+}
+
+}  // namespace
+}  // namespace rlt

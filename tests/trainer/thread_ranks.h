@@ -1,0 +1,40 @@
+// Ranks of a data-parallel run on threads of the test process, their collectives through one in-memory
+// store (trainer/dist.h): the multi-process arithmetic without processes.
+#pragma once
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "trainer/dist.h"
+
+namespace rlt::testing {
+
+// Runs fn(rank, collectives) for each of `world` ranks on its own thread and waits for them all; the first
+// exception a rank threw is rethrown. `wrap` may replace a rank's collectives (a deliberately wrong one).
+inline void on_thread_ranks(
+    int world, const std::function<void(int, std::shared_ptr<Collectives>)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(120),
+    const std::function<std::shared_ptr<Collectives>(std::shared_ptr<Collectives>)>& wrap = nullptr) {
+  const auto store = thread_store();
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::shared_ptr<Collectives> c = store_collectives(store, r, world, timeout);
+        fn(r, wrap ? wrap(c) : c);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace rlt::testing

@@ -1,0 +1,317 @@
+// Launch environment, the store's collectives, the step's shares and the gradient reducer; see dist.h.
+#include "trainer/dist.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "common/memory.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+
+namespace rlt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A whole decimal number in [lo, hi], or a RunError naming the variable.
+int env_int(const char* name, const char* value, int lo, int hi) {
+  errno = 0;
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 10);
+  if (errno != 0 || end == value || *end != '\0' || v < lo || v > hi) {
+    throw RunError(std::string(name) + "=" + value + ": expected a whole number in [" + std::to_string(lo) + ", " +
+                   std::to_string(hi) + "]");
+  }
+  return static_cast<int>(v);
+}
+
+class SingleProcess : public Collectives {
+ public:
+  SingleProcess() : Collectives(0, 1) {}
+  void all_reduce(const std::vector<at::Tensor>&, ReduceOp) override {}
+  void broadcast(const std::vector<at::Tensor>&, int) override {}
+  void barrier() override {}
+};
+
+class Done : public Pending {
+ public:
+  void wait() override {}
+};
+
+// Every call posts one value per rank under "rlt/c/<call>/<rank>" and waits for all of them, so having
+// read call n's values a rank knows every other rank has finished call n - 1: it then deletes its own key
+// of call n - 1, and the store holds at most two calls' values.
+class StoreCollectives : public Collectives {
+ public:
+  StoreCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::milliseconds timeout)
+      : Collectives(rank, world), store_(std::move(store)), timeout_(timeout) {}
+
+  void all_reduce(const std::vector<at::Tensor>& tensors, ReduceOp op) override {
+    std::vector<at::Tensor> host = to_host(tensors);
+    const std::vector<std::vector<uint8_t>> all = exchange(pack(host));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      at::Tensor acc;
+      for (int r = 0; r < world(); ++r) {  // rank order: every rank adds the same values in the same order
+        const at::Tensor v = unpack(all[r], host, i);
+        acc = !acc.defined() ? v.clone() : op == ReduceOp::kSum ? acc + v : at::maximum(acc, v);
+      }
+      tensors[i].copy_(acc);
+    }
+  }
+
+  void broadcast(const std::vector<at::Tensor>& tensors, int root) override {
+    std::vector<at::Tensor> host = to_host(tensors);
+    const std::vector<std::vector<uint8_t>> all = exchange(rank() == root ? pack(host) : std::vector<uint8_t>{});
+    if (rank() == root) return;
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(unpack(all[root], host, i));
+  }
+
+  void barrier() override { exchange({}); }
+
+  void mark(const std::string& where) override {
+    store_->set(mark_key(rank()), std::vector<uint8_t>(where.begin(), where.end()));
+  }
+
+ private:
+  static std::string mark_key(int r) { return "rlt/mark/" + std::to_string(r); }
+  std::string key(int64_t call, int r) const { return "rlt/c/" + std::to_string(call) + "/" + std::to_string(r); }
+
+  static std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> host;
+    for (const auto& t : tensors) host.push_back(t.detach().to(at::kCPU).contiguous());
+    return host;
+  }
+  static std::vector<uint8_t> pack(const std::vector<at::Tensor>& host) {
+    std::vector<uint8_t> bytes;
+    for (const auto& t : host) {
+      const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+      bytes.insert(bytes.end(), p, p + t.nbytes());
+    }
+    return bytes;
+  }
+  // Tensor i of a packed value; every rank reduces tensors of the same shapes and dtypes.
+  static at::Tensor unpack(const std::vector<uint8_t>& bytes, const std::vector<at::Tensor>& like, size_t i) {
+    size_t offset = 0;
+    for (size_t j = 0; j < i; ++j) offset += like[j].nbytes();
+    TORCH_CHECK(offset + like[i].nbytes() <= bytes.size(), "store collectives: a rank posted ", bytes.size(),
+                " bytes where ", offset + like[i].nbytes(), " were expected (ranks disagree on the tensors)");
+    at::Tensor t = at::empty_like(like[i]);
+    std::memcpy(t.data_ptr(), bytes.data() + offset, like[i].nbytes());
+    return t;
+  }
+
+  std::vector<std::vector<uint8_t>> exchange(const std::vector<uint8_t>& mine) {
+    const int64_t call = calls_++;
+    store_->set(key(call, rank()), mine);
+    std::vector<std::vector<uint8_t>> all(world());
+    for (int r = 0; r < world(); ++r) {
+      if (r == rank()) {
+        all[r] = mine;
+        continue;
+      }
+      try {
+        store_->wait({key(call, r)}, timeout_);
+        all[r] = store_->get(key(call, r));
+      } catch (const c10::Error& e) {
+        throw DistError(late_rank(r, e.what_without_backtrace()));
+      }
+    }
+    if (call > 0) store_->deleteKey(key(call - 1, rank()));
+    return all;
+  }
+
+  std::string late_rank(int r, const std::string& why) const {
+    std::string where;
+    try {
+      if (store_->check({mark_key(r)})) {
+        const std::vector<uint8_t> v = store_->get(mark_key(r));
+        where = " (it was last at " + std::string(v.begin(), v.end()) + ")";
+      }
+    } catch (const c10::Error&) {  // the store itself is gone (rank 0 serves it)
+    }
+    return "rank " + std::to_string(r) + " did not reach collective " + std::to_string(calls_ - 1) + " within " +
+           std::to_string(timeout_.count() / 1000) + " s (train.dist_timeout_s)" + where + ": " + why;
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  int64_t calls_ = 0;
+};
+
+}  // namespace
+
+DistEnv dist_env(const std::function<const char*(const char*)>& getenv) {
+  DistEnv env;
+  const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"};
+  int set = 0;
+  for (const char* n : names) set += getenv(n) != nullptr;
+  if (set == 0) return env;
+  for (const char* n : names) {
+    if (!getenv(n)) {
+      throw RunError(std::string("distributed launch: ") + n +
+                     " is not set; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT go together (torchrun "
+                     "sets them all; --nproc N sets them for its own ranks)");
+    }
+  }
+  env.launched = true;
+  env.world = env_int("WORLD_SIZE", getenv("WORLD_SIZE"), 1, 1 << 20);
+  env.rank = env_int("RANK", getenv("RANK"), 0, env.world - 1);
+  env.local_rank = env_int("LOCAL_RANK", getenv("LOCAL_RANK"), 0, env.world - 1);
+  env.master_addr = getenv("MASTER_ADDR");
+  if (env.master_addr.empty()) throw RunError("MASTER_ADDR is empty");
+  env.master_port = env_int("MASTER_PORT", getenv("MASTER_PORT"), 1, 65535);
+  return env;
+}
+
+DistEnv dist_env() {
+  return dist_env([](const char* n) { return std::getenv(n); });
+}
+
+std::unique_ptr<Pending> Collectives::all_reduce_start(const std::vector<at::Tensor>& tensors) {
+  all_reduce(tensors, ReduceOp::kSum);
+  return std::make_unique<Done>();
+}
+
+std::shared_ptr<Collectives> single_process() { return std::make_shared<SingleProcess>(); }
+
+std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
+                                               std::chrono::milliseconds timeout) {
+  return std::make_shared<StoreCollectives>(store, rank, world, timeout);
+}
+
+c10::intrusive_ptr<c10d::Store> thread_store() { return c10::make_intrusive<c10d::HashStore>(); }
+
+std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std::chrono::milliseconds timeout) {
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(env.master_port);
+    o.isServer = env.rank == 0;
+    o.numWorkers = env.world;
+    o.waitWorkers = true;
+    o.timeout = timeout;
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+  } catch (const c10::Error& e) {
+    throw DistError("rank " + std::to_string(env.rank) + ": no rendezvous at " + env.master_addr + ":" +
+                    std::to_string(env.master_port) + " within " + std::to_string(timeout.count() / 1000) +
+                    " s (train.dist_timeout_s): " + e.what_without_backtrace());
+  }
+  if (device.is_cuda()) return nccl_collectives(store, env.rank, env.world, device, timeout);
+  return store_collectives(store, env.rank, env.world, timeout);
+}
+
+std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world, int rank) {
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && prompts_per_mini >= 1, "rank_prompts: rank ", rank, " of ",
+              world, ", ", prompts_per_mini, " prompts per mini-batch");
+  std::vector<int64_t> mine;
+  for (int64_t b = 0; b < P; b += prompts_per_mini) {
+    const int64_t n = std::min(prompts_per_mini, P - b);
+    TORCH_CHECK(n % world == 0, "rank_prompts: a mini-batch of ", n, " prompts does not split over ", world, " ranks");
+    const int64_t share = n / world;
+    for (int64_t j = 0; j < share; ++j) mine.push_back(b + rank * share + j);
+  }
+  return mine;
+}
+
+// ---- GradReducer ----
+
+GradReducer::GradReducer(Run& run, int64_t bucket_bytes) : run_(run) {
+  params_ = run.policy->parameters();
+  for (const auto& [name, p] : run.extra) params_.push_back(p);
+  const size_t n = params_.size();
+  bucket_of_.assign(n, 0);
+  done_.assign(n, false);
+  // Buckets in reverse parameter order, one dtype each, up to bucket_bytes.
+  int64_t bytes = 0;
+  for (size_t k = n; k-- > 0;) {
+    const at::Tensor& t = target(k);
+    if (buckets_.empty() || bytes + static_cast<int64_t>(t.nbytes()) > bucket_bytes ||
+        t.scalar_type() != target(buckets_.back().front()).scalar_type()) {
+      buckets_.emplace_back();
+      bytes = 0;
+    }
+    buckets_.back().push_back(k);
+    bucket_of_[k] = buckets_.size() - 1;
+    bytes += static_cast<int64_t>(t.nbytes());
+  }
+  remaining_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) remaining_[b] = buckets_[b].size();
+  for (size_t i = 0; i < n; ++i) {
+    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "GradReducer: parameter ", i, " is not a leaf that requires grad");
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          ready(i);
+          return outputs;
+        })));
+    accumulators_.push_back(acc);
+  }
+}
+
+GradReducer::~GradReducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+const at::Tensor& GradReducer::target(size_t i) const { return i < run_.master.size() ? run_.master[i] : params_[i]; }
+
+at::Tensor& GradReducer::grad(size_t i) { return target(i).mutable_grad(); }
+
+void GradReducer::arm() {
+  TORCH_CHECK(!armed_ && pending_.empty(), "GradReducer::arm: the previous reduction did not finish");
+  armed_ = true;
+}
+
+void GradReducer::ready(size_t i) {
+  if (!armed_ || done_[i]) return;
+  done_[i] = true;
+  if (i < run_.master.size()) accumulate_gradient(params_[i], run_.master[i]);
+  if (--remaining_[bucket_of_[i]] == 0) start_ready_buckets();
+}
+
+void GradReducer::start_ready_buckets() {
+  for (; next_bucket_ < buckets_.size() && remaining_[next_bucket_] == 0; ++next_bucket_) {
+    std::vector<at::Tensor> grads;
+    for (size_t i : buckets_[next_bucket_]) grads.push_back(grad(i));
+    pending_.push_back(run_.dist->all_reduce_start(grads));
+  }
+}
+
+void GradReducer::finish() {
+  TORCH_CHECK(armed_, "GradReducer::finish without arm()");
+  // Parameters the backward did not reach: their gradient is what earlier micro-batches left, or zero.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (done_[i]) continue;
+    done_[i] = true;
+    if (i < run_.master.size()) accumulate_gradient(params_[i], run_.master[i]);
+    at::Tensor& g = grad(i);
+    if (!g.defined()) g = at::zeros_like(target(i));
+    --remaining_[bucket_of_[i]];
+  }
+  start_ready_buckets();
+  const auto t0 = Clock::now();
+  for (auto& p : pending_) p->wait();
+  wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  pending_.clear();
+  next_bucket_ = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) remaining_[b] = buckets_[b].size();
+  done_.assign(params_.size(), false);
+  armed_ = false;
+}
+
+std::unique_ptr<GradReducer> make_reducer(Run& run) {
+  if (run.dist->world() == 1) return nullptr;
+  return std::make_unique<GradReducer>(run, run.config.train.dist_bucket_mb << 20);
+}
+
+}  // namespace rlt

@@ -1,0 +1,160 @@
+// Data-parallel training: the launch environment, the collectives a run uses, how a step's prompts are
+// shared among the ranks, and the gradient reduction that overlaps the backward.
+//
+// Every rank holds the whole model and optimizer. A step's P prompts are drawn by every rank in the same
+// order (the prompt stream and its noise streams are the single-process ones); each rank samples its share,
+// with a prompt's G samples on one rank, so group advantages need no communication. Per optimizer step:
+//   - the loss denominators (tokens, sequences) are summed over the ranks before the loss, so each rank's
+//     loss is its share of the single-process loss;
+//   - gradients are summed (not averaged) over the ranks in buckets launched as the backward produces
+//     them, so every rank holds the single-process gradient and clips by its global norm;
+//   - metrics are reduced (sums, maxima) or gathered (per-trajectory rows) once a step.
+// Rank 0 writes checkpoints, metrics.jsonl, samples.jsonl and the plot. A checkpoint holds nothing
+// rank-specific, so a run resumes with any number of ranks.
+//
+// Two backends behind one interface: NCCL through c10d's ProcessGroupNCCL for CUDA runs (dist_nccl.cpp),
+// and collectives through c10d's key-value store for CPU runs and the CPU tests (the torch wheel ships no
+// Gloo). The store's collectives copy every tensor through the rendezvous process: correct, and fast
+// enough for the tiny CPU models, nothing more.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace rlt {
+
+struct Run;
+
+// A peer rank that died, hung past train.dist_timeout_s, or could not be reached. The apps exit with
+// code 1 (not bad input) and the message names the rank.
+class DistError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. None set: one process
+// (launched = false). A partial or malformed set is refused, naming the variable (RunError).
+struct DistEnv {
+  bool launched = false;
+  int rank = 0, world = 1, local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+DistEnv dist_env(const std::function<const char*(const char*)>& getenv);
+DistEnv dist_env();  // from the process environment
+
+enum class ReduceOp { kSum, kMax };
+
+// A collective started in the background (a gradient bucket); wait() makes what follows see its result.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  virtual void wait() = 0;
+};
+
+// The collectives of a data-parallel run. Every rank calls them in the same order. Tensors are reduced in
+// place, contiguous; a backend may take host tensors and copy them through its device.
+class Collectives {
+ public:
+  Collectives(int rank, int world) : rank_(rank), world_(world) {}
+  virtual ~Collectives() = default;
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  bool lead() const { return rank_ == 0; }
+  virtual void all_reduce(const std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
+  // An in-place sum over the ranks, started now; the default runs it at once.
+  virtual std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& tensors);
+  virtual void broadcast(const std::vector<at::Tensor>& tensors, int root) = 0;
+  virtual void barrier() = 0;
+  // Where this rank is ("step 3: update"): read when a collective times out, to name the late rank.
+  virtual void mark(const std::string& where) {}
+
+ private:
+  int rank_, world_;
+};
+
+// One process: every collective is the identity.
+std::shared_ptr<Collectives> single_process();
+
+// Collectives through a c10d key-value store (a TCPStore across processes, a HashStore across threads):
+// each rank posts its tensors under a per-call key and sums every rank's in rank order, so all ranks get
+// the same bits. A rank whose key does not come within `timeout` is named in the DistError.
+std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
+                                               std::chrono::milliseconds timeout);
+// An in-memory store for ranks on threads of one process (tests).
+c10::intrusive_ptr<c10d::Store> thread_store();
+
+// NCCL (ProcessGroupNCCL) on `device`, rendezvous through `store`. Throws DistError when this build has no
+// NCCL (nccl_available() false).
+std::shared_ptr<Collectives> nccl_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
+                                              at::Device device, std::chrono::milliseconds timeout);
+bool nccl_available();
+
+// The launched process's collectives: a TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 serves it), then
+// NCCL for a CUDA device, the store's collectives for the CPU.
+std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std::chrono::milliseconds timeout);
+
+// ---- How a step's work is shared ----
+
+// The global prompt indices (of 0..P-1) rank `rank` samples. Within each mini-batch's prompts
+// (prompts_per_mini of them) a rank takes a contiguous 1/world share, so the ranks' k-th local mini-batches
+// together are the single-process k-th mini-batch and a mini-batch's update is the single-process one.
+std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world, int rank);
+
+// ---- Gradient reduction ----
+
+// Sums the optimizer's gradients over the ranks, bucket by bucket, while the backward still runs: a hook
+// on each parameter's gradient accumulator marks it ready (with fp32 master weights it first adds the bf16
+// gradient into the master's); a bucket is started once all of its gradients are ready and every earlier
+// bucket has started, so the ranks start the same buckets in the same order. Buckets hold up to
+// bucket_bytes of one dtype, in reverse parameter order (the order the backward produces them).
+//   arm()     before the backward that ends an optimizer step (earlier micro-batches accumulate locally)
+//   finish()  after it: starts what is left, waits; then every gradient the optimizer reads is the sum
+class GradReducer {
+ public:
+  // bucket_bytes: train.dist_bucket_mb.
+  GradReducer(Run& run, int64_t bucket_bytes);
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+  void arm();
+  void finish();
+  double wait_seconds() const { return wait_s_; }  // spent in finish() waiting for the collectives
+  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+ private:
+  void ready(size_t i);
+  void start_ready_buckets();
+  const at::Tensor& target(size_t i) const;  // what the optimizer updates for parameter i (its master, or it)
+  at::Tensor& grad(size_t i);                // and the gradient it reads
+
+  Run& run_;
+  std::vector<at::Tensor> params_;  // autograd leaves: the policy's parameters, then run.extra's
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive: the tensors hold them weakly
+  std::vector<uintptr_t> hook_keys_;
+  std::vector<std::vector<size_t>> buckets_;
+  std::vector<size_t> bucket_of_;
+  std::vector<size_t> remaining_;  // per bucket: gradients not yet ready in the armed backward
+  std::vector<bool> done_;         // per parameter, in the armed backward
+  std::vector<std::unique_ptr<Pending>> pending_;
+  size_t next_bucket_ = 0;
+  bool armed_ = false;
+  double wait_s_ = 0;
+};
+
+// The run's reducer (train.dist_bucket_mb) when it has several ranks; none for one process.
+std::unique_ptr<GradReducer> make_reducer(Run& run);
+
+}  // namespace rlt
