@@ -29,23 +29,8 @@ for round in 1 2; do
     --tool-fraction 0.2 --reps 3 --json "$out/update_hf.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
 done
 
-# 2. A random checkpoint saved by transformers, and a small math dataset.
-ckpt=/tmp/qwen2.5-0.5b-random
-python3 - "$model" "$ckpt" "$out/math.jsonl" <<'PY'
-import json, random, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-cfg = AutoConfig.from_pretrained(sys.argv[1])
-torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[2])
-rng = random.Random(0)
-with open(sys.argv[3], "w") as f:
-    for _ in range(512):
-        a, b = rng.randint(100, 9999), rng.randint(100, 9999)
-        f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
-PY
-# The checkpoint's own tokenizer: the published Qwen tokenizer files (Qwen2.5 and Qwen3 share the base
-# vocabulary), as a real Qwen folder has them.
-cp .gpu/fixtures/tokenizers/qwen3/tokenizer.json .gpu/fixtures/tokenizers/qwen3/tokenizer_config.json "$ckpt/"
+# 2. A random checkpoint saved by transformers ($ckpt), and a small math dataset ($out/math.jsonl).
+source scripts/gpu_random_qwen.sh
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0
         --set data.eval_path=.gpu/fixtures/data/aime2024.jsonl --set train.eval_prompts=8 --set train.eval_samples=4

@@ -51,6 +51,12 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       std::cerr << name << ": --nproc inside a launched rank (RANK is set): use one launcher, torchrun or --nproc\n";
       return 2;
     }
+    try {
+      check_world(cfg, nproc);  // before any rank starts
+    } catch (const RunError& e) {
+      std::cerr << name << ": --nproc " << nproc << ": " << e.what() << "\n";
+      return 2;
+    }
     return launch_ranks(name, nproc, without_nproc(argc, argv));
   }
   // Several ranks: messages say whose; rank 0 alone reports progress.

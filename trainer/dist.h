@@ -74,7 +74,8 @@ class Collectives {
   int world() const { return world_; }
   bool lead() const { return rank_ == 0; }
   virtual void all_reduce(const std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
-  // An in-place sum over the ranks, started now; the default runs it at once.
+  // An in-place sum over the ranks of tensors of one dtype (a gradient bucket), started now; the default
+  // runs it at once.
   virtual std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& tensors);
   virtual void broadcast(const std::vector<at::Tensor>& tensors, int root) = 0;
   virtual void barrier() = 0;

@@ -41,12 +41,32 @@ class NcclCollectives : public Collectives {
                                                       world, o);
   }
 
+  // A clean exit tears the communicators down (a DistError exits without it: a hung peer could block it).
+  ~NcclCollectives() override {
+    try {
+      pg_->shutdown();
+    } catch (const std::exception&) {
+    }
+  }
+
   void all_reduce(const std::vector<at::Tensor>& tensors, ReduceOp op) override {
+    // NCCL coalesces tensors of one dtype per call: one call per dtype, host tensors through the device.
     std::vector<at::Tensor> dev;
     for (const auto& t : tensors) dev.push_back(t.device() == device_ ? t : t.to(device_));
     c10d::AllreduceCoalescedOptions o;
     o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-    wait(pg_->allreduce_coalesced(dev, o));
+    std::vector<bool> done(dev.size(), false);
+    for (size_t i = 0; i < dev.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<at::Tensor> group;
+      for (size_t j = i; j < dev.size(); ++j) {
+        if (!done[j] && dev[j].scalar_type() == dev[i].scalar_type()) {
+          group.push_back(dev[j]);
+          done[j] = true;
+        }
+      }
+      wait(pg_->allreduce_coalesced(group, o));
+    }
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (!dev[i].is_same(tensors[i])) tensors[i].copy_(dev[i]);
     }
@@ -54,7 +74,8 @@ class NcclCollectives : public Collectives {
 
   std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& tensors) override {
     for (const auto& t : tensors) {
-      TORCH_CHECK(t.device() == device_ && t.is_contiguous(), "all_reduce_start: contiguous tensors on ", device_);
+      TORCH_CHECK(t.device() == device_ && t.is_contiguous() && t.scalar_type() == tensors.front().scalar_type(),
+                  "all_reduce_start: contiguous tensors of one dtype on ", device_);
     }
     std::vector<at::Tensor> v = tensors;
     return std::make_unique<NcclPending>(this, pg_->allreduce_coalesced(v));

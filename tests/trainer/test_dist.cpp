@@ -7,6 +7,7 @@
 #include <numeric>
 #include <set>
 
+#include "model/config.h"
 #include "tests/trainer/thread_ranks.h"
 #include "trainer/config.h"
 #include "trainer/optim.h"
@@ -229,6 +230,108 @@ TEST(CheckWorld, StepsThatDoNotSplitAreRefusedNamingTheKey) {
   EXPECT_EQ(s.S, 16);
   EXPECT_EQ(s.mini, 4);
   EXPECT_EQ(s.total_optimizer_steps, step_shape(c, 1).total_optimizer_steps) << "the schedule counts global steps";
+}
+
+// Counts the gradient buckets started, and on which thread: the reducer's hooks start them while the
+// backward runs (on the autograd engine's device thread for CUDA).
+class CountingCollectives : public Collectives {
+ public:
+  explicit CountingCollectives(std::shared_ptr<Collectives> inner)
+      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)) {}
+  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+  std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
+    ++started;
+    tensors += static_cast<int64_t>(t.size());
+    return inner_->all_reduce_start(t);
+  }
+  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
+  void barrier() override { inner_->barrier(); }
+  int64_t started = 0, tensors = 0;
+
+ private:
+  std::shared_ptr<Collectives> inner_;
+};
+
+// A bf16 model with fp32 master weights, two micro-batches: the reducer, armed for the second, starts
+// every bucket from its hooks before loss.backward() returns, and leaves the master gradients exactly
+// what a plain backward + accumulate_gradients leaves (one rank: the sum is the gradient itself). On the
+// GPU its collectives are NCCL's (one rank), launched from the autograd engine's device thread. Wrong
+// implementations it rejects: a reducer that also reduced the first micro-batch (buckets counted twice),
+// or whose hooks took the bf16 gradient of the armed backward alone (the first micro-batch's lost).
+void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectives> inner) {
+  nlohmann::json j = {{"model_type", "llama"},      {"vocab_size", 97},       {"hidden_size", 32},
+                      {"intermediate_size", 64},    {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                      {"num_key_value_heads", 1},   {"rms_norm_eps", 1e-6},   {"rope_theta", 10000.0},
+                      {"tie_word_embeddings", true}};
+  auto make = [&](std::shared_ptr<Collectives> dist) {
+    Run run;
+    run.config = load_config("", {});
+    run.config.train.dist_bucket_mb = 1;
+    run.device = device;
+    run.policy = std::make_unique<Transformer>(model_config_from_json(j, "test"), at::kBFloat16, device, 7);
+    if (dist) run.dist = dist;
+    make_optimizer(run, {});
+    return run;
+  };
+  auto loss_of = [&](Run& run, int64_t seed) {
+    at::manual_seed(seed);
+    const at::Tensor ids = at::randint(97, {2, 9}, at::TensorOptions().dtype(at::kLong)).to(device);
+    const at::Tensor pos = at::arange(9, at::TensorOptions().dtype(at::kLong)).expand({2, 9}).to(device);
+    const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
+    return run.policy->logits(h).to(at::kFloat).logsumexp(-1).mean();
+  };
+  Run plain = make(nullptr);
+  backward(plain, loss_of(plain, 1), nullptr, false);
+  backward(plain, loss_of(plain, 2), nullptr, true);
+
+  auto counting = std::make_shared<CountingCollectives>(inner);
+  Run run = make(counting);
+  ASSERT_EQ(run.master.size(), run.policy->parameters().size()) << "bf16 with fp32 masters";
+  GradReducer reducer(run, 4096);  // small buckets: several of them
+  ASSERT_GT(reducer.buckets(), 2);
+  backward(run, loss_of(run, 1), &reducer, false);
+  EXPECT_EQ(counting->started, 0) << "the first micro-batch accumulates locally";
+  reducer.arm();
+  loss_of(run, 2).backward();
+  EXPECT_EQ(counting->started, reducer.buckets()) << "every bucket starts during the backward";
+  reducer.finish();
+  accumulate_gradients(run);
+  EXPECT_EQ(counting->tensors, static_cast<int64_t>(run.master.size())) << "each gradient in one bucket, once";
+  for (size_t i = 0; i < run.master.size(); ++i) {
+    ASSERT_TRUE(run.master[i].grad().defined()) << i;
+    EXPECT_TRUE(at::equal(run.master[i].grad().cpu(), plain.master[i].grad().cpu())) << "parameter " << i;
+    EXPECT_FALSE(run.policy->parameters()[i].grad().defined()) << "bf16 gradient released, " << i;
+  }
+  // The second micro-batch's gradient alone (the first's lost) is far from the sum.
+  Run second = make(nullptr);
+  backward(second, loss_of(second, 2), nullptr, true);
+  double diff = 0;
+  for (size_t i = 0; i < run.master.size(); ++i) {
+    diff += (second.master[i].grad() - plain.master[i].grad()).abs().sum().item<double>();
+  }
+  EXPECT_GT(diff, 1e-3);
+}
+
+TEST(GradReducer, StartsEveryBucketDuringTheBackwardAndSumsLikeAPlainBackward) {
+  reducer_matches_plain_backward(at::kCPU, single_process());
+}
+
+TEST(GradReducerCuda, NcclOfOneRankFromTheDeviceThread) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(nccl_available()) << "a CUDA host builds NCCL (nccl.h from the nvidia-nccl wheel)";
+  const at::Device dev(at::kCUDA, 0);
+  auto nccl = nccl_collectives(thread_store(), 0, 1, dev, std::chrono::seconds(60));
+  // The collectives themselves: host tensors go through the device and come back; one rank's sum and
+  // maximum are its values, its broadcast keeps them.
+  at::Tensor host = at::tensor({1.5, -2.0}, at::kDouble);
+  at::Tensor gpu = at::tensor({3.0f, 4.0f}).to(dev);
+  nccl->all_reduce({host, gpu}, ReduceOp::kSum);
+  nccl->all_reduce({host}, ReduceOp::kMax);
+  nccl->broadcast({gpu}, 0);
+  nccl->barrier();
+  EXPECT_TRUE(at::equal(host, at::tensor({1.5, -2.0}, at::kDouble)));
+  EXPECT_TRUE(at::equal(gpu.cpu(), at::tensor({3.0f, 4.0f})));
+  reducer_matches_plain_backward(dev, nccl);
 }
 
 }  // namespace

@@ -1,0 +1,152 @@
+"""grpo_train's data-parallel launch on the CPU (the store's collectives over a TCPStore, real processes):
+
+1. --nproc 2 trains: rank 0 alone writes metrics.jsonl (one row per step, world_size 2), and every step
+   samples what one process samples (the same rewards and token counts: prompts keep their noise streams).
+2. A rank killed mid-run ends the job at once with a message naming it; the checkpoint folder holds the
+   last complete checkpoint, and --resume continues it on one process, as the uninterrupted run went on.
+3. A rank that hangs (SIGSTOP) ends the job within train.dist_timeout_s, the message naming the late rank.
+4. Bad launches exit with code 2 and say why: a partial set of torchrun variables, a step that does not
+   split over the ranks.
+
+usage: check_dist_launch.py GRPO_TRAIN SOURCE_DIR
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+grpo, src = sys.argv[1:3]
+tiny = os.path.join(src, "configs", "retool_tiny.yaml")
+failures = []
+SMALL = ["--set", "model.init_hidden=32", "--set", "model.init_layers=2", "--set", "model.init_heads=2",
+         "--set", "model.init_kv_heads=1", "--set", "model.init_intermediate=64", "--set", "model.tokenizer_vocab=320",
+         "--set", "sft.steps=30", "--set", "train.prompts_per_step=4", "--set", "sampling.samples_per_prompt=4",
+         "--set", "sampling.max_new_tokens=24", "--set", "train.eval_prompts=0", "--set", "train.checkpoint_every=2"]
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+def ranks_of(parent_pid):
+    """{rank: pid} of the launcher's children, from their environment."""
+    out = {}
+    try:
+        with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
+            kids = [int(p) for p in f.read().split()]
+    except OSError:
+        return out
+    for pid in kids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            out[int(env[b"RANK"])] = pid
+        except (OSError, KeyError, ValueError):
+            pass
+    return out
+
+
+def checkpoint_step(run_dir):
+    try:
+        with open(os.path.join(run_dir, "checkpoint", "state.json")) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def run_until_checkpoint_then(args, run_dir, action, deadline_s=240):
+    """Starts a --nproc 2 run, waits for its first checkpoint, does action(ranks), returns (rc, stderr, s)."""
+    p = subprocess.Popen([grpo] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    acted = None
+    while p.poll() is None and time.time() - t0 < deadline_s:
+        if checkpoint_step(run_dir) >= 2:
+            ranks = ranks_of(p.pid)
+            if 1 in ranks:
+                action(ranks)
+                acted = time.time()
+                break
+        time.sleep(0.05)
+    try:
+        _, err = p.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        failures.append(f"{args}: still running {deadline_s} s after the fault")
+    return p.returncode, err, (time.time() - acted) if acted else None
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    # 1. Two ranks against one process: the same samples every step; rank 0 writes each row once.
+    one, two = os.path.join(tmp, "one"), os.path.join(tmp, "two")
+    base = ["--config", tiny] + SMALL + ["--set", "train.steps=4"]
+    r1 = subprocess.run([grpo] + base + ["--out", one], capture_output=True, text=True, timeout=600)
+    r2 = subprocess.run([grpo] + base + ["--out", two, "--nproc", "2"], capture_output=True, text=True, timeout=600)
+    check(r1.returncode == 0, f"one process: exit {r1.returncode}\n{r1.stderr[-2000:]}")
+    check(r2.returncode == 0, f"--nproc 2: exit {r2.returncode}\n{r2.stderr[-2000:]}")
+    if r1.returncode == 0 and r2.returncode == 0:
+        a, b = rows(one), rows(two)
+        check(len(a) == 4 and len(b) == 4, f"rows: {len(a)} and {len(b)}, want 4 each")
+        for x, y in zip(a, b):
+            check(y["world_size"] == 2 and x["world_size"] == 1, f"world_size {x['world_size']}, {y['world_size']}")
+            for k in ("reward_mean", "sampled_tokens", "tokens", "response_length_max", "tool_calls_mean"):
+                check(x[k] == y[k], f"step {x['step']}: {k} {x[k]} (one process) != {y[k]} (two ranks)")
+        check(r2.stderr.count("step 1/4") == 1, "one progress line per step (rank 0's)")
+
+    # 2. Kill rank 1 after the first checkpoint: the job ends naming it; the checkpoint resumes.
+    killed = os.path.join(tmp, "killed")
+    long = ["--config", tiny] + SMALL + ["--set", "train.steps=60", "--out", killed, "--nproc", "2"]
+    rc, err, after = run_until_checkpoint_then(long, killed, lambda ranks: os.kill(ranks[1], signal.SIGKILL))
+    check(rc != 0, f"killed rank: exit {rc}, want non-zero")
+    check("rank 1 was killed by signal 9" in err, f"killed rank not named:\n{err[-2000:]}")
+    check(after is not None and after < 30, f"the job took {after} s to end after the kill")
+    step = checkpoint_step(killed)
+    check(step >= 2 and step < 60, f"checkpoint at step {step}")
+    check(not os.path.exists(os.path.join(killed, "checkpoint", "model.tmp")), "a half-written file in checkpoint/")
+    # Resume on one process up to step + 2; it samples what the uninterrupted one-process run samples.
+    resumed = subprocess.run([grpo, "--config", tiny] + SMALL + ["--set", f"train.steps={step + 2}", "--out", killed,
+                              "--resume"], capture_output=True, text=True, timeout=600)
+    check(resumed.returncode == 0, f"resume on one process: exit {resumed.returncode}\n{resumed.stderr[-2000:]}")
+    ref = os.path.join(tmp, "ref")
+    full = subprocess.run([grpo, "--config", tiny] + SMALL + ["--set", f"train.steps={step + 2}", "--out", ref],
+                          capture_output=True, text=True, timeout=600)
+    if resumed.returncode == 0 and full.returncode == 0:
+        got = {r["step"]: r for r in rows(killed)}
+        for r in rows(ref)[step:]:
+            check(r["step"] in got and got[r["step"]]["reward_mean"] == r["reward_mean"] and
+                  got[r["step"]]["sampled_tokens"] == r["sampled_tokens"],
+                  f"resumed step {r['step']}: not the uninterrupted run's samples")
+            check(got.get(r["step"], {}).get("world_size") == 1, "the resumed steps ran on one process")
+
+    # 3. A hung rank (stopped): the other gives up after train.dist_timeout_s naming it.
+    hung = os.path.join(tmp, "hung")
+    args = ["--config", tiny] + SMALL + ["--set", "train.steps=60", "--set", "train.dist_timeout_s=3", "--out", hung,
+                                         "--nproc", "2"]
+    rc, err, after = run_until_checkpoint_then(args, hung, lambda ranks: os.kill(ranks[1], signal.SIGSTOP))
+    check(rc == 1, f"hung rank: exit {rc}, want 1")
+    check("rank 1 did not reach collective" in err, f"hung rank not named:\n{err[-2000:]}")
+    check(after is not None and after < 30, f"the job took {after} s to end after the hang")
+
+    # 4. Bad launches: code 2, the reason named.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2")
+    bad = subprocess.run([grpo] + base + ["--out", os.path.join(tmp, "bad")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    check(bad.returncode == 2 and "LOCAL_RANK is not set" in bad.stderr, f"partial variables: {bad.returncode} {bad.stderr[-500:]}")
+    odd = subprocess.run([grpo] + base + ["--set", "train.prompts_per_step=3", "--out", os.path.join(tmp, "odd"),
+                                          "--nproc", "2"], capture_output=True, text=True, timeout=300)
+    check(odd.returncode == 2 and "train.prompts_per_step = 3" in odd.stderr,
+          f"a step that does not split: {odd.returncode} {odd.stderr[-800:]}")
+
+for f in failures:
+    print("FAIL:", f)
+print("ok" if not failures else f"{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
