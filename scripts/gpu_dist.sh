@@ -90,7 +90,7 @@ fi
 # 3. Equivalence in fp32: 2 ranks x 16 prompts against 1 x 32, same seed and start, 3 steps.
 eq=("${start[@]}" --set model.dtype=float32 --set train.steps=3)
 build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq1" > "$out/eq1.log" 2>&1 || rc=1
-python3 -m torch.distributed.run --nproc-per-node 2 build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq2" \
+python3 -m torch.distributed.run --nproc-per-node 2 --no-python build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq2" \
   > "$out/eq2.log" 2>&1 || rc=1
 echo "== equivalence (fp32): torchrun --nproc-per-node 2 against one GPU"
 compare "$out/eq1/metrics.jsonl" "$out/eq2/metrics.jsonl" 1e-5 | tee "$out/eq_compare.txt" || rc=1
@@ -111,7 +111,7 @@ common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
         --set data.eval_path= --set train.eval_prompts=0)
 build-gpu/bin/grpo_train "${common[@]}" --out "$out/scale1" > "$out/scale1.log" 2>&1 || rc=1
-python3 -m torch.distributed.run --nproc-per-node 2 build-gpu/bin/grpo_train "${common[@]}" --out "$out/scale2" \
+python3 -m torch.distributed.run --nproc-per-node 2 --no-python build-gpu/bin/grpo_train "${common[@]}" --out "$out/scale2" \
   > "$out/scale2.log" 2>&1 || rc=1
 python3 - "$out" <<'PY' | tee "$out/scaling.txt"
 import json, sys

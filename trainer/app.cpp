@@ -85,6 +85,7 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
     run.stop_after = stop_after;
     if (resume && run.lead()) std::cerr << name << ": resuming " << out << " at step " << run.step << "\n";
     train(run);
+    run.dist->close();  // rank 0 keeps the store until every rank is done with it
     if (run.lead()) {
       std::cerr << name << ": done; metrics in " << out << "/metrics.jsonl, plot in " << out << "/plot.svg\n";
     }

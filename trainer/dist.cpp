@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "common/memory.h"
 #include "trainer/optim.h"
@@ -78,7 +79,11 @@ class StoreCollectives : public Collectives {
   void barrier() override { exchange({}); }
 
   void mark(const std::string& where) override {
-    store_->set(mark_key(rank()), std::vector<uint8_t>(where.begin(), where.end()));
+    guard([&] { store_->set(mark_key(rank()), std::vector<uint8_t>(where.begin(), where.end())); });
+  }
+
+  void close() override {
+    guard([&] { store_farewell(*store_, rank(), world(), timeout_); });
   }
 
  private:
@@ -109,9 +114,20 @@ class StoreCollectives : public Collectives {
     return t;
   }
 
+  // A store operation; the store gone (rank 0 serves it) is a DistError.
+  template <class F>
+  void guard(F&& f) const {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      throw DistError("rank " + std::to_string(rank()) +
+                      ": the rendezvous store is gone (rank 0 serves it; did it exit?): " + e.what_without_backtrace());
+    }
+  }
+
   std::vector<std::vector<uint8_t>> exchange(const std::vector<uint8_t>& mine) {
     const int64_t call = calls_++;
-    store_->set(key(call, rank()), mine);
+    guard([&] { store_->set(key(call, rank()), mine); });
     std::vector<std::vector<uint8_t>> all(world());
     for (int r = 0; r < world(); ++r) {
       if (r == rank()) {
@@ -125,7 +141,7 @@ class StoreCollectives : public Collectives {
         throw DistError(late_rank(r, e.what_without_backtrace()));
       }
     }
-    if (call > 0) store_->deleteKey(key(call - 1, rank()));
+    if (call > 0) guard([&] { store_->deleteKey(key(call - 1, rank())); });
     return all;
   }
 
@@ -169,6 +185,8 @@ DistEnv dist_env(const std::function<const char*(const char*)>& getenv) {
   env.master_addr = getenv("MASTER_ADDR");
   if (env.master_addr.empty()) throw RunError("MASTER_ADDR is empty");
   env.master_port = env_int("MASTER_PORT", getenv("MASTER_PORT"), 1, 65535);
+  const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+  env.agent_store = agent && std::string(agent) == "True";
   return env;
 }
 
@@ -190,12 +208,24 @@ std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::St
 
 c10::intrusive_ptr<c10d::Store> thread_store() { return c10::make_intrusive<c10d::HashStore>(); }
 
+void store_farewell(c10d::Store& store, int rank, int world, std::chrono::milliseconds timeout) {
+  store.add("rlt/closed", 1);
+  if (rank != 0) return;
+  const auto until = Clock::now() + timeout;
+  while (store.add("rlt/closed", 0) < world) {
+    if (Clock::now() > until) {
+      throw DistError("rank 0: not every rank finished within train.dist_timeout_s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std::chrono::milliseconds timeout) {
   c10::intrusive_ptr<c10d::Store> store;
   try {
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(env.master_port);
-    o.isServer = env.rank == 0;
+    o.isServer = env.rank == 0 && !env.agent_store;  // torchrun's agent serves it
     o.numWorkers = env.world;
     o.waitWorkers = true;
     o.timeout = timeout;
@@ -276,6 +306,8 @@ void GradReducer::ready(size_t i) {
   if (!armed_ || done_[i]) return;
   done_[i] = true;
   if (i < run_.master.size()) accumulate_gradient(params_[i], run_.master[i]);
+  at::Tensor& g = grad(i);
+  if (!g.defined()) g = at::zeros_like(target(i));  // the hook ran for an undefined incoming gradient
   if (--remaining_[bucket_of_[i]] == 0) start_ready_buckets();
 }
 

@@ -51,6 +51,9 @@ struct DistEnv {
   int rank = 0, world = 1, local_rank = 0;
   std::string master_addr;
   int master_port = 0;
+  // TORCHELASTIC_USE_AGENT_STORE=True (torchrun): the launcher's agent serves the store at MASTER_ADDR:PORT
+  // and every rank is a client; otherwise rank 0 serves it.
+  bool agent_store = false;
 };
 DistEnv dist_env(const std::function<const char*(const char*)>& getenv);
 DistEnv dist_env();  // from the process environment
@@ -81,6 +84,9 @@ class Collectives {
   virtual void barrier() = 0;
   // Where this rank is ("step 3: update"): read when a collective times out, to name the late rank.
   virtual void mark(const std::string& where) {}
+  // The end of a clean run, on every rank: rank 0 (which may serve the store) waits until every rank has
+  // said goodbye, so none loses the store while it still reads it.
+  virtual void close() {}
 
  private:
   int rank_, world_;
@@ -94,6 +100,8 @@ std::shared_ptr<Collectives> single_process();
 // the same bits. A rank whose key does not come within `timeout` is named in the DistError.
 std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
                                                std::chrono::milliseconds timeout);
+// The goodbye of close() through a store: each rank counts itself under "rlt/closed"; rank 0 waits for all.
+void store_farewell(c10d::Store& store, int rank, int world, std::chrono::milliseconds timeout);
 // An in-memory store for ranks on threads of one process (tests).
 c10::intrusive_ptr<c10d::Store> thread_store();
 
@@ -123,6 +131,8 @@ std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world
 // bucket_bytes of one dtype, in reverse parameter order (the order the backward produces them).
 //   arm()     before the backward that ends an optimizer step (earlier micro-batches accumulate locally)
 //   finish()  after it: starts what is left, waits; then every gradient the optimizer reads is the sum
+// A parameter the backward does not reach gets a zero gradient (so AdamW still decays it, unlike one
+// process, where it would have none); every parameter of the decoder and the value head is reached.
 class GradReducer {
  public:
   // bucket_bytes: train.dist_bucket_mb.

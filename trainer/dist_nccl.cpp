@@ -100,7 +100,21 @@ class NcclCollectives : public Collectives {
   void barrier() override { all_reduce({at::zeros({1}, at::TensorOptions().device(device_))}, ReduceOp::kSum); }
 
   void mark(const std::string& where) override {
-    store_->set("rlt/mark/" + std::to_string(rank()), std::vector<uint8_t>(where.begin(), where.end()));
+    try {
+      store_->set("rlt/mark/" + std::to_string(rank()), std::vector<uint8_t>(where.begin(), where.end()));
+    } catch (const c10::Error& e) {
+      throw DistError("rank " + std::to_string(rank()) +
+                      ": the rendezvous store is gone: " + e.what_without_backtrace());
+    }
+  }
+
+  void close() override {
+    try {
+      store_farewell(*store_, rank(), world(), timeout_);
+    } catch (const c10::Error& e) {
+      throw DistError("rank " + std::to_string(rank()) +
+                      ": the rendezvous store is gone: " + e.what_without_backtrace());
+    }
   }
 
   // Waits for a collective; past train.dist_timeout_s, names the ranks whose last mark differs from ours.

@@ -74,7 +74,7 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
     bool ours = false;
-    for (const char* k : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT="}) {
+    for (const char* k : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "TORCHELASTIC_"}) {
       ours = ours || kv.rfind(k, 0) == 0;
     }
     if (!ours) base.push_back(kv);
@@ -117,21 +117,19 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
   };
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
+    if (g_stop_signal && !stopping) {  // a signal that came between two waits
+      std::cerr << name << ": " << strsignal(g_stop_signal) << ": stopping every rank\n";
+      stopping = true;
+      code = 1;
+      stop_all(SIGTERM);
+      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    }
     int status = 0;
     // Blocking until the first failure; then polled, so that ranks still alive get SIGKILL at the deadline.
     const pid_t pid = waitpid(-1, &status, stopping ? WNOHANG : 0);
-    if (pid < 0 && errno == EINTR) {
-      if (g_stop_signal && !stopping) {
-        std::cerr << name << ": " << strsignal(g_stop_signal) << ": stopping every rank\n";
-        stopping = true;
-        code = 1;
-        stop_all(SIGTERM);
-        stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      }
-      continue;
-    }
-    if (pid < 0) break;  // no children left
-    if (pid == 0) {      // polling: none exited yet
+    if (pid < 0 && errno == EINTR) continue;  // a signal: handled at the top
+    if (pid < 0) break;                       // no children left
+    if (pid == 0) {                           // polling: none exited yet
       if (std::chrono::steady_clock::now() > stop_deadline) {
         stop_all(SIGKILL);
         stop_deadline = std::chrono::steady_clock::time_point::max();

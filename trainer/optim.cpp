@@ -184,7 +184,7 @@ double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer
   if (!loss_finite || !std::isfinite(norm)) {
     run.optimizer->zero_grad();  // never applied
     ++run.skipped_steps;
-    std::cerr << "warning: step " << run.step + 1 << ": non-finite loss or gradient, update skipped\n";
+    if (run.lead()) std::cerr << "warning: step " << run.step + 1 << ": non-finite loss or gradient, update skipped\n";
     return norm;
   }
   set_learning_rate(*run.optimizer, learning_rate(run.config.train, run.optimizer_steps, total_optimizer_steps),

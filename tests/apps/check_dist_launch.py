@@ -1,7 +1,8 @@
 """grpo_train's data-parallel launch on the CPU (the store's collectives over a TCPStore, real processes):
 
 1. --nproc 2 trains: rank 0 alone writes metrics.jsonl (one row per step, world_size 2), and every step
-   samples what one process samples (the same rewards and token counts: prompts keep their noise streams).
+   samples what one process samples (the same rewards and token counts: prompts keep their noise streams);
+   torchrun --nproc-per-node 2 (whose agent serves the rendezvous store) trains the same run.
 2. A rank killed mid-run ends the job at once with a message naming it; the checkpoint folder holds the
    last complete checkpoint, and --resume continues it on one process, as the uninterrupted run went on.
 3. A rank that hangs (SIGSTOP) ends the job within train.dist_timeout_s, the message naming the late rank.
@@ -102,6 +103,16 @@ with tempfile.TemporaryDirectory() as tmp:
                 check(x[k] == y[k], f"step {x['step']}: {k} {x[k]} (one process) != {y[k]} (two ranks)")
         check(r2.stderr.count("step 1/4") == 1, "one progress line per step (rank 0's)")
 
+    # torchrun (its agent serves the store): the same run as --nproc 2.
+    tr = os.path.join(tmp, "torchrun")
+    r3 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python", grpo] + base +
+                        ["--out", tr], capture_output=True, text=True, timeout=600)
+    check(r3.returncode == 0, f"torchrun --nproc-per-node 2: exit {r3.returncode}\n{r3.stderr[-2000:]}")
+    if r3.returncode == 0 and r2.returncode == 0:
+        for x, y in zip(rows(two), rows(tr)):
+            for k in ("reward_mean", "sampled_tokens", "loss", "world_size"):
+                check(x[k] == y[k], f"torchrun step {x['step']}: {k} {y[k]} != {x[k]} (--nproc 2)")
+
     # 2. Kill rank 1 after the first checkpoint: the job ends naming it; the checkpoint resumes.
     killed = os.path.join(tmp, "killed")
     long = ["--config", tiny] + SMALL + ["--set", "train.steps=60", "--out", killed, "--nproc", "2"]
@@ -111,7 +122,8 @@ with tempfile.TemporaryDirectory() as tmp:
     check(after is not None and after < 30, f"the job took {after} s to end after the kill")
     step = checkpoint_step(killed)
     check(step >= 2 and step < 60, f"checkpoint at step {step}")
-    check(not os.path.exists(os.path.join(killed, "checkpoint", "model.tmp")), "a half-written file in checkpoint/")
+    # save_checkpoint writes checkpoint.tmp and renames it: checkpoint/ itself is whole.
+    check(os.path.exists(os.path.join(killed, "checkpoint", "optimizer.pt")), "checkpoint/ incomplete")
     # Resume on one process up to step + 2; it samples what the uninterrupted one-process run samples.
     resumed = subprocess.run([grpo, "--config", tiny] + SMALL + ["--set", f"train.steps={step + 2}", "--out", killed,
                               "--resume"], capture_output=True, text=True, timeout=600)

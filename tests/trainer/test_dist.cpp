@@ -258,12 +258,14 @@ class CountingCollectives : public Collectives {
 // GPU its collectives are NCCL's (one rank), launched from the autograd engine's device thread. Wrong
 // implementations it rejects: a reducer that also reduced the first micro-batch (buckets counted twice),
 // or whose hooks took the bf16 gradient of the armed backward alone (the first micro-batch's lost).
-void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectives> inner) {
-  nlohmann::json j = {{"model_type", "llama"},      {"vocab_size", 97},       {"hidden_size", 32},
-                      {"intermediate_size", 64},    {"num_hidden_layers", 2}, {"num_attention_heads", 2},
-                      {"num_key_value_heads", 1},   {"rms_norm_eps", 1e-6},   {"rope_theta", 10000.0},
-                      {"tie_word_embeddings", true}};
-  auto make = [&](std::shared_ptr<Collectives> dist) {
+// A bf16 llama-style model with fp32 master weights (1 MiB gradient buckets), and a loss of it per seed.
+struct TinyBf16 {
+  at::Device device;
+  Run make(std::shared_ptr<Collectives> dist) const {
+    const nlohmann::json j = {{"model_type", "llama"},      {"vocab_size", 97},       {"hidden_size", 32},
+                              {"intermediate_size", 64},    {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                              {"num_key_value_heads", 1},   {"rms_norm_eps", 1e-6},   {"rope_theta", 10000.0},
+                              {"tie_word_embeddings", true}};
     Run run;
     run.config = load_config("", {});
     run.config.train.dist_bucket_mb = 1;
@@ -272,14 +274,20 @@ void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectiv
     if (dist) run.dist = dist;
     make_optimizer(run, {});
     return run;
-  };
-  auto loss_of = [&](Run& run, int64_t seed) {
+  }
+  at::Tensor loss(Run& run, int64_t seed) const {
     at::manual_seed(seed);
     const at::Tensor ids = at::randint(97, {2, 9}, at::TensorOptions().dtype(at::kLong)).to(device);
     const at::Tensor pos = at::arange(9, at::TensorOptions().dtype(at::kLong)).expand({2, 9}).to(device);
     const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
     return run.policy->logits(h).to(at::kFloat).logsumexp(-1).mean();
-  };
+  }
+};
+
+void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectives> inner) {
+  const TinyBf16 tiny{device};
+  auto make = [&](std::shared_ptr<Collectives> dist) { return tiny.make(dist); };
+  auto loss_of = [&](Run& run, int64_t seed) { return tiny.loss(run, seed); };
   Run plain = make(nullptr);
   backward(plain, loss_of(plain, 1), nullptr, false);
   backward(plain, loss_of(plain, 2), nullptr, true);
@@ -314,6 +322,34 @@ void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectiv
 
 TEST(GradReducer, StartsEveryBucketDuringTheBackwardAndSumsLikeAPlainBackward) {
   reducer_matches_plain_backward(at::kCPU, single_process());
+}
+
+// Two thread ranks, each one micro-batch of its own: after the reducer every rank's fp32 master gradient
+// is exactly the fp32 sum of the two ranks' master gradients (rank order), the sum one process would
+// accumulate. Summing the bf16 gradients instead (before they reach the masters) rounds the sum to bf16,
+// which the bit-exact comparison rejects; the test shows that rounding is visible here.
+TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
+  const TinyBf16 tiny{at::kCPU};
+  std::vector<std::vector<at::Tensor>> own(2), reduced(2);
+  for (int r = 0; r < 2; ++r) {
+    rlt::Run run = tiny.make(nullptr);
+    backward(run, tiny.loss(run, 10 + r), nullptr, true);
+    for (const auto& m : run.master) own[r].push_back(m.grad().clone());
+  }
+  rlt::testing::on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    rlt::Run run = tiny.make(c);
+    GradReducer reducer(run, 4096);
+    backward(run, tiny.loss(run, 10 + r), &reducer, true);
+    for (const auto& m : run.master) reduced[r].push_back(m.grad().clone());
+  });
+  bool bf16_sum_differs = false;
+  for (size_t i = 0; i < own[0].size(); ++i) {
+    const at::Tensor sum = own[0][i] + own[1][i];
+    EXPECT_TRUE(at::equal(reduced[0][i], sum)) << "parameter " << i;
+    EXPECT_TRUE(at::equal(reduced[1][i], sum)) << "parameter " << i;
+    bf16_sum_differs |= !at::equal(sum.to(at::kBFloat16).to(at::kFloat), sum);
+  }
+  EXPECT_TRUE(bf16_sum_differs) << "a bf16 sum would be told apart";
 }
 
 TEST(GradReducerCuda, NcclOfOneRankFromTheDeviceThread) {

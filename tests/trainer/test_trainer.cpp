@@ -649,6 +649,9 @@ TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
   c.train.prompts_per_step = 4;
   c.train.mini_batch_size = 8;  // two prompts: one per rank
   c.train.old_logprobs = OldLogprobs::kRecompute;
+  c.train.eval_prompts = 3;  // held out, shared 2 + 1 over the ranks; 2 samples each, after step 3
+  c.train.eval_samples = 2;
+  c.train.eval_every = 3;
   struct Result {
     std::vector<nlohmann::json> rows;
     std::vector<std::vector<at::Tensor>> params;  // per rank
@@ -696,6 +699,10 @@ TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
   const double g1 = one.rows[0]["grad_norm"].get<double>();
   EXPECT_NEAR(two.rows[0]["grad_norm"].get<double>(), g1, 1e-5 * g1);
   EXPECT_NEAR(two.rows[0]["entropy"].get<double>(), one.rows[0]["entropy"].get<double>(), 1e-5);
+  for (const char* k : {"eval_pass@1", "eval_pass@k", "eval_tool_use"}) {  // the same completions, summed over ranks
+    ASSERT_TRUE(one.rows[2].contains(k)) << k;
+    EXPECT_NEAR(two.rows[2][k].get<double>(), one.rows[2][k].get<double>(), 1e-12) << k;
+  }
   for (size_t i = 0; i < two.params[0].size(); ++i) {
     ASSERT_TRUE(at::equal(two.params[0][i], two.params[1][i])) << "the ranks' weights part at " << i;
   }
