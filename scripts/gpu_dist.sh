@@ -8,7 +8,7 @@
 #      seed: first-step loss and gradient norm within 1e-5, the weights after 3 steps within 1e-4 relative;
 #   4. scaling: configs/retool.yaml steps (random Qwen2.5-0.5B-shaped checkpoint saved by transformers) on
 #      1 and 2 GPUs, the step time split into rollout / scoring / update / gradient communication.
-# Usage: bash scripts/gpu_dist.sh [scaling_steps] [max_new_tokens]
+# Usage: bash scripts/gpu_dist.sh [scaling_steps] [max_new_tokens]; CTEST_ALL=1 also runs every test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_dist}
@@ -80,6 +80,12 @@ build-gpu/bin/grpo_train "${one[@]}" --out "$out/nproc1" --nproc 1 > "$out/nproc
   compare "$out/plain/metrics.jsonl" "$out/nproc1/metrics.jsonl" 1e-5
 } 2>&1 | tee "$out/nproc1_compare.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+
+# CTEST_ALL=1: every test of the tree too (run_gpu_ctest: a skipped CUDA test fails it).
+if [ "${CTEST_ALL:-0}" = 1 ]; then
+  mv "$out/ctest.log" "$out/ctest_dist.log"
+  run_gpu_ctest || rc=1
+fi
 
 if [ "$ngpu" -lt 2 ]; then
   echo "$ngpu GPU: parts 3 and 4 need two (nvidia-h200-x2)"
