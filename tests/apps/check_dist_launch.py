@@ -2,14 +2,15 @@
 
 1. --nproc 2 trains: rank 0 alone writes metrics.jsonl (one row per step, world_size 2), and every step
    samples what one process samples (the same rewards and token counts: prompts keep their noise streams);
-   torchrun --nproc-per-node 2 (whose agent serves the rendezvous store) trains the same run.
+   torchrun --nproc-per-node 2 (whose agent serves the rendezvous store) trains the same run; a 2-rank run
+   stopped (--stop-after) and resumed on 2 ranks repeats the uninterrupted one; ppo_train --nproc 2 trains.
 2. A rank killed mid-run ends the job at once with a message naming it; the checkpoint folder holds the
    last complete checkpoint, and --resume continues it on one process, as the uninterrupted run went on.
 3. A rank that hangs (SIGSTOP) ends the job within train.dist_timeout_s, the message naming the late rank.
 4. Bad launches exit with code 2 and say why: a partial set of torchrun variables, a step that does not
    split over the ranks.
 
-usage: check_dist_launch.py GRPO_TRAIN SOURCE_DIR
+usage: check_dist_launch.py GRPO_TRAIN SOURCE_DIR [PPO_TRAIN]
 """
 import json
 import os
@@ -20,6 +21,7 @@ import tempfile
 import time
 
 grpo, src = sys.argv[1:3]
+ppo = sys.argv[3] if len(sys.argv) > 3 else None
 tiny = os.path.join(src, "configs", "retool_tiny.yaml")
 failures = []
 SMALL = ["--set", "model.init_hidden=32", "--set", "model.init_layers=2", "--set", "model.init_heads=2",
@@ -112,6 +114,25 @@ with tempfile.TemporaryDirectory() as tmp:
         for x, y in zip(rows(two), rows(tr)):
             for k in ("reward_mean", "sampled_tokens", "loss", "world_size"):
                 check(x[k] == y[k], f"torchrun step {x['step']}: {k} {y[k]} != {x[k]} (--nproc 2)")
+
+    # --stop-after 2 on two ranks, then --resume on two ranks: the uninterrupted run's steps 3 and 4.
+    part = os.path.join(tmp, "part")
+    a = subprocess.run([grpo] + base + ["--out", part, "--nproc", "2", "--stop-after", "2"], capture_output=True,
+                       text=True, timeout=600)
+    b = subprocess.run([grpo] + base + ["--out", part, "--nproc", "2", "--resume"], capture_output=True, text=True,
+                       timeout=600)
+    check(a.returncode == 0 and b.returncode == 0, f"stop/resume on 2 ranks: exit {a.returncode}, {b.returncode}\n"
+                                                    f"{(a.stderr + b.stderr)[-2000:]}")
+    if a.returncode == 0 and b.returncode == 0 and r2.returncode == 0:
+        for x, y in zip(rows(two), rows(part)):
+            for k in ("reward_mean", "sampled_tokens", "loss", "grad_norm"):
+                check(x[k] == y[k], f"resumed 2-rank run, step {x['step']}: {k} {y[k]} != {x[k]}")
+    # PPO through the same launch: its value head and whitening over two ranks.
+    if ppo:
+        p2 = subprocess.run([ppo] + base + ["--out", os.path.join(tmp, "ppo2"), "--nproc", "2"], capture_output=True,
+                            text=True, timeout=600)
+        check(p2.returncode == 0 and len(rows(os.path.join(tmp, "ppo2"))) == 4,
+              f"ppo_train --nproc 2: exit {p2.returncode}\n{p2.stderr[-2000:]}")
 
     # 2. Kill rank 1 after the first checkpoint: the job ends naming it; the checkpoint resumes.
     killed = os.path.join(tmp, "killed")
