@@ -1,6 +1,7 @@
 // bench_loss: peak extra memory, time and accuracy of every log-prob path in the settings of the seed
 // documents (seed000: B=16 T=1024 V=32768 logits; seed001: T=205280 V=76032 with response fractions,
-// D=2560 for cce; seed002: N=8192 V=256000 D=2304 bf16 from hidden states). Prints a table and writes
+// D=2560 for cce; seed002: N=8192 V=256000 D=2304 bf16 from hidden states; heads: the Qwen2.5-0.5B and
+// Llama-3-8B LM heads at N=8192 with entropy). Prints a table and writes
 // JSON records {case, impl, dtype, pass, rows, vocab, hidden, logits_mb, peak_extra_mb, ms,
 // max_abs_err, lower_bound_mb, ...}. PyTorch peers come from scripts/bench_peers.py in the same run.
 #include <ATen/core/grad_mode.h>
@@ -331,6 +332,36 @@ void case_seed002(Bench& b) {
   }
 }
 
+// The LM heads of real models, N = 8192 rows, bf16, log-prob and entropy with their gradients:
+// Qwen2.5-0.5B (D=896, V=151936) and Llama-3-8B (D=4096, V=128256), inputs built as seed002's (a peaked
+// softmax, target logit ~13). scripts/bench_peers.py --case heads measures the peers on the same shapes.
+void case_heads(Bench& b) {
+  struct Head {
+    const char* model;
+    int64_t D, V;
+  };
+  for (const Head& h : {Head{"qwen2.5-0.5b", 896, 151936}, Head{"llama3-8b", 4096, 128256}}) {
+    const int64_t N = scaled(8192, b.scale);
+    Inputs in;
+    make_lm(N, h.V, h.D, at::kBFloat16, b.device, in);
+    const at::Tensor ref = reference_logprobs(in, 1.0);
+    LossOptions base = b.base;
+    base.response_only = false;
+    base.loss_mask_only = false;
+    base.entropy = EntropyMode::kGrad;
+    const std::vector<Variant> vs = {
+        {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
+        {"cce", with(base, LogprobImpl::kCce), true},
+    };
+    for (const auto& v : vs) {
+      for (const char* pass : {"fw", "fwbw"}) {
+        run_variant(b, "heads", v, in, pass, ref, json{{"model", h.model}, {"entropy", true}});
+      }
+    }
+    release_cached_memory(b.device);
+  }
+}
+
 }  // namespace
 
 // bench_loss reads one section, the loss module's options (the same keys as the trainer's `loss:`).
@@ -349,8 +380,8 @@ int main(int argc, char** argv) {
   std::string device = "cpu", which = "all", json_path;
   Bench b;
   app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--case", which, "seed000 | seed001 | seed002 | all")
-      ->check(CLI::IsMember({"seed000", "seed001", "seed002", "all"}));
+  app.add_option("--case", which, "seed000 | seed001 | seed002 | heads (Qwen2.5-0.5B and Llama-3-8B LM heads) | all")
+      ->check(CLI::IsMember({"seed000", "seed001", "seed002", "heads", "all"}));
   app.add_option("--scale", b.scale, "multiply the row count of every case (CPU runs: 0.01 or less)")
       ->check(CLI::Range(1e-6, 1.0));
   app.add_option("--reps", b.reps, "timed repetitions (median reported); 0 = 10 on CUDA, 3 on CPU")
@@ -375,6 +406,7 @@ int main(int argc, char** argv) {
   if (which == "seed000" || which == "all") case_seed000(b);
   if (which == "seed001" || which == "all") case_seed001(b);
   if (which == "seed002" || which == "all") case_seed002(b);
+  if (which == "heads" || which == "all") case_heads(b);
   if (!json_path.empty()) {
     const auto parent = std::filesystem::path(json_path).parent_path();
     std::error_code ec;

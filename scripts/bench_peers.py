@@ -9,6 +9,13 @@ in the three settings of the seed documents:
   seed001  response-row gathering PR: full (T, V) fp32 logits, T=205280, V=76032, log-prob +
            entropy on the response rows only, for several response fractions
   seed002  Cut Cross-Entropy Table 1: E (N, D) and C (V, D) bf16, N=8192, V=256000, D=2304
+  heads    the LM heads of real models, N=8192, bf16, log-prob + entropy: Qwen2.5-0.5B (D=896,
+           V=151936) and Llama-3-8B (D=4096, V=128256); inputs built as seed002's
+
+Fused peers (when installed: pip install cut-cross-entropy liger-kernel; the GPU host takes their wheels
+from .gpu/wheels): apple CCE (linear_cross_entropy, impl="cce") and Liger's fused linear cross-entropy,
+both in the RL form: reduction "none" (one log-prob per token), backward with a per-token upstream
+gradient (ones: d(sum of log-probs), what bench_loss backpropagates). Neither returns an entropy.
 
 Usage: python3 scripts/bench_peers.py --case seed000|seed001|seed002|all
            [--scale F] [--json FILE] [--device cuda|cpu] [--reps N]
@@ -99,6 +106,33 @@ def response_naive(logits, index, keep):
 
 def cross_entropy(E, C, targets):
     return F.cross_entropy(E @ C.T, targets, reduction="none")
+
+
+def logprob_entropy(E, C, targets):
+    """What a PyTorch user writes for an RL head with entropy: fp32 log-softmax of the bf16 logits."""
+    logp = (E @ C.T).float().log_softmax(-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def fused_peers():
+    """(name, fn(E, C, targets) -> per-token cross-entropy) of the installed fused peers."""
+    out = []
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        out.append(("apple_cce", lambda E, C, t: linear_cross_entropy(E, C, t, reduction="none", impl="cce")))
+    except ImportError as e:
+        print(f"apple CCE not installed ({e}): skipped", flush=True)
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        def liger(E, C, t):
+            r = LigerFusedLinearCrossEntropyFunction.apply(E, C, t, None, None, -100, 0.0, 0.0, "none")
+            return r[0] if isinstance(r, tuple) else r
+        out.append(("liger_fused_linear_ce", liger))
+    except ImportError as e:
+        print(f"liger-kernel not installed ({e}): skipped", flush=True)
+    return out
 
 
 _compiled = {}
@@ -376,11 +410,61 @@ def case_seed002(R, scale):
     for impl, fn, is_c in peers:
         R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), impl, fn, is_c, "fwbw",
               fwbw, [E_leaf, C_leaf], err_fn)
+    run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn)
     del E, C, E_leaf, C_leaf, ref
     release(dev)
 
 
-CASES = {"seed000": case_seed000, "seed001": case_seed001, "seed002": case_seed002}
+def run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn):
+    """apple CCE and Liger in the RL form: per-token values, backward of their sum."""
+    N, D, V = E.shape[0], E.shape[1], C.shape[0]
+
+    def fwbw(f):
+        def call():
+            ce = f(E_leaf, C_leaf, targets)
+            (-ce).sum().backward()  # d(sum of log-probs): a per-token upstream gradient of ones
+            return ce.detach()
+        return call
+    for impl, fn in fused_peers():
+        R.run(dict(base, lower_bound_mb=N * 4 / MIB), impl, fn, False, "fw",
+              lambda f: fw_call(lambda: f(E, C, targets)), [], err_fn, entropy=False)
+        R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), impl, fn, False, "fwbw",
+              fwbw, [E_leaf, C_leaf], err_fn, entropy=False)
+
+
+HEADS = (("qwen2.5-0.5b", 896, 151936), ("llama3-8b", 4096, 128256))
+
+
+def case_heads(R, scale):
+    dev = R.dev
+    N = scaled(8192, scale)
+    for model, D, V in HEADS:
+        E, C, targets = seed002_inputs(N, V, D, dev)
+        ref = ref_seed002(E, C, targets)
+        print(f"heads {model}: N={N} V={V} D={D} mean target prob {ref.exp().mean().item():.3f}", flush=True)
+        base = dict(case="heads", dtype="bf16", rows=N, vocab=V, hidden=D, logits_mb=N * V * 2 / MIB, model=model)
+        E_leaf = E.detach().requires_grad_(True)
+        C_leaf = C.detach().requires_grad_(True)
+
+        def fwbw(f):
+            def call():
+                lp, ent = f(E_leaf, C_leaf, targets)
+                (lp.sum() + ent.sum()).backward()  # log-prob and entropy gradients, as bench_loss
+                return lp.detach()
+            return call
+        err_lp = lambda out: max_err(out[0] if isinstance(out, tuple) else out, ref)  # noqa: E731
+        for impl, fn, is_c in (("torch_logprob_entropy", logprob_entropy, False),
+                               ("torch_compile_logprob_entropy", compiled(logprob_entropy), True)):
+            R.run(dict(base, lower_bound_mb=N * 4 / MIB), impl, fn, is_c, "fw",
+                  lambda f: fw_call(lambda: f(E, C, targets)), [], err_lp, entropy=True)
+            R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), impl, fn, is_c, "fwbw",
+                  fwbw, [E_leaf, C_leaf], err_lp, entropy=True)
+        run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, lambda ce: max_err(-ce, ref))
+        del E, C, E_leaf, C_leaf, ref
+        release(dev)
+
+
+CASES = {"seed000": case_seed000, "seed001": case_seed001, "seed002": case_seed002, "heads": case_heads}
 
 
 def main():
