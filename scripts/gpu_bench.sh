@@ -2,12 +2,20 @@
 # One call on the H200 host: build (Debian packages carried in .gpu/, see ../shared/gpu/README.md), run
 # every test (the CUDA ones included), then bench_loss on CUDA for every case and the PyTorch peers
 # (scripts/bench_peers.py) in the same command on the same GPU. Results land in $OUT (or runs/gpu).
-# Usage on the host: bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002)
+# Usage on the host: bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads)
+# The fused peers (apple CCE, Liger) come from their pure-Python wheels in .gpu/wheels, fetched here with
+#   pip download --no-deps cut-cross-entropy liger-kernel -d .gpu/wheels
+# and unpacked onto PYTHONPATH (the host has no package registry; triton comes with its torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
-cases=("${@:-seed000 seed001 seed002}")
+cases=("${@:-seed000 seed001 seed002 heads}")
+if ls .gpu/wheels/*.whl > /dev/null 2>&1; then
+  mkdir -p /tmp/rlt_peer_wheels
+  for w in .gpu/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/rlt_peer_wheels; done
+  export PYTHONPATH=/tmp/rlt_peer_wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
 source scripts/gpu_build.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt" 2>&1
@@ -23,7 +31,7 @@ import json, glob, os, sys
 out = sys.argv[1]
 for kind in ("cpp", "peers"):
     recs = []
-    for f in sorted(glob.glob(os.path.join(out, f"{kind}_seed*.json"))):
+    for f in sorted(glob.glob(os.path.join(out, f"{kind}_*.json"))):
         recs += json.load(open(f))
         os.remove(f)
     json.dump(recs, open(os.path.join(out, f"bench_{kind}.json"), "w"), indent=1)
