@@ -229,6 +229,10 @@ std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std:
     o.numWorkers = env.world;
     o.waitWorkers = true;
     o.timeout = timeout;
+    // --nproc: rank 0 takes over the launcher's listening socket (loopback, the port already held).
+    if (const char* fd = std::getenv("RLT_MASTER_LISTEN_FD"); fd && o.isServer) {
+      o.masterListenFd = env_int("RLT_MASTER_LISTEN_FD", fd, 0, 1 << 20);
+    }
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
   } catch (const c10::Error& e) {
     throw DistError("rank " + std::to_string(env.rank) + ": no rendezvous at " + env.master_addr + ":" +

@@ -25,22 +25,25 @@ volatile sig_atomic_t g_stop_signal = 0;
 
 void on_stop(int sig) { g_stop_signal = sig; }
 
-// A port the kernel has just handed out on the loopback interface (the rendezvous binds it right after).
-int free_port() {
+// A socket listening on a loopback port the kernel picks, kept open and handed to rank 0's store
+// (RLT_MASTER_LISTEN_FD): no other process can take the port between the choice and the rendezvous, and
+// the store is reachable from this machine only. -1 when none could be made (the store then binds the
+// port itself).
+int listening_socket(int& port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 29500;
+  if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = 0;
   socklen_t len = sizeof(a);
-  int port = 29500;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 128) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(fd);
+    return -1;
   }
-  close(fd);
-  return port;
+  port = ntohs(a.sin_port);
+  return fd;
 }
 
 std::string describe(int status) {
@@ -68,13 +71,15 @@ std::vector<std::string> without_nproc(int argc, char** argv) {
 }
 
 int launch_ranks(const std::string& name, int nproc, const std::vector<std::string>& args) {
-  const int port = free_port();
+  int port = 29500;
+  const int listen_fd = listening_socket(port);
   // Each rank's environment: this one's without torchrun's variables, then its own.
   std::vector<std::string> base;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
     bool ours = false;
-    for (const char* k : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "TORCHELASTIC_"}) {
+    for (const char* k : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "TORCHELASTIC_",
+                          "RLT_MASTER_LISTEN_FD="}) {
       ours = ours || kv.rfind(k, 0) == 0;
     }
     if (!ours) base.push_back(kv);
@@ -96,6 +101,7 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
     env.push_back("WORLD_SIZE=" + std::to_string(nproc));
     env.push_back("MASTER_ADDR=127.0.0.1");
     env.push_back("MASTER_PORT=" + std::to_string(port));
+    if (r == 0 && listen_fd >= 0) env.push_back("RLT_MASTER_LISTEN_FD=" + std::to_string(listen_fd));
     std::vector<char*> envp;
     for (auto& kv : env) envp.push_back(kv.data());
     envp.push_back(nullptr);
@@ -106,6 +112,7 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
       return 1;
     }
   }
+  if (listen_fd >= 0) close(listen_fd);  // rank 0 holds it now
   std::cerr << name << ": " << nproc << " ranks started (rendezvous 127.0.0.1:" << port << ")\n";
 
   int running = nproc, code = 0;
