@@ -105,7 +105,13 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
     std::vector<char*> envp;
     for (auto& kv : env) envp.push_back(kv.data());
     envp.push_back(nullptr);
-    if (const int rc = posix_spawn(&pids[r], "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()); rc != 0) {
+    // Only rank 0 keeps the listening socket; the others close their inherited copy.
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    if (r != 0 && listen_fd >= 0) posix_spawn_file_actions_addclose(&fa, listen_fd);
+    const int rc = posix_spawn(&pids[r], "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
       std::cerr << name << ": cannot start rank " << r << ": " << std::strerror(rc) << "\n";
       for (int q = 0; q < r; ++q) kill(pids[q], SIGTERM);
       for (int q = 0; q < r; ++q) waitpid(pids[q], nullptr, 0);
