@@ -15,9 +15,11 @@ in the three settings of the seed documents:
 Fused peers (when installed: pip install cut-cross-entropy liger-kernel; the GPU host takes their wheels
 from .gpu/wheels): apple CCE (linear_cross_entropy, impl="cce") and Liger's fused linear cross-entropy,
 both in the RL form: reduction "none" (one log-prob per token), backward with a per-token upstream
-gradient (ones: d(sum of log-probs), what bench_loss backpropagates). Neither returns an entropy.
+gradient (ones: d(sum of log-probs), what bench_loss backpropagates). Neither returns an entropy. apple
+CCE runs with its default gradient filtering (filter_eps "high"), as this project's cce runs with its own
+(loss.grad_filter); Liger's reduction="none" backward is exact for this uniform upstream gradient.
 
-Usage: python3 scripts/bench_peers.py --case seed000|seed001|seed002|all
+Usage: python3 scripts/bench_peers.py --case seed000|seed001|seed002|heads|all
            [--scale F] [--json FILE] [--device cuda|cpu] [--reps N]
 
 Measurement rules (shared with the C++ side; MiB = 2**20 bytes):

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <fcntl.h>
+
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -234,6 +236,9 @@ std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std:
       o.masterListenFd = env_int("RLT_MASTER_LISTEN_FD", fd, 0, 1 << 20);
     }
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+    // The store owns the socket now: the processes this rank starts (the sandbox) get neither it nor its name.
+    if (o.masterListenFd) fcntl(*o.masterListenFd, F_SETFD, FD_CLOEXEC);
+    unsetenv("RLT_MASTER_LISTEN_FD");
   } catch (const c10::Error& e) {
     throw DistError("rank " + std::to_string(env.rank) + ": no rendezvous at " + env.master_addr + ":" +
                     std::to_string(env.master_port) + " within " + std::to_string(timeout.count() / 1000) +

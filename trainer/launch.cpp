@@ -107,12 +107,13 @@ int launch_ranks(const std::string& name, int nproc, const std::vector<std::stri
     envp.push_back(nullptr);
     // Only rank 0 keeps the listening socket; the others close their inherited copy.
     posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    if (r != 0 && listen_fd >= 0) posix_spawn_file_actions_addclose(&fa, listen_fd);
-    const int rc = posix_spawn(&pids[r], "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
+    int rc = posix_spawn_file_actions_init(&fa);
+    if (rc == 0 && r != 0 && listen_fd >= 0) rc = posix_spawn_file_actions_addclose(&fa, listen_fd);
+    if (rc == 0) rc = posix_spawn(&pids[r], "/proc/self/exe", &fa, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&fa);
     if (rc != 0) {
       std::cerr << name << ": cannot start rank " << r << ": " << std::strerror(rc) << "\n";
+      if (listen_fd >= 0) close(listen_fd);
       for (int q = 0; q < r; ++q) kill(pids[q], SIGTERM);
       for (int q = 0; q < r; ++q) waitpid(pids[q], nullptr, 0);
       return 1;

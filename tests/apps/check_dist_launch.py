@@ -124,6 +124,7 @@ with tempfile.TemporaryDirectory() as tmp:
     check(a.returncode == 0 and b.returncode == 0, f"stop/resume on 2 ranks: exit {a.returncode}, {b.returncode}\n"
                                                     f"{(a.stderr + b.stderr)[-2000:]}")
     if a.returncode == 0 and b.returncode == 0 and r2.returncode == 0:
+        check([r["step"] for r in rows(part)] == [1, 2, 3, 4], f"stop/resume steps: {[r['step'] for r in rows(part)]}")
         for x, y in zip(rows(two), rows(part)):
             for k in ("reward_mean", "sampled_tokens", "loss", "grad_norm"):
                 check(x[k] == y[k], f"resumed 2-rank run, step {x['step']}: {k} {y[k]} != {x[k]}")
