@@ -124,14 +124,14 @@ import json, sys
 out = sys.argv[1]
 def rows(n):
     return [json.loads(l) for l in open(f"{out}/scale{n}/metrics.jsonl")]
-keys = ["time_step_s", "time_rollout_s", "time_scoring_s", "time_update_s", "time_update_comm_s", "sampled_tokens"]
+keys = ["time_step_s", "time_rollout_s", "time_scoring_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens"]
 summary = {}
 for n in (1, 2):
     r = rows(n)[1:] or rows(n)  # the first step warms up (graphs, cuDNN plans)
     summary[n] = {k: sum(x.get(k, 0.0) for x in r) / len(r) for k in keys}
     s = summary[n]
     print(f"{n} GPU: step {s['time_step_s']:.2f} s = rollout {s['time_rollout_s']:.2f} + scoring {s['time_scoring_s']:.2f}"
-          f" + update {s['time_update_s']:.2f} (gradient wait {s['time_update_comm_s']:.3f}); "
+          f" + update {s['time_update_s']:.2f} (gradient wait {s['time_update_comm_wait_s']:.3f}); "
           f"{s['sampled_tokens'] / s['time_step_s']:.0f} sampled tokens/s")
 speed = summary[1]["time_step_s"] / summary[2]["time_step_s"]
 print(f"step throughput, 2 GPUs over 1: {speed:.2f}x (target >= 1.85x)")

@@ -144,7 +144,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"time_update_s", times.update},
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
-  if (run.dist->world() > 1) m["time_update_comm_s"] = times.comm;
+  if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
   if (!run.lead()) return m;
   TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
   run.log->write(m);
