@@ -37,6 +37,13 @@ int env_int(const char* name, const char* value, int lo, int hi) {
   return static_cast<int>(v);
 }
 
+std::string mark_key(int r) { return "rlt/mark/" + std::to_string(r); }
+
+[[noreturn]] void store_gone(int rank, const c10::Error& e) {
+  throw DistError("rank " + std::to_string(rank) +
+                  ": the rendezvous store is gone (rank 0 serves it; did it exit?): " + e.what_without_backtrace());
+}
+
 class SingleProcess : public Collectives {
  public:
   SingleProcess() : Collectives(0, 1) {}
@@ -80,16 +87,11 @@ class StoreCollectives : public Collectives {
 
   void barrier() override { exchange({}); }
 
-  void mark(const std::string& where) override {
-    guard([&] { store_->set(mark_key(rank()), std::vector<uint8_t>(where.begin(), where.end())); });
-  }
+  void mark(const std::string& where) override { store_mark(*store_, rank(), where); }
 
-  void close() override {
-    guard([&] { store_farewell(*store_, rank(), world(), timeout_); });
-  }
+  void close() override { store_farewell(*store_, rank(), world(), timeout_); }
 
  private:
-  static std::string mark_key(int r) { return "rlt/mark/" + std::to_string(r); }
   std::string key(int64_t call, int r) const { return "rlt/c/" + std::to_string(call) + "/" + std::to_string(r); }
 
   static std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& tensors) {
@@ -122,8 +124,7 @@ class StoreCollectives : public Collectives {
     try {
       f();
     } catch (const c10::Error& e) {
-      throw DistError("rank " + std::to_string(rank()) +
-                      ": the rendezvous store is gone (rank 0 serves it; did it exit?): " + e.what_without_backtrace());
+      store_gone(rank(), e);
     }
   }
 
@@ -150,10 +151,8 @@ class StoreCollectives : public Collectives {
   std::string late_rank(int r, const std::string& why) const {
     std::string where;
     try {
-      if (store_->check({mark_key(r)})) {
-        const std::vector<uint8_t> v = store_->get(mark_key(r));
-        where = " (it was last at " + std::string(v.begin(), v.end()) + ")";
-      }
+      const std::string mark = store_read_mark(*store_, r);
+      if (!mark.empty()) where = " (it was last at " + mark + ")";
     } catch (const c10::Error&) {  // the store itself is gone (rank 0 serves it)
     }
     return "rank " + std::to_string(r) + " did not reach collective " + std::to_string(calls_ - 1) + " within " +
@@ -210,15 +209,31 @@ std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::St
 
 c10::intrusive_ptr<c10d::Store> thread_store() { return c10::make_intrusive<c10d::HashStore>(); }
 
+void store_mark(c10d::Store& store, int rank, const std::string& where) {
+  try {
+    store.set(mark_key(rank), std::vector<uint8_t>(where.begin(), where.end()));
+  } catch (const c10::Error& e) {
+    store_gone(rank, e);
+  }
+}
+
+std::string store_read_mark(c10d::Store& store, int r) {
+  if (!store.check({mark_key(r)})) return "";
+  const std::vector<uint8_t> v = store.get(mark_key(r));
+  return std::string(v.begin(), v.end());
+}
+
 void store_farewell(c10d::Store& store, int rank, int world, std::chrono::milliseconds timeout) {
-  store.add("rlt/closed", 1);
-  if (rank != 0) return;
-  const auto until = Clock::now() + timeout;
-  while (store.add("rlt/closed", 0) < world) {
-    if (Clock::now() > until) {
-      throw DistError("rank 0: not every rank finished within train.dist_timeout_s");
+  try {
+    store.add("rlt/closed", 1);
+    if (rank != 0) return;
+    const auto until = Clock::now() + timeout;
+    while (store.add("rlt/closed", 0) < world) {
+      if (Clock::now() > until) throw DistError("rank 0: not every rank finished within train.dist_timeout_s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } catch (const c10::Error& e) {
+    store_gone(rank, e);
   }
 }
 

@@ -100,7 +100,13 @@ std::shared_ptr<Collectives> single_process();
 // the same bits. A rank whose key does not come within `timeout` is named in the DistError.
 std::shared_ptr<Collectives> store_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world,
                                                std::chrono::milliseconds timeout);
-// The goodbye of close() through a store: each rank counts itself under "rlt/closed"; rank 0 waits for all.
+// What both backends keep in the rendezvous store beside their collectives. store_mark: `rank`'s mark
+// (Collectives::mark). store_read_mark: rank r's mark, "" when it has none (throws c10::Error when the
+// store is gone: for the timeout messages, which catch it). store_farewell: close()'s goodbye, each rank
+// counting itself under "rlt/closed" and rank 0 waiting for all. The store gone while marking or saying
+// goodbye is a DistError naming `rank`.
+void store_mark(c10d::Store& store, int rank, const std::string& where);
+std::string store_read_mark(c10d::Store& store, int r);
 void store_farewell(c10d::Store& store, int rank, int world, std::chrono::milliseconds timeout);
 // An in-memory store for ranks on threads of one process (tests).
 c10::intrusive_ptr<c10d::Store> thread_store();

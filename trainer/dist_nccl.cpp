@@ -99,23 +99,9 @@ class NcclCollectives : public Collectives {
 
   void barrier() override { all_reduce({at::zeros({1}, at::TensorOptions().device(device_))}, ReduceOp::kSum); }
 
-  void mark(const std::string& where) override {
-    try {
-      store_->set("rlt/mark/" + std::to_string(rank()), std::vector<uint8_t>(where.begin(), where.end()));
-    } catch (const c10::Error& e) {
-      throw DistError("rank " + std::to_string(rank()) +
-                      ": the rendezvous store is gone: " + e.what_without_backtrace());
-    }
-  }
+  void mark(const std::string& where) override { store_mark(*store_, rank(), where); }
 
-  void close() override {
-    try {
-      store_farewell(*store_, rank(), world(), timeout_);
-    } catch (const c10::Error& e) {
-      throw DistError("rank " + std::to_string(rank()) +
-                      ": the rendezvous store is gone: " + e.what_without_backtrace());
-    }
-  }
+  void close() override { store_farewell(*store_, rank(), world(), timeout_); }
 
   // Waits for a collective; past train.dist_timeout_s, names the ranks whose last mark differs from ours.
   void wait(const c10::intrusive_ptr<c10d::Work>& work) const {
@@ -131,10 +117,8 @@ class NcclCollectives : public Collectives {
     std::string mine, late;
     try {
       auto read = [&](int r) {
-        const std::string key = "rlt/mark/" + std::to_string(r);
-        if (!store_->check({key})) return std::string("(no mark)");
-        const std::vector<uint8_t> v = store_->get(key);
-        return std::string(v.begin(), v.end());
+        const std::string at = store_read_mark(*store_, r);
+        return at.empty() ? std::string("(no mark)") : at;
       };
       mine = read(rank());
       for (int r = 0; r < world(); ++r) {

@@ -145,7 +145,8 @@ std::map<std::string, double> train_ppo(Run& run) {
     const double t_scoring = seconds_since(t_score);
 
     // 3. GAE per micro-batch (sequences are independent), then whitened over the whole batch (every rank's).
-    at::Tensor sums = at::zeros({5}, at::kDouble);  // advantages, their squares, actions, values, returns
+    // advantages, their squares, actions, values, returns: summed on the device, copied once
+    at::Tensor sums = at::zeros({5}, at::TensorOptions().dtype(at::kDouble).device(run.device));
     for (size_t k = 0; k < K; ++k) {
       const auto [begin, end] = micro_ranges[k];
       const at::Tensor rewards = terminal_rewards(trajs, begin, end, batches[k].R).to(run.device);
@@ -153,9 +154,9 @@ std::map<std::string, double> train_ppo(Run& run) {
           gae_advantages(rewards, values_old[k], batches[k].loss_mask, ppo.gamma, ppo.lam);
       sums += at::stack({advantages[k].sum(), advantages[k].square().sum(), batches[k].loss_mask.sum(),
                          values_old[k].sum(), returns[k].sum()})
-                  .to(at::kDouble)
-                  .cpu();
+                  .to(at::kDouble);
     }
+    sums = sums.cpu();
     run.dist->all_reduce({sums}, ReduceOp::kSum);
     const double adv_sum = sums[0].item<double>(), adv_sq = sums[1].item<double>(), n_act = sums[2].item<double>();
     const double adv_mean = adv_sum / std::max(1.0, n_act);

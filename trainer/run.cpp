@@ -254,8 +254,9 @@ ToolRunner tool_runner(Run& run) {
 
 void check_world(const Config& c, int world) {
   if (world == 1) return;
-  const int64_t P = c.train.prompts_per_step, G = c.sampling.samples_per_prompt, S = P * G;
-  const int64_t mini = c.train.mini_batch_size > 0 ? std::min(c.train.mini_batch_size, S) : S;
+  const int64_t P = c.train.prompts_per_step, G = c.sampling.samples_per_prompt;
+  const StepShape whole = step_shape(c);  // the step's trajectories and mini-batch, before any split
+  const int64_t S = whole.S, mini = whole.mini;
   const std::string w = std::to_string(world);
   if (P % world != 0) {
     throw RunError("train.prompts_per_step = " + std::to_string(P) + " does not split over " + w +
