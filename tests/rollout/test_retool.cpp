@@ -721,6 +721,167 @@ TEST(ModelPolicy, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
   }
 }
 
+// Last-position logits of one sequence at the given RoPE positions, from a full forward: a known-bad
+// reference (positions that do not count from 0 by one). Returned on the CPU.
+at::Tensor positioned_logits(const Transformer& m, const std::vector<int64_t>& ids, const std::vector<int64_t>& pos) {
+  at::NoGradGuard no_grad;
+  const int64_t L = static_cast<int64_t>(ids.size());
+  const auto dev = m.lm_head().device();
+  at::Tensor h = m.forward(at::tensor(ids, at::kLong).view({1, L}).to(dev),
+                           at::tensor(pos, at::kLong).view({1, L}).to(dev), at::Tensor());
+  return m.logits(h.select(1, L - 1))[0].cpu();
+}
+
+// admit() puts new prompts into the rows that released sequences left, in the cache's own tensors (rows,
+// slots and, on CUDA, the captured step graph stay), and each sequence's logits still match its full
+// forward in float64, through decode steps and multi-token feeds after it; the first admitted pair also
+// matches a fresh policy started on its prompt alone and fed the same tokens (1e-12: the same arithmetic
+// over more, masked slots). The other placements: more new sequences than free rows (a new cache of the
+// live rows and the new ones), a prompt longer than the slots filled so far (placed in place, the fill
+// moves to its end), and one longer than the cache (a new, longer cache). A new row that still saw the
+// released sequence's keys, or whose RoPE positions went on from its slots rather than its prompt, moves
+// the logits by far more than the tolerance (the known-bad checks at the end: both checked by breaking
+// ModelPolicy::admit that way, which this test then failed).
+class AdmitIntoReleasedRows : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
+  const auto& [family, device] = GetParam();
+  const bool cuda = device == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model(family, 11, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  ModelPolicyOptions po;
+  po.slot_chunk = 24;
+  po.fixed_shape_extend = device == "cpu_fixed";
+  po.feed_graphs = true;
+  ModelPolicy policy(m, po), fresh(m, po);
+  // float64: the cached, masked forward against the plain one (as in ModelPolicyTest), and the same
+  // sequence decoded in a refilled row against a fresh policy (only the masked slots differ).
+  const double kTol = 1e-9, kSame = 1e-12;
+  std::vector<std::vector<int64_t>> seqs;  // by sequence id: its tokens so far
+  std::vector<bool> live;
+  std::map<int64_t, int64_t> in_fresh;  // sequence id -> its id in `fresh`
+  auto admit = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t G, bool start = false) {
+    const int64_t base = static_cast<int64_t>(seqs.size());
+    at::Tensor first = (start ? policy.start(prompts, G) : policy.admit(prompts, G)).cpu();
+    EXPECT_EQ(first.size(0), int64_t(prompts.size()) * G);
+    for (size_t u = 0; u < prompts.size(); ++u) {
+      for (int64_t g = 0; g < G; ++g) {
+        seqs.push_back(prompts[u]);
+        live.push_back(true);
+      }
+    }
+    for (int64_t n = base; n < int64_t(seqs.size()); ++n) {
+      EXPECT_LT((first[n - base] - full_logits(m, seqs[n])).abs().max().item<double>(), kTol)
+          << "first logits of sequence " << n;
+    }
+    return first;
+  };
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  // Passes over the live sequences, idle ones leaving holes; every third pass feeds runs of 1 to 3 tokens
+  // in one forward. Each sequence's logits against its full forward, and the mirrored ones against `fresh`.
+  auto decode = [&](int64_t passes) {
+    for (int64_t t = 0; t < passes; ++t) {
+      const bool runs_step = t % 3 == 2;
+      std::vector<int64_t> rows, frows, fj;
+      std::vector<std::vector<int64_t>> runs, fruns;
+      for (int64_t n = 0; n < int64_t(seqs.size()); ++n) {
+        if (!live[n] || (t + n) % 4 == 3) continue;
+        const int64_t k = runs_step ? 1 + (n + t) % 3 : 1;
+        runs.emplace_back();
+        for (int64_t i = 0; i < k; ++i) runs.back().push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+        seqs[n].insert(seqs[n].end(), runs.back().begin(), runs.back().end());
+        if (in_fresh.count(n)) {
+          frows.push_back(in_fresh[n]);
+          fruns.push_back(runs.back());
+          fj.push_back(static_cast<int64_t>(rows.size()));
+        }
+        rows.push_back(n);
+      }
+      if (rows.empty()) continue;
+      const at::Tensor logits = policy.extend(rows, runs).cpu();  // one token each: a decode step
+      for (size_t j = 0; j < rows.size(); ++j) {
+        EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), kTol)
+            << "pass " << t << " sequence " << rows[j];
+      }
+      if (frows.empty()) continue;
+      const at::Tensor alone = fresh.extend(frows, fruns).cpu();
+      for (size_t j = 0; j < frows.size(); ++j) {
+        EXPECT_LT((alone[j] - logits[fj[j]]).abs().max().item<double>(), kSame)
+            << "pass " << t << " sequence " << rows[fj[j]] << " against a fresh start";
+      }
+    }
+  };
+  auto release = [&](const std::vector<int64_t>& ids) {
+    policy.release(ids);
+    for (int64_t n : ids) live[n] = false;
+  };
+  admit({{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60}}, 2, /*start=*/true);  // sequences 0..5
+  decode(7);
+  // Two rows released, two sequences admitted: in place.
+  release({1, 2});
+  const int64_t rows0 = policy.cache_rows(), slots0 = policy.cache_slots(), reallocs0 = policy.reallocations();
+  const int64_t length_at_admit = policy.cache_length();
+  const std::vector<int64_t> prompt = {11, 12, 13, 14};
+  const at::Tensor first = admit({prompt}, 2);  // sequences 6, 7
+  const at::Tensor alone = fresh.start({prompt}, 2).cpu();
+  EXPECT_LT((first - alone).abs().max().item<double>(), kSame) << "admitted against a fresh start";
+  in_fresh = {{6, 0}, {7, 1}};
+  EXPECT_EQ(policy.cache_rows(), rows0) << "the released rows were refilled";
+  EXPECT_EQ(policy.cache_slots(), slots0);
+  EXPECT_EQ(policy.reallocations(), reallocs0) << "admitted in place";
+  EXPECT_GT(length_at_admit, int64_t(prompt.size())) << "the new rows hold holes after their prompt";
+  const int64_t step_graphs = policy.graph_captures() - policy.feed_graph_captures();
+  decode(1);  // a one-token pass: on CUDA the step graph captured before the admit is replayed
+  if (cuda && policy.reallocations() == reallocs0) {
+    EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), step_graphs) << "admit kept the step graph";
+  }
+  decode(8);
+  const std::vector<int64_t> stale = seqs[1], admitted = seqs[6];
+  // Four new sequences, two free rows: a new cache of the four live rows and four new ones.
+  release({0, 6});
+  in_fresh.clear();
+  const int64_t reallocs1 = policy.reallocations();
+  admit({{21, 22}, {23, 24, 25, 26, 27}}, 2);  // sequences 8..11
+  EXPECT_EQ(policy.reallocations(), reallocs1 + 1);
+  EXPECT_EQ(policy.cache_rows(), 8);
+  // A prompt longer than the slots filled so far, one free row: in place, the fill moves to its end.
+  release({3});
+  const int64_t L = policy.cache_length(), reallocs2 = policy.reallocations();
+  std::vector<int64_t> longer(L + 5);
+  for (int64_t i = 0; i < L + 5; ++i) longer[i] = 30 + i % 200;
+  ASSERT_LE(L + 5, policy.cache_slots());
+  admit({longer}, 1);  // sequence 12
+  EXPECT_EQ(policy.cache_length(), L + 5);
+  EXPECT_EQ(policy.reallocations(), reallocs2);
+  EXPECT_EQ(policy.cache_rows(), 8);
+  decode(5);
+  // A prompt longer than the cache: a new, longer one.
+  release({4});
+  const int64_t too_long = policy.cache_slots() + 5, reallocs3 = policy.reallocations();
+  std::vector<int64_t> longest(too_long);
+  for (int64_t i = 0; i < too_long; ++i) longest[i] = 7 + i % 300;
+  admit({longest}, 1);  // sequence 13
+  EXPECT_EQ(policy.reallocations(), reallocs3 + 1);
+  EXPECT_GE(policy.cache_slots(), too_long);
+  decode(5);
+  // Known-bad: the admitted sequence's logits with the released sequence's tokens visible before it, and
+  // with positions that go on from the slot the admit saw filled, are far from the right ones.
+  std::vector<int64_t> with_stale = stale;
+  with_stale.insert(with_stale.end(), admitted.begin(), admitted.end());
+  std::vector<int64_t> slot_pos(admitted.size());
+  for (size_t i = 0; i < admitted.size(); ++i) {
+    slot_pos[i] = i < prompt.size() ? int64_t(i) : length_at_admit + int64_t(i - prompt.size());
+  }
+  const at::Tensor right = full_logits(m, admitted);
+  EXPECT_GT((full_logits(m, with_stale) - right).abs().max().item<double>(), 100 * kTol);
+  EXPECT_GT((positioned_logits(m, admitted, slot_pos) - right).abs().max().item<double>(), 100 * kTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, AdmitIntoReleasedRows,
+                         ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
+                                            ::testing::Values("cpu", "cpu_fixed", "cuda")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
 INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                          ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
