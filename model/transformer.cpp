@@ -177,6 +177,17 @@ void KvCache::squeeze_(const at::Tensor& slots) {
   length = S;
 }
 
+void KvCache::put_rows_(const at::Tensor& rows, const KvCache& src, const at::Tensor& src_rows) {
+  const int64_t S = src.length;
+  TORCH_CHECK(rows.dim() == 1 && src_rows.sizes() == rows.sizes() && S <= max_len && src.k.size() == k.size(),
+              "put_rows_: rows and src_rows must be (B') and src's ", S, " slots fit in ", max_len);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i].narrow(2, 0, S).index_copy_(0, rows, src.k[i].narrow(2, 0, S).index_select(0, src_rows));
+    v[i].narrow(2, 0, S).index_copy_(0, rows, src.v[i].narrow(2, 0, S).index_select(0, src_rows));
+  }
+  positions.narrow(1, 0, S).index_copy_(0, rows, src.positions.narrow(1, 0, S).index_select(0, src_rows));
+}
+
 KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) const {
   TORCH_CHECK(rows.dim() == 1 && slots.dim() == 2 && slots.size(0) == rows.size(0),
               "gather: rows must be (B') and slots (B', S')");

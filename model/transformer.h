@@ -83,6 +83,12 @@ struct KvCache {
   // (slots (B, S) int64 on the cache's device, S <= max_len); length becomes S. Tensors and shapes stay,
   // so a CUDA graph captured on them stays valid.
   void squeeze_(const at::Tensor& slots);
+  // Row rows[j]'s slots [0, src.length) become src's row src_rows[j]'s, keys, values and positions (a
+  // prompt prefilled apart, placed into a cache row that a finished sequence left); its other slots and
+  // the other rows stay as they are, and so does `length` (the caller's). The tensors stay, so a CUDA
+  // graph captured on them stays valid. rows, src_rows (B') int64 on the cache's device, rows distinct;
+  // src.length <= max_len.
+  void put_rows_(const at::Tensor& rows, const KvCache& src, const at::Tensor& src_rows);
 };
 
 class Transformer {

@@ -86,6 +86,12 @@ at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   return at::stack(out);
 }
 
+at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t) {
+  TORCH_CHECK(false,
+              "this policy cannot start sequences while others run (TokenPolicy::admit); "
+              "rollout.max_batch = 0 starts every prompt at once");
+}
+
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
   if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply())
@@ -95,28 +101,39 @@ ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) :
 ModelPolicy::~ModelPolicy() = default;
 
 at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+  graph_.reset();  // a graph reads the cache tensors it was captured with
+  feed_graphs_.clear();
+  cache_ = KvCache();
+  valid_ = at::Tensor();
+  cache_row_.clear();
+  seq_of_row_.clear();
+  length_.clear();
+  return admit(prompts, repeats);
+}
+
+at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   at::NoGradGuard no_grad;
   NoCudnnAttention attention(!options_.cudnn_attention);
-  TORCH_CHECK(!prompts.empty() && repeats >= 1, "start: needs at least one prompt and repeats >= 1");
+  TORCH_CHECK(!prompts.empty() && repeats >= 1, "admit: needs at least one prompt and repeats >= 1");
   const int64_t U = static_cast<int64_t>(prompts.size()), N = U * repeats;
+  const int64_t first = static_cast<int64_t>(length_.size());  // the new sequences are [first, first + N)
   int64_t P = 0;
   for (const auto& p : prompts) {
-    TORCH_CHECK(!p.empty(), "start: a prompt has no tokens");
+    TORCH_CHECK(!p.empty(), "admit: a prompt has no tokens");
     P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
   }
   // Left padding: every prompt ends in the last column, whose hidden state gives the first logits.
   // Filled as host vectors, one tensor each at the end (a tensor write per token costs a dispatch each:
   // 180 ms for 64 x 256 prompt tokens, twice the prefill forward on an H200).
-  std::vector<int64_t> ids(U * P, 0), pos(U * P, 0), mask(U * P, 0);
-  length_.assign(N, 0);
+  std::vector<int64_t> ids(U * P, 0), pos(U * P, 0), mask(U * P, 0), lengths(N);
   for (int64_t u = 0; u < U; ++u) {
     const int64_t n = static_cast<int64_t>(prompts[u].size()), pad = P - n;
     for (int64_t j = 0; j < n; ++j) {
       ids[u * P + pad + j] = prompts[u][j];
-      pos[u * P + pad + j] = j;
+      pos[u * P + pad + j] = j;  // from 0, whatever slots the sequence will hold
       mask[u * P + pad + j] = 1;
     }
-    for (int64_t g = 0; g < repeats; ++g) length_[u * repeats + g] = n;
+    for (int64_t g = 0; g < repeats; ++g) lengths[u * repeats + g] = n;
   }
   const at::Tensor& head = model_.lm_head();
   const auto dev = head.device();
@@ -127,18 +144,51 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   at::Tensor mask_d = to_dev(mask);
   at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)
   at::Tensor logits = next_token_logits(model_, hidden.select(1, P - 1));          // (U, V)
-  // The G samples of a prompt share its prefill: copy its cache row G times.
+  // The G samples of a prompt share its prefill: its row is copied G times.
   auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
-  at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N)
-  at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
-  graph_.reset();  // a graph reads the cache tensors it was captured with
-  feed_graphs_.clear();
-  cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
-  valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
-  valid_.narrow(1, 0, P).copy_(mask_d.index_select(0, rows) != 0);
-  cache_row_.resize(N);
-  seq_of_row_.resize(N);
-  for (int64_t n = 0; n < N; ++n) cache_row_[n] = seq_of_row_[n] = n;
+  at::Tensor rows = at::arange(U, lopts).repeat_interleave(repeats);  // (N) prefill row of each new sequence
+  at::Tensor prompt_valid = (mask_d != 0).index_select(0, rows);      // (N, P)
+  if (cache_rows() == 0) {
+    // Nothing held (start, or every row released and dropped): the prefill's rows are the new cache.
+    at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
+    graph_.reset();  // a graph reads the cache tensors it was captured with
+    feed_graphs_.clear();
+    cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
+    valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
+    valid_.narrow(1, 0, P).copy_(prompt_valid);
+    seq_of_row_.resize(N);
+    for (int64_t n = 0; n < N; ++n) {
+      seq_of_row_[n] = first + n;
+      cache_row_.push_back(n);
+    }
+    length_.insert(length_.end(), lengths.begin(), lengths.end());
+    return logits.repeat_interleave(repeats, 0);  // (N, V)
+  }
+  // Into released rows: a new cache only when there are too few of them or too few slots for the prompt.
+  int64_t free_rows = 0;
+  for (int64_t s : seq_of_row_) free_rows += s < 0;
+  if (free_rows < N || P > cache_.max_len) compact(/*need=*/0, /*drop_released=*/true, /*add_rows=*/N, /*min_len=*/P);
+  std::vector<int64_t> dst;  // (N) the cache row of each new sequence: the first free ones
+  for (int64_t r = 0; r < cache_rows() && static_cast<int64_t>(dst.size()) < N; ++r) {
+    if (seq_of_row_[r] < 0) dst.push_back(r);
+  }
+  at::Tensor dst_t = at::tensor(dst, at::kLong).to(dev);
+  // The released sequence's keys and values stay in the row's other slots, hidden: its valid_ row is
+  // cleared, then the prompt's slots [0, P) are set. Slots [P, length) of the row are holes, which the next
+  // compaction squeezes out. A prompt longer than the filled slots moves `length` to P: slots [length, P)
+  // are holes for every other row (valid_ is false past `length`; cleared again, as a guard).
+  cache_.put_rows_(dst_t, prefill, rows);
+  valid_.index_fill_(0, dst_t, false);
+  if (P > cache_.length) {
+    valid_.narrow(1, cache_.length, P - cache_.length).zero_();
+    cache_.length = P;
+  }
+  valid_.narrow(1, 0, P).index_copy_(0, dst_t, prompt_valid);
+  for (int64_t n = 0; n < N; ++n) {
+    seq_of_row_[dst[n]] = first + n;
+    cache_row_.push_back(dst[n]);
+  }
+  length_.insert(length_.end(), lengths.begin(), lengths.end());
   return logits.repeat_interleave(repeats, 0);  // (N, V)
 }
 
@@ -153,6 +203,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   // one there (rollout_graph 13.3k tokens/s with it, 11.3k without, H200): only eager steps avoid it.
   NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
+  drop_released_rows();
   if (cache_.length + 1 > cache_.max_len) compact(1);
   const int64_t Bc = cache_rows();
   // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
@@ -223,6 +274,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   // captures; without graphs it runs eagerly at the exact shape.
   const bool fixed = graphs || options_.fixed_shape_extend;
   const int64_t Kb = fixed ? feed_cols(K) : K;
+  drop_released_rows();
   if (cache_.length + Kb > cache_.max_len) compact(Kb);
   const int64_t L = cache_.length, Bc = cache_rows();
   const int64_t Eb = fixed ? feed_rows(E, Bc) : E;
@@ -407,21 +459,25 @@ bool ModelPolicy::graphed() const {
 }
 
 void ModelPolicy::release(const std::vector<int64_t>& rows) {
-  int64_t released = 0;
   for (int64_t n : rows) {
     TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()), "release: no sequence ", n);
     if (cache_row_[n] < 0) continue;
     seq_of_row_[cache_row_[n]] = -1;
     cache_row_[n] = -1;
   }
-  for (int64_t s : seq_of_row_) released += s < 0;
+}
+
+void ModelPolicy::drop_released_rows() {
   // Finished rows still cost a slot per step: drop them once they are half the cache. Not when steps
   // replay CUDA graphs: a step is launch-bound, so a dead row costs it little, while new cache tensors
   // cost a recapture (two forwards of host time); they go at the next reallocation.
-  if (released > 0 && 2 * released >= cache_rows() && !graphed()) compact(0, /*drop_released=*/true);
+  if (graphed()) return;
+  int64_t released = 0;
+  for (int64_t s : seq_of_row_) released += s < 0;
+  if (released > 0 && 2 * released >= cache_rows()) compact(0, /*drop_released=*/true);
 }
 
-void ModelPolicy::compact(int64_t need, bool drop_released) {
+void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {
   at::NoGradGuard no_grad;
   ++compactions_;
   const auto dev = valid_.device();
@@ -447,25 +503,31 @@ void ModelPolicy::compact(int64_t need, bool drop_released) {
   // leaves holes in every other row; without this each compaction after feeds meant new tensors and
   // recaptured graphs. An in-place squeeze costs a gather of the cache (about 1 ms for Qwen2.5-0.5B at 64
   // x 800 slots on an H200), a recapture two forwards of host time (tens of ms).
-  if (!drop_released && cache_.max_len - S >= need + cache_.max_len / 16) {
+  if (!drop_released && add_rows == 0 && min_len <= cache_.max_len &&
+      cache_.max_len - S >= need + cache_.max_len / 16) {
     cache_.squeeze_(order);
     valid_.zero_();
     valid_.narrow(1, 0, S).copy_(keep);
     return;
   }
-  // A new cache of the live rows with room to grow: new tensors, so the graphs go.
+  // A new cache of the live rows with room to grow: new tensors, so the graphs go. The added rows (for
+  // admit) copy row 0's slots, all hidden: free rows, as a released row is.
   ++reallocations_;
-  const int64_t B = static_cast<int64_t>(alive.size());
-  at::Tensor rows = at::tensor(alive, at::kLong).to(dev);  // (B')
+  const int64_t B = static_cast<int64_t>(alive.size()), Bn = B + add_rows;
+  TORCH_CHECK(Bn == 0 || Bc > 0, "compact: rows to add to a cache of none");
+  std::vector<int64_t> from = alive;
+  from.resize(Bn, 0);
+  at::Tensor rows = at::tensor(from, at::kLong).to(dev);  // (B' + added)
   keep = keep.index_select(0, rows);
+  keep.narrow(0, B, add_rows).zero_();
   order = order.index_select(0, rows);
-  const int64_t grow = std::max(options_.slot_chunk, S / 4) + need;
+  const int64_t len = std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need;
   graph_.reset();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
-  cache_ = cache_.gather(rows, order, S + grow);
-  valid_ = at::zeros({B, S + grow}, at::TensorOptions().dtype(at::kBool).device(dev));
+  cache_ = cache_.gather(rows, order, len);
+  valid_ = at::zeros({Bn, len}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);
-  std::vector<int64_t> seq_of_row(B);
+  std::vector<int64_t> seq_of_row(Bn, -1);
   for (int64_t r = 0; r < B; ++r) {
     seq_of_row[r] = seq_of_row_[alive[r]];
     cache_row_[seq_of_row[r]] = r;

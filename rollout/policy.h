@@ -1,7 +1,8 @@
 // What the rollout loop asks of a model: start N sequences from their prompts, then feed each sequence one
 // token at a time and get its next-token logits. The loop (retool.h) decides which sequences are fed at
 // a step: sequences waiting on a tool call are simply not fed, and the others go on, so a tool call
-// never stalls the batch.
+// never stalls the batch. New sequences may join while others run (admit), into the rows that finished
+// ones released: the rollout's continuous batching under rollout.max_batch.
 //
 // ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
 // slot for every cache row; rows not fed that step write a slot that their attention mask hides. A run of
@@ -10,8 +11,11 @@
 // cache that drops finished rows and grows; without CUDA graphs finished rows also go once they are
 // half the cache. Memory follows the tokens actually held. On a GPU each
 // decode step replays a CUDA graph captured for the cache's current shape (ModelPolicyOptions::cuda_graphs).
+// An admitted prompt is prefilled apart and its keys and values are copied into released rows, at slots
+// [0, P), in place: the cache keeps its tensors and its captured graphs.
 //
-// Shapes: N sequences, Bc rows in the cache (N minus released rows, after compaction), S slots, V vocab.
+// Shapes: N sequences, Bc rows in the cache (the live sequences, and released rows not yet dropped or
+// refilled), S slots, V vocab.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,16 +34,21 @@ namespace rlt {
 class TokenPolicy {
  public:
   virtual ~TokenPolicy() = default;
-  // Starts N = prompts.size() * repeats sequences; prompt i occupies rows [i * repeats, (i + 1) * repeats).
-  // Returns the logits of each sequence's first new token (N, V).
+  // Starts N = prompts.size() * repeats sequences, dropping any held before; prompt i occupies rows
+  // [i * repeats, (i + 1) * repeats). Returns the logits of each sequence's first new token (N, V).
   virtual at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) = 0;
+  // Starts N' = prompts.size() * repeats more sequences while the others run: their ids continue after
+  // the last one started (first = sequences so far), prompt i occupying [first + i * repeats,
+  // first + (i + 1) * repeats). Returns their first-token logits (N', V). A policy that cannot throws (the
+  // default): the rollout calls it only with rollout.max_batch set.
+  virtual at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats);
   // Appends tokens[j] to sequence rows[j] (rows distinct) and returns their next-token logits (rows.size(), V).
   virtual at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) = 0;
   // Appends runs[j] (one or more tokens: tool output, the template's framing) to sequence rows[j] (rows
   // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
   // runs through step(), one token per call; ModelPolicy takes them in one forward.
   virtual at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
-  // Sequences that will not be fed again; their memory may be reclaimed.
+  // Sequences that will not be fed again; their memory may be reclaimed, or taken by admitted ones.
   virtual void release(const std::vector<int64_t>& rows) {}
   virtual int64_t vocab_size() const = 0;
 };
@@ -78,7 +87,15 @@ class ModelPolicy : public TokenPolicy {
  public:
   ModelPolicy(const Transformer& model, ModelPolicyOptions options = {});
   ~ModelPolicy() override;
+  // A new cache holding the prompts' prefill, every captured graph dropped: admit() on an empty policy.
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
+  // One prefill of the prompts (the G samples of a prompt share it), whose keys and values go into cache
+  // rows that released sequences left, at slots [0, P) (P: the longest new prompt, left-padded), in place:
+  // the rows' other slots are hidden (valid_), the cache's tensors and graphs stay; the RoPE positions of
+  // a new sequence start at 0 whatever its slots. When fewer rows are free than new sequences, or the
+  // cache has fewer than P slots, a new cache of the live rows and the new ones (compact). With an empty
+  // cache, the prefill's rows are the cache, as at start().
+  at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
@@ -88,8 +105,9 @@ class ModelPolicy : public TokenPolicy {
   void release(const std::vector<int64_t>& rows) override;
   int64_t vocab_size() const override { return model_.config().vocab_size; }
 
-  // Cache slots allocated now and at most so far (for tests and memory reports).
+  // Cache slots allocated now and at most so far (for tests and memory reports), and filled now.
   int64_t cache_slots() const { return cache_.max_len; }
+  int64_t cache_length() const { return cache_.length; }
   int64_t cache_rows() const { return cache_.k.empty() ? 0 : cache_.k[0].size(0); }
   int64_t compactions() const { return compactions_; }
   // Of them, those that made new cache tensors (dropping released rows, growing); the others squeezed
@@ -103,8 +121,12 @@ class ModelPolicy : public TokenPolicy {
   struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
 
   // Squeezes holes out, in place when that frees a sixteenth of the slots beyond `need` (and released rows
-  // need not go); otherwise makes a new cache of the live rows with room for at least `need` more slots.
-  void compact(int64_t need, bool drop_released = false);
+  // need not go, nor rows be added); otherwise makes a new cache of the live rows, then add_rows free rows
+  // (for admit), with room for at least `need` more slots and at least min_len slots in all.
+  void compact(int64_t need, bool drop_released = false, int64_t add_rows = 0, int64_t min_len = 0);
+  // Without CUDA graphs, drops the released rows once they are half the cache (called before a forward,
+  // not by release(): the rollout refills released rows right after releasing them).
+  void drop_released_rows();
   bool graphed() const;  // steps replay CUDA graphs
   // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA
   // graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row, then

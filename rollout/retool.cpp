@@ -3,6 +3,11 @@
 // ones with one token, one multi-token forward for those with a tool's reply), and repeat. A sequence's
 // state is a queue of tokens not yet in the model's cache ("pending"): its own last sample, or tool output
 // to append. A sequence samples when that queue runs dry.
+//
+// Continuous batching (rollout.max_batch): the loop starts with as many whole prompts as fit in max_batch
+// rows, and whenever finished trajectories have released a prompt's worth of rows (G), admits the next
+// prompts into them (TokenPolicy::admit) in the same pass, while the others go on decoding or wait on
+// their tools. Sequence n of the policy is trajectory n: prompts are admitted in order, G rows each.
 #include "rollout/retool.h"
 
 #include <algorithm>
@@ -144,12 +149,12 @@ double lap(Clock::time_point& t) {
   return s;
 }
 
-enum class SeqState { kGenerating, kWaiting, kDone };
+enum class SeqState { kQueued, kGenerating, kWaiting, kDone };  // kQueued: its prompt not yet admitted
 
 struct Seq {
   Trajectory traj;
   std::deque<int64_t> pending;  // tokens to feed the model, in order
-  SeqState state = SeqState::kGenerating;
+  SeqState state = SeqState::kQueued;
   int64_t turn_tokens = 0;  // sampled in the current turn
   std::string turn_text;    // model text of the current turn
   std::future<SandboxResult> tool;
@@ -169,28 +174,28 @@ class Loop {
         reply_open_(tok.encode(protocol.reply_open)),
         reply_close_(tok.encode(protocol.reply_close)) {}
 
+  // max_rows: sequences held at once (rollout.max_batch; 0 = every prompt at once); at least one prompt's G.
   std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
-                              int64_t first_prompt, RolloutStats& stats) {
-    const int64_t G = sampling_.samples_per_prompt;
-    seqs_ = std::vector<Seq>(prompts.size() * G);
+                              int64_t max_rows, RolloutStats& stats) {
+    const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts.size());
+    prompts_ = &prompts;
+    rows_ = max_rows > 0 ? std::max(max_rows, G) : P * G;
+    seqs_ = std::vector<Seq>(P * G);
     released_.assign(seqs_.size(), false);
-    for (size_t p = 0; p < prompts.size(); ++p) {
+    for (int64_t p = 0; p < P; ++p) {
       for (int64_t g = 0; g < G; ++g) {
         Seq& s = seqs_[p * G + g];
-        s.traj.prompt_index = first_prompt + static_cast<int64_t>(p);
+        s.traj.prompt_index = p;
         s.traj.sample_index = g;
         s.traj.prompt_ids = prompts[p];
         s.stream = streams[p] * G + g;
       }
     }
-    std::vector<int64_t> to_sample(seqs_.size());
-    for (size_t n = 0; n < seqs_.size(); ++n) to_sample[n] = static_cast<int64_t>(n);
     auto t = Clock::now();
     start_ = t;
     next_progress_ = options_.progress_s;
-    at::Tensor logits = policy_.start(prompts, G);  // (N, V)
-    device_synchronize(logits.device());
-    stats.prefill_s += lap(t);
+    std::vector<int64_t> to_sample;
+    at::Tensor logits = admit(to_sample, stats, t, /*first=*/true);  // (N, V)
     for (;;) {
       report_progress();
       if (!to_sample.empty()) {
@@ -217,7 +222,16 @@ class Loop {
       }
       release_finished();
       to_sample.clear();
+      // Rows just released take the next prompts at once; their first tokens are sampled in the next pass,
+      // with the logits of the rows fed below.
+      std::vector<int64_t> admitted;
+      at::Tensor admitted_logits = admit(admitted, stats, t, /*first=*/false);  // (admitted, V) or undefined
       if (rows.empty() && run_rows.empty()) {
+        if (!admitted.empty()) {
+          to_sample = std::move(admitted);
+          logits = admitted_logits;
+          continue;
+        }
         if (!any_waiting()) break;
         lap(t);
         collect_tools(/*block=*/true);  // nothing to decode: wait for a tool call to return
@@ -253,7 +267,12 @@ class Loop {
         }
       }
       if (!pick.empty()) logits = logits.index_select(0, at::tensor(pick, at::kLong).to(logits.device()));
+      if (!admitted.empty()) {
+        logits = to_sample.empty() ? admitted_logits : at::cat({logits, admitted_logits});
+        to_sample.insert(to_sample.end(), admitted.begin(), admitted.end());
+      }
     }
+    TORCH_CHECK(next_prompt_ == P, "rollout: the loop ended with prompts never admitted");
     if (printed_) std::cerr << "\n";
     stats.forced_tokens += forced_tokens_;
     std::vector<Trajectory> out;
@@ -263,6 +282,31 @@ class Loop {
   }
 
  private:
+  // Starts the next prompts: as many whole prompts as fit in the rows not held by running sequences (at
+  // least one, at the first call), in one prefill. Appends their sequences to `started` and returns their
+  // first-token logits (started, V), or an undefined tensor when none fit or none are left.
+  at::Tensor admit(std::vector<int64_t>& started, RolloutStats& stats, Clock::time_point& t, bool first) {
+    const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts_->size());
+    if (next_prompt_ == P) return at::Tensor();
+    int64_t held = 0;  // rows of sequences started and not released
+    for (int64_t n = 0; n < next_prompt_ * G; ++n) held += !released_[n];
+    const int64_t count = std::min(P - next_prompt_, (rows_ - held) / G);
+    if (count <= 0) return at::Tensor();
+    const int64_t begin = next_prompt_;
+    next_prompt_ += count;
+    for (int64_t n = begin * G; n < next_prompt_ * G; ++n) {
+      seqs_[n].state = SeqState::kGenerating;
+      started.push_back(n);
+    }
+    const std::vector<std::vector<int64_t>> prompts(prompts_->begin() + begin, prompts_->begin() + next_prompt_);
+    lap(t);
+    at::Tensor logits = first ? policy_.start(prompts, G) : policy_.admit(prompts, G);  // (count G, V)
+    device_synchronize(logits.device());
+    stats.prefill_s += lap(t);
+    if (!first) stats.refills += count;
+    return logits;
+  }
+
   int64_t total_tokens(const Seq& s) const {
     return static_cast<int64_t>(s.traj.prompt_ids.size() + s.traj.response_ids.size());
   }
@@ -440,7 +484,10 @@ class Loop {
   const RolloutOptions& options_;
   const ToolRunner& tools_;
   const ToolProtocol& protocol_;
-  const std::vector<int64_t> reply_open_, reply_close_;  // the reply framing's tokens
+  const std::vector<int64_t> reply_open_, reply_close_;         // the reply framing's tokens
+  const std::vector<std::vector<int64_t>>* prompts_ = nullptr;  // the step's, all of them
+  int64_t rows_ = 0;                                            // sequences held at once, at most
+  int64_t next_prompt_ = 0;                                     // prompts [0, next_prompt_) were admitted
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
   int64_t forced_tokens_ = 0;
@@ -460,24 +507,15 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
   RolloutStats local;
   TORCH_CHECK(streams.empty() || streams.size() == prompts.size(), "rollout: one stream per prompt");
   TORCH_CHECK(!options.tools || tools, "rollout: rollout.tools is on but no tool runner was given");
-  const int64_t P = static_cast<int64_t>(prompts.size()), G = sampling.samples_per_prompt;
+  const int64_t P = static_cast<int64_t>(prompts.size());
   for (const auto& p : prompts) {
     TORCH_CHECK(static_cast<int64_t>(p.size()) < options.max_context, "rollout: a prompt of ", p.size(),
                 " tokens leaves no room within rollout.max_context = ", options.max_context);
   }
-  // Waves of whole prompts, so a prompt's G samples share one prefill.
-  const int64_t per_wave = options.max_batch > 0 ? std::max<int64_t>(1, options.max_batch / G) : P;
-  std::vector<Trajectory> out;
-  out.reserve(P * G);
-  for (int64_t first = 0; first < P; first += per_wave) {
-    const int64_t last = std::min(P, first + per_wave);
-    std::vector<std::vector<int64_t>> wave(prompts.begin() + first, prompts.begin() + last);
-    std::vector<int64_t> wave_streams;
-    for (int64_t p = first; p < last; ++p) wave_streams.push_back(streams.empty() ? p : streams[p]);
-    Loop loop(policy, tokenizer, sampling, options, tools, protocol);
-    auto trajs = loop.run(wave, wave_streams, first, local);
-    for (auto& t : trajs) out.push_back(std::move(t));
-  }
+  std::vector<int64_t> prompt_streams(P);
+  for (int64_t p = 0; p < P; ++p) prompt_streams[p] = streams.empty() ? p : streams[p];
+  Loop loop(policy, tokenizer, sampling, options, tools, protocol);
+  std::vector<Trajectory> out = loop.run(prompts, prompt_streams, options.max_batch, local);
   if (stats) {
     local.total_s = std::chrono::duration<double>(Clock::now() - t0).count();
     *stats = local;

@@ -12,7 +12,9 @@
 //
 // Tool calls run concurrently on a pool and never stall the batch: a sequence waiting for its tool is
 // just not fed, and the others keep decoding (rollout/policy.h). A reply enters the cache in one
-// multi-token forward (TokenPolicy::extend), not one decode step per token.
+// multi-token forward (TokenPolicy::extend), not one decode step per token. Under rollout.max_batch, the
+// rows that finished trajectories release are refilled at once from the remaining prompts
+// (TokenPolicy::admit): continuous batching, with the trajectories of one batch.
 #pragma once
 
 #include <cstdint>
@@ -76,7 +78,11 @@ struct RolloutOptions {
   // Said to the model, as a tool turn, when a turn is not parseable: an empty or unopened code block,
   // or text posing as interpreter output. (A malformed <tool_call> is answered with what is wrong in it.)
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
-  // Sequences decoded at once (prompts x samples_per_prompt are split into waves); 0 = all.
+  // Sequences held at once (cache rows), 0 = all prompts x samples_per_prompt. Continuous batching: the
+  // rollout starts with as many whole prompts as fit (at least one), and whenever finished trajectories
+  // have released samples_per_prompt rows, admits the next prompts into them at once, while the others
+  // run on (TokenPolicy::admit). A prompt's samples always start together, on one shared prefill. The
+  // trajectories are those of max_batch = 0: sampling noise depends on the sequence, not its batch.
   int64_t max_batch = 0;
   // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
   bool cuda_graphs = true;
@@ -103,7 +109,8 @@ struct RolloutOptions {
     v("max_tool_output_tokens", max_tool_output_tokens, "tokens of one tool output kept", FieldRange{1, 1e9});
     v("stop", stop, "extra stop string; empty = none");
     v("feedback", feedback, "message for an unparseable turn");
-    v("max_batch", max_batch, "sequences decoded at once; 0 = all", FieldRange{0, 1e9});
+    v("max_batch", max_batch, "sequences held at once, finished ones refilled from the next prompts; 0 = all",
+      FieldRange{0, 1e9});
     v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
     v("fused_kernels", fused_kernels, "fused CUDA kernels in the rollout's forwards (false: ATen forms; GPU only)");
     v("packed_weights", packed_weights,
@@ -144,15 +151,16 @@ using ToolRunner = std::function<std::future<SandboxResult>(const std::string& c
 // timeout or truncation.
 std::string format_tool_output(const SandboxResult& r);
 
-// Where a rollout's wall time went, summed over its waves. Decode steps are synchronised with the device
-// so that their time is the model's, not the sampler's.
+// Where a rollout's wall time went. Decode steps are synchronised with the device so that their time is the
+// model's, not the sampler's.
 struct RolloutStats {
   int64_t decode_steps = 0;   // one-token policy steps (a step feeds every sequence with one pending token)
   int64_t fed_rows = 0;       // sequences fed, summed over the decode steps
   int64_t feed_steps = 0;     // multi-token forwards (TokenPolicy::extend): a tool's reply or feedback, whole
   int64_t feed_tokens = 0;    // tokens fed by those (a reply, and the sampled token before it if still unfed)
   int64_t forced_tokens = 0;  // tool output and feedback tokens (fed in the multi-token forwards)
-  double prefill_s = 0;       // the prompts' prefill
+  int64_t refills = 0;        // prompts admitted into released rows while others ran (rollout.max_batch)
+  double prefill_s = 0;       // the prompts' prefill, the first prompts' and the admitted ones'
   double decode_s = 0;        // the decode steps (model forward to next-token logits)
   double feed_s = 0;          // the multi-token forwards
   double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host

@@ -218,6 +218,7 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
           {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
           {"rollout_forced_tokens", double(rb.stats.forced_tokens)},
           {"rollout_feed_steps", double(rb.stats.feed_steps)},
+          {"rollout_refills", double(rb.stats.refills)},
           {"time_rollout_feed_s", rb.stats.feed_s}};
 }
 

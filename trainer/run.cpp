@@ -342,7 +342,7 @@ RolloutBatch collect_rollouts(Run& run) {
     at::Tensor times = at::tensor(
         {out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s, st.total_s}, at::kDouble);
     at::Tensor counts = at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps),
-                                    double(st.feed_tokens), double(st.forced_tokens)},
+                                    double(st.feed_tokens), double(st.forced_tokens), double(st.refills)},
                                    at::kDouble);
     run.dist->all_reduce({times}, ReduceOp::kMax);
     run.dist->all_reduce({counts}, ReduceOp::kSum);
@@ -352,7 +352,7 @@ RolloutBatch collect_rollouts(Run& run) {
     st.prefill_s = t[1], st.decode_s = t[2], st.feed_s = t[3], st.sample_s = t[4], st.tool_wait_s = t[5];
     st.total_s = t[6];
     st.decode_steps = int64_t(n[0]), st.fed_rows = int64_t(n[1]), st.feed_steps = int64_t(n[2]);
-    st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]);
+    st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]), st.refills = int64_t(n[5]);
   }
   return out;
 }

@@ -34,27 +34,22 @@ class ScriptedPolicy : public TokenPolicy {
                  int64_t newline)
       : V_(vocab), scripts_(std::move(scripts)), eos_(eos), open_(open), close_(close), newline_(newline) {}
 
-  // Each start() is one wave: its rows 0..N-1 are sequences base_..base_+N-1 of the scripts, so a rollout
-  // split into waves reads the scripts in the same order as one done in a single batch.
+  // Each start() is a new batch: its rows 0..N-1 are sequences base_..base_+N-1 of the scripts, and each
+  // admit() continues them, so a rollout reads the scripts in the same order however it batches them.
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
-    const int64_t N = static_cast<int64_t>(prompts.size()) * repeats;
     base_ = static_cast<int64_t>(fed_.size());
-    EXPECT_LE(base_ + N, static_cast<int64_t>(scripts_.size())) << "one script per sequence";
-    for (int64_t n = 0; n < N; ++n) {
-      fed_.push_back(prompts[n / repeats]);
-      feed_times_.emplace_back();
-      pos_.push_back(0);
-      mode_.push_back(kScript);
-    }
-    std::vector<int64_t> rows(N);
-    for (int64_t n = 0; n < N; ++n) rows[n] = n;
-    return proposals(rows);
+    return add(prompts, repeats);
+  }
+  at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
+    admits_.push_back(static_cast<int64_t>(prompts.size()));
+    return add(prompts, repeats);
   }
 
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t j = 0; j < rows.size(); ++j) {
       const int64_t n = base_ + rows[j], t = tokens[j];
+      EXPECT_FALSE(gone_[n]) << "sequence " << n << " fed after its release";
       fed_[n].push_back(t);
       feed_times_[n].push_back(Clock::now());
       if (mode_[n] == kScript && t == proposal(n)) {
@@ -72,18 +67,40 @@ class ScriptedPolicy : public TokenPolicy {
     return proposals(rows);
   }
   void release(const std::vector<int64_t>& rows) override {
-    for (int64_t n : rows) released_.push_back(base_ + n);
+    for (int64_t n : rows) {
+      released_.push_back(base_ + n);
+      live_ -= !gone_[base_ + n];
+      gone_[base_ + n] = true;
+    }
   }
   int64_t vocab_size() const override { return V_; }
 
   std::vector<std::vector<int64_t>> fed_;
   std::vector<std::vector<Clock::time_point>> feed_times_;
   std::vector<int64_t> released_;
+  std::vector<int64_t> admits_;  // prompts per admit() call
+  int64_t max_live_ = 0;         // sequences started and not released, at most
 
  private:
   enum Mode { kScript, kTool, kAfterClose };
+  at::Tensor add(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+    const int64_t N = static_cast<int64_t>(prompts.size()) * repeats, first = static_cast<int64_t>(fed_.size());
+    EXPECT_LE(first + N, static_cast<int64_t>(scripts_.size())) << "one script per sequence";
+    std::vector<int64_t> rows(N);
+    for (int64_t n = 0; n < N; ++n) {
+      fed_.push_back(prompts[n / repeats]);
+      feed_times_.emplace_back();
+      pos_.push_back(0);
+      mode_.push_back(kScript);
+      gone_.push_back(false);
+      rows[n] = first - base_ + n;
+    }
+    live_ += N;
+    max_live_ = std::max(max_live_, live_);
+    return proposals(rows);
+  }
   int64_t proposal(int64_t n) const { return pos_[n] < int64_t(scripts_[n].size()) ? scripts_[n][pos_[n]] : eos_; }
-  at::Tensor proposals(const std::vector<int64_t>& rows) const {  // rows: local to the wave
+  at::Tensor proposals(const std::vector<int64_t>& rows) const {  // rows: local to the batch
     at::Tensor logits = at::zeros({int64_t(rows.size()), V_});
     for (size_t j = 0; j < rows.size(); ++j) logits[j][proposal(base_ + rows[j])] = 100.0;
     return logits;
@@ -93,7 +110,9 @@ class ScriptedPolicy : public TokenPolicy {
   int64_t eos_, open_, close_, newline_;
   std::vector<int64_t> pos_;
   std::vector<Mode> mode_;
-  int64_t base_ = 0;  // first sequence of the current wave
+  std::vector<bool> gone_;  // released
+  int64_t live_ = 0;
+  int64_t base_ = 0;  // first sequence of the current batch
   std::mutex mu_;
 };
 
@@ -434,24 +453,68 @@ TEST_F(ReToolTest, ToolCallsOverlap) {
   EXPECT_LT(ms, 900.0) << "tool calls ran one after another";
 }
 
-TEST_F(ReToolTest, WavesAndStreamsGiveTheSameTrajectories) {
-  // Two prompts x G = 2 decoded together or in waves of one prompt: identical trajectories.
-  auto run = [&](int64_t max_batch) {
-    auto p = policy({"a\\boxed{1}", "bb\\boxed{2}", "c<code>\nprint(1)\n</code>\\boxed{3}", "d\\boxed{4}"});
-    FakeTool tool;
-    tool.outputs["\nprint(1)\n"] = "1\n";
+TEST_F(ReToolTest, RefillGivesTheTrajectoriesOfOneBatch) {
+  // Five prompts x G = 2 decoded together, or with rollout.max_batch = 4: prompts 0 and 1 start, and finish
+  // in the same pass (equal scripts), which frees four rows: prompts 2 and 3 are admitted in one call.
+  // Prompt 2 finishes first (prompt 3 calls a slow tool), and prompt 4 takes its two rows while prompt 3's
+  // tool runs, before its reply is fed. The trajectories are the same, in the same order, and never more
+  // than four sequences are held.
+  std::vector<std::string> scripts(4, "x\\boxed{1}");  // prompts 0 and 1
+  scripts.push_back("y\\boxed{2}");                    // prompt 2
+  scripts.push_back("y\\boxed{2}");
+  scripts.push_back("c<code>\nslow()\n</code>\\boxed{3}");  // prompt 3: a slow tool call
+  scripts.push_back("long text here then \\boxed{3}");
+  scripts.push_back("d<code>\nprint(1)\n</code>\\boxed{4}");  // prompt 4: a fast one
+  scripts.push_back("w\\boxed{4}");
+  FakeTool tool;
+  tool.outputs["\nprint(1)\n"] = "1\n";
+  tool.outputs["\nslow()\n"] = "2\n";
+  tool.delay_ms["\nslow()\n"] = 100;
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 5; ++i) prompts.push_back(enc("Q" + std::to_string(i)));
+  auto run = [&](int64_t max_batch, std::unique_ptr<ScriptedPolicy>& p, RolloutStats& stats) {
+    p = policy(scripts);
     RolloutOptions o;
     o.max_batch = max_batch;
-    return rollout(*p, *tok_, {enc("Q1"), enc("Q2")}, sampling(2), o, tool.runner());
+    return rollout(*p, *tok_, prompts, sampling(2), o, tool.runner(), {}, {}, &stats);
   };
-  const auto all = run(0), waves = run(2);
-  ASSERT_EQ(all.size(), 4u);
-  ASSERT_EQ(waves.size(), 4u);
-  for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(all[i].prompt_index, int64_t(i / 2));
-    EXPECT_EQ(all[i].sample_index, int64_t(i % 2));
-    EXPECT_EQ(all[i].response_ids, waves[i].response_ids) << i;
+  std::unique_ptr<ScriptedPolicy> p_all, p_refill;
+  RolloutStats all_stats, refill_stats;
+  const auto all = run(0, p_all, all_stats), refill = run(4, p_refill, refill_stats);
+  ASSERT_EQ(all.size(), 10u);
+  ASSERT_EQ(refill.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    check_consistent(refill[i], *p_refill, int64_t(i));
+    EXPECT_EQ(refill[i].prompt_index, int64_t(i / 2));
+    EXPECT_EQ(refill[i].sample_index, int64_t(i % 2));
+    EXPECT_EQ(all[i].response_ids, refill[i].response_ids) << i;
+    EXPECT_EQ(all[i].loss_mask, refill[i].loss_mask) << i;
+    EXPECT_EQ(all[i].finish, refill[i].finish) << i;
+    EXPECT_EQ(refill[i].finish, FinishReason::kAnswer) << i;
   }
+  EXPECT_EQ(refill[6].tool_calls, 1);
+  EXPECT_EQ(refill[8].tool_calls, 1);
+  // Prompt 4 was fed its first token before prompt 3's slow reply (feed_times_ counts response tokens).
+  const auto& r6 = refill[6].response_ids;
+  const size_t reply = std::find(r6.begin(), r6.end(), tok_->piece_id("<interpreter>")) - r6.begin();
+  ASSERT_LT(reply, p_refill->feed_times_[6].size());
+  ASSERT_FALSE(p_refill->feed_times_[8].empty());
+  EXPECT_LT(p_refill->feed_times_[8][0], p_refill->feed_times_[6][reply]);
+  EXPECT_EQ(p_refill->admits_, (std::vector<int64_t>{2, 1})) << "prompts 2 and 3 in one call, then prompt 4";
+  EXPECT_EQ(refill_stats.refills, 3);
+  EXPECT_EQ(p_refill->max_live_, 4);
+  EXPECT_TRUE(p_all->admits_.empty());
+  EXPECT_EQ(all_stats.refills, 0);
+  EXPECT_EQ(p_all->max_live_, 10);
+  EXPECT_EQ(refill_stats.forced_tokens, all_stats.forced_tokens);
+  // max_batch below G: still one whole prompt at a time, each admitted alone.
+  std::unique_ptr<ScriptedPolicy> p_one;
+  RolloutStats one_stats;
+  const auto one = run(1, p_one, one_stats);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(all[i].response_ids, one[i].response_ids) << i;
+  EXPECT_EQ(p_one->admits_, (std::vector<int64_t>{1, 1, 1, 1}));
+  EXPECT_EQ(p_one->max_live_, 2);
+  EXPECT_EQ(one_stats.refills, 4);
 }
 
 TEST_F(ReToolTest, RewardsFromModelTextOnly) {
@@ -721,6 +784,167 @@ TEST(ModelPolicy, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
   }
 }
 
+// Last-position logits of one sequence at the given RoPE positions, from a full forward: a known-bad
+// reference (positions that do not count from 0 by one). Returned on the CPU.
+at::Tensor positioned_logits(const Transformer& m, const std::vector<int64_t>& ids, const std::vector<int64_t>& pos) {
+  at::NoGradGuard no_grad;
+  const int64_t L = static_cast<int64_t>(ids.size());
+  const auto dev = m.lm_head().device();
+  at::Tensor h = m.forward(at::tensor(ids, at::kLong).view({1, L}).to(dev),
+                           at::tensor(pos, at::kLong).view({1, L}).to(dev), at::Tensor());
+  return m.logits(h.select(1, L - 1))[0].cpu();
+}
+
+// admit() puts new prompts into the rows that released sequences left, in the cache's own tensors (rows,
+// slots and, on CUDA, the captured step graph stay), and each sequence's logits still match its full
+// forward in float64, through decode steps and multi-token feeds after it; the first admitted pair also
+// matches a fresh policy started on its prompt alone and fed the same tokens (1e-12: the same arithmetic
+// over more, masked slots). The other placements: more new sequences than free rows (a new cache of the
+// live rows and the new ones), a prompt longer than the slots filled so far (placed in place, the fill
+// moves to its end), and one longer than the cache (a new, longer cache). A new row that still saw the
+// released sequence's keys, or whose RoPE positions went on from its slots rather than its prompt, moves
+// the logits by far more than the tolerance (the known-bad checks at the end: both checked by breaking
+// ModelPolicy::admit that way, which this test then failed).
+class AdmitIntoReleasedRows : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
+  const auto& [family, device] = GetParam();
+  const bool cuda = device == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model(family, 11, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  ModelPolicyOptions po;
+  po.slot_chunk = 24;
+  po.fixed_shape_extend = device == "cpu_fixed";
+  po.feed_graphs = true;
+  ModelPolicy policy(m, po), fresh(m, po);
+  // float64: the cached, masked forward against the plain one (as in ModelPolicyTest), and the same
+  // sequence decoded in a refilled row against a fresh policy (only the masked slots differ).
+  const double kTol = 1e-9, kSame = 1e-12;
+  std::vector<std::vector<int64_t>> seqs;  // by sequence id: its tokens so far
+  std::vector<bool> live;
+  std::map<int64_t, int64_t> in_fresh;  // sequence id -> its id in `fresh`
+  auto admit = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t G, bool start = false) {
+    const int64_t base = static_cast<int64_t>(seqs.size());
+    at::Tensor first = (start ? policy.start(prompts, G) : policy.admit(prompts, G)).cpu();
+    EXPECT_EQ(first.size(0), int64_t(prompts.size()) * G);
+    for (size_t u = 0; u < prompts.size(); ++u) {
+      for (int64_t g = 0; g < G; ++g) {
+        seqs.push_back(prompts[u]);
+        live.push_back(true);
+      }
+    }
+    for (int64_t n = base; n < int64_t(seqs.size()); ++n) {
+      EXPECT_LT((first[n - base] - full_logits(m, seqs[n])).abs().max().item<double>(), kTol)
+          << "first logits of sequence " << n;
+    }
+    return first;
+  };
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  // Passes over the live sequences, idle ones leaving holes; every third pass feeds runs of 1 to 3 tokens
+  // in one forward. Each sequence's logits against its full forward, and the mirrored ones against `fresh`.
+  auto decode = [&](int64_t passes) {
+    for (int64_t t = 0; t < passes; ++t) {
+      const bool runs_step = t % 3 == 2;
+      std::vector<int64_t> rows, frows, fj;
+      std::vector<std::vector<int64_t>> runs, fruns;
+      for (int64_t n = 0; n < int64_t(seqs.size()); ++n) {
+        if (!live[n] || (t + n) % 4 == 3) continue;
+        const int64_t k = runs_step ? 1 + (n + t) % 3 : 1;
+        runs.emplace_back();
+        for (int64_t i = 0; i < k; ++i) runs.back().push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+        seqs[n].insert(seqs[n].end(), runs.back().begin(), runs.back().end());
+        if (in_fresh.count(n)) {
+          frows.push_back(in_fresh[n]);
+          fruns.push_back(runs.back());
+          fj.push_back(static_cast<int64_t>(rows.size()));
+        }
+        rows.push_back(n);
+      }
+      if (rows.empty()) continue;
+      const at::Tensor logits = policy.extend(rows, runs).cpu();  // one token each: a decode step
+      for (size_t j = 0; j < rows.size(); ++j) {
+        EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), kTol)
+            << "pass " << t << " sequence " << rows[j];
+      }
+      if (frows.empty()) continue;
+      const at::Tensor alone = fresh.extend(frows, fruns).cpu();
+      for (size_t j = 0; j < frows.size(); ++j) {
+        EXPECT_LT((alone[j] - logits[fj[j]]).abs().max().item<double>(), kSame)
+            << "pass " << t << " sequence " << rows[fj[j]] << " against a fresh start";
+      }
+    }
+  };
+  auto release = [&](const std::vector<int64_t>& ids) {
+    policy.release(ids);
+    for (int64_t n : ids) live[n] = false;
+  };
+  admit({{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60}}, 2, /*start=*/true);  // sequences 0..5
+  decode(7);
+  // Two rows released, two sequences admitted: in place.
+  release({1, 2});
+  const int64_t rows0 = policy.cache_rows(), slots0 = policy.cache_slots(), reallocs0 = policy.reallocations();
+  const int64_t length_at_admit = policy.cache_length();
+  const std::vector<int64_t> prompt = {11, 12, 13, 14};
+  const at::Tensor first = admit({prompt}, 2);  // sequences 6, 7
+  const at::Tensor alone = fresh.start({prompt}, 2).cpu();
+  EXPECT_LT((first - alone).abs().max().item<double>(), kSame) << "admitted against a fresh start";
+  in_fresh = {{6, 0}, {7, 1}};
+  EXPECT_EQ(policy.cache_rows(), rows0) << "the released rows were refilled";
+  EXPECT_EQ(policy.cache_slots(), slots0);
+  EXPECT_EQ(policy.reallocations(), reallocs0) << "admitted in place";
+  EXPECT_GT(length_at_admit, int64_t(prompt.size())) << "the new rows hold holes after their prompt";
+  const int64_t step_graphs = policy.graph_captures() - policy.feed_graph_captures();
+  decode(1);  // a one-token pass: on CUDA the step graph captured before the admit is replayed
+  if (cuda && policy.reallocations() == reallocs0) {
+    EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), step_graphs) << "admit kept the step graph";
+  }
+  decode(8);
+  const std::vector<int64_t> stale = seqs[1], admitted = seqs[6];
+  // Four new sequences, two free rows: a new cache of the four live rows and four new ones.
+  release({0, 6});
+  in_fresh.clear();
+  const int64_t reallocs1 = policy.reallocations();
+  admit({{21, 22}, {23, 24, 25, 26, 27}}, 2);  // sequences 8..11
+  EXPECT_EQ(policy.reallocations(), reallocs1 + 1);
+  EXPECT_EQ(policy.cache_rows(), 8);
+  // A prompt longer than the slots filled so far, one free row: in place, the fill moves to its end.
+  release({3});
+  const int64_t L = policy.cache_length(), reallocs2 = policy.reallocations();
+  std::vector<int64_t> longer(L + 5);
+  for (int64_t i = 0; i < L + 5; ++i) longer[i] = 30 + i % 200;
+  ASSERT_LE(L + 5, policy.cache_slots());
+  admit({longer}, 1);  // sequence 12
+  EXPECT_EQ(policy.cache_length(), L + 5);
+  EXPECT_EQ(policy.reallocations(), reallocs2);
+  EXPECT_EQ(policy.cache_rows(), 8);
+  decode(5);
+  // A prompt longer than the cache: a new, longer one.
+  release({4});
+  const int64_t too_long = policy.cache_slots() + 5, reallocs3 = policy.reallocations();
+  std::vector<int64_t> longest(too_long);
+  for (int64_t i = 0; i < too_long; ++i) longest[i] = 7 + i % 300;
+  admit({longest}, 1);  // sequence 13
+  EXPECT_EQ(policy.reallocations(), reallocs3 + 1);
+  EXPECT_GE(policy.cache_slots(), too_long);
+  decode(5);
+  // Known-bad: the admitted sequence's logits with the released sequence's tokens visible before it, and
+  // with positions that go on from the slot the admit saw filled, are far from the right ones.
+  std::vector<int64_t> with_stale = stale;
+  with_stale.insert(with_stale.end(), admitted.begin(), admitted.end());
+  std::vector<int64_t> slot_pos(admitted.size());
+  for (size_t i = 0; i < admitted.size(); ++i) {
+    slot_pos[i] = i < prompt.size() ? int64_t(i) : length_at_admit + int64_t(i - prompt.size());
+  }
+  const at::Tensor right = full_logits(m, admitted);
+  EXPECT_GT((full_logits(m, with_stale) - right).abs().max().item<double>(), 100 * kTol);
+  EXPECT_GT((positioned_logits(m, admitted, slot_pos) - right).abs().max().item<double>(), 100 * kTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, AdmitIntoReleasedRows,
+                         ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
+                                            ::testing::Values("cpu", "cpu_fixed", "cuda")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
 INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                          ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
@@ -730,16 +954,24 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
 // tiny model cannot write code, so its first turn is forced open with a code block; what it samples after
 // is its own). multi_token: a tool's reply enters in one forward (ModelPolicy::extend); else one token per
 // step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
-// token, for the check that must reject it.
+// token, for the check that must reject it. With several prefixes, prompt i (in the order started) is
+// steered to prefixes[i % prefixes.size()].
 class Steered : public TokenPolicy {
  public:
   Steered(const Transformer& m, std::vector<int64_t> prefix, bool multi_token = false, bool drop_first = false)
-      : inner_(m), prefix_(std::move(prefix)), multi_token_(multi_token), drop_first_(drop_first) {}
+      : Steered(m, std::vector<std::vector<int64_t>>{std::move(prefix)}, multi_token, drop_first) {}
+  Steered(const Transformer& m, std::vector<std::vector<int64_t>> prefixes, bool multi_token, bool drop_first = false)
+      : inner_(m), prefixes_(std::move(prefixes)), multi_token_(multi_token), drop_first_(drop_first) {}
   at::Tensor start(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
-    count_.assign(p.size() * r, 0);
-    std::vector<int64_t> rows(p.size() * r);
-    for (size_t n = 0; n < rows.size(); ++n) rows[n] = n;
-    return steer(rows, inner_.start(p, r));
+    count_.clear();
+    prefix_of_.clear();
+    prompts_ = 0;
+    return steer(add(p, r), inner_.start(p, r));
+  }
+  at::Tensor admit(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
+    last_admitted_ = static_cast<int64_t>(count_.size());
+    std::vector<int64_t> rows = add(p, r);
+    return steer(rows, inner_.admit(p, r));
   }
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
     for (int64_t n : rows) ++count_[n];
@@ -751,27 +983,50 @@ class Steered : public TokenPolicy {
     for (auto& r : fed) {
       if (drop_first_ && r.size() > 1) r.erase(r.begin());
     }
-    for (size_t j = 0; j < rows.size(); ++j) count_[rows[j]] += static_cast<int64_t>(runs[j].size());
+    for (size_t j = 0; j < rows.size(); ++j) {
+      count_[rows[j]] += static_cast<int64_t>(runs[j].size());
+      fed_before_admitted_ |= last_admitted_ >= 0 && rows[j] < last_admitted_;
+    }
     ++extends_;
     return steer(rows, inner_.extend(rows, fed));
   }
   void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
   int64_t vocab_size() const override { return inner_.vocab_size(); }
   int64_t extends() const { return extends_; }
+  // The cache's rows, at most, after any call.
+  int64_t max_cache_rows() const { return max_rows_; }
+  // A multi-token feed (a tool's reply) went to a sequence started before the latest admit, after it.
+  bool fed_around_an_admit() const { return fed_before_admitted_; }
 
  private:
+  std::vector<int64_t> add(const std::vector<std::vector<int64_t>>& p, int64_t r) {
+    std::vector<int64_t> rows;
+    for (size_t u = 0; u < p.size(); ++u, ++prompts_) {
+      for (int64_t g = 0; g < r; ++g) {
+        rows.push_back(static_cast<int64_t>(count_.size()));
+        count_.push_back(0);
+        prefix_of_.push_back(prompts_ % static_cast<int64_t>(prefixes_.size()));
+      }
+    }
+    return rows;
+  }
   at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
+    max_rows_ = std::max(max_rows_, inner_.cache_rows());
     for (size_t j = 0; j < rows.size(); ++j) {
+      const std::vector<int64_t>& prefix = prefixes_[prefix_of_[rows[j]]];
       const int64_t k = count_[rows[j]];
-      if (k < int64_t(prefix_.size())) logits[j][prefix_[k]] += 1000.0;
+      if (k < int64_t(prefix.size())) logits[j][prefix[k]] += 1000.0;
     }
     return logits;
   }
   ModelPolicy inner_;
-  std::vector<int64_t> prefix_;
-  std::vector<int64_t> count_;
+  std::vector<std::vector<int64_t>> prefixes_;
+  std::vector<int64_t> count_;      // by sequence: tokens fed
+  std::vector<int64_t> prefix_of_;  // by sequence: its prefix
+  int64_t prompts_ = 0;             // prompts started
   bool multi_token_, drop_first_;
-  int64_t extends_ = 0;
+  int64_t extends_ = 0, max_rows_ = 0, last_admitted_ = -1;
+  bool fed_before_admitted_ = false;
 };
 
 TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
@@ -860,6 +1115,76 @@ TEST_F(ReToolTest, ToolRepliesFedInOneForwardGiveTheOneTokenTrajectories) {
   EXPECT_GT(multi_stats.forced_tokens, 0);
   EXPECT_EQ(multi_stats.forced_tokens, one_stats.forced_tokens);
   EXPECT_GE(multi_stats.feed_tokens, multi_stats.forced_tokens);
+}
+
+TEST_F(ReToolTest, RefillOfATinyModelGivesTheTrajectoriesOfOneBatch) {
+  // Six prompts x G = 2 on a float64 model, steered in turn to a slow tool call, an immediate answer, and a
+  // fast tool call: with rollout.max_batch = 4 (and 5, and 1, below G) the answering prompts' rows are
+  // refilled while other rows wait on their tools or take their replies. Same trajectories as one batch:
+  // tokens, loss masks, finish reasons, turns and tool calls; log-probs within float32 storage (the
+  // logits differ by rounding only, ~1e-13). The cache never holds more rows than max_batch.
+  const Transformer m = tiny_model("llama", 9);
+  FakeTool tool;
+  tool.outputs["\nprint(347 * 829)\n"] = "287663\n";
+  tool.delay_ms["\nprint(347 * 829)\n"] = 60;
+  tool.outputs["\nprint(1)\n"] = "1\n";
+  const std::vector<std::vector<int64_t>> prefixes = {
+      enc("<code>\nprint(347 * 829)\n</code>"), enc("Answer: \\boxed{7}"), enc("Let me see.<code>\nprint(1)\n</code>")};
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 6; ++i) prompts.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
+  struct Run {
+    std::vector<Trajectory> trajs;
+    RolloutStats stats;
+    int64_t max_rows = 0;
+    bool fed_around_an_admit = false;
+  };
+  auto run = [&](int64_t max_batch) {
+    Steered policy(m, prefixes, /*multi_token=*/true);
+    SamplingOptions s = sampling(2);
+    s.seed = 3;
+    s.max_new_tokens = 40;
+    RolloutOptions o;
+    o.max_context = 120;
+    o.max_batch = max_batch;
+    Run r;
+    r.trajs = rollout(policy, *tok_, prompts, s, o, tool.runner(), {}, {}, &r.stats);
+    r.max_rows = policy.max_cache_rows();
+    r.fed_around_an_admit = policy.fed_around_an_admit();
+    return r;
+  };
+  const Run all = run(0);
+  ASSERT_EQ(all.trajs.size(), 12u);
+  EXPECT_EQ(all.stats.refills, 0);
+  EXPECT_EQ(all.max_rows, 12);
+  int64_t calls = 0;
+  for (const auto& t : all.trajs) calls += t.tool_calls;
+  EXPECT_GE(calls, 8) << "prompts 0, 2, 3, 5 call a tool";
+  for (int64_t max_batch : {4, 5, 1}) {
+    SCOPED_TRACE("max_batch " + std::to_string(max_batch));
+    const Run r = run(max_batch);
+    ASSERT_EQ(r.trajs.size(), 12u);
+    for (size_t i = 0; i < 12; ++i) {
+      const Trajectory &a = all.trajs[i], &b = r.trajs[i];
+      EXPECT_EQ(b.prompt_index, int64_t(i / 2));
+      EXPECT_EQ(b.sample_index, int64_t(i % 2));
+      EXPECT_EQ(a.response_ids, b.response_ids) << i;
+      EXPECT_EQ(a.loss_mask, b.loss_mask) << i;
+      EXPECT_EQ(a.finish, b.finish) << i;
+      EXPECT_EQ(a.turns, b.turns) << i;
+      EXPECT_EQ(a.tool_calls, b.tool_calls) << i;
+      ASSERT_EQ(a.logprobs.size(), b.logprobs.size());
+      for (size_t k = 0; k < a.logprobs.size(); ++k) {
+        EXPECT_NEAR(a.logprobs[k], b.logprobs[k], 1e-6) << i << " token " << k;
+      }
+    }
+    // Whole prompts start first (max_batch / G of them, at least one); every other one is a refill.
+    EXPECT_EQ(r.stats.refills, 6 - std::max<int64_t>(1, max_batch / 2));
+    EXPECT_LE(r.max_rows, std::max<int64_t>(max_batch, 2)) << "released rows are reused, not added";
+    EXPECT_EQ(r.stats.forced_tokens, all.stats.forced_tokens);
+    if (max_batch == 4) {
+      EXPECT_TRUE(r.fed_around_an_admit) << "a tool's reply fed to an older row after a refill";
+    }
+  }
 }
 
 }  // namespace

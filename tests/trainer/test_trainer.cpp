@@ -333,16 +333,19 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   // (~1e-7), on which rows share a decode step, which depends on when tool calls return (OldLogprobs
   // below holds the rollout's to the recomputed ones within that).
   c.train.old_logprobs = OldLogprobs::kRecompute;
+  // One prompt's 4 samples at a time: the step's second prompt takes the first one's rows once they finish.
+  c.rollout.max_batch = 4;
   const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
   run_to(c, full, /*resume=*/false, train(), extra());
   const auto a = read_metrics(full);
   ASSERT_EQ(a.size(), 4u);
   for (const auto& row : a) {
     for (const char* k : {"loss", "pg_loss", "kl", "entropy", "grad_norm", "reward_mean", "accuracy", "tool_use", "lr",
-                          "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s"}) {
+                          "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s", "rollout_refills"}) {
       ASSERT_TRUE(row.contains(k) && row[k].is_number()) << k << " in " << row.dump();
       EXPECT_TRUE(std::isfinite(row[k].get<double>())) << k;
     }
+    EXPECT_EQ(row["rollout_refills"].get<double>(), 1.0);
     EXPECT_GT(row["grad_norm"].get<double>(), 0) << "the update must move the policy";
     // fp32: the rollout's log-probs are the trainer's own (tests/trainer/test_batch.cpp holds them to 1e-6).
     ASSERT_TRUE(row.contains("logprob_mismatch_max")) << row.dump();
