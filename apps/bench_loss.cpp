@@ -323,6 +323,8 @@ void case_seed002(Bench& b) {
       {"selective", with(base, LogprobImpl::kSelective), true},
       {"cce", with(base, LogprobImpl::kCce), true},
       {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
+      // The blockwise path (cuBLAS GEMM blocks through HBM + epilogue kernels) beside the fused kernels.
+      {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
   };
   for (const auto& v : vs) {
     for (const char* pass : {"fw", "fwbw"}) {
@@ -352,6 +354,7 @@ void case_heads(Bench& b) {
     const std::vector<Variant> vs = {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
         {"cce", with(base, LogprobImpl::kCce), true},
+        {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
     };
     for (const auto& v : vs) {
       for (const char* pass : {"fw", "fwbw"}) {

@@ -22,6 +22,9 @@
 #include <tuple>
 
 #include "loss/autograd_state.h"
+#ifdef RLT_HAVE_CUDA
+#include "loss/cuda/cce_fused.h"
+#endif
 #include "loss/logprob.h"
 
 namespace rlt {
@@ -61,6 +64,7 @@ struct State {
   int64_t rb = 0, vb = 0;  // row and vocabulary block sizes (chunk_size, vocab_chunk_size or automatic)
   double cap = 0.0;        // the model's final-logit softcap; 0 = none
   bool kernel = false;     // the fused CUDA block epilogues
+  bool fused = false;      // the fused Hopper kernels (loss/cuda/cce_fused.cu): GEMM tiles consumed in registers
   // The gradient-filtering threshold in force; 0 = no filtering.
   double eps() const { return options.grad_filter ? options.grad_filter_eps : 0.0; }
 };
@@ -78,45 +82,9 @@ class CceFn : public torch::autograd::Function<CceFn> {
     const auto opts = hidden.options().dtype(acc);
     at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                          // (N)
     at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (N)
-    for (int64_t r0 = 0; r0 < N; r0 += rb) {
-      const int64_t n = std::min(rb, N - r0);
-      at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
-      at::Tensor m, s, t;                      // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
-      if (kernel) {
-#ifdef RLT_HAVE_CUDA
-        m = at::full({n}, -std::numeric_limits<double>::infinity(), opts);
-        s = at::zeros({n}, opts);
-        t = at::zeros({n}, opts);
-        for (int64_t v0 = 0; v0 < V; v0 += vb) {
-          const int64_t k = std::min(vb, V - v0);
-          cuda::cce_block_forward(mm_acc(h, weight.narrow(0, v0, k).t()), cap, temp, entropy != EntropyMode::kNone, m,
-                                  s, t);
-        }
-#endif
-      } else {
-        for (int64_t v0 = 0; v0 < V; v0 += vb) {
-          const int64_t k = std::min(vb, V - v0);
-          at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
-          if (cap > 0) z.div_(cap).tanh_().mul_(cap);
-          if (temp != 1.0) z.div_(temp);
-          at::Tensor bmax = std::get<0>(z.max(1));
-          at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
-          at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
-          at::Tensor e = d.exp();                     // (n, k)
-          if (v0 == 0) {
-            s = e.sum(1);
-            if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
-          } else {
-            // Rebase the running sums to the new max: r = e^{m - m_new},
-            // sum e^{z-m_new}(z-m_new) = r (t - s (m_new - m)): non-positive terms, no cancellation.
-            at::Tensor r = (m - m_new).exp_();
-            if (entropy != EntropyMode::kNone) t = r * (t - s * (m_new - m));
-            s = s * r + e.sum(1);
-            if (entropy != EntropyMode::kNone) t.add_(e.mul_(d).sum(1));
-          }
-          m = m_new;
-        }
-      }
+    // Rows [r0, r0 + n) given their online softmax state m, s, t: lse, the target's log-prob, the entropy.
+    auto finish_rows = [&](int64_t r0, int64_t n, const at::Tensor& m, const at::Tensor& s, const at::Tensor& t) {
+      const at::Tensor h = hidden.narrow(0, r0, n);
       at::Tensor l = m + s.log();  // (n)
       lse.narrow(0, r0, n).copy_(l);
       // The target logit as an indexed dot product (Algorithm 1): no [n, V] row needed; 1024 rows at a
@@ -130,6 +98,55 @@ class CceFn : public torch::autograd::Function<CceFn> {
         logp.narrow(0, r0 + q0, q).copy_(zy - l.narrow(0, q0, q));
       }
       if (entropy != EntropyMode::kNone) H.narrow(0, r0, n).copy_(s.log() - t / s);  // lse - E_p[z]
+    };
+    if (state.fused) {
+#ifdef RLT_HAVE_CUDA
+      // Every row and the whole vocabulary in one kernel (the logits tiles stay in registers), then one
+      // warp per row for the target logit, lse and entropy.
+      cuda::cce_fused_forward(hidden, weight, targets, cap, temp, entropy != EntropyMode::kNone, logp, lse, H);
+#endif
+    } else {
+      for (int64_t r0 = 0; r0 < N; r0 += rb) {
+        const int64_t n = std::min(rb, N - r0);
+        at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
+        at::Tensor m, s, t;                      // (n): running max, sum e^{z-m}, sum e^{z-m} (z-m)
+        if (kernel) {
+#ifdef RLT_HAVE_CUDA
+          m = at::full({n}, -std::numeric_limits<double>::infinity(), opts);
+          s = at::zeros({n}, opts);
+          t = at::zeros({n}, opts);
+          for (int64_t v0 = 0; v0 < V; v0 += vb) {
+            const int64_t k = std::min(vb, V - v0);
+            cuda::cce_block_forward(mm_acc(h, weight.narrow(0, v0, k).t()), cap, temp, entropy != EntropyMode::kNone, m,
+                                    s, t);
+          }
+#endif
+        } else {
+          for (int64_t v0 = 0; v0 < V; v0 += vb) {
+            const int64_t k = std::min(vb, V - v0);
+            at::Tensor z = mm_acc(h, weight.narrow(0, v0, k).t());  // (n, k) fp32
+            if (cap > 0) z.div_(cap).tanh_().mul_(cap);
+            if (temp != 1.0) z.div_(temp);
+            at::Tensor bmax = std::get<0>(z.max(1));
+            at::Tensor m_new = v0 == 0 ? bmax : at::maximum(m, bmax);
+            at::Tensor d = z.sub_(m_new.unsqueeze(1));  // (n, k) z - m_new, in z's buffer
+            at::Tensor e = d.exp();                     // (n, k)
+            if (v0 == 0) {
+              s = e.sum(1);
+              if (entropy != EntropyMode::kNone) t = e.mul_(d).sum(1);
+            } else {
+              // Rebase the running sums to the new max: r = e^{m - m_new},
+              // sum e^{z-m_new}(z-m_new) = r (t - s (m_new - m)): non-positive terms, no cancellation.
+              at::Tensor r = (m - m_new).exp_();
+              if (entropy != EntropyMode::kNone) t = r * (t - s * (m_new - m));
+              s = s * r + e.sum(1);
+              if (entropy != EntropyMode::kNone) t.add_(e.mul_(d).sum(1));
+            }
+            m = m_new;
+          }
+        }
+        finish_rows(r0, n, m, s, t);
+      }
     }
     ctx->save_for_backward({hidden, weight, targets, lse, H});
     save_state(ctx, state);
@@ -177,7 +194,12 @@ class CceFn : public torch::autograd::Function<CceFn> {
     for (int64_t v0 = 0; v0 < V; v0 += vb) {
       const int64_t k = std::min(vb, V - v0);
       at::Tensor w = weight.narrow(0, v0, k);  // (k, D)
-      at::Tensor dW_blk = same ? dW.narrow(0, v0, k) : at::zeros({k, D}, hidden.options().dtype(acc));
+      // One row block on the fused path: dW's block is one GEMM over every row, written straight into dW
+      // (cuBLAS accumulates in fp32), with no fp32 accumulator for it.
+      const bool direct = state.fused && !same && rb >= N;
+      at::Tensor dW_blk = same     ? dW.narrow(0, v0, k)
+                          : direct ? at::Tensor()
+                                   : at::zeros({k, D}, hidden.options().dtype(acc));
       for (int64_t r0 = 0; r0 < N; r0 += rb) {
         const int64_t n = std::min(rb, N - r0);
         at::Tensor h = hidden.narrow(0, r0, n);  // (n, D)
@@ -189,21 +211,33 @@ class CceFn : public torch::autograd::Function<CceFn> {
         at::Tensor coef = glp_t.narrow(0, r0, n).mul(in_blk).unsqueeze(1);  // (n, 1)
         if (kernel) {
 #ifdef RLT_HAVE_CUDA
-          // Fused epilogue: dz in the GEMM operand dtype (over z itself for fp32), filter flag on device.
-          at::Tensor z = mm_acc(h, w.t());                                   // (n, k) fp32
-          at::Tensor g_op = same ? z : at::empty({n, k}, hidden.options());  // (n, k)
+          at::Tensor g_op;  // (n, k): dz in the GEMM operand dtype
           any_above.zero_();
-          cuda::cce_block_backward(z, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
-                                   glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
-                                   targets.narrow(0, r0, n), eps, g_op, any_above);
-          z = at::Tensor();
+          if (state.fused) {  // recomputed in the GEMM's registers, written once in bf16
+            g_op = at::empty({n, k}, hidden.options());
+            cuda::cce_fused_backward(h, w, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
+                                     glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
+                                     targets.narrow(0, r0, n), eps, g_op, any_above);
+          } else {                            // fused epilogue over an fp32 logits block (over z itself for fp32)
+            at::Tensor z = mm_acc(h, w.t());  // (n, k) fp32
+            g_op = same ? z : at::empty({n, k}, hidden.options());
+            cuda::cce_block_backward(z, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
+                                     glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
+                                     targets.narrow(0, r0, n), eps, g_op, any_above);
+          }
           if (eps > 0 && any_above.item<int>() == 0) {
+            if (direct) dW_blk = at::zeros({k, D}, hidden.options().dtype(acc));
             add_target_term(r0, n, h, w, col, coef, dW_blk);
             continue;
           }
           at::Tensor dE_rows = dE.narrow(0, r0, n);
           accumulate_mm(dE_rows, g_op, w);
-          accumulate_mm(dW_blk, g_op.t(), h);
+          if (direct) {
+            at::Tensor out = dW.narrow(0, v0, k);
+            at::mm_out(out, g_op.t(), h);
+          } else {
+            accumulate_mm(dW_blk, g_op.t(), h);
+          }
 #endif
           continue;
         }
@@ -243,7 +277,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
         accumulate_mm(dE_rows, g_op, w);     // (n, D) += (n, k) @ (k, D)
         accumulate_mm(dW_blk, g_op.t(), h);  // (k, D) += (k, n) @ (n, D)
       }
-      if (!same) dW.narrow(0, v0, k).copy_(dW_blk);
+      if (!same && dW_blk.defined()) dW.narrow(0, v0, k).copy_(dW_blk);
     }
     out[0] = same ? dE : dE.to(hidden.scalar_type());
     out[1] = dW;
@@ -253,12 +287,24 @@ class CceFn : public torch::autograd::Function<CceFn> {
 
 }  // namespace
 
-std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block) {
+std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block,
+                                       bool fused) {
   // ~8M elements: a [rows, vocab] logits block and the fp32 (vocab, D) dW accumulator of a bf16 run
   // each stay within 32 MiB.
   constexpr int64_t kBlockElems = int64_t{1} << 23;
   // 4096 rows x 2048 entries at seed 002's shape: on the H200 this beat 8192 x 1024 (fewer passes
   // over the fp32 dE accumulator) and 2048 x 4096 (over the 1.1x memory target); docs/benchmarks.md.
+  if (fused) {
+    // The fused kernels hold no fp32 logits block, only the bf16 logits gradient (rows x vocab) between the
+    // dz kernel and the dE/dW GEMMs. Up to 8192 rows x 4096 entries (64 MiB): at seed 002's shape every
+    // row in one block (dW's block written by one GEMM, no fp32 accumulator) and 63 passes over dE beat
+    // 4096 x 2048 by 20 ms on the H200 (docs/benchmarks.md).
+    int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 8192);
+    rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
+    int64_t vb = vocab_block > 0 ? vocab_block : 4096;
+    vb = std::max<int64_t>(1, std::min(vb, std::max<int64_t>(V, 1)));
+    return {rb, vb};
+  }
   int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 4096);
   rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
   const int64_t vb_auto = std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128;
@@ -281,14 +327,15 @@ std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const a
   at::Tensor h = hidden.contiguous(), w = lm_head.contiguous();
   State state;
   state.options = options;
-  std::tie(state.rb, state.vb) =
-      cce_blocks(h.size(0), w.size(0), h.size(1), options.chunk_size, options.vocab_chunk_size);
   state.cap = softcap;
 #ifdef RLT_HAVE_CUDA
   state.kernel = use_cuda_kernel && h.is_cuda() && h.scalar_type() != at::kDouble;
+  state.fused = state.kernel && options.cce_fused && cuda::cce_fused_available(h);
 #else
   (void)use_cuda_kernel;
 #endif
+  std::tie(state.rb, state.vb) =
+      cce_blocks(h.size(0), w.size(0), h.size(1), options.chunk_size, options.vocab_chunk_size, state.fused);
   auto outs = CceFn::apply(h, w, targets, state);
   return {outs[0], options.entropy == EntropyMode::kNone ? at::Tensor() : outs[1]};
 }

@@ -6,6 +6,10 @@
 // skipped (gradient filtering). The target-token term (the "indexed matmul") is added outside the
 // blocks, so filtering never drops it. Runs on CPU and GPU; on CUDA the block epilogues run as fused kernels
 // (loss/cuda/cce_kernels.cu), tested against these ATen epilogues in tests/loss/test_cce.cpp (CceCuda.*).
+// On an H100/H200 with bf16/fp16 inputs (loss.cce_fused, on by default) the fused Hopper kernels
+// (loss/cuda/cce_fused.cu) take over: the forward is one wgmma kernel whose logits tiles never leave
+// registers, and the backward recomputes each block's logits gradient in the same way, written once in
+// bf16 for the dE and dW GEMMs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,15 +22,17 @@ namespace rlt {
 // entropy, chunk_size (rows per block; 0 = automatic), vocab_chunk_size (vocabulary entries per block;
 // 0 = automatic) and grad_filter / grad_filter_eps. softcap: the model's final-logit softcap,
 // z <- cap * tanh(z / cap) before everything; 0 = none. use_cuda_kernel: on CUDA, the fused block
-// epilogues (loss/cuda/cce_kernels.cu); false forces the ATen epilogues (tests).
+// epilogues (loss/cuda/cce_kernels.cu) or the fused Hopper kernels (options.cce_fused); false forces the
+// ATen epilogues (tests).
 // Returns (logprobs (N), entropy (N) or undefined), float32 (float64 for float64 inputs).
 std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                const at::Tensor& targets, const LossOptions& options,
                                                double softcap = 0.0, bool use_cuda_kernel = true);
 
 // The (row, vocabulary) block sizes cce uses for N rows, V entries, hidden size D (automatic choice
-// when the requested size is 0).
-std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block);
+// when the requested size is 0), on the blockwise path or (fused) the fused Hopper kernels' backward.
+std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block,
+                                       bool fused = false);
 
 #ifdef RLT_HAVE_CUDA
 namespace cuda {

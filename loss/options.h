@@ -60,6 +60,10 @@ struct LossOptions {
   // logits are the module's own, so true is always safe there and saves the buffer; false keeps a
   // separate gradient buffer (an ablation of seed 003).
   bool inplace_backward = false;
+  // cce on an H100/H200 (bf16/fp16): the fused Hopper kernels (loss/cuda/cce_fused.cu), whose GEMM tiles
+  // never leave registers; false: cuBLAS GEMM blocks through HBM + epilogue kernels (the earlier path,
+  // kept as their reference and for ablation).
+  bool cce_fused = true;
 
   template <class V>
   void visit(V&& v) {
@@ -73,6 +77,7 @@ struct LossOptions {
     v("grad_filter", grad_filter, "cce: skip backward blocks with softmax < grad_filter_eps");
     v("grad_filter_eps", grad_filter_eps, "cce: gradient-filtering threshold", FieldRange{0, 1});
     v("inplace_backward", inplace_backward, "selective: overwrite the logits with their gradient");
+    v("cce_fused", cce_fused, "cce: fused Hopper kernels where available; false: cuBLAS blocks + epilogues");
   }
   void check(const FieldFail& fail) const {
     if (loss_mask_only && !response_only) {

@@ -2,7 +2,7 @@
 # One call on the H200 host: build (Debian packages carried in .gpu/, see ../shared/gpu/README.md), run
 # every test (the CUDA ones included), then bench_loss on CUDA for every case and the PyTorch peers
 # (scripts/bench_peers.py) in the same command on the same GPU. Results land in $OUT (or runs/gpu).
-# Usage on the host: bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads)
+# Usage on the host: [SKIP_CTEST=1] bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads)
 # The fused peers (apple CCE, Liger) come from their pure-Python wheels in .gpu/wheels, fetched here with
 #   pip download --no-deps cut-cross-entropy liger-kernel -d .gpu/wheels
 # and unpacked onto PYTHONPATH (the host has no package registry; triton comes with its torch).
@@ -19,7 +19,8 @@ fi
 source scripts/gpu_build.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt" 2>&1
-run_gpu_ctest || ctest_failed=1
+# SKIP_CTEST=1: the benchmarks alone (when the same tree's tests ran in an earlier call).
+if [ "${SKIP_CTEST:-0}" != 1 ]; then run_gpu_ctest || ctest_failed=1; fi
 for c in ${cases[*]}; do
   reps=10
   [ "$c" = seed001 ] && reps=2  # each seed001 cce call is several seconds of fp32 GEMMs

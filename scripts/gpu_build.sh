@@ -8,7 +8,16 @@
 export PYTHONUNBUFFERED=1
 if [ ! -x build-gpu/bin/grpo_train ] || [ "${GPU_REBUILD:-1}" = 1 ]; then
   # The hf fixtures travel in .gpu/fixtures (../shared does not reach the GPU host).
-  if ! bash .gpu/build.sh -DRLT_FIXTURES_DIR="$PWD/.gpu/fixtures" > "$out/build.log" 2>&1; then
+  # CUTLASS/CuTe headers for the fused CCE kernels: the nvidia-cutlass wheel carried in .gpu/wheels
+  # (pip download --no-deps nvidia-cutlass==4.2.0.0 -d .gpu/wheels).
+  cutlass_args=()
+  cutlass_whl=$(ls .gpu/wheels/nvidia_cutlass-4.2.0.0-*.whl 2>/dev/null | head -n1 || true)
+  if [ -n "$cutlass_whl" ]; then
+    [ -f /tmp/rlt_cutlass/cutlass_library/source/include/cute/tensor.hpp ] ||
+      python3 -m zipfile -e "$cutlass_whl" /tmp/rlt_cutlass
+    cutlass_args=(-DRLT_CUTLASS_DIR=/tmp/rlt_cutlass/cutlass_library/source/include)
+  fi
+  if ! bash .gpu/build.sh -DRLT_FIXTURES_DIR="$PWD/.gpu/fixtures" "${cutlass_args[@]}" > "$out/build.log" 2>&1; then
     tail -n 60 "$out/build.log"
     exit 1
   fi

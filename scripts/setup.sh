@@ -3,7 +3,8 @@
 # and builds everything into build/ (executables in build/bin/).
 #   Debian packages: cmake, ninja, yaml-cpp, sentencepiece, Eigen, GoogleTest, nlohmann-json, CLI11, libseccomp,
 #                    PCRE2 + utf8proc (tokenizer.json regexes and NFC), bubblewrap
-#   PyPI:            torch==2.11.0, whose LibTorch (share/cmake) we link; the GPU host has the same one.
+#   PyPI:            torch==2.11.0, whose LibTorch (share/cmake) we link; the GPU host has the same one;
+#                    nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe headers of the fused CCE kernels)
 # Usage: bash scripts/setup.sh [extra cmake args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,11 @@ fi
 if ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then
   echo "setup: installing tokenizers==0.23.3 sentencepiece jinja2 pyarrow (references for the tokenizer and chat-template tests)"
   "$py" -m pip install -q tokenizers==0.23.3 sentencepiece jinja2 pyarrow
+fi
+# CUTLASS/CuTe headers for the fused Hopper CCE kernels (loss/cuda/cce_fused.cu): the pinned wheel.
+if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("nvidia-cutlass") == "4.2.0.0" else 1)' 2>/dev/null; then
+  echo "setup: installing nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe headers for the fused CCE kernels)"
+  "$py" -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 fi
 torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null | tail -n1)
 

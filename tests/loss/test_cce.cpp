@@ -8,6 +8,11 @@
 
 #include "loss/cce.h"
 #include "loss/logprob.h"
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "loss/cuda/cce_fused.h"
+#endif
 #include "tests/common/check.h"
 #include "tests/common/gradcheck.h"
 
@@ -82,7 +87,7 @@ Grads run(const Lm& lm, const LossOptions& o, double cap = 0.0) {
 void expect_matches(const Lm& lm, const LossOptions& o, const std::string& what, double cap = 0.0,
                     bool with_wrong = true) {
   SCOPED_TRACE(what);
-  const bool half = lm.E.scalar_type() == at::kBFloat16;
+  const bool half = lm.E.scalar_type() == at::kBFloat16 || lm.E.scalar_type() == at::kHalf;
   Grads r = reference(lm, o.temperature, o.entropy == EntropyMode::kGrad, cap);
   Grads g = run(lm, o, cap);
   EXPECT_EQ(g.lp.scalar_type(), at::kFloat);
@@ -202,14 +207,19 @@ FilterBound filter_bound(const Lm& lm, double eps, const at::Tensor& u1) {
   return {at::mm(dropped, W.abs()), at::mm(dropped.t(), E.abs())};
 }
 
-void check_filtering(at::Device dev) {
+// dt bf16: against the same path unfiltered, whose dz takes the same roundings; dW is stored in bf16, so
+// half an ulp (2^-8 relative) more. rows, entries: the block (rows 0 = automatic: on the fused path all
+// rows, dW's block written straight by one GEMM). A block is skipped only when none of its rows x entries
+// reaches eps: here about 6% of the non-target entries do, so blocks of 64 entries or fewer are needed.
+void check_filtering(at::Device dev, at::ScalarType dt = at::kFloat, int64_t rows = 4, int64_t entries = 16) {
   const int64_t N = 16, V = 1013, D = 29;
-  const Lm lm = make_lm(N, V, D, at::kFloat, 3, dev, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
+  const Lm lm = make_lm(N, V, D, dt, 3, dev, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
+  const double rtol = dt == at::kFloat ? kGradRtolFp32 : kGradRtolBf16;
   LossOptions o;
   o.impl = LogprobImpl::kCce;
   o.response_only = false;
-  o.chunk_size = 4;
-  o.vocab_chunk_size = 16;
+  o.chunk_size = rows;
+  o.vocab_chunk_size = entries;
   o.grad_filter = false;
   Grads exact = run(lm, o);
   o.grad_filter = true;
@@ -220,14 +230,14 @@ void check_filtering(at::Device dev) {
   auto [u1, u2] = upstream(N);
   const FilterBound b = filter_bound(lm, o.grad_filter_eps, u1);
   const at::Tensor exact_dE = exact.dE.cpu().to(at::kDouble), exact_dW = exact.dW.cpu().to(at::kDouble);
-  RLT_EXPECT_CLOSE(filt.dE, exact_dE, b.dE + kGradAtolFp32, kGradRtolFp32, "filtered dE");
-  RLT_EXPECT_CLOSE(filt.dW, exact_dW, b.dW + kGradAtolFp32, kGradRtolFp32, "filtered dW");
+  RLT_EXPECT_CLOSE(filt.dE, exact_dE, b.dE + kGradAtolFp32, rtol, "filtered dE");
+  RLT_EXPECT_CLOSE(filt.dW, exact_dW, b.dW + kGradAtolFp32, rtol, "filtered dW");
   // Wrong: a threshold of 1 skips every block's softmax part, the target's own p_y ~ 1 included; the
   // bound for 2^-12 must reject it.
   o.grad_filter_eps = 1.0;
   Grads all = run(lm, o);
-  EXPECT_TRUE(rlt::testing::rejects(all.dE, exact_dE, b.dE + kGradAtolFp32, kGradRtolFp32, "filtered dE", "eps = 1"));
-  EXPECT_TRUE(rlt::testing::rejects(all.dW, exact_dW, b.dW + kGradAtolFp32, kGradRtolFp32, "filtered dW", "eps = 1"));
+  EXPECT_TRUE(rlt::testing::rejects(all.dE, exact_dE, b.dE + kGradAtolFp32, rtol, "filtered dE", "eps = 1"));
+  EXPECT_TRUE(rlt::testing::rejects(all.dW, exact_dW, b.dW + kGradAtolFp32, rtol, "filtered dW", "eps = 1"));
   o.grad_filter_eps = 0.0;
   Grads none = run(lm, o);
   EXPECT_TRUE(at::equal(none.dW, exact.dW)) << "eps = 0 filters nothing";
@@ -238,6 +248,36 @@ TEST(Cce, GradientFilteringStaysWithinItsBound) { check_filtering(at::kCPU); }
 TEST(CceCuda, GradientFilteringStaysWithinItsBound) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   check_filtering(at::Device(at::kCUDA, 0));
+}
+
+// Why a fused-kernel test cannot run here ("" when it can): no GPU, or one that is not sm_90. On an sm_90 GPU
+// the kernels must have been built, so their absence fails the test instead of skipping it.
+std::string fused_skip_reason() {
+  if (!at::hasCUDA()) return "no CUDA device";
+#ifdef RLT_HAVE_CUDA
+  const auto* props = at::cuda::getDeviceProperties(0);
+  if (props->major != 9 || props->minor != 0) return "the fused kernels are for sm_90 (H100/H200)";
+  const bool built = cuda::cce_fused_available(at::empty({1}, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16)));
+  EXPECT_TRUE(built) << "built without CUTLASS's headers (pip install nvidia-cutlass==4.2.0.0): the fused "
+                        "kernels are missing";
+  return built ? "" : "the fused kernels are missing (a failure above)";
+#else
+  return "built without CUDA";
+#endif
+}
+
+// Filtering on the fused path (bf16): blocks of 16 and 2 entries, far narrower than a 256-entry tile; with all
+// 16 rows in one block, dW's blocks are written straight, or from the target term alone when skipped.
+TEST(CceCuda, FusedGradientFilteringStaysWithinItsBound) {
+  const std::string skip = fused_skip_reason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+#ifdef RLT_HAVE_CUDA
+  const at::Device dev(at::kCUDA, 0);
+  for (auto [rows, entries] : {std::pair<int64_t, int64_t>{4, 16}, {0, 2}}) {
+    SCOPED_TRACE("block " + std::to_string(rows) + " x " + std::to_string(entries));
+    check_filtering(dev, at::kBFloat16, rows, entries);
+  }
+#endif
 }
 
 // The fused CUDA epilogues compute the same function as the ATen ones they replace.
@@ -267,6 +307,98 @@ TEST(CceCuda, KernelEpilogueMatchesAtenEpilogue) {
     RLT_EXPECT_CLOSE(r[1].dE, r[0].dE, kGradAtolFp32, kGradRtolFp32, what + " dE");
     RLT_EXPECT_CLOSE(r[1].dW, r[0].dW, kGradAtolFp32, kGradRtolFp32, what + " dW");
   }
+}
+
+// The fused Hopper forward (wgmma tiles folded into the online softmax in registers) against float64 and
+// against the blockwise path, on shapes that cut every tile: rows not a multiple of 128, vocabularies not
+// a multiple of 256 (the last tile's padding columns must not count), D padded for TMA (29) or not (136).
+TEST(CceCuda, FusedForwardMatchesFloat64) {
+  const std::string skip = fused_skip_reason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+#ifdef RLT_HAVE_CUDA
+  const at::Device dev(at::kCUDA, 0);
+  using rlt::testing::rejects;
+  struct Shape {
+    int64_t N, V, D;
+  };
+  for (const Shape sh : {Shape{37, 1013, 29}, Shape{300, 4133, 136}, Shape{129, 513, 64}}) {
+    for (auto dt : {at::kBFloat16, at::kHalf}) {
+      const Lm lm = make_lm(sh.N, sh.V, sh.D, dt, 11, dev);
+      for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
+        const std::string what = "fused N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) +
+                                 " D=" + std::to_string(sh.D) + " " + std::string(c10::toString(dt)) +
+                                 " temp=" + std::to_string(temp) + " cap=" + std::to_string(cap);
+        LossOptions o;
+        o.temperature = temp;
+        o.entropy = EntropyMode::kValue;
+        auto forward = [&](const Lm& x, const LossOptions& opt, double c) {
+          auto [lp, H] = cce_logprobs(x.E, x.W, x.y, opt, c);
+          return std::make_pair(lp.cpu().to(at::kDouble), H.cpu().to(at::kDouble));
+        };
+        const Grads r = reference(lm, temp, false, cap);
+        const auto [lp, H] = forward(lm, o, cap);
+        RLT_EXPECT_CLOSE(lp, r.lp, kLogprobAtol, 0.0, what + " logprobs");
+        RLT_EXPECT_CLOSE(H, r.H, kLogprobAtol, 0.0, what + " entropy");
+        LossOptions blockwise = o;
+        blockwise.cce_fused = false;
+        const auto [lp_b, H_b] = forward(lm, blockwise, cap);
+        RLT_EXPECT_CLOSE(lp, lp_b, kLogprobAtol, 0.0, what + " logprobs vs blockwise");
+        RLT_EXPECT_CLOSE(H, H_b, kLogprobAtol, 0.0, what + " entropy vs blockwise");
+        if (temp != 1.0 || cap > 0) continue;  // the wrong implementations once per shape and dtype
+        // Wrong: the last tile's columns past a multiple of 64 dropped (a mask off by a chunk), rows
+        // shifted by one (a row index off by one), the temperature or softcap ignored.
+        const int64_t kept = (sh.V - 1) / 64 * 64;
+        const Grads dropped = reference({lm.E, lm.W.narrow(0, 0, kept), lm.y.clamp_max(kept - 1)}, temp, false, cap);
+        EXPECT_TRUE(rejects(dropped.H, r.H, kLogprobAtol, 0.0, what + " entropy", "last columns dropped"));
+        const Grads shifted = reference({lm.E.roll(-1, 0), lm.W, lm.y}, temp, false, cap);
+        EXPECT_TRUE(rejects(shifted.H, r.H, kLogprobAtol, 0.0, what + " entropy", "row n + 1"));
+        EXPECT_TRUE(rejects(reference(lm, 0.7, false, cap).lp, r.lp, kLogprobAtol, 0.0, what, "another temperature"));
+        EXPECT_TRUE(rejects(reference(lm, temp, false, 5.0).lp, r.lp, kLogprobAtol, 0.0, what, "a softcap"));
+      }
+    }
+  }
+#endif
+}
+
+// The fused backward (dz recomputed in the GEMM's registers and written in bf16/fp16) against float64, with
+// the entropy gradient, temperature, softcap, several row and vocabulary blocks (an odd last block: its rows
+// are stored one element at a time), with and without gradient filtering; expect_matches also runs the
+// wrong implementations (a target off by one, a row off by one, no temperature, no softcap).
+TEST(CceCuda, FusedBackwardMatchesFloat64) {
+  const std::string skip = fused_skip_reason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+#ifdef RLT_HAVE_CUDA
+  const at::Device dev(at::kCUDA, 0);
+  for (auto dt : {at::kBFloat16, at::kHalf}) {
+    const Lm lm = make_lm(300, 4133, 136, dt, 12, dev);
+    for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
+      for (bool filter : {false, true}) {
+        LossOptions o;
+        o.impl = LogprobImpl::kCce;
+        o.response_only = false;
+        o.entropy = EntropyMode::kGrad;
+        o.temperature = temp;
+        o.chunk_size = 100;
+        o.vocab_chunk_size = 300;
+        o.grad_filter = filter;
+        const std::string what = std::string("fused backward ") + c10::toString(dt) + " temp=" + std::to_string(temp) +
+                                 " cap=" + std::to_string(cap) + (filter ? " filtered" : "");
+        expect_matches(lm, o, what, cap, /*with_wrong=*/!filter);
+      }
+    }
+  }
+  // D not a multiple of 8 (operands copied to a padded width) and one block of everything: dW's block is
+  // written by one GEMM straight into dW, or (filtered) from the target term alone.
+  const Lm odd = make_lm(37, 1013, 29, at::kBFloat16, 13, dev);
+  for (bool filter : {false, true}) {
+    LossOptions o;
+    o.impl = LogprobImpl::kCce;
+    o.response_only = false;
+    o.entropy = EntropyMode::kGrad;
+    o.grad_filter = filter;
+    expect_matches(odd, o, std::string("fused backward D=29") + (filter ? " filtered" : ""), 0.0, !filter);
+  }
+#endif
 }
 
 TEST(Cce, ResponseOnlyGathersHiddenRows) {
@@ -319,6 +451,11 @@ TEST(Cce, BlockSizes) {
   EXPECT_EQ(cce_blocks(37, 1013, 29, 0, 0), (std::pair<int64_t, int64_t>{37, 1013}));
   EXPECT_EQ(cce_blocks(37, 1013, 29, 8, 100), (std::pair<int64_t, int64_t>{8, 100}));
   EXPECT_EQ(cce_blocks(0, 10, 4, 0, 0).first, 1);
+  // The fused kernels: up to 8192 rows x 4096 entries of bf16 logits gradient.
+  EXPECT_EQ(cce_blocks(8192, 256000, 2304, 0, 0, true), (std::pair<int64_t, int64_t>{8192, 4096}));
+  EXPECT_EQ(cce_blocks(20000, 128256, 4096, 0, 0, true), (std::pair<int64_t, int64_t>{8192, 4096}));
+  EXPECT_EQ(cce_blocks(37, 1013, 29, 0, 0, true), (std::pair<int64_t, int64_t>{37, 1013}));
+  EXPECT_EQ(cce_blocks(37, 1013, 29, 8, 100, true), (std::pair<int64_t, int64_t>{8, 100}));
 }
 
 TEST(CceCuda, MatchesFloat64OnGpu) {

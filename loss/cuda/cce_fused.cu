@@ -1,0 +1,529 @@
+// The fused Hopper CCE kernels: logits tiles z = h W^T computed on the tensor cores (wgmma; operands brought
+// in by TMA; a producer warp and two consumer warp groups; CUTLASS's SM90 mainloop) and consumed while
+// they are still in registers, by one of two epilogues:
+//   forward:  fold the tile into each row's online softmax state (max m, s = sum e^{x-m},
+//             t = sum e^{x-m}(x-m), x = softcap(z) / temp); nothing of [N, V] reaches memory;
+//   backward: form the tile's logits gradient dz (loss/cce.cpp's formula) and write it in the operand
+//             dtype for the dE and dW GEMMs, raising a flag when any softmax entry is >= eps.
+//
+// Work split. Forward: a thread block owns 128 rows and a contiguous run of 256-entry vocabulary tiles (a
+// "split"); it writes one (m, s, t) per row and split, and cce_fused_finish_kernel merges the splits, adds
+// the target logit (a dot product per row) and writes log-prob, lse and entropy. Backward: one tile per
+// thread block. With 128 x 256 tiles a consumer thread holds 2 rows x 64 entries of a tile; the 4 threads of
+// a quad share a row. Two thread blocks of neighbouring row tiles form a cluster and walk the same
+// vocabulary tiles, so each W tile is loaded from L2 once for both (TMA multicast).
+#include "loss/cuda/cce_fused.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "loss/cuda/online_softmax.cuh"
+
+#ifdef RLT_HAVE_CUTLASS
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+#endif
+
+namespace rlt::cuda {
+
+#ifdef RLT_HAVE_CUTLASS
+
+namespace {
+
+using namespace cute;
+
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// 128 rows x 256 vocabulary entries x 64 of D per stage: the tile CUTLASS picks for large bf16 GEMMs on
+// Hopper; 4 stages of 48 KiB fit the 227 KiB of shared memory.
+template <class Element>
+struct Config {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
+      cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<0>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename Mainloop::TiledMma;
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kThreads = 384;  // a producer warp group and two consumer warp groups
+  static constexpr int kBlockM = 128, kBlockN = 256;
+  static constexpr int kCluster = 2;
+  static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory");
+};
+
+// 2^x on the SFU (ex2.approx.ftz: relative error ~2^-22, subnormal results flushed to 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// tanh u = 1 - 2 / (e^{2u} + 1): two SFU operations; absolute error ~1e-7 (the softcap multiplies it by cap).
+__device__ __forceinline__ float fast_tanh(float u) { return 1.f - 2.f / (1.f + __expf(2.f * u)); }
+
+// An accumulator fragment ((2, 2, N/8), MMA_M, MMA_N) seen as (rows, columns): the wgmma C layout puts a
+// thread's values of rows r and r + 8 in mode (0, 1) and its columns in modes (0, 0) and (0, 2), so columns
+// 2j and 2j + 1 of the view are neighbours in the tile.
+template <class Layout>
+CUTE_HOST_DEVICE auto rows_cols(Layout l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// Forward epilogue: the online softmax state per row, in base-2 units y = x log2(e) (m2 = max y,
+// s = sum 2^{y - m2}, t2 = sum 2^{y - m2} (y - m2)), so a logit costs one FFMA, one MUFU ex2 and two adds.
+// Its code is kept small on purpose: with a branch per element (cap, temperature, mask) fully unrolled it
+// missed the instruction cache and ran at a quarter of the mainloop's speed (ncu: "no instruction" stalls).
+struct ForwardEpilogue {
+  struct Args {
+    float cap, temp;
+    bool entropy;
+    float* part;  // (3, splits, n): m, s, t per row and split
+  };
+  static constexpr int kRows = 2;
+  const Args& a;
+  float k2;  // y per logit unit
+  float m2[kRows], s2[kRows], t2[kRows];
+
+  __device__ ForwardEpilogue(const Args& args) : a(args), k2(kLog2e / args.temp) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) m2[r] = -INFINITY, s2[r] = 0.f, t2[r] = 0.f;
+  }
+
+  // acc: the tile's fragment; coords: its (row, column) in the tile; valid: columns inside the vocabulary.
+  template <class Acc, class Coords>
+  __device__ void tile(Acc& acc, const Coords& coords, int valid, int) {
+    if (a.cap > 0.f) {  // the final-logit softcap (gemma-2): cap tanh(z / cap)
+      const float inv = 1.f / a.cap;
+#pragma unroll
+      for (int i = 0; i < size(acc); ++i) acc(i) = a.cap * fast_tanh(acc(i) * inv);
+    }
+    if (valid < 256) {
+#pragma unroll
+      for (int i = 0; i < size(acc); ++i) {
+        if (get<1>(coords(i)) >= valid) acc(i) = -INFINITY;
+      }
+    }
+    Tensor x = make_tensor(acc.data(), rows_cols(acc.layout()));
+    static_assert(decltype(size<0>(x))::value == kRows, "2 rows per thread");
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < size<1>(x); ++c) mx = fmaxf(mx, x(r, c));
+      const float m = fmaxf(m2[r], mx * k2);
+      // Rebase to the new max (by 2^{m_old - m}); a state still at -inf has nothing to rebase.
+      const bool empty = m2[r] == -INFINITY;
+      const float rs = empty ? 0.f : ex2(m2[r] - m);
+      float s = s2[r] * rs, t = empty ? 0.f : rs * (t2[r] - s2[r] * (m - m2[r]));
+#pragma unroll
+      for (int c = 0; c < size<1>(x); ++c) {
+        // Clamped at -127: a masked column (-inf, or NaN when all of this thread's columns are masked) adds
+        // 2^-127, flushed to 0, instead of NaN to t.
+        const float d = fmaxf(fmaf(x(r, c), k2, -m), -127.f);
+        const float e = ex2(d);
+        s += e;
+        t = fmaf(e, d, t);
+      }
+      m2[r] = m, s2[r] = s, t2[r] = t;
+    }
+  }
+
+  // The 4 threads of a quad hold the same rows: merge them, then one writes the split's state.
+  template <class Coords>
+  __device__ void finish(const Coords& coords, int row0, int n, int split, int splits) {
+    Tensor xc = make_tensor(coords.data(), rows_cols(coords.layout()));
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      Online st{m2[r] * kLn2, s2[r], a.entropy ? t2[r] * kLn2 : 0.f};
+      for (int off = 1; off < 4; off <<= 1) {
+        const Online o{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
+                       __shfl_xor_sync(0xffffffff, st.t, off)};
+        st = merge(st, o);
+      }
+      const int row = row0 + get<0>(xc(r, 0));
+      if (lane % 4 == 0 && row < n) {
+        const int64_t plane = int64_t{splits} * n, at = int64_t{split} * n + row;
+        a.part[at] = st.m;
+        a.part[plane + at] = st.s;
+        a.part[2 * plane + at] = st.t;
+      }
+    }
+  }
+};
+
+// Backward epilogue: dz = (-p (glp + gH (log p + H)) + glp [v = y]) / temp, times 1 - tanh^2(z / cap) under a
+// softcap, p = e^{x - lse}; written to g (n, ld) in the operand dtype. The same formula as
+// cce_backward_kernel (cce_kernels.cu), which the GPU tests hold this to.
+template <class Element>
+struct BackwardEpilogue {
+  struct Args {
+    float cap, temp, eps;
+    const float *lse, *H, *glp, *gH;  // (n); H and gH null without an entropy gradient
+    const int64_t* targets;           // (n), relative to v0
+    int64_t v0;                       // the block's first vocabulary entry
+    Element* g;                       // (n, ld)
+    int64_t ld;
+    int* any_above;
+  };
+  static constexpr int kRows = 2;
+  const Args& a;
+  float l2[kRows], ga[kRows], gb[kRows], h[kRows];
+  int64_t y[kRows];
+  int row[kRows];
+  bool above = false;
+
+  template <class Coords>
+  __device__ BackwardEpilogue(const Args& args, const Coords& coords, int row0, int n) : a(args) {
+    Tensor xc = make_tensor(coords.data(), rows_cols(coords.layout()));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row[r] = row0 + get<0>(xc(r, 0));
+      const int q = min(row[r], n - 1);  // rows past n compute on zeros and are not written
+      l2[r] = a.lse[q] * kLog2e;
+      ga[r] = a.glp[q];
+      gb[r] = a.gH ? a.gH[q] : 0.f;
+      h[r] = a.gH ? a.H[q] : 0.f;
+      y[r] = a.targets[q] - a.v0;
+      if (row[r] >= n) row[r] = -1;
+    }
+  }
+
+  template <class Acc, class Coords>
+  __device__ void tile(Acc& acc, const Coords& coords, int valid, int col0) {
+    Tensor x = make_tensor(acc.data(), rows_cols(acc.layout()));
+    Tensor xc = make_tensor(coords.data(), rows_cols(coords.layout()));
+    const float k2 = kLog2e / a.temp, inv_temp = 1.f / a.temp, inv_cap = a.cap > 0.f ? 1.f / a.cap : 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int c = 0; c < size<1>(x); ++c) {
+        float z = x(r, c), dcap = 1.f;
+        if (a.cap > 0.f) {
+          const float tc = fast_tanh(z * inv_cap);
+          z = a.cap * tc;
+          dcap = 1.f - tc * tc;
+        }
+        const float lp2 = fmaf(z, k2, -l2[r]);  // log2 p
+        const float p = ex2(lp2);
+        // Only entries of the block count: columns past it and rows past n hold TMA's zero fill.
+        above |= p >= a.eps && get<1>(xc(r, c)) < valid && row[r] >= 0;
+        float g = -p * fmaf(gb[r], fmaf(lp2, kLn2, h[r]), ga[r]);
+        if (col0 + get<1>(xc(r, c)) == y[r]) g += ga[r];
+        x(r, c) = g * inv_temp * dcap;
+      }
+    }
+    // Store pairs of neighbouring columns as one 4-byte word where the row stride allows it.
+    const bool pairs = a.ld % 2 == 0;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (row[r] < 0) continue;
+      Element* out = a.g + row[r] * a.ld + col0;
+#pragma unroll
+      for (int c = 0; c < size<1>(x); c += 2) {
+        const int col = get<1>(xc(r, c));
+        if (pairs && col + 1 < valid) {
+          const Element pair[2] = {Element(x(r, c)), Element(x(r, c + 1))};
+          uint32_t word;
+          memcpy(&word, pair, sizeof(word));
+          *reinterpret_cast<uint32_t*>(out + col) = word;
+        } else {
+          if (col < valid) out[col] = Element(x(r, c));
+          if (col + 1 < valid) out[col + 1] = Element(x(r, c + 1));
+        }
+      }
+    }
+  }
+
+  template <class Coords>
+  __device__ void finish(const Coords&, int, int, int, int) {
+    if (__any_sync(0xffffffff, above) && threadIdx.x % 32 == 0) atomicOr(a.any_above, 1);
+  }
+};
+
+template <class Element, class Epilogue>
+struct Params {
+  typename Config<Element>::Mainloop::Params mainloop;
+  int n, V, D;  // rows, vocabulary (of this call), hidden size (a multiple of 8)
+  int n_tiles;  // vocabulary tiles
+  int splits;   // vocabulary splits (gridDim.y)
+  typename Epilogue::Args epi;
+};
+
+template <class Element, class Epilogue>
+__global__ void __launch_bounds__(384, 1) cce_fused_kernel(const __grid_constant__ Params<Element, Epilogue> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = Config<Element>;
+  using Mainloop = typename Cfg::Mainloop;
+  using Pipeline = typename Cfg::Pipeline;
+  extern __shared__ __align__(128) char smem[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem);
+
+  const int warp_group = threadIdx.x / 128, warp_in_group = (threadIdx.x / 32) % 4;
+  if (threadIdx.x == 0) Mainloop::prefetch_tma_descriptors(p.mainloop);
+
+  typename Pipeline::Params pp;
+  if (warp_group == 0 && warp_in_group == 0) pp.role = Pipeline::ThreadCategory::Producer;
+  if (warp_group > 0) pp.role = Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x % 128 == 0;
+  pp.num_consumers = 256;
+  pp.transaction_bytes = p.mainloop.tma_transaction_bytes;
+  Pipeline pipeline(shared.pipeline, pp, typename Cfg::ClusterShape{});
+  // Every block of the cluster must see the barriers initialised before any multicast arrives.
+  cute::cluster_arrive_relaxed();
+  cute::cluster_wait();
+
+  Mainloop mainloop;
+  auto inputs = mainloop.load_init(make_shape(p.n, p.V, p.D, 1), p.mainloop);
+  const int k_tiles = size<3>(get<0>(inputs));
+  const int m_tile = blockIdx.x, split = blockIdx.y;
+  const int t0 = static_cast<int>(int64_t{split} * p.n_tiles / p.splits);
+  const int t1 = static_cast<int>(int64_t{split + 1} * p.n_tiles / p.splits);
+
+  if (warp_group == 0) {  // the producer: one warp issues the TMA loads
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp_in_group == 0) {
+      auto write = cutlass::make_producer_start_state<Pipeline>();
+      for (int nt = t0; nt < t1; ++nt) {
+        auto k_iter = make_coord_iterator(shape<3>(get<0>(inputs)));
+        mainloop.load(p.mainloop, pipeline, write, inputs, make_coord(m_tile, nt, _, 0), k_iter, k_tiles,
+                      threadIdx.x % 32, cute::block_rank_in_cluster(), shared.tensors);
+        write.advance(k_tiles);
+      }
+      mainloop.load_tail(pipeline, write);
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  typename Cfg::TiledMma mma;
+  const int mma_thread = threadIdx.x - 128;
+  Tensor acc = partition_fragment_C(mma, take<0, 2>(typename Cfg::TileShape{}));  // (MMA, MMA_M, MMA_N) fp32
+  Tensor coords = mma.get_slice(mma_thread).partition_C(make_identity_tensor(take<0, 2>(typename Cfg::TileShape{})));
+  const int row0 = m_tile * Cfg::kBlockM;
+  Epilogue epi = [&] {
+    if constexpr (std::is_same_v<Epilogue, ForwardEpilogue>) {
+      return Epilogue(p.epi);
+    } else {
+      return Epilogue(p.epi, coords, row0, p.n);
+    }
+  }();
+  typename Mainloop::PipelineState read;
+  for (int nt = t0; nt < t1; ++nt) {
+    mainloop.mma(pipeline, read, acc, k_tiles, mma_thread, shared.tensors, p.mainloop);
+    mainloop.mma_tail(pipeline, read, k_tiles);
+    read.advance(k_tiles);
+    epi.tile(acc, coords, p.V - nt * Cfg::kBlockN, nt * Cfg::kBlockN);
+  }
+  epi.finish(coords, row0, p.n, split, p.splits);
+#endif
+}
+
+// One warp per row: merges the splits' states, adds the target logit (an fp32 dot product of the row and
+// W[y]) and writes log-prob, lse and entropy. A target outside [0, V) gives a NaN log-prob, which the
+// trainer's finite-loss check reports, instead of a read out of bounds.
+template <class Element>
+__global__ void cce_fused_finish_kernel(const float* __restrict__ part, int n, int splits,
+                                        const Element* __restrict__ h, const Element* __restrict__ w, int64_t V, int D,
+                                        const int64_t* __restrict__ y, float cap, float temp, bool entropy, float* logp,
+                                        float* lse, float* H) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const int64_t plane = int64_t{splits} * n;
+  Online st{-INFINITY, 0.f, 0.f};
+  for (int k = lane; k < splits; k += 32) {
+    const int64_t at = int64_t{k} * n + row;
+    st = merge(st, Online{part[at], part[plane + at], part[2 * plane + at]});
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    st = merge(st, Online{__shfl_xor_sync(0xffffffff, st.m, off), __shfl_xor_sync(0xffffffff, st.s, off),
+                          __shfl_xor_sync(0xffffffff, st.t, off)});
+  }
+  const int64_t target = y[row];
+  const bool in_range = target >= 0 && target < V;
+  float dot = 0.f;
+  if (in_range) {
+    const uint4* hv = reinterpret_cast<const uint4*>(h + int64_t{row} * D);
+    const uint4* wv = reinterpret_cast<const uint4*>(w + target * D);
+    for (int i = lane; i < D / 8; i += 32) {  // 8 elements (16 bytes) per load
+      const uint4 a = hv[i], b = wv[i];
+      const Element* ae = reinterpret_cast<const Element*>(&a);
+      const Element* be = reinterpret_cast<const Element*>(&b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dot = fmaf(float(ae[j]), float(be[j]), dot);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+  if (lane != 0) return;
+  if (cap > 0.f) dot = cap * tanhf(dot / cap);
+  const float l = st.m + logf(st.s);
+  lse[row] = l;
+  logp[row] = in_range ? scale(dot, temp) - l : NAN;
+  if (entropy) H[row] = logf(st.s) - st.t / st.s;
+}
+
+// Vocabulary splits of the forward: enough thread blocks to fill whole waves of the GPU's SMs (row tiles x
+// splits a multiple of the SM count where possible), each with at least 4 tiles so the pipeline's fill is
+// paid rarely.
+int forward_splits(int m_tiles, int n_tiles, int sms) {
+  const int per_wave = sms / std::gcd(m_tiles, sms);
+  return std::max(1, std::min(per_wave, n_tiles / 4));
+}
+
+// TMA wants 16-byte aligned rows and base pointers: D a multiple of 8 (bf16/fp16). Other operands are copied
+// into zero-padded ones (the padding adds nothing to a dot product).
+at::Tensor tma_ready(const at::Tensor& a) {
+  const int64_t D = a.size(1), Dp = (D + 7) / 8 * 8;
+  const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0;
+  if (Dp == D && aligned && a.stride(1) == 1 && a.stride(0) == D) return a;
+  at::Tensor out = at::zeros({a.size(0), Dp}, a.options());
+  out.narrow(1, 0, D).copy_(a);
+  return out;
+}
+
+// Row tiles, rounded up to whole clusters (a block past the last row computes on TMA's zero fill and writes
+// nothing), and vocabulary tiles of an (n, V) problem.
+std::pair<int, int> tiles(int64_t n, int64_t V) {
+  constexpr int kRowsPerCluster = Config<cutlass::bfloat16_t>::kCluster * Config<cutlass::bfloat16_t>::kBlockM;
+  const int m_tiles =
+      static_cast<int>((n + kRowsPerCluster - 1) / kRowsPerCluster) * Config<cutlass::bfloat16_t>::kCluster;
+  return {m_tiles, static_cast<int>((V + 255) / 256)};
+}
+
+// Launches the fused kernel over h (n, D) x w (V, D) with `splits` vocabulary splits.
+template <class Element, class Epilogue>
+void launch(const at::Tensor& h, const at::Tensor& w, int splits, const typename Epilogue::Args& epi) {
+  using Cfg = Config<Element>;
+  using Mainloop = typename Cfg::Mainloop;
+  const int n = static_cast<int>(h.size(0)), V = static_cast<int>(w.size(0)), D = static_cast<int>(h.size(1));
+  const auto [m_tiles, n_tiles] = tiles(n, V);
+  typename Mainloop::Arguments args{
+      reinterpret_cast<const Element*>(h.data_ptr()), make_stride(int64_t{D}, _1{}, int64_t{0}),
+      reinterpret_cast<const Element*>(w.data_ptr()), make_stride(int64_t{D}, _1{}, int64_t{0})};
+  Params<Element, Epilogue> p{
+      Mainloop::to_underlying_arguments(make_shape(n, V, D, 1), args, nullptr), n, V, D, n_tiles, splits, epi};
+  const int smem = sizeof(typename Cfg::SharedStorage);
+  auto kernel = cce_fused_kernel<Element, Epilogue>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(m_tiles, splits);
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = Cfg::kCluster;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+}
+
+template <class Element>
+void forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double softcap, double temperature,
+             bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H) {
+  const int n = static_cast<int>(h.size(0));
+  const auto [m_tiles, n_tiles] = tiles(n, w.size(0));
+  const int splits = forward_splits(m_tiles, n_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  at::Tensor part = at::empty({3, splits, n}, h.options().dtype(at::kFloat));
+  launch<Element, ForwardEpilogue>(
+      h, w, splits, {static_cast<float>(softcap), static_cast<float>(temperature), entropy, part.data_ptr<float>()});
+  constexpr int kWarps = 8;
+  cce_fused_finish_kernel<Element><<<(n + kWarps - 1) / kWarps, 32 * kWarps, 0, at::cuda::getCurrentCUDAStream()>>>(
+      part.data_ptr<float>(), n, splits, reinterpret_cast<const Element*>(h.data_ptr()),
+      reinterpret_cast<const Element*>(w.data_ptr()), w.size(0), static_cast<int>(h.size(1)),
+      targets.data_ptr<int64_t>(), static_cast<float>(softcap), static_cast<float>(temperature), entropy,
+      logp.data_ptr<float>(), lse.data_ptr<float>(), H.numel() ? H.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool cce_fused_available(const at::Tensor& hidden) {
+  if (!hidden.is_cuda()) return false;
+  if (hidden.scalar_type() != at::kBFloat16 && hidden.scalar_type() != at::kHalf) return false;
+  const auto* props = at::cuda::getDeviceProperties(hidden.get_device());
+  return props->major == 9 && props->minor == 0;
+}
+
+void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double softcap,
+                       double temperature, bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H) {
+  TORCH_CHECK(cce_fused_available(hidden), "cce_fused_forward: needs bf16/fp16 operands on an sm_90 GPU");
+  TORCH_CHECK(hidden.size(0) < (int64_t{1} << 31) && weight.size(0) < (int64_t{1} << 31),
+              "cce_fused_forward: rows and vocabulary must fit in int32");
+  TORCH_CHECK(targets.is_contiguous() && targets.scalar_type() == at::kLong, "cce_fused_forward: targets (n) int64");
+  if (hidden.size(0) == 0) return;
+  const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
+  if (hidden.scalar_type() == at::kBFloat16) {
+    forward<cutlass::bfloat16_t>(h, w, targets, softcap, temperature, entropy, logp, lse, H);
+  } else {
+    forward<cutlass::half_t>(h, w, targets, softcap, temperature, entropy, logp, lse, H);
+  }
+}
+
+void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
+                        double temperature, const at::Tensor& lse, const at::Tensor& H, const at::Tensor& glp,
+                        const at::Tensor& gH, const at::Tensor& targets, double eps, at::Tensor& g,
+                        at::Tensor& any_above) {
+  TORCH_CHECK(cce_fused_available(hidden), "cce_fused_backward: needs bf16/fp16 operands on an sm_90 GPU");
+  TORCH_CHECK(g.is_contiguous() && g.scalar_type() == hidden.scalar_type() && g.size(0) == hidden.size(0) &&
+                  g.size(1) == weight.size(0),
+              "cce_fused_backward: g must be (n, k) in the operands' dtype");
+  if (hidden.size(0) == 0 || weight.size(0) == 0) return;
+  const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
+  auto run = [&](auto tag) {
+    using Element = decltype(tag);
+    typename BackwardEpilogue<Element>::Args args{static_cast<float>(softcap),
+                                                  static_cast<float>(temperature),
+                                                  static_cast<float>(eps),
+                                                  lse.data_ptr<float>(),
+                                                  gH.defined() ? H.data_ptr<float>() : nullptr,
+                                                  glp.data_ptr<float>(),
+                                                  gH.defined() ? gH.data_ptr<float>() : nullptr,
+                                                  targets.data_ptr<int64_t>(),
+                                                  v0,
+                                                  reinterpret_cast<Element*>(g.data_ptr()),
+                                                  g.size(1),
+                                                  any_above.data_ptr<int>()};
+    // One vocabulary tile per thread block: the grid is every (row tile, vocabulary tile) of the block.
+    launch<Element, BackwardEpilogue<Element>>(h, w, static_cast<int>((weight.size(0) + 255) / 256), args);
+  };
+  if (hidden.scalar_type() == at::kBFloat16) {
+    run(cutlass::bfloat16_t{});
+  } else {
+    run(cutlass::half_t{});
+  }
+}
+
+#else  // no CUTLASS headers at build time: the blockwise path serves every call
+
+bool cce_fused_available(const at::Tensor&) { return false; }
+
+void cce_fused_forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, bool, at::Tensor&,
+                       at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(false, "cce_fused_forward: built without CUTLASS");
+}
+
+void cce_fused_backward(const at::Tensor&, const at::Tensor&, int64_t, double, double, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&,
+                        at::Tensor&) {
+  TORCH_CHECK(false, "cce_fused_backward: built without CUTLASS");
+}
+
+#endif
+
+}  // namespace rlt::cuda

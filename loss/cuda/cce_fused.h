@@ -1,0 +1,29 @@
+// The fused Hopper CCE kernels (loss/cuda/cce_fused.cu): wgmma GEMM tiles whose epilogue consumes the
+// logits in registers. Built when CUTLASS's headers are found (RLT_HAVE_CUTLASS); loss/cce.cpp falls back to
+// its blockwise path (cuBLAS GEMM + fused epilogue kernel) elsewhere, and that path is what the GPU tests
+// hold these kernels to.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace rlt::cuda {
+
+// True when the fused kernels take these operands: bf16/fp16 on an sm_90 GPU, built with CUTLASS.
+bool cce_fused_available(const at::Tensor& hidden);
+
+// hidden (n, D), weight (V, D), same dtype, targets (n) int64: writes logp, lse and H (n) fp32 (H only when
+// entropy; it may be empty otherwise) for x = softcap(h w^T) / temperature: log-prob of the target, log-sum-exp,
+// entropy. Any D (operands are copied to a zero-padded multiple of 8 when needed). A target outside [0, V)
+// gives a NaN log-prob.
+void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double softcap,
+                       double temperature, bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H);
+
+// The logits gradient of one vocabulary block, recomputed: weight is the block (k, D) starting at entry v0, g
+// (n, k) in the operands' dtype receives dz (cuda::cce_block_backward's formula, for the same lse, H, glp, gH,
+// targets), and any_above (int32 [1]) is set to 1 when any softmax entry of the block is >= eps.
+void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
+                        double temperature, const at::Tensor& lse, const at::Tensor& H, const at::Tensor& glp,
+                        const at::Tensor& gH, const at::Tensor& targets, double eps, at::Tensor& g,
+                        at::Tensor& any_above);
+
+}  // namespace rlt::cuda
