@@ -10,21 +10,31 @@
 //
 // Modes, run in this order in one process on the same prompts and seed:
 //   plain            tools off: --new-tokens sampled per trajectory
-//   tools            the steered loop, tool replies fed in one forward (rollout.multi_token_feed), an
-//                    eager one at its exact shape (the default)
-//   tools_feedgraphs the same, each feed a replayed CUDA graph per (rows, tokens) bucket
-//                    (ModelPolicyOptions::feed_graphs)
-//   tools_onetoken   the same with tool replies fed one token per decode step
+//   tools                 the steered loop with the rollout's defaults: tool replies fed in one eager
+//                         forward (rollout.multi_token_feed), a ready reply waiting up to
+//                         rollout.feed_wait = 4 decode steps so that others share it
+//   tools_feednow         each reply fed at the next step (feed_wait 0: the session-18 defaults)
+//   tools_merged_wait     feed_wait 4, the pass's one-token rows taken in the feed (rollout.merge_feeds)
+//   tools_merged          the same with feed_wait 0
+//   tools_merged_graphs   the same, each feed a replayed CUDA graph per (rows, tokens) bucket
+//                         (rollout.feed_graphs)
+//   tools_merged_graphs_wait  the same with feed_wait 4
+//   tools_feedgraphs      feed graphs, feed_wait 0, merge_feeds off
+//   tools_onetoken        tool replies fed one token per decode step
+// With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
+// prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
+// batch prompts one after the other (records lengths_waves, lengths_refill).
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
-// feed_steps, forced_tokens, cache_compactions, cache_reallocations (of them, those that made new cache
-// tensors), step_graph_captures, feed_graph_captures}.
+// feed_steps, feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations (of them,
+// those that made new cache tensors), step_graph_captures, feed_graph_captures}.
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -47,13 +57,20 @@ class ToolSteered : public TokenPolicy {
               int64_t every)
       : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every) {}
   const ModelPolicy& inner() const { return inner_; }
+  // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
+  // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
+  void set_lengths(int64_t eos, std::function<int64_t(int64_t)> budget, int64_t first) {
+    eos_ = eos;
+    budget_ = std::move(budget);
+    first_ = first;
+  }
 
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
-    const size_t N = prompts.size() * repeats;
-    rows_.assign(N, Row{});
-    std::vector<int64_t> all(N);
-    for (size_t n = 0; n < N; ++n) all[n] = static_cast<int64_t>(n);
-    return steer(all, inner_.start(prompts, repeats));
+    rows_.clear();
+    return admit_rows(prompts, repeats, inner_.start(prompts, repeats));
+  }
+  at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
+    return admit_rows(prompts, repeats, inner_.admit(prompts, repeats));
   }
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
     for (size_t j = 0; j < rows.size(); ++j) fed(rows_[rows[j]], tokens[j]);
@@ -73,9 +90,18 @@ class ToolSteered : public TokenPolicy {
   struct Row {
     State state = State::kFree;
     int64_t count = 0;          // free samples of this turn, or script tokens fed
+    int64_t fed = 0;            // tokens fed since the prompt
     std::vector<int64_t> tail;  // the last tokens fed, to see the reply's end
   };
+  at::Tensor admit_rows(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats, at::Tensor logits) {
+    const int64_t first = static_cast<int64_t>(rows_.size()), N = static_cast<int64_t>(prompts.size()) * repeats;
+    rows_.resize(first + N);
+    std::vector<int64_t> added(N);
+    for (int64_t n = 0; n < N; ++n) added[n] = first + n;
+    return steer(added, std::move(logits));
+  }
   void fed(Row& r, int64_t t) {
+    r.fed += 1;
     r.tail.push_back(t);
     if (r.tail.size() > reply_end_.size()) r.tail.erase(r.tail.begin());
     if (r.state == State::kWaiting) {
@@ -98,11 +124,14 @@ class ToolSteered : public TokenPolicy {
     for (size_t j = 0; j < rows.size(); ++j) {
       const Row& r = rows_[rows[j]];
       if (r.state == State::kScript) logits[static_cast<int64_t>(j)][script_[r.count]] += 1e4;
+      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) logits[static_cast<int64_t>(j)][eos_] += 1e4;
     }
     return logits;
   }
   ModelPolicy inner_;
   std::vector<int64_t> script_, reply_end_;
+  int64_t eos_ = -1, first_ = 0;
+  std::function<int64_t(int64_t)> budget_;
 
   int64_t every_;
   std::vector<Row> rows_;
@@ -128,6 +157,11 @@ int main(int argc, char** argv) {
   app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
   app.add_option("--seed", seed, "sampling seed");
   app.add_option("--json", json_path, "write the records to this JSON file");
+  int64_t refill = 0;
+  app.add_option("--refill", refill,
+                 "also compare continuous batching: R x batch prompts of uneven lengths (new/4 to new tokens, "
+                 "tools off) through batch rows, refilled (rollout.max_batch) against R waves of batch prompts")
+      ->check(CLI::Range(0, 64));
   CLI11_PARSE(app, argc, argv);
   std::optional<BenchModel> bench = load_bench_model("bench_rollout", model_dir, device, dtype);
   if (!bench) return 2;
@@ -167,11 +201,20 @@ int main(int argc, char** argv) {
   struct Mode {
     std::string name;
     bool tools, multi_token, feed_graphs;
+    int64_t feed_wait;
+    bool merge_feeds;
   };
-  const std::vector<Mode> modes = {{"plain", false, true, true},
-                                   {"tools", true, true, false},
-                                   {"tools_feedgraphs", true, true, true},
-                                   {"tools_onetoken", true, false, false}};
+  const RolloutOptions defaults;
+  const std::vector<Mode> modes = {
+      {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds},
+      {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds},
+      {"tools_feednow", true, true, false, 0, false},
+      {"tools_merged_wait", true, true, false, 4, true},
+      {"tools_merged", true, true, false, 0, true},
+      {"tools_merged_graphs", true, true, true, 0, true},
+      {"tools_merged_graphs_wait", true, true, true, 4, true},
+      {"tools_feedgraphs", true, true, true, 0, false},
+      {"tools_onetoken", true, false, false, 0, false}};
   struct PolicyCounts {
     int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
   };
@@ -180,6 +223,9 @@ int main(int argc, char** argv) {
     RolloutOptions o;
     o.tools = mode.tools;
     o.multi_token_feed = mode.multi_token;
+    o.feed_wait = mode.feed_wait;
+    o.merge_feeds = mode.merge_feeds;
+    o.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
     o.cuda_graphs = graphs;
     o.max_context = P + new_tokens;
     o.max_turns = 1 << 20;
@@ -205,7 +251,7 @@ int main(int argc, char** argv) {
   }
   std::cout << "model " << model_dir << ", " << dtype << " on " << device << ", batch " << B << ", prompt " << P
             << ", new " << N << ", a tool call every " << every << " free samples, " << workers << " sandbox workers\n";
-  std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
+  std::cout << std::left << std::setw(26) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
             << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(12) << "compactions"
@@ -223,7 +269,7 @@ int main(int argc, char** argv) {
     const double tps = double(sampled) / st.total_s;
     if (m.name == "plain") plain_tps = tps;
     const double ratio = plain_tps > 0 ? tps / plain_tps : 0;
-    std::cout << std::left << std::setw(16) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
+    std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
               << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
               << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
@@ -248,11 +294,107 @@ int main(int argc, char** argv) {
                        {"tool_wait_s", st.tool_wait_s},
                        {"decode_steps", st.decode_steps},
                        {"feed_steps", st.feed_steps},
+                       {"feed_wait", m.feed_wait},
+                       {"merge_feeds", m.merge_feeds},
+                       {"feed_graphs", m.feed_graphs},
                        {"forced_tokens", st.forced_tokens},
                        {"cache_compactions", counts.compactions},
                        {"cache_reallocations", counts.reallocations},
                        {"step_graph_captures", counts.step_graphs},
                        {"feed_graph_captures", counts.feed_graphs}});
+  }
+  if (refill > 0) {
+    // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)
+    // after new/4 to new tokens, a length fixed per prompt. Waves: R rollouts of B prompts each, every one
+    // as long as its longest trajectory. Refill: one rollout holding B rows, a finished row taking the next
+    // prompt at once (rollout.max_batch = B).
+    std::vector<std::vector<int64_t>> all;
+    for (int64_t r = 0; r < refill; ++r) all.insert(all.end(), prompts.begin(), prompts.end());
+    const int64_t lo = std::max<int64_t>(1, N / 4);
+    auto budget = [lo, N](int64_t n) {
+      uint64_t h = static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull;
+      h ^= h >> 31;
+      return lo + static_cast<int64_t>(h % static_cast<uint64_t>(N - lo + 1));
+    };
+    auto run_lengths = [&](const std::vector<std::vector<int64_t>>& ps, int64_t first, int64_t max_batch,
+                           RolloutStats& stats) {
+      RolloutOptions o;
+      o.tools = false;
+      o.cuda_graphs = graphs;
+      o.max_context = P + N;
+      o.max_batch = max_batch;
+      o.progress_s = 0;
+      SamplingOptions smp = sampling;
+      smp.max_new_tokens = N;
+      ToolSteered policy(model, po, script, reply_end, 1 << 30);
+      policy.set_lengths(tok->eos_id(), budget, first);
+      auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
+      counts = {policy.inner().compactions(), policy.inner().reallocations(), policy.inner().graph_captures(), 0};
+      return out;
+    };
+    struct Outcome {
+      int64_t sampled = 0, steps = 0, refills = 0;
+      double seconds = 0, decode_s = 0, prefill_s = 0;
+    };
+    auto measure = [&](bool waves) {
+      Outcome oc;
+      auto add = [&](const std::vector<Trajectory>& trajs, const RolloutStats& st) {
+        for (const auto& t : trajs) oc.sampled += t.sampled_tokens();
+        oc.seconds += st.total_s;
+        oc.decode_s += st.decode_s;
+        oc.prefill_s += st.prefill_s;
+        oc.steps += st.decode_steps;
+        oc.refills += st.refills;
+      };
+      if (waves) {
+        for (int64_t r = 0; r < refill; ++r) {
+          RolloutStats st;
+          const std::vector<std::vector<int64_t>> wave(all.begin() + r * B, all.begin() + (r + 1) * B);
+          add(run_lengths(wave, r * B, 0, st), st);
+        }
+      } else {
+        RolloutStats st;
+        add(run_lengths(all, 0, B, st), st);
+      }
+      return oc;
+    };
+    measure(false);  // warm-up (shapes, plans, allocator)
+    measure(true);
+    std::cout << "\ncontinuous batching: " << refill * B << " prompts of " << lo << "-" << N << " tokens through " << B
+              << " rows, tools off\n"
+              << std::left << std::setw(10) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(10)
+              << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio" << std::setw(10) << "decode_s"
+              << std::setw(10) << "prefill_s" << std::setw(8) << "steps" << std::setw(9) << "refills"
+              << "\n";
+    double waves_tps = 0;
+    for (bool waves : {true, false}) {
+      const Outcome oc = measure(waves);
+      const double tps = double(oc.sampled) / oc.seconds;
+      if (waves) waves_tps = tps;
+      const std::string name = waves ? "waves" : "refill";
+      std::cout << std::left << std::setw(10) << name << std::right << std::setw(10) << oc.sampled << std::setw(10)
+                << std::fixed << std::setprecision(3) << oc.seconds << std::setw(12) << std::setprecision(0) << tps
+                << std::setw(9) << std::setprecision(3) << tps / waves_tps << std::setw(10) << oc.decode_s
+                << std::setw(10) << oc.prefill_s << std::setw(8) << oc.steps << std::setw(9) << oc.refills << "\n";
+      records.push_back({{"mode", "lengths_" + name},
+                         {"batch", B},
+                         {"prompts", refill * B},
+                         {"prompt_len", P},
+                         {"new_tokens_min", lo},
+                         {"new_tokens_max", N},
+                         {"dtype", dtype},
+                         {"sampled_tokens", oc.sampled},
+                         {"seconds", oc.seconds},
+                         {"sampled_tokens_per_s", tps},
+                         {"ratio_to_waves", tps / waves_tps},
+                         {"prefill_s", oc.prefill_s},
+                         {"decode_s", oc.decode_s},
+                         {"decode_steps", oc.steps},
+                         {"refills", oc.refills},
+                         {"cache_compactions", counts.compactions},
+                         {"cache_reallocations", counts.reallocations},
+                         {"step_graph_captures", counts.step_graphs}});
+    }
   }
   if (!json_path.empty()) {
     const auto parent = std::filesystem::path(json_path).parent_path();

@@ -159,6 +159,7 @@ struct Seq {
   std::string turn_text;    // model text of the current turn
   std::future<SandboxResult> tool;
   int64_t stream = 0;
+  int64_t run_since = -1;  // decode steps done when its pending run (several tokens) was first held back
 };
 
 class Loop {
@@ -210,15 +211,20 @@ class Loop {
       std::vector<std::vector<int64_t>> runs;
       for (size_t n = 0; n < seqs_.size(); ++n) {
         std::deque<int64_t>& q = seqs_[n].pending;
-        if (q.empty()) continue;
-        if (q.size() == 1) {
-          rows.push_back(static_cast<int64_t>(n));
-          tokens.push_back(q.front());
-        } else {
-          run_rows.push_back(static_cast<int64_t>(n));
-          runs.emplace_back(q.begin(), q.end());
-        }
+        if (q.size() != 1) continue;
+        rows.push_back(static_cast<int64_t>(n));
+        tokens.push_back(q.front());
         q.clear();
+      }
+      if (feed_now(rows.empty(), stats.decode_steps)) {
+        for (size_t n = 0; n < seqs_.size(); ++n) {
+          Seq& s = seqs_[n];
+          if (s.pending.size() < 2) continue;
+          run_rows.push_back(static_cast<int64_t>(n));
+          runs.emplace_back(s.pending.begin(), s.pending.end());
+          s.pending.clear();
+          s.run_since = -1;
+        }
       }
       release_finished();
       to_sample.clear();
@@ -240,6 +246,14 @@ class Loop {
       }
       lap(t);
       std::vector<at::Tensor> parts;
+      if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty()) {
+        // One forward for the pass: the one-token rows join the feed as runs of one token.
+        for (size_t j = 0; j < rows.size(); ++j) {
+          run_rows.insert(run_rows.begin() + j, rows[j]);
+          runs.insert(runs.begin() + j, std::vector<int64_t>{tokens[j]});
+        }
+        rows.clear();
+      }
       if (!rows.empty()) {
         parts.push_back(policy_.step(rows, tokens));  // (rows, V)
         device_synchronize(parts.back().device());
@@ -292,6 +306,11 @@ class Loop {
     for (int64_t n = 0; n < next_prompt_ * G; ++n) held += !released_[n];
     const int64_t count = std::min(P - next_prompt_, (rows_ - held) / G);
     if (count <= 0) return at::Tensor();
+    // While others run, wait until an eighth of the rows (or the last prompts) can start together: each admit
+    // is an eager prefill and a device sync, and on the H200 64 one-prompt admits cost 0.42 s of prefill
+    // against 0.08 s for two 64-prompt waves (bench_rollout --refill, docs/benchmarks.md).
+    const int64_t batch = std::min(P - next_prompt_, std::max<int64_t>(1, rows_ / G / 8));
+    if (held > 0 && count < batch) return at::Tensor();
     const int64_t begin = next_prompt_;
     next_prompt_ += count;
     for (int64_t n = begin * G; n < next_prompt_ * G; ++n) {
@@ -440,6 +459,21 @@ class Loop {
               << " trajectories done, " << static_cast<int64_t>(sampled / s) << " sampled tokens/s, " << waiting
               << " tool calls in flight   " << std::flush;
     printed_ = true;
+  }
+
+  // Whether the pending runs (tool replies, feedback: several tokens each) go in this pass's feed, or wait
+  // so that more share its forward (rollout.feed_wait). Marks when each run was first held back.
+  bool feed_now(bool nothing_to_decode, int64_t step) {
+    int64_t ready = 0, oldest = step;
+    for (auto& s : seqs_) {
+      if (s.pending.size() < 2) continue;
+      ++ready;
+      if (s.run_since < 0) s.run_since = step;
+      oldest = std::min(oldest, s.run_since);
+    }
+    if (ready == 0) return false;
+    if (!options_.multi_token_feed || options_.feed_wait == 0 || nothing_to_decode) return true;
+    return ready >= std::max<int64_t>(1, rows_ / 8) || step - oldest >= options_.feed_wait;
   }
 
   bool any_waiting() const {

@@ -93,6 +93,23 @@ struct RolloutOptions {
   // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
   // false: one token per decode step, as before; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
+  // With multi_token_feed: decode steps a ready tool reply (or feedback) may wait, while other rows decode,
+  // so that more replies share its forward: the replies are fed once an eighth of the rows (max_batch, or
+  // every sequence) have one, or the oldest has waited this long, or no row is left to decode. A feed is
+  // an eager forward (about four decode steps' time), so feeding each reply at once made feeds the loop's
+  // largest cost: in bench_rollout on an H100, 74 feeds took 0.73 s; with 4, 40 took 0.46 s for 46 more
+  // decode steps (12,446 -> 13,887 sampled tokens/s). 0 = every reply fed at the next step. The
+  // trajectories are the same up to rounding.
+  int64_t feed_wait = 4;
+  // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
+  // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. Off by
+  // default: the merged forward pads every row to the feed's length, and in bench_rollout on an H100 its
+  // cost (8 ms a feed, 0.83 s in all) ate the decode steps it saved (docs/benchmarks.md).
+  bool merge_feeds = false;
+  // With cuda_graphs, on a GPU: each multi-token feed replays a CUDA graph captured per (rows, tokens)
+  // bucket and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
+  // captures cost about what the replays save within one rollout (see ModelPolicyOptions::feed_graphs).
+  bool feed_graphs = false;
   // A rollout still running after this many seconds prints a live line to stderr, and again every as many
   // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
@@ -116,6 +133,10 @@ struct RolloutOptions {
     v("packed_weights", packed_weights,
       "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
     v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
+    v("feed_wait", feed_wait, "decode steps a ready tool reply may wait to share its forward with others; 0 = none",
+      FieldRange{0, 1e6});
+    v("merge_feeds", merge_feeds, "a pass that feeds tool replies takes its one-token rows in the same forward");
+    v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket (GPU only)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {

@@ -56,6 +56,7 @@ ModelPolicyOptions policy_options(const RolloutOptions& r) {
   o.cuda_graphs = r.cuda_graphs;
   o.fused_kernels = r.fused_kernels;
   o.packed_weights = r.packed_weights;
+  o.feed_graphs = r.feed_graphs;
   return o;
 }
 

@@ -66,6 +66,18 @@ class ScriptedPolicy : public TokenPolicy {
     }
     return proposals(rows);
   }
+  // Fed one token per step (TokenPolicy's form), after noting the feed: its runs, and how many other live
+  // sequences were decoding then (their last token fed was not a call's close tag, code_close).
+  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
+    std::vector<bool> in_feed(fed_.size(), false);
+    for (int64_t r : rows) in_feed[base_ + r] = true;
+    int64_t decoding = 0;
+    for (size_t n = base_; n < fed_.size(); ++n) {
+      decoding += !gone_[n] && !in_feed[n] && mode_[n] == kScript && fed_[n].back() != code_close;
+    }
+    feeds_.push_back({static_cast<int64_t>(runs.size()), decoding});
+    return TokenPolicy::extend(rows, runs);
+  }
   void release(const std::vector<int64_t>& rows) override {
     for (int64_t n : rows) {
       released_.push_back(base_ + n);
@@ -79,7 +91,12 @@ class ScriptedPolicy : public TokenPolicy {
   std::vector<std::vector<Clock::time_point>> feed_times_;
   std::vector<int64_t> released_;
   std::vector<int64_t> admits_;  // prompts per admit() call
-  int64_t max_live_ = 0;         // sequences started and not released, at most
+  struct Feed {
+    int64_t runs = 0, others_decoding = 0;
+  };
+  std::vector<Feed> feeds_;  // per extend() call
+  int64_t code_close = -1;   // the token that ends a code call (for feeds_)
+  int64_t max_live_ = 0;     // sequences started and not released, at most
 
  private:
   enum Mode { kScript, kTool, kAfterClose };
@@ -515,6 +532,86 @@ TEST_F(ReToolTest, RefillGivesTheTrajectoriesOfOneBatch) {
   EXPECT_EQ(p_one->admits_, (std::vector<int64_t>{1, 1, 1, 1}));
   EXPECT_EQ(p_one->max_live_, 2);
   EXPECT_EQ(one_stats.refills, 4);
+}
+
+// With many rows, refills wait until an eighth of them can start together (one prefill each), except for
+// the last prompts; the trajectories are still those of one batch. Rejects one admit per freed row.
+TEST_F(ReToolTest, RefillStartsPromptsInGroupsOfAnEighthOfTheRows) {
+  std::vector<std::string> scripts;
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 24; ++i) {
+    scripts.push_back(std::string(1 + i, 'a') + "\\boxed{1}");  // one finishes per pass
+    prompts.push_back(enc("Q" + std::to_string(i)));
+  }
+  auto run = [&](int64_t max_batch, std::unique_ptr<ScriptedPolicy>& p, RolloutStats& stats) {
+    p = policy(scripts);
+    RolloutOptions o;
+    o.max_batch = max_batch;
+    return rollout(*p, *tok_, prompts, sampling(1), o, FakeTool().runner(), {}, {}, &stats);
+  };
+  std::unique_ptr<ScriptedPolicy> p_all, p_refill;
+  RolloutStats all_stats, refill_stats;
+  const auto all = run(0, p_all, all_stats), refill = run(16, p_refill, refill_stats);
+  ASSERT_EQ(refill.size(), 24u);
+  for (size_t i = 0; i < 24; ++i) EXPECT_EQ(all[i].response_ids, refill[i].response_ids) << i;
+  EXPECT_EQ(refill_stats.refills, 8);
+  ASSERT_FALSE(p_refill->admits_.empty());
+  int64_t left = 8;  // prompts not yet admitted after the first 16
+  for (int64_t a : p_refill->admits_) {
+    EXPECT_GE(a, std::min<int64_t>(2, left)) << "an admit of " << a << " prompts with " << left << " left";
+    left -= a;
+  }
+  EXPECT_EQ(left, 0);
+  EXPECT_LT(p_refill->admits_.size(), 8u) << "one admit per freed row";
+  EXPECT_LE(p_refill->max_live_, 16);
+}
+
+// rollout.feed_wait: with other rows decoding, a ready tool reply waits until an eighth of the rows have
+// one (here 2 of 16), so a feed carries at least two replies unless nothing else was left to decode. The
+// trajectories are those of replies fed at once (feed_wait 0), which breaks that rule: the check can fail.
+TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
+  std::vector<std::string> scripts;
+  FakeTool tool;
+  for (int i = 0; i < 16; ++i) {
+    std::string lead;
+    for (int k = 0; k < 3 * i; ++k) lead += " w";  // the calls come a few steps apart
+    const std::string code = "\nprint(" + std::to_string(i) + ")\n";
+    scripts.push_back(lead + "<code>" + code + "</code> then more words and more words\\boxed{" + std::to_string(i) +
+                      "}");
+    tool.outputs[code] = std::to_string(i) + "\n";
+  }
+  auto run = [&](int64_t wait, std::unique_ptr<ScriptedPolicy>& p, RolloutStats& stats) {
+    p = policy(scripts);
+    p->code_close = tok_->piece_id("</code>");
+    RolloutOptions o;
+    o.feed_wait = wait;
+    o.merge_feeds = false;  // replies apart from the decode step, so that a feed's runs are replies only
+    return rollout(*p, *tok_, {enc("Q")}, sampling(16), o, tool.runner(), {}, {}, &stats);
+  };
+  std::unique_ptr<ScriptedPolicy> p_now, p_wait;
+  RolloutStats now_stats, wait_stats;
+  const auto now = run(0, p_now, now_stats), waited = run(1000, p_wait, wait_stats);
+  ASSERT_EQ(waited.size(), 16u);
+  auto lone_feeds_beside_decoding = [](const ScriptedPolicy& p) {
+    int64_t lone = 0, replies = 0;
+    for (const auto& f : p.feeds_) {
+      lone += f.runs < 2 && f.others_decoding > 0;
+      replies += f.runs;
+    }
+    EXPECT_EQ(replies, 16) << "one reply per sequence";
+    return lone;
+  };
+  for (size_t i = 0; i < 16; ++i) {
+    check_consistent(waited[i], *p_wait, int64_t(i));
+    EXPECT_EQ(waited[i].tool_calls, 1) << i;
+    EXPECT_EQ(waited[i].finish, FinishReason::kAnswer) << i;
+    EXPECT_EQ(now[i].response_ids, waited[i].response_ids) << i;
+    EXPECT_EQ(now[i].loss_mask, waited[i].loss_mask) << i;
+  }
+  EXPECT_EQ(lone_feeds_beside_decoding(*p_wait), 0) << "a reply fed alone while others decoded";
+  EXPECT_GT(lone_feeds_beside_decoding(*p_now), 0) << "feed_wait 0 feeds each reply as it comes";
+  EXPECT_LT(p_wait->feeds_.size(), p_now->feeds_.size());
+  EXPECT_EQ(wait_stats.feed_steps, static_cast<int64_t>(p_wait->feeds_.size()));
 }
 
 TEST_F(ReToolTest, RewardsFromModelTextOnly) {
@@ -956,6 +1053,14 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
 // step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
 // token, for the check that must reject it. With several prefixes, prompt i (in the order started) is
 // steered to prefixes[i % prefixes.size()].
+// Two trajectories' largest log-prob difference; 1e30 when their tokens differ.
+double logprob_gap(const Trajectory& x, const Trajectory& y) {
+  if (x.response_ids != y.response_ids) return 1e30;
+  double d = 0;
+  for (size_t k = 0; k < x.logprobs.size(); ++k) d = std::max(d, double(std::abs(x.logprobs[k] - y.logprobs[k])));
+  return d;
+}
+
 class Steered : public TokenPolicy {
  public:
   Steered(const Transformer& m, std::vector<int64_t> prefix, bool multi_token = false, bool drop_first = false)
@@ -980,9 +1085,14 @@ class Steered : public TokenPolicy {
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
     if (!multi_token_) return TokenPolicy::extend(rows, runs);
     std::vector<std::vector<int64_t>> fed = runs;
+    bool single = false, longer = false;
     for (auto& r : fed) {
+      single |= r.size() == 1;
+      longer |= r.size() > 1;
       if (drop_first_ && r.size() > 1) r.erase(r.begin());
+      if (corrupt_single && r.size() == 1) r[0] = (r[0] + 1) % inner_.vocab_size();
     }
+    mixed_extends_ += single && longer;
     for (size_t j = 0; j < rows.size(); ++j) {
       count_[rows[j]] += static_cast<int64_t>(runs[j].size());
       fed_before_admitted_ |= last_admitted_ >= 0 && rows[j] < last_admitted_;
@@ -993,6 +1103,9 @@ class Steered : public TokenPolicy {
   void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
   int64_t vocab_size() const override { return inner_.vocab_size(); }
   int64_t extends() const { return extends_; }
+  // Feeds that carried one-token rows beside longer runs (rollout.merge_feeds).
+  int64_t mixed_extends() const { return mixed_extends_; }
+  bool corrupt_single = false;  // a wrong merge: feeds a one-token run's row another token
   // The cache's rows, at most, after any call.
   int64_t max_cache_rows() const { return max_rows_; }
   // A multi-token feed (a tool's reply) went to a sequence started before the latest admit, after it.
@@ -1025,7 +1138,7 @@ class Steered : public TokenPolicy {
   std::vector<int64_t> prefix_of_;  // by sequence: its prefix
   int64_t prompts_ = 0;             // prompts started
   bool multi_token_, drop_first_;
-  int64_t extends_ = 0, max_rows_ = 0, last_admitted_ = -1;
+  int64_t extends_ = 0, mixed_extends_ = 0, max_rows_ = 0, last_admitted_ = -1;
   bool fed_before_admitted_ = false;
 };
 
@@ -1097,24 +1210,68 @@ TEST_F(ReToolTest, ToolRepliesFedInOneForwardGiveTheOneTokenTrajectories) {
              bad = run(true, true, nullptr);
   ASSERT_EQ(one.size(), 6u);
   ASSERT_EQ(multi.size(), 6u);
-  auto max_diff = [](const Trajectory& x, const Trajectory& y) {
-    if (x.response_ids != y.response_ids) return 1e30;
-    double d = 0;
-    for (size_t k = 0; k < x.logprobs.size(); ++k) d = std::max(d, double(std::abs(x.logprobs[k] - y.logprobs[k])));
-    return d;
-  };
   double worst_bad = 0;
   for (size_t i = 0; i < one.size(); ++i) {
     ASSERT_GE(one[i].tool_calls, 1);
     EXPECT_EQ(one[i].loss_mask, multi[i].loss_mask);
-    EXPECT_LT(max_diff(one[i], multi[i]), 1e-6) << "trajectory " << i;
-    worst_bad = std::max(worst_bad, max_diff(one[i], bad[i]));
+    EXPECT_LT(logprob_gap(one[i], multi[i]), 1e-6) << "trajectory " << i;
+    worst_bad = std::max(worst_bad, logprob_gap(one[i], bad[i]));
   }
   EXPECT_GT(worst_bad, 1e-3) << "a feed that drops a token must change the trajectories";
   // Every forced token went in a multi-token forward, and the decode steps fell by as many tokens.
   EXPECT_GT(multi_stats.forced_tokens, 0);
   EXPECT_EQ(multi_stats.forced_tokens, one_stats.forced_tokens);
   EXPECT_GE(multi_stats.feed_tokens, multi_stats.forced_tokens);
+}
+
+TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
+  // rollout.merge_feeds: a pass that feeds a tool's reply takes the rows decoding beside it in the same
+  // forward, as runs of one token. Prompts steered to an immediate call alternate with prompts that write
+  // a sentence first, so replies arrive while those rows decode. float64: the same tokens and log-probs
+  // within 1e-6 as a step and a feed apart. A merge that feeds those rows another token must fail it.
+  const Transformer m = tiny_model("llama", 11);
+  FakeTool tool;
+  tool.outputs["\nprint(347 * 829)\n"] = "287663\n";
+  tool.outputs["\nprint(1)\n"] = "1\n";
+  const std::vector<std::vector<int64_t>> prefixes = {
+      enc("<code>\nprint(1)\n</code>"),
+      enc("Let me see, I will write a few words first and then some more.<code>\nprint(347 * 829)\n</code>")};
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
+  auto run = [&](bool merge, bool corrupt, RolloutStats& stats, int64_t& mixed) {
+    Steered policy(m, prefixes, /*multi_token=*/true);
+    policy.corrupt_single = corrupt;
+    SamplingOptions s = sampling(2);
+    s.seed = 5;
+    s.max_new_tokens = 100;
+    RolloutOptions o;
+    o.max_context = 240;
+    o.merge_feeds = merge;
+    auto out = rollout(policy, *tok_, prompts, s, o, tool.runner(), {}, {}, &stats);
+    mixed = policy.mixed_extends();
+    return out;
+  };
+  RolloutStats apart_stats, merged_stats, bad_stats;
+  int64_t apart_mixed = 0, merged_mixed = 0, bad_mixed = 0;
+  const auto apart = run(false, false, apart_stats, apart_mixed);
+  const auto merged = run(true, false, merged_stats, merged_mixed);
+  const auto bad = run(true, true, bad_stats, bad_mixed);
+  EXPECT_EQ(apart_mixed, 0);
+  ASSERT_GT(merged_mixed, 0) << "no reply arrived while other rows decoded";
+  ASSERT_EQ(merged.size(), 8u);
+  double worst_bad = 0;
+  for (size_t i = 0; i < merged.size(); ++i) {
+    ASSERT_GE(apart[i].tool_calls, 1) << i;
+    EXPECT_EQ(apart[i].loss_mask, merged[i].loss_mask) << i;
+    EXPECT_EQ(apart[i].turns, merged[i].turns) << i;
+    EXPECT_LT(logprob_gap(apart[i], merged[i]), 1e-6) << "trajectory " << i;
+    worst_bad = std::max(worst_bad, logprob_gap(apart[i], bad[i]));
+  }
+  EXPECT_GT(worst_bad, 1e-3) << "a merge that feeds the decoding rows another token must change the trajectories";
+  // As many tokens fed, some of the one-token rows' in the feeds (how many passes each run took depends on
+  // when the tools returned).
+  EXPECT_EQ(merged_stats.fed_rows + merged_stats.feed_tokens, apart_stats.fed_rows + apart_stats.feed_tokens);
+  EXPECT_LT(merged_stats.fed_rows, apart_stats.fed_rows);
 }
 
 TEST_F(ReToolTest, RefillOfATinyModelGivesTheTrajectoriesOfOneBatch) {
