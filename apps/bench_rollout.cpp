@@ -27,7 +27,10 @@
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
 // feed_steps, feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations (of them,
-// those that made new cache tensors), step_graph_captures, feed_graph_captures}.
+// those that made new cache tensors), step_graph_captures, feed_graph_captures}; with --refill also
+// {mode lengths_waves | lengths_refill, batch, prompts, prompt_len, new_tokens_min, new_tokens_max,
+// sampled_tokens, seconds, sampled_tokens_per_s, ratio_to_waves, prefill_s, decode_s, decode_steps, refills,
+// cache_compactions, cache_reallocations, step_graph_captures}, the counts summed over the waves' rollouts.
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
@@ -306,8 +309,8 @@ int main(int argc, char** argv) {
   if (refill > 0) {
     // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)
     // after new/4 to new tokens, a length fixed per prompt. Waves: R rollouts of B prompts each, every one
-    // as long as its longest trajectory. Refill: one rollout holding B rows, a finished row taking the next
-    // prompt at once (rollout.max_batch = B).
+    // as long as its longest trajectory. Refill: one rollout holding B rows, finished rows taking the next
+    // prompts (rollout.max_batch = B; an eighth of the rows at a time).
     std::vector<std::vector<int64_t>> all;
     for (int64_t r = 0; r < refill; ++r) all.insert(all.end(), prompts.begin(), prompts.end());
     const int64_t lo = std::max<int64_t>(1, N / 4);
@@ -329,17 +332,22 @@ int main(int argc, char** argv) {
       ToolSteered policy(model, po, script, reply_end, 1 << 30);
       policy.set_lengths(tok->eos_id(), budget, first);
       auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
-      counts = {policy.inner().compactions(), policy.inner().reallocations(), policy.inner().graph_captures(), 0};
-      return out;
+      const ModelPolicy& inner = policy.inner();
+      return std::make_pair(std::move(out), PolicyCounts{inner.compactions(), inner.reallocations(),
+                                                         inner.graph_captures(), inner.feed_graph_captures()});
     };
     struct Outcome {
       int64_t sampled = 0, steps = 0, refills = 0;
       double seconds = 0, decode_s = 0, prefill_s = 0;
+      PolicyCounts counts;  // summed over the rollouts (the waves')
     };
     auto measure = [&](bool waves) {
       Outcome oc;
-      auto add = [&](const std::vector<Trajectory>& trajs, const RolloutStats& st) {
-        for (const auto& t : trajs) oc.sampled += t.sampled_tokens();
+      auto add = [&](const std::pair<std::vector<Trajectory>, PolicyCounts>& run, const RolloutStats& st) {
+        for (const auto& t : run.first) oc.sampled += t.sampled_tokens();
+        oc.counts.compactions += run.second.compactions;
+        oc.counts.reallocations += run.second.reallocations;
+        oc.counts.step_graphs += run.second.step_graphs;
         oc.seconds += st.total_s;
         oc.decode_s += st.decode_s;
         oc.prefill_s += st.prefill_s;
@@ -391,9 +399,9 @@ int main(int argc, char** argv) {
                          {"decode_s", oc.decode_s},
                          {"decode_steps", oc.steps},
                          {"refills", oc.refills},
-                         {"cache_compactions", counts.compactions},
-                         {"cache_reallocations", counts.reallocations},
-                         {"step_graph_captures", counts.step_graphs}});
+                         {"cache_compactions", oc.counts.compactions},
+                         {"cache_reallocations", oc.counts.reallocations},
+                         {"step_graph_captures", oc.counts.step_graphs}});
     }
   }
   if (!json_path.empty()) {

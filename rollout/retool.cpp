@@ -5,9 +5,10 @@
 // to append. A sequence samples when that queue runs dry.
 //
 // Continuous batching (rollout.max_batch): the loop starts with as many whole prompts as fit in max_batch
-// rows, and whenever finished trajectories have released a prompt's worth of rows (G), admits the next
-// prompts into them (TokenPolicy::admit) in the same pass, while the others go on decoding or wait on
-// their tools. Sequence n of the policy is trajectory n: prompts are admitted in order, G rows each.
+// rows, and once finished trajectories have released an eighth of the rows (at least a prompt's G; or the
+// rows the last prompts need, or any when nothing else is left to decode), admits the next prompts into
+// them (TokenPolicy::admit), while the others go on decoding or wait on their tools. Sequence n of the policy is
+// trajectory n: prompts are admitted in order, G rows each.
 #include "rollout/retool.h"
 
 #include <algorithm>
@@ -228,10 +229,11 @@ class Loop {
       }
       release_finished();
       to_sample.clear();
-      // Rows just released take the next prompts at once; their first tokens are sampled in the next pass,
-      // with the logits of the rows fed below.
+      // Rows released take the next prompts once enough are free; their first tokens are sampled in the
+      // next pass, with the logits of the rows fed below.
       std::vector<int64_t> admitted;
-      at::Tensor admitted_logits = admit(admitted, stats, t, /*first=*/false);  // (admitted, V) or undefined
+      at::Tensor admitted_logits =
+          admit(admitted, stats, t, /*first=*/false, /*idle=*/rows.empty() && run_rows.empty());  // (admitted, V)
       if (rows.empty() && run_rows.empty()) {
         if (!admitted.empty()) {
           to_sample = std::move(admitted);
@@ -297,20 +299,24 @@ class Loop {
 
  private:
   // Starts the next prompts: as many whole prompts as fit in the rows not held by running sequences (at
-  // least one, at the first call), in one prefill. Appends their sequences to `started` and returns their
-  // first-token logits (started, V), or an undefined tensor when none fit or none are left.
-  at::Tensor admit(std::vector<int64_t>& started, RolloutStats& stats, Clock::time_point& t, bool first) {
+  // least one, at the first call), in one prefill. While others run (and idle is false: something else
+  // is left to decode), only once an eighth of the rows can start together, or the last prompts. Appends their
+  // sequences to `started` and returns their first-token logits (started, V), or an undefined tensor when none fit or
+  // none are left.
+  at::Tensor admit(std::vector<int64_t>& started, RolloutStats& stats, Clock::time_point& t, bool first,
+                   bool idle = false) {
     const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts_->size());
     if (next_prompt_ == P) return at::Tensor();
     int64_t held = 0;  // rows of sequences started and not released
     for (int64_t n = 0; n < next_prompt_ * G; ++n) held += !released_[n];
     const int64_t count = std::min(P - next_prompt_, (rows_ - held) / G);
     if (count <= 0) return at::Tensor();
-    // While others run, wait until an eighth of the rows (or the last prompts) can start together: each admit
-    // is an eager prefill and a device sync, and on the H200 64 one-prompt admits cost 0.42 s of prefill
-    // against 0.08 s for two 64-prompt waves (bench_rollout --refill, docs/benchmarks.md).
+    // While others decode, wait until an eighth of the rows (or the last prompts) can start together: each
+    // admit is an eager prefill and a device sync. With one prompt per admit, continuous batching ran at
+    // 0.89x of two waves (H200, session 18); batched, at 1.05-1.11x (H100; bench_rollout --refill,
+    // docs/benchmarks.md). With nothing else to decode, waiting would only leave the device idle.
     const int64_t batch = std::min(P - next_prompt_, std::max<int64_t>(1, rows_ / G / 8));
-    if (held > 0 && count < batch) return at::Tensor();
+    if (held > 0 && !idle && count < batch) return at::Tensor();
     const int64_t begin = next_prompt_;
     next_prompt_ += count;
     for (int64_t n = begin * G; n < next_prompt_ * G; ++n) {
@@ -464,8 +470,9 @@ class Loop {
   // Whether the pending runs (tool replies, feedback: several tokens each) go in this pass's feed, or wait
   // so that more share its forward (rollout.feed_wait). Marks when each run was first held back.
   bool feed_now(bool nothing_to_decode, int64_t step) {
-    int64_t ready = 0, oldest = step;
+    int64_t ready = 0, live = 0, oldest = step;
     for (auto& s : seqs_) {
+      live += s.state == SeqState::kGenerating || s.state == SeqState::kWaiting;
       if (s.pending.size() < 2) continue;
       ++ready;
       if (s.run_since < 0) s.run_since = step;
@@ -473,7 +480,7 @@ class Loop {
     }
     if (ready == 0) return false;
     if (!options_.multi_token_feed || options_.feed_wait == 0 || nothing_to_decode) return true;
-    return ready >= std::max<int64_t>(1, rows_ / 8) || step - oldest >= options_.feed_wait;
+    return 8 * ready >= live || step - oldest >= options_.feed_wait;  // an eighth of the live rows, rounded up
   }
 
   bool any_waiting() const {

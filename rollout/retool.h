@@ -13,8 +13,8 @@
 // Tool calls run concurrently on a pool and never stall the batch: a sequence waiting for its tool is
 // just not fed, and the others keep decoding (rollout/policy.h). A reply enters the cache in one
 // multi-token forward (TokenPolicy::extend), not one decode step per token. Under rollout.max_batch, the
-// rows that finished trajectories release are refilled at once from the remaining prompts
-// (TokenPolicy::admit): continuous batching, with the trajectories of one batch.
+// rows that finished trajectories release are refilled from the remaining prompts, an eighth of the rows
+// at a time (TokenPolicy::admit): continuous batching, with the trajectories of one batch.
 #pragma once
 
 #include <cstdint>
@@ -79,9 +79,10 @@ struct RolloutOptions {
   // or text posing as interpreter output. (A malformed <tool_call> is answered with what is wrong in it.)
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
   // Sequences held at once (cache rows), 0 = all prompts x samples_per_prompt. Continuous batching: the
-  // rollout starts with as many whole prompts as fit (at least one), and whenever finished trajectories
-  // have released samples_per_prompt rows, admits the next prompts into them at once, while the others
-  // run on (TokenPolicy::admit). A prompt's samples always start together, on one shared prefill. The
+  // rollout starts with as many whole prompts as fit (at least one), and once finished trajectories have
+  // released an eighth of the rows (at least samples_per_prompt; or what the last prompts need, or any
+  // when nothing else is left to decode), admits the next prompts into them in one prefill, while the
+  // others run on (TokenPolicy::admit). A prompt's samples always start together, on one shared prefill. The
   // trajectories are those of max_batch = 0: sampling noise depends on the sequence, not its batch.
   int64_t max_batch = 0;
   // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
@@ -94,12 +95,11 @@ struct RolloutOptions {
   // false: one token per decode step, as before; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
   // With multi_token_feed: decode steps a ready tool reply (or feedback) may wait, while other rows decode,
-  // so that more replies share its forward: the replies are fed once an eighth of the rows (max_batch, or
-  // every sequence) have one, or the oldest has waited this long, or no row is left to decode. A feed is
-  // an eager forward (about four decode steps' time), so feeding each reply at once made feeds the loop's
-  // largest cost: in bench_rollout on an H100, 74 feeds took 0.73 s; with 4, 40 took 0.46 s for 46 more
-  // decode steps (12,446 -> 13,887 sampled tokens/s). 0 = every reply fed at the next step. The
-  // trajectories are the same up to rounding.
+  // so that more replies share its forward: the replies are fed once an eighth of the live sequences have
+  // one, or the oldest has waited this long, or no row is left to decode. A feed is an eager forward
+  // (about four decode steps' time): in bench_rollout on an H100 (two calls), 4 halved the feeds (74-82
+  // to 40) and their time (-0.25 s), for 38-46 more decode steps; the rollout got 1% and 10% shorter. 0 =
+  // every reply fed at the next step. The trajectories are the same up to rounding.
   int64_t feed_wait = 4;
   // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
   // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. Off by
@@ -175,9 +175,12 @@ std::string format_tool_output(const SandboxResult& r);
 // Where a rollout's wall time went. Decode steps are synchronised with the device so that their time is the
 // model's, not the sampler's.
 struct RolloutStats {
-  int64_t decode_steps = 0;   // one-token policy steps (a step feeds every sequence with one pending token)
-  int64_t fed_rows = 0;       // sequences fed, summed over the decode steps
-  int64_t feed_steps = 0;     // multi-token forwards (TokenPolicy::extend): a tool's reply or feedback, whole
+  int64_t decode_steps = 0;  // one-token policy steps (a step feeds every sequence with one pending token)
+  int64_t fed_rows = 0;      // sequences fed, summed over the decode steps
+  // Multi-token forwards (TokenPolicy::extend): tool replies or feedback, whole. With rollout.merge_feeds
+  // such a forward also takes its pass's one-token rows: they count here (feed_tokens, feed_s), not in
+  // decode_steps or fed_rows.
+  int64_t feed_steps = 0;
   int64_t feed_tokens = 0;    // tokens fed by those (a reply, and the sampled token before it if still unfed)
   int64_t forced_tokens = 0;  // tool output and feedback tokens (fed in the multi-token forwards)
   int64_t refills = 0;        // prompts admitted into released rows while others ran (rollout.max_batch)

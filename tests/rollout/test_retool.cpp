@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,24 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using testing::FakeTool;
+
+// A tool runner whose reply is ready when the call returns (unknown code: an error), so the loop collects
+// it in the pass that made the call: schedules that do not depend on threads.
+ToolRunner ready_tool(std::map<std::string, std::string> outputs) {
+  return [outputs = std::move(outputs)](const std::string& code) {
+    SandboxResult r;
+    auto it = outputs.find(code);
+    if (it != outputs.end()) {
+      r.stdout_text = it->second;
+    } else {
+      r.exit_code = 1;
+      r.stderr_text = "NameError: unknown code";
+    }
+    std::promise<SandboxResult> done;
+    done.set_value(r);
+    return done.get_future();
+  };
+}
 
 // Writes a fixed script per sequence: its logits put +100 on the script's next token (Gumbel noise is
 // below 18, so the draw is certain). Every token fed is recorded, so a test can check that the model saw
@@ -47,8 +66,10 @@ class ScriptedPolicy : public TokenPolicy {
 
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!in_extend_) ++decode_steps_;
     for (size_t j = 0; j < rows.size(); ++j) {
       const int64_t n = base_ + rows[j], t = tokens[j];
+      if (!in_extend_) last_step_[n] = decode_steps_;
       EXPECT_FALSE(gone_[n]) << "sequence " << n << " fed after its release";
       fed_[n].push_back(t);
       feed_times_[n].push_back(Clock::now());
@@ -66,17 +87,26 @@ class ScriptedPolicy : public TokenPolicy {
     }
     return proposals(rows);
   }
-  // Fed one token per step (TokenPolicy's form), after noting the feed: its runs, and how many other live
-  // sequences were decoding then (their last token fed was not a call's close tag, code_close).
+  // Fed one token per step (TokenPolicy's form), after noting the feed: its runs, how many other live
+  // sequences were decoding then (their last token fed was not a call's close tag, code_close), the live
+  // sequences, and the most decode steps run since one of its rows was last fed by one.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
     std::vector<bool> in_feed(fed_.size(), false);
-    for (int64_t r : rows) in_feed[base_ + r] = true;
-    int64_t decoding = 0;
-    for (size_t n = base_; n < fed_.size(); ++n) {
-      decoding += !gone_[n] && !in_feed[n] && mode_[n] == kScript && fed_[n].back() != code_close;
+    Feed f;
+    f.runs = static_cast<int64_t>(runs.size());
+    f.live = live_;
+    for (int64_t r : rows) {
+      in_feed[base_ + r] = true;
+      f.steps_waited = std::max(f.steps_waited, decode_steps_ - last_step_[base_ + r]);
     }
-    feeds_.push_back({static_cast<int64_t>(runs.size()), decoding});
-    return TokenPolicy::extend(rows, runs);
+    for (size_t n = base_; n < fed_.size(); ++n) {
+      f.others_decoding += !gone_[n] && !in_feed[n] && mode_[n] == kScript && fed_[n].back() != code_close;
+    }
+    feeds_.push_back(f);
+    in_extend_ = true;
+    at::Tensor out = TokenPolicy::extend(rows, runs);
+    in_extend_ = false;
+    return out;
   }
   void release(const std::vector<int64_t>& rows) override {
     for (int64_t n : rows) {
@@ -92,7 +122,7 @@ class ScriptedPolicy : public TokenPolicy {
   std::vector<int64_t> released_;
   std::vector<int64_t> admits_;  // prompts per admit() call
   struct Feed {
-    int64_t runs = 0, others_decoding = 0;
+    int64_t runs = 0, others_decoding = 0, live = 0, steps_waited = 0;
   };
   std::vector<Feed> feeds_;  // per extend() call
   int64_t code_close = -1;   // the token that ends a code call (for feeds_)
@@ -110,6 +140,7 @@ class ScriptedPolicy : public TokenPolicy {
       pos_.push_back(0);
       mode_.push_back(kScript);
       gone_.push_back(false);
+      last_step_.push_back(decode_steps_);
       rows[n] = first - base_ + n;
     }
     live_ += N;
@@ -129,7 +160,10 @@ class ScriptedPolicy : public TokenPolicy {
   std::vector<Mode> mode_;
   std::vector<bool> gone_;  // released
   int64_t live_ = 0;
-  int64_t base_ = 0;  // first sequence of the current batch
+  int64_t base_ = 0;                // first sequence of the current batch
+  int64_t decode_steps_ = 0;        // step() calls not made by extend()
+  std::vector<int64_t> last_step_;  // per sequence: decode_steps_ after the last decode step that fed it
+  bool in_extend_ = false;
   std::mutex mu_;
 };
 
@@ -566,52 +600,93 @@ TEST_F(ReToolTest, RefillStartsPromptsInGroupsOfAnEighthOfTheRows) {
   EXPECT_LE(p_refill->max_live_, 16);
 }
 
-// rollout.feed_wait: with other rows decoding, a ready tool reply waits until an eighth of the rows have
-// one (here 2 of 16), so a feed carries at least two replies unless nothing else was left to decode. The
-// trajectories are those of replies fed at once (feed_wait 0), which breaks that rule: the check can fail.
+// A refill waits for an eighth of the rows only while other rows decode: with every other row waiting on
+// a slow tool, a single freed row takes the next prompt at once (rejects a gate that ignores idleness).
+TEST_F(ReToolTest, RefillDoesNotWaitWhenNothingElseDecodes) {
+  std::vector<std::string> scripts(15, "<code>\nslow()\n</code>\\boxed{1}");  // prompts 0-14: a slow call
+  scripts.push_back("some words here and then some more words \\boxed{2}");   // prompt 15: done after the calls
+  for (int i = 16; i < 24; ++i) scripts.push_back("\\boxed{3}");
+  std::vector<std::vector<int64_t>> prompts;
+  for (int i = 0; i < 24; ++i) prompts.push_back(enc("Q" + std::to_string(i)));
+  FakeTool tool;
+  tool.outputs["\nslow()\n"] = "1\n";
+  tool.delay_ms["\nslow()\n"] = 300;
+  auto p = policy(scripts);
+  RolloutOptions o;
+  o.max_batch = 16;
+  RolloutStats stats;
+  const auto trajs = rollout(*p, *tok_, prompts, sampling(1), o, tool.runner(), {}, {}, &stats);
+  ASSERT_EQ(trajs.size(), 24u);
+  for (size_t i = 0; i < 24; ++i) {
+    check_consistent(trajs[i], *p, int64_t(i));
+    EXPECT_EQ(trajs[i].finish, FinishReason::kAnswer) << i;
+  }
+  ASSERT_EQ(tool.returned.size(), 15u);
+  const auto first_reply = *std::min_element(tool.returned.begin(), tool.returned.end());
+  ASSERT_FALSE(p->feed_times_[16].empty());
+  EXPECT_LT(p->feed_times_[16].front(), first_reply) << "prompt 16 waited for the tools although nothing decoded";
+  ASSERT_FALSE(p->admits_.empty());
+  EXPECT_EQ(p->admits_.front(), 1) << "one freed row, admitted alone";
+  EXPECT_EQ(stats.refills, 8);
+}
+
+// rollout.feed_wait: with other rows decoding, a ready tool reply waits until an eighth of the live rows
+// have one (here 2 of 16), or it has waited feed_wait decode steps. Replies are ready when the call returns
+// (ready_tool) and the calls come a few steps apart, so the schedule is fixed. Checked for feed_wait 1000
+// (no reply fed alone beside decoding rows while more than 8 live) and 2 (no reply waits more than 2 steps
+// after the step that could have fed it, and some are fed alone by that bound); feed_wait 0 breaks the
+// first rule, so the check can fail. The trajectories are the same for all three.
 TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
   std::vector<std::string> scripts;
-  FakeTool tool;
+  std::map<std::string, std::string> outputs;
   for (int i = 0; i < 16; ++i) {
     std::string lead;
     for (int k = 0; k < 3 * i; ++k) lead += " w";  // the calls come a few steps apart
     const std::string code = "\nprint(" + std::to_string(i) + ")\n";
     scripts.push_back(lead + "<code>" + code + "</code> then more words and more words\\boxed{" + std::to_string(i) +
                       "}");
-    tool.outputs[code] = std::to_string(i) + "\n";
+    outputs[code] = std::to_string(i) + "\n";
   }
-  auto run = [&](int64_t wait, std::unique_ptr<ScriptedPolicy>& p, RolloutStats& stats) {
+  auto run = [&](int64_t wait, std::unique_ptr<ScriptedPolicy>& p) {
     p = policy(scripts);
     p->code_close = tok_->piece_id("</code>");
     RolloutOptions o;
     o.feed_wait = wait;
     o.merge_feeds = false;  // replies apart from the decode step, so that a feed's runs are replies only
-    return rollout(*p, *tok_, {enc("Q")}, sampling(16), o, tool.runner(), {}, {}, &stats);
-  };
-  std::unique_ptr<ScriptedPolicy> p_now, p_wait;
-  RolloutStats now_stats, wait_stats;
-  const auto now = run(0, p_now, now_stats), waited = run(1000, p_wait, wait_stats);
-  ASSERT_EQ(waited.size(), 16u);
-  auto lone_feeds_beside_decoding = [](const ScriptedPolicy& p) {
-    int64_t lone = 0, replies = 0;
-    for (const auto& f : p.feeds_) {
-      lone += f.runs < 2 && f.others_decoding > 0;
-      replies += f.runs;
-    }
+    RolloutStats stats;
+    auto out = rollout(*p, *tok_, {enc("Q")}, sampling(16), o, ready_tool(outputs), {}, {}, &stats);
+    EXPECT_EQ(stats.feed_steps, static_cast<int64_t>(p->feeds_.size()));
+    int64_t replies = 0;
+    for (const auto& f : p->feeds_) replies += f.runs;
     EXPECT_EQ(replies, 16) << "one reply per sequence";
-    return lone;
+    return out;
   };
+  // Feeds of fewer replies than an eighth of the live rows while others decoded.
+  auto early = [](const ScriptedPolicy& p) {
+    int64_t n = 0;
+    for (const auto& f : p.feeds_) n += 8 * f.runs < f.live && f.others_decoding > 0;
+    return n;
+  };
+  std::unique_ptr<ScriptedPolicy> p_now, p_wait, p_two;
+  const auto now = run(0, p_now), waited = run(1000, p_wait), two = run(2, p_two);
+  ASSERT_EQ(waited.size(), 16u);
   for (size_t i = 0; i < 16; ++i) {
     check_consistent(waited[i], *p_wait, int64_t(i));
     EXPECT_EQ(waited[i].tool_calls, 1) << i;
     EXPECT_EQ(waited[i].finish, FinishReason::kAnswer) << i;
     EXPECT_EQ(now[i].response_ids, waited[i].response_ids) << i;
     EXPECT_EQ(now[i].loss_mask, waited[i].loss_mask) << i;
+    EXPECT_EQ(two[i].response_ids, waited[i].response_ids) << i;
   }
-  EXPECT_EQ(lone_feeds_beside_decoding(*p_wait), 0) << "a reply fed alone while others decoded";
-  EXPECT_GT(lone_feeds_beside_decoding(*p_now), 0) << "feed_wait 0 feeds each reply as it comes";
+  EXPECT_EQ(early(*p_wait), 0) << "a reply fed before an eighth of the live rows had one";
+  EXPECT_GT(early(*p_now), 0) << "feed_wait 0 feeds each reply as it comes";
   EXPECT_LT(p_wait->feeds_.size(), p_now->feeds_.size());
-  EXPECT_EQ(wait_stats.feed_steps, static_cast<int64_t>(p_wait->feeds_.size()));
+  // feed_wait 2: the step of the pass that made the call, then at most 2 more.
+  int64_t longest = 0;
+  for (const auto& f : p_two->feeds_) longest = std::max(longest, f.steps_waited);
+  EXPECT_EQ(longest, 3);
+  EXPECT_GT(early(*p_two), 0) << "the calls come 3 steps apart: replies go alone after 2";
+  for (const auto& f : p_now->feeds_) EXPECT_LE(f.steps_waited, 1);
 }
 
 TEST_F(ReToolTest, RewardsFromModelTextOnly) {
@@ -1047,12 +1122,6 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
-// A model-backed policy whose logits are steered to `prefix` for each sequence's first tokens (a random
-// tiny model cannot write code, so its first turn is forced open with a code block; what it samples after
-// is its own). multi_token: a tool's reply enters in one forward (ModelPolicy::extend); else one token per
-// step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
-// token, for the check that must reject it. With several prefixes, prompt i (in the order started) is
-// steered to prefixes[i % prefixes.size()].
 // Two trajectories' largest log-prob difference; 1e30 when their tokens differ.
 double logprob_gap(const Trajectory& x, const Trajectory& y) {
   if (x.response_ids != y.response_ids) return 1e30;
@@ -1061,6 +1130,12 @@ double logprob_gap(const Trajectory& x, const Trajectory& y) {
   return d;
 }
 
+// A model-backed policy whose logits are steered to `prefix` for each sequence's first tokens (a random
+// tiny model cannot write code, so its first turn is forced open with a code block; what it samples after
+// is its own). multi_token: a tool's reply enters in one forward (ModelPolicy::extend); else one token per
+// step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
+// token, for the check that must reject it. With several prefixes, prompt i (in the order started) is
+// steered to prefixes[i % prefixes.size()].
 class Steered : public TokenPolicy {
  public:
   Steered(const Transformer& m, std::vector<int64_t> prefix, bool multi_token = false, bool drop_first = false)
@@ -1229,10 +1304,9 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
   // forward, as runs of one token. Prompts steered to an immediate call alternate with prompts that write
   // a sentence first, so replies arrive while those rows decode. float64: the same tokens and log-probs
   // within 1e-6 as a step and a feed apart. A merge that feeds those rows another token must fail it.
+  // Replies are ready when the call returns (ready_tool): the schedule does not depend on threads.
   const Transformer m = tiny_model("llama", 11);
-  FakeTool tool;
-  tool.outputs["\nprint(347 * 829)\n"] = "287663\n";
-  tool.outputs["\nprint(1)\n"] = "1\n";
+  const ToolRunner tool = ready_tool({{"\nprint(347 * 829)\n", "287663\n"}, {"\nprint(1)\n", "1\n"}});
   const std::vector<std::vector<int64_t>> prefixes = {
       enc("<code>\nprint(1)\n</code>"),
       enc("Let me see, I will write a few words first and then some more.<code>\nprint(347 * 829)\n</code>")};
@@ -1247,7 +1321,7 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
     RolloutOptions o;
     o.max_context = 240;
     o.merge_feeds = merge;
-    auto out = rollout(policy, *tok_, prompts, s, o, tool.runner(), {}, {}, &stats);
+    auto out = rollout(policy, *tok_, prompts, s, o, tool, {}, {}, &stats);
     mixed = policy.mixed_extends();
     return out;
   };
@@ -1258,6 +1332,7 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
   const auto bad = run(true, true, bad_stats, bad_mixed);
   EXPECT_EQ(apart_mixed, 0);
   ASSERT_GT(merged_mixed, 0) << "no reply arrived while other rows decoded";
+  EXPECT_GT(bad_mixed, 0);
   ASSERT_EQ(merged.size(), 8u);
   double worst_bad = 0;
   for (size_t i = 0; i < merged.size(); ++i) {
