@@ -86,6 +86,7 @@ class ToolSteered : public TokenPolicy {
     return steer(rows, inner_.extend(rows, runs));
   }
   void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
+  void reserve_rows(int64_t rows) override { inner_.reserve_rows(rows); }
   int64_t vocab_size() const override { return inner_.vocab_size(); }
 
  private:

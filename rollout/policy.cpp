@@ -471,7 +471,7 @@ void ModelPolicy::drop_released_rows() {
   // Finished rows still cost a slot per step: drop them once they are half the cache. Not when steps
   // replay CUDA graphs: a step is launch-bound, so a dead row costs it little, while new cache tensors
   // cost a recapture (two forwards of host time); they go at the next reallocation.
-  if (graphed()) return;
+  if (graphed() || reserve_rows_ > 0) return;  // with admits to come, released rows are kept for them
   int64_t released = 0;
   for (int64_t s : seq_of_row_) released += s < 0;
   if (released > 0 && 2 * released >= cache_rows()) compact(0, /*drop_released=*/true);
@@ -513,7 +513,9 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   // A new cache of the live rows with room to grow: new tensors, so the graphs go. The added rows (for
   // admit) copy row 0's slots, all hidden: free rows, as a released row is.
   ++reallocations_;
-  const int64_t B = static_cast<int64_t>(alive.size()), Bn = B + add_rows;
+  const int64_t B = static_cast<int64_t>(alive.size());
+  add_rows = std::max(add_rows, reserve_rows_ - B);  // free rows kept for the admits to come
+  const int64_t Bn = B + add_rows;
   TORCH_CHECK(Bn == 0 || Bc > 0, "compact: rows to add to a cache of none");
   std::vector<int64_t> from = alive;
   from.resize(Bn, 0);

@@ -50,6 +50,9 @@ class TokenPolicy {
   virtual at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
   // Sequences that will not be fed again; their memory may be reclaimed, or taken by admitted ones.
   virtual void release(const std::vector<int64_t>& rows) {}
+  // A hint from a caller that will admit more sequences: keep room for `rows` sequences held at once when
+  // memory is reorganised, so that admits find released rows in place (0: no more admits coming).
+  virtual void reserve_rows(int64_t rows) {}
   virtual int64_t vocab_size() const = 0;
 };
 
@@ -103,6 +106,9 @@ class ModelPolicy : public TokenPolicy {
   // fixed_extend) whose CUDA graph is captured once per bucket and cache tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
+  // A reallocation (a growing compaction) keeps at least this many rows, released ones as free rows,
+  // instead of dropping every released row: the next admit then needs no new cache (and no recapture).
+  void reserve_rows(int64_t rows) override { reserve_rows_ = rows; }
   int64_t vocab_size() const override { return model_.config().vocab_size; }
 
   // Cache slots allocated now and at most so far (for tests and memory reports), and filled now.
@@ -155,6 +161,7 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
   int64_t compactions_ = 0, reallocations_ = 0;
+  int64_t reserve_rows_ = 0;  // reserve_rows()
   std::unique_ptr<StepGraph> graph_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;

@@ -182,6 +182,8 @@ class Loop {
     const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts.size());
     prompts_ = &prompts;
     rows_ = max_rows > 0 ? std::max(max_rows, G) : P * G;
+    // Admits to come: the policy keeps released rows through a reallocation for them.
+    policy_.reserve_rows(rows_ < P * G ? rows_ : 0);
     seqs_ = std::vector<Seq>(P * G);
     released_.assign(seqs_.size(), false);
     for (int64_t p = 0; p < P; ++p) {
@@ -319,6 +321,7 @@ class Loop {
     if (held > 0 && !idle && count < batch) return at::Tensor();
     const int64_t begin = next_prompt_;
     next_prompt_ += count;
+    if (next_prompt_ == P) policy_.reserve_rows(0);  // the last admit: released rows may go
     for (int64_t n = begin * G; n < next_prompt_ * G; ++n) {
       seqs_[n].state = SeqState::kGenerating;
       started.push_back(n);

@@ -1117,6 +1117,55 @@ INSTANTIATE_TEST_SUITE_P(Families, AdmitIntoReleasedRows,
                                             ::testing::Values("cpu", "cpu_fixed", "cuda")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
+// ModelPolicy::reserve_rows: with admits to come, a growing reallocation keeps released rows as free rows,
+// so the next admit goes in place (no new cache, no recapture). Without the hint the growth drops the
+// released row and the admit must reallocate: the check fails there. Every logit against the sequence's
+// full forward (float64).
+class ReservedRows : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("llama", 13, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  for (bool reserve : {true, false}) {
+    SCOPED_TRACE(reserve ? "reserve_rows(4)" : "no reserve");
+    ModelPolicyOptions po;
+    po.slot_chunk = 4;
+    ModelPolicy policy(m, po);
+    if (reserve) policy.reserve_rows(4);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {5, 17, 9}, {1, 2, 3, 4}, {1, 2, 3, 4}};
+    policy.start({seqs[0], seqs[2]}, 2);
+    policy.release({1});
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    auto step = [&](const std::vector<int64_t>& rows) {
+      std::vector<int64_t> tokens;
+      for (int64_t n : rows) {
+        tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+        seqs[n].push_back(tokens.back());
+      }
+      const at::Tensor logits = policy.step(rows, tokens).cpu();
+      for (size_t j = 0; j < rows.size(); ++j) {
+        EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+            << "sequence " << rows[j];
+      }
+    };
+    const int64_t before = policy.reallocations();
+    for (int t = 0; t < 40 && policy.reallocations() == before; ++t) step({0, 2, 3});
+    ASSERT_GT(policy.reallocations(), before) << "the cache never grew";
+    EXPECT_EQ(policy.cache_rows(), reserve ? 4 : 3);
+    const int64_t grown = policy.reallocations();
+    seqs.push_back({7, 8, 9, 10, 11});
+    const at::Tensor first = policy.admit({seqs[4]}, 1).cpu();
+    EXPECT_LT((first[0] - full_logits(m, seqs[4])).abs().max().item<double>(), 1e-9);
+    EXPECT_EQ(policy.reallocations(), reserve ? grown : grown + 1) << "the admit made a new cache";
+    EXPECT_EQ(policy.cache_rows(), 4);
+    for (int t = 0; t < 3; ++t) step({0, 2, 3, 4});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ReservedRows, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
 INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
                          ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
@@ -1176,6 +1225,7 @@ class Steered : public TokenPolicy {
     return steer(rows, inner_.extend(rows, fed));
   }
   void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
+  void reserve_rows(int64_t rows) override { inner_.reserve_rows(rows); }
   int64_t vocab_size() const override { return inner_.vocab_size(); }
   int64_t extends() const { return extends_; }
   // Feeds that carried one-token rows beside longer runs (rollout.merge_feeds).
