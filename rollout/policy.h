@@ -9,10 +9,10 @@
 // several tokens (a tool's reply) enters in one forward over its rows only (extend). Holes are squeezed
 // out (KvCache::gather) when the cache fills up, in place when that frees enough room, else into a new
 // cache that drops finished rows and grows; without CUDA graphs finished rows also go once they are
-// half the cache. Memory follows the tokens actually held. On a GPU each
-// decode step replays a CUDA graph captured for the cache's current shape (ModelPolicyOptions::cuda_graphs).
-// An admitted prompt is prefilled apart and its keys and values are copied into released rows, at slots
-// [0, P), in place: the cache keeps its tensors and its captured graphs.
+// half the cache, unless rows are reserved for admits to come (reserve_rows). Memory follows the tokens actually held.
+// On a GPU each decode step replays a CUDA graph captured for the cache's current shape
+// (ModelPolicyOptions::cuda_graphs). An admitted prompt is prefilled apart and its keys and values are copied into
+// released rows, at slots [0, P), in place: the cache keeps its tensors and its captured graphs.
 //
 // Shapes: N sequences, Bc rows in the cache (the live sequences, and released rows not yet dropped or
 // refilled), S slots, V vocab.
@@ -51,7 +51,8 @@ class TokenPolicy {
   // Sequences that will not be fed again; their memory may be reclaimed, or taken by admitted ones.
   virtual void release(const std::vector<int64_t>& rows) {}
   // A hint from a caller that will admit more sequences: keep room for `rows` sequences held at once when
-  // memory is reorganised, so that admits find released rows in place (0: no more admits coming).
+  // memory is reorganised, so that admits find free rows in place (0: no more admits coming). It stays
+  // set across start(); rollout() sets it at its start and clears it when it returns or throws.
   virtual void reserve_rows(int64_t rows) {}
   virtual int64_t vocab_size() const = 0;
 };
@@ -106,8 +107,9 @@ class ModelPolicy : public TokenPolicy {
   // fixed_extend) whose CUDA graph is captured once per bucket and cache tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
-  // A reallocation (a growing compaction) keeps at least this many rows, released ones as free rows,
-  // instead of dropping every released row: the next admit then needs no new cache (and no recapture).
+  // A reallocation (a growing compaction) makes at least this many rows: the live ones, then free rows
+  // (all slots hidden), so the next admit needs no new cache (and no recapture). Without graphs, released
+  // rows are not dropped at half the cache while it is set.
   void reserve_rows(int64_t rows) override { reserve_rows_ = rows; }
   int64_t vocab_size() const override { return model_.config().vocab_size; }
 
@@ -127,11 +129,13 @@ class ModelPolicy : public TokenPolicy {
   struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
 
   // Squeezes holes out, in place when that frees a sixteenth of the slots beyond `need` (and released rows
-  // need not go, nor rows be added); otherwise makes a new cache of the live rows, then add_rows free rows
-  // (for admit), with room for at least `need` more slots and at least min_len slots in all.
+  // need not go, nor rows be added); otherwise makes a new cache of the live rows, then
+  // max(add_rows, reserve_rows - live) free rows (for admit), with room for at least `need` more slots and at least
+  // min_len slots in all.
   void compact(int64_t need, bool drop_released = false, int64_t add_rows = 0, int64_t min_len = 0);
-  // Without CUDA graphs, drops the released rows once they are half the cache (called before a forward,
-  // not by release(): the rollout refills released rows right after releasing them).
+  // Without CUDA graphs and with no rows reserved, drops the released rows once they are half the cache
+  // (called before a forward, not by release(): the rollout refills released rows right after releasing
+  // them).
   void drop_released_rows();
   bool graphed() const;  // steps replay CUDA graphs
   // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA

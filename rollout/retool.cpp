@@ -182,8 +182,8 @@ class Loop {
     const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts.size());
     prompts_ = &prompts;
     rows_ = max_rows > 0 ? std::max(max_rows, G) : P * G;
-    // Admits to come: the policy keeps released rows through a reallocation for them.
-    policy_.reserve_rows(rows_ < P * G ? rows_ : 0);
+    // Admits to come: the policy keeps rows through a reallocation for them (whole prompts' worth).
+    policy_.reserve_rows(rows_ < P * G ? rows_ / G * G : 0);
     seqs_ = std::vector<Seq>(P * G);
     released_.assign(seqs_.size(), false);
     for (int64_t p = 0; p < P; ++p) {
@@ -559,6 +559,11 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
   std::vector<int64_t> prompt_streams(P);
   for (int64_t p = 0; p < P; ++p) prompt_streams[p] = streams.empty() ? p : streams[p];
   Loop loop(policy, tokenizer, sampling, options, tools, protocol);
+  // The loop reserves the policy's rows while prompts remain; a rollout that throws leaves none reserved.
+  struct ClearReserve {
+    TokenPolicy& policy;
+    ~ClearReserve() { policy.reserve_rows(0); }
+  } clear_reserve{policy};
   std::vector<Trajectory> out = loop.run(prompts, prompt_streams, options.max_batch, local);
   if (stats) {
     local.total_s = std::chrono::duration<double>(Clock::now() - t0).count();

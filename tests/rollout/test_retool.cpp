@@ -1153,13 +1153,33 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
     for (int t = 0; t < 40 && policy.reallocations() == before; ++t) step({0, 2, 3});
     ASSERT_GT(policy.reallocations(), before) << "the cache never grew";
     EXPECT_EQ(policy.cache_rows(), reserve ? 4 : 3);
-    const int64_t grown = policy.reallocations();
+    const int64_t grown = policy.reallocations(), captures = policy.graph_captures();
     seqs.push_back({7, 8, 9, 10, 11});
     const at::Tensor first = policy.admit({seqs[4]}, 1).cpu();
     EXPECT_LT((first[0] - full_logits(m, seqs[4])).abs().max().item<double>(), 1e-9);
     EXPECT_EQ(policy.reallocations(), reserve ? grown : grown + 1) << "the admit made a new cache";
     EXPECT_EQ(policy.cache_rows(), 4);
     for (int t = 0; t < 3; ++t) step({0, 2, 3, 4});
+    if (cuda) {
+      EXPECT_EQ(policy.graph_captures(), reserve ? captures : captures + 1) << "the admit cost a recapture";
+    }
+  }
+  if (!cuda) {
+    // Without graphs, released rows are dropped once they are half the cache, but not while reserved:
+    // else every step would drop them and remake as many free rows.
+    ModelPolicyOptions po;
+    po.slot_chunk = 64;  // no growth here
+    ModelPolicy policy(m, po);
+    policy.reserve_rows(4);
+    policy.start({{5, 17, 9}, {1, 2, 3, 4}}, 2);
+    policy.release({1, 3});
+    for (int t = 0; t < 3; ++t) policy.step({0, 2}, {7, 8});
+    EXPECT_EQ(policy.reallocations(), 0);
+    EXPECT_EQ(policy.cache_rows(), 4);
+    policy.reserve_rows(0);
+    policy.step({0, 2}, {7, 8});
+    EXPECT_EQ(policy.reallocations(), 1);
+    EXPECT_EQ(policy.cache_rows(), 2);
   }
 }
 
