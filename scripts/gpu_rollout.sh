@@ -6,7 +6,8 @@
 # beside transformers generate in the same command; then grpo_train --config configs/retool.yaml for
 # STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
 # checkpoint (scripts/gpu_train.sh, switches on only); bench_rollout: the ReTool loop with sandboxed tool
-# calls beside plain decoding through the same loop (SKIP_LOOP=1 skips it).
+# calls beside plain decoding through the same loop, its feed modes, and continuous batching against
+# waves (--refill 2) (SKIP_LOOP=1 skips it).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
 # FEED_AB=1 (the steps again with tool replies fed one token per step).
@@ -34,7 +35,7 @@ fi
 # through the same loop, 64 x (256 + 512), the sandbox as configs/retool.yaml has it.
 [ "${SKIP_LOOP:-0}" = 1 ] || build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 \
   --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 \
-  --json "$out/loop.json" 2>&1 | tee -a "$out/loop.log"
+  --refill 2 --json "$out/loop.json" 2>&1 | tee -a "$out/loop.log"
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   OUT="$out/train" SKIP_UPDATE_BENCH=1 SKIP_OFF=1 bash scripts/gpu_train.sh "${STEPS:-1}" "${MAX_NEW:-512}"
 fi
