@@ -610,7 +610,7 @@ TEST_F(ReToolTest, RefillDoesNotWaitWhenNothingElseDecodes) {
   for (int i = 0; i < 24; ++i) prompts.push_back(enc("Q" + std::to_string(i)));
   FakeTool tool;
   tool.outputs["\nslow()\n"] = "1\n";
-  tool.delay_ms["\nslow()\n"] = 300;
+  tool.delay_ms["\nslow()\n"] = 800;  // far beyond the passes before prompt 16 starts, even on a loaded machine
   auto p = policy(scripts);
   RolloutOptions o;
   o.max_batch = 16;
