@@ -292,23 +292,18 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
   // ~8M elements: a [rows, vocab] logits block and the fp32 (vocab, D) dW accumulator of a bf16 run
   // each stay within 32 MiB.
   constexpr int64_t kBlockElems = int64_t{1} << 23;
-  // 4096 rows x 2048 entries at seed 002's shape: on the H200 this beat 8192 x 1024 (fewer passes
-  // over the fp32 dE accumulator) and 2048 x 4096 (over the 1.1x memory target); docs/benchmarks.md.
-  if (fused) {
-    // The fused kernels hold no fp32 logits block, only the bf16 logits gradient (rows x vocab) between the
-    // dz kernel and the dE/dW GEMMs. Up to 8192 rows x 4096 entries (64 MiB): at seed 002's shape every
-    // row in one block (dW's block written by one GEMM, no fp32 accumulator) and 63 passes over dE beat
-    // 4096 x 2048 by 20 ms on the H200 (docs/benchmarks.md).
-    int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 8192);
-    rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
-    int64_t vb = vocab_block > 0 ? vocab_block : 4096;
-    vb = std::max<int64_t>(1, std::min(vb, std::max<int64_t>(V, 1)));
-    return {rb, vb};
-  }
-  int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), 4096);
+  // Blockwise: 4096 rows x 2048 entries at seed 002's shape: on the H200 this beat 8192 x 1024 (fewer
+  // passes over the fp32 dE accumulator) and 2048 x 4096 (over the 1.1x memory target); docs/benchmarks.md.
+  // Fused: the kernels hold no fp32 logits block, only the bf16 logits gradient (rows x vocab) between the
+  // dz kernel and the dE/dW GEMMs. Up to 8192 rows x 4096 entries (64 MiB): at seed 002's shape every row
+  // in one block (dW's block written by one GEMM, no fp32 accumulator) and 63 passes over dE beat
+  // 4096 x 2048 by 20 ms on the H200 (docs/benchmarks.md).
+  int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), fused ? 8192 : 4096);
   rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
-  const int64_t vb_auto = std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128;
-  int64_t vb = vocab_block > 0 ? vocab_block : std::max<int64_t>(128, vb_auto);
+  const int64_t vb_auto =
+      fused ? 4096
+            : std::max<int64_t>(128, std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128);
+  int64_t vb = vocab_block > 0 ? vocab_block : vb_auto;
   vb = std::max<int64_t>(1, std::min(vb, std::max<int64_t>(V, 1)));
   return {rb, vb};
 }
