@@ -1,5 +1,5 @@
-// A tool runner for rollout tests: answers from a table (unknown code: an error), after an optional delay,
-// and records the calls and when they returned.
+// A tool runner for rollout tests: answers from a table (unknown code: an error), on a thread after an
+// optional delay or before the call returns, and records the calls and when they returned.
 #pragma once
 
 #include <chrono>
@@ -20,27 +20,45 @@ struct FakeTool {
   std::vector<std::string> calls;
   std::vector<std::chrono::steady_clock::time_point> returned;
   std::mutex mu;
+  // The reply to `code` (unknown code: an error), recorded as returned now.
+  SandboxResult answer(const std::string& code) {
+    SandboxResult r;
+    auto it = outputs.find(code);
+    if (it != outputs.end()) {
+      r.stdout_text = it->second;
+    } else {
+      r.exit_code = 1;
+      r.stderr_text = "NameError: unknown code";
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    returned.push_back(std::chrono::steady_clock::now());
+    return r;
+  }
+  // Each call answered on a thread of its own, after its delay.
   ToolRunner runner() {
     return [this](const std::string& code) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        calls.push_back(code);
-      }
+      record(code);
       return std::async(std::launch::async, [this, code] {
         if (delay_ms.count(code)) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[code]));
-        SandboxResult r;
-        auto it = outputs.find(code);
-        if (it != outputs.end()) {
-          r.stdout_text = it->second;
-        } else {
-          r.exit_code = 1;
-          r.stderr_text = "NameError: unknown code";
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        returned.push_back(std::chrono::steady_clock::now());
-        return r;
+        return answer(code);
       });
     };
+  }
+  // Each call answered before it returns (no thread, no delay), so the rollout loop collects the reply in
+  // the pass that made the call: schedules that do not depend on threads.
+  ToolRunner ready_runner() {
+    return [this](const std::string& code) {
+      record(code);
+      std::promise<SandboxResult> done;
+      done.set_value(answer(code));
+      return done.get_future();
+    };
+  }
+
+ private:
+  void record(const std::string& code) {
+    std::lock_guard<std::mutex> lock(mu);
+    calls.push_back(code);
   }
 };
 

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <future>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -23,24 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using testing::FakeTool;
-
-// A tool runner whose reply is ready when the call returns (unknown code: an error), so the loop collects
-// it in the pass that made the call: schedules that do not depend on threads.
-ToolRunner ready_tool(std::map<std::string, std::string> outputs) {
-  return [outputs = std::move(outputs)](const std::string& code) {
-    SandboxResult r;
-    auto it = outputs.find(code);
-    if (it != outputs.end()) {
-      r.stdout_text = it->second;
-    } else {
-      r.exit_code = 1;
-      r.stderr_text = "NameError: unknown code";
-    }
-    std::promise<SandboxResult> done;
-    done.set_value(r);
-    return done.get_future();
-  };
-}
 
 // Writes a fixed script per sequence: its logits put +100 on the script's next token (Gumbel noise is
 // below 18, so the draw is certain). Every token fed is recorded, so a test can check that the model saw
@@ -632,20 +613,20 @@ TEST_F(ReToolTest, RefillDoesNotWaitWhenNothingElseDecodes) {
 
 // rollout.feed_wait: with other rows decoding, a ready tool reply waits until an eighth of the live rows
 // have one (here 2 of 16), or it has waited feed_wait decode steps. Replies are ready when the call returns
-// (ready_tool) and the calls come a few steps apart, so the schedule is fixed. Checked for feed_wait 1000
+// (FakeTool::ready_runner) and the calls come a few steps apart, so the schedule is fixed. Checked for feed_wait 1000
 // (no reply fed alone beside decoding rows while more than 8 live) and 2 (no reply waits more than 2 steps
 // after the step that could have fed it, and some are fed alone by that bound); feed_wait 0 breaks the
 // first rule, so the check can fail. The trajectories are the same for all three.
 TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
   std::vector<std::string> scripts;
-  std::map<std::string, std::string> outputs;
+  FakeTool tool;
   for (int i = 0; i < 16; ++i) {
     std::string lead;
     for (int k = 0; k < 3 * i; ++k) lead += " w";  // the calls come a few steps apart
     const std::string code = "\nprint(" + std::to_string(i) + ")\n";
     scripts.push_back(lead + "<code>" + code + "</code> then more words and more words\\boxed{" + std::to_string(i) +
                       "}");
-    outputs[code] = std::to_string(i) + "\n";
+    tool.outputs[code] = std::to_string(i) + "\n";
   }
   auto run = [&](int64_t wait, std::unique_ptr<ScriptedPolicy>& p) {
     p = policy(scripts);
@@ -654,7 +635,7 @@ TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
     o.feed_wait = wait;
     o.merge_feeds = false;  // replies apart from the decode step, so that a feed's runs are replies only
     RolloutStats stats;
-    auto out = rollout(*p, *tok_, {enc("Q")}, sampling(16), o, ready_tool(outputs), {}, {}, &stats);
+    auto out = rollout(*p, *tok_, {enc("Q")}, sampling(16), o, tool.ready_runner(), {}, {}, &stats);
     EXPECT_EQ(stats.feed_steps, static_cast<int64_t>(p->feeds_.size()));
     int64_t replies = 0;
     for (const auto& f : p->feeds_) replies += f.runs;
@@ -1374,9 +1355,11 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
   // forward, as runs of one token. Prompts steered to an immediate call alternate with prompts that write
   // a sentence first, so replies arrive while those rows decode. float64: the same tokens and log-probs
   // within 1e-6 as a step and a feed apart. A merge that feeds those rows another token must fail it.
-  // Replies are ready when the call returns (ready_tool): the schedule does not depend on threads.
+  // Replies are ready when the call returns (FakeTool::ready_runner): the schedule does not depend on threads.
   const Transformer m = tiny_model("llama", 11);
-  const ToolRunner tool = ready_tool({{"\nprint(347 * 829)\n", "287663\n"}, {"\nprint(1)\n", "1\n"}});
+  FakeTool fake;
+  fake.outputs = {{"\nprint(347 * 829)\n", "287663\n"}, {"\nprint(1)\n", "1\n"}};
+  const ToolRunner tool = fake.ready_runner();
   const std::vector<std::vector<int64_t>> prefixes = {
       enc("<code>\nprint(1)\n</code>"),
       enc("Let me see, I will write a few words first and then some more.<code>\nprint(347 * 829)\n</code>")};
