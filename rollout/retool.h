@@ -183,7 +183,7 @@ struct RolloutStats {
   int64_t feed_steps = 0;
   int64_t feed_tokens = 0;    // tokens fed by those (a reply, and the sampled token before it if still unfed)
   int64_t forced_tokens = 0;  // tool output and feedback tokens (fed in the multi-token forwards)
-  int64_t refills = 0;        // prompts admitted into released rows while others ran (rollout.max_batch)
+  int64_t refills = 0;        // prompts admitted into released rows after the start (rollout.max_batch)
   double prefill_s = 0;       // the prompts' prefill, the first prompts' and the admitted ones'
   double decode_s = 0;        // the decode steps (model forward to next-token logits)
   double feed_s = 0;          // the multi-token forwards
