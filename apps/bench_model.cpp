@@ -243,6 +243,11 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));
   app.add_option("--json", json_path, "write the records to this JSON file");
   std::string trace_path;
+  std::vector<std::string> only;
+  app.add_option("--modes", only, "run only these modes (prefill comes with decode_greedy); default: all")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph", "rollout_graph_aten",
+                             "rollout_graph_unpacked"}));
   app.add_option("--trace", trace_path,
                  "also profile a short run of each mode into this Chrome trace (scripts/trace_summary.py reads it)");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
@@ -274,19 +279,28 @@ int main(int argc, char** argv) {
   // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
   // Modes 4, 5 (CUDA): rollout_graph with the decoder's and the sampler's fused kernels off (their ATen
   // forms), and with the kernels but without packed projection weights.
+  const char* names[] = {"decode_greedy", "decode_sample",      "rollout_eager",
+                         "rollout_graph", "rollout_graph_aten", "rollout_graph_unpacked"};
+  auto wanted = [&](int kind) {
+    return only.empty() || std::find(only.begin(), only.end(), names[kind]) != only.end();
+  };
   std::vector<Run> all_runs[6];
   for (int i = 0; i < reps; ++i) {
-    for (bool sample : {false, true}) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+    for (bool sample : {false, true}) {
+      if (wanted(sample)) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
+    }
     for (bool graphs : graph_modes) {
-      all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
+      if (wanted(2 + graphs))
+        all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
     }
     if (dev.is_cuda()) {
-      all_runs[4].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
-      all_runs[5].push_back(
-          run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
+      if (wanted(4))
+        all_runs[4].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
+      if (wanted(5))
+        all_runs[5].push_back(
+            run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
     }
-    std::cerr << "rep " << i << ": prefill " << all_runs[0].back().prefill_s
-              << " s, decode s greedy/sample/eager/graph/graph_aten/graph_unpacked";
+    std::cerr << "rep " << i << ": decode s greedy/sample/eager/graph/graph_aten/graph_unpacked";
     for (auto& r : all_runs) std::cerr << " " << (r.empty() ? 0.0 : r.back().decode_s);
     std::cerr << "\n";
   }
@@ -305,8 +319,6 @@ int main(int argc, char** argv) {
     const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
     std::vector<std::tuple<std::string, double, double>> rows;
     if (kind == 0) rows.push_back({"prefill", double(B * P) / pre, pre});
-    const char* names[] = {"decode_greedy", "decode_sample",      "rollout_eager",
-                           "rollout_graph", "rollout_graph_aten", "rollout_graph_unpacked"};
     rows.push_back({names[kind], double(B * N) / dec, dec});
     for (const auto& [mode, tps, secs] : rows) {
       std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P

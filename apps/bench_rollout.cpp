@@ -9,18 +9,22 @@
 // rollout.max_context = prompt + new tokens.
 //
 // Modes, run in this order in one process on the same prompts and seed:
-//   plain            tools off: --new-tokens sampled per trajectory
-//   tools                 the steered loop with the rollout's defaults: tool replies fed in one eager
-//                         forward (rollout.multi_token_feed), a ready reply waiting up to
-//                         rollout.feed_wait = 4 decode steps so that others share it
-//   tools_feednow         each reply fed at the next step (feed_wait 0: the session-18 defaults)
-//   tools_merged_wait     feed_wait 4, the pass's one-token rows taken in the feed (rollout.merge_feeds)
-//   tools_merged          the same with feed_wait 0
-//   tools_merged_graphs   the same, each feed a replayed CUDA graph per (rows, tokens) bucket
-//                         (rollout.feed_graphs)
-//   tools_merged_graphs_wait  the same with feed_wait 4
-//   tools_feedgraphs      feed graphs, feed_wait 0, merge_feeds off
+//   plain                 tools off: --new-tokens sampled per trajectory
+//   tools                 the steered loop with the rollout's defaults (rollout.multi_token_feed: a reply in
+//                         one forward; rollout.feed_wait = 4: a ready reply waits up to 4 decode steps so
+//                         that others share its forward; rollout.feed_graphs)
+//   tools_eager           feed_wait 4, each feed an eager forward (feed_graphs off)
+//   tools_graphs          feed_wait 4, each feed a replayed CUDA graph per (rows, tokens) bucket
+//                         (feed_graphs on); one of these two repeats `tools`: their gap is the noise
+//   tools_feednow         each reply fed at the next step (feed_wait 0), eager
+//   tools_feednow_graphs  the same, feed graphs on
+//   tools_merged          feed_wait 4, the pass's one-token rows taken in the feed (rollout.merge_feeds), eager
 //   tools_onetoken        tool replies fed one token per decode step
+//   spread_eager          tools_eager with the calls spread: row n's first call comes after
+//                         every + (37 n mod every) free samples, so the rows do not all call at once
+//                         (in the other modes every row calls after the same count, 64 calls at once into
+//                         the sandbox's workers)
+//   spread_graphs         the same with feed graphs on
 // With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
 // prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
 // batch prompts one after the other (records lengths_waves, lengths_refill).
@@ -51,14 +55,15 @@ using json = nlohmann::json;
 
 namespace {
 
-// ModelPolicy with each turn steered into a tool call after `every` free samples. The state of a row
-// follows the tokens it is fed: free samples count up to `every`, then the script's tokens are forced one by
-// one, then the row waits; the reply (whose last tokens are the framing's close) starts a free turn again.
+// ModelPolicy with each turn steered into a tool call after `every` free samples (with `spread`, the first
+// turn of sequence n after every + (37 n mod every)). The state of a row follows the tokens it is fed: free samples
+// count up to `every`, then the script's tokens are forced one by one, then the row waits; the reply (whose last tokens
+// are the framing's close) starts a free turn again.
 class ToolSteered : public TokenPolicy {
  public:
   ToolSteered(const Transformer& m, ModelPolicyOptions po, std::vector<int64_t> script, std::vector<int64_t> reply_end,
-              int64_t every)
-      : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every) {}
+              int64_t every, bool spread = false)
+      : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every), spread_(spread) {}
   const ModelPolicy& inner() const { return inner_; }
   // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
   // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
@@ -96,10 +101,12 @@ class ToolSteered : public TokenPolicy {
     int64_t count = 0;          // free samples of this turn, or script tokens fed
     int64_t fed = 0;            // tokens fed since the prompt
     std::vector<int64_t> tail;  // the last tokens fed, to see the reply's end
+    int64_t every = 0;          // free samples before this turn's call
   };
   at::Tensor admit_rows(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats, at::Tensor logits) {
     const int64_t first = static_cast<int64_t>(rows_.size()), N = static_cast<int64_t>(prompts.size()) * repeats;
     rows_.resize(first + N);
+    for (int64_t n = first; n < first + N; ++n) rows_[n].every = every_ + (spread_ ? (37 * n) % every_ : 0);
     std::vector<int64_t> added(N);
     for (int64_t n = 0; n < N; ++n) added[n] = first + n;
     return steer(added, std::move(logits));
@@ -108,18 +115,14 @@ class ToolSteered : public TokenPolicy {
     r.fed += 1;
     r.tail.push_back(t);
     if (r.tail.size() > reply_end_.size()) r.tail.erase(r.tail.begin());
-    if (r.state == State::kWaiting) {
-      if (r.tail == reply_end_) r = Row{};
-      return;
-    }
-    if (r.tail == reply_end_) {  // feedback for a malformed turn (random text can close a tag)
-      r = Row{};
+    if (r.state == State::kWaiting || r.tail == reply_end_) {  // (also feedback: random text can close a tag)
+      if (r.tail == reply_end_) r = Row{State::kFree, 0, r.fed, r.tail, every_};  // the next turn starts free
       return;
     }
     r.count += 1;
     if (r.state == State::kScript && r.count == static_cast<int64_t>(script_.size())) {
       r.state = State::kWaiting;
-    } else if (r.state == State::kFree && r.count >= every_) {
+    } else if (r.state == State::kFree && r.count >= r.every) {
       r.state = State::kScript;
       r.count = 0;
     }
@@ -138,6 +141,7 @@ class ToolSteered : public TokenPolicy {
   std::function<int64_t(int64_t)> budget_;
 
   int64_t every_;
+  bool spread_;
   std::vector<Row> rows_;
 };
 
@@ -206,19 +210,20 @@ int main(int argc, char** argv) {
     std::string name;
     bool tools, multi_token, feed_graphs;
     int64_t feed_wait;
-    bool merge_feeds;
+    bool merge_feeds, spread;
   };
   const RolloutOptions defaults;
   const std::vector<Mode> modes = {
-      {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds},
-      {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds},
-      {"tools_feednow", true, true, false, 0, false},
-      {"tools_merged_wait", true, true, false, 4, true},
-      {"tools_merged", true, true, false, 0, true},
-      {"tools_merged_graphs", true, true, true, 0, true},
-      {"tools_merged_graphs_wait", true, true, true, 4, true},
-      {"tools_feedgraphs", true, true, true, 0, false},
-      {"tools_onetoken", true, false, false, 0, false}};
+      {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
+      {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
+      {"tools_eager", true, true, false, 4, false, false},
+      {"tools_graphs", true, true, true, 4, false, false},
+      {"tools_feednow", true, true, false, 0, false, false},
+      {"tools_feednow_graphs", true, true, true, 0, false, false},
+      {"tools_merged", true, true, false, 4, true, false},
+      {"tools_onetoken", true, false, false, 0, false, false},
+      {"spread_eager", true, true, false, 4, false, true},
+      {"spread_graphs", true, true, true, 4, false, true}};
   struct PolicyCounts {
     int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
   };
@@ -239,7 +244,7 @@ int main(int argc, char** argv) {
     s.max_new_tokens = new_tokens;
     ModelPolicyOptions mpo = po;
     mpo.feed_graphs = mode.feed_graphs;
-    ToolSteered policy(model, mpo, script, reply_end, mode.tools ? every : (1 << 30));
+    ToolSteered policy(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
     auto out = rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
     const ModelPolicy& inner = policy.inner();
     counts = {inner.compactions(), inner.reallocations(), inner.graph_captures() - inner.feed_graph_captures(),
@@ -301,6 +306,7 @@ int main(int argc, char** argv) {
                        {"feed_wait", m.feed_wait},
                        {"merge_feeds", m.merge_feeds},
                        {"feed_graphs", m.feed_graphs},
+                       {"spread", m.spread},
                        {"forced_tokens", st.forced_tokens},
                        {"cache_compactions", counts.compactions},
                        {"cache_reallocations", counts.reallocations},

@@ -33,8 +33,13 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
 
 // The fixed shapes a feed of E rows x K tokens runs at, so that a few captured graphs serve every feed:
 // tokens to a power of two, at least 16 (a 24-token reply costs 8 hole slots, which the next in-place
-// compaction squeezes out); rows to a power of two, at most the cache's rows. Coarse on purpose: a
-// capture costs two eager forwards (~20 ms on the H200 host), a replay about 1 ms.
+// compaction squeezes out); rows to a power of two of at least kFeedMinRows, at most the cache's rows.
+// Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time), a replay about 1 ms,
+// and a feed of 16 rows x 16 tokens is still a small forward (256 tokens). With one row bucket per
+// power of two from 1, the ReTool loop in bench_rollout captured 14-15 feed graphs per rollout, which
+// cost what their replays saved.
+constexpr int64_t kFeedMinRows = 16;
+
 int64_t feed_cols(int64_t K) {
   int64_t b = 16;
   while (b < K) b *= 2;
@@ -42,7 +47,7 @@ int64_t feed_cols(int64_t K) {
 }
 
 int64_t feed_rows(int64_t E, int64_t cache_rows) {
-  int64_t b = 1;
+  int64_t b = kFeedMinRows;
   while (b < E) b *= 2;
   return std::min(b, cache_rows);
 }

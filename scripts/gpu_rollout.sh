@@ -7,7 +7,8 @@
 # STEPS steps (default 1) of MAX_NEW tokens per turn (default 512) on a transformers-saved random
 # checkpoint (scripts/gpu_train.sh, switches on only); bench_rollout: the ReTool loop with sandboxed tool
 # calls beside plain decoding through the same loop, its feed modes, and continuous batching against
-# waves (--refill 2) (SKIP_LOOP=1 skips it).
+# waves (--refill 2) (SKIP_LOOP=1 skips it); with ROWS_SWEEP="16 64 256", the decode step's time against
+# its rows: bench_model --modes rollout_graph at each batch (256 + 256 tokens; rows_<B>.json).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
 # FEED_AB=1 (the steps again with tool replies fed one token per step).
@@ -36,6 +37,10 @@ fi
 [ "${SKIP_LOOP:-0}" = 1 ] || build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 \
   --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 \
   --refill 2 --json "$out/loop.json" 2>&1 | tee -a "$out/loop.log"
+for rows in ${ROWS_SWEEP:-}; do
+  build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch "$rows" --prompt-len 256 \
+    --new-tokens 256 --reps 3 --modes rollout_graph --json "$out/rows_$rows.json" 2>&1 | tee -a "$out/rows.log"
+done
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   OUT="$out/train" SKIP_UPDATE_BENCH=1 SKIP_OFF=1 bash scripts/gpu_train.sh "${STEPS:-1}" "${MAX_NEW:-512}"
 fi

@@ -778,8 +778,8 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
     std::vector<int64_t> rows, tokens;
     std::vector<std::vector<int64_t>> runs;
     for (int64_t n = 0; n < N; ++n) {
-      // Idle rows leave holes. At t = 2 three of the six rows feed: a fixed-shape feed pads them to four
-      // with an idle row, whose slots must stay holes.
+      // Idle rows leave holes. At t = 2 three of the six rows feed: a fixed-shape feed pads them to the
+      // cache's six rows with idle ones, whose slots must stay holes.
       if (released[n] || (t + n) % 3 == 0 || (t == 2 && n == 5)) continue;
       rows.push_back(n);
       const int64_t k = runs_step ? 1 + (n + t) % 4 : 1;
@@ -913,6 +913,48 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, CompactionInPlace, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
+
+// Feed graphs are captured per (rows, tokens) bucket, rows to a power of two of at least 16: on a cache
+// of 40 rows, feeds of 1, 5 and 16 rows (runs of 2 to 16 tokens) replay one graph, and a feed of 17 rows
+// takes a second. Each feed's logits match the sequences' full forwards in float64, so the padding rows
+// (up to 15 idle rows a feed) write only holes. Buckets from one row, as before, capture a graph for 1, 5
+// and 16 rows each (3 captures, not 1).
+TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("qwen2", 13, at::Device(at::kCUDA, 0));
+  ModelPolicyOptions po;
+  po.slot_chunk = 256;  // room for every feed: no reallocation, so the graphs stay
+  po.feed_graphs = true;
+  ModelPolicy policy(m, po);
+  std::vector<std::vector<int64_t>> seqs;
+  for (int64_t n = 0; n < 40; ++n) seqs.push_back({1 + n, 2 + n % 7, 3, 4 + n % 3});
+  policy.start(seqs, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto feed = [&](int64_t first, int64_t count) {
+    std::vector<int64_t> rows;
+    std::vector<std::vector<int64_t>> runs;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t n = (first + 3 * j) % 40;
+      rows.push_back(n);
+      runs.emplace_back();
+      for (int64_t t = 0; t < 2 + (n + j) % 15; ++t)
+        runs.back().push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+      seqs[n].insert(seqs[n].end(), runs.back().begin(), runs.back().end());
+    }
+    at::Tensor logits = policy.extend(rows, runs).cpu();
+    for (int64_t j = 0; j < count; ++j) {
+      EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+          << "feed of " << count << " rows, sequence " << rows[j];
+    }
+  };
+  feed(0, 1);
+  feed(1, 5);
+  feed(2, 16);
+  EXPECT_EQ(policy.feed_graph_captures(), 1) << "feeds of 1, 5 and 16 rows share the 16-row bucket";
+  feed(0, 17);
+  EXPECT_EQ(policy.feed_graph_captures(), 2) << "17 rows take the 32-row bucket";
+  EXPECT_EQ(policy.reallocations(), 0);
+}
 
 // A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
 // were: the next step still matches the full forward. A policy that advanced a sequence's position before
