@@ -31,13 +31,15 @@
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
 // feed_steps, feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations (of them,
-// those that made new cache tensors), step_graph_captures, feed_graph_captures}; with --refill also
+// those that made new cache tensors), step_graph_captures, feed_graph_captures, capture_s (host seconds in
+// those captures), spread}; --modes runs only the listed ones (plain always, for the ratio); with --refill also
 // {mode lengths_waves | lengths_refill, batch, prompts, prompt_len, new_tokens_min, new_tokens_max,
 // sampled_tokens, seconds, sampled_tokens_per_s, ratio_to_waves, prefill_s, decode_s, decode_steps, refills,
 // cache_compactions, cache_reallocations, step_graph_captures}, the counts summed over the waves' rollouts.
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -127,12 +129,27 @@ class ToolSteered : public TokenPolicy {
       r.count = 0;
     }
   }
+  // One scatter-add for the whole call (a per-row `logits[j][t] += 1e4` was three dispatches a row, about
+  // 60 ms of a rollout's decode time in the tools modes only).
   at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
+    std::vector<int64_t> at_row, at_col;
     for (size_t j = 0; j < rows.size(); ++j) {
       const Row& r = rows_[rows[j]];
-      if (r.state == State::kScript) logits[static_cast<int64_t>(j)][script_[r.count]] += 1e4;
-      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) logits[static_cast<int64_t>(j)][eos_] += 1e4;
+      if (r.state == State::kScript) {
+        at_row.push_back(static_cast<int64_t>(j));
+        at_col.push_back(script_[r.count]);
+      }
+      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) {
+        at_row.push_back(static_cast<int64_t>(j));
+        at_col.push_back(eos_);
+      }
     }
+    if (at_row.empty()) return logits;
+    const auto dev = logits.device();
+    const int64_t k = static_cast<int64_t>(at_row.size());
+    const c10::List<std::optional<at::Tensor>> at{at::tensor(at_row, at::kLong).to(dev),
+                                                  at::tensor(at_col, at::kLong).to(dev)};
+    logits.index_put_(at, at::full({k}, 1e4, logits.options()), /*accumulate=*/true);
     return logits;
   }
   ModelPolicy inner_;
@@ -165,6 +182,8 @@ int main(int argc, char** argv) {
   app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
   app.add_option("--seed", seed, "sampling seed");
   app.add_option("--json", json_path, "write the records to this JSON file");
+  std::vector<std::string> only;
+  app.add_option("--modes", only, "run only these modes (comma-separated; plain always runs)")->delimiter(',');
   int64_t refill = 0;
   app.add_option("--refill", refill,
                  "also compare continuous batching: R x batch prompts of uneven lengths (new/4 to new tokens, "
@@ -213,7 +232,7 @@ int main(int argc, char** argv) {
     bool merge_feeds, spread;
   };
   const RolloutOptions defaults;
-  const std::vector<Mode> modes = {
+  std::vector<Mode> modes = {
       {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
       {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
       {"tools_eager", true, true, false, 4, false, false},
@@ -224,8 +243,22 @@ int main(int argc, char** argv) {
       {"tools_onetoken", true, false, false, 0, false, false},
       {"spread_eager", true, true, false, 4, false, true},
       {"spread_graphs", true, true, true, 4, false, true}};
+  if (!only.empty()) {
+    for (const std::string& name : only) {
+      if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {
+        std::cerr << "bench_rollout: --modes: no mode " << name << "\n";
+        return 2;
+      }
+    }
+    modes.erase(std::remove_if(modes.begin(), modes.end(),
+                               [&](const Mode& m) {
+                                 return m.name != "plain" && std::find(only.begin(), only.end(), m.name) == only.end();
+                               }),
+                modes.end());
+  }
   struct PolicyCounts {
     int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
+    double capture_s = 0;
   };
   PolicyCounts counts;  // of the last run
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
@@ -248,7 +281,7 @@ int main(int argc, char** argv) {
     auto out = rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
     const ModelPolicy& inner = policy.inner();
     counts = {inner.compactions(), inner.reallocations(), inner.graph_captures() - inner.feed_graph_captures(),
-              inner.feed_graph_captures()};
+              inner.feed_graph_captures(), inner.capture_seconds()};
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -263,7 +296,8 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(26) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
-            << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(12) << "compactions"
+            << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(10) << "capture_s"
+            << std::setw(12) << "compactions"
             << "\n";
   json records = json::array();
   double plain_tps = 0;
@@ -283,7 +317,8 @@ int main(int argc, char** argv) {
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
               << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
               << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
-              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(12)
+              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(10)
+              << std::setprecision(3) << counts.capture_s << std::setw(12)
               << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)") << "\n";
     records.push_back({{"mode", m.name},
                        {"batch", B},
@@ -311,7 +346,8 @@ int main(int argc, char** argv) {
                        {"cache_compactions", counts.compactions},
                        {"cache_reallocations", counts.reallocations},
                        {"step_graph_captures", counts.step_graphs},
-                       {"feed_graph_captures", counts.feed_graphs}});
+                       {"feed_graph_captures", counts.feed_graphs},
+                       {"capture_s", counts.capture_s}});
   }
   if (refill > 0) {
     // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)
@@ -340,8 +376,9 @@ int main(int argc, char** argv) {
       policy.set_lengths(tok->eos_id(), budget, first);
       auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
       const ModelPolicy& inner = policy.inner();
-      return std::make_pair(std::move(out), PolicyCounts{inner.compactions(), inner.reallocations(),
-                                                         inner.graph_captures(), inner.feed_graph_captures()});
+      return std::make_pair(std::move(out),
+                            PolicyCounts{inner.compactions(), inner.reallocations(), inner.graph_captures(),
+                                         inner.feed_graph_captures(), inner.capture_seconds()});
     };
     struct Outcome {
       int64_t sampled = 0, steps = 0, refills = 0;

@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -396,6 +397,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
   // that cuBLAS and SDPA need before a capture leaves the state as one run would; the capture itself runs
   // nothing, and the caller's replay computes the output.
   const auto dev = valid_.device();
+  const auto t0 = std::chrono::steady_clock::now();
   auto g = std::make_unique<StepGraph>();
   g->rows = cache_rows();
   g->slots = cache_.max_len;
@@ -420,6 +422,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
   }
   device_synchronize(dev);
   ++graph_captures_;
+  capture_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return g;
 }
 

@@ -124,6 +124,8 @@ class ModelPolicy : public TokenPolicy {
   // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
   int64_t graph_captures() const { return graph_captures_; }
   int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
+  // Host seconds spent capturing them (the warm-up run and the capture, synchronised), step and feed graphs.
+  double capture_seconds() const { return capture_s_; }
 
  private:
   struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
@@ -169,6 +171,7 @@ class ModelPolicy : public TokenPolicy {
   std::unique_ptr<StepGraph> graph_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
+  double capture_s_ = 0;
 };
 
 }  // namespace rlt

@@ -1,6 +1,7 @@
 // Data-parallel pieces on the CPU (trainer/dist.h): torchrun's variables, how a step's prompts split over
 // the ranks, the store's collectives on thread ranks (sums, maxima, broadcast, a late rank named), the
 // loss denominators summed over ranks, the trajectory table, and the shapes a world size refuses.
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <map>
@@ -327,8 +328,17 @@ TEST(GradReducer, StartsEveryBucketDuringTheBackwardAndSumsLikeAPlainBackward) {
 // Two thread ranks, each one micro-batch of its own: after the reducer every rank's fp32 master gradient
 // is exactly the fp32 sum of the two ranks' master gradients (rank order), the sum one process would
 // accumulate. Summing the bf16 gradients instead (before they reach the masters) rounds the sum to bf16,
-// which the bit-exact comparison rejects; the test shows that rounding is visible here.
+// which the bit-exact comparison rejects; the test shows that rounding is visible here. Every thread that
+// computes (the reference's and each rank's) runs one intra-op thread: with OpenMP the count is per
+// calling thread, so a rank's thread could split a CPU reduction another way than the main thread, which
+// changes the last bit (this failed on the 16-core GPU host, not on 2 cores).
 TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  struct Restore {
+    int n;
+    ~Restore() { at::set_num_threads(n); }
+  } restore{threads};
   const TinyBf16 tiny{at::kCPU};
   std::vector<std::vector<at::Tensor>> own(2), reduced(2);
   for (int r = 0; r < 2; ++r) {
@@ -337,6 +347,7 @@ TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
     for (const auto& m : run.master) own[r].push_back(m.grad().clone());
   }
   rlt::testing::on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    at::set_num_threads(1);
     rlt::Run run = tiny.make(c);
     GradReducer reducer(run, 4096);
     backward(run, tiny.loss(run, 10 + r), &reducer, true);
