@@ -25,6 +25,10 @@
 //                         (in the other modes every row calls after the same count, 64 calls at once into
 //                         the sandbox's workers)
 //   spread_graphs         the same with feed graphs on
+//   plain_kept, tools_kept, spread_kept   plain, tools_graphs and spread_graphs with rollout.keep_cache:
+//                         one policy for the warm-up run and the timed one, so the timed rollout replays
+//                         the graphs the warm-up captured (as a training run's steps after the first);
+//                         their ratio is to plain_kept
 // With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
 // prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
 // batch prompts one after the other (records lengths_waves, lengths_refill).
@@ -46,6 +50,8 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "apps/bench_common.h"
@@ -230,6 +236,7 @@ int main(int argc, char** argv) {
     bool tools, multi_token, feed_graphs;
     int64_t feed_wait;
     bool merge_feeds, spread;
+    bool keep = false;  // rollout.keep_cache: one policy for the warm-up and the timed run
   };
   const RolloutOptions defaults;
   std::vector<Mode> modes = {
@@ -242,7 +249,10 @@ int main(int argc, char** argv) {
       {"tools_merged", true, true, false, 4, true, false},
       {"tools_onetoken", true, false, false, 0, false, false},
       {"spread_eager", true, true, false, 4, false, true},
-      {"spread_graphs", true, true, true, 4, false, true}};
+      {"spread_graphs", true, true, true, 4, false, true},
+      {"plain_kept", false, true, true, 4, false, false, true},
+      {"tools_kept", true, true, true, 4, false, false, true},
+      {"spread_kept", true, true, true, 4, false, true, true}};
   if (!only.empty()) {
     for (const std::string& name : only) {
       if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {
@@ -252,7 +262,8 @@ int main(int argc, char** argv) {
     }
     modes.erase(std::remove_if(modes.begin(), modes.end(),
                                [&](const Mode& m) {
-                                 return m.name != "plain" && std::find(only.begin(), only.end(), m.name) == only.end();
+                                 return m.name != "plain" && m.name != "plain_kept" &&
+                                        std::find(only.begin(), only.end(), m.name) == only.end();
                                }),
                 modes.end());
   }
@@ -260,7 +271,8 @@ int main(int argc, char** argv) {
     int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
     double capture_s = 0;
   };
-  PolicyCounts counts;  // of the last run
+  PolicyCounts counts;                                       // of the last run
+  std::map<std::string, std::unique_ptr<ToolSteered>> kept;  // the keep modes' policies, by mode
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
     RolloutOptions o;
     o.tools = mode.tools;
@@ -277,11 +289,19 @@ int main(int argc, char** argv) {
     s.max_new_tokens = new_tokens;
     ModelPolicyOptions mpo = po;
     mpo.feed_graphs = mode.feed_graphs;
-    ToolSteered policy(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
-    auto out = rollout(policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
-    const ModelPolicy& inner = policy.inner();
-    counts = {inner.compactions(), inner.reallocations(), inner.graph_captures() - inner.feed_graph_captures(),
-              inner.feed_graph_captures(), inner.capture_seconds()};
+    mpo.keep_cache = mode.keep;
+    std::unique_ptr<ToolSteered>& policy = kept[mode.name];
+    if (!policy || !mode.keep)
+      policy =
+          std::make_unique<ToolSteered>(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
+    const ModelPolicy& inner = policy->inner();
+    const PolicyCounts before{inner.compactions(), inner.reallocations(),
+                              inner.graph_captures() - inner.feed_graph_captures(), inner.feed_graph_captures(),
+                              inner.capture_seconds()};
+    auto out = rollout(*policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
+    counts = {inner.compactions() - before.compactions, inner.reallocations() - before.reallocations,
+              inner.graph_captures() - inner.feed_graph_captures() - before.step_graphs,
+              inner.feed_graph_captures() - before.feed_graphs, inner.capture_seconds() - before.capture_s};
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -300,7 +320,7 @@ int main(int argc, char** argv) {
             << std::setw(12) << "compactions"
             << "\n";
   json records = json::array();
-  double plain_tps = 0;
+  double plain_tps = 0, plain_kept_tps = 0;
   for (const Mode& m : modes) {
     RolloutStats st;
     const auto trajs = run(m, N, st);
@@ -311,7 +331,9 @@ int main(int argc, char** argv) {
     }
     const double tps = double(sampled) / st.total_s;
     if (m.name == "plain") plain_tps = tps;
-    const double ratio = plain_tps > 0 ? tps / plain_tps : 0;
+    if (m.name == "plain_kept") plain_kept_tps = tps;
+    const double base = m.keep ? plain_kept_tps : plain_tps;  // plain decoding with the same policy setting
+    const double ratio = base > 0 ? tps / base : 0;
     std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
               << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
@@ -342,6 +364,7 @@ int main(int argc, char** argv) {
                        {"merge_feeds", m.merge_feeds},
                        {"feed_graphs", m.feed_graphs},
                        {"spread", m.spread},
+                       {"keep_cache", m.keep},
                        {"forced_tokens", st.forced_tokens},
                        {"cache_compactions", counts.compactions},
                        {"cache_reallocations", counts.reallocations},

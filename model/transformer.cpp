@@ -368,6 +368,19 @@ PackedWeights Transformer::pack_weights() const {
   return p;
 }
 
+void Transformer::pack_weights_into(PackedWeights& p) const {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(p.gate_up_w.size() == layers_.size(), "pack_weights_into: packed weights of another model");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    if (!config_.qk_norm) {
+      at::cat_out(p.qkv_w[i], {l.q_w, l.k_w, l.v_w}, 0);
+      if (l.q_b.defined()) at::cat_out(p.qkv_b[i], {l.q_b, l.k_b, l.v_b}, 0);
+    }
+    at::cat_out(p.gate_up_w[i], {l.gate_w, l.up_w}, 0);
+  }
+}
+
 at::Tensor Transformer::logits(const at::Tensor& hidden) const {
   at::Tensor z = at::matmul(hidden, lm_head_.t());  // (…, V)
   if (config_.final_softcap > 0) z = at::tanh(z / config_.final_softcap) * config_.final_softcap;

@@ -119,6 +119,9 @@ class Transformer {
 
   // The packed projection weights of the current parameters (PackedWeights), on their device.
   PackedWeights pack_weights() const;
+  // The same, written into `p`'s tensors (made by pack_weights() on this model), so that a CUDA graph
+  // that reads them sees the parameters as they are now.
+  void pack_weights_into(PackedWeights& p) const;
 
   // (V, D): the LM head (the embedding when tied). Its final-logit softcap (0 = none) is config().final_softcap.
   const at::Tensor& lm_head() const;

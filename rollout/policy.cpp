@@ -100,13 +100,44 @@ at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t)
 
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
-  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply())
+  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply()) {
     packed_ = model_.pack_weights();
+    packed_fresh_ = true;
+  }
 }
 
 ModelPolicy::~ModelPolicy() = default;
 
+std::vector<const void*> ModelPolicy::parameter_storage() const {
+  std::vector<const void*> out;
+  for (const auto& p : model_.parameters()) out.push_back(p.data_ptr());
+  return out;
+}
+
+bool ModelPolicy::reuse_cache(int64_t N, int64_t P) {
+  if (cache_rows() < N || cache_.max_len < P || N == 0) return false;
+  // A captured graph reads the parameters at the addresses they had: a model whose tensors were replaced
+  // (not updated in place) needs new graphs.
+  if (parameter_storage() != cache_params_) return false;
+  std::fill(seq_of_row_.begin(), seq_of_row_.end(), -1);
+  cache_row_.clear();
+  length_.clear();
+  cache_.length = 0;
+  valid_.zero_();  // every slot of every row hidden: nothing of the last rollout is seen
+  return true;
+}
+
 at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+  if (!packed_.gate_up_w.empty() && !packed_fresh_) model_.pack_weights_into(packed_);  // in place: graphs read it
+  packed_fresh_ = false;
+  if (options_.keep_cache) {
+    int64_t P = 0;
+    for (const auto& p : prompts) P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
+    const int64_t N = static_cast<int64_t>(prompts.size()) * repeats;
+    if (reuse_cache(N, P)) return admit(prompts, repeats);
+    cache_params_ = parameter_storage();
+    keep_rows_ = N;  // reallocations keep released rows up to this many, for the next start()
+  }
   graph_.reset();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
   cache_ = KvCache();
@@ -479,7 +510,8 @@ void ModelPolicy::drop_released_rows() {
   // Finished rows still cost a slot per step: drop them once they are half the cache. Not when steps
   // replay CUDA graphs: a step is launch-bound, so a dead row costs it little, while new cache tensors
   // cost a recapture (two forwards of host time); they go at the next reallocation.
-  if (graphed() || reserve_rows_ > 0) return;  // with admits to come, released rows are kept for them
+  // With admits to come (or the next start(), keep_cache), released rows are kept for them.
+  if (graphed() || reserve_rows_ > 0 || keep_rows_ > 0) return;
   int64_t released = 0;
   for (int64_t s : seq_of_row_) released += s < 0;
   if (released > 0 && 2 * released >= cache_rows()) compact(0, /*drop_released=*/true);
@@ -522,7 +554,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   // admit) copy row 0's slots, all hidden: free rows, as a released row is.
   ++reallocations_;
   const int64_t B = static_cast<int64_t>(alive.size());
-  add_rows = std::max(add_rows, reserve_rows_ - B);  // free rows kept for the admits to come
+  add_rows = std::max(add_rows, std::max(reserve_rows_, keep_rows_) - B);  // free rows for admits, the next start
   const int64_t Bn = B + add_rows;
   TORCH_CHECK(Bn == 0 || Bc > 0, "compact: rows to add to a cache of none");
   std::vector<int64_t> from = alive;

@@ -81,6 +81,13 @@ struct ModelPolicyOptions {
   // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
   // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
   bool fused_kernels = true;
+  // Keep the cache's tensors and the captured CUDA graphs from one start() to the next (one rollout to the
+  // next), when the new prompts need no more rows or slots than the cache has and the model's parameters
+  // are the same tensors (updated in place, as the trainer's optimizer does): start() then places them
+  // into its free rows in place (the admit() path) and every graph replays at once, with no capture.
+  // Costs holding the cache and the graphs' memory pools between rollouts (through a policy update, in the
+  // trainer). The packed weights are packed again, in place, at every start(). Off: start() drops them.
+  bool keep_cache = false;
   // With fused_kernels on a GPU: the q/k/v and gate/up weights packed into one matrix each for the
   // policy's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
   // while the policy lives (0.47 GB for Qwen2.5-0.5B in bf16).
@@ -92,6 +99,8 @@ class ModelPolicy : public TokenPolicy {
   ModelPolicy(const Transformer& model, ModelPolicyOptions options = {});
   ~ModelPolicy() override;
   // A new cache holding the prompts' prefill, every captured graph dropped: admit() on an empty policy.
+  // With keep_cache, when the cache has the rows and slots (and the parameters are the same tensors):
+  // every sequence held is released, and the prompts go into the cache's rows in place (admit()).
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   // One prefill of the prompts (the G samples of a prompt share it), whose keys and values go into cache
   // rows that released sequences left, at slots [0, P) (P: the longest new prompt, left-padded), in place:
@@ -112,6 +121,7 @@ class ModelPolicy : public TokenPolicy {
   // rows are not dropped at half the cache while it is set.
   void reserve_rows(int64_t rows) override { reserve_rows_ = rows; }
   int64_t vocab_size() const override { return model_.config().vocab_size; }
+  const Transformer& model() const { return model_; }
 
   // Cache slots allocated now and at most so far (for tests and memory reports), and filled now.
   int64_t cache_slots() const { return cache_.max_len; }
@@ -140,6 +150,10 @@ class ModelPolicy : public TokenPolicy {
   // them).
   void drop_released_rows();
   bool graphed() const;  // steps replay CUDA graphs
+  // keep_cache: empties the cache for start() in place (every row free, nothing filled, the graphs kept)
+  // when it has N rows and P slots and the parameters are still the tensors it was built on; else false.
+  bool reuse_cache(int64_t N, int64_t P);
+  std::vector<const void*> parameter_storage() const;
   // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA
   // graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row, then
   // the slot. Returns the hidden states (Bc, D).
@@ -160,7 +174,9 @@ class ModelPolicy : public TokenPolicy {
 
   const Transformer& model_;
   ModelPolicyOptions options_;
-  PackedWeights packed_;  // when options_.packed_weights applies: the cache's forwards read it
+  PackedWeights packed_;                   // when options_.packed_weights applies: the cache's forwards read it
+  bool packed_fresh_ = false;              // packed_ holds the weights as they are (just packed)
+  std::vector<const void*> cache_params_;  // parameter_storage() when the cache was made (keep_cache)
   KvCache cache_;
   at::Tensor valid_;                 // (Bc, S) bool on the model's device: slot holds a token of the row
   std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
@@ -168,6 +184,7 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
   int64_t compactions_ = 0, reallocations_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
+  int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::unique_ptr<StepGraph> graph_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;

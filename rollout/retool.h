@@ -110,6 +110,11 @@ struct RolloutOptions {
   // bucket and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
   // captures cost about what the replays save within one rollout (see ModelPolicyOptions::feed_graphs).
   bool feed_graphs = false;
+  // Keep the rollout's KV cache and CUDA graphs from one training step's rollout to the next
+  // (ModelPolicyOptions::keep_cache): no graph is captured again while the rows and slots suffice. Costs
+  // holding the cache through the policy update. Off by default. Evaluation rollouts keep their own
+  // policy, made each time.
+  bool keep_cache = false;
   // A rollout still running after this many seconds prints a live line to stderr, and again every as many
   // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
@@ -137,6 +142,8 @@ struct RolloutOptions {
       FieldRange{0, 1e6});
     v("merge_feeds", merge_feeds, "a pass that feeds tool replies takes its one-token rows in the same forward");
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket (GPU only)");
+    v("keep_cache", keep_cache,
+      "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {

@@ -8,7 +8,9 @@
 # checkpoint (scripts/gpu_train.sh, switches on only); bench_rollout: the ReTool loop with sandboxed tool
 # calls beside plain decoding through the same loop, its feed modes, and continuous batching against
 # waves (--refill 2) (SKIP_LOOP=1 skips it); with ROWS_SWEEP="16 64 256", the decode step's time against
-# its rows: bench_model --modes rollout_graph at each batch (256 + 256 tokens; rows_<B>.json).
+# its rows: bench_model --modes rollout_graph at each batch (256 + 256 tokens; rows_<B>.json); with
+# LOOP_LARGE=1, the loop at the batch of 256 trajectories, 256 + 2048 tokens, a call every 384 free
+# samples (loop_large.json: plain, the eager and kept-graph tools modes, calls at once and spread).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
 # FEED_AB=1 (the steps again with tool replies fed one token per step).
@@ -37,6 +39,11 @@ fi
 [ "${SKIP_LOOP:-0}" = 1 ] || build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 \
   --device cuda --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 \
   --refill 2 --json "$out/loop.json" 2>&1 | tee -a "$out/loop.log"
+if [ "${LOOP_LARGE:-0}" = 1 ]; then
+  build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+    --dtype bfloat16 --batch 256 --prompt-len 256 --new-tokens 2048 --tool-every 384 --workers 16 \
+    --modes tools_eager,spread_eager,tools_kept,spread_kept --json "$out/loop_large.json" 2>&1 | tee -a "$out/loop_large.log"
+fi
 for rows in ${ROWS_SWEEP:-}; do
   build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch "$rows" --prompt-len 256 \
     --new-tokens 256 --reps 3 --modes rollout_graph --json "$out/rows_$rows.json" 2>&1 | tee -a "$out/rows.log"

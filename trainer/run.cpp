@@ -57,6 +57,7 @@ ModelPolicyOptions policy_options(const RolloutOptions& r) {
   o.fused_kernels = r.fused_kernels;
   o.packed_weights = r.packed_weights;
   o.feed_graphs = r.feed_graphs;
+  o.keep_cache = r.keep_cache;
   return o;
 }
 
@@ -329,7 +330,14 @@ RolloutBatch collect_rollouts(Run& run) {
   if (!run.lead()) ro.progress_s = 0;  // one live line: rank 0's
   {
     at::NoGradGuard no_grad;
-    ModelPolicy policy(*run.policy, policy_options(cfg.rollout));
+    // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
+    std::unique_ptr<ModelPolicy> own;
+    if (!cfg.rollout.keep_cache) {
+      own = std::make_unique<ModelPolicy>(*run.policy, policy_options(cfg.rollout));
+    } else if (!run.rollout_policy || &run.rollout_policy->model() != run.policy.get()) {
+      run.rollout_policy = std::make_unique<ModelPolicy>(*run.policy, policy_options(cfg.rollout));
+    }
+    ModelPolicy& policy = own ? *own : *run.rollout_policy;
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
                         run.tools, &out.stats);
   }

@@ -19,6 +19,7 @@
 #include "data/hf_chat.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
+#include "rollout/policy.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "rollout/tools.h"
@@ -62,6 +63,9 @@ struct Run {
   // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
   std::shared_ptr<const HfChatTemplate> chat;
   std::unique_ptr<Transformer> policy;
+  // rollout.keep_cache: the training rollouts' ModelPolicy, made at the first and kept (its KV cache and
+  // CUDA graphs with it) while it is built on `policy`.
+  std::unique_ptr<ModelPolicy> rollout_policy;
   // Only when policy.kl_coef > 0: the policy as RL starts (after the warm-up), saved once to
   // out_dir/reference so a resumed run keeps it.
   std::unique_ptr<Transformer> reference;

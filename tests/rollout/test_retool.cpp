@@ -956,6 +956,100 @@ TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
   EXPECT_EQ(policy.reallocations(), 0);
 }
 
+// keep_cache: a second rollout (start()) on the same policy, after the weights were updated in place as the
+// optimizer does, reuses the cache's tensors (no reallocation) and on CUDA every captured graph (no
+// capture), and its logits are a fresh policy's on the new weights: float64 on the CPU (1e-12: the same
+// arithmetic over more, masked slots), float32 on CUDA through the fused kernels and the packed q/k/v and
+// gate/up weights, packed again in place (1e-5 of the largest logit, as FusedDecodeKernelsMatchTheAtenForms).
+// Known-bad: the same rollout on the old weights (what a graph reading stale packed weights would give) is
+// far outside that tolerance. (The last rollout's keys stay hidden through admit(), which clears each row
+// it fills; AdmitIntoReleasedRows tests that path. The repack itself: PackWeightsIntoWritesInPlace.)
+class KeepCache : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  Transformer m =
+      tiny_model("qwen2", 17, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
+  ModelPolicyOptions po;
+  po.slot_chunk = 8;  // the first rollout grows the cache; the second fits in it
+  po.feed_graphs = true;
+  po.keep_cache = true;
+  // A rollout: two samples of each prompt, 12 passes of one-token steps over the rows not idle, every
+  // fourth pass a three-token feed of rows 0 and 2 instead. Returns every logit it got, in order.
+  auto roll = [&](ModelPolicy& p, const std::vector<std::vector<int64_t>>& prompts) {
+    std::vector<at::Tensor> out{p.start(prompts, 2).cpu()};
+    for (int64_t t = 0; t < 12; ++t) {
+      if (t % 4 == 3) {
+        out.push_back(p.extend({0, 2}, {{3 + t, 4, 5}, {6, 7 + t, 8}}).cpu());
+        continue;
+      }
+      std::vector<int64_t> rows, tokens;
+      for (int64_t n = 0; n < 2 * int64_t(prompts.size()); ++n) {
+        if ((n + t) % 5 == 4) continue;
+        rows.push_back(n);
+        tokens.push_back(10 + 7 * n + t);
+      }
+      out.push_back(p.step(rows, tokens).cpu());
+    }
+    return at::cat(out).to(at::kDouble);
+  };
+  ModelPolicy kept(m, po);
+  roll(kept, {{5, 17, 9, 4}, {1, 2, 3}, {250, 8, 60, 61}});
+  const int64_t slots = kept.cache_slots(), reallocations = kept.reallocations(), captures = kept.graph_captures();
+  EXPECT_GT(reallocations, 0) << "the first rollout grows its cache";
+  const std::vector<std::vector<int64_t>> next = {{7, 7, 7}, {30, 31, 32, 33}, {99}};
+  ModelPolicyOptions fresh_po = po;
+  fresh_po.keep_cache = false;
+  const at::Tensor stale = [&] {
+    ModelPolicy fresh(m, fresh_po);
+    return roll(fresh, next);
+  }();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.mul_(1.01).add_(0.001);  // in place, as AdamW and the master copy do
+  }
+  const at::Tensor second = roll(kept, next);
+  EXPECT_EQ(kept.cache_slots(), slots);
+  EXPECT_EQ(kept.reallocations(), reallocations) << "the second rollout runs in the first one's cache";
+  if (cuda) EXPECT_EQ(kept.graph_captures(), captures) << "and replays its graphs";
+  ModelPolicy fresh(m, fresh_po);
+  const at::Tensor ref = roll(fresh, next);
+  const double tol = cuda ? 1e-5 * ref.abs().max().item<double>() : 1e-12;
+  EXPECT_LT((second - ref).abs().max().item<double>(), tol);
+  EXPECT_GT((stale - ref).abs().max().item<double>(), 100 * tol) << "the old weights must be told apart";
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, KeepCache, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+// Transformer::pack_weights_into rewrites packed weights in their own tensors (a captured graph reads them
+// there) with the parameters as they are now: equal to a new pack_weights(), bit for bit, where the packed
+// weights before it are not.
+TEST(KeepCache, PackWeightsIntoWritesInPlace) {
+  for (const char* family : {"qwen2", "llama"}) {  // q/k/v biases, none
+    Transformer m = tiny_model(family, 19);
+    PackedWeights p = m.pack_weights();
+    const void* qkv = p.qkv_w[1].data_ptr();
+    const void* gate_up = p.gate_up_w[1].data_ptr();
+    {
+      at::NoGradGuard no_grad;
+      for (auto& w : m.parameters()) w.add_(0.5);
+    }
+    const PackedWeights now = m.pack_weights();
+    EXPECT_FALSE(at::equal(p.qkv_w[1], now.qkv_w[1])) << family;
+    m.pack_weights_into(p);
+    EXPECT_EQ(p.qkv_w[1].data_ptr(), qkv) << family;
+    EXPECT_EQ(p.gate_up_w[1].data_ptr(), gate_up) << family;
+    for (size_t i = 0; i < now.gate_up_w.size(); ++i) {
+      EXPECT_TRUE(at::equal(p.qkv_w[i], now.qkv_w[i])) << family << " layer " << i;
+      EXPECT_TRUE(at::equal(p.gate_up_w[i], now.gate_up_w[i])) << family << " layer " << i;
+      EXPECT_EQ(p.qkv_b[i].defined(), now.qkv_b[i].defined());
+      if (now.qkv_b[i].defined()) EXPECT_TRUE(at::equal(p.qkv_b[i], now.qkv_b[i])) << family << " layer " << i;
+    }
+  }
+}
+
 // A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
 // were: the next step still matches the full forward. A policy that advanced a sequence's position before
 // checking the rest of the list would give the sequence listed first a position one (or a run) too far.

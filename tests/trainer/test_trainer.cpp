@@ -512,6 +512,35 @@ TEST(OldLogprobs, RolloutAndRecomputeTrainAlikeInFp32) {
   EXPECT_GT(weight_diff(wrong_recompute, wrong_rollout), kWeightRel);
 }
 
+// rollout.keep_cache: one ModelPolicy for the whole run, its cache reused in place by each step's rollout
+// after the update moved the weights in place. The run is the one that makes a new policy every step: the
+// same rollouts (rewards, tool use, tokens) and, with the old log-probs recomputed, the same losses bit for
+// bit. A kept policy that carried anything of the last rollout into the next (a sequence's length, its
+// rows) or missed the weights' update would sample other tokens.
+TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
+  TempDir tmp("keep_cache");
+  auto train = [&](bool keep, const std::string& name) {
+    Config c = tiny_config();
+    c.train.steps = 3;
+    c.train.old_logprobs = OldLogprobs::kRecompute;
+    c.rollout.keep_cache = keep;
+    rlt::Run run = make_run(c, (tmp.path() / name).string(), /*resume=*/false);
+    train_grpo(run);
+    EXPECT_EQ(run.rollout_policy != nullptr, keep) << "the kept policy outlives the steps";
+    return read_metrics((tmp.path() / name).string());
+  };
+  const auto fresh = train(false, "fresh"), kept = train(true, "kept");
+  ASSERT_EQ(fresh.size(), 3u);
+  ASSERT_EQ(kept.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    for (const char* k : {"reward_mean", "tool_use", "response_length_mean", "loss", "grad_norm"}) {
+      ASSERT_TRUE(fresh[i].contains(k)) << k;
+      EXPECT_EQ(fresh[i][k].get<double>(), kept[i][k].get<double>()) << k << ", step " << i + 1;
+    }
+  }
+  EXPECT_NE(fresh[0]["loss"].get<double>(), fresh[2]["loss"].get<double>()) << "the steps differ";
+}
+
 // Above train.old_logprobs_tol the run warns once and recomputes from the next step on, and a resumed
 // run keeps the switch (state.json). Forced in fp32 with a tolerance of 1e-12 (the mismatch is ~2e-7);
 // at the default 1e-3 the same run never switches. Without the switch saved, a resumed run would go back
