@@ -454,8 +454,9 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
       cache->k[i].index_copy_(2, cache->step_slot, k);
       cache->v[i].index_copy_(2, cache->step_slot, v);
     }
-    k = cache->k[i];  // (B, Hkv, max_len, hd)
-    v = cache->v[i];
+    const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
+    k = cache->k[i].narrow(2, 0, span);  // (B, Hkv, span, hd)
+    v = cache->v[i].narrow(2, 0, span);
   } else if (cache && cache->step_rows.defined()) {
     const int64_t past = cache->length;
     cache->k[i].narrow(2, past, L).index_copy_(0, cache->step_rows, k);
@@ -543,10 +544,13 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   // the step_rows rows only, if set), attention over every slot; nothing in it depends on a host-side
   // length.
   const bool fixed = cache && cache->step_slot.defined();
-  TORCH_CHECK(
-      !fixed || (cache->step_slot.numel() == L && attention_mask.defined() && attention_mask.size(1) == cache->max_len),
-      "a step at KvCache::step_slot takes one slot per input column and a mask over all ", cache->max_len, " slots");
-  const int64_t past = cache ? cache->length : 0, S = fixed ? cache->max_len : past + L;
+  const int64_t span = fixed && cache->span > 0 && !cache->step_rows.defined() ? cache->span
+                       : fixed                                                 ? cache->max_len
+                                                                               : 0;
+  TORCH_CHECK(!fixed || (span <= cache->max_len && cache->step_slot.numel() == L && attention_mask.defined() &&
+                         attention_mask.size(1) == span),
+              "a step at KvCache::step_slot takes one slot per input column and a mask over its ", span, " slots");
+  const int64_t past = cache ? cache->length : 0, S = fixed ? span : past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const bool some_rows = cache && cache->step_rows.defined();
   TORCH_CHECK(!some_rows || (cache->step_rows.size(0) == B && attention_mask.defined()),

@@ -68,6 +68,9 @@ struct KvCache {
   // are left as they are (the caller's mask hides them), and length advances for all rows (unless
   // step_slot is set: then the caller moves it).
   at::Tensor step_rows;
+  // With step_slot and no step_rows: the step attends over slots [0, span) only (its mask is (B, span));
+  // 0 = all max_len. A graphed decode step is captured per span bucket, so it reads only the cache in use.
+  int64_t span = 0;
   // Packed projection weights for this cache's fused forwards (Transformer::set_fused_kernels), or none.
   // Not owned; gather() passes it on.
   const PackedWeights* packed = nullptr;

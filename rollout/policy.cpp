@@ -138,7 +138,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
     cache_params_ = parameter_storage();
     keep_rows_ = N;  // reallocations keep released rows up to this many, for the next start()
   }
-  graph_.reset();  // a graph reads the cache tensors it was captured with
+  step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
   cache_ = KvCache();
   valid_ = at::Tensor();
@@ -188,7 +188,7 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
   if (cache_rows() == 0) {
     // Nothing held (start, or every row released and dropped): the prefill's rows are the new cache.
     at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
-    graph_.reset();  // a graph reads the cache tensors it was captured with
+    step_graphs_.clear();  // a graph reads the cache tensors it was captured with
     feed_graphs_.clear();
     cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
     valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
@@ -263,21 +263,26 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   auto advance = [&] {
     for (int64_t n : rows) ++length_[n];
   };
-#ifdef RLT_HAVE_CUDA
-  if (graphs) {
+  if (graphs || options_.fixed_shape_step) {
     // One host vector, one copy: ids, positions, fed flags, the slot, then the rows to pick.
     std::vector<int64_t> packed = ids;
     packed.insert(packed.end(), pos.begin(), pos.end());
     packed.insert(packed.end(), fed.begin(), fed.end());
     packed.push_back(cache_.length);
     packed.insert(packed.end(), pick.begin(), pick.end());
-    at::Tensor rows_picked;
-    at::Tensor hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);  // (Bc, D)
+    at::Tensor rows_picked, hidden;  // hidden (Bc, D)
+#ifdef RLT_HAVE_CUDA
+    if (graphs) hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);
+#endif
+    if (!graphs) {
+      at::Tensor in = at::tensor(packed, at::kLong).to(dev);
+      rows_picked = in.narrow(0, 3 * Bc + 1, static_cast<int64_t>(pick.size()));
+      hidden = fixed_step(in.narrow(0, 0, 3 * Bc + 1), step_span());
+    }
     cache_.length += 1;
     advance();
     return next_token_logits(model_, hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
   }
-#endif
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
@@ -402,21 +407,30 @@ at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64
   return hidden.view({n, -1});
 }
 
-at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs) {
+int64_t ModelPolicy::step_span() const {
+  const int64_t c = options_.span_chunk;
+  if (c <= 0) return cache_.max_len;
+  return std::min(cache_.max_len, (cache_.length + 1 + c - 1) / c * c);
+}
+
+at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {
   const int64_t Bc = cache_rows();
   at::Tensor ids = inputs.narrow(0, 0, Bc).view({Bc, 1}), pos = inputs.narrow(0, Bc, Bc).view({Bc, 1});
   at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.index_copy_(1, slot, fed);
   cache_.step_slot = slot;
+  cache_.span = span;
   at::Tensor hidden;
   try {
-    hidden = model_.forward(ids, pos, valid_, &cache_);  // (Bc, 1, D)
+    hidden = model_.forward(ids, pos, valid_.narrow(1, 0, span), &cache_);  // (Bc, 1, D)
   } catch (...) {
     cache_.step_slot = at::Tensor();
+    cache_.span = 0;
     throw;
   }
   cache_.step_slot = at::Tensor();
+  cache_.span = 0;
   return hidden.squeeze(1);
 }
 
@@ -459,18 +473,19 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
 
 at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
   const auto dev = valid_.device();
-  const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1;
+  const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1, span = step_span();
   at::Tensor in = to_device_async(packed, dev);  // (3 Bc + 1 + picks)
   pick = in.narrow(0, n_in, picks);
-  if (graph_) {  // start() and compact() drop the graphs whenever the cache tensors change
-    TORCH_CHECK(graph_->rows == Bc && graph_->slots == cache_.max_len, "ModelPolicy: stale step graph");
-    graph_->inputs.copy_(in.narrow(0, 0, n_in));
+  auto& g = step_graphs_[span];
+  if (g) {  // start() and compact() drop the graphs whenever the cache tensors change
+    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "ModelPolicy: stale step graph");
+    g->inputs.copy_(in.narrow(0, 0, n_in));
   } else {
-    graph_ = capture(
-        in.narrow(0, 0, n_in), [this](const at::Tensor& x) { return fixed_step(x); }, "decode step");
+    g = capture(
+        in.narrow(0, 0, n_in), [this, span](const at::Tensor& x) { return fixed_step(x, span); }, "decode step");
   }
-  graph_->graph.replay();
-  return graph_->hidden;
+  g->graph.replay();
+  return g->hidden;
 }
 
 at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb) {
@@ -564,7 +579,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   keep.narrow(0, B, add_rows).zero_();
   order = order.index_select(0, rows);
   const int64_t len = std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need;
-  graph_.reset();  // a graph reads the cache tensors it was captured with
+  step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
   cache_ = cache_.gather(rows, order, len);
   valid_ = at::zeros({Bn, len}, at::TensorOptions().dtype(at::kBool).device(dev));

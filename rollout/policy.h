@@ -64,6 +64,14 @@ struct ModelPolicyOptions {
   // cache tensors: again after each growth (a reallocation), not after an in-place squeeze. Ignored on
   // the CPU.
   bool cuda_graphs = true;
+  // A graphed step attends over the slots in use (the filled ones and the one it writes) rounded up to a
+  // multiple of this, not over every slot of the cache: one step graph per such span and cache tensors.
+  // A cache kept from an earlier rollout (keep_cache), or grown ahead, is then read only as far as it
+  // is filled. 0: every slot, one step graph per cache tensors.
+  int64_t span_chunk = 256;
+  // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
+  // graphs (on the CPU: the tests check that form against the full forward).
+  bool fixed_shape_step = false;
   // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
   // Captured steps keep cuDNN: their plan is built once per capture.
@@ -154,10 +162,13 @@ class ModelPolicy : public TokenPolicy {
   // when it has N rows and P slots and the parameters are still the tensors it was built on; else false.
   bool reuse_cache(int64_t N, int64_t P);
   std::vector<const void*> parameter_storage() const;
-  // One decode step at a fixed shape (mask over every slot, write slot on the device), the form a CUDA
-  // graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row, then
-  // the slot. Returns the hidden states (Bc, D).
-  at::Tensor fixed_step(const at::Tensor& inputs);
+  // One decode step at a fixed shape (mask over slots [0, span), write slot on the device), the form a
+  // CUDA graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row,
+  // then the slot. Returns the hidden states (Bc, D).
+  at::Tensor fixed_step(const at::Tensor& inputs, int64_t span);
+  // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
+  // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
+  int64_t step_span() const;
   // The graph path of step() (CUDA builds): copies the packed host inputs (fixed_step's, then the rows to
   // pick) in, captures a graph when the cache changed, replays it. Returns the hidden states (Bc, D) and,
   // through `pick`, the picked rows on the device.
@@ -185,7 +196,7 @@ class ModelPolicy : public TokenPolicy {
   int64_t compactions_ = 0, reallocations_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
-  std::unique_ptr<StepGraph> graph_;
+  std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
   double capture_s_ = 0;

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "data/tokenizer.h"
@@ -741,6 +742,7 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
   po.cuda_graphs = true;
   po.fixed_shape_extend = device == "cpu_fixed";
+  po.fixed_shape_step = device == "cpu_fixed";
   po.feed_graphs = true;
   ModelPolicy policy(m, po);
   const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
@@ -955,6 +957,49 @@ TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
   EXPECT_EQ(policy.feed_graph_captures(), 2) << "17 rows take the 32-row bucket";
   EXPECT_EQ(policy.reallocations(), 0);
 }
+
+// A step at the graphs' fixed shape attends over the slots in use rounded up to span_chunk (here 4, in a
+// cache of 44 slots), not over every slot: one step graph per span on CUDA (and no other capture, as the
+// cache is never reallocated), and the logits match each sequence's full forward in float64 on both
+// devices, idle rows leaving holes. A span one slot short (the slot the step writes left out) moved them
+// by far more (run broken, the test fails on the CPU).
+class StepSpans : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("qwen3", 23, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  ModelPolicyOptions po;
+  po.slot_chunk = 40;
+  po.span_chunk = 4;
+  po.fixed_shape_step = true;
+  ModelPolicy policy(m, po);
+  std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
+  policy.start(seqs, 1);
+  std::set<int64_t> spans;
+  for (int64_t t = 0; t < 30; ++t) {
+    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 1 + 3) / 4 * 4));
+    std::vector<int64_t> rows, tokens;
+    for (int64_t n = 0; n < 3; ++n) {
+      if ((n + t) % 4 == 3) continue;
+      rows.push_back(n);
+      tokens.push_back(20 + 3 * n + t);
+      seqs[n].push_back(tokens.back());
+    }
+    at::Tensor logits = policy.step(rows, tokens).cpu();
+    for (size_t j = 0; j < rows.size(); ++j) {
+      EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+          << "step " << t << " sequence " << rows[j];
+    }
+  }
+  EXPECT_EQ(policy.cache_slots(), 44);
+  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_GE(spans.size(), 7u);
+  EXPECT_EQ(policy.graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one step graph per span";
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
 
 // keep_cache: later rollouts (start()) on the same policy, after the weights were updated in place as the
 // optimizer does, reuse the cache's tensors (no reallocation) and on CUDA its captured graphs (the third
