@@ -15,6 +15,9 @@ out=${OUT:-runs/gpu_dist}
 steps=${1:-3}
 new_tokens=${2:-2048}
 mkdir -p "$out"
+# NVLink multicast stays off in every process (the device host's rule: it can take shared GPUs out of
+# service); the ranks inherit these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu_build.sh
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -26,6 +29,10 @@ tidy() {
     cp "$out/$d/metrics.jsonl" "$out/metrics_$d.jsonl" 2>/dev/null
     rm -rf "${out:?}/$d"
   done
+  # The device tool returns at most 8 files: the comparisons and the scaling summary stay beside one
+  # archive of every log and metrics file.
+  grep -E "tests passed|tests failed|Failed|Skipped" "$out"/ctest*.log > "$out/ctest_summary.txt" 2>/dev/null
+  (cd "$out" && tar czf raw.tgz --remove-files $(ls metrics_*.jsonl *.log math.jsonl 2>/dev/null))
 }
 
 # 1. The tests.
