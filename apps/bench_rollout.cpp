@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16;
-  bool site_packages = true, graphs = true;
+  bool site_packages = true, graphs = true, prestart = true;
   uint64_t seed = 1;
   add_model_options(app, model_dir, device, dtype, B);
   app.add_option("--tokenizer", tokenizer_dir, "folder with tokenizer.json (a checkpoint's tokenizer files)")
@@ -185,6 +185,7 @@ int main(int argc, char** argv) {
   app.add_option("--tool-every", every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
   app.add_option("--workers", workers, "sandbox workers")->check(CLI::Range(1, 4096));
   app.add_option("--site-packages", site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
+  app.add_option("--prestart", prestart, "sandbox.prestart: each worker's next interpreter started ahead of its call");
   app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
   app.add_option("--seed", seed, "sampling seed");
   app.add_option("--json", json_path, "write the records to this JSON file");
@@ -214,6 +215,7 @@ int main(int argc, char** argv) {
   SandboxOptions so;
   so.workers = workers;
   so.site_packages = site_packages;
+  so.prestart = prestart;
   so.timeout_s = 10;
   SandboxPool pool(so);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
@@ -312,7 +314,8 @@ int main(int argc, char** argv) {
     run(m, N, st);
   }
   std::cout << "model " << model_dir << ", " << dtype << " on " << device << ", batch " << B << ", prompt " << P
-            << ", new " << N << ", a tool call every " << every << " free samples, " << workers << " sandbox workers\n";
+            << ", new " << N << ", a tool call every " << every << " free samples, " << workers << " sandbox workers"
+            << (prestart ? " (prestarted)" : "") << "\n";
   std::cout << std::left << std::setw(26) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
@@ -347,6 +350,7 @@ int main(int argc, char** argv) {
                        {"prompt_len", P},
                        {"new_tokens", N},
                        {"tool_every", every},
+                       {"prestart", prestart},
                        {"dtype", dtype},
                        {"sampled_tokens", sampled},
                        {"tool_calls", calls},

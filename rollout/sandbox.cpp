@@ -521,8 +521,9 @@ struct CallFiles {
       if (!path.empty()) remove_tree(path);
     }
   } dir;
-  Fd code;                                            // the interpreter's stdin
-  Fd plan;                                            // the encoded SandboxPlan, B's fd 5
+  Fd code;    // the interpreter's stdin
+  Fd code_p;  // prestarted: P's end of the stdin socket, which the script is written into when it comes
+  Fd plan;    // the encoded SandboxPlan, B's fd 5
   Fd out_r, out_w, err_r, err_w, status_r, status_w;  // C's stdout and stderr; B's (and C's) reports
   Fd sync_p, sync_c;                                  // P's "go" to B
   // The call's cgroups (root only), B moved in before it may start C: one directory per hierarchy (v1
@@ -619,6 +620,17 @@ void make_code_fd(CallFiles& f, const std::string& code) {
     if (ro >= 0) f.code.reset(ro);
     lseek(f.code.fd, 0, SEEK_SET);
   }
+}
+
+// A prestarted interpreter's stdin: a socket pair (P writes the script with MSG_NOSIGNAL, so an interpreter
+// that died leaves P an EPIPE, never a SIGPIPE), P's end shut for writing once the script is in.
+void make_code_socket(CallFiles& f) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    throw SandboxError("socketpair: " + errno_text(errno));
+  }
+  f.code_p.reset(sv[0]), f.code.reset(sv[1]);
+  shutdown(f.code.fd, SHUT_WR);  // the interpreter's end only reads
 }
 
 // The output and status pipes, and the sync socket pair.
@@ -829,10 +841,10 @@ pid_t spawn_b(const CallFiles& f) {
 
 // B, killed and reaped on every way out unless P has reaped it already.
 struct ChildGuard {
-  pid_t pid;
+  pid_t pid = -1;
   bool reaped = false;
   ~ChildGuard() {
-    if (reaped) return;
+    if (reaped || pid <= 0) return;
     kill(pid, SIGKILL);
     while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
@@ -997,51 +1009,70 @@ void warn_if_reads_unconfined(const SandboxPlan& plan) {
   });
 }
 
-// One attempt at `level`. Returns false (and leaves `result` alone) when the kernel refused that level's
-// namespaces or its read-only root, so the caller can try the next one.
-bool run_at_level(const std::string& code, const SandboxOptions& o, const Interpreter& in, const Level& level,
-                  SandboxResult& result) {
-  const Host& h = host();
-  const bool pidns = level.ns_flags & CLONE_NEWPID;
-
+// One call's sandbox from its files to its end. launch() makes the files and starts B (the code's memfd as
+// stdin, or with no code yet a socket the script is written into later); finish() supervises it to the end.
+// Member order matters: the guard kills and reaps B before the files (cgroups, descriptors, directory) go.
+struct Launched {
+  explicit Launched(const Level& l) : level(l) {}
+  Level level;
   CallFiles f;
+  SandboxPlan plan;
+  ChildGuard b;
+  Watch w;
+  bool in_cgroups = false;
+  bool pidns() const { return level.ns_flags & CLONE_NEWPID; }
+};
+
+std::unique_ptr<Launched> launch(const std::string* code, const SandboxOptions& o, const Interpreter& in,
+                                 const Level& level) {
+  const Host& h = host();
+  auto l = std::make_unique<Launched>(level);
+  CallFiles& f = l->f;
   make_private_dir(f, o, in.drop_uid);
-  make_code_fd(f, code);
+  if (code != nullptr) {
+    make_code_fd(f, *code);
+  } else {
+    make_code_socket(f);
+  }
   make_channels(f);
   make_cgroups(f, h, o, level);
-  const SandboxPlan plan = make_plan(o, h, in, level, f.dir.path);
-  make_plan_fd(f, plan);
+  l->plan = make_plan(o, h, in, level, f.dir.path);
+  make_plan_fd(f, l->plan);
 
-  const auto t0 = Clock::now();
   const pid_t b = spawn_b(f);
   if (b < 0) throw SandboxError("clone: " + errno_text(errno));
-  // From here on B exists: make sure it is killed and reaped on every way out.
-  ChildGuard b_guard{b};
+  // From here on B exists: the guard kills and reaps it on every way out.
+  l->b.pid = b;
   f.code.reset(), f.out_w.reset(), f.err_w.reset(), f.status_w.reset(), f.sync_c.reset(), f.plan.reset();
 
   // B has run the init program or died trying; a failed execve reported before B's exit released us.
   if (pollfd p{f.status_r.fd, POLLIN, 0}; poll(&p, 1, 0) == 1) {
-    Watch w;
-    read_reports(f.status_r, w);
-    if (w.failed) {
-      throw SandboxError(std::string("sandbox setup failed while ") + stage_name(w.fail_stage) + " (" + init_path() +
-                         "): " + errno_text(w.fail_errno));
+    read_reports(f.status_r, l->w);
+    if (l->w.failed) {
+      throw SandboxError(std::string("sandbox setup failed while ") + stage_name(l->w.fail_stage) + " (" + init_path() +
+                         "): " + errno_text(l->w.fail_errno));
     }
   }
-  const bool in_cgroups = join_cgroups(f, b);
+  l->in_cgroups = join_cgroups(f, b);
   const char go = 1;
   if (send(f.sync_p.fd, &go, 1, MSG_NOSIGNAL) != 1) {
     // B died before it could be released: fall through, the status pipe tells why.
   }
+  return l;
+}
 
-  Watch w;
-  supervise(w, b_guard, pidns, o, t0, f);
+// Supervises a launched call to its end, its wall clock (and its timeout) counted from t0. Returns false
+// (and leaves `result` alone) when the kernel refused the level's namespaces or its read-only root, so the
+// caller can try the next one.
+bool finish(Launched& l, const SandboxOptions& o, const Interpreter& in, Clock::time_point t0, SandboxResult& result) {
+  Watch& w = l.w;
+  supervise(w, l.b, l.pidns(), o, t0, l.f);
   const auto t1 = Clock::now();
-  if (!b_guard.reaped) {
-    kill(b, SIGKILL);
-    while (waitpid(b, &w.b_status, 0) < 0 && errno == EINTR) {
+  if (!l.b.reaped) {
+    kill(l.b.pid, SIGKILL);
+    while (waitpid(l.b.pid, &w.b_status, 0) < 0 && errno == EINTR) {
     }
-    b_guard.reaped = true;
+    l.b.reaped = true;
   }
   if (w.failed && !w.timed_out) {
     // No code ran: the kernel refused this level's namespaces, their maps or the jail. Only a refusal
@@ -1055,22 +1086,123 @@ bool run_at_level(const std::string& code, const SandboxOptions& o, const Interp
                        (w.fail_stage <= kStageInit ? init_path() : in.exe) + "): " + errno_text(w.fail_errno));
   }
   result = make_result(w, o, t1 - t0);
-  result.isolation = isolation_of(level, plan, in_cgroups, f);
-  warn_if_reads_unconfined(plan);
+  result.isolation = isolation_of(l.level, l.plan, l.in_cgroups, l.f);
+  warn_if_reads_unconfined(l.plan);
   return true;
+}
+
+// One attempt at `level`, the code in a memfd from the start.
+bool run_at_level(const std::string& code, const SandboxOptions& o, const Interpreter& in, const Level& level,
+                  SandboxResult& result) {
+  const auto t0 = Clock::now();
+  std::unique_ptr<Launched> l = launch(&code, o, in, level);
+  return finish(*l, o, in, t0, result);
+}
+
+// The level a call tries first, and the move down for good once `level` was refused.
+int first_level(const SandboxOptions& o) {
+  int level = o.namespaces ? g_level.load() : kNumLevels - 1;
+  while (level + 1 < kNumLevels && kLevels[level].root_only && !host().root) ++level;
+  return level;
+}
+void level_refused(int level) {
+  if (level + 1 >= kNumLevels) throw SandboxError("no sandbox level could start");
+  int expected = g_level.load();
+  while (expected <= level && !g_level.compare_exchange_weak(expected, level + 1)) {
+  }
 }
 
 SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const Interpreter& in) {
   for (;;) {
-    int level = o.namespaces ? g_level.load() : kNumLevels - 1;
-    while (level + 1 < kNumLevels && kLevels[level].root_only && !host().root) ++level;
+    const int level = first_level(o);
     SandboxResult r;
     if (run_at_level(code, o, in, kLevels[level], r)) return r;
-    if (level + 1 >= kNumLevels) throw SandboxError("no sandbox level could start");
-    int expected = g_level.load();
-    while (expected <= level && !g_level.compare_exchange_weak(expected, level + 1)) {
+    level_refused(level);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prestarted interpreters (SandboxOptions::prestart): a pool worker launches its next sandbox before the
+// call arrives, so the interpreter's start-up (tens of milliseconds with site-packages) overlaps the wait;
+// the call writes its script into the waiting interpreter's stdin and is supervised as any call, its wall
+// clock and timeout counted from there.
+struct Spare {
+  std::unique_ptr<Launched> launched;
+  int level = 0;
+};
+
+// Still waiting for its script: no report of C's end or of a failure, and B's status pipe still open.
+bool spare_alive(Launched& l) {
+  for (;;) {
+    if (l.f.status_r.fd < 0 || l.w.done || l.w.failed) return false;
+    pollfd p{l.f.status_r.fd, POLLIN, 0};
+    if (poll(&p, 1, 0) != 1) return true;
+    if (read_reports(l.f.status_r, l.w)) return false;  // EOF: B is gone
+  }
+}
+
+// Writes the whole script and ends the interpreter's stdin. False when the interpreter stopped reading
+// (it died, or its socket stayed full for timeout_s).
+bool deliver(Launched& l, const std::string& code, double timeout_s) {
+  Fd& fd = l.f.code_p;
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout_s);
+  tv.tv_usec = static_cast<suseconds_t>((timeout_s - std::floor(timeout_s)) * 1e6);
+  setsockopt(fd.fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  for (size_t done = 0; done < code.size();) {
+    const ssize_t n = send(fd.fd, code.data() + done, code.size() - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  fd.reset();  // end of file for the interpreter
+  return true;
+}
+
+// A spare, or none when launching one failed (the call then starts cold and reports the error itself).
+Spare launch_spare(const SandboxOptions& o) {
+  Spare s;
+  try {
+    const Interpreter in = interpreter_for(o);
+    s.level = first_level(o);
+    s.launched = launch(nullptr, o, in, kLevels[s.level]);
+  } catch (const SandboxError&) {
+    s.launched.reset();
+  }
+  return s;
+}
+
+// Ends an unused spare: its interpreter reads an empty script and exits, and everything is torn down as
+// after a call. A refused level is noted for the calls after it.
+void discard_spare(Spare& s, const SandboxOptions& o) {
+  if (!s.launched) return;
+  s.launched->f.code_p.reset();
+  SandboxOptions brief = o;
+  brief.timeout_s = std::min(o.timeout_s, 5.0);
+  SandboxResult ignored;
+  try {
+    if (!finish(*s.launched, brief, interpreter_for(o), Clock::now(), ignored)) level_refused(s.level);
+  } catch (const SandboxError&) {
+  }
+  s.launched.reset();
+}
+
+// The call in the spare when it still waits for its script; in a fresh sandbox otherwise.
+SandboxResult run_in_spare(Spare& s, const std::string& code, const SandboxOptions& o) {
+  if (s.launched && spare_alive(*s.launched)) {
+    const Interpreter in = interpreter_for(o);
+    const auto t0 = Clock::now();
+    if (deliver(*s.launched, code, o.timeout_s)) {
+      SandboxResult r;
+      const bool ran = finish(*s.launched, o, in, t0, r);
+      s.launched.reset();
+      if (ran) return r;
+      level_refused(s.level);
+      return run_levels(code, o, in);
     }
   }
+  discard_spare(s, o);
+  return run_levels(code, o, interpreter_for(o));
 }
 
 }  // namespace
@@ -1101,21 +1233,29 @@ struct SandboxPool::Impl {
   std::vector<std::thread> threads;
 
   void work() {
+    Spare spare;  // with options.prestart: this worker's next sandbox, its interpreter waiting for a script
     for (;;) {
       std::pair<std::string, std::promise<SandboxResult>> job;
       {
         std::unique_lock<std::mutex> lock(mu);
+        if (options.prestart && !spare.launched && !stopping) {
+          lock.unlock();
+          spare = launch_spare(options);
+          lock.lock();
+        }
         cv.wait(lock, [&] { return stopping || !queue.empty(); });
-        if (queue.empty()) return;
+        if (queue.empty()) break;
         job = std::move(queue.front());
         queue.pop_front();
       }
       try {
-        job.second.set_value(run_python(job.first, options));
+        job.second.set_value(options.prestart ? run_in_spare(spare, job.first, options)
+                                              : run_python(job.first, options));
       } catch (...) {
         job.second.set_exception(std::current_exception());
       }
     }
+    discard_spare(spare, options);
   }
 };
 

@@ -13,7 +13,7 @@
 # samples (loop_large.json: plain, the eager and kept-graph tools modes, calls at once and spread).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
-# FEED_AB=1 (the steps again with tool replies fed one token per step).
+# FEED_AB=1 (the steps again with tool replies fed one token per step), PRESTART_AB=1 (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_rollout}
@@ -43,6 +43,23 @@ if [ "${LOOP_LARGE:-0}" = 1 ]; then
   build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
     --dtype bfloat16 --batch 256 --prompt-len 256 --new-tokens 2048 --tool-every 384 --workers 16 \
     --modes tools_eager,spread_eager,tools_kept,spread_kept --json "$out/loop_large.json" 2>&1 | tee -a "$out/loop_large.log"
+fi
+# PRESTART_AB=1: the tools modes with the sandbox's interpreters started cold and prestarted
+# (sandbox.prestart), alternating twice at 64 rows (prestart_<run>.json), then once each at 256 rows of
+# 256 + 1024 tokens, a call every 256 free samples (prestart_large_<run>.json).
+if [ "${PRESTART_AB:-0}" = 1 ]; then
+  for run in cold1 warm1 cold2 warm2; do
+    p=true; [ "${run#cold}" != "$run" ] && p=false
+    build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+      --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 --prestart $p \
+      --modes tools_eager,spread_eager,tools_kept,spread_kept --json "$out/prestart_$run.json" 2>&1 | tee -a "$out/prestart.log"
+  done
+  for run in cold warm; do
+    p=true; [ "$run" = cold ] && p=false
+    build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+      --dtype bfloat16 --batch 256 --prompt-len 256 --new-tokens 1024 --tool-every 256 --workers 16 --prestart $p \
+      --modes tools_kept,spread_kept --json "$out/prestart_large_$run.json" 2>&1 | tee -a "$out/prestart.log"
+  done
 fi
 for rows in ${ROWS_SWEEP:-}; do
   build-gpu/bin/bench_model --model $model --device cuda --dtype bfloat16 --batch "$rows" --prompt-len 256 \

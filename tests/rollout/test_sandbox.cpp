@@ -13,9 +13,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -89,6 +91,54 @@ bool process_alive_with(const std::string& token, double grace_s = 1.0) {
 std::string unique_sleep_arg() {
   static std::atomic<int> n{0};
   return "29." + std::to_string(getpid()) + std::to_string(n++);
+}
+
+// This process's sandboxed interpreters: `python ... -I ... -` processes (reading, or waiting for, their
+// script on stdin) descended from this test process, so other tests running at the same time are not
+// counted.
+std::vector<long> own_interpreter_pids() {
+  std::map<long, long> parent;
+  std::vector<long> scripts;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = read_text(e.path() / "stat");
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    char state = 0;
+    long ppid = 0;
+    if (std::sscanf(stat.c_str() + paren + 1, " %c %ld", &state, &ppid) != 2) continue;
+    const long pid = std::stol(name);
+    parent[pid] = ppid;
+    const std::string cmd = read_text(e.path() / "cmdline");
+    const bool script = cmd.size() >= 3 && cmd.compare(cmd.size() - 3, 3, std::string("\0-\0", 3)) == 0 &&
+                        contains(cmd, std::string("\0-I\0", 4));
+    if (script && state != 'Z') scripts.push_back(pid);
+  }
+  std::vector<long> own;
+  for (long pid : scripts) {
+    for (long p = pid, hops = 0; p > 1 && hops < 64; ++hops) {
+      auto it = parent.find(p);
+      if (it == parent.end()) break;
+      p = it->second;
+      if (p == getpid()) {
+        own.push_back(pid);
+        break;
+      }
+    }
+  }
+  return own;
+}
+int own_interpreters() { return static_cast<int>(own_interpreter_pids().size()); }
+
+// Polls until `want` of this process's interpreters exist (true) or timeout_s passes (false).
+bool await_interpreters(int want, double timeout_s = 20) {
+  const auto t0 = Clock::now();
+  while (own_interpreters() != want) {
+    if (seconds_since(t0) > timeout_s) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
 }
 
 SandboxOptions quick() {
@@ -275,12 +325,88 @@ TEST(SandboxPool, DestructorFinishesRunningCallsAndCancelsQueuedOnes) {
   EXPECT_THROW(queued.get(), SandboxError);
 }
 
+// Prestarted sandboxes (SandboxOptions::prestart): each worker's interpreter is up before its call.
+// A pool that starts cold fails the first check (no interpreter waits before the calls).
+TEST(SandboxPool, PrestartedInterpretersWaitForTheirScripts) {
+  ASSERT_EQ(own_interpreters(), 0);
+  SandboxOptions o = quick();
+  o.workers = 2;
+  {
+    SandboxPool pool(o);
+    ASSERT_TRUE(await_interpreters(2)) << own_interpreters() << " interpreters started before any call, not 2";
+    // A call in a prestarted interpreter sees what a cold one sees: stdin at its end, its script as
+    // <stdin> in tracebacks, scripts larger than a socket's buffer, the exit status.
+    std::string big = "x = [\n";
+    int rows = 0;
+    for (; big.size() < (512 << 10); ++rows) big += "  'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa',\n";
+    big += "]\nprint(len(x))\n";
+    auto eof = pool.submit("import sys\nprint(repr(sys.stdin.read()))");
+    auto raised = pool.submit("x = 1\nraise ValueError('boom')");
+    auto large = pool.submit(big);
+    const SandboxResult r1 = eof.get(), r2 = raised.get(), r3 = large.get();
+    EXPECT_EQ(r1.stdout_text, "''\n") << r1.stderr_text;
+    EXPECT_EQ(r2.exit_code, 1);
+    EXPECT_TRUE(contains(r2.stderr_text, "File \"<stdin>\", line 2")) << r2.stderr_text;
+    EXPECT_TRUE(contains(r2.stderr_text, "ValueError: boom")) << r2.stderr_text;
+    EXPECT_EQ(r3.exit_code, 0) << r3.stderr_text.substr(0, 500);
+    EXPECT_EQ(r3.stdout_text, std::to_string(rows) + "\n");
+    // The workers start their next interpreters after the calls.
+    EXPECT_TRUE(await_interpreters(2));
+  }
+  EXPECT_TRUE(await_interpreters(0, 5)) << "the spares outlived their pool";
+  o.prestart = false;
+  SandboxPool cold(o);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(own_interpreters(), 0);
+  EXPECT_EQ(cold.submit("print(7)").get().stdout_text, "7\n");
+}
+
+// A spare's timeout runs from its script's delivery, not from its start: an interpreter that waited past
+// the timeout still runs its call, and a call that runs past it is killed there. A clock started with the
+// sandbox fails the first call.
+TEST(SandboxPool, APrestartedCallsTimeoutCountsFromItsScript) {
+  SandboxOptions o = quick();
+  o.workers = 1;
+  o.timeout_s = 1;
+  SandboxPool pool(o);
+  ASSERT_TRUE(await_interpreters(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const SandboxResult r = pool.submit("print('in time')").get();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.stdout_text, "in time\n") << r.stderr_text;
+  EXPECT_LT(r.wall_ms, 1000);
+  ASSERT_TRUE(await_interpreters(1));
+  const SandboxResult loop = pool.submit("while True:\n  pass").get();
+  EXPECT_TRUE(loop.timed_out);
+  EXPECT_EQ(loop.exit_code, 128 + SIGKILL);
+  EXPECT_GE(loop.wall_ms, 990);
+  EXPECT_LT(loop.wall_ms, 2500);
+}
+
+// A spare whose interpreter died while it waited is not handed the call: the call runs in a fresh sandbox.
+// Handing it over regardless reports the dead interpreter's SIGKILL as the call's result.
+TEST(SandboxPool, ASpareThatDiedIsReplacedByAFreshSandbox) {
+  SandboxOptions o = quick();
+  o.workers = 1;
+  SandboxPool pool(o);
+  ASSERT_TRUE(await_interpreters(1));
+  // Kill the waiting interpreter (from outside the sandbox, as the OOM killer would).
+  const std::vector<long> pids = own_interpreter_pids();
+  ASSERT_EQ(pids.size(), 1u);
+  ASSERT_EQ(kill(static_cast<pid_t>(pids[0]), SIGKILL), 0);
+  ASSERT_TRUE(await_interpreters(0, 5));
+  const SandboxResult r = pool.submit("print('fresh')").get();
+  EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_EQ(r.stdout_text, "fresh\n");
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Containment, three ways.
 struct Variant {
   const char* name;
   bool namespaces;
-  const char* python;  // nullptr: the default
+  const char* python;       // nullptr: the default
+  bool prestarted = false;  // each call through a one-worker SandboxPool, in its prestarted interpreter
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
@@ -300,6 +426,17 @@ class Containment : public ::testing::TestWithParam<Variant> {
     isolation_ = run_python("pass", options_).isolation;
     std::cout << GetParam().name << ": " << isolation_ << "\n";
   }
+  // The call, as run_python or (prestarted variants) in a pool worker's interpreter that was already
+  // waiting for it.
+  SandboxResult run(const std::string& code) const {
+    if (!GetParam().prestarted) return run_python(code, options_);
+    SandboxOptions o = options_;
+    o.workers = 1;
+    o.prestart = true;
+    SandboxPool pool(o);
+    if (!await_interpreters(1)) throw std::runtime_error("no prestarted interpreter came up");
+    return pool.submit(code).get();
+  }
   SandboxOptions options_;
   std::string isolation_;
 };
@@ -307,7 +444,7 @@ class Containment : public ::testing::TestWithParam<Variant> {
 TEST_P(Containment, InfiniteLoopTimesOut) {
   options_.timeout_s = 1;
   const auto t0 = Clock::now();
-  const SandboxResult r = run_python("while True:\n  pass", options_);
+  const SandboxResult r = run("while True:\n  pass");
   EXPECT_TRUE(r.timed_out);
   EXPECT_EQ(r.exit_code, 128 + SIGKILL);
   EXPECT_GE(r.wall_ms, 990);
@@ -322,19 +459,17 @@ TEST_P(Containment, ForkBombIsContained) {
   options_.timeout_s = 1.5;
   options_.max_processes = 16;
   const auto t0 = Clock::now();
-  const SandboxResult r =
-      run_python("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass", options_);
+  const SandboxResult r = run("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass");
   EXPECT_TRUE(r.timed_out);
   EXPECT_LT(seconds_since(t0), 1.5 + 3.0);
   // The host still works: a new process here, and a fresh sandbox call.
   EXPECT_EQ(std::system("true"), 0);
-  const SandboxResult after = run_python("print('ok')", options_);
+  const SandboxResult after = run("print('ok')");
   EXPECT_EQ(after.stdout_text, "ok\n") << after.stderr_text;
   // Within the call, forks fail once the limit is reached (and the caller's limits are not the sandbox's).
-  const SandboxResult counted = run_python(
+  const SandboxResult counted = run(
       "import os, time\nn = 0\ntry:\n  while n < 100:\n    if os.fork() == 0:\n      time.sleep(5)\n      os._exit(0)\n"
-      "    n += 1\nexcept OSError:\n  pass\nprint(n)",
-      options_);
+      "    n += 1\nexcept OSError:\n  pass\nprint(n)");
   EXPECT_EQ(counted.exit_code, 0) << counted.stderr_text;
   EXPECT_LT(std::atoi(counted.stdout_text.c_str()), 16);
   EXPECT_GE(std::atoi(counted.stdout_text.c_str()), 8);
@@ -358,7 +493,7 @@ TEST_P(Containment, WritesOutsideItsDirectoryFail) {
       "for t in tries:\n"
       "  try:\n    t()\n    print('WROTE')\n  except OSError as e:\n    print('denied', e.errno)\n"
       "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_FALSE(contains(r.stdout_text, "WROTE")) << r.stdout_text;
   EXPECT_TRUE(contains(r.stdout_text, "fine")) << "writing inside its own directory must work";
@@ -385,13 +520,13 @@ TEST_P(Containment, SignallingTheCallerDoesNotReachIt) {
   code +=
       "for s in (signal.SIGTERM, signal.SIGKILL):\n  for t in targets:\n    try:\n      os.kill(t, s)\n"
       "    except OSError as e:\n      print(t, e.errno)\nprint('alive')\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(kill(getpid(), 0), 0);
   // The sandbox's own init may be the parent: it must survive too (the result is a normal exit).
   EXPECT_TRUE(contains(r.stdout_text, "alive")) << r.stdout_text << r.stderr_text;
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_EQ(run_python("print('next')", options_).stdout_text, "next\n");
+  EXPECT_EQ(run("print('next')").stdout_text, "next\n");
 }
 
 TEST_P(Containment, ChildrenLeftBehindAreKilled) {
@@ -408,7 +543,7 @@ TEST_P(Containment, ChildrenLeftBehindAreKilled) {
       forked +
       "'])\n"
       "time.sleep(0.3)\nprint('left them')\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_EQ(r.stdout_text, "left them\n");
   EXPECT_FALSE(process_alive_with("sleep " + plain));
@@ -417,9 +552,8 @@ TEST_P(Containment, ChildrenLeftBehindAreKilled) {
   // And after a timeout.
   options_.timeout_s = 1;
   const std::string late = unique_sleep_arg();
-  const SandboxResult t = run_python("import os\nif os.fork() == 0:\n  os.setsid()\n  os.execvp('sleep', ['sleep', '" +
-                                         late + "'])\nwhile True:\n  pass",
-                                     options_);
+  const SandboxResult t = run("import os\nif os.fork() == 0:\n  os.setsid()\n  os.execvp('sleep', ['sleep', '" + late +
+                              "'])\nwhile True:\n  pass");
   EXPECT_TRUE(t.timed_out);
   EXPECT_FALSE(process_alive_with("sleep " + late));
 }
@@ -434,7 +568,7 @@ TEST_P(Containment, PrivateDirectoryIsRemovedWithoutFollowingLinks) {
       victim + "', 'a/file_link')\nos.symlink('" + outside.path() +
       "', 'a/dir_link')\nos.mkdir('a/locked', 0)\n"
       "p = 'deep'\nfor i in range(200):\n  os.mkdir(p)\n  p += '/d'\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const std::string cwd = r.stdout_text.substr(0, r.stdout_text.find('\n'));
   EXPECT_EQ(cwd.rfind(root.path() + "/", 0), 0u) << cwd << " not under tmp_root";
@@ -455,13 +589,12 @@ TEST_P(Containment, NetworkIsBlocked) {
   socklen_t len = sizeof addr;
   getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
   const int port = ntohs(addr.sin_port);
-  const SandboxResult r = run_python(
-      "import socket\nfor fam, host in ((socket.AF_INET, '127.0.0.1'), (socket.AF_INET6, '::1')):\n  try:\n"
-      "    s = socket.create_connection((host, " +
+  const SandboxResult r =
+      run("import socket\nfor fam, host in ((socket.AF_INET, '127.0.0.1'), (socket.AF_INET6, '::1')):\n  try:\n"
+          "    s = socket.create_connection((host, " +
           std::to_string(port) +
           "), timeout=1)\n    print('CONNECTED')\n"
-          "  except OSError as e:\n    print('blocked', e.errno)\n",
-      options_);
+          "  except OSError as e:\n    print('blocked', e.errno)\n");
   EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_FALSE(contains(r.stdout_text, "CONNECTED")) << r.stdout_text;
   EXPECT_TRUE(contains(r.stdout_text, "blocked")) << r.stdout_text;
@@ -498,7 +631,7 @@ TEST_P(Containment, ReadsOutsideTheAllowlistFail) {
       // The control: what the allowlist keeps is still readable, and the call's own directory.
       "import json\nprint('own module', len(open(json.__file__).read()) > 100)\n"
       "open('mine.txt', 'w').write('kept')\nprint('own file', open('mine.txt').read())\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   unsetenv("RLT_SANDBOX_SECRET_ENV");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_FALSE(contains(r.stdout_text, secret)) << r.stdout_text;
@@ -523,7 +656,7 @@ TEST_P(Containment, DiskQuotaBoundsEverythingTheCallWrites) {
       "  print('inodes', e.errno == errno.ENOSPC)\nprint('empty', k)\n"
       "for i in range(k): os.remove(f'e{i}')\n"
       "open('after', 'w').write('room again')\nprint(open('after').read())\n";
-  const SandboxResult r = run_python(code, options_);
+  const SandboxResult r = run(code);
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_TRUE(contains(r.stdout_text, "full True")) << r.stdout_text;
   const size_t at = r.stdout_text.find("files ");
@@ -535,7 +668,7 @@ TEST_P(Containment, DiskQuotaBoundsEverythingTheCallWrites) {
   EXPECT_TRUE(contains(r.stdout_text, "room again")) << r.stdout_text;
   // The control: the same code under a larger quota writes all 64 files.
   options_.disk_mb = 128;
-  const SandboxResult big = run_python(code, options_);
+  const SandboxResult big = run(code);
   EXPECT_TRUE(contains(big.stdout_text, "files 64")) << big.stdout_text << big.stderr_text;
 }
 
@@ -549,26 +682,25 @@ TEST_P(Containment, MemoryCapCoversTheWholeCall) {
       "  kids.append(pid)\nfor pid in kids:\n  os.waitpid(pid, 0)\nprint('parent done')\n";
   options_.memory_mb = 256;
   options_.timeout_s = 10;
-  const SandboxResult capped = run_python(code, options_);
+  const SandboxResult capped = run(code);
   size_t held = 0;
   for (size_t at = 0; (at = capped.stdout_text.find("held", at)) != std::string::npos; ++at) ++held;
   EXPECT_LT(held, 4u) << "all four held 600 MiB under a 256 MiB cap: " << capped.stdout_text;
   EXPECT_FALSE(capped.timed_out);
   // The control: with room for all four, all four hold.
   options_.memory_mb = 1024;
-  const SandboxResult roomy = run_python(code, options_);
+  const SandboxResult roomy = run(code);
   EXPECT_EQ(roomy.exit_code, 0) << roomy.stderr_text;
   EXPECT_TRUE(contains(roomy.stdout_text, "held\nheld\nheld\nheld\nparent done")) << roomy.stdout_text;
 }
 
 TEST_P(Containment, OrdinaryWorkStillRuns) {
   options_.timeout_s = 60;  // sympy's import under a loaded ctest
-  const SandboxResult r = run_python(
-      "import fractions, math\nprint(sum(fractions.Fraction(1, k) for k in range(1, 7)), math.comb(10, 3))\n"
-      "open('notes.txt', 'w').write('x = 41\\n')\nprint(int(open('notes.txt').read().split('=')[1]) + 1)\n"
-      "try:\n  import numpy, sympy\n  print('libs', int(numpy.arange(10).sum()), sympy.factorint(360))\n"
-      "except ModuleNotFoundError:\n  print('libs missing')\n",
-      options_);
+  const SandboxResult r =
+      run("import fractions, math\nprint(sum(fractions.Fraction(1, k) for k in range(1, 7)), math.comb(10, 3))\n"
+          "open('notes.txt', 'w').write('x = 41\\n')\nprint(int(open('notes.txt').read().split('=')[1]) + 1)\n"
+          "try:\n  import numpy, sympy\n  print('libs', int(numpy.arange(10).sum()), sympy.factorint(360))\n"
+          "except ModuleNotFoundError:\n  print('libs missing')\n");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_TRUE(contains(r.stdout_text, "49/20 120\n42\n")) << r.stdout_text;
   if (!contains(r.stdout_text, "libs missing")) {
@@ -579,7 +711,9 @@ TEST_P(Containment, OrdinaryWorkStillRuns) {
 INSTANTIATE_TEST_SUITE_P(Hosts, Containment,
                          ::testing::Values(Variant{"Namespaces", true, nullptr},
                                            Variant{"NoNamespaces", false, nullptr},
-                                           Variant{"DroppedUid", true, "/usr/bin/python3"}),
+                                           Variant{"DroppedUid", true, "/usr/bin/python3"},
+                                           Variant{"PrestartedNamespaces", true, nullptr, true},
+                                           Variant{"PrestartedNoNamespaces", false, nullptr, true}),
                          [](const ::testing::TestParamInfo<Variant>& info) { return std::string(info.param.name); });
 
 }  // namespace
