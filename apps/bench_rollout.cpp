@@ -173,7 +173,7 @@ class ToolSteered : public TokenPolicy {
 int main(int argc, char** argv) {
   CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
-  int64_t B = 64, P = 256, N = 512, every = 96, workers = 16;
+  int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice;
   bool site_packages = true, graphs = true, prestart = true;
   uint64_t seed = 1;
   add_model_options(app, model_dir, device, dtype, B);
@@ -185,6 +185,7 @@ int main(int argc, char** argv) {
   app.add_option("--tool-every", every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
   app.add_option("--workers", workers, "sandbox workers")->check(CLI::Range(1, 4096));
   app.add_option("--site-packages", site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
+  app.add_option("--nice", nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));
   app.add_option("--prestart", prestart, "sandbox.prestart: each worker's next interpreter started ahead of its call");
   app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
   app.add_option("--seed", seed, "sampling seed");
@@ -216,6 +217,7 @@ int main(int argc, char** argv) {
   so.workers = workers;
   so.site_packages = site_packages;
   so.prestart = prestart;
+  so.nice = nice;
   so.timeout_s = 10;
   SandboxPool pool(so);
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
@@ -315,7 +317,7 @@ int main(int argc, char** argv) {
   }
   std::cout << "model " << model_dir << ", " << dtype << " on " << device << ", batch " << B << ", prompt " << P
             << ", new " << N << ", a tool call every " << every << " free samples, " << workers << " sandbox workers"
-            << (prestart ? " (prestarted)" : "") << "\n";
+            << (prestart ? " (prestarted)" : "") << ", nice " << nice << "\n";
   std::cout << std::left << std::setw(26) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
@@ -351,6 +353,7 @@ int main(int argc, char** argv) {
                        {"new_tokens", N},
                        {"tool_every", every},
                        {"prestart", prestart},
+                       {"nice", nice},
                        {"dtype", dtype},
                        {"sampled_tokens", sampled},
                        {"tool_calls", calls},

@@ -755,6 +755,7 @@ SandboxPlan make_plan(const SandboxOptions& o, const Host& h, const Interpreter&
   // and under a uid other than 0 (dropped to 65534, or a non-root caller's).
   plan.set_nproc = userns && (in.drop_uid || !h.root);
   plan.nproc = o.max_processes;
+  plan.nice = o.nice;
   plan.drop_uid = in.drop_uid;
   plan.pidns = pidns;
   plan.jail = level.jail;

@@ -72,6 +72,9 @@ struct SandboxOptions {
   // false: no per-call pids and memory cgroups even where they can be made (on a cgroup v1 host, moving
   // each call's init into them costs 1 to 10 ms, an RCU grace period); RLIMIT_NPROC and RLIMIT_AS remain.
   bool cgroups = true;
+  // Added to the interpreter's niceness (0 to 19): tool code yields the CPU to the trainer, whose decode
+  // loop launches the GPU's work from the host while the sandbox's interpreters start and run beside it.
+  int64_t nice = 10;
   // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
   // before the call arrives, so a call no longer waits for the interpreter's start-up (13 ms bare, ~75 ms
   // with site-packages on the H200 host). The call's wall_ms and timeout count from its script's delivery.
@@ -93,6 +96,7 @@ struct SandboxOptions {
     v("site_packages", site_packages, "site-packages importable (false: python -S, stdlib only, faster start)");
     v("namespaces", namespaces, "user/pid/net/ipc/mount namespaces where the kernel allows them");
     v("cgroups", cgroups, "per-call pids and memory cgroups where they can be made");
+    v("nice", nice, "added to the interpreter's niceness: tool code yields the CPU to the trainer", FieldRange{0, 19});
     v("prestart", prestart, "pool workers start their next interpreter before its call arrives");
   }
   void check(const FieldFail& fail) const {

@@ -261,6 +261,9 @@ std::vector<char*> c_strings(const std::vector<std::string>& v) {
   set_limit(RLIMIT_NOFILE, p.nofile, p.nofile);
   set_limit(RLIMIT_CORE, 0, 0);
   if (p.set_nproc) set_limit(RLIMIT_NPROC, p.nproc, p.nproc);
+  // Below the trainer's priority (-1 is also a valid niceness, hence errno).
+  errno = 0;
+  if (p.nice > 0 && nice(static_cast<int>(p.nice)) == -1 && errno != 0) fail(kStageRlimit);
   // Empty the bounding set first (needs CAP_SETPCAP, which the uid change would take away), so that not
   // even a uid-0 execve can grant capabilities again. EINVAL past the last capability the kernel knows.
   for (int cap = 0; cap <= 63; ++cap) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);

@@ -86,6 +86,7 @@ struct SandboxPlan {
   int64_t cpu_soft = 0, cpu_hard = 0;     // RLIMIT_CPU, seconds
   int64_t as = 0, fsize = 0, nofile = 0;  // RLIMIT_AS and RLIMIT_FSIZE (bytes), RLIMIT_NOFILE
   int64_t nproc = 0;                      // RLIMIT_NPROC, applied when set_nproc
+  int64_t nice = 0;                       // added to C's niceness (nice(2)) before the execve
   bool set_nproc = false;
   bool drop_uid = false;  // C runs as kSandboxUid
   bool pidns = false;     // B is pid 1 of a pid namespace (else a subreaper)
@@ -117,7 +118,7 @@ struct SandboxPlan {
     put_int(ns_flags), put_int(map_uid), put_int(map_gid), put_int(map_sandbox_ids), put_str(exe), put_list(argv),
         put_list(envp), put_str(workdir);
     for (int64_t v :
-         {cpu_soft, cpu_hard, as, fsize, nofile, nproc, int64_t(set_nproc), int64_t(drop_uid), int64_t(pidns),
+         {cpu_soft, cpu_hard, as, fsize, nofile, nproc, nice, int64_t(set_nproc), int64_t(drop_uid), int64_t(pidns),
           int64_t(jail), disk_bytes, disk_inodes, work_uid, work_gid, landlock_abi, int64_t(landlock_read)}) {
       put_int(v);
     }
@@ -152,7 +153,8 @@ struct SandboxPlan {
     ns_flags = get_int(), map_uid = get_int(), map_gid = get_int(), map_sandbox_ids = get_int();
     exe = get_str(), argv = get_list(), envp = get_list(), workdir = get_str();
     cpu_soft = get_int(), cpu_hard = get_int(), as = get_int(), fsize = get_int(), nofile = get_int();
-    nproc = get_int(), set_nproc = get_int(), drop_uid = get_int(), pidns = get_int(), jail = get_int();
+    nproc = get_int(), nice = get_int(), set_nproc = get_int(), drop_uid = get_int(), pidns = get_int(),
+    jail = get_int();
     disk_bytes = get_int(), disk_inodes = get_int(), work_uid = get_int(), work_gid = get_int();
     landlock_abi = get_int(), landlock_read = get_int();
     read_paths = get_list(), seccomp = get_str();

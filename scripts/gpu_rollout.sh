@@ -13,7 +13,7 @@
 # samples (loop_large.json: plain, the eager and kept-graph tools modes, calls at once and spread).
 # Results land in $OUT (or runs/gpu_rollout). Env: STEPS, MAX_NEW, TRAIN_TIMEOUT (s), SKIP_CTEST=1,
 # SKIP_BENCH=1, SKIP_TRAIN=1, EAGER_ROLLOUT=1 (one more trainer step with the rollout's graphs off),
-# FEED_AB=1 (the steps again with tool replies fed one token per step), PRESTART_AB=1 (below).
+# FEED_AB=1 (the steps again with tool replies fed one token per step), PRESTART_AB=1 and NICE_AB=1 (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_rollout}
@@ -59,6 +59,22 @@ if [ "${PRESTART_AB:-0}" = 1 ]; then
     build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
       --dtype bfloat16 --batch 256 --prompt-len 256 --new-tokens 1024 --tool-every 256 --workers 16 --prestart $p \
       --modes tools_kept,spread_kept --json "$out/prestart_large_$run.json" 2>&1 | tee -a "$out/prestart.log"
+  done
+fi
+# NICE_AB=1: the tools modes with the sandbox's interpreters at the trainer's priority (sandbox.nice 0)
+# and below it (10, the default), prestarted, alternating twice at 64 rows (nice_<run>.json), then once
+# each at 256 rows of 256 + 1024 tokens (nice_large_<run>.json).
+if [ "${NICE_AB:-0}" = 1 ]; then
+  for run in n0_1 n10_1 n0_2 n10_2; do
+    n=${run#n}; n=${n%_*}
+    build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+      --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 --nice $n \
+      --modes tools_eager,tools_kept,spread_kept --json "$out/nice_$run.json" 2>&1 | tee -a "$out/nice.log"
+  done
+  for n in 0 10; do
+    build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+      --dtype bfloat16 --batch 256 --prompt-len 256 --new-tokens 1024 --tool-every 256 --workers 16 --nice $n \
+      --modes tools_kept,spread_kept --json "$out/nice_large_n$n.json" 2>&1 | tee -a "$out/nice.log"
   done
 fi
 for rows in ${ROWS_SWEEP:-}; do

@@ -7,11 +7,14 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -191,6 +194,21 @@ TEST(Sandbox, StdinIsAtEndOfFile) {
   EXPECT_LT(r.wall_ms, 4000);
 }
 
+// Tool code runs below the trainer's priority: sandbox.nice is added to the caller's niceness (capped at
+// 19 by the kernel). An interpreter started at the caller's niceness fails the first check.
+TEST(Sandbox, InterpreterRunsAtTheCallersNicenessPlusNice) {
+  errno = 0;
+  const int own = getpriority(PRIO_PROCESS, 0);
+  ASSERT_EQ(errno, 0);
+  SandboxOptions o = quick();
+  for (int n : {10, 3, 0}) {
+    o.nice = n;
+    const SandboxResult r = run_python("import os\nprint(os.nice(0))", o);
+    EXPECT_EQ(r.exit_code, 0) << r.stderr_text;
+    EXPECT_EQ(r.stdout_text, std::to_string(std::min(19, own + n)) + "\n") << "nice " << n;
+  }
+}
+
 TEST(Sandbox, EnvironmentIsNearlyEmpty) {
   setenv("RLT_SANDBOX_SECRET", "do-not-leak", 1);
   const SandboxResult r = run_python("import os, json\nprint(json.dumps(dict(os.environ)))", quick());
@@ -317,6 +335,9 @@ TEST(SandboxPool, DestructorFinishesRunningCallsAndCancelsQueuedOnes) {
   std::future<SandboxResult> running, queued;
   {
     SandboxPool pool(o);
+    // The worker's spare is up, so the worker waits for a call (it does not take one while it launches
+    // the spare: the first launch also probes the interpreter, hundreds of ms as root).
+    ASSERT_TRUE(await_interpreters(1));
     running = pool.submit("import time\ntime.sleep(0.3)\nprint('done')");
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the worker pick it up
     queued = pool.submit("print('never')");
