@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice;
-  bool site_packages = true, graphs = true, prestart = true;
+  bool site_packages = true, graphs = true, prestart = true, squeeze = ModelPolicyOptions{}.squeeze_holes;
   uint64_t seed = 1;
   add_model_options(app, model_dir, device, dtype, B);
   app.add_option("--tokenizer", tokenizer_dir, "folder with tokenizer.json (a checkpoint's tokenizer files)")
@@ -188,6 +188,8 @@ int main(int argc, char** argv) {
   app.add_option("--nice", nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));
   app.add_option("--prestart", prestart, "sandbox.prestart: each worker's next interpreter started ahead of its call");
   app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
+  app.add_option("--squeeze-holes", squeeze,
+                 "ModelPolicyOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
   app.add_option("--seed", seed, "sampling seed");
   app.add_option("--json", json_path, "write the records to this JSON file");
   std::vector<std::string> only;
@@ -234,6 +236,7 @@ int main(int argc, char** argv) {
   sampling.seed = seed;
   ModelPolicyOptions po;
   po.cuda_graphs = graphs;
+  po.squeeze_holes = squeeze;
 
   struct Mode {
     std::string name;
@@ -274,6 +277,7 @@ int main(int argc, char** argv) {
   struct PolicyCounts {
     int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
     double capture_s = 0;
+    int64_t span_slots = 0;  // summed over the graphed steps (ModelPolicy::step_span_slots)
   };
   PolicyCounts counts;                                       // of the last run
   std::map<std::string, std::unique_ptr<ToolSteered>> kept;  // the keep modes' policies, by mode
@@ -299,13 +303,16 @@ int main(int argc, char** argv) {
       policy =
           std::make_unique<ToolSteered>(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
     const ModelPolicy& inner = policy->inner();
-    const PolicyCounts before{inner.compactions(), inner.reallocations(),
-                              inner.graph_captures() - inner.feed_graph_captures(), inner.feed_graph_captures(),
-                              inner.capture_seconds()};
+    const PolicyCounts before{
+        inner.compactions(),         inner.reallocations(),   inner.graph_captures() - inner.feed_graph_captures(),
+        inner.feed_graph_captures(), inner.capture_seconds(), inner.step_span_slots()};
     auto out = rollout(*policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
-    counts = {inner.compactions() - before.compactions, inner.reallocations() - before.reallocations,
+    counts = {inner.compactions() - before.compactions,
+              inner.reallocations() - before.reallocations,
               inner.graph_captures() - inner.feed_graph_captures() - before.step_graphs,
-              inner.feed_graph_captures() - before.feed_graphs, inner.capture_seconds() - before.capture_s};
+              inner.feed_graph_captures() - before.feed_graphs,
+              inner.capture_seconds() - before.capture_s,
+              inner.step_span_slots() - before.span_slots};
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -322,7 +329,7 @@ int main(int argc, char** argv) {
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
             << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(10) << "capture_s"
-            << std::setw(12) << "compactions"
+            << std::setw(12) << "compactions" << std::setw(7) << "span"
             << "\n";
   json records = json::array();
   double plain_tps = 0, plain_kept_tps = 0;
@@ -339,6 +346,7 @@ int main(int argc, char** argv) {
     if (m.name == "plain_kept") plain_kept_tps = tps;
     const double base = m.keep ? plain_kept_tps : plain_tps;  // plain decoding with the same policy setting
     const double ratio = base > 0 ? tps / base : 0;
+    const double mean_span = st.decode_steps > 0 ? double(counts.span_slots) / double(st.decode_steps) : 0;
     std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
               << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
@@ -346,7 +354,8 @@ int main(int argc, char** argv) {
               << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
               << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(10)
               << std::setprecision(3) << counts.capture_s << std::setw(12)
-              << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)") << "\n";
+              << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)")
+              << std::setw(7) << std::setprecision(0) << mean_span << "\n";
     records.push_back({{"mode", m.name},
                        {"batch", B},
                        {"prompt_len", P},
@@ -377,7 +386,9 @@ int main(int argc, char** argv) {
                        {"cache_reallocations", counts.reallocations},
                        {"step_graph_captures", counts.step_graphs},
                        {"feed_graph_captures", counts.feed_graphs},
-                       {"capture_s", counts.capture_s}});
+                       {"capture_s", counts.capture_s},
+                       {"mean_step_span", mean_span},
+                       {"squeeze_holes", po.squeeze_holes}});
   }
   if (refill > 0) {
     // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)

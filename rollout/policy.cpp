@@ -241,7 +241,8 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
   drop_released_rows();
-  if (cache_.length + 1 > cache_.max_len) compact(1);
+  const bool span_step = graphs || options_.fixed_shape_step;
+  if (cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk())) compact(1);
   const int64_t Bc = cache_rows();
   // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
   // dispatch each, which at 256 rows was milliseconds per decode step.
@@ -263,7 +264,8 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   auto advance = [&] {
     for (int64_t n : rows) ++length_[n];
   };
-  if (graphs || options_.fixed_shape_step) {
+  if (span_step) {
+    step_span_slots_ += step_span();
     // One host vector, one copy: ids, positions, fed flags, the slot, then the rows to pick.
     std::vector<int64_t> packed = ids;
     packed.insert(packed.end(), pos.begin(), pos.end());
@@ -411,6 +413,18 @@ int64_t ModelPolicy::step_span() const {
   const int64_t c = options_.span_chunk;
   if (c <= 0) return cache_.max_len;
   return std::min(cache_.max_len, (cache_.length + 1 + c - 1) / c * c);
+}
+
+bool ModelPolicy::holes_cost_a_chunk() const {
+  const int64_t c = options_.span_chunk;
+  if (c <= 0) return false;
+  int64_t held = 0;  // the most slots a live row fills: a squeeze leaves cache_.length there
+  for (int64_t n : seq_of_row_) {
+    if (n >= 0) held = std::max(held, length_[n]);
+  }
+  auto span = [&](int64_t slots) { return std::min(cache_.max_len, (slots + c - 1) / c * c); };
+  // Only where compact() squeezes in place (a reallocation would drop every graph).
+  return span(cache_.length + 1) >= span(held + 1) + c && cache_.max_len - held >= 1 + cache_.max_len / 16;
 }
 
 at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {

@@ -69,6 +69,11 @@ struct ModelPolicyOptions {
   // A cache kept from an earlier rollout (keep_cache), or grown ahead, is then read only as far as it
   // is filled. 0: every slot, one step graph per cache tensors.
   int64_t span_chunk = 256;
+  // Holes (tool replies' feeds pad every other row; rows waiting on a tool skip steps) make the slots in
+  // use outgrow what the rows hold, and a step reads its whole span: with span_chunk, a step first squeezes
+  // the holes out in place (the graphs stay) once that lowers its span by a chunk or more. Off: the holes
+  // go only when the cache is full.
+  bool squeeze_holes = true;
   // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
   // graphs (on the CPU: the tests check that form against the full forward).
   bool fixed_shape_step = false;
@@ -136,6 +141,9 @@ class ModelPolicy : public TokenPolicy {
   int64_t cache_length() const { return cache_.length; }
   int64_t cache_rows() const { return cache_.k.empty() ? 0 : cache_.k[0].size(0); }
   int64_t compactions() const { return compactions_; }
+  // Cache slots the graphed (or fixed-shape) steps attended over, summed over the steps: its mean is the
+  // span a step read.
+  int64_t step_span_slots() const { return step_span_slots_; }
   // Of them, those that made new cache tensors (dropping released rows, growing); the others squeezed
   // the holes out in place, keeping every captured graph.
   int64_t reallocations() const { return reallocations_; }
@@ -169,6 +177,8 @@ class ModelPolicy : public TokenPolicy {
   // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
   // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
   int64_t step_span() const;
+  // Whether squeezing the holes out would lower step_span() by span_chunk or more.
+  bool holes_cost_a_chunk() const;
   // The graph path of step() (CUDA builds): copies the packed host inputs (fixed_step's, then the rows to
   // pick) in, captures a graph when the cache changed, replays it. Returns the hidden states (Bc, D) and,
   // through `pick`, the picked rows on the device.
@@ -193,7 +203,7 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
-  int64_t compactions_ = 0, reallocations_ = 0;
+  int64_t compactions_ = 0, reallocations_ = 0, step_span_slots_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)

@@ -973,6 +973,7 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   po.slot_chunk = 40;
   po.span_chunk = 4;
   po.fixed_shape_step = true;
+  po.squeeze_holes = false;  // the spans as the holes leave them (HolesAreSqueezedOnceTheyCostAChunk: squeezed)
   ModelPolicy policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
   policy.start(seqs, 1);
@@ -996,6 +997,74 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   EXPECT_EQ(policy.reallocations(), 0);
   EXPECT_GE(spans.size(), 7u);
   EXPECT_EQ(policy.graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one step graph per span";
+}
+
+// squeeze_holes: feeds of uneven runs and rows idle through steps leave holes; a step squeezes them out in
+// place once they cost its span a chunk (here 8), so every step's span stays within a chunk of the longest
+// row's, while the logits keep matching each sequence's full forward in float64 and nothing is reallocated
+// (on CUDA: one graph per span, spans revisited after a squeeze replay theirs). Without the squeeze (the
+// control run) the span outgrows the rows by several chunks, which the same check rejects.
+TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("qwen2", 29, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  for (bool squeeze : {true, false}) {
+    ModelPolicyOptions po;
+    po.slot_chunk = 160;
+    po.span_chunk = 8;
+    po.fixed_shape_step = true;
+    po.squeeze_holes = squeeze;
+    ModelPolicy policy(m, po);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}, {7}};
+    policy.start(seqs, 1);
+    std::set<int64_t> spans;
+    int64_t worst_excess = 0;  // the most slots a step's span had beyond the longest row's span
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    for (int64_t t = 0; t < 40; ++t) {
+      int64_t held = 0;
+      for (const auto& q : seqs) held = std::max<int64_t>(held, q.size());
+      if (t % 5 == 4) {  // a feed of two rows' runs of 3 and 7 tokens: 7 slots for every row
+        std::vector<int64_t> rows = {t % 4, (t + 2) % 4};
+        std::vector<std::vector<int64_t>> runs(2);
+        for (int64_t j = 0; j < 2; ++j) {
+          for (int64_t k = 0; k < 3 + 4 * j; ++k)
+            runs[j].push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+          seqs[rows[j]].insert(seqs[rows[j]].end(), runs[j].begin(), runs[j].end());
+        }
+        at::Tensor logits = policy.extend(rows, runs).cpu();
+        for (int64_t j = 0; j < 2; ++j) {
+          EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+              << "feed at " << t << " sequence " << rows[j];
+        }
+        continue;
+      }
+      std::vector<int64_t> rows, tokens;
+      for (int64_t n = 0; n < 4; ++n) {
+        if ((n + t) % 3 == 0) continue;  // idle: a hole
+        rows.push_back(n);
+        tokens.push_back(30 + 5 * n + t);
+        seqs[n].push_back(tokens.back());
+      }
+      const int64_t before = policy.step_span_slots();
+      at::Tensor logits = policy.step(rows, tokens).cpu();
+      const int64_t span = policy.step_span_slots() - before;
+      spans.insert(span);
+      worst_excess = std::max(worst_excess, span - (held + 1 + 7) / 8 * 8);
+      for (size_t j = 0; j < rows.size(); ++j) {
+        EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+            << "step " << t << " sequence " << rows[j] << (squeeze ? "" : " (no squeeze)");
+      }
+    }
+    EXPECT_EQ(policy.reallocations(), 0);
+    if (squeeze) {
+      EXPECT_LT(worst_excess, 8) << "a step read a chunk or more of holes";
+      EXPECT_GE(policy.compactions(), 2);
+      EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0);
+    } else {
+      EXPECT_GE(worst_excess, 24) << "the control run: the holes should have grown the span by chunks";
+      EXPECT_EQ(policy.compactions(), 0);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
