@@ -1167,7 +1167,7 @@ Spare launch_spare(const SandboxOptions& o) {
     const Interpreter in = interpreter_for(o);
     s.level = first_level(o);
     s.launched = launch(nullptr, o, in, kLevels[s.level]);
-  } catch (const SandboxError&) {
+  } catch (const std::exception&) {
     s.launched.reset();
   }
   return s;
@@ -1183,26 +1183,26 @@ void discard_spare(Spare& s, const SandboxOptions& o) {
   SandboxResult ignored;
   try {
     if (!finish(*s.launched, brief, interpreter_for(o), Clock::now(), ignored)) level_refused(s.level);
-  } catch (const SandboxError&) {
+  } catch (const std::exception&) {
   }
   s.launched.reset();
 }
 
-// The call in the spare when it still waits for its script; in a fresh sandbox otherwise.
+// The call in the spare when it still waits for its script; in a fresh sandbox otherwise. The spare is
+// used up either way (the worker launches the next), also when the call throws.
 SandboxResult run_in_spare(Spare& s, const std::string& code, const SandboxOptions& o) {
-  if (s.launched && spare_alive(*s.launched)) {
+  Spare spare = std::move(s);
+  if (spare.launched && spare_alive(*spare.launched)) {
     const Interpreter in = interpreter_for(o);
     const auto t0 = Clock::now();
-    if (deliver(*s.launched, code, o.timeout_s)) {
+    if (deliver(*spare.launched, code, o.timeout_s)) {
       SandboxResult r;
-      const bool ran = finish(*s.launched, o, in, t0, r);
-      s.launched.reset();
-      if (ran) return r;
-      level_refused(s.level);
+      if (finish(*spare.launched, o, in, t0, r)) return r;
+      level_refused(spare.level);
       return run_levels(code, o, in);
     }
   }
-  discard_spare(s, o);
+  discard_spare(spare, o);
   return run_levels(code, o, interpreter_for(o));
 }
 
