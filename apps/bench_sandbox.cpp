@@ -6,6 +6,9 @@
 //   bwrap      bubblewrap running the same in a jail like ours (--unshare-all, read-only binds), if on PATH
 //   sandbox    run_python("pass") without site-packages, one call at a time and on --workers threads,
 //              and one at a time with sandbox.cgroups off
+//   pool       a one-worker SandboxPool, calls --gap-ms apart (a tool call now and then, as a rollout makes
+//              them): the latency from submit to result, cold (sandbox.prestart off) and prestarted, with
+//              and without site-packages
 // then --load-s seconds of the demo's tool calls on --workers workers: calls/s, p50/p99 latency, calls
 // lost or timed out, and processes or directories left behind. Prints a table, or one JSON object with
 // --json. Bad flags are exit code 2.
@@ -178,6 +181,7 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_sandbox: the cost of a sandboxed tool call beside the interpreter's own start-up"};
   double resident_gb = 4, load_s = 60;
   int64_t calls = 100, workers = 16;
+  double gap_ms = 100;
   bool as_json = false;
   std::string python = "python3";
   app.add_option("--resident-gb", resident_gb, "memory this process touches first, GiB (a trainer's size)")
@@ -186,6 +190,7 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers, "concurrent calls for the throughput runs")->check(CLI::Range(1, 4096));
   app.add_option("--load-s", load_s, "seconds of the demo's tool calls on --workers workers (0: skip)")
       ->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--gap-ms", gap_ms, "pause before each of the pool's spaced calls, ms")->check(CLI::Range(0.0, 1e5));
   app.add_option("--python", python, "interpreter: a path or a name in PATH");
   app.add_flag("--json", as_json, "print one JSON object instead of the table");
   try {
@@ -253,6 +258,27 @@ int main(int argc, char** argv) {
     out["bwrap"] = probe.failed == 0 ? summary(measure(calls, 1, [&] { return spawn_wait(args); }))
                                      : nlohmann::json{{"error", "bwrap could not run the interpreter here"}};
   }
+  // Spaced calls through a one-worker pool: what a rollout's occasional tool call waits, submit to result.
+  for (bool prestart : {false, true}) {
+    for (bool site : {false, true}) {
+      rlt::SandboxOptions po = o;
+      po.workers = 1;
+      po.prestart = prestart;
+      po.site_packages = site;
+      rlt::SandboxPool pool(po);
+      Rate r;
+      for (int64_t i = 0; i < calls; ++i) {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(gap_ms));
+        const auto c0 = Clock::now();
+        const rlt::SandboxResult res = pool.submit("pass").get();
+        r.ms.push_back(ms_since(c0));
+        r.failed += res.exit_code != 0 || res.timed_out;
+      }
+      nlohmann::json j = summary(r);
+      j.erase("calls_per_s");  // the calls are spaced on purpose: no rate
+      out["pool"][prestart ? "prestarted" : "cold"][site ? "site" : "no_site"] = j;
+    }
+  }
   const double overhead = out["sandbox"]["one"]["mean_ms"].get<double>() - out["bare"]["one"]["mean_ms"].get<double>();
   out["overhead_ms"] = overhead;
 
@@ -313,8 +339,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   auto row = [](const char* name, const nlohmann::json& j) {
-    std::printf("%-22s %8.2f ms mean %8.2f p50 %8.2f p99 %9.1f calls/s%s\n", name, j["mean_ms"].get<double>(),
-                j["p50_ms"].get<double>(), j["p99_ms"].get<double>(), j["calls_per_s"].get<double>(),
+    const std::string rate =
+        j.contains("calls_per_s")
+            ? " " + std::to_string(static_cast<int64_t>(j["calls_per_s"].get<double>())) + " calls/s"
+            : "";
+    std::printf("%-24s %8.2f ms mean %8.2f p50 %8.2f p99%s%s\n", name, j["mean_ms"].get<double>(),
+                j["p50_ms"].get<double>(), j["p99_ms"].get<double>(), rate.c_str(),
                 j["failed"].get<int64_t>() > 0 ? "  (some failed)" : "");
   };
   std::printf("caller resident %.1f GiB; python %s; isolation %s\n", resident_gb, exe.c_str(), first.isolation.c_str());
@@ -325,6 +355,12 @@ int main(int argc, char** argv) {
   row("sandbox, 1", out["sandbox"]["one"]);
   row(("sandbox, " + std::to_string(workers)).c_str(), out["sandbox"]["workers"]);
   row("sandbox no cgroups, 1", out["sandbox_no_cgroups"]["one"]);
+  for (const char* mode : {"cold", "prestarted"}) {
+    for (const char* site : {"no_site", "site"}) {
+      row(("pool " + std::string(mode) + (std::string(site) == "site" ? ", site" : ", -S")).c_str(),
+          out["pool"][mode][site]);
+    }
+  }
   std::printf("overhead beyond start-up: %.2f ms per call\n", overhead);
   if (out.contains("load")) std::cout << "load: " << out["load"].dump() << "\n";
   return 0;

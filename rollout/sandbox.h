@@ -72,9 +72,10 @@ struct SandboxOptions {
   // false: no per-call pids and memory cgroups even where they can be made (on a cgroup v1 host, moving
   // each call's init into them costs 1 to 10 ms, an RCU grace period); RLIMIT_NPROC and RLIMIT_AS remain.
   bool cgroups = true;
-  // Added to the interpreter's niceness (0 to 19): tool code yields the CPU to the trainer, whose decode
-  // loop launches the GPU's work from the host while the sandbox's interpreters start and run beside it.
-  int64_t nice = 10;
+  // Added to the interpreter's niceness (0 to 19), so tool code yields the CPU to the trainer, whose decode
+  // loop launches the GPU's work from the host. Off by default: 10 was within the noise on a 16-core H100
+  // host and made the 2-core CPU demo's RL steps 19% slower (tool replies came later: more decode steps).
+  int64_t nice = 0;
   // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
   // before the call arrives, so a call no longer waits for the interpreter's start-up (13 ms bare, ~75 ms
   // with site-packages on the H200 host). The call's wall_ms and timeout count from its script's delivery.

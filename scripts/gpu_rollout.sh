@@ -62,7 +62,7 @@ if [ "${PRESTART_AB:-0}" = 1 ]; then
   done
 fi
 # NICE_AB=1: the tools modes with the sandbox's interpreters at the trainer's priority (sandbox.nice 0)
-# and below it (10, the default), prestarted, alternating twice at 64 rows (nice_<run>.json), then once
+# and below it (10), prestarted, alternating twice at 64 rows (nice_<run>.json), then once
 # each at 256 rows of 256 + 1024 tokens (nice_large_<run>.json).
 if [ "${NICE_AB:-0}" = 1 ]; then
   for run in n0_1 n10_1 n0_2 n10_2; do
