@@ -77,9 +77,10 @@ struct SandboxOptions {
   // host and made the 2-core CPU demo's RL steps 19% slower (tool replies came later: more decode steps).
   int64_t nice = 0;
   // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
-  // before the call arrives, so a call no longer waits for the interpreter's start-up (13 ms bare, ~75 ms
-  // with site-packages on the H200 host). The call's wall_ms and timeout count from its script's delivery.
-  // Costs one idle interpreter per worker. run_python() always starts cold.
+  // before the call arrives, so a call no longer waits for the interpreter's start-up (bench_sandbox, spaced
+  // calls on 2 cores: 20.7 -> 4.2 ms with -S, 47.9 -> 8.9 ms with site-packages). The call's wall_ms and
+  // timeout count from its script's delivery. Costs one idle interpreter per worker. run_python() always
+  // starts cold.
   bool prestart = true;
 
   template <class V>
