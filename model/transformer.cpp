@@ -356,15 +356,17 @@ bool Transformer::fused_kernels_apply() const {
 }
 
 PackedWeights Transformer::pack_weights() const {
-  at::NoGradGuard no_grad;
+  // Empty tensors of each group's dtype and device, which pack_weights_into sizes and fills: the layout
+  // (q, k, v; gate, up) is written in one place.
   PackedWeights p;
   for (const Layer& l : layers_) {
     if (!config_.qk_norm) {
-      p.qkv_w.push_back(at::cat({l.q_w, l.k_w, l.v_w}, 0));
-      p.qkv_b.push_back(l.q_b.defined() ? at::cat({l.q_b, l.k_b, l.v_b}, 0) : at::Tensor());
+      p.qkv_w.push_back(at::empty({0}, l.q_w.options()));
+      p.qkv_b.push_back(l.q_b.defined() ? at::empty({0}, l.q_b.options()) : at::Tensor());
     }
-    p.gate_up_w.push_back(at::cat({l.gate_w, l.up_w}, 0));
+    p.gate_up_w.push_back(at::empty({0}, l.gate_w.options()));
   }
+  pack_weights_into(p);
   return p;
 }
 
