@@ -409,22 +409,26 @@ at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64
   return hidden.view({n, -1});
 }
 
-int64_t ModelPolicy::step_span() const {
+int64_t ModelPolicy::span_of(int64_t slots) const {
   const int64_t c = options_.span_chunk;
   if (c <= 0) return cache_.max_len;
-  return std::min(cache_.max_len, (cache_.length + 1 + c - 1) / c * c);
+  return std::min(cache_.max_len, (slots + c - 1) / c * c);
+}
+
+int64_t ModelPolicy::step_span() const { return span_of(cache_.length + 1); }
+
+bool ModelPolicy::squeezes_in_place(int64_t filled, int64_t need) const {
+  return cache_.max_len - filled >= need + cache_.max_len / 16;
 }
 
 bool ModelPolicy::holes_cost_a_chunk() const {
-  const int64_t c = options_.span_chunk;
-  if (c <= 0) return false;
+  if (options_.span_chunk <= 0) return false;
   int64_t held = 0;  // the most slots a live row fills: a squeeze leaves cache_.length there
   for (int64_t n : seq_of_row_) {
     if (n >= 0) held = std::max(held, length_[n]);
   }
-  auto span = [&](int64_t slots) { return std::min(cache_.max_len, (slots + c - 1) / c * c); };
-  // Only where compact() squeezes in place (a reallocation would drop every graph).
-  return span(cache_.length + 1) >= span(held + 1) + c && cache_.max_len - held >= 1 + cache_.max_len / 16;
+  // Only where compact(1) squeezes in place (a reallocation would drop every graph).
+  return step_span() >= span_of(held + 1) + options_.span_chunk && squeezes_in_place(held, 1);
 }
 
 at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {
@@ -572,8 +576,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   // leaves holes in every other row; without this each compaction after feeds meant new tensors and
   // recaptured graphs. An in-place squeeze costs a gather of the cache (about 1 ms for Qwen2.5-0.5B at 64
   // x 800 slots on an H200), a recapture two forwards of host time (tens of ms).
-  if (!drop_released && add_rows == 0 && min_len <= cache_.max_len &&
-      cache_.max_len - S >= need + cache_.max_len / 16) {
+  if (!drop_released && add_rows == 0 && min_len <= cache_.max_len && squeezes_in_place(S, need)) {
     cache_.squeeze_(order);
     valid_.zero_();
     valid_.narrow(1, 0, S).copy_(keep);

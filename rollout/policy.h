@@ -177,7 +177,11 @@ class ModelPolicy : public TokenPolicy {
   // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
   // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
   int64_t step_span() const;
-  // Whether squeezing the holes out would lower step_span() by span_chunk or more.
+  int64_t span_of(int64_t slots) const;  // `slots` rounded up to span_chunk, at most max_len
+  // Whether compact() squeezes in place (keeping the tensors and graphs) when the rows fill at most
+  // `filled` slots and `need` more are wanted: it frees a sixteenth of the slots beyond them.
+  bool squeezes_in_place(int64_t filled, int64_t need) const;
+  // Whether squeezing the holes out (in place) would lower step_span() by span_chunk or more.
   bool holes_cost_a_chunk() const;
   // The graph path of step() (CUDA builds): copies the packed host inputs (fixed_step's, then the rows to
   // pick) in, captures a graph when the cache changed, replays it. Returns the hidden states (Bc, D) and,
