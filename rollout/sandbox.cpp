@@ -1129,6 +1129,7 @@ SandboxResult run_levels(const std::string& code, const SandboxOptions& o, const
 // clock and timeout counted from there.
 struct Spare {
   std::unique_ptr<Launched> launched;
+  Interpreter in;  // what it was launched with
   int level = 0;
 };
 
@@ -1164,9 +1165,9 @@ bool deliver(Launched& l, const std::string& code, double timeout_s) {
 Spare launch_spare(const SandboxOptions& o) {
   Spare s;
   try {
-    const Interpreter in = interpreter_for(o);
+    s.in = interpreter_for(o);
     s.level = first_level(o);
-    s.launched = launch(nullptr, o, in, kLevels[s.level]);
+    s.launched = launch(nullptr, o, s.in, kLevels[s.level]);
   } catch (const std::exception&) {
     s.launched.reset();
   }
@@ -1182,7 +1183,7 @@ void discard_spare(Spare& s, const SandboxOptions& o) {
   brief.timeout_s = std::min(o.timeout_s, 5.0);
   SandboxResult ignored;
   try {
-    if (!finish(*s.launched, brief, interpreter_for(o), Clock::now(), ignored)) level_refused(s.level);
+    if (!finish(*s.launched, brief, s.in, Clock::now(), ignored)) level_refused(s.level);
   } catch (const std::exception&) {
   }
   s.launched.reset();
@@ -1193,13 +1194,12 @@ void discard_spare(Spare& s, const SandboxOptions& o) {
 SandboxResult run_in_spare(Spare& s, const std::string& code, const SandboxOptions& o) {
   Spare spare = std::move(s);
   if (spare.launched && spare_alive(*spare.launched)) {
-    const Interpreter in = interpreter_for(o);
     const auto t0 = Clock::now();
     if (deliver(*spare.launched, code, o.timeout_s)) {
       SandboxResult r;
-      if (finish(*spare.launched, o, in, t0, r)) return r;
+      if (finish(*spare.launched, o, spare.in, t0, r)) return r;
       level_refused(spare.level);
-      return run_levels(code, o, in);
+      return run_levels(code, o, spare.in);
     }
   }
   discard_spare(spare, o);
