@@ -168,13 +168,29 @@ class ToolSteered : public TokenPolicy {
   std::vector<Row> rows_;
 };
 
+// A ModelPolicy's counters: what it has done so far, or (since()) during one rollout.
+struct PolicyCounts {
+  int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
+  double capture_s = 0;
+  int64_t span_slots = 0;  // summed over the graphed steps (ModelPolicy::step_span_slots)
+  static PolicyCounts of(const ModelPolicy& p) {
+    return {p.compactions(),         p.reallocations(),   p.graph_captures() - p.feed_graph_captures(),
+            p.feed_graph_captures(), p.capture_seconds(), p.step_span_slots()};
+  }
+  PolicyCounts since(const PolicyCounts& b) const {
+    return {compactions - b.compactions, reallocations - b.reallocations, step_graphs - b.step_graphs,
+            feed_graphs - b.feed_graphs, capture_s - b.capture_s,         span_slots - b.span_slots};
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice;
-  bool site_packages = true, graphs = true, prestart = true, squeeze = ModelPolicyOptions{}.squeeze_holes;
+  bool site_packages = true, graphs = true, prestart = SandboxOptions{}.prestart,
+       squeeze = ModelPolicyOptions{}.squeeze_holes;
   uint64_t seed = 1;
   add_model_options(app, model_dir, device, dtype, B);
   app.add_option("--tokenizer", tokenizer_dir, "folder with tokenizer.json (a checkpoint's tokenizer files)")
@@ -274,11 +290,6 @@ int main(int argc, char** argv) {
                                }),
                 modes.end());
   }
-  struct PolicyCounts {
-    int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
-    double capture_s = 0;
-    int64_t span_slots = 0;  // summed over the graphed steps (ModelPolicy::step_span_slots)
-  };
   PolicyCounts counts;                                       // of the last run
   std::map<std::string, std::unique_ptr<ToolSteered>> kept;  // the keep modes' policies, by mode
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
@@ -303,16 +314,9 @@ int main(int argc, char** argv) {
       policy =
           std::make_unique<ToolSteered>(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
     const ModelPolicy& inner = policy->inner();
-    const PolicyCounts before{
-        inner.compactions(),         inner.reallocations(),   inner.graph_captures() - inner.feed_graph_captures(),
-        inner.feed_graph_captures(), inner.capture_seconds(), inner.step_span_slots()};
+    const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
     auto out = rollout(*policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
-    counts = {inner.compactions() - before.compactions,
-              inner.reallocations() - before.reallocations,
-              inner.graph_captures() - inner.feed_graph_captures() - before.step_graphs,
-              inner.feed_graph_captures() - before.feed_graphs,
-              inner.capture_seconds() - before.capture_s,
-              inner.step_span_slots() - before.span_slots};
+    counts = PolicyCounts::of(inner).since(before);
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -416,10 +420,7 @@ int main(int argc, char** argv) {
       ToolSteered policy(model, po, script, reply_end, 1 << 30);
       policy.set_lengths(tok->eos_id(), budget, first);
       auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
-      const ModelPolicy& inner = policy.inner();
-      return std::make_pair(std::move(out),
-                            PolicyCounts{inner.compactions(), inner.reallocations(), inner.graph_captures(),
-                                         inner.feed_graph_captures(), inner.capture_seconds()});
+      return std::make_pair(std::move(out), PolicyCounts::of(policy.inner()));
     };
     struct Outcome {
       int64_t sampled = 0, steps = 0, refills = 0;
