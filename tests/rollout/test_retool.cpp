@@ -1130,7 +1130,9 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   const at::Tensor second = roll(kept, next);
   EXPECT_EQ(kept.cache_slots(), slots);
   EXPECT_EQ(kept.reallocations(), reallocations) << "the later rollouts run in the first one's cache";
-  if (cuda) EXPECT_EQ(kept.graph_captures(), captures) << "and replay its graphs";
+  if (cuda) {
+    EXPECT_EQ(kept.graph_captures(), captures) << "and replay its graphs";
+  }
   ModelPolicy fresh(m, fresh_po);
   const at::Tensor ref = roll(fresh, next);
   const double tol = cuda ? 1e-5 * ref.abs().max().item<double>() : 1e-12;
@@ -1163,7 +1165,9 @@ TEST(KeepCache, PackWeightsIntoWritesInPlace) {
       EXPECT_TRUE(at::equal(p.qkv_w[i], now.qkv_w[i])) << family << " layer " << i;
       EXPECT_TRUE(at::equal(p.gate_up_w[i], now.gate_up_w[i])) << family << " layer " << i;
       EXPECT_EQ(p.qkv_b[i].defined(), now.qkv_b[i].defined());
-      if (now.qkv_b[i].defined()) EXPECT_TRUE(at::equal(p.qkv_b[i], now.qkv_b[i])) << family << " layer " << i;
+      if (now.qkv_b[i].defined()) {
+        EXPECT_TRUE(at::equal(p.qkv_b[i], now.qkv_b[i])) << family << " layer " << i;
+      }
     }
   }
 }
