@@ -35,6 +35,7 @@ struct Bench {
   double scale = 1.0;
   int reps = 0;  // 0: 10 on CUDA, 3 on CPU
   LossOptions base;
+  std::vector<std::string> impls;  // --impl: run only these rows (empty: every row)
   json records = json::array();
 };
 
@@ -97,6 +98,7 @@ at::Tensor reference_logprobs(const Inputs& in, double temperature) {
 
 void run_variant(Bench& b, const std::string& case_name, const Variant& v, Inputs& in, const std::string& pass,
                  const at::Tensor& ref, json extra) {
+  if (!b.impls.empty() && std::find(b.impls.begin(), b.impls.end(), v.impl) == b.impls.end()) return;
   const bool fwbw = pass == "fwbw";
   const at::Tensor& src = v.from_hidden ? in.hidden : in.logits;
   const int64_t T = in.targets.size(0);
@@ -390,6 +392,7 @@ int main(int argc, char** argv) {
   app.add_option("--reps", b.reps, "timed repetitions (median reported); 0 = 10 on CUDA, 3 on CPU")
       ->check(CLI::Range(0, 1000));
   app.add_option("--json", json_path, "write the records to this JSON file");
+  app.add_option("--impl", b.impls, "run only these rows (e.g. --impl cce cce_blockwise); default: every row");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   BenchLossConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;

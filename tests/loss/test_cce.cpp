@@ -371,19 +371,28 @@ TEST(CceCuda, FusedBackwardMatchesFloat64) {
   const at::Device dev(at::kCUDA, 0);
   for (auto dt : {at::kBFloat16, at::kHalf}) {
     const Lm lm = make_lm(300, 4133, 136, dt, 12, dev);
-    for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
-      for (bool filter : {false, true}) {
-        LossOptions o;
-        o.impl = LogprobImpl::kCce;
-        o.response_only = false;
-        o.entropy = EntropyMode::kGrad;
-        o.temperature = temp;
-        o.chunk_size = 100;
-        o.vocab_chunk_size = 300;
-        o.grad_filter = filter;
-        const std::string what = std::string("fused backward ") + c10::toString(dt) + " temp=" + std::to_string(temp) +
-                                 " cap=" + std::to_string(cap) + (filter ? " filtered" : "");
-        expect_matches(lm, o, what, cap, /*with_wrong=*/!filter);
+    // The epilogue's four versions (entropy gradient or not, softcap or not). Vocabulary blocks of 300
+    // (two tiles, the second partial, walked by one thread block) and the default 4096 (16 tiles split
+    // over four thread blocks each, then a block of 37 entries).
+    for (auto ent : {EntropyMode::kGrad, EntropyMode::kNone}) {
+      for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
+        for (int64_t vb : {int64_t{300}, int64_t{0}}) {
+          for (bool filter : {false, true}) {
+            LossOptions o;
+            o.impl = LogprobImpl::kCce;
+            o.response_only = false;
+            o.entropy = ent;
+            o.temperature = temp;
+            o.chunk_size = vb ? 100 : 0;
+            o.vocab_chunk_size = vb;
+            o.grad_filter = filter;
+            const std::string what = std::string("fused backward ") + c10::toString(dt) +
+                                     " entropy=" + enum_to_string(ent) + " temp=" + std::to_string(temp) +
+                                     " cap=" + std::to_string(cap) + " vocab block=" + std::to_string(vb) +
+                                     (filter ? " filtered" : "");
+            expect_matches(lm, o, what, cap, /*with_wrong=*/!filter);
+          }
+        }
       }
     }
   }
