@@ -327,6 +327,8 @@ void case_seed002(Bench& b) {
       {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
       // The blockwise path (cuBLAS GEMM blocks through HBM + epilogue kernels) beside the fused kernels.
       {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
+      // The fused kernels' other schedule: MMA warp groups on alternate tiles (loss.cce_pingpong: true).
+      {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
   };
   for (const auto& v : vs) {
     for (const char* pass : {"fw", "fwbw"}) {
@@ -357,6 +359,7 @@ void case_heads(Bench& b) {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
         {"cce", with(base, LogprobImpl::kCce), true},
         {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
+        {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
     };
     for (const auto& v : vs) {
       for (const char* pass : {"fw", "fwbw"}) {

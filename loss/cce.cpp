@@ -103,7 +103,8 @@ class CceFn : public torch::autograd::Function<CceFn> {
 #ifdef RLT_HAVE_CUDA
       // Every row and the whole vocabulary in one kernel (the logits tiles stay in registers), then one
       // warp per row for the target logit, lse and entropy.
-      cuda::cce_fused_forward(hidden, weight, targets, cap, temp, entropy != EntropyMode::kNone, logp, lse, H);
+      cuda::cce_fused_forward(hidden, weight, targets, cap, temp, entropy != EntropyMode::kNone, logp, lse, H,
+                              state.options.cce_pingpong);
 #endif
     } else {
       for (int64_t r0 = 0; r0 < N; r0 += rb) {
@@ -221,7 +222,7 @@ class CceFn : public torch::autograd::Function<CceFn> {
             g_op = at::empty({n, k}, hidden.options());
             cuda::cce_fused_backward(h, w, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
                                      glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
-                                     targets.narrow(0, r0, n), eps, g_op, any_above);
+                                     targets.narrow(0, r0, n), eps, g_op, any_above, state.options.cce_pingpong);
           } else {                            // fused epilogue over an fp32 logits block (over z itself for fp32)
             at::Tensor z = mm_acc(h, w.t());  // (n, k) fp32
             g_op = same ? z : at::empty({n, k}, hidden.options());

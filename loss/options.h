@@ -64,6 +64,11 @@ struct LossOptions {
   // never leave registers; false: cuBLAS GEMM blocks through HBM + epilogue kernels (the earlier path,
   // kept as their reference and for ablation).
   bool cce_fused = true;
+  // The fused kernels' schedule. false (cooperative): both MMA warp groups share a 128-row tile and the
+  // tensor cores idle during its epilogue. true (ping-pong): the two take alternate 64-row tiles, one's
+  // epilogue under the other's MMAs; measured slower on the H100 (Llama-3-8B head fw 15.4 against 12.4 ms,
+  // docs/benchmarks.md), so it stays an ablation.
+  bool cce_pingpong = false;
 
   template <class V>
   void visit(V&& v) {
@@ -78,6 +83,8 @@ struct LossOptions {
     v("grad_filter_eps", grad_filter_eps, "cce: gradient-filtering threshold", FieldRange{0, 1});
     v("inplace_backward", inplace_backward, "selective: overwrite the logits with their gradient");
     v("cce_fused", cce_fused, "cce: fused Hopper kernels where available; false: cuBLAS blocks + epilogues");
+    v("cce_pingpong", cce_pingpong,
+      "cce_fused: alternate 64-row tiles between MMA warp groups; false: shared 128-row tiles");
   }
   void check(const FieldFail& fail) const {
     if (loss_mask_only && !response_only) {

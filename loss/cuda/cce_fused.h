@@ -14,9 +14,11 @@ bool cce_fused_available(const at::Tensor& hidden);
 // hidden (n, D), weight (V, D), same dtype, targets (n) int64: writes logp, lse and H (n) fp32 (H only when
 // entropy; it may be empty otherwise) for x = softcap(h w^T) / temperature: log-prob of the target, log-sum-exp,
 // entropy. Any D (operands are copied to a zero-padded multiple of 8 when needed). A target outside [0, V)
-// gives a NaN log-prob.
+// gives a NaN log-prob. pingpong: the two consumer warp groups take alternate tiles, one's epilogue under the
+// other's MMAs (loss.cce_pingpong); false: both work on one tile, then both run its epilogue.
 void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double softcap,
-                       double temperature, bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H);
+                       double temperature, bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H,
+                       bool pingpong = false);
 
 // The logits gradient of one vocabulary block, recomputed: weight is the block (k, D) starting at entry v0, g
 // (n, k) in the operands' dtype receives dz (cuda::cce_block_backward's formula, for the same lse, H, glp, gH,
@@ -24,6 +26,6 @@ void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const
 void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
                         double temperature, const at::Tensor& lse, const at::Tensor& H, const at::Tensor& glp,
                         const at::Tensor& gH, const at::Tensor& targets, double eps, at::Tensor& g,
-                        at::Tensor& any_above);
+                        at::Tensor& any_above, bool pingpong = false);
 
 }  // namespace rlt::cuda
