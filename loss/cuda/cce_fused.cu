@@ -6,12 +6,13 @@
 //   backward: form the tile's logits gradient dz (loss/cce.cpp's formula) and write it in the operand
 //             dtype for the dE and dW GEMMs, raising a flag when any softmax entry is >= eps.
 //
-// Work split. Forward: a thread block owns 128 rows and a contiguous run of 256-entry vocabulary tiles (a
-// "split"); it writes one (m, s, t) per row and split, and cce_fused_finish_kernel merges the splits, adds
-// the target logit (a dot product per row) and writes log-prob, lse and entropy. Backward: the same split of
-// a vocabulary block's tiles; each tile's gradient is written as it is formed. With 128 x 256 tiles a consumer thread
-// holds 2 rows x 64 entries of a tile; the 4 threads of a quad share a row. Two thread blocks of neighbouring row tiles
-// form a cluster and walk the same vocabulary tiles, so each W tile is loaded from L2 once for both (TMA multicast).
+// Work split. Forward: a thread block owns 128 rows (64 under ping-pong, below) and a contiguous run of 256-entry
+// vocabulary tiles (a "split"); it writes one (m, s, t) per row and split, and cce_fused_finish_kernel merges the
+// splits, adds the target logit (a dot product per row) and writes log-prob, lse and entropy. Backward: the same split
+// of a vocabulary block's tiles; each tile's gradient is written as it is formed. With 128 x 256 tiles a consumer
+// thread holds 2 rows x 64 entries of a tile; the 4 threads of a quad share a row. Two thread blocks of neighbouring
+// row tiles form a cluster and walk the same vocabulary tiles, so each W tile is loaded from L2 once for both (TMA
+// multicast).
 #include "loss/cuda/cce_fused.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -49,7 +50,8 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 //   alternate vocabulary tiles, so one's epilogue runs under the other's MMAs (the producer loads the
 //   tiles in order; named barriers keep the MMAs alternating). 5 stages of 40 KiB; 4-block clusters share
 //   each W tile, so the L2 traffic per MMA stays that of the cooperative tiles. Measured slower on the
-//   H100 (each 64 x 256 wgmma reads its W tile from shared memory for half the rows), so it is an ablation.
+//   H100 in every row but one (docs/benchmarks.md; not profiled: likely the shared-memory reads of W,
+//   twice per row as many as a 128-row tile's), so it is an ablation.
 // Either way a consumer thread holds 2 rows x 64 entries of its tile, so the epilogues are the same.
 template <class Element, bool kPingpong>
 struct Config {
