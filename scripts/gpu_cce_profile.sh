@@ -6,6 +6,7 @@
 #      timing metrics only, no cache flush and no clock lock: ncu_*.csv);
 #   3. cuBLAS's time for the same GEMM shapes (scripts/gemm_ceiling.py): the ceiling of a recompute-based
 #      fw+bw.
+# At most 7 files land in $OUT (the device tool returns 8).
 # Usage: OUT=... [CTEST=regex] bash scripts/gpu_cce_profile.sh [case: seed002 | heads]
 #   (prints a per-kernel summary; CTEST first runs the tests matching the regex and stops if one fails)
 set -uo pipefail
@@ -25,12 +26,12 @@ smi=$!
 build-gpu/bin/bench_loss --device cuda --case "$case" --impl cce cce_nofilter cce_blockwise --reps 10 \
   --json "$out/bench_$case.json" 2>&1 | tee "$out/bench_$case.log"
 kill "$smi"
-python3 scripts/gemm_ceiling.py --json "$out/gemm_ceiling.json" 2>&1 | tee "$out/gemm_ceiling.log"
+python3 scripts/gemm_ceiling.py --json "$out/gemm_ceiling.json" 2>&1
 metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
 for impl in cce; do
   ncu --metrics "$metrics" --csv --page raw --clock-control none --cache-control none \
     --log-file "$out/ncu_${case}_$impl.csv" \
-    build-gpu/bin/bench_loss --device cuda --case "$case" --impl "$impl" --reps 1 > "$out/ncu_${case}_$impl.log" 2>&1
+    build-gpu/bin/bench_loss --device cuda --case "$case" --impl "$impl" --reps 1 > /dev/null 2>&1
 done
 python3 - "$out" <<'PY'
 import csv, glob, os, sys, collections
