@@ -7,12 +7,12 @@ For an LM head (N rows, V vocabulary, D hidden) and a backward block of `rows` x
   dW block  dW_blk = dz^T h      (vb, N) x (N, D), bf16 output
 Each is timed with CUDA events (median of --reps after 3 warm-ups) and reported in ms and TFLOP/s; the
 block GEMMs are also given times the number of blocks, so the four add up to the ceiling of a
-recompute-based CCE fw+bw built on cuBLAS. Usage:
+recompute-based CCE fw+bw built on cuBLAS (the block count is V / block, fractional: a last partial
+block counts for its share of a full one's time). Usage:
   python3 scripts/gemm_ceiling.py [--shape seed002|qwen|llama]... [--block 4096] [--json out.json]
 """
 import argparse
 import json
-import math
 
 import torch
 
@@ -48,7 +48,7 @@ def main():
     for name in args.shape or ["seed002", "qwen", "llama"]:
         N, V, D = SHAPES[name]
         vb = min(args.block, V)
-        blocks = math.ceil(V / vb)
+        blocks = V / vb
         h = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
         w = torch.randn(V, D, device=dev, dtype=torch.bfloat16, generator=g)
         dz = torch.randn(N, vb, device=dev, dtype=torch.bfloat16, generator=g)
@@ -70,7 +70,7 @@ def main():
             tflops = 2.0 * m * n * k / ms / 1e9
             rec = dict(shape=name, gemm=gemm, m=m, n=n, k=k, ms=ms, tflops=tflops, blocks=count, total_ms=ms * count)
             records.append(rec)
-            print(f"{name:8} {gemm:10} {m:7} {n:7} {k:7} {ms:9.3f} {tflops:8.1f} {count:6} {ms * count:9.2f}")
+            print(f"{name:8} {gemm:10} {m:7} {n:7} {k:7} {ms:9.3f} {tflops:8.1f} {count:6.1f} {ms * count:9.2f}")
         total = sum(r["total_ms"] for r in records if r["shape"] == name)
         logits = next(r["ms"] for r in records if r["shape"] == name and r["gemm"] == "logits")
         print(f"{name:8} fw+bw ceiling (logits twice + dE + dW blocks): {total + logits:.2f} ms")

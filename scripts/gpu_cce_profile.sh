@@ -2,8 +2,9 @@
 # Where a CCE forward+backward's time goes, on the GPU host (issue 15). In one call:
 #   1. bench_loss's cce rows (fw, fw+bw filtered and unfiltered) with the SM clock and power sampled
 #      every 50 ms (clocks.csv), so a figure can be read against the clock it ran at;
-#   2. every kernel of one timed cce fw and one unfiltered fw+bw, by duration and clock (Nsight Compute,
-#      timing metrics only, no cache flush and no clock lock: ncu_*.csv);
+#   2. every kernel of one timed cce fw and one fw+bw (the filtered row: with random inputs no block is
+#      skipped), by duration and clock (Nsight Compute, timing metrics only, no cache flush and no clock
+#      lock: ncu_*.csv);
 #   3. cuBLAS's time for the same GEMM shapes (scripts/gemm_ceiling.py): the ceiling of a recompute-based
 #      fw+bw.
 # At most 7 files land in $OUT (the device tool returns 8).

@@ -103,7 +103,7 @@ struct ForwardEpilogue {
   struct Args {
     float cap, temp;
     bool entropy;
-    float* part;  // (3, splits, n): m, s, t per row and split
+    float* part;  // (3, states, n): m, s, t per row and state (a split, or a warp group of one under ping-pong)
   };
   static constexpr int kRows = 2;
   const Args& a;

@@ -385,7 +385,7 @@ TEST(CceCuda, FusedBackwardMatchesFloat64) {
     const Lm lm = make_lm(300, 4133, 136, dt, 12, dev);
     // The epilogue's four versions (entropy gradient or not, softcap or not). Vocabulary blocks of 300
     // (two tiles, the second partial, walked by one thread block) and the default 4096 (16 tiles split
-    // over four thread blocks each, then a block of 37 entries).
+    // over several thread blocks each, then a block of 37 entries).
     // Both schedules of the fused kernel; the cooperative one unfiltered.
     for (auto ent : {EntropyMode::kGrad, EntropyMode::kNone}) {
       for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
