@@ -525,6 +525,17 @@ void forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Calls f(Element{}, std::bool_constant<pingpong>{}) for the operands' dtype (bf16 or fp16) and the schedule.
+template <class F>
+void dispatch(const at::Tensor& hidden, bool pingpong, F&& f) {
+  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
+  if (pingpong) {
+    bf16 ? f(cutlass::bfloat16_t{}, std::true_type{}) : f(cutlass::half_t{}, std::true_type{});
+  } else {
+    bf16 ? f(cutlass::bfloat16_t{}, std::false_type{}) : f(cutlass::half_t{}, std::false_type{});
+  }
+}
+
 }  // namespace
 
 bool cce_fused_available(const at::Tensor& hidden) {
@@ -543,14 +554,9 @@ void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const
   TORCH_CHECK(targets.is_contiguous() && targets.scalar_type() == at::kLong, "cce_fused_forward: targets (n) int64");
   if (hidden.size(0) == 0) return;
   const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
-  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
-  if (pingpong) {
-    bf16 ? forward<cutlass::bfloat16_t, true>(h, w, targets, softcap, temperature, entropy, logp, lse, H)
-         : forward<cutlass::half_t, true>(h, w, targets, softcap, temperature, entropy, logp, lse, H);
-  } else {
-    bf16 ? forward<cutlass::bfloat16_t, false>(h, w, targets, softcap, temperature, entropy, logp, lse, H)
-         : forward<cutlass::half_t, false>(h, w, targets, softcap, temperature, entropy, logp, lse, H);
-  }
+  dispatch(hidden, pingpong, [&](auto tag, auto schedule) {
+    forward<decltype(tag), decltype(schedule)::value>(h, w, targets, softcap, temperature, entropy, logp, lse, H);
+  });
 }
 
 void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
@@ -563,7 +569,7 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
               "cce_fused_backward: g must be (n, k) in the operands' dtype");
   if (hidden.size(0) == 0 || weight.size(0) == 0) return;
   const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
-  auto run = [&](auto tag, auto schedule) {
+  dispatch(hidden, pingpong, [&](auto tag, auto schedule) {
     using Element = decltype(tag);
     constexpr bool kPingpong = decltype(schedule)::value;
     typename BackwardEpilogue<Element>::Args args{static_cast<float>(softcap),
@@ -583,13 +589,7 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
     // pipeline's fill and every epilogue exposed: 290 TFLOP/s on the H100).
     const auto [m_tiles, n_tiles] = tiles<kPingpong>(h.size(0), w.size(0));
     launch<Element, BackwardEpilogue<Element>, kPingpong>(h, w, vocab_splits<kPingpong>(m_tiles, n_tiles), args);
-  };
-  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
-  if (pingpong) {
-    bf16 ? run(cutlass::bfloat16_t{}, std::true_type{}) : run(cutlass::half_t{}, std::true_type{});
-  } else {
-    bf16 ? run(cutlass::bfloat16_t{}, std::false_type{}) : run(cutlass::half_t{}, std::false_type{});
-  }
+  });
 }
 
 #else  // no CUTLASS headers at build time: the blockwise path serves every call

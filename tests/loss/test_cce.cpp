@@ -372,6 +372,17 @@ TEST(CceCuda, FusedForwardMatchesFloat64) {
 #endif
 }
 
+#ifdef RLT_HAVE_CUDA
+// The fused backward tests' base: cce over every row, with the entropy gradient.
+LossOptions fused_backward_options() {
+  LossOptions o;
+  o.impl = LogprobImpl::kCce;
+  o.response_only = false;
+  o.entropy = EntropyMode::kGrad;
+  return o;
+}
+#endif
+
 // The fused backward (dz recomputed in the GEMM's registers and written in bf16/fp16) against float64, with
 // the entropy gradient, temperature, softcap, several row and vocabulary blocks (an odd last block: its rows
 // are stored one element at a time), with and without gradient filtering; expect_matches also runs the
@@ -391,10 +402,8 @@ TEST(CceCuda, FusedBackwardMatchesFloat64) {
       for (auto [temp, cap] : {std::pair<double, double>{1.0, 0.0}, {0.7, 0.0}, {0.7, 5.0}}) {
         for (int64_t vb : {int64_t{300}, int64_t{0}}) {
           for (auto [pingpong, filter] : {std::pair<bool, bool>{true, false}, {true, true}, {false, false}}) {
-            LossOptions o;
+            LossOptions o = fused_backward_options();
             o.cce_pingpong = pingpong;
-            o.impl = LogprobImpl::kCce;
-            o.response_only = false;
             o.entropy = ent;
             o.temperature = temp;
             o.chunk_size = vb ? 100 : 0;
@@ -413,10 +422,7 @@ TEST(CceCuda, FusedBackwardMatchesFloat64) {
   // More k-blocks a tile (D = 520: 9) than the ring has stages, under both schedules.
   const Lm deep = make_lm(129, 1500, 520, at::kBFloat16, 14, dev);
   for (bool pingpong : {true, false}) {
-    LossOptions o;
-    o.impl = LogprobImpl::kCce;
-    o.response_only = false;
-    o.entropy = EntropyMode::kGrad;
+    LossOptions o = fused_backward_options();
     o.cce_pingpong = pingpong;
     expect_matches(deep, o, std::string("fused backward D=520") + (pingpong ? " ping-pong" : " cooperative"), 0.0);
   }
@@ -424,10 +430,7 @@ TEST(CceCuda, FusedBackwardMatchesFloat64) {
   // written by one GEMM straight into dW, or (filtered) from the target term alone.
   const Lm odd = make_lm(37, 1013, 29, at::kBFloat16, 13, dev);
   for (bool filter : {false, true}) {
-    LossOptions o;
-    o.impl = LogprobImpl::kCce;
-    o.response_only = false;
-    o.entropy = EntropyMode::kGrad;
+    LossOptions o = fused_backward_options();
     o.grad_filter = filter;
     expect_matches(odd, o, std::string("fused backward D=29") + (filter ? " filtered" : ""), 0.0, !filter);
   }
