@@ -22,6 +22,9 @@
 #include "common/config.h"
 #include "common/memory.h"
 #include "loss/logprob.h"
+#ifdef RLT_HAVE_CUDA
+#include "loss/cuda/cce_fused.h"
+#endif
 
 using namespace rlt;
 using json = nlohmann::json;
@@ -219,6 +222,97 @@ void make_lm(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::Devic
   in.hidden = E.to(dt).requires_grad_(true);
 }
 
+// Peaked like a trained LM head, built as the CCE paper's Fig. 3 describes its softmax (scripts/peaked_inputs.py
+// builds the same in float64 on the CPU and measures it; docs/benchmarks.md): C ~ N(0, 1/(D-1)) per entry with
+// column 0 = -b ln(1 + v), a frequency prior over ids in frequency order; each row draws K = 64 token ids without
+// replacement from Zipf(1) over the ids (Gumbel top-k) and gets exact logits A - b ln k on them (A = 30, b = 1.5)
+// through E_n = (1, e_n), e_n the minimum-norm solution of C[t_k, 1:] e_n = A - b ln k - C[t_k, 0] - (A - 4); every
+// other logit is its prior plus noise. About 77 entries a row reach 2^-12, mostly among frequent ids. Targets are
+// sampled from each row's softmax (an RL rollout's tokens). Built in float64 on the device, in row chunks.
+void make_peaked(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::Device& dev, Inputs& in) {
+  constexpr int64_t K = 64, kChunk = 512;
+  constexpr double A = 30.0, b = 1.5, s = 1.0, tail = 4.0;
+  at::manual_seed(0);
+  at::NoGradGuard ng;
+  auto f64 = at::TensorOptions().dtype(at::kDouble).device(dev);
+  at::Tensor C = at::randn({V, D}, f64).div_(std::sqrt(double(D - 1)));
+  at::Tensor ids = at::arange(V, f64);
+  C.select(1, 0).copy_(ids.log1p().mul_(-b));
+  const at::Tensor log_w = ids.log1p().mul_(-s);                              // Zipf(s) weights over the ids
+  const at::Tensor beta = at::arange(1, K + 1, f64).log_().mul_(-b).add_(A);  // (K)
+  at::Tensor E = at::empty({N, D}, f64);
+  in.targets = at::empty({N}, f64.dtype(at::kLong));
+  for (int64_t r0 = 0; r0 < N; r0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - r0);
+    const at::Tensor gumbel = at::rand({n, V}, f64).clamp_min_(1e-300).log_().neg_().log_().neg_();
+    const at::Tensor tok = std::get<1>(at::topk(log_w + gumbel, K, 1));  // (n, K): drawn in order, without replacement
+    const at::Tensor Ct = C.index_select(0, tok.flatten()).view({n, K, D});
+    const at::Tensor rhs = beta.view({1, K}) - Ct.select(2, 0) - (A - tail);  // (n, K)
+    const at::Tensor M = Ct.narrow(2, 1, D - 1);                              // (n, K, D - 1)
+    const at::Tensor e =
+        at::matmul(M.transpose(1, 2), at::linalg_solve(at::matmul(M, M.transpose(1, 2)), rhs.unsqueeze(2)));
+    at::Tensor rows = E.narrow(0, r0, n);
+    rows.select(1, 0).fill_(1.0);
+    rows.narrow(1, 1, D - 1).copy_(e.squeeze(2));
+    in.targets.narrow(0, r0, n).copy_(at::multinomial(at::softmax(at::mm(rows, C.t()), 1), 1).squeeze(1));
+  }
+  in.lm_head = C.to(dt).requires_grad_(true);
+  in.hidden = E.to(dt).requires_grad_(true);
+}
+
+// How much a gradient filter at 2^-12 can skip on these inputs (the operands as given, fp32 logits): entries
+// >= 2^-12 a row, the target's mean p, and the fraction of the fused backward's 64-row x 256-entry tiles it keeps
+// (an entry >= 2^-12 or a target in them). On an sm_90 GPU also the fraction the backward kernel itself flags in
+// the first vocabulary block (4096 entries), beside this count for that block. Printed, and stored with each
+// record of the case.
+json filter_stats(const Inputs& in) {
+  at::NoGradGuard ng;
+  const int64_t N = in.hidden.size(0), V = in.lm_head.size(0), kChunk = 512, kBlock = std::min<int64_t>(4096, V);
+  const at::Tensor C = in.lm_head.detach().to(at::kFloat);
+  double above = 0, p_target = 0, kept = 0, tiles = 0, kept0 = 0, tiles0 = 0;
+  at::Tensor lse = at::empty({N}, C.options());
+  for (int64_t r0 = 0; r0 < N; r0 += kChunk) {
+    const int64_t n = std::min(kChunk, N - r0), n64 = (n + 63) / 64 * 64, v256 = (V + 255) / 256 * 256;
+    const at::Tensor z = at::mm(in.hidden.detach().narrow(0, r0, n).to(at::kFloat), C.t());
+    lse.narrow(0, r0, n).copy_(z.logsumexp(1));
+    const at::Tensor p = at::softmax(z, 1);
+    const at::Tensor y = in.targets.narrow(0, r0, n).unsqueeze(1);
+    at::Tensor keep = p.ge(1.0 / 4096);
+    above += keep.sum().item<double>();
+    p_target += p.gather(1, y).sum().item<double>();
+    keep.scatter_(1, y, true);
+    keep = at::constant_pad_nd(keep.to(at::kByte), {0, v256 - V, 0, n64 - n}).view({n64 / 64, 64, v256 / 256, 256});
+    const at::Tensor t = keep.amax({1, 3});  // (n64 / 64, v256 / 256)
+    kept += t.sum().item<double>();
+    tiles += double(t.numel());
+    const int64_t c0 = (kBlock + 255) / 256;
+    kept0 += t.narrow(1, 0, c0).sum().item<double>();
+    tiles0 += double(t.size(0) * c0);
+  }
+  json j = {{"above_per_row", above / N},
+            {"p_target_mean", p_target / N},
+            {"tiles_kept", kept / tiles},
+            {"tiles_kept_block0", kept0 / tiles0}};
+  std::cout << "# filter at 2^-12: " << j["above_per_row"].get<double>() << " entries a row, mean p(target) "
+            << j["p_target_mean"].get<double>() << ", 64 x 256 tiles kept " << j["tiles_kept"].get<double>()
+            << " (first block " << j["tiles_kept_block0"].get<double>() << ")";
+#ifdef RLT_HAVE_CUDA
+  if (cuda::cce_fused_available(in.hidden)) {
+    const auto opt = in.hidden.options();
+    at::Tensor flags = at::zeros({(N + 63) / 64, (kBlock + 255) / 256}, opt.dtype(at::kInt));
+    at::Tensor g = at::empty({N, kBlock}, opt);
+    cuda::cce_fused_backward(in.hidden.detach(), in.lm_head.detach().narrow(0, 0, kBlock), 0, 0.0, 1.0, lse,
+                             at::Tensor(), at::ones({N}, opt.dtype(at::kFloat)), at::Tensor(), in.targets, 1.0 / 4096,
+                             g, flags, 1);
+    j["kernel_tiles_kept_block0"] = flags.eq(1).to(at::kDouble).mean().item<double>();
+    std::cout << "; the backward kernel flags " << j["kernel_tiles_kept_block0"].get<double>()
+              << " of the first block's";
+  }
+#endif
+  std::cout << "\n";
+  return j;
+}
+
 void header() {
   std::cout << std::left << std::setw(9) << "case" << std::setw(24) << "impl" << std::setw(6) << "dtype" << std::setw(6)
             << "pass" << std::right << std::setw(8) << "rows" << std::setw(8) << "vocab" << std::setw(8) << "resp"
@@ -325,15 +419,44 @@ void case_seed002(Bench& b) {
       {"selective", with(base, LogprobImpl::kSelective), true},
       {"cce", with(base, LogprobImpl::kCce), true},
       {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
+      // The tile-filtered GEMMs with every tile kept (a threshold no entry misses): their speed against cuBLAS's
+      // (cce_nofilter) when nothing can be skipped.
+      {"cce_tiles_all", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter_eps = 1e-30; }), true},
       // The blockwise path (cuBLAS GEMM blocks through HBM + epilogue kernels) beside the fused kernels.
       {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
       // The fused kernels' other schedule: MMA warp groups on alternate tiles (loss.cce_pingpong: true).
       {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
   };
+  const json stats = filter_stats(in);
   for (const auto& v : vs) {
     for (const char* pass : {"fw", "fwbw"}) {
-      if (v.impl == "cce_nofilter" && std::string(pass) == "fw") continue;  // filtering is backward-only
-      run_variant(b, "seed002", v, in, pass, ref, json::object());
+      // Filtering is backward-only.
+      if ((v.impl == "cce_nofilter" || v.impl == "cce_tiles_all") && std::string(pass) == "fw") continue;
+      run_variant(b, "seed002", v, in, pass, ref, stats);
+    }
+  }
+}
+
+// seed002's shape on make_peaked's inputs: what gradient filtering skips on a trained-model-like softmax
+// (issue 15). Not in --case all (its float64 inputs take 5 GiB and minutes on a CPU).
+void case_peaked(Bench& b) {
+  const int64_t N = scaled(8192, b.scale), V = 256000, D = 2304;
+  Inputs in;
+  make_peaked(N, V, D, at::kBFloat16, b.device, in);
+  const at::Tensor ref = reference_logprobs(in, 1.0);
+  LossOptions base = b.base;
+  base.response_only = false;
+  base.loss_mask_only = false;
+  const std::vector<Variant> vs = {
+      {"cce", with(base, LogprobImpl::kCce), true},
+      {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
+      {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
+  };
+  const json stats = filter_stats(in);
+  for (const auto& v : vs) {
+    for (const char* pass : {"fw", "fwbw"}) {
+      if (v.impl == "cce_nofilter" && std::string(pass) == "fw") continue;
+      run_variant(b, "peaked", v, in, pass, ref, stats);
     }
   }
 }
@@ -358,12 +481,17 @@ void case_heads(Bench& b) {
     const std::vector<Variant> vs = {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
         {"cce", with(base, LogprobImpl::kCce), true},
+        {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
         {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
         {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
     };
+    json extra = filter_stats(in);
+    extra["model"] = h.model;
+    extra["entropy"] = true;
     for (const auto& v : vs) {
       for (const char* pass : {"fw", "fwbw"}) {
-        run_variant(b, "heads", v, in, pass, ref, json{{"model", h.model}, {"entropy", true}});
+        if (v.impl == "cce_nofilter" && std::string(pass) == "fw") continue;
+        run_variant(b, "heads", v, in, pass, ref, extra);
       }
     }
     release_cached_memory(b.device);
@@ -388,8 +516,11 @@ int main(int argc, char** argv) {
   std::string device = "cpu", which = "all", json_path;
   Bench b;
   app.add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--case", which, "seed000 | seed001 | seed002 | heads (Qwen2.5-0.5B and Llama-3-8B LM heads) | all")
-      ->check(CLI::IsMember({"seed000", "seed001", "seed002", "heads", "all"}));
+  app.add_option(
+         "--case", which,
+         "seed000 | seed001 | seed002 | heads (Qwen2.5-0.5B and Llama-3-8B LM heads) | peaked (seed002's shape, "
+         "a trained-model-like softmax; not in all) | all")
+      ->check(CLI::IsMember({"seed000", "seed001", "seed002", "heads", "peaked", "all"}));
   app.add_option("--scale", b.scale, "multiply the row count of every case (CPU runs: 0.01 or less)")
       ->check(CLI::Range(1e-6, 1.0));
   app.add_option("--reps", b.reps, "timed repetitions (median reported); 0 = 10 on CUDA, 3 on CPU")
@@ -416,6 +547,7 @@ int main(int argc, char** argv) {
   if (which == "seed001" || which == "all") case_seed001(b);
   if (which == "seed002" || which == "all") case_seed002(b);
   if (which == "heads" || which == "all") case_heads(b);
+  if (which == "peaked") case_peaked(b);
   if (!json_path.empty()) {
     const auto parent = std::filesystem::path(json_path).parent_path();
     std::error_code ec;

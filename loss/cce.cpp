@@ -178,7 +178,14 @@ class CceFn : public torch::autograd::Function<CceFn> {
     at::Tensor dE = at::zeros({N, D}, hidden.options().dtype(acc));  // (N, D) fp32 accumulator
     at::Tensor dW = same ? at::zeros({V, D}, weight.options()) : at::empty({V, D}, weight.options());
     at::Tensor glp_t = glp / temp;  // (N) target-term coefficient
-    at::Tensor any_above = kernel ? at::zeros({1}, hidden.options().dtype(at::kInt)) : at::Tensor();
+    // Filtering on the fused path is per tile and decided on the device: the dz kernel flags each 64 rows x 256
+    // entries it must keep and cuda::cce_sparse_grads multiplies only those (no host read). The other CUDA path
+    // decides per block, with one host read of any_above a block.
+    const bool tile_filter = state.fused && eps > 0;
+    at::Tensor any_above = kernel && !tile_filter ? at::zeros({1}, hidden.options().dtype(at::kInt)) : at::Tensor();
+    at::Tensor flags =
+        tile_filter ? at::zeros({(rb + 63) / 64, (vb + 255) / 256}, hidden.options().dtype(at::kInt)) : at::Tensor();
+    int stamp = 0;  // a (row block, vocabulary block) pass's flag value
     // The target part of a filtered block on its own (Algorithm 1's indexed matmul): rows whose target
     // lies in the block get coef * W[y] in dE and coef * h in dW[y] (coef = 0 elsewhere). Under a
     // softcap the chain factor 1 - tanh^2(z_y / cap) of the target logit applies.
@@ -216,14 +223,22 @@ class CceFn : public torch::autograd::Function<CceFn> {
         };
         if (kernel) {
 #ifdef RLT_HAVE_CUDA
-          at::Tensor g_op;  // (n, k): dz in the GEMM operand dtype
-          any_above.zero_();
+          at::Tensor g_op;    // (n, k): dz in the GEMM operand dtype
           if (state.fused) {  // recomputed in the GEMM's registers, written once in bf16
-            g_op = at::empty({n, k}, hidden.options());
+            // Rows padded to a multiple of 8 entries for the tile-filtered GEMMs (TMA loads g); unpadded for cuBLAS,
+            // whose kernel choice (and last-bit rounding of a bf16 dW) the padding would change.
+            g_op = at::empty({n, tile_filter ? (k + 7) / 8 * 8 : k}, hidden.options()).narrow(1, 0, k);
             cuda::cce_fused_backward(h, w, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,
                                      glp.narrow(0, r0, n), gH.defined() ? gH.narrow(0, r0, n) : gH,
-                                     targets.narrow(0, r0, n), eps, g_op, any_above, state.options.cce_pingpong);
-          } else {                            // fused epilogue over an fp32 logits block (over z itself for fp32)
+                                     targets.narrow(0, r0, n), eps, g_op, flags, ++stamp, state.options.cce_pingpong);
+            if (tile_filter) {
+              at::Tensor dE_rows = dE.narrow(0, r0, n);
+              at::Tensor dW_out = direct ? dW.narrow(0, v0, k) : dW_blk;
+              cuda::cce_sparse_grads(g_op, h, w, flags, stamp, dE_rows, dW_out);
+              continue;
+            }
+          } else {  // fused epilogue over an fp32 logits block (over z itself for fp32)
+            any_above.zero_();
             at::Tensor z = mm_acc(h, w.t());  // (n, k) fp32
             g_op = same ? z : at::empty({n, k}, hidden.options());
             cuda::cce_block_backward(z, v0, cap, temp, lse.narrow(0, r0, n), H.numel() ? H.narrow(0, r0, n) : H,

@@ -194,7 +194,10 @@ struct BackwardEpilogue {
     int64_t v0;                       // the block's first vocabulary entry
     Element* g;                       // (n, ld)
     int64_t ld;
-    int* any_above;
+    // Tile filtering (null: none): flags (rows / 64, ldf) int32; a warp group's 64 rows x 256 entries of a tile
+    // get `stamp` when one of its rows has an entry with p >= eps or its target there.
+    int* flags;
+    int ldf, stamp;
   };
   static constexpr int kRows = 2;
   const Args& a;
@@ -202,12 +205,13 @@ struct BackwardEpilogue {
   float l2[kRows], na[kRows], nb[kRows], h[kRows];
   int64_t y[kRows];
   int row[kRows];
-  bool above = false;
+  int flag_row;  // this warp's 64-row group (a warp's 16 rows lie in one)
 
   template <class Coords>
   __device__ BackwardEpilogue(const Args& args, const Coords& coords, int row0, int n) : a(args) {
     Tensor xc = make_tensor(coords.data(), rows_cols(coords.layout()));
     const float inv_temp = 1.f / a.temp;
+    flag_row = (row0 + get<0>(xc(0, 0))) / 64;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       row[r] = row0 + get<0>(xc(r, 0));
@@ -278,8 +282,15 @@ struct BackwardEpilogue {
         gradient<false, false>(x, xc, col0, pmax);
       }
     }
+    if (a.flags) {
+      bool active = false;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) above |= row[r] >= 0 && pmax[r] >= a.eps;
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t t = y[r] - col0;  // the target's column in this tile
+        active |= row[r] >= 0 && (pmax[r] >= a.eps || (t >= 0 && t < min(valid, 256)));
+      }
+      if (__any_sync(0xffffffff, active) && threadIdx.x % 32 == 0) a.flags[flag_row * a.ldf + col0 / 256] = a.stamp;
+    }
     // Store pairs of neighbouring columns as one 4-byte word where the row stride allows it.
     const bool pairs = a.ld % 2 == 0;
 #pragma unroll
@@ -303,9 +314,7 @@ struct BackwardEpilogue {
   }
 
   template <class Coords>
-  __device__ void finish(const Coords&, int, int, int, int) {
-    if (__any_sync(0xffffffff, above) && threadIdx.x % 32 == 0) atomicOr(a.any_above, 1);
-  }
+  __device__ void finish(const Coords&, int, int, int, int) {}
 };
 
 // Ping-pong order: a warp group starts a tile's MMAs only once the other has issued every MMA of the tile
@@ -315,6 +324,24 @@ struct BackwardEpilogue {
 // early could take a fill one lap of the ring too soon.
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// The TMA pipeline of a kernel whose warp 0 loads (the producer) and whose warp groups 1 and 2 multiply (the
+// consumers; `consumers` of their threads release each stage). Initialises the barriers (the caller synchronises the
+// block or cluster before any load) and prefetches the TMA descriptors.
+template <class Mainloop, class ClusterShape, class Storage>
+__device__ typename Mainloop::MainloopPipeline start_pipeline(Storage& storage, const typename Mainloop::Params& params,
+                                                              int consumers) {
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  const int warp_group = threadIdx.x / 128, warp_in_group = (threadIdx.x / 32) % 4;
+  if (threadIdx.x == 0) Mainloop::prefetch_tma_descriptors(params);
+  typename Pipeline::Params pp;
+  if (warp_group == 0 && warp_in_group == 0) pp.role = Pipeline::ThreadCategory::Producer;
+  if (warp_group > 0) pp.role = Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x % 128 == 0;
+  pp.num_consumers = consumers;
+  pp.transaction_bytes = params.tma_transaction_bytes;
+  return Pipeline(storage, pp, ClusterShape{});
+}
 
 template <class Element, class Epilogue, bool kPingpong>
 struct Params {
@@ -336,15 +363,8 @@ __global__ void __launch_bounds__(384, 1)
   auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem);
 
   const int warp_group = threadIdx.x / 128, warp_in_group = (threadIdx.x / 32) % 4;
-  if (threadIdx.x == 0) Mainloop::prefetch_tma_descriptors(p.mainloop);
-
-  typename Pipeline::Params pp;
-  if (warp_group == 0 && warp_in_group == 0) pp.role = Pipeline::ThreadCategory::Producer;
-  if (warp_group > 0) pp.role = Pipeline::ThreadCategory::Consumer;
-  pp.is_leader = threadIdx.x % 128 == 0;
-  pp.num_consumers = Cfg::kMmaThreads;  // the threads that release a stage
-  pp.transaction_bytes = p.mainloop.tma_transaction_bytes;
-  Pipeline pipeline(shared.pipeline, pp, typename Cfg::ClusterShape{});
+  Pipeline pipeline =
+      start_pipeline<Mainloop, typename Cfg::ClusterShape>(shared.pipeline, p.mainloop, Cfg::kMmaThreads);
   // Every block of the cluster must see the barriers initialised before any multicast arrives.
   cute::cluster_arrive_relaxed();
   cute::cluster_wait();
@@ -506,6 +526,256 @@ void launch(const at::Tensor& h, const at::Tensor& w, int splits, const typename
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
+// The backward's dE and dW GEMMs over the tiles of a block's logits gradient g (n, k) that tile filtering kept:
+//   dE (n, D) += g w        (M = rows, K = vocabulary entries; A = g, K-major)
+//   dW (k, D)  = g^T h      (M = vocabulary entries, K = rows; A = g^T, M-major), or += into an fp32 block
+// B (w or h) is N-major: hidden is the contiguous dimension. A k-block of A is loaded and multiplied only when a
+// flag of the g tiles it covers carries the block's stamp (the backward epilogue sets them): its other entries
+// have p < eps and no target, the gradient filter's dropped part. An output tile with no kept k-block is left
+// alone (dE) or written as zeros (dW). No host synchronisation: the decision is read on the device.
+// 128 x 192 output tiles (D = 2304 is 12 of them; 2 x 9 x 256 would leave a third of a wave idle), no
+// clusters (the thread blocks' k-blocks differ, so TMA multicast does not apply).
+constexpr int kMaxKeptWords = 64;  // k-blocks of 64 per tile: up to 131072 rows (dW) or entries (dE) per block
+
+template <class Element, bool kDW>
+struct SparseConfig {
+  using TileShape = Shape<_128, _192, _64>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using LayoutA = std::conditional_t<kDW, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, cutlass::layout::RowMajor, 8,
+      float, TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<0>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename Mainloop::TiledMma;
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+    uint32_t kept[kMaxKeptWords];  // the producer's current tile: its kept k-blocks as bits
+  };
+  static constexpr int kBlockM = 128, kBlockN = 192, kBlockK = 64;
+  static_assert(sizeof(SharedStorage) <= 227 * 1024, "shared memory");
+};
+
+// Which k-blocks of an output tile are kept. flags (rows / 64, ldf): one per 64 rows x 256 entries of g.
+struct KeptBlocks {
+  const int* flags;
+  int ldf, flag_rows, stamp, k_blocks;
+  bool dW;
+  // dE: k-block k spans entries 64k.. of rows 128 m.. (flag rows 2m, 2m + 1, column k / 4); dW: it spans rows
+  // 64k.. (flag row k) of entries 128 m.. (flag column m / 2).
+  __device__ bool kept(int m_tile, int k) const {
+    if (k >= k_blocks) return false;
+    if (dW) return __ldg(flags + k * ldf + m_tile / 2) == stamp;
+    const int r = 2 * m_tile, c = k / 4;
+    return __ldg(flags + r * ldf + c) == stamp || (r + 1 < flag_rows && __ldg(flags + (r + 1) * ldf + c) == stamp);
+  }
+  // A whole warp: the kept k-blocks of a tile as bits (word w: k-blocks 32w..32w + 31), 32 flags read at once.
+  // Writes the words to `mask` when given; returns how many are kept.
+  __device__ int scan(int m_tile, uint32_t* mask) const {
+    const int lane = threadIdx.x % 32;
+    int count = 0;
+    for (int w = 0; w * 32 < k_blocks; ++w) {
+      const uint32_t bits = __ballot_sync(0xffffffff, kept(m_tile, w * 32 + lane));
+      if (mask && lane == 0) mask[w] = bits;
+      count += __popc(bits);
+    }
+    __syncwarp();
+    return count;
+  }
+};
+
+// The producer's k iterator over a tile's kept k-blocks (bits in shared memory), in order; the mainloop reads *it
+// and advances it once a load.
+struct KeptIterator {
+  const uint32_t* mask;
+  int k, k_blocks;
+  __device__ int operator*() const { return k; }
+  __device__ KeptIterator& operator++() {
+    k = next(mask, k + 1, k_blocks);
+    return *this;
+  }
+  __device__ static int next(const uint32_t* mask, int k, int k_blocks) {
+    while (k < k_blocks) {
+      const uint32_t rest = mask[k / 32] >> (k % 32);
+      if (rest) return k + __ffs(rest) - 1;
+      k = (k / 32 + 1) * 32;
+    }
+    return k_blocks;
+  }
+};
+
+template <class Element, bool kDW>
+struct SparseParams {
+  typename SparseConfig<Element, kDW>::Mainloop::Params mainloop;
+  int M, N, K;
+  int m_tiles, tiles;
+  KeptBlocks kb;
+  float* add;      // fp32 output to accumulate into, or
+  Element* store;  // an output in the operand dtype to overwrite
+  int64_t ldo;
+  bool pairs;  // the output's rows and base allow two-element stores
+};
+
+// Persistent: each thread block walks output tiles blockIdx.x, + gridDim.x, ... with one pipeline, so the
+// producer loads a tile's first k-blocks while the consumers write the last one's (a tile keeps only a few
+// k-blocks when the filter skips most: per-tile fill and epilogue would dominate otherwise).
+template <class Element, bool kDW>
+__global__ void __launch_bounds__(384, 1) cce_sparse_gemm_kernel(const __grid_constant__ SparseParams<Element, kDW> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = SparseConfig<Element, kDW>;
+  using Mainloop = typename Cfg::Mainloop;
+  using Pipeline = typename Cfg::Pipeline;
+  static_assert(Cfg::kBlockM == 128 && Cfg::kBlockK == 64, "KeptBlocks maps these tiles onto 64 x 256 flags");
+  extern __shared__ __align__(128) char smem[];
+  auto& shared = *reinterpret_cast<typename Cfg::SharedStorage*>(smem);
+
+  const int warp_group = threadIdx.x / 128, warp_in_group = (threadIdx.x / 32) % 4;
+  Pipeline pipeline = start_pipeline<Mainloop, typename Cfg::ClusterShape>(shared.pipeline, p.mainloop, 256);
+  __syncthreads();  // the barriers initialised before any load arrives
+
+  Mainloop mainloop;
+  auto inputs = mainloop.load_init(make_shape(p.M, p.N, p.K, 1), p.mainloop);
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp_in_group == 0) {
+      auto write = cutlass::make_producer_start_state<Pipeline>();
+      for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        const int m_tile = t % p.m_tiles, n_tile = t / p.m_tiles;
+        const int kept = p.kb.scan(m_tile, shared.kept);
+        if (kept == 0) continue;
+        mainloop.load(p.mainloop, pipeline, write, inputs, make_coord(m_tile, n_tile, _, 0),
+                      KeptIterator{shared.kept, KeptIterator::next(shared.kept, 0, p.kb.k_blocks), p.kb.k_blocks}, kept,
+                      threadIdx.x % 32, 0, shared.tensors);
+        write.advance(kept);
+        __syncwarp();  // the elected lane is done with this tile's bits
+      }
+      mainloop.load_tail(pipeline, write);
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  typename Cfg::TiledMma mma;
+  const int mma_thread = threadIdx.x - 128;
+  Tensor acc = partition_fragment_C(mma, take<0, 2>(typename Cfg::TileShape{}));
+  Tensor coords = mma.get_slice(mma_thread).partition_C(make_identity_tensor(take<0, 2>(typename Cfg::TileShape{})));
+  Tensor x = make_tensor(acc.data(), rows_cols(acc.layout()));
+  Tensor xc = make_tensor(coords.data(), rows_cols(coords.layout()));
+  constexpr int kCols = decltype(size<1>(x))::value;
+  static_assert(kCols % 16 == 0, "the read-modify-write takes 8 column pairs at a time");
+  typename Mainloop::PipelineState read;
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    const int m_tile = t % p.m_tiles, n_tile = t / p.m_tiles;
+    const int kept = p.kb.scan(m_tile, nullptr);
+    if (kept == 0) {
+      if (p.add) continue;  // nothing to add
+      clear(acc);
+    } else {
+      mainloop.mma(pipeline, read, acc, kept, mma_thread, shared.tensors, p.mainloop);
+      mainloop.mma_tail(pipeline, read, kept);
+      read.advance(kept);
+    }
+    const int col0 = n_tile * Cfg::kBlockN;
+    const bool full = p.pairs && col0 + Cfg::kBlockN <= p.N;  // every column inside, two-element accesses
+#pragma unroll
+    for (int r = 0; r < size<0>(x); ++r) {
+      const int row = m_tile * Cfg::kBlockM + get<0>(xc(r, 0));
+      if (row >= p.M) continue;
+      if (p.add && full) {
+        // Read-modify-write in chunks of 8 pairs: the loads of a chunk are issued together (one after another,
+        // each load would wait out its own latency behind the previous store).
+        float* out = p.add + row * p.ldo + col0;
+#pragma unroll
+        for (int c0 = 0; c0 < kCols; c0 += 16) {
+          float2 old[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) old[j] = *reinterpret_cast<const float2*>(out + get<1>(xc(r, c0 + 2 * j)));
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            old[j].x += x(r, c0 + 2 * j), old[j].y += x(r, c0 + 2 * j + 1);
+            *reinterpret_cast<float2*>(out + get<1>(xc(r, c0 + 2 * j))) = old[j];
+          }
+        }
+        continue;
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; c += 2) {  // columns c and c + 1 are neighbours
+        const int col = col0 + get<1>(xc(r, c));
+        if (col >= p.N) continue;
+        const bool both = col + 1 < p.N;
+        if (p.add) {
+          float* out = p.add + row * p.ldo + col;
+          out[0] += x(r, c);
+          if (both) out[1] += x(r, c + 1);
+        } else {
+          Element* out = p.store + row * p.ldo + col;
+          if (both && p.pairs) {
+            const Element pair[2] = {Element(x(r, c)), Element(x(r, c + 1))};
+            uint32_t word;
+            memcpy(&word, pair, sizeof(word));
+            *reinterpret_cast<uint32_t*>(out) = word;
+          } else {
+            out[0] = Element(x(r, c));
+            if (both) out[1] = Element(x(r, c + 1));
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// a: g (n, k) with a row stride that is a multiple of 8 (TMA); b: w (k, D) for dE or h (n, D) for dW, TMA-ready;
+// out: (M, D) fp32 (accumulated) or in the operand dtype (overwritten).
+template <class Element, bool kDW>
+void sparse_gemm(const at::Tensor& g, const at::Tensor& b, int64_t D, const at::Tensor& flags, int stamp,
+                 at::Tensor& out) {
+  using Cfg = SparseConfig<Element, kDW>;
+  using Mainloop = typename Cfg::Mainloop;
+  const int n = static_cast<int>(g.size(0)), k = static_cast<int>(g.size(1));
+  const int64_t ld = g.stride(0);
+  const int M = kDW ? k : n, K = kDW ? n : k, N = static_cast<int>(D);
+  typename Mainloop::StrideA sa;
+  if constexpr (kDW) {
+    sa = make_stride(_1{}, ld, int64_t{0});
+  } else {
+    sa = make_stride(ld, _1{}, int64_t{0});
+  }
+  const typename Mainloop::StrideB sb = make_stride(_1{}, b.stride(0), int64_t{0});
+  typename Mainloop::Arguments args{reinterpret_cast<const Element*>(g.data_ptr()), sa,
+                                    reinterpret_cast<const Element*>(b.data_ptr()), sb};
+  const bool add = out.scalar_type() == at::kFloat;
+  const int64_t ldo = out.stride(0);
+  const bool pairs = ldo % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % (add ? 8 : 4) == 0;
+  const int m_tiles = (M + Cfg::kBlockM - 1) / Cfg::kBlockM, tiles = m_tiles * ((N + Cfg::kBlockN - 1) / Cfg::kBlockN);
+  const KeptBlocks kb{flags.data_ptr<int>(),
+                      static_cast<int>(flags.size(1)),
+                      static_cast<int>((n + 63) / 64),
+                      stamp,
+                      (K + Cfg::kBlockK - 1) / Cfg::kBlockK,
+                      kDW};
+  SparseParams<Element, kDW> p{Mainloop::to_underlying_arguments(make_shape(M, N, K, 1), args, nullptr),
+                               M,
+                               N,
+                               K,
+                               m_tiles,
+                               tiles,
+                               kb,
+                               add ? out.data_ptr<float>() : nullptr,
+                               add ? nullptr : reinterpret_cast<Element*>(out.data_ptr()),
+                               ldo,
+                               pairs};
+  const int smem = sizeof(typename Cfg::SharedStorage);
+  auto kernel = cce_sparse_gemm_kernel<Element, kDW>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const dim3 grid(std::min(tiles, sms));
+  kernel<<<grid, 384, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <class Element, bool kPingpong>
 void forward(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double softcap, double temperature,
              bool entropy, at::Tensor& logp, at::Tensor& lse, at::Tensor& H) {
@@ -562,11 +832,15 @@ void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const
 void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
                         double temperature, const at::Tensor& lse, const at::Tensor& H, const at::Tensor& glp,
                         const at::Tensor& gH, const at::Tensor& targets, double eps, at::Tensor& g,
-                        at::Tensor& any_above, bool pingpong) {
+                        const at::Tensor& flags, int stamp, bool pingpong) {
   TORCH_CHECK(cce_fused_available(hidden), "cce_fused_backward: needs bf16/fp16 operands on an sm_90 GPU");
-  TORCH_CHECK(g.is_contiguous() && g.scalar_type() == hidden.scalar_type() && g.size(0) == hidden.size(0) &&
-                  g.size(1) == weight.size(0),
-              "cce_fused_backward: g must be (n, k) in the operands' dtype");
+  TORCH_CHECK(g.stride(1) == 1 && g.stride(0) >= g.size(1) && g.scalar_type() == hidden.scalar_type() &&
+                  g.size(0) == hidden.size(0) && g.size(1) == weight.size(0),
+              "cce_fused_backward: g must be (n, k) with unit column stride in the operands' dtype");
+  TORCH_CHECK(!flags.defined() ||
+                  (flags.is_contiguous() && flags.scalar_type() == at::kInt &&
+                   flags.size(0) >= (hidden.size(0) + 63) / 64 && flags.size(1) >= (weight.size(0) + 255) / 256),
+              "cce_fused_backward: flags must be int32 (>= n / 64, >= k / 256)");
   if (hidden.size(0) == 0 || weight.size(0) == 0) return;
   const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
   dispatch(hidden, pingpong, [&](auto tag, auto schedule) {
@@ -582,13 +856,46 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
                                                   targets.data_ptr<int64_t>(),
                                                   v0,
                                                   reinterpret_cast<Element*>(g.data_ptr()),
-                                                  g.size(1),
-                                                  any_above.data_ptr<int>()};
+                                                  g.stride(0),
+                                                  flags.defined() ? flags.data_ptr<int>() : nullptr,
+                                                  flags.defined() ? static_cast<int>(flags.size(1)) : 0,
+                                                  stamp};
     // Each thread block walks a run of the block's vocabulary tiles, as the forward's do, so the producer
     // loads the next tile while the consumers write this one's gradient (one tile per block left the
     // pipeline's fill and every epilogue exposed: 290 TFLOP/s on the H100).
     const auto [m_tiles, n_tiles] = tiles<kPingpong>(h.size(0), w.size(0));
     launch<Element, BackwardEpilogue<Element>, kPingpong>(h, w, vocab_splits<kPingpong>(m_tiles, n_tiles), args);
+  });
+}
+
+void cce_sparse_grads(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& flags,
+                      int stamp, at::Tensor& dE, at::Tensor& dW) {
+  TORCH_CHECK(cce_fused_available(hidden), "cce_sparse_grads: needs bf16/fp16 operands on an sm_90 GPU");
+  const int64_t n = g.size(0), k = g.size(1), D = hidden.size(1);
+  TORCH_CHECK(g.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type(),
+              "cce_sparse_grads: g, hidden and weight must share a dtype");
+  TORCH_CHECK(g.stride(1) == 1 && g.stride(0) >= k && g.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0,
+              "cce_sparse_grads: g needs unit column stride, a row stride that is a multiple of 8 and a 16-byte base");
+  TORCH_CHECK(hidden.size(0) == n && weight.size(0) == k && weight.size(1) == D,
+              "cce_sparse_grads: g (n, k), hidden (n, D), weight (k, D)");
+  TORCH_CHECK(flags.is_contiguous() && flags.scalar_type() == at::kInt && flags.size(0) >= (n + 63) / 64 &&
+                  flags.size(1) >= (k + 255) / 256,
+              "cce_sparse_grads: flags must be int32 (>= n / 64, >= k / 256)");
+  TORCH_CHECK(dE.scalar_type() == at::kFloat && dE.size(0) == n && dE.size(1) == D && dE.stride(1) == 1,
+              "cce_sparse_grads: dE must be (n, D) fp32 with unit column stride");
+  TORCH_CHECK((dW.scalar_type() == at::kFloat || dW.scalar_type() == hidden.scalar_type()) && dW.size(0) == k &&
+                  dW.size(1) == D && dW.stride(1) == 1,
+              "cce_sparse_grads: dW must be (k, D), fp32 or the operands' dtype, with unit column stride");
+  TORCH_CHECK(n <= 64 * 32 * kMaxKeptWords && k <= 64 * 32 * kMaxKeptWords, "cce_sparse_grads: at most ",
+              64 * 32 * kMaxKeptWords, " rows and entries a block (loss.chunk_size, loss.vocab_chunk_size); got ", n,
+              " x ", k);
+  if (n == 0 || k == 0) return;
+  const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
+  dispatch(hidden, false, [&](auto tag, auto) {
+    using Element = decltype(tag);
+    sparse_gemm<Element, false>(g, w, D, flags, stamp, dE);
+    sparse_gemm<Element, true>(g, h, D, flags, stamp, dW);
   });
 }
 
@@ -603,8 +910,13 @@ void cce_fused_forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
 
 void cce_fused_backward(const at::Tensor&, const at::Tensor&, int64_t, double, double, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&,
-                        at::Tensor&, bool) {
+                        const at::Tensor&, int, bool) {
   TORCH_CHECK(false, "cce_fused_backward: built without CUTLASS");
+}
+
+void cce_sparse_grads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int, at::Tensor&,
+                      at::Tensor&) {
+  TORCH_CHECK(false, "cce_sparse_grads: built without CUTLASS");
 }
 
 #endif

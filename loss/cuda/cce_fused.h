@@ -21,11 +21,19 @@ void cce_fused_forward(const at::Tensor& hidden, const at::Tensor& weight, const
                        bool pingpong = false);
 
 // The logits gradient of one vocabulary block, recomputed: weight is the block (k, D) starting at entry v0, g
-// (n, k) in the operands' dtype receives dz (cuda::cce_block_backward's formula, for the same lse, H, glp, gH,
-// targets), and any_above (int32 [1]) is set to 1 when any softmax entry of the block is >= eps.
+// (n, k, unit column stride, any row stride) in the operands' dtype receives dz (cuda::cce_block_backward's
+// formula, for the same lse, H, glp, gH, targets). Tile filtering (flags defined: int32 (>= n / 64, >= k / 256)):
+// each 64 rows x 256 entries of g that hold an entry with p >= eps or a row's target get flags[r][c] = stamp;
+// the others are left as they were (a stamp per call tells them apart without clearing).
 void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int64_t v0, double softcap,
                         double temperature, const at::Tensor& lse, const at::Tensor& H, const at::Tensor& glp,
                         const at::Tensor& gH, const at::Tensor& targets, double eps, at::Tensor& g,
-                        at::Tensor& any_above, bool pingpong = false);
+                        const at::Tensor& flags, int stamp, bool pingpong = false);
+
+// The block's dE and dW from g over the tiles whose flag is `stamp` (the others are skipped: entries with
+// p < eps and no target, the filter's dropped part): dE (n, D) fp32 += g weight; dW (k, D) = g^T hidden when it
+// has the operands' dtype, += when fp32. g's row stride must be a multiple of 8 (TMA). No host synchronisation.
+void cce_sparse_grads(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& flags,
+                      int stamp, at::Tensor& dE, at::Tensor& dW);
 
 }  // namespace rlt::cuda

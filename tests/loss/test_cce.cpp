@@ -187,9 +187,10 @@ TEST(Cce, HiddenStatePathsOfNaiveAndSelectiveMatchToo) {
   }
 }
 
-// The bound gradient filtering must keep (seed 002, sec. 4.3). A block is skipped only when every
-// softmax entry p_nv in it is below eps, and skipping drops only its softmax part -u1_n p_nv / temp of
-// dz_nv (the target term is added on its own; no entropy gradient here). So, elementwise, with the
+// The bound gradient filtering must keep (seed 002, sec. 4.3). A block (on the fused path: a 64-row x
+// 256-entry tile of one) is skipped only when every softmax entry p_nv in it is below eps, and skipping drops
+// only its softmax part -u1_n p_nv / temp of dz_nv (the target term is added on its own; the fused path keeps
+// every tile holding a target; no entropy gradient here). So, elementwise, with the
 // float64 softmax p:
 //   |dE_filtered - dE|[n, d] <= |u1_n| sum_{v: p_nv < eps} p_nv |W_vd|
 //   |dW_filtered - dW|[v, d] <= sum_{n: p_nv < eps} |u1_n| p_nv |E_nd|
@@ -207,14 +208,18 @@ FilterBound filter_bound(const Lm& lm, double eps, const at::Tensor& u1) {
   return {at::mm(dropped, W.abs()), at::mm(dropped.t(), E.abs())};
 }
 
-// dt bf16: against the same path unfiltered, whose dz takes the same roundings; dW is stored in bf16, so
-// half an ulp (2^-8 relative) more. rows, entries: the block (rows 0 = automatic: on the fused path all
+// dt bf16: against the same path unfiltered, whose dz takes the same roundings; both store dW in bf16, so an ulp
+// (2^-7 relative) more. rows, entries: the block (rows 0 = automatic: on the fused path all
 // rows, dW's block written straight by one GEMM). A block is skipped only when none of its rows x entries
-// reaches eps: here about 6% of the non-target entries do, so blocks of 64 entries or fewer are needed.
-void check_filtering(at::Device dev, at::ScalarType dt = at::kFloat, int64_t rows = 4, int64_t entries = 16) {
-  const int64_t N = 16, V = 1013, D = 29;
-  const Lm lm = make_lm(N, V, D, dt, 3, dev, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
-  const double rtol = dt == at::kFloat ? kGradRtolFp32 : kGradRtolBf16;
+// reaches eps: here about 8% of the non-target entries do, so blocks of 64 entries or fewer are needed.
+// lm_in: other inputs than the default 16 x 1013 x 29 ones.
+void check_filtering(at::Device dev, at::ScalarType dt = at::kFloat, int64_t rows = 4, int64_t entries = 16,
+                     const Lm* lm_in = nullptr) {
+  const Lm lm = lm_in ? *lm_in : make_lm(16, 1013, 29, dt, 3, dev, /*peak=*/12.0);  // p(other) ~ 1e-5 e^z
+  const int64_t N = lm.E.size(0);
+  // bf16: both runs store dW (and dE) rounded, half an ulp each, so values a filtered difference puts on either
+  // side of a rounding boundary may land a whole ulp apart (2^-7 relative; seen on the fused path).
+  const double rtol = dt == at::kFloat ? kGradRtolFp32 : 2 * kGradRtolBf16;
   LossOptions o;
   o.impl = LogprobImpl::kCce;
   o.response_only = false;
@@ -226,7 +231,7 @@ void check_filtering(at::Device dev, at::ScalarType dt = at::kFloat, int64_t row
   o.grad_filter_eps = 1.0 / 4096;
   Grads filt = run(lm, o);
   EXPECT_TRUE(at::equal(filt.lp, exact.lp)) << "filtering is backward-only";
-  EXPECT_FALSE(at::equal(filt.dW, exact.dW)) << "this case must have filterable blocks";
+  EXPECT_FALSE(at::equal(filt.dW, exact.dW) && at::equal(filt.dE, exact.dE)) << "this case must have filterable blocks";
   auto [u1, u2] = upstream(N);
   const FilterBound b = filter_bound(lm, o.grad_filter_eps, u1);
   const at::Tensor exact_dE = exact.dE.cpu().to(at::kDouble), exact_dW = exact.dW.cpu().to(at::kDouble);
@@ -276,6 +281,172 @@ TEST(CceCuda, FusedGradientFilteringStaysWithinItsBound) {
   for (auto [rows, entries] : {std::pair<int64_t, int64_t>{4, 16}, {0, 2}}) {
     SCOPED_TRACE("block " + std::to_string(rows) + " x " + std::to_string(entries));
     check_filtering(dev, at::kBFloat16, rows, entries);
+  }
+  // At the kernels' own sizes (64-row x 256-entry flags, 128-row tiles, default blocks). Rows 0-63 are unsure:
+  // their top token (logit ~10 up) is not their target (a sampled token), ~350 entries a row reach 2^-12, every
+  // tile of theirs is kept. Rows 64-299 are sharp (target logit ~20 up, nothing else reaches 2^-12) with targets
+  // among the first 256 ids (frequent tokens), so only that column of their tiles is kept: a 128-row tile of dE
+  // mixes a kept and a skipped flag row, and dW's k-blocks are kept for some rows of a column and not others.
+  // (Emulated in float64 beforehand: a third of the tiles kept; eps = 1 drops the unsure rows' top tokens and is
+  // rejected on dE and dW.)
+  at::manual_seed(21);
+  const int64_t N = 300, V = 4133, D = 136;
+  at::Tensor W = at::randn({V, D}, at::kDouble) / std::sqrt(double(D));
+  at::Tensor y = at::randint(0, V, {N}, at::kLong);
+  y.narrow(0, 64, N - 64).remainder_(256);
+  at::Tensor top = at::randint(0, V, {N}, at::kLong);
+  top.narrow(0, 64, N - 64).copy_(y.narrow(0, 64, N - 64));
+  at::Tensor peak = at::full({N, 1}, 20.0, at::kDouble);
+  peak.narrow(0, 0, 64).fill_(10.0);
+  at::Tensor E = at::randn({N, D}, at::kDouble) + peak * W.index_select(0, top);
+  const Lm mixed{E.to(at::kBFloat16).to(dev), W.to(at::kBFloat16).to(dev), y.to(dev)};
+  SCOPED_TRACE("mixed peaks, default blocks");
+  check_filtering(dev, at::kBFloat16, 0, 0, &mixed);
+#endif
+}
+
+#ifdef RLT_HAVE_CUDA
+// cuda::cce_sparse_grads on its own: dE += g w and dW = g^T h (or += in fp32) over the flagged tiles only,
+// against float64 on the same values with the unkept entries of g zeroed. Its contract, at the kernels' tiles:
+// dW keeps exactly the flagged 64-row x 256-entry tiles; dE keeps an entry when either 64-row half of its
+// 128-row tile is flagged in its 256-entry column. Stale stamps (stamp - 1) count as unflagged. Shapes cut every
+// tile: n = 300 (flag rows 5, the last partial), k = 1500 (6 flag columns, g's rows padded to 1504), D = 200
+// (two 192-wide output tiles, the second partial) and D = 29 (operands padded for TMA).
+at::Tensor kept_mask(const at::Tensor& flags, int stamp, int64_t n, int64_t k, bool pair_rows) {
+  at::Tensor f = flags.cpu().eq(stamp);  // (rows / 64, k / 256)
+  if (pair_rows) {                       // a 128-row tile keeps a column when either half does
+    if (f.size(0) % 2) f = at::cat({f, at::zeros({1, f.size(1)}, f.options())});
+    f = f.view({-1, 2, f.size(1)}).any(1, /*keepdim=*/true).expand({-1, 2, f.size(1)}).reshape({-1, f.size(1)});
+  }
+  return f.repeat_interleave(64, 0).repeat_interleave(256, 1).narrow(0, 0, n).narrow(1, 0, k).to(at::kDouble);
+}
+#endif
+
+// The backward epilogue's flags: a 64-row x 256-entry tile of g is flagged exactly when one of its rows has an
+// entry with p >= eps there or its target. Against float64 on the same bf16 operands, per 64-row group and
+// 256-entry column: tiles whose largest p lies within 1e-3 relative of eps may go either way (fp32 logits);
+// every other tile must match. V = 1500 (a partial last column), both schedules, a stale stamp in place. Rows:
+//   0-63: unsure (top token ~10 up, a random target): every tile kept;
+//   64-127: sharp on a token among ids 0-255, their targets among ids 512-767 with p ~ 1e-9: columns 0 and 2;
+//   128-299: sharp on their targets, among ids 512-767: column 2 only (a target in a later column of the block
+//            must not flag the earlier ones).
+TEST(CceCuda, BackwardFlagsMarkTheTilesToKeep) {
+  const std::string skip = fused_skip_reason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+#ifdef RLT_HAVE_CUDA
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(23);
+  const int64_t N = 300, V = 1500, D = 136;
+  const double eps = 1.0 / 4096;
+  at::Tensor W = at::randn({V, D}, at::kDouble) / std::sqrt(double(D));
+  at::Tensor y = at::randint(0, V, {N}, at::kLong);
+  y.narrow(0, 64, N - 64).remainder_(256).add_(512);
+  at::Tensor top = at::randint(0, V, {N}, at::kLong);
+  top.narrow(0, 64, 64).remainder_(256);
+  top.narrow(0, 128, N - 128).copy_(y.narrow(0, 128, N - 128));
+  at::Tensor peak = at::full({N, 1}, 20.0, at::kDouble);
+  peak.narrow(0, 0, 64).fill_(10.0);
+  const at::Tensor E = (at::randn({N, D}, at::kDouble) + peak * W.index_select(0, top)).to(at::kBFloat16);
+  const at::Tensor Wb = W.to(at::kBFloat16);
+  const at::Tensor logits = at::mm(E.to(at::kDouble), Wb.to(at::kDouble).t());
+  const at::Tensor lse = logits.logsumexp(1), p = at::softmax(logits, 1);
+  // Per tile: the largest p, and whether a target lies in it.
+  const int64_t R = (N + 63) / 64, C = (V + 255) / 256;
+  auto per_tile = [&](const at::Tensor& x) {  // (N, V) -> (R, C) max, zero-padded
+    return at::constant_pad_nd(x, {0, C * 256 - V, 0, R * 64 - N}).view({R, 64, C, 256}).amax({1, 3});
+  };
+  const at::Tensor pmax = per_tile(p);
+  const at::Tensor has_target = per_tile(at::zeros({N, V}, at::kDouble).scatter_(1, y.unsqueeze(1), 1.0)).gt(0);
+  const at::Tensor want = pmax.ge(eps).logical_or(has_target);
+  const at::Tensor unsure = (pmax / eps - 1).abs().lt(1e-3).logical_and(has_target.logical_not());
+  const auto opt = at::TensorOptions().device(dev);
+  const at::Tensor e_dev = E.to(dev), w_dev = Wb.to(dev), y_dev = y.to(dev);
+  const at::Tensor lse_dev = lse.to(opt.dtype(at::kFloat)), glp = at::ones({N}, opt.dtype(at::kFloat));
+  for (bool pingpong : {false, true}) {
+    SCOPED_TRACE(pingpong ? "ping-pong" : "cooperative");
+    at::Tensor flags = at::full({R + 1, C + 2}, 4, opt.dtype(at::kInt));  // larger than needed, stamp 4 stale
+    at::Tensor g = at::empty({N, V}, opt.dtype(at::kBFloat16));
+    cuda::cce_fused_backward(e_dev, w_dev, 0, 0.0, 1.0, lse_dev, at::Tensor(), glp, at::Tensor(), y_dev, eps, g, flags,
+                             5, pingpong);
+    const at::Tensor got = flags.cpu().narrow(0, 0, R).narrow(1, 0, C).eq(5);
+    EXPECT_EQ(flags.cpu().narrow(0, R, 1).eq(4).all().item<bool>(), true) << "a row of flags past n was written";
+    EXPECT_EQ(flags.cpu().narrow(1, C, 2).eq(4).all().item<bool>(), true) << "a column of flags past k was written";
+    const at::Tensor sure = unsure.logical_not();
+    EXPECT_TRUE(at::equal(got.masked_select(sure), want.masked_select(sure))) << "flagged:\n"
+                                                                              << got.to(at::kInt) << "\nexpected:\n"
+                                                                              << want.to(at::kInt);
+    const double kept = got.to(at::kDouble).mean().item<double>();
+    EXPECT_GT(kept, 0.2) << "the unsure rows' tiles";
+    EXPECT_LT(kept, 0.6) << "the sharp rows' tiles without a target";
+    // Wrong: targets not flagged, a target flagging its own column and every one before it (a bound on the
+    // target's column of the rest of the block, not of the tile: this kernel's first version), eps ignored (every
+    // tile kept): each disagrees on a sure tile.
+    EXPECT_FALSE(at::equal(pmax.ge(eps).masked_select(sure), want.masked_select(sure)));
+    const at::Tensor up_to = std::get<0>(at::cummax(has_target.to(at::kInt).flip({1}), 1)).flip({1}).gt(0);
+    EXPECT_FALSE(at::equal(pmax.ge(eps).logical_or(up_to).masked_select(sure), want.masked_select(sure)));
+    EXPECT_FALSE(at::equal(at::ones_like(want).masked_select(sure), want.masked_select(sure)));
+  }
+#endif
+}
+
+TEST(CceCuda, TileFilteredGemmsKeepExactlyTheFlaggedTiles) {
+  const std::string skip = fused_skip_reason();
+  if (!skip.empty()) GTEST_SKIP() << skip;
+#ifdef RLT_HAVE_CUDA
+  using rlt::testing::rejects;
+  const at::Device dev(at::kCUDA, 0);
+  const int64_t n = 300, k = 1500;
+  const int stamp = 7;
+  // Flags: rows 0-1 of flag column 0 both kept, row 2 alone in column 1 (its pair row 3 not), stale stamps in
+  // column 2, nothing in column 5 (a 256-entry stripe of dW left to zeros), the last partial row (4) in column 3.
+  at::Tensor flags = at::zeros({5, 6}, at::kInt);
+  flags[0][0] = stamp, flags[1][0] = stamp, flags[2][1] = stamp, flags[0][2] = stamp - 1, flags[3][2] = stamp - 1;
+  flags[4][3] = stamp, flags[1][4] = stamp, flags[3][4] = stamp, flags[2][3] = stamp;
+  const at::Tensor flags_dev = flags.to(dev);
+  for (auto dt : {at::kBFloat16, at::kHalf}) {
+    for (int64_t D : {int64_t{200}, int64_t{29}}) {
+      const std::string what = std::string(c10::toString(dt)) + " D=" + std::to_string(D);
+      SCOPED_TRACE(what);
+      at::manual_seed(31);
+      const auto opt = at::TensorOptions().dtype(dt).device(dev);
+      const at::Tensor g = at::randn({n, 1504}, opt).narrow(1, 0, k);
+      const at::Tensor h = at::randn({n, D}, opt), w = at::randn({k, D}, opt);
+      const at::Tensor dE0 = at::randn({n, D}, opt.dtype(at::kFloat)), dW0 = at::randn({k, D}, opt.dtype(at::kFloat));
+      at::Tensor dE = dE0.clone(), dW = at::full({k, D}, 1000.0, opt), dW_acc = dW0.clone();
+      cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE, dW);
+      at::Tensor dE_unused = at::zeros_like(dE0);
+      cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE_unused, dW_acc);  // dW accumulated in fp32
+
+      const at::Tensor g64 = g.cpu().to(at::kDouble), h64 = h.cpu().to(at::kDouble), w64 = w.cpu().to(at::kDouble);
+      auto expected = [&](const at::Tensor& f, int s) {  // (dE, dW) for flags f and stamp s
+        const at::Tensor gE = g64 * kept_mask(f, s, n, k, true), gW = g64 * kept_mask(f, s, n, k, false);
+        return std::make_tuple(dE0.cpu().to(at::kDouble) + at::mm(gE, w64), at::mm(gW.t(), h64),
+                               at::mm(gE.abs(), w64.abs()), at::mm(gW.abs().t(), h64.abs()));
+      };
+      const auto [eE, eW, bE, bW] = expected(flags, stamp);
+      // fp32 sums of <= 1500 products of exact fp32 values: <= 1500 * 2^-24 of the sum of magnitudes; dW in the
+      // operand dtype also rounds once (2^-8 relative covers half an ulp of bf16).
+      const at::Tensor atol_E = bE * 1e-4 + 1e-6, atol_W = bW * 1e-4 + 1e-6;
+      const double rtol_W = 1.0 / 256;
+      RLT_EXPECT_CLOSE(dE, eE, atol_E, 0.0, what + " dE");
+      RLT_EXPECT_CLOSE(dW, eW, atol_W, rtol_W, what + " dW");
+      RLT_EXPECT_CLOSE(dW_acc, dW0.cpu().to(at::kDouble) + eW, atol_W, 0.0, what + " dW accumulated");
+      EXPECT_EQ(dW.narrow(0, 1280, k - 1280).abs().max().item<double>(), 0.0) << "no kept tile: zeros written";
+      // Wrong: every tile kept (filtering ignored), the flags one column to the right, stale stamps kept, and
+      // dE with exact 64-row flags (the pairing of a 128-row tile ignored).
+      const auto [dense_E, dense_W, b1, b2] = expected(at::full_like(flags, stamp), stamp);
+      EXPECT_TRUE(rejects(dense_E, eE, atol_E, 0.0, what + " dE", "every tile kept"));
+      EXPECT_TRUE(rejects(dense_W, eW, atol_W, rtol_W, what + " dW", "every tile kept"));
+      const at::Tensor shifted = at::cat({at::zeros({5, 1}, at::kInt), flags.narrow(1, 0, 5)}, 1);
+      const auto [sh_E, sh_W, b3, b4] = expected(shifted, stamp);
+      EXPECT_TRUE(rejects(sh_E, eE, atol_E, 0.0, what + " dE", "flags a column off"));
+      EXPECT_TRUE(rejects(sh_W, eW, atol_W, rtol_W, what + " dW", "flags a column off"));
+      const auto [st_E, st_W, b5, b6] = expected(flags.gt(0).to(at::kInt).mul(stamp), stamp);  // any stamp kept
+      EXPECT_TRUE(rejects(st_W, eW, atol_W, rtol_W, what + " dW", "stale stamps kept"));
+      const at::Tensor gE_exact = g64 * kept_mask(flags, stamp, n, k, false);
+      EXPECT_TRUE(rejects(dE0.cpu().to(at::kDouble) + at::mm(gE_exact, w64), eE, atol_E, 0.0, what + " dE",
+                          "128-row pairing ignored"));
+    }
   }
 #endif
 }

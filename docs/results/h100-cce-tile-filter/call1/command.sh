@@ -1,0 +1,12 @@
+set -uo pipefail
+out=$OUT
+source scripts/gpu_build.sh
+(cd build-gpu && ctest --no-tests=error -R 'Cce|Logprob' --output-on-failure) > $OUT/ctest.log 2>&1
+grep -E "tests passed|tests failed|Skipped|\*\*\*Failed|Failed  " $OUT/ctest.log
+grep -E "Failure|rejects|Expected|max_abs|at \[" $OUT/ctest.log | head -40
+timeout 150 build-gpu/bin/bench_loss --device cuda --case seed002 --impl cce cce_nofilter cce_tiles_all --reps 10 --json $OUT/seed002.json > $OUT/seed002.log 2>&1
+cat $OUT/seed002.log
+timeout 150 build-gpu/bin/bench_loss --device cuda --case peaked --reps 10 --json $OUT/peaked.json > $OUT/peaked.log 2>&1
+cat $OUT/peaked.log
+timeout 100 build-gpu/bin/bench_loss --device cuda --case heads --impl cce --reps 10 --json $OUT/heads.json > $OUT/heads.log 2>&1
+cat $OUT/heads.log
