@@ -51,7 +51,8 @@ struct LossOptions {
   EntropyMode entropy = EntropyMode::kNone;
   // Sampling temperature: log-probs of softmax(logits / temperature).
   double temperature = 1.0;
-  // cce: skip backward blocks whose softmax is below grad_filter_eps everywhere (seed 002, sec. 4.3).
+  // cce: skip backward blocks whose softmax is below grad_filter_eps everywhere (seed 002, sec. 4.3); on the fused
+  // Hopper path, tiles of 64 rows x 256 entries without such an entry or a target, decided on the device.
   bool grad_filter = true;
   // cce: the gradient-filtering threshold; 2^-12 is the smallest bf16 value that survives rounding.
   double grad_filter_eps = 1.0 / 4096.0;
@@ -79,7 +80,7 @@ struct LossOptions {
     v("vocab_chunk_size", vocab_chunk_size, "cce vocabulary block; 0 = automatic", FieldRange{0, 1e9});
     v("entropy", entropy, "per-token entropy: none | value | grad");
     v("temperature", temperature, "softmax temperature", FieldRange{1e-6, 1e6});
-    v("grad_filter", grad_filter, "cce: skip backward blocks with softmax < grad_filter_eps");
+    v("grad_filter", grad_filter, "cce: skip backward blocks (fused path: tiles) with softmax < grad_filter_eps");
     v("grad_filter_eps", grad_filter_eps, "cce: gradient-filtering threshold", FieldRange{0, 1});
     v("inplace_backward", inplace_backward, "selective: overwrite the logits with their gradient");
     v("cce_fused", cce_fused, "cce: fused Hopper kernels where available; false: cuBLAS blocks + epilogues");

@@ -11,6 +11,7 @@ in the three settings of the seed documents:
   seed002  Cut Cross-Entropy Table 1: E (N, D) and C (V, D) bf16, N=8192, V=256000, D=2304
   heads    the LM heads of real models, N=8192, bf16, log-prob + entropy: Qwen2.5-0.5B (D=896,
            V=151936) and Llama-3-8B (D=4096, V=128256); inputs built as seed002's
+  peaked   seed002's shape, a trained-model-like softmax (scripts/peaked_inputs.py); not in all
 
 Fused peers (when installed: pip install cut-cross-entropy liger-kernel; the GPU host takes their wheels
 from .gpu/wheels): apple CCE (linear_cross_entropy, impl="cce") and Liger's fused linear cross-entropy,
@@ -434,6 +435,43 @@ def run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn):
               fwbw, [E_leaf, C_leaf], err_fn, entropy=False)
 
 
+def case_peaked(R, scale):
+    """seed002's shape on a trained-model-like softmax (scripts/peaked_inputs.py: the CCE paper's Fig. 3), the
+    targets sampled from each row's softmax, as bench_loss --case peaked (its own draw of the same construction)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peaked_inputs import build
+    dev, V, D = R.dev, S2_V, S2_D
+    N = scaled(S2_N, scale)
+    E64, C64, _ = build(N, V, D, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    targets = torch.cat([torch.multinomial(torch.softmax(E64[r:r + 512] @ C64.T, 1), 1, generator=g).squeeze(1)
+                         for r in range(0, N, 512)])
+    E, C = E64.to(torch.bfloat16), C64.to(torch.bfloat16)
+    del E64, C64
+    release(dev)
+    ref = ref_seed002(E, C, targets)
+    print(f"peaked: N={N} V={V} D={D} mean target prob {ref.exp().mean().item():.3f}", flush=True)
+    base = dict(case="peaked", dtype="bf16", rows=N, vocab=V, hidden=D, logits_mb=N * V * 2 / MIB)
+    err_fn = lambda ce: max_err(-ce, ref)  # noqa: E731
+    E_leaf = E.detach().requires_grad_(True)
+    C_leaf = C.detach().requires_grad_(True)
+
+    def fwbw(f):
+        def call():
+            ce = f(E_leaf, C_leaf, targets)
+            ce.mean().backward()
+            return ce.detach()
+        return call
+    fn = compiled(cross_entropy)
+    R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), "torch_compile_cross_entropy", fn, True, "fwbw",
+          fwbw, [E_leaf, C_leaf], err_fn)
+    run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn)
+    del E, C, E_leaf, C_leaf, ref
+    release(dev)
+
+
 HEADS = (("qwen2.5-0.5b", 896, 151936), ("llama3-8b", 4096, 128256))
 
 
@@ -466,12 +504,13 @@ def case_heads(R, scale):
         release(dev)
 
 
-CASES = {"seed000": case_seed000, "seed001": case_seed001, "seed002": case_seed002, "heads": case_heads}
+CASES = {"seed000": case_seed000, "seed001": case_seed001, "seed002": case_seed002, "heads": case_heads,
+         "peaked": case_peaked}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--case", choices=[*CASES, "all"], default="all")
+    ap.add_argument("--case", choices=[*CASES, "all"], default="all")  # all: every case but peaked
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the row count")
     ap.add_argument("--json", help="write the records here as a JSON list")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -483,7 +522,7 @@ def main():
     print(f"torch {torch.__version__} on {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
     print(HEADER, flush=True)
-    for name in (CASES if args.case == "all" else [args.case]):
+    for name in ([c for c in CASES if c != "peaked"] if args.case == "all" else [args.case]):
         CASES[name](R, args.scale)
     if args.json:
         with open(args.json, "w") as f:

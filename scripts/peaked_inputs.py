@@ -20,6 +20,31 @@ import math
 import torch
 
 
+def build(N, V, D, K=64, top=30.0, slope=1.5, zipf=1.0, tail=4.0, seed=0, device="cpu", chunk=1024):
+    """E (N, D), C (V, D) in float64 on `device` and each row's K token ids (N, K), as the docstring says.
+    bench_loss --case peaked (make_peaked) builds the same, with the rows' ids drawn by Gumbel top-k."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    f64 = dict(dtype=torch.float64, device=device)
+    C = torch.randn(V, D, generator=g, **f64) / math.sqrt(D - 1)
+    ids = torch.arange(V, **f64)
+    C[:, 0] = -slope * torch.log1p(ids)
+    w = ((ids + 1) ** (-zipf)).float()
+    beta = top - slope * torch.log(torch.arange(1, K + 1, **f64))
+    E = torch.empty(N, D, **f64)
+    tok = torch.empty(N, K, dtype=torch.long, device=device)
+    for r0 in range(0, N, chunk):
+        n = min(chunk, N - r0)
+        t = torch.multinomial(w.expand(n, V), K, replacement=False, generator=g)  # (n, K)
+        Ct = C[t]  # (n, K, D)
+        rhs = beta.view(1, K) - Ct[:, :, 0] - (top - tail)
+        M = Ct[:, :, 1:]
+        e = M.transpose(1, 2) @ torch.linalg.solve(M @ M.transpose(1, 2), rhs.unsqueeze(2))
+        E[r0:r0 + n, 0] = 1.0
+        E[r0:r0 + n, 1:] = e.squeeze(2)
+        tok[r0:r0 + n] = t
+    return E, C, tok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=256)
@@ -33,18 +58,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     N, V, D, K = a.rows, a.vocab, a.hidden, a.k
-    g = torch.Generator().manual_seed(a.seed)
-    C = torch.randn(V, D, generator=g, dtype=torch.float64) / math.sqrt(D - 1)
-    ids = torch.arange(V, dtype=torch.float64)
-    C[:, 0] = -a.slope * torch.log1p(ids)
-    w = ((ids + 1) ** (-a.zipf)).float()
-    tok = torch.multinomial(w.expand(N, V), K, replacement=False, generator=g)  # (N, K)
-    beta = a.top - a.slope * torch.log(torch.arange(1, K + 1, dtype=torch.float64))
-    Ct = C[tok]  # (N, K, D)
-    rhs = beta.view(1, K) - Ct[:, :, 0] - (a.top - a.tail)
-    M = Ct[:, :, 1:]
-    e = M.transpose(1, 2) @ torch.linalg.solve(M @ M.transpose(1, 2), rhs.unsqueeze(2))
-    E = torch.cat([torch.ones(N, 1, dtype=torch.float64), e.squeeze(2)], 1)
+    E, C, tok = build(N, V, D, K, a.top, a.slope, a.zipf, a.tail, a.seed)
     p = torch.softmax(E @ C.T, 1)
     thr = 2.0 ** -12
     above = p >= thr
