@@ -260,16 +260,17 @@ void make_peaked(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::D
   in.hidden = E.to(dt).requires_grad_(true);
 }
 
-// How much a gradient filter at 2^-12 can skip on these inputs (the operands as given, fp32 logits): entries
-// >= 2^-12 a row, the target's mean p, and the fraction of the fused backward's 64-row x 256-entry tiles it keeps
-// (an entry >= 2^-12 or a target in them). On an sm_90 GPU also the fraction the backward kernel itself flags in
-// the first vocabulary block (4096 entries), beside this count for that block. Printed, and stored with each
-// record of the case.
-json filter_stats(const Inputs& in) {
+// How much a gradient filter at eps (loss.grad_filter_eps, 2^-12 by default) can skip on these inputs (the
+// operands as given, fp32 logits, temperature 1 as every case here): entries >= eps a row, the target's mean p,
+// and the fraction of the fused backward's 64-row x 256-entry tiles it keeps (an entry >= eps or a target in
+// them; dE's GEMM computes 128-row tiles, so a larger fraction there). On an sm_90 GPU also the fraction the backward
+// kernel itself flags in the first vocabulary block (4096 entries), beside this count for that block. Printed, and
+// stored with each record of the case.
+json filter_stats(const Inputs& in, double eps) {
   at::NoGradGuard ng;
   const int64_t N = in.hidden.size(0), V = in.lm_head.size(0), kChunk = 512, kBlock = std::min<int64_t>(4096, V);
   const at::Tensor C = in.lm_head.detach().to(at::kFloat);
-  double above = 0, p_target = 0, kept = 0, tiles = 0, kept0 = 0, tiles0 = 0;
+  double above = 0, p_target = 0, kept = 0, tiles = 0, kept0 = 0, tiles0 = 0, kept_pairs = 0;
   at::Tensor lse = at::empty({N}, C.options());
   for (int64_t r0 = 0; r0 < N; r0 += kChunk) {
     const int64_t n = std::min(kChunk, N - r0), n64 = (n + 63) / 64 * 64, v256 = (V + 255) / 256 * 256;
@@ -277,7 +278,7 @@ json filter_stats(const Inputs& in) {
     lse.narrow(0, r0, n).copy_(z.logsumexp(1));
     const at::Tensor p = at::softmax(z, 1);
     const at::Tensor y = in.targets.narrow(0, r0, n).unsqueeze(1);
-    at::Tensor keep = p.ge(1.0 / 4096);
+    at::Tensor keep = p.ge(eps);
     above += keep.sum().item<double>();
     p_target += p.gather(1, y).sum().item<double>();
     keep.scatter_(1, y, true);
@@ -285,25 +286,27 @@ json filter_stats(const Inputs& in) {
     const at::Tensor t = keep.amax({1, 3});  // (n64 / 64, v256 / 256)
     kept += t.sum().item<double>();
     tiles += double(t.numel());
+    // dE's GEMM multiplies 128-row tiles: a column of a pair of flag rows is computed when either is flagged.
+    const at::Tensor pairs = at::constant_pad_nd(t, {0, 0, 0, t.size(0) % 2}).view({-1, 2, t.size(1)}).amax(1);
+    kept_pairs += 2 * pairs.sum().item<double>();
     const int64_t c0 = (kBlock + 255) / 256;
     kept0 += t.narrow(1, 0, c0).sum().item<double>();
     tiles0 += double(t.size(0) * c0);
   }
-  json j = {{"above_per_row", above / N},
-            {"p_target_mean", p_target / N},
-            {"tiles_kept", kept / tiles},
-            {"tiles_kept_block0", kept0 / tiles0}};
-  std::cout << "# filter at 2^-12: " << j["above_per_row"].get<double>() << " entries a row, mean p(target) "
+  json j = {{"filter_eps", eps},          {"above_per_row", above / N},          {"p_target_mean", p_target / N},
+            {"tiles_kept", kept / tiles}, {"tiles_kept_dE", kept_pairs / tiles}, {"tiles_kept_block0", kept0 / tiles0}};
+  std::cout << "# filter at " << eps << ": " << j["above_per_row"].get<double>() << " entries a row, mean p(target) "
             << j["p_target_mean"].get<double>() << ", 64 x 256 tiles kept " << j["tiles_kept"].get<double>()
-            << " (first block " << j["tiles_kept_block0"].get<double>() << ")";
+            << " (dE's 128-row tiles: " << j["tiles_kept_dE"].get<double>() << "; first block "
+            << j["tiles_kept_block0"].get<double>() << ")";
 #ifdef RLT_HAVE_CUDA
   if (cuda::cce_fused_available(in.hidden)) {
     const auto opt = in.hidden.options();
     at::Tensor flags = at::zeros({(N + 63) / 64, (kBlock + 255) / 256}, opt.dtype(at::kInt));
     at::Tensor g = at::empty({N, kBlock}, opt);
     cuda::cce_fused_backward(in.hidden.detach(), in.lm_head.detach().narrow(0, 0, kBlock), 0, 0.0, 1.0, lse,
-                             at::Tensor(), at::ones({N}, opt.dtype(at::kFloat)), at::Tensor(), in.targets, 1.0 / 4096,
-                             g, flags, 1);
+                             at::Tensor(), at::ones({N}, opt.dtype(at::kFloat)), at::Tensor(), in.targets, eps, g,
+                             flags, 1);
     j["kernel_tiles_kept_block0"] = flags.eq(1).to(at::kDouble).mean().item<double>();
     std::cout << "; the backward kernel flags " << j["kernel_tiles_kept_block0"].get<double>()
               << " of the first block's";
@@ -427,7 +430,7 @@ void case_seed002(Bench& b) {
       // The fused kernels' other schedule: MMA warp groups on alternate tiles (loss.cce_pingpong: true).
       {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
   };
-  const json stats = filter_stats(in);
+  const json stats = filter_stats(in, b.base.grad_filter_eps);
   for (const auto& v : vs) {
     for (const char* pass : {"fw", "fwbw"}) {
       // Filtering is backward-only.
@@ -452,7 +455,7 @@ void case_peaked(Bench& b) {
       {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
       {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
   };
-  const json stats = filter_stats(in);
+  const json stats = filter_stats(in, b.base.grad_filter_eps);
   for (const auto& v : vs) {
     for (const char* pass : {"fw", "fwbw"}) {
       if (v.impl == "cce_nofilter" && std::string(pass) == "fw") continue;
@@ -485,7 +488,7 @@ void case_heads(Bench& b) {
         {"cce_blockwise", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_fused = false; }), true},
         {"cce_pingpong", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.cce_pingpong = true; }), true},
     };
-    json extra = filter_stats(in);
+    json extra = filter_stats(in, b.base.grad_filter_eps);
     extra["model"] = h.model;
     extra["entropy"] = true;
     for (const auto& v : vs) {

@@ -327,6 +327,10 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
             : std::max<int64_t>(128, std::min(kBlockElems / rb, kBlockElems / std::max<int64_t>(D, 1)) / 128 * 128);
   int64_t vb = vocab_block > 0 ? vocab_block : vb_auto;
   vb = std::max<int64_t>(1, std::min(vb, std::max<int64_t>(V, 1)));
+  if (fused) {  // the tile-filtered GEMMs take blocks of up to 131072 rows and entries (2048 k-blocks a tile)
+    rb = std::min<int64_t>(rb, 131072);
+    vb = std::min<int64_t>(vb, 131072);
+  }
   return {rb, vb};
 }
 

@@ -731,7 +731,7 @@ __global__ void __launch_bounds__(384, 1) cce_sparse_gemm_kernel(const __grid_co
 // out: (M, D) fp32 (accumulated) or in the operand dtype (overwritten).
 template <class Element, bool kDW>
 void sparse_gemm(const at::Tensor& g, const at::Tensor& b, int64_t D, const at::Tensor& flags, int stamp,
-                 at::Tensor& out) {
+                 at::Tensor& out, int max_blocks) {
   using Cfg = SparseConfig<Element, kDW>;
   using Mainloop = typename Cfg::Mainloop;
   const int n = static_cast<int>(g.size(0)), k = static_cast<int>(g.size(1));
@@ -771,7 +771,7 @@ void sparse_gemm(const at::Tensor& g, const at::Tensor& b, int64_t D, const at::
   auto kernel = cce_sparse_gemm_kernel<Element, kDW>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const dim3 grid(std::min(tiles, sms));
+  const dim3 grid(std::min(tiles, max_blocks > 0 ? std::min(max_blocks, sms) : sms));
   kernel<<<grid, 384, smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -869,7 +869,7 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
 }
 
 void cce_sparse_grads(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& flags,
-                      int stamp, at::Tensor& dE, at::Tensor& dW) {
+                      int stamp, at::Tensor& dE, at::Tensor& dW, int max_blocks) {
   TORCH_CHECK(cce_fused_available(hidden), "cce_sparse_grads: needs bf16/fp16 operands on an sm_90 GPU");
   const int64_t n = g.size(0), k = g.size(1), D = hidden.size(1);
   TORCH_CHECK(g.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type(),
@@ -894,8 +894,8 @@ void cce_sparse_grads(const at::Tensor& g, const at::Tensor& hidden, const at::T
   const at::Tensor h = tma_ready(hidden), w = tma_ready(weight);
   dispatch(hidden, false, [&](auto tag, auto) {
     using Element = decltype(tag);
-    sparse_gemm<Element, false>(g, w, D, flags, stamp, dE);
-    sparse_gemm<Element, true>(g, h, D, flags, stamp, dW);
+    sparse_gemm<Element, false>(g, w, D, flags, stamp, dE, max_blocks);
+    sparse_gemm<Element, true>(g, h, D, flags, stamp, dW, max_blocks);
   });
 }
 
@@ -915,7 +915,7 @@ void cce_fused_backward(const at::Tensor&, const at::Tensor&, int64_t, double, d
 }
 
 void cce_sparse_grads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int, at::Tensor&,
-                      at::Tensor&) {
+                      at::Tensor&, int) {
   TORCH_CHECK(false, "cce_sparse_grads: built without CUTLASS");
 }
 

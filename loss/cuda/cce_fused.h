@@ -32,8 +32,11 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
 
 // The block's dE and dW from g over the tiles whose flag is `stamp` (the others are skipped: entries with
 // p < eps and no target, the filter's dropped part): dE (n, D) fp32 += g weight; dW (k, D) = g^T hidden when it
-// has the operands' dtype, += when fp32. g's row stride must be a multiple of 8 (TMA). No host synchronisation.
+// has the operands' dtype, += when fp32. dW keeps exactly the flagged tiles; dE multiplies whole 128-row tiles,
+// so it also keeps an unflagged 64-row half of a flagged pair (a superset, within the same bound). g's row
+// stride must be a multiple of 8 (TMA); n and k at most 131072. No host synchronisation. max_blocks > 0 caps
+// the persistent grid (tests: one thread block walking many tiles).
 void cce_sparse_grads(const at::Tensor& g, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& flags,
-                      int stamp, at::Tensor& dE, at::Tensor& dW);
+                      int stamp, at::Tensor& dE, at::Tensor& dW, int max_blocks = 0);
 
 }  // namespace rlt::cuda

@@ -237,6 +237,16 @@ void check_filtering(at::Device dev, at::ScalarType dt = at::kFloat, int64_t row
   const at::Tensor exact_dE = exact.dE.cpu().to(at::kDouble), exact_dW = exact.dW.cpu().to(at::kDouble);
   RLT_EXPECT_CLOSE(filt.dE, exact_dE, b.dE + kGradAtolFp32, rtol, "filtered dE");
   RLT_EXPECT_CLOSE(filt.dW, exact_dW, b.dW + kGradAtolFp32, rtol, "filtered dW");
+  // The same code with a threshold nothing misses keeps every block (tile): it matches the unfiltered run within
+  // rounding (on the fused path other GEMMs than cuBLAS's), and the filtered run must differ from it, so the
+  // filter skipped something on the very kernels it runs on.
+  const double eps = o.grad_filter_eps;
+  o.grad_filter_eps = 1e-30;
+  const Grads kept_all = run(lm, o);
+  RLT_EXPECT_CLOSE(kept_all.dE, exact_dE, kGradAtolFp32, rtol, "every block kept dE");
+  RLT_EXPECT_CLOSE(kept_all.dW, exact_dW, kGradAtolFp32, rtol, "every block kept dW");
+  EXPECT_FALSE(at::equal(filt.dW, kept_all.dW) && at::equal(filt.dE, kept_all.dE)) << "the filter skipped nothing";
+  o.grad_filter_eps = eps;
   // Wrong: a threshold of 1 skips every block's softmax part, the target's own p_y ~ 1 included; the
   // bound for 2^-12 must reject it.
   o.grad_filter_eps = 1.0;
@@ -327,9 +337,11 @@ at::Tensor kept_mask(const at::Tensor& flags, int stamp, int64_t n, int64_t k, b
 // 256-entry column: tiles whose largest p lies within 1e-3 relative of eps may go either way (fp32 logits);
 // every other tile must match. V = 1500 (a partial last column), both schedules, a stale stamp in place. Rows:
 //   0-63: unsure (top token ~10 up, a random target): every tile kept;
-//   64-127: sharp on a token among ids 0-255, their targets among ids 512-767 with p ~ 1e-9: columns 0 and 2;
-//   128-299: sharp on their targets, among ids 512-767: column 2 only (a target in a later column of the block
-//            must not flag the earlier ones).
+//   64-299: sharp on their targets, among ids 512-767: column 2 only (a target in a later column of the block
+//           must not flag the earlier ones);
+//   but row 125 (warp 3 of its group, its second register row): sharp on a token among ids 0-255, its target
+//           among ids 1024-1279 with p ~ 1e-9: it alone flags column 0 (by p) and column 4 (by its target) of
+//           rows 64-127, so a vote that missed a warp or a register row would show.
 TEST(CceCuda, BackwardFlagsMarkTheTilesToKeep) {
   const std::string skip = fused_skip_reason();
   if (!skip.empty()) GTEST_SKIP() << skip;
@@ -342,8 +354,8 @@ TEST(CceCuda, BackwardFlagsMarkTheTilesToKeep) {
   at::Tensor y = at::randint(0, V, {N}, at::kLong);
   y.narrow(0, 64, N - 64).remainder_(256).add_(512);
   at::Tensor top = at::randint(0, V, {N}, at::kLong);
-  top.narrow(0, 64, 64).remainder_(256);
-  top.narrow(0, 128, N - 128).copy_(y.narrow(0, 128, N - 128));
+  top.narrow(0, 64, N - 64).copy_(y.narrow(0, 64, N - 64));
+  y[125] = 1024 + 77, top[125] = 33;
   at::Tensor peak = at::full({N, 1}, 20.0, at::kDouble);
   peak.narrow(0, 0, 64).fill_(10.0);
   const at::Tensor E = (at::randn({N, D}, at::kDouble) + peak * W.index_select(0, top)).to(at::kBFloat16);
@@ -412,10 +424,20 @@ TEST(CceCuda, TileFilteredGemmsKeepExactlyTheFlaggedTiles) {
       const at::Tensor g = at::randn({n, 1504}, opt).narrow(1, 0, k);
       const at::Tensor h = at::randn({n, D}, opt), w = at::randn({k, D}, opt);
       const at::Tensor dE0 = at::randn({n, D}, opt.dtype(at::kFloat)), dW0 = at::randn({k, D}, opt.dtype(at::kFloat));
-      at::Tensor dE = dE0.clone(), dW = at::full({k, D}, 1000.0, opt), dW_acc = dW0.clone();
-      cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE, dW);
-      at::Tensor dE_unused = at::zeros_like(dE0);
-      cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE_unused, dW_acc);  // dW accumulated in fp32
+      struct Out {
+        at::Tensor dE, dW, dW_acc;
+      };
+      std::vector<Out> results;
+      // The persistent grid capped at 1 and 3 thread blocks as well: each walks many tiles (kept, skipped and
+      // partial ones in turn) with one pipeline.
+      for (int blocks : {0, 1, 3}) {
+        SCOPED_TRACE("thread blocks " + std::to_string(blocks));
+        at::Tensor dE = dE0.clone(), dW = at::full({k, D}, 1000.0, opt), dW_acc = dW0.clone();
+        cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE, dW, blocks);
+        at::Tensor dE_unused = at::zeros_like(dE0);
+        cuda::cce_sparse_grads(g, h, w, flags_dev, stamp, dE_unused, dW_acc, blocks);  // dW accumulated in fp32
+        results.push_back({dE, dW, dW_acc});
+      }
 
       const at::Tensor g64 = g.cpu().to(at::kDouble), h64 = h.cpu().to(at::kDouble), w64 = w.cpu().to(at::kDouble);
       auto expected = [&](const at::Tensor& f, int s) {  // (dE, dW) for flags f and stamp s
@@ -427,11 +449,15 @@ TEST(CceCuda, TileFilteredGemmsKeepExactlyTheFlaggedTiles) {
       // fp32 sums of <= 1500 products of exact fp32 values: <= 1500 * 2^-24 of the sum of magnitudes; dW in the
       // operand dtype also rounds once (2^-8 relative covers half an ulp of bf16).
       const at::Tensor atol_E = bE * 1e-4 + 1e-6, atol_W = bW * 1e-4 + 1e-6;
-      const double rtol_W = 1.0 / 256;
-      RLT_EXPECT_CLOSE(dE, eE, atol_E, 0.0, what + " dE");
-      RLT_EXPECT_CLOSE(dW, eW, atol_W, rtol_W, what + " dW");
-      RLT_EXPECT_CLOSE(dW_acc, dW0.cpu().to(at::kDouble) + eW, atol_W, 0.0, what + " dW accumulated");
-      EXPECT_EQ(dW.narrow(0, 1280, k - 1280).abs().max().item<double>(), 0.0) << "no kept tile: zeros written";
+      const double rtol_W = dt == at::kHalf ? 1.0 / 2048 : 1.0 / 256;  // half an ulp: 11 and 8 significant bits
+      for (size_t i = 0; i < results.size(); ++i) {
+        const auto& [dE, dW, dW_acc] = results[i];
+        const std::string grid = what + " grid " + std::to_string(i);
+        RLT_EXPECT_CLOSE(dE, eE, atol_E, 0.0, grid + " dE");
+        RLT_EXPECT_CLOSE(dW, eW, atol_W, rtol_W, grid + " dW");
+        RLT_EXPECT_CLOSE(dW_acc, dW0.cpu().to(at::kDouble) + eW, atol_W, 0.0, grid + " dW accumulated");
+        EXPECT_EQ(dW.narrow(0, 1280, k - 1280).abs().max().item<double>(), 0.0) << "no kept tile: zeros written";
+      }
       // Wrong: every tile kept (filtering ignored), the flags one column to the right, stale stamps kept, and
       // dE with exact 64-row flags (the pairing of a 128-row tile ignored).
       const auto [dense_E, dense_W, b1, b2] = expected(at::full_like(flags, stamp), stamp);
@@ -663,6 +689,9 @@ TEST(Cce, BlockSizes) {
   EXPECT_EQ(cce_blocks(20000, 128256, 4096, 0, 0, true), (std::pair<int64_t, int64_t>{8192, 4096}));
   EXPECT_EQ(cce_blocks(37, 1013, 29, 0, 0, true), (std::pair<int64_t, int64_t>{37, 1013}));
   EXPECT_EQ(cce_blocks(37, 1013, 29, 8, 100, true), (std::pair<int64_t, int64_t>{8, 100}));
+  // The tile-filtered GEMMs' limit on the fused path: 131072 rows and entries a block.
+  EXPECT_EQ(cce_blocks(300000, 200000, 64, 200000, 150000, true), (std::pair<int64_t, int64_t>{131072, 131072}));
+  EXPECT_EQ(cce_blocks(300000, 200000, 64, 200000, 150000, false), (std::pair<int64_t, int64_t>{200000, 150000}));
 }
 
 TEST(CceCuda, MatchesFloat64OnGpu) {
