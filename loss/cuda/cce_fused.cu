@@ -4,7 +4,10 @@
 //   forward:  fold the tile into each row's online softmax state (max m, s = sum e^{x-m},
 //             t = sum e^{x-m}(x-m), x = softcap(z) / temp); nothing of [N, V] reaches memory;
 //   backward: form the tile's logits gradient dz (loss/cce.cpp's formula) and write it in the operand
-//             dtype for the dE and dW GEMMs, raising a flag when any softmax entry is >= eps.
+//             dtype for the dE and dW GEMMs, flagging each 64-row x 256-entry part that holds an entry with
+//             p >= eps or a target.
+// The dE and dW GEMMs (further down) are ours too: persistent, over the flagged parts of dz only, so gradient
+// filtering skips work per tile without a host read.
 //
 // Work split. Forward: a thread block owns 128 rows (64 under ping-pong, below) and a contiguous run of 256-entry
 // vocabulary tiles (a "split"); it writes one (m, s, t) per row and split, and cce_fused_finish_kernel merges the
