@@ -2,7 +2,8 @@
 # One call on the H200 host: build (Debian packages carried in .gpu/, see ../shared/gpu/README.md), run
 # every test (the CUDA ones included), then bench_loss on CUDA for every case and the PyTorch peers
 # (scripts/bench_peers.py) in the same command on the same GPU. Results land in $OUT (or runs/gpu).
-# Usage on the host: [SKIP_CTEST=1] bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads)
+# Usage on the host: [SKIP_CTEST=1] bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads;
+# also: peaked, seed002's shape on a trained-model-like softmax, for gradient filtering)
 # The fused peers (apple CCE, Liger) come from their pure-Python wheels in .gpu/wheels, fetched here with
 #   pip download --no-deps cut-cross-entropy liger-kernel -d .gpu/wheels
 # and unpacked onto PYTHONPATH (the host has no package registry; triton comes with its torch).
