@@ -205,6 +205,14 @@ LossOptions with(const LossOptions& base, LogprobImpl impl, std::function<void(L
   return o;
 }
 
+// The bench's options for cases whose every row is scored: no response-row gathering, no loss-mask restriction.
+LossOptions every_row(const LossOptions& base) {
+  LossOptions o = base;
+  o.response_only = false;
+  o.loss_mask_only = false;
+  return o;
+}
+
 int64_t scaled(double rows, double scale) { return std::max<int64_t>(1, std::llround(rows * scale)); }
 
 // A peaked, LM-like next-token distribution from hidden states (documented in docs/benchmarks.md):
@@ -342,9 +350,7 @@ void case_seed000(Bench& b) {
     in.logits.requires_grad_(true);
     in.refill = fill;
     const at::Tensor ref = reference_logprobs(in, 1.0);
-    LossOptions base = b.base;
-    base.response_only = false;
-    base.loss_mask_only = false;
+    LossOptions base = every_row(b.base);
     std::vector<Variant> vs = {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), false},
         {"naive_chunked", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 1024; }), false},
@@ -414,9 +420,7 @@ void case_seed002(Bench& b) {
   Inputs in;
   make_lm(N, V, D, at::kBFloat16, b.device, in);
   const at::Tensor ref = reference_logprobs(in, 1.0);
-  LossOptions base = b.base;
-  base.response_only = false;
-  base.loss_mask_only = false;
+  LossOptions base = every_row(b.base);
   std::vector<Variant> vs = {
       {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},
       {"selective", with(base, LogprobImpl::kSelective), true},
@@ -447,9 +451,7 @@ void case_peaked(Bench& b) {
   Inputs in;
   make_peaked(N, V, D, at::kBFloat16, b.device, in);
   const at::Tensor ref = reference_logprobs(in, 1.0);
-  LossOptions base = b.base;
-  base.response_only = false;
-  base.loss_mask_only = false;
+  LossOptions base = every_row(b.base);
   const std::vector<Variant> vs = {
       {"cce", with(base, LogprobImpl::kCce), true},
       {"cce_nofilter", with(base, LogprobImpl::kCce, [](LossOptions& o) { o.grad_filter = false; }), true},
@@ -477,9 +479,7 @@ void case_heads(Bench& b) {
     Inputs in;
     make_lm(N, h.V, h.D, at::kBFloat16, b.device, in);
     const at::Tensor ref = reference_logprobs(in, 1.0);
-    LossOptions base = b.base;
-    base.response_only = false;
-    base.loss_mask_only = false;
+    LossOptions base = every_row(b.base);
     base.entropy = EntropyMode::kGrad;
     const std::vector<Variant> vs = {
         {"naive", with(base, LogprobImpl::kNaive, [](LossOptions& o) { o.chunk_size = 0; }), true},

@@ -395,12 +395,21 @@ def case_seed002(R, scale):
           f"mean target prob {ref.exp().mean().item():.3f}", flush=True)
     base = dict(case="seed002", dtype="bf16", rows=N, vocab=V, hidden=D,
                 logits_mb=N * V * 2 / MIB)
+    run_ce_peers(R, base, E, C, targets, ref,
+                 (("torch_cross_entropy", cross_entropy, False),
+                  ("torch_compile_cross_entropy", compiled(cross_entropy), True)), fw=True)
+    del E, C, ref
+    release(dev)
+
+
+def run_ce_peers(R, base, E, C, targets, ref, peers, fw):
+    """The cross-entropy peers (fw when asked, then fw+bw of the mean) and the fused ones, on E (N, D), C (V, D)."""
+    N, D, V = E.shape[0], E.shape[1], C.shape[0]
     err_fn = lambda ce: max_err(-ce, ref)  # noqa: E731  (logprob = -ce)
-    peers = (("torch_cross_entropy", cross_entropy, False),
-             ("torch_compile_cross_entropy", compiled(cross_entropy), True))
-    for impl, fn, is_c in peers:
-        R.run(dict(base, lower_bound_mb=N * 4 / MIB), impl, fn, is_c, "fw",
-              lambda f: fw_call(lambda: f(E, C, targets)), [], err_fn)
+    if fw:
+        for impl, fn, is_c in peers:
+            R.run(dict(base, lower_bound_mb=N * 4 / MIB), impl, fn, is_c, "fw",
+                  lambda f: fw_call(lambda: f(E, C, targets)), [], err_fn)
     E_leaf = E.detach().requires_grad_(True)
     C_leaf = C.detach().requires_grad_(True)
 
@@ -414,8 +423,6 @@ def case_seed002(R, scale):
         R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), impl, fn, is_c, "fwbw",
               fwbw, [E_leaf, C_leaf], err_fn)
     run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn)
-    del E, C, E_leaf, C_leaf, ref
-    release(dev)
 
 
 def run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn):
@@ -454,21 +461,9 @@ def case_peaked(R, scale):
     ref = ref_seed002(E, C, targets)
     print(f"peaked: N={N} V={V} D={D} mean target prob {ref.exp().mean().item():.3f}", flush=True)
     base = dict(case="peaked", dtype="bf16", rows=N, vocab=V, hidden=D, logits_mb=N * V * 2 / MIB)
-    err_fn = lambda ce: max_err(-ce, ref)  # noqa: E731
-    E_leaf = E.detach().requires_grad_(True)
-    C_leaf = C.detach().requires_grad_(True)
-
-    def fwbw(f):
-        def call():
-            ce = f(E_leaf, C_leaf, targets)
-            ce.mean().backward()
-            return ce.detach()
-        return call
-    fn = compiled(cross_entropy)
-    R.run(dict(base, lower_bound_mb=(N * D + V * D) * 2 / MIB), "torch_compile_cross_entropy", fn, True, "fwbw",
-          fwbw, [E_leaf, C_leaf], err_fn)
-    run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn)
-    del E, C, E_leaf, C_leaf, ref
+    run_ce_peers(R, base, E, C, targets, ref, (("torch_compile_cross_entropy", compiled(cross_entropy), True),),
+                 fw=False)
+    del E, C, ref
     release(dev)
 
 
