@@ -90,6 +90,21 @@ __device__ __forceinline__ float ex2(float x) {
 // tanh u = 1 - 2 / (e^{2u} + 1): two SFU operations; absolute error ~1e-7 (the softcap multiplies it by cap).
 __device__ __forceinline__ float fast_tanh(float u) { return 1.f - 2.f / (1.f + __expf(2.f * u)); }
 
+// out[0] = a and, when `both`, out[1] = b, in the operand dtype; one 4-byte store when both are written and
+// `word` says out is 4-byte aligned (an even row stride and base).
+template <class Element>
+__device__ __forceinline__ void store_pair(Element* out, float a, float b, bool both, bool word) {
+  if (both && word) {
+    const Element pair[2] = {Element(a), Element(b)};
+    uint32_t bits;
+    memcpy(&bits, pair, sizeof(bits));
+    *reinterpret_cast<uint32_t*>(out) = bits;
+  } else {
+    out[0] = Element(a);
+    if (both) out[1] = Element(b);
+  }
+}
+
 // An accumulator fragment ((2, 2, N/8), MMA_M, MMA_N) seen as (rows, columns): the wgmma C layout puts a
 // thread's values of rows r and r + 8 in mode (0, 1) and its columns in modes (0, 0) and (0, 2), so columns
 // 2j and 2j + 1 of the view are neighbours in the tile.
@@ -303,15 +318,7 @@ struct BackwardEpilogue {
 #pragma unroll
       for (int c = 0; c < size<1>(x); c += 2) {
         const int col = get<1>(xc(r, c));
-        if (pairs && col + 1 < valid) {
-          const Element pair[2] = {Element(x(r, c)), Element(x(r, c + 1))};
-          uint32_t word;
-          memcpy(&word, pair, sizeof(word));
-          *reinterpret_cast<uint32_t*>(out + col) = word;
-        } else {
-          if (col < valid) out[col] = Element(x(r, c));
-          if (col + 1 < valid) out[col + 1] = Element(x(r, c + 1));
-        }
+        if (col < valid) store_pair(out + col, x(r, c), x(r, c + 1), col + 1 < valid, pairs);
       }
     }
   }
@@ -713,16 +720,7 @@ __global__ void __launch_bounds__(384, 1) cce_sparse_gemm_kernel(const __grid_co
           out[0] += x(r, c);
           if (both) out[1] += x(r, c + 1);
         } else {
-          Element* out = p.store + row * p.ldo + col;
-          if (both && p.pairs) {
-            const Element pair[2] = {Element(x(r, c)), Element(x(r, c + 1))};
-            uint32_t word;
-            memcpy(&word, pair, sizeof(word));
-            *reinterpret_cast<uint32_t*>(out) = word;
-          } else {
-            out[0] = Element(x(r, c));
-            if (both) out[1] = Element(x(r, c + 1));
-          }
+          store_pair(p.store + row * p.ldo + col, x(r, c), x(r, c + 1), both, p.pairs);
         }
       }
     }
