@@ -36,7 +36,10 @@
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
 // feed_steps, feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations (of them,
 // those that made new cache tensors), step_graph_captures, feed_graph_captures, capture_s (host seconds in
-// those captures), spread}; --modes runs only the listed ones (plain always, for the ratio); with --refill also
+// those captures), spread, compact_s (host seconds in compactions), step_gpu_s and feed_gpu_s (device seconds
+// of the replayed step and feed graphs, CUDA events), step_gpu_by_span {span: [steps, device seconds]}, steer_s
+// (host seconds the bench's steering took, inside decode_s and feed_s)};
+// --modes runs only the listed ones (plain always, for the ratio); with --refill also
 // {mode lengths_waves | lengths_refill, batch, prompts, prompt_len, new_tokens_min, new_tokens_max,
 // sampled_tokens, seconds, sampled_tokens_per_s, ratio_to_waves, prefill_s, decode_s, decode_steps, refills,
 // cache_compactions, cache_reallocations, step_graph_captures}, the counts summed over the waves' rollouts.
@@ -55,6 +58,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/bench_common.h"
+#include "common/memory.h"
 #include "data/tokenizer.h"
 #include "rollout/retool.h"
 
@@ -72,7 +76,7 @@ class ToolSteered : public TokenPolicy {
   ToolSteered(const Transformer& m, ModelPolicyOptions po, std::vector<int64_t> script, std::vector<int64_t> reply_end,
               int64_t every, bool spread = false)
       : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every), spread_(spread) {}
-  const ModelPolicy& inner() const { return inner_; }
+  ModelPolicy& inner() { return inner_; }
   // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
   // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
   void set_lengths(int64_t eos, std::function<int64_t(int64_t)> budget, int64_t first) {
@@ -135,29 +139,30 @@ class ToolSteered : public TokenPolicy {
       r.count = 0;
     }
   }
-  // One scatter-add for the whole call (a per-row `logits[j][t] += 1e4` was three dispatches a row, about
-  // 60 ms of a rollout's decode time in the tools modes only).
+  // One fill for the whole call, its flat indices copied in through pinned memory without waiting. Its host
+  // time counts in the loop's decode and feed times, which a real model's rollout would not spend: steer_s.
+  // (A per-row `logits[j][t] += 1e4` was three dispatches a row, about 60 ms of a rollout's decode time in the
+  // tools modes; until session 24 one index_put_ whose two index tensors came from pageable memory, each copy
+  // waiting for the step to finish.)
   at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
-    std::vector<int64_t> at_row, at_col;
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t V = logits.size(1);
+    std::vector<int64_t> at;  // flat (row, token) entries to force
     for (size_t j = 0; j < rows.size(); ++j) {
       const Row& r = rows_[rows[j]];
-      if (r.state == State::kScript) {
-        at_row.push_back(static_cast<int64_t>(j));
-        at_col.push_back(script_[r.count]);
-      }
-      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) {
-        at_row.push_back(static_cast<int64_t>(j));
-        at_col.push_back(eos_);
-      }
+      if (r.state == State::kScript) at.push_back(static_cast<int64_t>(j) * V + script_[r.count]);
+      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) at.push_back(static_cast<int64_t>(j) * V + eos_);
     }
-    if (at_row.empty()) return logits;
-    const auto dev = logits.device();
-    const int64_t k = static_cast<int64_t>(at_row.size());
-    const c10::List<std::optional<at::Tensor>> at{at::tensor(at_row, at::kLong).to(dev),
-                                                  at::tensor(at_col, at::kLong).to(dev)};
-    logits.index_put_(at, at::full({k}, 1e4, logits.options()), /*accumulate=*/true);
+    if (!at.empty()) logits.view(-1).index_fill_(0, to_device_async(at, logits.device()), 1e4);
+    steer_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return logits;
   }
+
+ public:
+  double steer_seconds() const { return steer_s_; }  // host seconds in steer(), so far
+
+ private:
+  double steer_s_ = 0;
   ModelPolicy inner_;
   std::vector<int64_t> script_, reply_end_;
   int64_t eos_ = -1, first_ = 0;
@@ -171,15 +176,37 @@ class ToolSteered : public TokenPolicy {
 // A ModelPolicy's counters: what it has done so far, or (since()) during one rollout.
 struct PolicyCounts {
   int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
-  double capture_s = 0;
+  double capture_s = 0, compact_s = 0;
   int64_t span_slots = 0;  // summed over the graphed steps (ModelPolicy::step_span_slots)
-  static PolicyCounts of(const ModelPolicy& p) {
-    return {p.compactions(),         p.reallocations(),   p.graph_captures() - p.feed_graph_captures(),
-            p.feed_graph_captures(), p.capture_seconds(), p.step_span_slots()};
+  // The replayed graphs' device time (ModelPolicy::step_replay_times, feed_replay_time).
+  std::map<int64_t, ModelPolicy::ReplayTime> step_replays;  // span -> graphed steps
+  ModelPolicy::ReplayTime feed_replays;
+  static PolicyCounts of(ModelPolicy& p) {
+    return {p.compactions(),         p.reallocations(),     p.graph_captures() - p.feed_graph_captures(),
+            p.feed_graph_captures(), p.capture_seconds(),   p.compact_seconds(),
+            p.step_span_slots(),     p.step_replay_times(), p.feed_replay_time()};
   }
   PolicyCounts since(const PolicyCounts& b) const {
-    return {compactions - b.compactions, reallocations - b.reallocations, step_graphs - b.step_graphs,
-            feed_graphs - b.feed_graphs, capture_s - b.capture_s,         span_slots - b.span_slots};
+    PolicyCounts d{compactions - b.compactions,
+                   reallocations - b.reallocations,
+                   step_graphs - b.step_graphs,
+                   feed_graphs - b.feed_graphs,
+                   capture_s - b.capture_s,
+                   compact_s - b.compact_s,
+                   span_slots - b.span_slots,
+                   {},
+                   {feed_replays.count - b.feed_replays.count, feed_replays.seconds - b.feed_replays.seconds}};
+    for (const auto& [span, t] : step_replays) {
+      const auto it = b.step_replays.find(span);
+      const ModelPolicy::ReplayTime before = it == b.step_replays.end() ? ModelPolicy::ReplayTime{} : it->second;
+      if (t.count > before.count) d.step_replays[span] = {t.count - before.count, t.seconds - before.seconds};
+    }
+    return d;
+  }
+  ModelPolicy::ReplayTime step_replay_total() const {
+    ModelPolicy::ReplayTime all;
+    for (const auto& [span, t] : step_replays) all.count += t.count, all.seconds += t.seconds;
+    return all;
   }
 };
 
@@ -291,6 +318,7 @@ int main(int argc, char** argv) {
                 modes.end());
   }
   PolicyCounts counts;                                       // of the last run
+  double steer_s = 0;                                        // the last run's host seconds steering (ToolSteered)
   std::map<std::string, std::unique_ptr<ToolSteered>> kept;  // the keep modes' policies, by mode
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
     RolloutOptions o;
@@ -313,10 +341,12 @@ int main(int argc, char** argv) {
     if (!policy || !mode.keep)
       policy =
           std::make_unique<ToolSteered>(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
-    const ModelPolicy& inner = policy->inner();
+    ModelPolicy& inner = policy->inner();
     const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
+    const double steer_before = policy->steer_seconds();
     auto out = rollout(*policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
     counts = PolicyCounts::of(inner).since(before);
+    steer_s = policy->steer_seconds() - steer_before;
     return out;
   };
   // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
@@ -333,7 +363,8 @@ int main(int argc, char** argv) {
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
             << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(10) << "capture_s"
-            << std::setw(12) << "compactions" << std::setw(7) << "span"
+            << std::setw(12) << "compactions" << std::setw(7) << "span" << std::setw(11) << "step_ms" << std::setw(10)
+            << "gpu_ms" << std::setw(10) << "feed_ms" << std::setw(10) << "gpu_ms" << std::setw(9) << "steer_s"
             << "\n";
   json records = json::array();
   double plain_tps = 0, plain_kept_tps = 0;
@@ -351,6 +382,8 @@ int main(int argc, char** argv) {
     const double base = m.keep ? plain_kept_tps : plain_tps;  // plain decoding with the same policy setting
     const double ratio = base > 0 ? tps / base : 0;
     const double mean_span = st.decode_steps > 0 ? double(counts.span_slots) / double(st.decode_steps) : 0;
+    const ModelPolicy::ReplayTime step_gpu = counts.step_replay_total();
+    auto per = [](double s, int64_t n) { return n > 0 ? 1e3 * s / double(n) : 0.0; };  // ms each
     std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
               << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
               << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
@@ -359,7 +392,12 @@ int main(int argc, char** argv) {
               << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(10)
               << std::setprecision(3) << counts.capture_s << std::setw(12)
               << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)")
-              << std::setw(7) << std::setprecision(0) << mean_span << "\n";
+              << std::setw(7) << std::setprecision(0) << mean_span << std::setprecision(3) << std::setw(11)
+              << per(st.decode_s, st.decode_steps) << std::setw(10) << per(step_gpu.seconds, step_gpu.count)
+              << std::setw(10) << per(st.feed_s, st.feed_steps) << std::setw(10)
+              << per(counts.feed_replays.seconds, counts.feed_replays.count) << std::setw(9) << steer_s << "\n";
+    json by_span = json::object();
+    for (const auto& [span, t] : counts.step_replays) by_span[std::to_string(span)] = {t.count, t.seconds};
     records.push_back({{"mode", m.name},
                        {"batch", B},
                        {"prompt_len", P},
@@ -392,7 +430,13 @@ int main(int argc, char** argv) {
                        {"feed_graph_captures", counts.feed_graphs},
                        {"capture_s", counts.capture_s},
                        {"mean_step_span", mean_span},
-                       {"squeeze_holes", po.squeeze_holes}});
+                       {"squeeze_holes", po.squeeze_holes},
+                       {"compact_s", counts.compact_s},
+                       {"steer_s", steer_s},
+                       {"step_gpu_s", step_gpu.seconds},
+                       {"feed_gpu_s", counts.feed_replays.seconds},
+                       {"feed_replays", counts.feed_replays.count},
+                       {"step_gpu_by_span", by_span}});
   }
   if (refill > 0) {
     // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)

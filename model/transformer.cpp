@@ -449,8 +449,9 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     const c10::List<std::optional<at::Tensor>> at_slots{rows.view({B, 1, 1}), heads, cache->step_slot.view({1, 1, L})};
     cache->k[i].index_put_(at_slots, k);
     cache->v[i].index_put_(at_slots, v);
-    k = cache->k[i].index_select(0, rows);
-    v = cache->v[i].index_select(0, rows);
+    const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
+    k = cache->k[i].narrow(2, 0, span).index_select(0, rows);  // (B, Hkv, span, hd)
+    v = cache->v[i].narrow(2, 0, span).index_select(0, rows);
   } else if (cache && cache->step_slot.defined()) {
     if (!step_write) {
       cache->k[i].index_copy_(2, cache->step_slot, k);
@@ -488,9 +489,12 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     // the mask's rows again. SDPA then gets plain multi-head attention over Hkv heads, which its fused
     // masked kernel takes without repeating K and V per query head (with enable_gqa and a mask it falls
     // back to the unfused math path: ~0.5 ms of host time per layer for a 24-token feed on an H200).
+    // forward() lays its masks out so once for every layer (size(2) == G L); another caller's (B', 1, L, S)
+    // is laid out here. A one-token step's (B', 1, 1, S) serves every query position as it is.
     const int64_t G = H / Hkv, S = k.size(2);
-    at::Tensor m = L == 1 ? mask  // (B', 1, 1, S) serves every query position as it is
-                          : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, S}).reshape({mask.size(0), 1, G * L, S});
+    at::Tensor m = L == 1 || mask.size(2) == G * L
+                       ? mask
+                       : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, S}).reshape({mask.size(0), 1, G * L, S});
     a = at::scaled_dot_product_attention(q.reshape({B, Hkv, G * L, hd}), k, v, m, /*dropout_p=*/0.0,
                                          /*is_causal=*/false, c.attn_scale)
             .reshape({B, H, L, hd});  // not view: the memory-efficient kernel's output is not contiguous
@@ -546,9 +550,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   // the step_rows rows only, if set), attention over every slot; nothing in it depends on a host-side
   // length.
   const bool fixed = cache && cache->step_slot.defined();
-  const int64_t span = fixed && cache->span > 0 && !cache->step_rows.defined() ? cache->span
-                       : fixed                                                 ? cache->max_len
-                                                                               : 0;
+  const int64_t span = fixed && cache->span > 0 ? cache->span : fixed ? cache->max_len : 0;
   TORCH_CHECK(!fixed || (span <= cache->max_len && cache->step_slot.numel() == L && attention_mask.defined() &&
                          attention_mask.size(1) == span),
               "a step at KvCache::step_slot takes one slot per input column and a mask over its ", span, " slots");
@@ -605,6 +607,15 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     }
   };
 
+  // Grouped-query attention with a mask (layer_forward) sees each query head group's L positions as G L
+  // positions of one head, so the mask (B, 1, L, S) is repeated G times along them: once here, for every
+  // layer (it was a copy of the mask in each layer).
+  auto group = [&](at::Tensor& m) {
+    const int64_t G = c.num_heads / c.num_kv_heads;
+    if (m.defined() && G > 1 && L > 1 && c.attn_softcap == 0)
+      m = m.unsqueeze(2).expand({m.size(0), 1, G, L, S}).reshape({m.size(0), 1, G * L, S});
+  };
+
   // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels; training, scoring
   // and the CPU keep the ATen forms, so the trainer's log-probs are bit-identical to the scoring forward's.
   bool fused = false;
@@ -627,6 +638,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       build_masks();
       additive(full_mask);
       additive(sliding_mask);
+      group(full_mask);
+      group(sliding_mask);
     }
   }
 #endif
@@ -638,7 +651,11 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     if (fast && !sliding) {
       is_causal = L > 1;  // prefill: causal; a decode step: every slot
     } else {
-      if (!full_mask.defined()) build_masks();
+      if (!full_mask.defined()) {
+        build_masks();
+        group(full_mask);
+        group(sliding_mask);
+      }
       mask = sliding ? sliding_mask : full_mask;
     }
     if (checkpointing_ && !cache && at::GradMode::is_enabled()) {

@@ -59,8 +59,9 @@ struct KvCache {
   int64_t max_len = 0;
   // Set for a step whose work must not depend on `length`, so that a captured CUDA graph can replay it:
   // (L) int64 on the cache's device, the slots the step's L tokens write, in order. The step then attends
-  // over all max_len slots (its attention mask must span them and hide the unwritten ones), and forward
-  // leaves `length` to the caller. With step_rows too, only those rows are written (a fixed-shape feed).
+  // over slots [0, span) (all max_len when span is 0; its attention mask must cover them and hide the
+  // unwritten ones), and forward leaves `length` to the caller. With step_rows too, only those rows are written (a
+  // fixed-shape feed).
   at::Tensor step_slot;
   // Set for a forward over some of the cache's rows only (a multi-token feed of a few sequences while
   // the others wait): (B') int64 on the cache's device, the cache row of each input row. The new keys
@@ -68,8 +69,9 @@ struct KvCache {
   // are left as they are (the caller's mask hides them), and length advances for all rows (unless
   // step_slot is set: then the caller moves it).
   at::Tensor step_rows;
-  // With step_slot and no step_rows: the step attends over slots [0, span) only (its mask is (B, span));
-  // 0 = all max_len. A graphed decode step is captured per span bucket, so it reads only the cache in use.
+  // With step_slot: the step (or the feed, with step_rows) attends over slots [0, span) only (its mask is
+  // (B, span)); 0 = all max_len. Graphed decode steps and feeds are captured per span bucket, so they read
+  // only the cache in use.
   int64_t span = 0;
   // Packed projection weights for this cache's fused forwards (Transformer::set_fused_kernels), or none.
   // Not owned; gather() passes it on.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 #include "loss/logprob.h"
 
 #ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -62,8 +64,18 @@ struct ModelPolicy::StepGraph {
   at::Tensor hidden;  // what it writes ((Bc, D) or (Eb Kb, D)), in the graph's private memory pool
   int64_t rows = 0, slots = 0;
 };
+
+// The events around each replay not yet read, oldest first.
+struct ModelPolicy::ReplayClock {
+  struct Mark {
+    int64_t span = -1;  // the step's span, -1 for a feed
+    at::cuda::CUDAEvent begin{cudaEventDefault}, end{cudaEventDefault};
+  };
+  std::deque<Mark> marks;
+};
 #else
 struct ModelPolicy::StepGraph {};
+struct ModelPolicy::ReplayClock {};
 #endif
 
 at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
@@ -100,6 +112,7 @@ at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t)
 
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
+  TORCH_CHECK(options_.slot_align >= 1, "slot_align must be >= 1");
   if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply()) {
     packed_ = model_.pack_weights();
     packed_fresh_ = true;
@@ -107,6 +120,32 @@ ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) :
 }
 
 ModelPolicy::~ModelPolicy() = default;
+
+void ModelPolicy::read_replays(bool wait) {
+#ifdef RLT_HAVE_CUDA
+  if (!replay_clock_) return;
+  auto& marks = replay_clock_->marks;
+  while (!marks.empty() && (wait || marks.front().end.query())) {
+    auto& m = marks.front();
+    ReplayTime& t = m.span < 0 ? feed_replay_ : step_replay_[m.span];
+    t.count += 1;
+    t.seconds += m.begin.elapsed_time(m.end) / 1e3;  // waits for the end event
+    marks.pop_front();
+  }
+#else
+  (void)wait;
+#endif
+}
+
+const std::map<int64_t, ModelPolicy::ReplayTime>& ModelPolicy::step_replay_times() {
+  read_replays(/*wait=*/true);
+  return step_replay_;
+}
+
+ModelPolicy::ReplayTime ModelPolicy::feed_replay_time() {
+  read_replays(/*wait=*/true);
+  return feed_replay_;
+}
 
 std::vector<const void*> ModelPolicy::parameter_storage() const {
   std::vector<const void*> out;
@@ -190,7 +229,7 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
     at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
     step_graphs_.clear();  // a graph reads the cache tensors it was captured with
     feed_graphs_.clear();
-    cache_ = prefill.gather(rows, slots, P + options_.slot_chunk);
+    cache_ = prefill.gather(rows, slots, aligned_slots(P + options_.slot_chunk));
     valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
     valid_.narrow(1, 0, P).copy_(prompt_valid);
     seq_of_row_.resize(N);
@@ -353,13 +392,14 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     packed.insert(packed.end(), fed.begin(), fed.end());
     packed.insert(packed.end(), cache_row.begin(), cache_row.end());
     packed.push_back(L);
+    const int64_t span = span_of(L + Kb);  // the slots filled and the feed's
 #ifdef RLT_HAVE_CUDA
     if (graphs) {
-      hidden = graph_extend(packed, Eb, Kb);
+      hidden = graph_extend(packed, Eb, Kb, span);
     } else
 #endif
     {
-      hidden = fixed_extend(at::tensor(packed, at::kLong).to(dev), Eb, Kb);
+      hidden = fixed_extend(at::tensor(packed, at::kLong).to(dev), Eb, Kb, span);
     }
     cache_.length = L + Kb;
   } else {
@@ -386,7 +426,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   return next_token_logits(model_, h);                              // (E, V)
 }
 
-at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb) {
+at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
   const int64_t n = Eb * Kb;
   at::Tensor ids = inputs.narrow(0, 0, n).view({Eb, Kb}), pos = inputs.narrow(0, n, n).view({Eb, Kb});
   at::Tensor fed = inputs.narrow(0, 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, 3 * n, Eb);
@@ -395,18 +435,26 @@ at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64
   valid_.index_fill_(1, slots, false);
   const c10::List<std::optional<at::Tensor>> at_slots{rows.view({Eb, 1}), slots.view({1, Kb})};
   valid_.index_put_(at_slots, fed);
-  at::Tensor mask = valid_.index_select(0, rows);  // (Eb, max_len)
+  at::Tensor mask = valid_.narrow(1, 0, span).index_select(0, rows);  // (Eb, span)
   cache_.step_slot = slots;
   cache_.step_rows = rows;
+  cache_.span = span;
   at::Tensor hidden;
   try {
     hidden = model_.forward(ids, pos, mask, &cache_);  // (Eb, Kb, D)
   } catch (...) {
     cache_.step_slot = cache_.step_rows = at::Tensor();
+    cache_.span = 0;
     throw;
   }
   cache_.step_slot = cache_.step_rows = at::Tensor();
+  cache_.span = 0;
   return hidden.view({n, -1});
+}
+
+int64_t ModelPolicy::aligned_slots(int64_t slots) const {
+  const int64_t a = options_.slot_align;
+  return (slots + a - 1) / a * a;
 }
 
 int64_t ModelPolicy::span_of(int64_t slots) const {
@@ -502,22 +550,33 @@ at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t p
     g = capture(
         in.narrow(0, 0, n_in), [this, span](const at::Tensor& x) { return fixed_step(x, span); }, "decode step");
   }
-  g->graph.replay();
+  timed_replay(*g, span);
   return g->hidden;
 }
 
-at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb) {
+void ModelPolicy::timed_replay(StepGraph& g, int64_t span) {
+  if (!replay_clock_) replay_clock_ = std::make_unique<ReplayClock>();
+  read_replays(/*wait=*/false);
+  auto& m = replay_clock_->marks.emplace_back();
+  m.span = span;
+  const auto stream = c10::cuda::getCurrentCUDAStream(valid_.device().index());
+  m.begin.record(stream);
+  g.graph.replay();
+  m.end.record(stream);
+}
+
+at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span) {
   at::Tensor in = to_device_async(packed, valid_.device());
-  auto& g = feed_graphs_[{Eb, Kb}];
+  auto& g = feed_graphs_[{Eb, Kb, span}];
   if (g) {
     TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "ModelPolicy: stale feed graph");
     g->inputs.copy_(in);
   } else {
     g = capture(
-        in, [this, Eb, Kb](const at::Tensor& x) { return fixed_extend(x, Eb, Kb); }, "multi-token feed");
+        in, [this, Eb, Kb, span](const at::Tensor& x) { return fixed_extend(x, Eb, Kb, span); }, "multi-token feed");
     ++feed_graph_captures_;
   }
-  g->graph.replay();
+  timed_replay(*g, -1);
   return g->hidden;
 }
 #endif
@@ -553,6 +612,11 @@ void ModelPolicy::drop_released_rows() {
 void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {
   at::NoGradGuard no_grad;
   ++compactions_;
+  struct Timed {  // adds the call's host seconds to compact_s_ on every return
+    double& total;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  } timed{compact_s_};
   const auto dev = valid_.device();
   const int64_t Bc = cache_rows(), L = cache_.length;
   auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
@@ -595,7 +659,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   keep = keep.index_select(0, rows);
   keep.narrow(0, B, add_rows).zero_();
   order = order.index_select(0, rows);
-  const int64_t len = std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need;
+  const int64_t len = aligned_slots(std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need);
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
   cache_ = cache_.gather(rows, order, len);

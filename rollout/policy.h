@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -59,6 +60,10 @@ class TokenPolicy {
 
 struct ModelPolicyOptions {
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
+  // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
+  // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
+  // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span, docs/benchmarks.md).
+  int64_t slot_align = 64;
   // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
   // cache tensors: again after each growth (a reallocation), not after an in-place squeeze. Ignored on
@@ -85,11 +90,11 @@ struct ModelPolicyOptions {
   // the tests check that form against the full forward). With feed_graphs (and cuda_graphs) on a GPU it
   // is always used.
   bool fixed_shape_extend = false;
-  // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket, captured
-  // once per bucket and cache tensors. Off by default: a capture costs two forwards' host time (~35 ms on
-  // the H200 host), and in the ReTool loop (bench_rollout) 13 of 76 feeds were still captures, which cost
-  // about what the replays saved (loop ratio 0.40-0.59 between calls). Worth it once caches outlive a
-  // rollout.
+  // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
+  // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
+  // default: a capture costs two forwards' host time (~35 ms on the H200 host), and in the ReTool loop (bench_rollout)
+  // 13 of 76 feeds were still captures, which cost about what the replays saved (loop ratio 0.40-0.59 between calls).
+  // Worth it once caches outlive a rollout.
   bool feed_graphs = false;
   // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
   // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
@@ -126,7 +131,8 @@ class ModelPolicy : public TokenPolicy {
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
   // feed runs at a bucketed shape (rows to a power of two, K to a power of two of at least 16:
-  // fixed_extend) whose CUDA graph is captured once per bucket and cache tensors and replayed.
+  // fixed_extend) over the span in use, whose CUDA graph is captured once per bucket, span and cache
+  // tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
   // A reallocation (a growing compaction) makes at least this many rows: the live ones, then free rows
@@ -152,9 +158,22 @@ class ModelPolicy : public TokenPolicy {
   int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
   // Host seconds spent capturing them (the warm-up run and the capture, synchronised), step and feed graphs.
   double capture_seconds() const { return capture_s_; }
+  // Host seconds in compactions (in-place squeezes and reallocations; each reads a count back, so the time
+  // includes the device's work).
+  double compact_seconds() const { return compact_s_; }
+  // Device time of the replayed graphs, from CUDA events around each replay: the graphed decode steps by
+  // span (slots read), and the graphed feeds. Where a step's wall time exceeds its device time, the host
+  // (dispatch, the LM head outside the graph, other processes) set the pace. Empty on the CPU.
+  struct ReplayTime {
+    int64_t count = 0;
+    double seconds = 0;
+  };
+  const std::map<int64_t, ReplayTime>& step_replay_times();  // span -> steps, device seconds
+  ReplayTime feed_replay_time();
 
  private:
-  struct StepGraph;  // a captured decode step and its input/output buffers (CUDA builds)
+  struct StepGraph;    // a captured decode step and its input/output buffers (CUDA builds)
+  struct ReplayClock;  // CUDA events around the replays, read once they have completed (CUDA builds)
 
   // Squeezes holes out, in place when that frees a sixteenth of the slots beyond `need` (and released rows
   // need not go, nor rows be added); otherwise makes a new cache of the live rows, then
@@ -177,7 +196,8 @@ class ModelPolicy : public TokenPolicy {
   // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
   // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
   int64_t step_span() const;
-  int64_t span_of(int64_t slots) const;  // `slots` rounded up to span_chunk, at most max_len
+  int64_t span_of(int64_t slots) const;        // `slots` rounded up to span_chunk, at most max_len
+  int64_t aligned_slots(int64_t slots) const;  // `slots` rounded up to slot_align: a new cache's length
   // Whether compact() squeezes in place (keeping the tensors and graphs) when the rows fill at most
   // `filled` slots and `need` more are wanted: it frees a sixteenth of the slots beyond them.
   bool squeezes_in_place(int64_t filled, int64_t need) const;
@@ -188,11 +208,17 @@ class ModelPolicy : public TokenPolicy {
   // through `pick`, the picked rows on the device.
   at::Tensor graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick);
   // A feed at a fixed shape: Eb rows x Kb tokens written at slots [L, L + Kb) of the listed rows (the slot
-  // and rows on the device), attention over every slot. inputs (3 Eb Kb + Eb + 1) int64 on the device: ids,
-  // positions, fed (0/1), each (Eb, Kb) row-major, then the cache rows, then L. Returns (Eb Kb, D).
-  at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb);
-  // The graph path of extend() (CUDA builds): one graph per (Eb, Kb) for the current cache.
-  at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb);
+  // and rows on the device), attention over slots [0, span) (span >= L + Kb). inputs (3 Eb Kb + Eb + 1) int64
+  // on the device: ids, positions, fed (0/1), each (Eb, Kb) row-major, then the cache rows, then L. Returns
+  // (Eb Kb, D).
+  at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
+  // The graph path of extend() (CUDA builds): one graph per (Eb, Kb, span) for the current cache.
+  at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span);
+  // Replays g between two CUDA events; span: the step's, or -1 for a feed (CUDA builds).
+  void timed_replay(StepGraph& g, int64_t span);
+  // Adds the device time of the replays whose events have completed (wait: of every replay) to
+  // step_replay_ and feed_replay_.
+  void read_replays(bool wait);
   // Captures `run` on `inputs` (a copy kept as the graph's input buffer) after one warm-up run.
   std::unique_ptr<StepGraph> capture(const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor&)>& run,
                                      const char* what);
@@ -211,9 +237,12 @@ class ModelPolicy : public TokenPolicy {
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)
-  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb) -> feed graph
+  std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb, span) -> feed graph
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
-  double capture_s_ = 0;
+  double capture_s_ = 0, compact_s_ = 0;
+  std::unique_ptr<ReplayClock> replay_clock_;
+  std::map<int64_t, ReplayTime> step_replay_;  // span -> graphed steps' device time, read so far
+  ReplayTime feed_replay_;
 };
 
 }  // namespace rlt

@@ -740,6 +740,7 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
       tiny_model(family, 3, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), f32 ? at::kFloat : at::kDouble);
   ModelPolicyOptions po;
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
+  po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.cuda_graphs = true;
   po.fixed_shape_extend = device == "cpu_fixed";
   po.fixed_shape_step = device == "cpu_fixed";
@@ -835,6 +836,7 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
       m.set_fused_kernels(fused);
       ModelPolicyOptions po;
       po.slot_chunk = 3;
+      po.slot_align = 1;  // the cache sizes as slot_chunk sets them
       po.packed_weights = packed;
       ModelPolicy policy(m, po);
       std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
@@ -881,6 +883,7 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
   const Transformer m = tiny_model("gemma2", 5, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   ModelPolicyOptions po;
   po.slot_chunk = 80;
+  po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.feed_graphs = true;
   po.fixed_shape_extend = true;  // on the CPU too, feeds attend over every slot, as graphed steps do
   ModelPolicy policy(m, po);
@@ -926,6 +929,7 @@ TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
   const Transformer m = tiny_model("qwen2", 13, at::Device(at::kCUDA, 0));
   ModelPolicyOptions po;
   po.slot_chunk = 256;  // room for every feed: no reallocation, so the graphs stay
+  po.slot_align = 1;    // the cache sizes as slot_chunk sets them
   po.feed_graphs = true;
   ModelPolicy policy(m, po);
   std::vector<std::vector<int64_t>> seqs;
@@ -971,6 +975,7 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   const Transformer m = tiny_model("qwen3", 23, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   ModelPolicyOptions po;
   po.slot_chunk = 40;
+  po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.span_chunk = 4;
   po.fixed_shape_step = true;
   po.squeeze_holes = false;  // the spans as the holes leave them (HolesAreSqueezedOnceTheyCostAChunk: squeezed)
@@ -1011,6 +1016,7 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
   for (bool squeeze : {true, false}) {
     ModelPolicyOptions po;
     po.slot_chunk = 160;
+    po.slot_align = 1;  // the cache sizes as slot_chunk sets them
     po.span_chunk = 8;
     po.fixed_shape_step = true;
     po.squeeze_holes = squeeze;
@@ -1070,6 +1076,78 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
 INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
+// A feed at the graphs' fixed shape attends over the slots filled and its own, rounded up to span_chunk (here 8, in
+// a cache of 4 + 120 slots), not over every slot, and its logits match each sequence's full forward in float64.
+// On CUDA it replays one feed graph per (bucket, span). A span that leaves out the feed's own slots (span_of(L))
+// moves the logits by far more (run broken, the test fails on the CPU).
+TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("qwen3", 29, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  ModelPolicyOptions po;
+  po.slot_chunk = 120;
+  po.slot_align = 1;
+  po.span_chunk = 8;
+  po.fixed_shape_step = true;
+  po.fixed_shape_extend = true;
+  po.feed_graphs = true;
+  po.squeeze_holes = false;
+  ModelPolicy policy(m, po);
+  std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
+  policy.start(seqs, 1);
+  std::set<int64_t> spans;
+  for (int64_t t = 0; t < 7; ++t) {
+    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 16 + 7) / 8 * 8));  // runs of <= 16
+    const std::vector<int64_t> rows = {t % 3, (t + 1) % 3};
+    std::vector<std::vector<int64_t>> runs = {{}, {30 + t, 31 + t}};
+    for (int64_t i = 0; i < 3 + t; ++i) runs[0].push_back(40 + 5 * i + t);
+    for (size_t j = 0; j < rows.size(); ++j) seqs[rows[j]].insert(seqs[rows[j]].end(), runs[j].begin(), runs[j].end());
+    at::Tensor logits = policy.extend(rows, runs).cpu();
+    for (size_t j = 0; j < rows.size(); ++j) {
+      EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
+          << "feed " << t << " sequence " << rows[j];
+    }
+  }
+  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_EQ(spans.size(), 7u) << "each feed reads 16 slots more than the one before";
+  EXPECT_LT(*spans.rbegin(), policy.cache_slots()) << "no feed read every slot of the cache";
+  EXPECT_EQ(policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one feed graph per span";
+}
+
+// A new cache's slots are a multiple of slot_align (64 by default), at start() and after a growth, so a span
+// that ends at the cache's last slot is never of odd length (the graphed step's masked attention ran 12-22%
+// slower at odd spans on an H200). The steps' logits stay each sequence's full forward (float64). Control: with
+// slot_align 1 the same calls make caches of 3 + 5 and then 72 slots, which the checks reject.
+TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
+  const Transformer m = tiny_model("qwen3", 23, at::Device(at::kCPU));
+  for (const int64_t align : {int64_t(64), int64_t(1)}) {
+    ModelPolicyOptions po;
+    po.slot_chunk = 5;
+    po.slot_align = align;
+    ModelPolicy policy(m, po);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2}};
+    policy.start(seqs, 1);
+    std::vector<int64_t> sizes = {policy.cache_slots()};
+    for (int64_t t = 0; t < 66; ++t) {  // 3 + 66 tokens: past the first cache's 64 slots
+      std::vector<int64_t> rows = {0, 1}, tokens = {20 + t, 40 + t};
+      seqs[0].push_back(tokens[0]);
+      seqs[1].push_back(tokens[1]);
+      at::Tensor logits = policy.step(rows, tokens);
+      if (sizes.back() != policy.cache_slots()) sizes.push_back(policy.cache_slots());
+      if (t % 13 == 0 || t == 65) {
+        for (int64_t n = 0; n < 2; ++n)
+          EXPECT_LT((logits[n] - full_logits(m, seqs[n])).abs().max().item<double>(), 1e-9) << "step " << t;
+      }
+    }
+    if (align == 64) {
+      EXPECT_EQ(sizes, (std::vector<int64_t>{64, 128})) << "a cache of 3 + 5 slots, then a growth, each aligned";
+    } else {
+      EXPECT_EQ(sizes.front(), 8) << "the control: slot_align 1 leaves the cache at 3 + 5 slots";
+      for (int64_t s : sizes) EXPECT_NE(s % 64, 0) << "the control's caches are not aligned by chance";
+    }
+  }
+}
+
 // keep_cache: later rollouts (start()) on the same policy, after the weights were updated in place as the
 // optimizer does, reuse the cache's tensors (no reallocation) and on CUDA its captured graphs (the third
 // rollout, with the second's shapes, captures none), and their logits are a fresh policy's on the new weights: float64
@@ -1087,6 +1165,7 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
       tiny_model("qwen2", 17, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
   ModelPolicyOptions po;
   po.slot_chunk = 8;  // the first rollout grows the cache; the second fits in it
+  po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.feed_graphs = true;
   po.keep_cache = true;
   // A rollout: two samples of each prompt, 12 passes of one-token steps over the rows not idle, every
@@ -1225,6 +1304,7 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
   const Transformer m = tiny_model(family, 11, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   ModelPolicyOptions po;
   po.slot_chunk = 24;
+  po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.fixed_shape_extend = device == "cpu_fixed";
   po.feed_graphs = true;
   ModelPolicy policy(m, po), fresh(m, po);
@@ -1370,6 +1450,7 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
     SCOPED_TRACE(reserve ? "reserve_rows(4)" : "no reserve");
     ModelPolicyOptions po;
     po.slot_chunk = 4;
+    po.slot_align = 1;  // the cache sizes as slot_chunk sets them
     ModelPolicy policy(m, po);
     if (reserve) policy.reserve_rows(4);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {5, 17, 9}, {1, 2, 3, 4}, {1, 2, 3, 4}};
@@ -1408,6 +1489,7 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
     // else every step would drop them and remake as many free rows.
     ModelPolicyOptions po;
     po.slot_chunk = 64;  // no growth here
+    po.slot_align = 1;   // the cache sizes as slot_chunk sets them
     ModelPolicy policy(m, po);
     policy.reserve_rows(4);
     policy.start({{5, 17, 9}, {1, 2, 3, 4}}, 2);
