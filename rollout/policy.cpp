@@ -35,16 +35,18 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
 }
 
 // The fixed shapes a feed of E rows x K tokens runs at, so that a few captured graphs serve every feed:
-// tokens to a power of two, at least 16 (a 24-token reply costs 8 hole slots, which the next in-place
-// compaction squeezes out); rows to a power of two of at least kFeedMinRows, at most the cache's rows.
-// Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time), a replay about 1 ms,
-// and a feed of 16 rows x 16 tokens is still a small forward (256 tokens). With one row bucket per
-// power of two from 1, the ReTool loop in bench_rollout captured 14-15 feed graphs per rollout, which
-// cost what their replays saved.
-constexpr int64_t kFeedMinRows = 16;
+// tokens to a multiple of 8 up to 64 (at least 16), then to a power of two (a 17-token reply costs 7 hole
+// slots, which the next in-place compaction squeezes out); rows to a power of two of at least kFeedMinRows,
+// at most the cache's rows. Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time).
+// With one row bucket per power of two from 1, the ReTool loop in bench_rollout captured 14-15 feed graphs
+// per rollout, which cost what their replays saved. Until session 24 the buckets were 16 rows and powers of
+// two from 16 tokens: the loop's typical feed (3-4 replies of 17 tokens) ran as 16 x 32, 4.0 ms of device
+// time on an H200, for about a tenth of that many real tokens.
+constexpr int64_t kFeedMinRows = 8;
 
 int64_t feed_cols(int64_t K) {
-  int64_t b = 16;
+  if (K <= 64) return std::max<int64_t>(16, (K + 7) / 8 * 8);
+  int64_t b = 128;
   while (b < K) b *= 2;
   return b;
 }

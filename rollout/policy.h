@@ -130,9 +130,9 @@ class ModelPolicy : public TokenPolicy {
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
-  // feed runs at a bucketed shape (rows to a power of two, K to a power of two of at least 16:
-  // fixed_extend) over the span in use, whose CUDA graph is captured once per bucket, span and cache
-  // tensors and replayed.
+  // feed runs at a bucketed shape (rows to a power of two of at least 8, K to a multiple of 8 of at least
+  // 16 up to 64, then a power of two: fixed_extend) over the span in use, whose CUDA graph is captured once
+  // per bucket, span and cache tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
   void release(const std::vector<int64_t>& rows) override;
   // A reallocation (a growing compaction) makes at least this many rows: the live ones, then free rows

@@ -919,12 +919,12 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
 INSTANTIATE_TEST_SUITE_P(Devices, CompactionInPlace, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
-// Feed graphs are captured per (rows, tokens) bucket, rows to a power of two of at least 16: on a cache
-// of 40 rows, feeds of 1, 5 and 16 rows (runs of 2 to 16 tokens) replay one graph, and a feed of 17 rows
-// takes a second. Each feed's logits match the sequences' full forwards in float64, so the padding rows
-// (up to 15 idle rows a feed) write only holes. Buckets from one row, as before, capture a graph for 1, 5
-// and 16 rows each (3 captures, not 1).
-TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
+// Feed graphs are captured per (rows, tokens) bucket, rows to a power of two of at least 8: on a cache of 40
+// rows, feeds of 1, 5 and 8 rows (runs of 2 to 16 tokens) replay one graph, a feed of 16 rows takes a second
+// and one of 17 rows a third. Each feed's logits match the sequences' full forwards in float64, so the padding
+// rows (up to 7 idle rows a feed) write only holes. Buckets from one row, as before session 20, capture a graph
+// for 1, 5 and 8 rows each (3 captures, not 1).
+TEST(ModelPolicyCuda, FeedsOfUpToEightRowsShareOneGraph) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen2", 13, at::Device(at::kCUDA, 0));
   ModelPolicyOptions po;
@@ -955,10 +955,12 @@ TEST(ModelPolicyCuda, FeedsOfUpToSixteenRowsShareOneGraph) {
   };
   feed(0, 1);
   feed(1, 5);
-  feed(2, 16);
-  EXPECT_EQ(policy.feed_graph_captures(), 1) << "feeds of 1, 5 and 16 rows share the 16-row bucket";
+  feed(2, 8);
+  EXPECT_EQ(policy.feed_graph_captures(), 1) << "feeds of 1, 5 and 8 rows share the 8-row bucket";
+  feed(3, 16);
+  EXPECT_EQ(policy.feed_graph_captures(), 2) << "16 rows take the 16-row bucket";
   feed(0, 17);
-  EXPECT_EQ(policy.feed_graph_captures(), 2) << "17 rows take the 32-row bucket";
+  EXPECT_EQ(policy.feed_graph_captures(), 3) << "17 rows take the 32-row bucket";
   EXPECT_EQ(policy.reallocations(), 0);
 }
 
@@ -1075,6 +1077,31 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
+
+// A fixed-shape feed's tokens go to a multiple of 8 of at least 16 up to 64 slots, then to a power of two: runs
+// of 3, 17, 40 and 65 tokens take 16, 24, 40 and 128 slots of the cache (the old powers of two from 16 took 32
+// for 17 and 64 for 40, which the checks reject), and the logits match each sequence's full forward (float64).
+TEST(StepSpans, FeedTokenBucketsAreMultiplesOfEightUpTo64) {
+  const Transformer m = tiny_model("qwen2", 31, at::Device(at::kCPU));
+  ModelPolicyOptions po;
+  po.slot_chunk = 300;
+  po.slot_align = 1;
+  po.fixed_shape_extend = true;
+  ModelPolicy policy(m, po);
+  std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3}};
+  policy.start(seqs, 1);
+  for (const auto& [K, slots] : std::vector<std::pair<int64_t, int64_t>>{{3, 16}, {17, 24}, {40, 40}, {65, 128}}) {
+    std::vector<std::vector<int64_t>> runs = {{}, {7, 8}};
+    for (int64_t i = 0; i < K; ++i) runs[0].push_back(30 + (7 * i + K) % 300);
+    for (int64_t n = 0; n < 2; ++n) seqs[n].insert(seqs[n].end(), runs[n].begin(), runs[n].end());
+    const int64_t before = policy.cache_length();
+    at::Tensor logits = policy.extend({0, 1}, runs);
+    EXPECT_EQ(policy.cache_length() - before, slots) << "a run of " << K << " tokens";
+    for (int64_t n = 0; n < 2; ++n)
+      EXPECT_LT((logits[n] - full_logits(m, seqs[n])).abs().max().item<double>(), 1e-9) << "run of " << K;
+  }
+  EXPECT_EQ(policy.reallocations(), 0);
+}
 
 // A feed at the graphs' fixed shape attends over the slots filled and its own, rounded up to span_chunk (here 8, in
 // a cache of 4 + 120 slots), not over every slot, and its logits match each sequence's full forward in float64.
