@@ -13,7 +13,8 @@
 //   tools                 the steered loop with the rollout's defaults (rollout.multi_token_feed: a reply in
 //                         one forward; rollout.feed_wait = 4: a ready reply waits up to 4 decode steps so
 //                         that others share its forward; rollout.feed_graphs)
-//   tools_eager           feed_wait 4, each feed an eager forward (feed_graphs off)
+//   tools_eager           feed_wait 4 (--feed-wait sets it here and below), each feed an eager forward
+//                         (feed_graphs off)
 //   tools_graphs          feed_wait 4, each feed a replayed CUDA graph per (rows, tokens) bucket
 //                         (feed_graphs on); one of these two repeats `tools`: their gap is the noise
 //   tools_feednow         each reply fed at the next step (feed_wait 0), eager
@@ -215,7 +216,7 @@ struct PolicyCounts {
 int main(int argc, char** argv) {
   CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
-  int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice;
+  int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice, feed_wait = 4;
   bool site_packages = true, graphs = true, prestart = SandboxOptions{}.prestart,
        squeeze = ModelPolicyOptions{}.squeeze_holes;
   uint64_t seed = 1;
@@ -227,6 +228,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(16, 1 << 20));
   app.add_option("--tool-every", every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
   app.add_option("--workers", workers, "sandbox workers")->check(CLI::Range(1, 4096));
+  app.add_option("--feed-wait", feed_wait, "rollout.feed_wait of the modes that hold replies back (not *_feednow)")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--site-packages", site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
   app.add_option("--nice", nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));
   app.add_option("--prestart", prestart, "sandbox.prestart: each worker's next interpreter started ahead of its call");
@@ -289,20 +292,21 @@ int main(int argc, char** argv) {
     bool keep = false;  // rollout.keep_cache: one policy for the warm-up and the timed run
   };
   const RolloutOptions defaults;
+  const int64_t wait = feed_wait;  // --feed-wait: the modes that hold replies back
   std::vector<Mode> modes = {
       {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
       {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
-      {"tools_eager", true, true, false, 4, false, false},
-      {"tools_graphs", true, true, true, 4, false, false},
+      {"tools_eager", true, true, false, wait, false, false},
+      {"tools_graphs", true, true, true, wait, false, false},
       {"tools_feednow", true, true, false, 0, false, false},
       {"tools_feednow_graphs", true, true, true, 0, false, false},
-      {"tools_merged", true, true, false, 4, true, false},
+      {"tools_merged", true, true, false, wait, true, false},
       {"tools_onetoken", true, false, false, 0, false, false},
-      {"spread_eager", true, true, false, 4, false, true},
-      {"spread_graphs", true, true, true, 4, false, true},
-      {"plain_kept", false, true, true, 4, false, false, true},
-      {"tools_kept", true, true, true, 4, false, false, true},
-      {"spread_kept", true, true, true, 4, false, true, true}};
+      {"spread_eager", true, true, false, wait, false, true},
+      {"spread_graphs", true, true, true, wait, false, true},
+      {"plain_kept", false, true, true, wait, false, false, true},
+      {"tools_kept", true, true, true, wait, false, false, true},
+      {"spread_kept", true, true, true, wait, false, true, true}};
   if (!only.empty()) {
     for (const std::string& name : only) {
       if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {

@@ -284,7 +284,8 @@ class Loop {
           pick.push_back(static_cast<int64_t>(j));
         }
       }
-      if (!pick.empty()) logits = logits.index_select(0, at::tensor(pick, at::kLong).to(logits.device()));
+      // Through pinned memory: a copy from pageable memory would first wait for the pass's forwards.
+      if (!pick.empty()) logits = logits.index_select(0, to_device_async(pick, logits.device()));
       if (!admitted.empty()) {
         logits = to_sample.empty() ? admitted_logits : at::cat({logits, admitted_logits});
         to_sample.insert(to_sample.end(), admitted.begin(), admitted.end());
@@ -401,11 +402,14 @@ class Loop {
 
   void sample(const std::vector<int64_t>& rows, const at::Tensor& logits) {
     const int64_t n = static_cast<int64_t>(rows.size());
+    // Filled through their pointers: an element write on a tensor is a dispatch of its own.
     at::Tensor streams = at::empty({n}, at::kLong), counters = at::empty({n}, at::kLong);
+    int64_t* stream = streams.data_ptr<int64_t>();
+    int64_t* counter = counters.data_ptr<int64_t>();
     for (int64_t j = 0; j < n; ++j) {
       const Seq& s = seqs_[rows[j]];
-      streams[j] = s.stream;
-      counters[j] = static_cast<int64_t>(s.traj.response_ids.size());  // the token's index in the response
+      stream[j] = s.stream;
+      counter[j] = static_cast<int64_t>(s.traj.response_ids.size());  // the token's index in the response
     }
     SampleOutput out = sample_tokens(logits, sampling_, streams, counters, tok_.vocab_size());
     const int64_t* ids = out.ids.data_ptr<int64_t>();
