@@ -218,8 +218,9 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
   }
   if (dev.is_cuda() && B >= 16) {
     // The ReTool loop's feed as its graphs run it (ModelPolicyOptions::fixed_shape_extend, eager here so
-    // that each kernel shows): 12 rows of 17 tokens in the bucket of 16 rows x 32 tokens, attention over
-    // every cache slot. The third such feed is recorded (the first two pay cuBLAS's and SDPA's set-up).
+    // that each kernel shows): 12 rows of 17 tokens in their bucket (16 x 24 since session 24; 16 x 32
+    // before), attention over the slots in use. The third such feed is recorded (the first two pay cuBLAS's
+    // and SDPA's set-up).
     at::NoGradGuard ng;
     ModelPolicyOptions po;
     po.fixed_shape_extend = true;
@@ -231,7 +232,7 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     const std::vector<std::vector<int64_t>> runs(rows.size(), std::vector<int64_t>(17, 2));
     for (int i = 0; i < 2; ++i) policy.extend(rows, runs);
     device_synchronize(dev);
-    RECORD_USER_SCOPE("phase:extend_fixed_12x17_in_16x32");
+    RECORD_USER_SCOPE("phase:extend_fixed_12x17");
     policy.extend(rows, runs);
     device_synchronize(dev);
   }

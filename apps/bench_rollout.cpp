@@ -13,10 +13,11 @@
 //   tools                 the steered loop with the rollout's defaults (rollout.multi_token_feed: a reply in
 //                         one forward; rollout.feed_wait = 4: a ready reply waits up to 4 decode steps so
 //                         that others share its forward; rollout.feed_graphs)
-//   tools_eager           feed_wait 4 (--feed-wait sets it here and below), each feed an eager forward
-//                         (feed_graphs off)
-//   tools_graphs          feed_wait 4, each feed a replayed CUDA graph per (rows, tokens) bucket
-//                         (feed_graphs on); one of these two repeats `tools`: their gap is the noise
+//   tools_eager           feed_wait 4 (--feed-wait sets it here and in the modes below that hold replies
+//                         back; `tools` keeps the default), each feed an eager forward (feed_graphs off)
+//   tools_graphs          feed_wait 4, each feed a replayed CUDA graph per (rows, tokens) bucket and span
+//                         (feed_graphs on); at --feed-wait 4 one of these two repeats `tools`: their gap is
+//                         the noise
 //   tools_feednow         each reply fed at the next step (feed_wait 0), eager
 //   tools_feednow_graphs  the same, feed graphs on
 //   tools_merged          feed_wait 4, the pass's one-token rows taken in the feed (rollout.merge_feeds), eager
@@ -140,7 +141,7 @@ class ToolSteered : public TokenPolicy {
       r.count = 0;
     }
   }
-  // One fill for the whole call, its flat indices copied in through pinned memory without waiting. Its host
+  // One scatter-add for the whole call, its flat indices copied in through pinned memory without waiting. Its host
   // time counts in the loop's decode and feed times, which a real model's rollout would not spend: steer_s.
   // (A per-row `logits[j][t] += 1e4` was three dispatches a row, about 60 ms of a rollout's decode time in the
   // tools modes; until session 24 one index_put_ whose two index tensors came from pageable memory, each copy
@@ -154,7 +155,10 @@ class ToolSteered : public TokenPolicy {
       if (r.state == State::kScript) at.push_back(static_cast<int64_t>(j) * V + script_[r.count]);
       if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) at.push_back(static_cast<int64_t>(j) * V + eos_);
     }
-    if (!at.empty()) logits.view(-1).index_fill_(0, to_device_async(at, logits.device()), 1e4);
+    if (!at.empty()) {
+      const int64_t k = static_cast<int64_t>(at.size());
+      logits.view(-1).index_add_(0, to_device_async(at, logits.device()), at::full({k}, 1e4, logits.options()));
+    }
     steer_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return logits;
   }
@@ -228,7 +232,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(16, 1 << 20));
   app.add_option("--tool-every", every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
   app.add_option("--workers", workers, "sandbox workers")->check(CLI::Range(1, 4096));
-  app.add_option("--feed-wait", feed_wait, "rollout.feed_wait of the modes that hold replies back (not *_feednow)")
+  app.add_option("--feed-wait", feed_wait,
+                 "rollout.feed_wait of the modes that hold replies back (not tools, *_feednow or tools_onetoken)")
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--site-packages", site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
   app.add_option("--nice", nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));

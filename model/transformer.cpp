@@ -442,8 +442,8 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     k = k * cos + rotate_half(k) * sin;
   }
   if (cache && cache->step_slot.defined() && cache->step_rows.defined()) {
-    // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows' whole
-    // cache: (B, Hkv, max_len, hd).
+    // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows'
+    // cache over the span: (B, Hkv, span, hd).
     const auto& rows = cache->step_rows;
     at::Tensor heads = at::arange(Hkv, rows.options()).view({1, Hkv, 1});
     const c10::List<std::optional<at::Tensor>> at_slots{rows.view({B, 1, 1}), heads, cache->step_slot.view({1, 1, L})};
@@ -547,8 +547,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions must be shaped like ids");
   const int64_t B = ids.size(0), L = ids.size(1);
   // A fixed-shape step (KvCache::step_slot): L tokens per row written at slots held on the device (of
-  // the step_rows rows only, if set), attention over every slot; nothing in it depends on a host-side
-  // length.
+  // the step_rows rows only, if set), attention over slots [0, span) (KvCache::span; 0: every slot);
+  // nothing in it depends on a host-side length.
   const bool fixed = cache && cache->step_slot.defined();
   const int64_t span = fixed && cache->span > 0 ? cache->span : fixed ? cache->max_len : 0;
   TORCH_CHECK(!fixed || (span <= cache->max_len && cache->step_slot.numel() == L && attention_mask.defined() &&

@@ -160,7 +160,8 @@ class Transformer {
   };
   Transformer() = default;
   void bind_names();
-  // mask (B, 1, L, S) bool, or undefined: then causal (is_causal) or no restriction (a decode step).
+  // mask (B, 1, L, S), bool or additive, or undefined: then causal (is_causal) or no restriction (a decode
+  // step). forward() passes a grouped-query mask already laid out as (B, 1, G L, S).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused) const;
 

@@ -129,9 +129,10 @@ void ModelPolicy::read_replays(bool wait) {
   auto& marks = replay_clock_->marks;
   while (!marks.empty() && (wait || marks.front().end.query())) {
     auto& m = marks.front();
+    if (wait) m.end.synchronize();  // elapsed_time() throws on events the device has not reached
     ReplayTime& t = m.span < 0 ? feed_replay_ : step_replay_[m.span];
     t.count += 1;
-    t.seconds += m.begin.elapsed_time(m.end) / 1e3;  // waits for the end event
+    t.seconds += m.begin.elapsed_time(m.end) / 1e3;
     marks.pop_front();
   }
 #else
@@ -395,6 +396,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     packed.insert(packed.end(), cache_row.begin(), cache_row.end());
     packed.push_back(L);
     const int64_t span = span_of(L + Kb);  // the slots filled and the feed's
+    feed_span_slots_ += span;
 #ifdef RLT_HAVE_CUDA
     if (graphs) {
       hidden = graph_extend(packed, Eb, Kb, span);
@@ -559,12 +561,13 @@ at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t p
 void ModelPolicy::timed_replay(StepGraph& g, int64_t span) {
   if (!replay_clock_) replay_clock_ = std::make_unique<ReplayClock>();
   read_replays(/*wait=*/false);
-  auto& m = replay_clock_->marks.emplace_back();
+  ReplayClock::Mark m;
   m.span = span;
   const auto stream = c10::cuda::getCurrentCUDAStream(valid_.device().index());
   m.begin.record(stream);
   g.graph.replay();
   m.end.record(stream);
+  replay_clock_->marks.push_back(std::move(m));  // kept only once both events are recorded
 }
 
 at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span) {

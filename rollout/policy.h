@@ -150,6 +150,8 @@ class ModelPolicy : public TokenPolicy {
   // Cache slots the graphed (or fixed-shape) steps attended over, summed over the steps: its mean is the
   // span a step read.
   int64_t step_span_slots() const { return step_span_slots_; }
+  // The same for the fixed-shape (graphed) feeds: the slots each attended over, summed.
+  int64_t feed_span_slots() const { return feed_span_slots_; }
   // Of them, those that made new cache tensors (dropping released rows, growing); the others squeezed
   // the holes out in place, keeping every captured graph.
   int64_t reallocations() const { return reallocations_; }
@@ -233,7 +235,7 @@ class ModelPolicy : public TokenPolicy {
   std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
-  int64_t compactions_ = 0, reallocations_ = 0, step_span_slots_ = 0;
+  int64_t compactions_ = 0, reallocations_ = 0, step_span_slots_ = 0, feed_span_slots_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)

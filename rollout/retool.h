@@ -107,7 +107,7 @@ struct RolloutOptions {
   // cost (8 ms a feed, 0.83 s in all) ate the decode steps it saved (docs/benchmarks.md).
   bool merge_feeds = false;
   // With cuda_graphs, on a GPU: each multi-token feed replays a CUDA graph captured per (rows, tokens)
-  // bucket and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
+  // bucket, span and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
   // captures cost about what the replays save within one rollout (see ModelPolicyOptions::feed_graphs).
   bool feed_graphs = false;
   // Keep the rollout's KV cache and CUDA graphs from one training step's rollout to the next
@@ -141,7 +141,7 @@ struct RolloutOptions {
     v("feed_wait", feed_wait, "decode steps a ready tool reply may wait to share its forward with others; 0 = none",
       FieldRange{0, 1e6});
     v("merge_feeds", merge_feeds, "a pass that feeds tool replies takes its one-token rows in the same forward");
-    v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket (GPU only)");
+    v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});

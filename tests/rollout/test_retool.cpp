@@ -3,12 +3,17 @@
 // compaction, sliding windows), and a multi-turn rollout of a tiny model with real sandboxed tool calls.
 #include "rollout/retool.h"
 
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -1004,6 +1009,25 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   EXPECT_EQ(policy.reallocations(), 0);
   EXPECT_GE(spans.size(), 7u);
   EXPECT_EQ(policy.graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one step graph per span";
+#ifdef RLT_HAVE_CUDA
+  if (cuda) {
+    // Every replay is timed on the device, under its span; read while the last one may still run (queued
+    // behind a sleep): the accessor waits for it instead of throwing.
+    at::cuda::sleep(20'000'000);
+    policy.step({0, 1, 2}, {1, 2, 3});
+    const auto& times = policy.step_replay_times();
+    int64_t steps = 0;
+    std::set<int64_t> timed;
+    for (const auto& [span, t] : times) {
+      steps += t.count;
+      timed.insert(span);
+      EXPECT_GT(t.seconds, 0.0) << "span " << span;
+    }
+    EXPECT_EQ(steps, 31) << "every step replayed a graph (the captures' runs are not replays)";
+    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 3) / 4 * 4));
+    EXPECT_EQ(timed, spans);
+  }
+#endif
 }
 
 // squeeze_holes: feeds of uneven runs and rows idle through steps leave holes; a step squeezes them out in
@@ -1138,13 +1162,16 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   EXPECT_EQ(policy.reallocations(), 0);
   EXPECT_EQ(spans.size(), 7u) << "each feed reads 16 slots more than the one before";
   EXPECT_LT(*spans.rbegin(), policy.cache_slots()) << "no feed read every slot of the cache";
+  EXPECT_EQ(policy.feed_span_slots(), std::accumulate(spans.begin(), spans.end(), int64_t(0)))
+      << "the feeds attended over these spans (over every slot: " << 7 * policy.cache_slots() << ")";
   EXPECT_EQ(policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one feed graph per span";
+  if (cuda) EXPECT_EQ(policy.feed_replay_time().count, 7) << "each feed's replay timed on the device";
 }
 
 // A new cache's slots are a multiple of slot_align (64 by default), at start() and after a growth, so a span
 // that ends at the cache's last slot is never of odd length (the graphed step's masked attention ran 12-22%
 // slower at odd spans on an H200). The steps' logits stay each sequence's full forward (float64). Control: with
-// slot_align 1 the same calls make caches of 3 + 5 and then 72 slots, which the checks reject.
+// slot_align 1 the same calls make caches of 3 + 5, then 14, 20, ... slots, which the checks reject.
 TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
   const Transformer m = tiny_model("qwen3", 23, at::Device(at::kCPU));
   for (const int64_t align : {int64_t(64), int64_t(1)}) {
@@ -1169,7 +1196,8 @@ TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
     if (align == 64) {
       EXPECT_EQ(sizes, (std::vector<int64_t>{64, 128})) << "a cache of 3 + 5 slots, then a growth, each aligned";
     } else {
-      EXPECT_EQ(sizes.front(), 8) << "the control: slot_align 1 leaves the cache at 3 + 5 slots";
+      EXPECT_EQ(sizes.front(), 8)
+          << "the control: slot_align 1 leaves the cache at 3 + 5 slots, then grows it to 14, 20, ...";
       for (int64_t s : sizes) EXPECT_NE(s % 64, 0) << "the control's caches are not aligned by chance";
     }
   }
