@@ -40,7 +40,8 @@
 // those that made new cache tensors), step_graph_captures, feed_graph_captures, capture_s (host seconds in
 // those captures), spread, compact_s (host seconds in compactions), step_gpu_s and feed_gpu_s (device seconds
 // of the replayed step and feed graphs, CUDA events), step_gpu_by_span {span: [steps, device seconds]}, steer_s
-// (host seconds the bench's steering took, inside decode_s and feed_s)};
+// (host seconds the bench's steering took, inside decode_s and feed_s), turn_s (of sample_s, the host reading the
+// sampled tokens: turn ends, tool calls sent)};
 // --modes runs only the listed ones (plain always, for the ratio); with --refill also
 // {mode lengths_waves | lengths_refill, batch, prompts, prompt_len, new_tokens_min, new_tokens_max,
 // sampled_tokens, seconds, sampled_tokens_per_s, ratio_to_waves, prefill_s, decode_s, decode_steps, refills,
@@ -424,6 +425,7 @@ int main(int argc, char** argv) {
                        {"decode_s", st.decode_s},
                        {"feed_s", st.feed_s},
                        {"sample_s", st.sample_s},
+                       {"turn_s", st.turn_s},
                        {"tool_wait_s", st.tool_wait_s},
                        {"decode_steps", st.decode_steps},
                        {"feed_steps", st.feed_steps},

@@ -203,7 +203,7 @@ class Loop {
     for (;;) {
       report_progress();
       if (!to_sample.empty()) {
-        sample(to_sample, logits);
+        sample(to_sample, logits, stats);
         stats.sample_s += lap(t);
       }
       collect_tools(/*block=*/false);
@@ -400,7 +400,7 @@ class Loop {
     if (append_forced(s, reply_turn(message))) next_turn(s);
   }
 
-  void sample(const std::vector<int64_t>& rows, const at::Tensor& logits) {
+  void sample(const std::vector<int64_t>& rows, const at::Tensor& logits, RolloutStats& stats) {
     const int64_t n = static_cast<int64_t>(rows.size());
     // Filled through their pointers: an element write on a tensor is a dispatch of its own.
     at::Tensor streams = at::empty({n}, at::kLong), counters = at::empty({n}, at::kLong);
@@ -414,7 +414,9 @@ class Loop {
     SampleOutput out = sample_tokens(logits, sampling_, streams, counters, tok_.vocab_size());
     const int64_t* ids = out.ids.data_ptr<int64_t>();
     const float* lp = out.logprobs.data_ptr<float>();
+    const auto t0 = Clock::now();
     for (int64_t j = 0; j < n; ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
+    stats.turn_s += std::chrono::duration<double>(Clock::now() - t0).count();
   }
 
   void on_sampled(Seq& s, int64_t id, float logprob) {

@@ -195,6 +195,7 @@ struct RolloutStats {
   double decode_s = 0;        // the decode steps (model forward to next-token logits)
   double feed_s = 0;          // the multi-token forwards
   double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host
+  double turn_s = 0;          // of sample_s: the host reading the sampled tokens (turn ends, tool calls sent)
   double tool_wait_s = 0;     // blocked on tool calls with nothing else to decode
   double total_s = 0;         // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
 };

@@ -316,6 +316,8 @@ TEST_F(ReToolTest, ToolCallAppendsMaskedInterpreterTurn) {
   EXPECT_EQ(stats.fed_rows + stats.feed_tokens, R - 1);
   EXPECT_EQ(stats.decode_steps, stats.fed_rows) << "one sequence: one row per decode step";
   EXPECT_LE(stats.prefill_s + stats.decode_s + stats.feed_s + stats.sample_s + stats.tool_wait_s, stats.total_s);
+  EXPECT_GT(stats.turn_s, 0.0);
+  EXPECT_LE(stats.turn_s, stats.sample_s) << "the turn parsing is part of the sampling time";
   EXPECT_EQ(t.finish, FinishReason::kAnswer);
   EXPECT_EQ(t.tool_calls, 1);
   EXPECT_EQ(t.turns, 2);
