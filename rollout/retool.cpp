@@ -174,7 +174,8 @@ class Loop {
         tools_(tools),
         protocol_(protocol),
         reply_open_(tok.encode(protocol.reply_open)),
-        reply_close_(tok.encode(protocol.reply_close)) {}
+        reply_close_(tok.encode(protocol.reply_close)),
+        turn_filter_(protocol) {}
 
   // max_rows: sequences held at once (rollout.max_batch; 0 = every prompt at once); at least one prompt's G.
   std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
@@ -434,10 +435,13 @@ class Loop {
     if (!options_.stop.empty() && ends_with(s.traj.response_text, options_.stop)) {
       return finish(s, FinishReason::kStop);
     }
+    // The turn's text is read again only when the piece can end it (TurnEndFilter; without tools, only an
+    // answer's closing brace can): the reading scans the whole turn.
     TurnEnd end;
     if (options_.tools) {
-      end = classify_turn(s.turn_text, protocol_);
-    } else if (s.turn_text.find("\\boxed") != std::string::npos && extract_last_boxed(s.turn_text)) {
+      if (turn_filter_.may_end(piece)) end = classify_turn(s.turn_text, protocol_);
+    } else if (piece.find('}') != std::string::npos && s.turn_text.find("\\boxed") != std::string::npos &&
+               extract_last_boxed(s.turn_text)) {
       end.kind = TurnEnd::kAnswer;
     }
     if (end.kind == TurnEnd::kAnswer) return finish(s, FinishReason::kAnswer);
@@ -535,6 +539,7 @@ class Loop {
   const ToolRunner& tools_;
   const ToolProtocol& protocol_;
   const std::vector<int64_t> reply_open_, reply_close_;         // the reply framing's tokens
+  const TurnEndFilter turn_filter_;                             // when a sampled piece can end a turn
   const std::vector<std::vector<int64_t>>* prompts_ = nullptr;  // the step's, all of them
   int64_t rows_ = 0;                                            // sequences held at once, at most
   int64_t next_prompt_ = 0;                                     // prompts [0, next_prompt_) were admitted
@@ -547,6 +552,30 @@ class Loop {
 };
 
 }  // namespace
+
+std::string turn_end(const std::string& text, const ToolProtocol& protocol) {
+  switch (classify_turn(text, protocol).kind) {
+    case TurnEnd::kNone:
+      return "";
+    case TurnEnd::kCode:
+      return "code";
+    case TurnEnd::kBadCode:
+      return "bad_code";
+    case TurnEnd::kBadCall:
+      return "bad_call";
+    case TurnEnd::kAnswer:
+      return "answer";
+    case TurnEnd::kFakeOutput:
+      return "fake_output";
+  }
+  return "";
+}
+
+TurnEndFilter::TurnEndFilter(const ToolProtocol& p) : triggers_("`}") {
+  for (const std::string* tag : {&p.code_close, &p.call_close, &p.output_open, &p.output_close}) {
+    if (!tag->empty() && triggers_.find(tag->back()) == std::string::npos) triggers_ += tag->back();
+  }
+}
 
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,

@@ -179,6 +179,26 @@ using ToolRunner = std::function<std::future<SandboxResult>(const std::string& c
 // timeout or truncation.
 std::string format_tool_output(const SandboxResult& r);
 
+// How the loop reads a turn after each sampled token (exposed for tests): how the turn's text ends it, as
+// "" (it goes on), "code", "bad_code", "bad_call", "answer" or "fake_output".
+std::string turn_end(const std::string& text, const ToolProtocol& protocol);
+
+// Whether a sampled token's text can end a turn that had not ended before it. A turn ends only at the last
+// character of a tag (the call's close, the interpreter's open or close), at a fence's backtick or at an
+// answer's closing brace: a piece holding none of them leaves turn_end() at "" (whitespace after a fence
+// too: the fence test reads up to the last non-blank character). The loop reads the turn only when this
+// says so; the full reading scans the turn's whole text, once per token of every row.
+class TurnEndFilter {
+ public:
+  explicit TurnEndFilter(const ToolProtocol& protocol);
+  explicit TurnEndFilter(std::string triggers) : triggers_(std::move(triggers)) {}
+  bool may_end(const std::string& piece) const { return piece.find_first_of(triggers_) != std::string::npos; }
+  const std::string& triggers() const { return triggers_; }
+
+ private:
+  std::string triggers_;  // the characters that can end a turn
+};
+
 // Where a rollout's wall time went. Decode steps are synchronised with the device so that their time is the
 // model's, not the sampler's.
 struct RolloutStats {

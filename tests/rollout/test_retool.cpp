@@ -373,6 +373,75 @@ TEST_F(ReToolTest, BoxedInsideCodeIsNotAnAnswer) {
   EXPECT_EQ(trajs[0].finish, FinishReason::kAnswer);
 }
 
+// The loop reads a turn again only when the sampled piece can end it (TurnEndFilter). Over a corpus of turns
+// (calls closed, empty or malformed in both formats, fences with and without a language and with whitespace
+// after them, answers in and out of code, nested and unclosed braces, the model writing the interpreter's
+// part, text that never ends), each cut into pieces of 1 to 4 characters in several ways, the filtered reading
+// ends every turn at the same piece and in the same way as reading after every piece. Filters missing the
+// backtick, the closing brace or a tag's last character end some turn later (or never), and fail.
+TEST(TurnEndFilter, EndsEveryTurnWhereReadingAfterEveryPieceDoes) {
+  const std::vector<std::string> turns = {
+      "Let me compute.\n<code>\nprint(6*7)\n</code>",
+      "<code>\n\n</code>",
+      "</code>",
+      "text <code>print('\\boxed{7}')\n</code> more",
+      "```python\nprint(1)\n```",
+      "```python\nprint(1)\n```   \n",
+      "```\nprint(1)\n```",
+      "```js\nx\n``` and then ```python\ny = 2\n```",
+      "So the answer is \\boxed{42}.",
+      "\\boxed{\\frac{1}{2}} done",
+      "\\boxed 5 and \\boxed{",
+      "<code>x = '\\boxed{3}'",
+      "I will now write <interpreter>",
+      "result</interpreter>",
+      "<tool_call>{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(2)\"}}</tool_call>",
+      "<tool_call>{not json}</tool_call>",
+      "plain words that never end a turn, with (parens) and [brackets] and > signs",
+  };
+  ToolProtocol code_format, call_format;
+  call_format.format = ToolFormat::kToolCall;
+  // For each (turn, cut): the piece at which the reading first ends the turn, and how ("" and -1: never).
+  auto read = [&](const ToolProtocol& p, const std::function<bool(const std::string&)>& may_end) {
+    std::vector<std::pair<int64_t, std::string>> ends;
+    for (const std::string& turn : turns) {
+      for (int64_t cut = 0; cut < 4; ++cut) {
+        std::string text;
+        std::pair<int64_t, std::string> end{-1, ""};
+        for (size_t at = 0, i = 0; at < turn.size(); ++i) {
+          const size_t len = std::min<size_t>(turn.size() - at, 1 + (i * 7 + cut * 3 + at) % 4);
+          const std::string piece = turn.substr(at, len);
+          text += piece;
+          at += len;
+          const std::string how = may_end(piece) ? turn_end(text, p) : "";
+          if (!how.empty()) {
+            end = {static_cast<int64_t>(i), how};
+            break;
+          }
+        }
+        ends.push_back(end);
+      }
+    }
+    return ends;
+  };
+  for (const ToolProtocol* p : {&code_format, &call_format}) {
+    const auto every = read(*p, [](const std::string&) { return true; });
+    const TurnEndFilter filter(*p);
+    EXPECT_EQ(read(*p, [&](const std::string& s) { return filter.may_end(s); }), every);
+    int64_t ended = 0;
+    for (const auto& e : every) ended += e.first >= 0;
+    EXPECT_GE(ended, 40) << "most turns of the corpus end";
+    // Known-bad filters: each trigger left out in turn.
+    for (const char c : filter.triggers()) {
+      std::string fewer = filter.triggers();
+      fewer.erase(fewer.find(c), 1);
+      const TurnEndFilter wrong(fewer);
+      EXPECT_NE(read(*p, [&](const std::string& s) { return wrong.may_end(s); }), every)
+          << "a filter without '" << c << "' must miss a turn's end";
+    }
+  }
+}
+
 TEST_F(ReToolTest, LimitsEndTrajectories) {
   const std::string call = "<code>\nprint(1)\n</code>";
   FakeTool tool;
@@ -1167,7 +1236,9 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   EXPECT_EQ(policy.feed_span_slots(), std::accumulate(spans.begin(), spans.end(), int64_t(0)))
       << "the feeds attended over these spans (over every slot: " << 7 * policy.cache_slots() << ")";
   EXPECT_EQ(policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one feed graph per span";
-  if (cuda) EXPECT_EQ(policy.feed_replay_time().count, 7) << "each feed's replay timed on the device";
+  if (cuda) {
+    EXPECT_EQ(policy.feed_replay_time().count, 7) << "each feed's replay timed on the device";
+  }
 }
 
 // A new cache's slots are a multiple of slot_align (64 by default), at start() and after a growth, so a span
