@@ -80,6 +80,7 @@ class ToolSteered : public TokenPolicy {
               int64_t every, bool spread = false)
       : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every), spread_(spread) {}
   ModelPolicy& inner() { return inner_; }
+  double steer_seconds() const { return steer_s_; }  // host seconds in steer(), so far
   // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
   // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
   void set_lengths(int64_t eos, std::function<int64_t(int64_t)> budget, int64_t first) {
@@ -164,11 +165,7 @@ class ToolSteered : public TokenPolicy {
     return logits;
   }
 
- public:
-  double steer_seconds() const { return steer_s_; }  // host seconds in steer(), so far
-
- private:
-  double steer_s_ = 0;
+  double steer_s_ = 0;  // host seconds in steer(), so far
   ModelPolicy inner_;
   std::vector<int64_t> script_, reply_end_;
   int64_t eos_ = -1, first_ = 0;
