@@ -342,9 +342,11 @@ const at::Tensor& Transformer::lm_head() const { return lm_head_; }
 
 namespace {
 std::atomic<int64_t> fused_forwards{0};
+std::atomic<int64_t> in_place_feeds{0};
 }  // namespace
 
 int64_t Transformer::fused_forward_count() { return fused_forwards.load(); }
+int64_t Transformer::in_place_feed_count() { return in_place_feeds.load(); }
 
 bool Transformer::fused_kernels_apply() const {
 #ifdef RLT_HAVE_CUDA
@@ -390,7 +392,8 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
 }
 
 at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused) const {
+                                      const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
+                                      const at::Tensor& keep, const at::Tensor& slots) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
@@ -418,91 +421,105 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});
     v_new = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});
   }
-  at::Tensor v = v_new.transpose(1, 2);  // (B, Hkv, L, hd)
   if (c.qk_norm) {
     q = norm(q, l.q_norm, false);
     k = norm(k, l.k_norm, false);
   }
-  // A decode step at the cache's step slot (the graphed step): the fused RoPE writes k and v to the cache.
-  const bool step_write = fused && cache && cache->step_slot.defined() && !cache->step_rows.defined();
+  at::Tensor attn;  // (B, L, H hd)
 #ifdef RLT_HAVE_CUDA
-  if (step_write) {
-    cuda::rope_write_cache(q, k, v_new, cos, sin, cache->k[i], cache->v[i], cache->step_slot);
-    q = q.transpose(1, 2);
-  } else if (fused) {
-    cuda::rope_(q, k, cos, sin);  // in place, on the (B, L, heads, hd) layout
-    q = q.transpose(1, 2);        // (B, H, L, hd)
-    k = k.transpose(1, 2);        // (B, Hkv, L, hd)
+  if (keep.defined()) {
+    // A feed of some cache rows (forward() chose it): RoPE and the cache write in one kernel, then attention
+    // over those rows' cache where it lies; the mask is `keep` and the slots, read in the kernel.
+    cuda::rope_write_cache(q, k, v_new, cos, sin, cache->k[i], cache->v[i], slots, cache->step_rows);
+    attn = cuda::cache_attention(q, cache->k[i], cache->v[i], cache->step_rows, keep, slots, keep.size(1), c.attn_scale)
+               .view({B, L, H * hd});
   } else
 #endif
   {
-    q = q.transpose(1, 2);  // (B, H, L, hd)
-    k = k.transpose(1, 2);  // (B, Hkv, L, hd)
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
-  }
-  if (cache && cache->step_slot.defined() && cache->step_rows.defined()) {
-    // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows'
-    // cache over the span: (B, Hkv, span, hd).
-    const auto& rows = cache->step_rows;
-    at::Tensor heads = at::arange(Hkv, rows.options()).view({1, Hkv, 1});
-    const c10::List<std::optional<at::Tensor>> at_slots{rows.view({B, 1, 1}), heads, cache->step_slot.view({1, 1, L})};
-    cache->k[i].index_put_(at_slots, k);
-    cache->v[i].index_put_(at_slots, v);
-    const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
-    k = cache->k[i].narrow(2, 0, span).index_select(0, rows);  // (B, Hkv, span, hd)
-    v = cache->v[i].narrow(2, 0, span).index_select(0, rows);
-  } else if (cache && cache->step_slot.defined()) {
-    if (!step_write) {
-      cache->k[i].index_copy_(2, cache->step_slot, k);
-      cache->v[i].index_copy_(2, cache->step_slot, v);
+    at::Tensor v = v_new.transpose(1, 2);  // (B, Hkv, L, hd)
+    // A decode step at the cache's step slot (the graphed step): the fused RoPE writes k and v to the cache.
+    const bool step_write = fused && cache && cache->step_slot.defined() && !cache->step_rows.defined();
+#ifdef RLT_HAVE_CUDA
+    if (step_write) {
+      cuda::rope_write_cache(q, k, v_new, cos, sin, cache->k[i], cache->v[i], cache->step_slot);
+      q = q.transpose(1, 2);
+    } else if (fused) {
+      cuda::rope_(q, k, cos, sin);  // in place, on the (B, L, heads, hd) layout
+      q = q.transpose(1, 2);        // (B, H, L, hd)
+      k = k.transpose(1, 2);        // (B, Hkv, L, hd)
+    } else
+#endif
+    {
+      q = q.transpose(1, 2);  // (B, H, L, hd)
+      k = k.transpose(1, 2);  // (B, Hkv, L, hd)
+      q = q * cos + rotate_half(q) * sin;
+      k = k * cos + rotate_half(k) * sin;
     }
-    const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
-    k = cache->k[i].narrow(2, 0, span);  // (B, Hkv, span, hd)
-    v = cache->v[i].narrow(2, 0, span);
-  } else if (cache && cache->step_rows.defined()) {
-    const int64_t past = cache->length;
-    cache->k[i].narrow(2, past, L).index_copy_(0, cache->step_rows, k);
-    cache->v[i].narrow(2, past, L).index_copy_(0, cache->step_rows, v);
-    k = cache->k[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);  // (B, Hkv, S, hd)
-    v = cache->v[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);
-  } else if (cache) {
-    const int64_t past = cache->length;
-    cache->k[i].narrow(2, past, L).copy_(k);
-    cache->v[i].narrow(2, past, L).copy_(v);
-    k = cache->k[i].narrow(2, 0, past + L);  // (B, Hkv, S, hd)
-    v = cache->v[i].narrow(2, 0, past + L);
+    if (cache && cache->step_slot.defined() && cache->step_rows.defined()) {
+      // Rows x slots of the listed rows (distinct rows, so the writes do not collide), then those rows'
+      // cache over the span: (B, Hkv, span, hd).
+      const auto& rows = cache->step_rows;
+      at::Tensor heads = at::arange(Hkv, rows.options()).view({1, Hkv, 1});
+      const c10::List<std::optional<at::Tensor>> at_slots{rows.view({B, 1, 1}), heads,
+                                                          cache->step_slot.view({1, 1, L})};
+      cache->k[i].index_put_(at_slots, k);
+      cache->v[i].index_put_(at_slots, v);
+      const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
+      k = cache->k[i].narrow(2, 0, span).index_select(0, rows);  // (B, Hkv, span, hd)
+      v = cache->v[i].narrow(2, 0, span).index_select(0, rows);
+    } else if (cache && cache->step_slot.defined()) {
+      if (!step_write) {
+        cache->k[i].index_copy_(2, cache->step_slot, k);
+        cache->v[i].index_copy_(2, cache->step_slot, v);
+      }
+      const int64_t span = cache->span > 0 ? cache->span : cache->max_len;
+      k = cache->k[i].narrow(2, 0, span);  // (B, Hkv, span, hd)
+      v = cache->v[i].narrow(2, 0, span);
+    } else if (cache && cache->step_rows.defined()) {
+      const int64_t past = cache->length;
+      cache->k[i].narrow(2, past, L).index_copy_(0, cache->step_rows, k);
+      cache->v[i].narrow(2, past, L).index_copy_(0, cache->step_rows, v);
+      k = cache->k[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);  // (B, Hkv, S, hd)
+      v = cache->v[i].narrow(2, 0, past + L).index_select(0, cache->step_rows);
+    } else if (cache) {
+      const int64_t past = cache->length;
+      cache->k[i].narrow(2, past, L).copy_(k);
+      cache->v[i].narrow(2, past, L).copy_(v);
+      k = cache->k[i].narrow(2, 0, past + L);  // (B, Hkv, S, hd)
+      v = cache->v[i].narrow(2, 0, past + L);
+    }
+    at::Tensor a;  // (B, H, L, hd)
+    if (c.attn_softcap > 0) {
+      // gemma2: scores are soft-capped before the mask, which SDPA cannot do: the eager form.
+      at::Tensor kr = k.repeat_interleave(H / Hkv, 1), vr = v.repeat_interleave(H / Hkv, 1);
+      at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, S)
+      s = at::tanh(s / c.attn_softcap) * c.attn_softcap;
+      s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+      // Softmax in fp32 for bf16/fp16/fp32 activations, in float64 for float64 ones (the reference runs).
+      const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+      a = at::matmul(at::softmax(s, -1, acc).to(q.scalar_type()), vr);
+    } else if (H != Hkv && mask.defined()) {
+      // Grouped-query attention with a mask (a padded prefill, a step or a feed on a cache with holes): the
+      // G = H / Hkv query heads of a KV head become G x L query positions of one head, each group seeing
+      // the mask's rows again. SDPA then gets plain multi-head attention over Hkv heads, which its fused
+      // masked kernel takes without repeating K and V per query head (with enable_gqa and a mask it falls
+      // back to the unfused math path: ~0.5 ms of host time per layer for a 24-token feed on an H200).
+      // forward() lays its masks out so once for every layer (size(2) == G L); another caller's (B', 1, L, S)
+      // is laid out here. A one-token step's (B', 1, 1, S) serves every query position as it is.
+      const int64_t G = H / Hkv, S = k.size(2);
+      at::Tensor m = L == 1 || mask.size(2) == G * L
+                         ? mask
+                         : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, S}).reshape({mask.size(0), 1, G * L, S});
+      a = at::scaled_dot_product_attention(q.reshape({B, Hkv, G * L, hd}), k, v, m, /*dropout_p=*/0.0,
+                                           /*is_causal=*/false, c.attn_scale)
+              .reshape({B, H, L, hd});  // not view: the memory-efficient kernel's output is not contiguous
+    } else {
+      a = at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
+                                           /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
+    }
+    attn = a.transpose(1, 2).reshape({B, L, H * hd});
   }
-  at::Tensor a;  // (B, H, L, hd)
-  if (c.attn_softcap > 0) {
-    // gemma2: scores are soft-capped before the mask, which SDPA cannot do: the eager form.
-    at::Tensor kr = k.repeat_interleave(H / Hkv, 1), vr = v.repeat_interleave(H / Hkv, 1);
-    at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, S)
-    s = at::tanh(s / c.attn_softcap) * c.attn_softcap;
-    s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    // Softmax in fp32 for bf16/fp16/fp32 activations, in float64 for float64 ones (the reference runs).
-    const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    a = at::matmul(at::softmax(s, -1, acc).to(q.scalar_type()), vr);
-  } else if (H != Hkv && mask.defined()) {
-    // Grouped-query attention with a mask (a padded prefill, a step or a feed on a cache with holes): the
-    // G = H / Hkv query heads of a KV head become G x L query positions of one head, each group seeing
-    // the mask's rows again. SDPA then gets plain multi-head attention over Hkv heads, which its fused
-    // masked kernel takes without repeating K and V per query head (with enable_gqa and a mask it falls
-    // back to the unfused math path: ~0.5 ms of host time per layer for a 24-token feed on an H200).
-    // forward() lays its masks out so once for every layer (size(2) == G L); another caller's (B', 1, L, S)
-    // is laid out here. A one-token step's (B', 1, 1, S) serves every query position as it is.
-    const int64_t G = H / Hkv, S = k.size(2);
-    at::Tensor m = L == 1 || mask.size(2) == G * L
-                       ? mask
-                       : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, S}).reshape({mask.size(0), 1, G * L, S});
-    a = at::scaled_dot_product_attention(q.reshape({B, Hkv, G * L, hd}), k, v, m, /*dropout_p=*/0.0,
-                                         /*is_causal=*/false, c.attn_scale)
-            .reshape({B, H, L, hd});  // not view: the memory-efficient kernel's output is not contiguous
-  } else {
-    a = at::scaled_dot_product_attention(q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt,
-                                         /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
-  }
-  at::Tensor o = linear(a.transpose(1, 2).reshape({B, L, H * hd}), l.o_w, l.o_b);  // (B, L, D)
+  at::Tensor o = linear(attn, l.o_w, l.o_b);  // (B, L, D)
   if (gemma) o = norm(o, l.post_attn_norm, true);
   at::Tensor h2;
 
@@ -619,12 +636,26 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels; training, scoring
   // and the CPU keep the ATen forms, so the trainer's log-probs are bit-identical to the scoring forward's.
   bool fused = false;
+  at::Tensor keep, slots;  // set for a fused feed over some rows (below)
 #ifdef RLT_HAVE_CUDA
   const at::ScalarType dt = h.scalar_type();
   fused = fused_kernels_apply() && cache && cache->fused_kernels && !at::GradMode::is_enabled() &&
           final_norm_.scalar_type() == dt;
   if (fused) ++fused_forwards;
-  if (fused && c.attn_softcap == 0) {
+  // A feed of some rows (KvCache::step_rows) with the fused kernels: attention reads those rows' cache in
+  // place (cuda::cache_attention), under the mask that `keep` (their rows of attention_mask) and the new
+  // positions' slots make; no mask tensor is built, no row of the cache gathered. Not for soft-capped
+  // scores, sliding windows that restrict this forward, or dtypes and head sizes the kernel lacks.
+  if (fused && some_rows && c.attn_softcap == 0 && cuda::cache_attention_supports(dt, c.head_dim)) {
+    bool any_sliding = false;
+    for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
+    if (!any_sliding) {
+      keep = attention_mask.to(dev, at::kBool).contiguous();  // (B, S)
+      slots = fixed ? cache->step_slot : at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev));
+      ++in_place_feeds;
+    }
+  }
+  if (fused && c.attn_softcap == 0 && !keep.defined()) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.
     auto additive = [&](at::Tensor& m) {
       if (m.defined()) {
@@ -648,7 +679,9 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     const bool sliding = c.sliding_layers[i] && S > c.sliding_window;
     at::Tensor mask;
     bool is_causal = false;
-    if (fast && !sliding) {
+    if (keep.defined()) {
+      // cache_attention makes the mask itself
+    } else if (fast && !sliding) {
       is_causal = L > 1;  // prefill: causal; a decode step: every slot
     } else {
       if (!full_mask.defined()) {
@@ -664,7 +697,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       });
       h = CheckpointFn::apply(h, std::move(layer))[0];
     } else {
-      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused);
+      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots);
     }
   }
   if (cache && !fixed) cache->length = S;

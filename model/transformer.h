@@ -152,6 +152,9 @@ class Transformer {
   // Forwards that ran the fused kernels so far, in this process (tests check the path was taken: in
   // float32 its results can equal the ATen forms' bit for bit).
   static int64_t fused_forward_count();
+  // Of them, the feeds over some cache rows whose attention read those rows' cache in place
+  // (cuda::cache_attention).
+  static int64_t in_place_feed_count();
 
  private:
   struct Layer {
@@ -161,9 +164,13 @@ class Transformer {
   Transformer() = default;
   void bind_names();
   // mask (B, 1, L, S), bool or additive, or undefined: then causal (is_causal) or no restriction (a decode
-  // step). forward() passes a grouped-query mask already laid out as (B, 1, G L, S).
+  // step). forward() passes a grouped-query mask already laid out as (B, 1, G L, S). keep (B, S) bool and
+  // slots (L) int64, both on the device, set only for a fused feed over KvCache::step_rows: the new keys go
+  // to `slots` of those rows, and the attention (cuda::cache_attention) reads their cache in place under
+  // the causal mask that keep and slots make (mask is then unused).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused) const;
+                           const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
+                           const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor()) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)

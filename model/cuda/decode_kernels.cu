@@ -5,8 +5,14 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
+
+#include <cmath>
+#include <mutex>
+#include <set>
 
 #include "common/cuda/dtypes.cuh"
 #include "model/cuda/decode_kernels.h"
@@ -68,6 +74,7 @@ struct CacheWrite {
   int64_t v_row = 0;            // v_new's row stride
   const int64_t* slots = nullptr;
   int64_t S = 0;
+  const int64_t* rows = nullptr;  // (B) the cache row of each input row (a feed of some rows); null: row b
 };
 
 template <typename T>
@@ -93,8 +100,8 @@ __global__ void rope_kernel(T* __restrict__ q, T* __restrict__ k, const T* __res
     x[i + half] = from_f<T>(y2);
     return;
   }
-  const int64_t b = row / L, l = row % L;
-  const int64_t dst = ((b * Hkv + kv) * cw.S + cw.slots[l]) * hd;
+  const int64_t b = row / L, l = row % L, cache_row = cw.rows ? cw.rows[b] : b;
+  const int64_t dst = ((cache_row * Hkv + kv) * cw.S + cw.slots[l]) * hd;
   T* kc = static_cast<T*>(cw.k) + dst;
   T* vc = static_cast<T*>(cw.v) + dst;
   const T* vn = static_cast<const T*>(cw.v_new) + row * cw.v_row + kv * hd;
@@ -214,20 +221,25 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
 }
 
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& rows) {
   const int64_t B = k.size(0), L = k.size(1), Hkv = k.size(2), hd = k.size(3);
   const int64_t v_row = v.dim() == 4 ? row_stride(v, 2) : -1;
   TORCH_CHECK(v.sizes() == k.sizes() && v_row > 0 && v.scalar_type() == k.scalar_type(),
               "rope_write_cache: v must be shaped like k, each row's heads packed");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == hd &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type() &&
-                  v.device() == k.device() && k_cache.device() == k.device() && v_cache.device() == k.device(),
+  TORCH_CHECK(k_cache.dim() == 4 && (rows.defined() || k_cache.size(0) == B) && k_cache.size(1) == Hkv &&
+                  k_cache.size(3) == hd && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type() && v.device() == k.device() &&
+                  k_cache.device() == k.device() && v_cache.device() == k.device(),
               "rope_write_cache: the caches must be contiguous (B, Hkv, S, hd) in k's dtype");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == L && slots.scalar_type() == at::kLong &&
                   slots.device() == k.device() && slots.is_contiguous(),
               "rope_write_cache: one int64 slot per position, on the device");
+  TORCH_CHECK(!rows.defined() || (rows.dim() == 1 && rows.size(0) == B && rows.scalar_type() == at::kLong &&
+                                  rows.device() == k.device() && rows.is_contiguous()),
+              "rope_write_cache: one int64 cache row per input row, on the device");
   CacheWrite cw;
+  cw.rows = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   cw.k = k_cache.data_ptr();
   cw.v = v_cache.data_ptr();
   cw.v_new = v.data_ptr();
@@ -252,6 +264,339 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
         <<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F, g_row, u_row);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+namespace {
+
+// cache_attention: one block of kAttnWarps warps per (input row, KV head, 16 kAttnWarps query rows), a
+// query row being one (position, head of the group) pair: t G + g. Each warp owns 16 query rows. Keys and
+// values come in blocks of BK slots (BK hd = 4096 elements) through shared memory, two stages deep
+// (cp.async: the next block loads while this one is used; a block costs a few hundred nanoseconds of work,
+// a load from memory about as much latency). A warp takes its rows' scores on tensor cores (wmma, float32
+// accumulation), then each row's online softmax in float32 on two lanes (the even and odd keys), then the
+// probabilities (rounded to T) times the values on tensor cores again, which the two lanes add into their
+// halves (even and odd columns) of the row's output, kept in float32 registers. Shared rows are padded
+// (kPad) so that the lanes of a warp reading a column hit different banks.
+constexpr int kAttnWarps = 4;
+constexpr int kAttnRows = 16 * kAttnWarps;
+
+template <int HD>
+struct AttnShape {
+  static constexpr int BK = 4096 / HD;                 // keys per block: 64 (hd 64), 32 (hd 128)
+  static constexpr int KLD = HD + 8;                   // a key's (value's, query's) row in shared memory, elements
+  static constexpr int SLD = (BK > HD ? BK : HD) + 4;  // a warp's score or product row, floats
+  static constexpr int PLD = BK + 8;                   // a warp's probability row, elements
+  static constexpr int STAGE = BK * KLD;               // elements of keys (or values) per stage
+  template <typename T>
+  static constexpr size_t smem() {
+    return 4 * STAGE * sizeof(T)                    // keys and values, two stages (the query tile first)
+           + kAttnWarps * 16 * SLD * sizeof(float)  // per warp: scores, then the value product
+           + kAttnWarps * 16 * PLD * sizeof(T)      // per warp: probabilities
+           + 2 * BK;                                // the block's keep flags, two stages
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    cache_attention_kernel(const T* __restrict__ q, int64_t q_row, const T* __restrict__ kc, const T* __restrict__ vc,
+                           const int64_t* __restrict__ rows, const bool* __restrict__ keep, int64_t keep_row,
+                           const int64_t* __restrict__ slots, int64_t L, int64_t G, int64_t Hkv, int64_t S,
+                           int64_t span, float scale, int splits, int64_t per_split, T* __restrict__ out,
+                           float* __restrict__ part_o, float* __restrict__ part_ml) {
+  using namespace nvcuda;
+  using A = AttnShape<HD>;
+  constexpr int BK = A::BK, KLD = A::KLD, SLD = A::SLD, PLD = A::PLD, V8 = HD / 8;  // V8: 16-byte vectors a row
+  static_assert(BK % 16 == 0 && HD % 16 == 0 && 2 * A::STAGE >= kAttnRows * KLD, "tile shapes");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* kv_s = reinterpret_cast<T*>(smem);  // stage s: keys at kv_s + 2 s STAGE, values after them
+  float* scratch = reinterpret_cast<float*>(kv_s + 4 * A::STAGE);
+  T* probs = reinterpret_cast<T*>(scratch + kAttnWarps * 16 * SLD);
+  bool* keep_s = reinterpret_cast<bool*>(probs + kAttnWarps * 16 * PLD);  // stage s: keep_s + s BK
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t e = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z % splits;
+  const int64_t first = int64_t(blockIdx.z / splits) * kAttnRows, GL = G * L;
+  const int64_t H = G * Hkv, cache_row = rows[e];
+
+  // The query tile (kAttnRows, HD), rows past G L zero, through the first stage's buffers.
+  T* qs = kv_s;
+  for (int i = threadIdx.x; i < kAttnRows * V8; i += blockDim.x) {
+    const int64_t r = i / V8, c = (i % V8) * 8, qi = first + r;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (qi < GL) x = *reinterpret_cast<const uint4*>(q + (e * L + qi / G) * q_row + (kvh * G + qi % G) * HD + c);
+    *reinterpret_cast<uint4*>(qs + r * KLD + c) = x;
+  }
+  __syncthreads();
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[HD / 16];
+#pragma unroll
+  for (int d = 0; d < HD / 16; ++d) wmma::load_matrix_sync(qf[d], qs + warp * 16 * KLD + d * 16, KLD);
+
+  // This lane's query row (of the warp's 16) and its parity: the keys, then the output columns, it owns.
+  const int r = lane / 2, half = lane % 2;
+  const int64_t qi = first + warp * 16 + r;
+  const bool live = qi < GL;
+  const int64_t own = live ? slots[qi / G] : -1;
+  // No query of the block sees a slot past its own: the keys end at the largest of them (and at span).
+  int64_t last = -1;
+  for (int64_t t = first / G; t <= (first + kAttnRows - 1) / G && t < L; ++t) last = max(last, slots[t]);
+  const int64_t end = min(span, last + 1);
+  // This split's key blocks: [b_first, b_end) of the span's (none when its share lies past the end).
+  const int64_t b_first = split * per_split, b_end = min((end + BK - 1) / BK, b_first + per_split);
+  const bool* keep_e = keep + e * keep_row;
+  const T* kbase = kc + (cache_row * Hkv + kvh) * S * HD;
+  const T* vbase = vc + (cache_row * Hkv + kvh) * S * HD;
+  float* sc = scratch + warp * 16 * SLD;
+  T* pw = probs + warp * 16 * PLD;
+  __syncthreads();  // every warp holds its query fragments: the buffers take the keys
+
+  // Block b's keys and values into stage b % 2 (slots past the end zero: 0 x garbage would be NaN), and its
+  // keep flags into a register, stored at the top of its iteration.
+  auto load = [&](int64_t b) {
+    T* ks = kv_s + 2 * ((b - b_first) % 2) * A::STAGE;
+    T* vs = ks + A::STAGE;
+    const int64_t j0 = b * BK;
+    for (int i = threadIdx.x; i < BK * V8; i += blockDim.x) {
+      const int64_t j = i / V8, c = (i % V8) * 8;
+      const bool in = j0 + j < end;
+      cp_async16(ks + j * KLD + c, in ? kbase + (j0 + j) * HD + c : kbase, in);
+      cp_async16(vs + j * KLD + c, in ? vbase + (j0 + j) * HD + c : vbase, in);
+    }
+    cp_async_commit();
+  };
+  bool kept = false;  // thread t < BK: keep flag of slot t of the block to come
+  if (b_first < b_end) {
+    load(b_first);
+    const int64_t j = b_first * BK + threadIdx.x;
+    if (threadIdx.x < BK) kept = j < end && keep_e[j];
+  }
+
+  float m = -INFINITY, l = 0.f, o[HD / 2];
+#pragma unroll
+  for (int c = 0; c < HD / 2; ++c) o[c] = 0.f;
+  for (int64_t b = b_first; b < b_end; ++b) {
+    const int stage = (b - b_first) % 2;
+    const T* ks = kv_s + 2 * stage * A::STAGE;
+    const T* vs = ks + A::STAGE;
+    const bool* kb = keep_s + stage * BK;
+    if (threadIdx.x < BK) keep_s[stage * BK + threadIdx.x] = kept;
+    if (b + 1 < b_end) {
+      load(b + 1);
+      const int64_t j = (b + 1) * BK + threadIdx.x;
+      if (threadIdx.x < BK) kept = j < end && keep_e[j];
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // Scores (16, BK) = Q K^T: K stored (BK, HD) row-major is K^T column-major.
+#pragma unroll
+    for (int n = 0; n < BK / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
+      wmma::fill_fragment(sf, 0.f);
+#pragma unroll
+      for (int d = 0; d < HD / 16; ++d) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+        wmma::load_matrix_sync(kf, ks + n * 16 * KLD + d * 16, KLD);
+        wmma::mma_sync(sf, qf[d], kf, sf);
+      }
+      wmma::store_matrix_sync(sc + n * 16, sf, SLD, wmma::mem_row_major);
+    }
+    __syncwarp();
+    // Online softmax over this block's visible keys: key 2c + half of the block.
+    constexpr int C = BK / 2;
+    const int64_t j0 = b * BK;
+    float s[C], top = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int jj = 2 * c + half;
+      const int64_t j = j0 + jj;
+      const bool seen = live && j < end && (j == own || (j <= own && kb[jj]));
+      s[c] = seen ? sc[r * SLD + jj] * scale : -INFINITY;  // scale: the softmax scale times log2(e)
+      top = fmaxf(top, s[c]);
+    }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    const float m_new = fmaxf(m, top);
+    const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const float p = s[c] == -INFINITY ? 0.f : exp2f(s[c] - m_new);
+      sum += p;
+      pw[r * PLD + 2 * c + half] = from_f<T>(p);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * corr + sum;
+    m = m_new;
+    __syncwarp();
+    // (16, HD) = P V, added into the lanes' columns of the output rows.
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+      wmma::fill_fragment(of, 0.f);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+        wmma::load_matrix_sync(pf, pw + kk * 16, PLD);
+        wmma::load_matrix_sync(vf, vs + kk * 16 * KLD + n * 16, KLD);
+        wmma::mma_sync(of, pf, vf, of);
+      }
+      wmma::store_matrix_sync(sc + n * 16, of, SLD, wmma::mem_row_major);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < HD / 2; ++c) o[c] = o[c] * corr + sc[r * SLD + 2 * c + half];
+    __syncthreads();  // the stage is loaded again two blocks on
+  }
+  if (!live) return;
+  const int64_t row = (e * L + qi / G) * H + kvh * G + qi % G;  // the output row, (e, t, h)
+  if (splits == 1) {
+    T* dst = out + row * HD + half;
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int c = 0; c < HD / 2; ++c) dst[2 * c] = from_f<T>(o[c] * inv);
+    return;
+  }
+  // A split's share: its row's maximum (log2 units) and sum, and the unnormalised output.
+  const int64_t rows_all = gridDim.x * L * H, at = split * rows_all + row;
+  float* dst = part_o + at * HD + half;
+#pragma unroll
+  for (int c = 0; c < HD / 2; ++c) dst[2 * c] = o[c];
+  if (half == 0) {
+    part_ml[2 * at] = m;
+    part_ml[2 * at + 1] = l;
+  }
+}
+
+// The splits' shares of each output row added up, each weighted by 2^(its maximum - the row's maximum).
+// One block of HD threads per row.
+template <typename T>
+__global__ void cache_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
+                                        int64_t rows_all, int HD, T* __restrict__ out) {
+  const int64_t row = blockIdx.x;
+  float top = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) top = fmaxf(top, part_ml[2 * (sp * rows_all + row)]);
+  float l = 0.f, acc = 0.f;
+  for (int sp = 0; sp < splits; ++sp) {
+    const int64_t at = sp * rows_all + row;
+    const float m = part_ml[2 * at];
+    if (m == -INFINITY) continue;  // a split that saw no key of this row
+    const float w = exp2f(m - top);
+    l += w * part_ml[2 * at + 1];
+    acc += w * part_o[at * HD + threadIdx.x];
+  }
+  out[row * HD + threadIdx.x] = from_f<T>(acc / l);
+}
+
+template <typename T, int HD>
+void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor& kc, const at::Tensor& vc,
+                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
+                            float scale, const at::Tensor& out) {
+  constexpr size_t smem = AttnShape<HD>::template smem<T>();
+  if (smem > 48 * 1024) {  // more than the default 48 KiB of dynamic shared memory, once per device
+    static std::mutex mu;
+    static std::set<int> done;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (done.insert(q.get_device()).second) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+  }
+  const int64_t E = q.size(0), L = q.size(1), H = q.size(2), Hkv = kc.size(1), G = H / Hkv;
+  const int64_t tiles = (G * L + kAttnRows - 1) / kAttnRows,
+                blocks = (span + AttnShape<HD>::BK - 1) / AttnShape<HD>::BK;
+  // A block of 4 warps walks its keys one block after another, each step a chain of dependent instructions:
+  // with one block per SM the warps wait on each other's latencies (48 us a layer for a 16 x 24 feed over 352
+  // slots on an H200, against 7 for cuDNN's decode over 640). The span's key blocks are split between
+  // blocks until three per SM run (as many as fit its shared memory; flash-decoding), and a second kernel
+  // adds the splits' shares.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (3 * sms + E * Hkv * tiles - 1) / (E * Hkv * tiles);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, blocks));
+  const int64_t per_split = (blocks + splits - 1) / splits;
+  const int64_t rows_all = E * L * H;
+  at::Tensor part_o, part_ml;
+  if (splits > 1) {
+    part_o = at::empty({splits, rows_all, HD}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({splits, rows_all, 2}, q.options().dtype(at::kFloat));
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(unsigned(E), unsigned(Hkv), unsigned(tiles * splits));
+  cache_attention_kernel<T, HD><<<grid, kAttnWarps * 32, smem, stream>>>(
+      ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc), rows.data_ptr<int64_t>(), keep.data_ptr<bool>(), keep.stride(0),
+      slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E), int(splits),
+      per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
+      splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    cache_attention_combine<T><<<unsigned(rows_all), HD, 0, stream>>>(
+        part_o.data_ptr<float>(), part_ml.data_ptr<float>(), int(splits), rows_all, HD, ptr<T>(out));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+
+bool cache_attention_supports(at::ScalarType dtype, int64_t head_dim) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && (head_dim == 64 || head_dim == 128);
+}
+
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
+                           double scale) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 4, "cache_attention: q must be (E, L, H, hd) on CUDA");
+  const int64_t E = q.size(0), L = q.size(1), H = q.size(2), hd = q.size(3);
+  TORCH_CHECK(cache_attention_supports(q.scalar_type(), hd),
+              "cache_attention: bfloat16 or float16 with hd 64 or 128, got ", q.scalar_type(), " and hd ", hd);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == hd && H % k_cache.size(1) == 0 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  k_cache.device() == q.device() && v_cache.device() == q.device(),
+              "cache_attention: the caches must be contiguous (Bc, Hkv, S, hd) in q's dtype, H a multiple of Hkv");
+  TORCH_CHECK(span >= 1 && span <= k_cache.size(2), "cache_attention: span ", span, " outside [1, ", k_cache.size(2),
+              "]");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  rows.device() == q.device(),
+              "cache_attention: one int64 cache row per input row, on the device");
+  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == E && keep.size(1) >= span && keep.scalar_type() == at::kBool &&
+                  keep.stride(1) == 1 && keep.device() == q.device(),
+              "cache_attention: keep must be (E, >= span) bool with contiguous rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == L && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.device() == q.device(),
+              "cache_attention: one int64 slot per query position, on the device");
+  // 16-byte loads of q's heads: rows packed and evenly spaced, aligned; otherwise a contiguous copy.
+  at::Tensor qq = q;
+  int64_t q_row = row_stride(q, 2);
+  if (q_row <= 0 || q_row % 8 != 0 || reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) {
+    qq = q.contiguous();
+    q_row = H * hd;
+  }
+  at::Tensor out = at::empty({E, L, H, hd}, q.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16) {
+    if (hd == 64)
+      launch_cache_attention<__nv_bfloat16, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+    else
+      launch_cache_attention<__nv_bfloat16, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+  } else {
+    if (hd == 64)
+      launch_cache_attention<__half, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+    else
+      launch_cache_attention<__half, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+  }
   return out;
 }
 

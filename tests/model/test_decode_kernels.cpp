@@ -8,6 +8,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <iostream>
+#include <limits>
+
 #ifdef RLT_HAVE_CUDA
 #include "model/cuda/decode_kernels.h"
 #endif
@@ -143,6 +147,25 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     EXPECT_TRUE(at::equal(kc3, kc0.clone().index_copy_(2, slots, kp2_ref))) << dt << " k cache (mixed strides)";
     EXPECT_TRUE(at::equal(vc3, vc.clone().index_copy_(2, slots, v.transpose(1, 2))))
         << dt << " v cache (mixed strides)";
+    // A feed of some cache rows (rows given): input row b goes to cache row rows[b] of a 5-row cache; the
+    // ATen form is the feed's index_put_ over rows x heads x slots.
+    at::Tensor rows = at::tensor({4, 0, 2}, o.dtype(at::kLong));
+    at::Tensor kc5 = at::randn({5, Hkv, S, hd}, o), vc5 = at::randn({5, Hkv, S, hd}, o);
+    const at::Tensor kc5_0 = kc5.clone();
+    const c10::List<std::optional<at::Tensor> > at_rs{
+        rows.view({B, 1, 1}), at::arange(Hkv, rows.options()).view({1, Hkv, 1}), slots.view({1, 1, L})};
+    at::Tensor kc5_ref = kc5.clone().index_put_(at_rs, k_ref),
+               vc5_ref = vc5.clone().index_put_(at_rs, v.transpose(1, 2));
+    at::Tensor q5 = q.clone(), k5 = k.clone();
+    cuda::rope_write_cache(q5, k5, v, cos, sin, kc5, vc5, slots, rows);
+    EXPECT_TRUE(at::equal(q5.transpose(1, 2), q_ref)) << dt << " q (rows form)";
+    EXPECT_TRUE(at::equal(kc5, kc5_ref)) << dt << " k cache (rows form)";
+    EXPECT_TRUE(at::equal(vc5, vc5_ref)) << dt << " v cache (rows form)";
+    const c10::List<std::optional<at::Tensor> > at_first{at::arange(B, rows.options()).view({B, 1, 1}),
+                                                         at::arange(Hkv, rows.options()).view({1, Hkv, 1}),
+                                                         slots.view({1, 1, L})};
+    EXPECT_FALSE(at::equal(kc5, kc5_0.clone().index_put_(at_first, k_ref)))
+        << "writing input row b to cache row b must be rejected";
     at::Tensor g = at::randn({7, 3, 131}, o) * 3, u = at::randn({7, 3, 131}, o);
     at::Tensor got = cuda::silu_mul(g, u);
     EXPECT_TRUE(at::equal(got, at::silu(g) * u)) << dt << ": " << ulps(got, at::silu(g) * u) << " ulps";
@@ -154,6 +177,91 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     at::Tensor uc = at::randn({7, 3, 131}, o);  // g a packed half, u contiguous
     EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uc), at::silu(gh) * uc)) << dt << " (mixed strides)";
     EXPECT_FALSE(at::equal(cuda::silu_mul(gh, uh), at::silu(uh) * gh)) << "swapped halves must be rejected";
+  }
+#endif
+}
+
+#ifdef RLT_HAVE_CUDA
+// cache_attention's definition (decode_kernels.h) in float64 on the CPU, and the wrong variants it must be
+// told apart from: query l of input row e, head h, sees slot j < span of cache row rows[e], KV head h / G,
+// iff j == slots[l] or (j <= slots[l] and keep[e, j]); scores scaled, softmax, values averaged.
+enum class Variant { kRight, kSeesNextSlot, kInputRowIsCacheRow, kNoScale, kNoKeep, kKvHeadModulo };
+at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& rows,
+                               const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale, Variant w) {
+  auto cpu = [](const at::Tensor& t) { return t.to(at::kCPU, at::kDouble); };
+  const int64_t E = q.size(0), L = q.size(1), H = q.size(2), Hkv = kc.size(1), G = H / Hkv;
+  at::Tensor r = w == Variant::kInputRowIsCacheRow ? at::arange(E, at::kLong) : rows.to(at::kCPU);
+  at::Tensor heads =
+      w == Variant::kKvHeadModulo ? at::arange(H, at::kLong) % Hkv : at::arange(H, at::kLong).div(G, "floor");
+  at::Tensor k = cpu(kc).index_select(0, r).narrow(2, 0, span).index_select(1, heads);  // (E, H, span, hd)
+  at::Tensor v = cpu(vc).index_select(0, r).narrow(2, 0, span).index_select(1, heads);
+  at::Tensor j = at::arange(span, at::kLong).view({1, 1, 1, span});
+  at::Tensor own = slots.to(at::kCPU).view({1, 1, L, 1}) + (w == Variant::kSeesNextSlot ? 1 : 0);
+  at::Tensor kept = w == Variant::kNoKeep ? at::ones({E, 1, 1, span}, at::kBool)
+                                          : keep.to(at::kCPU).narrow(1, 0, span).view({E, 1, 1, span});
+  at::Tensor seen = (j == slots.to(at::kCPU).view({1, 1, L, 1})) | ((j <= own) & kept);  // (E, 1, L, span)
+  at::Tensor scores = at::matmul(cpu(q).transpose(1, 2), k.transpose(2, 3)) * (w == Variant::kNoScale ? 1.0 : scale);
+  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(scores, -1), v).transpose(1, 2);  // (E, L, H, hd)
+}
+#endif
+
+TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndHeads) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(3);
+  struct Case {
+    at::ScalarType dt;
+    int64_t H, Hkv, hd, L, E;
+    bool packed, shuffled;  // q a view of a packed projection; slots out of order (a step's form)
+  };
+  // Qwen2.5-0.5B's heads (14 over 2, hd 64) and Llama-3's shape of group (hd 128); G L of 140 and 84 query
+  // rows take several blocks of 64, and a span of 200 several blocks of keys (64 at hd 64, 32 at hd 128).
+  // Three rows leave the GPU idle: the kernel splits the keys between blocks and adds their shares; 70 rows
+  // fill it, one block per query tile (on an H200's 132 SMs).
+  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 20, 3, true, false},
+                        {at::kHalf, 14, 2, 64, 20, 3, false, true},
+                        {at::kBFloat16, 8, 2, 128, 21, 3, false, false},
+                        {at::kHalf, 8, 2, 128, 7, 3, true, true},
+                        {at::kBFloat16, 14, 2, 64, 20, 70, false, false}};
+  for (const Case& cs : cases) {
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(cs.dt);
+    const int64_t Bc = cs.E + 3, S = 224, span = 200, E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv, hd = cs.hd;
+    const double scale = 1.0 / std::sqrt(double(hd));
+    at::Tensor rows = at::randperm(Bc, o.dtype(at::kLong)).narrow(0, 0, E);
+    at::Tensor slots = at::arange(170, 170 + L, o.dtype(at::kLong));  // a feed's slots
+    if (cs.shuffled) slots = at::randperm(span, o.dtype(at::kLong)).narrow(0, 0, L);
+    // Scores of a few units, values in [-1, 1], a tenth of the slots kept: each query sees about 20 keys, so
+    // one key more or less moves some outputs well past the tolerance.
+    at::Tensor kc = at::randn({Bc, Hkv, S, hd}, o), vc = at::rand({Bc, Hkv, S, hd}, o) * 2 - 1;
+    at::Tensor keep = at::rand({E, span + 9}, o.dtype(at::kFloat)) < 0.1;
+    at::Tensor q = at::randn({E, L, H, hd}, o);
+    if (cs.packed) {
+      at::Tensor qkv = at::zeros({E, L, (H + 2 * Hkv) * hd}, o);
+      qkv.narrow(-1, 0, H * hd).copy_(q.view({E, L, H * hd}));
+      q = qkv.narrow(-1, 0, H * hd).view({E, L, H, hd});
+    }
+    at::Tensor got = cuda::cache_attention(q, kc, vc, rows, keep, slots, span, scale).to(at::kCPU, at::kDouble);
+    ASSERT_EQ(got.sizes(), at::IntArrayRef({E, L, H, hd}));
+    // The output's rounding (u |out|) and the probabilities' (u each, times values of at most 1): u the
+    // dtype's unit roundoff; twice that bound, against float32 sums' noise.
+    const double u = cs.dt == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    auto excess = [&](Variant w) {  // the largest error over its bound (<= 1: within)
+      at::Tensor ref = attention_reference(q, kc, vc, rows, keep, slots, span, scale, w);
+      return ((got - ref).abs() / (2 * u * (ref.abs() + 1))).max().item<double>();
+    };
+    const double right = excess(Variant::kRight);
+    EXPECT_LE(right, 1.0) << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound";
+    std::cout << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound; wrong variants";
+    for (Variant w : {Variant::kSeesNextSlot, Variant::kInputRowIsCacheRow, Variant::kNoScale, Variant::kNoKeep,
+                      Variant::kKvHeadModulo}) {
+      const double x = excess(w);
+      std::cout << " " << x;
+      EXPECT_GT(x, 3.0) << cs.dt << " hd " << hd << " E " << E << ": wrong variant " << int(w) << " must be rejected";
+    }
+    std::cout << "\n";
   }
 #endif
 }

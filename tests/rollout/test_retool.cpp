@@ -946,6 +946,95 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
   }
 }
 
+// The fused feed (cuda::rope_write_cache into the listed rows' slots, cuda::cache_attention over their cache
+// where it lies) inside the policy, in bfloat16 at a head size the kernel takes (64, four query heads over
+// two KV heads): feeds eager and at the graphs' fixed shape, between steps that leave holes. Every logit is
+// measured against the float64 full forward of the same bf16 weights; the run with the fused kernels must
+// stay within twice the error of the run with the ATen forms (bf16 activations set both), and the in-place
+// attention must have taken every feed of the fused run. A known-bad check: another sequence's logits are
+// far outside that tolerance.
+TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  nlohmann::json j = tiny_config("qwen2");
+  j["hidden_size"] = 256;
+  j["intermediate_size"] = 512;
+  const ModelConfig cfg = model_config_from_json(j, "tiny qwen2, head size 64");
+  Transformer m(cfg, at::kBFloat16, at::Device(at::kCUDA, 0), 11);
+  Transformer ref(cfg, at::kDouble, at::kCPU, 11);
+  {
+    at::NoGradGuard ng;
+    const auto src = m.named_parameters(), dst = ref.named_parameters();
+    for (size_t i = 0; i < src.size(); ++i) {
+      src[i].second.mul_(4.0);  // std 0.08: logits far from uniform
+      dst[i].second.copy_(src[i].second.to(at::kCPU, at::kDouble));
+    }
+  }
+  for (bool graphs : {false, true}) {
+    std::vector<std::vector<int64_t>> seqs;
+    // Each fed row's logits and its sequence so far, for the reference.
+    auto run = [&](bool fused, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
+      m.set_fused_kernels(fused);
+      ModelPolicyOptions po;
+      po.feed_graphs = graphs;
+      ModelPolicy policy(m, po);
+      seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
+      policy.start(seqs, 1);
+      int64_t feeds = 0;
+      for (int64_t t = 0; t < 12; ++t) {
+        std::vector<int64_t> rows;
+        std::vector<std::vector<int64_t>> runs;
+        if (t % 3 == 2) {  // two rows fed runs of 3-19 tokens
+          rows = {t % 5, (t + 2) % 5};
+          runs = {{}, {}};
+          for (int64_t k = 0; k < 3 + (5 * t) % 17; ++k) runs[0].push_back(40 + (t * 7 + k) % 300);
+          for (int64_t k = 0; k < 3 + t % 4; ++k) runs[1].push_back(60 + (t * 3 + k) % 300);
+          ++feeds;
+        } else {  // three rows step, two wait (holes)
+          rows = {t % 5, (t + 1) % 5, (t + 3) % 5};
+          for (int64_t r : rows) runs.push_back({(r * 31 + t * 13) % 400});
+        }
+        at::Tensor logits;
+        if (runs.size() == 2 && t % 3 == 2) {
+          logits = policy.extend(rows, runs).cpu();
+        } else {
+          std::vector<int64_t> tokens;
+          for (const auto& r : runs) tokens.push_back(r[0]);
+          logits = policy.step(rows, tokens).cpu();
+        }
+        for (size_t i = 0; i < rows.size(); ++i) {
+          seqs[rows[i]].insert(seqs[rows[i]].end(), runs[i].begin(), runs[i].end());
+          got.emplace_back(logits[static_cast<int64_t>(i)], seqs[rows[i]]);
+        }
+      }
+      return feeds;
+    };
+    auto error = [&](const std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
+      double e = 0;
+      for (const auto& [logits, ids] : got) {
+        e = std::max(e, (logits.to(at::kDouble) - full_logits(ref, ids)).abs().max().item<double>());
+      }
+      return e;
+    };
+    std::vector<std::pair<at::Tensor, std::vector<int64_t>>> fused_got, aten_got;
+    // Eager, every feed is a forward; graphed, only the captures' forwards run (a warm-up and the capture each).
+    const int64_t before = Transformer::in_place_feed_count();
+    const int64_t feeds = run(true, fused_got), in_place = Transformer::in_place_feed_count() - before;
+    if (graphs) {
+      EXPECT_GE(in_place, 2) << "graphed feeds missed the kernel";
+    } else {
+      EXPECT_EQ(in_place, feeds) << "an eager feed missed the kernel";
+    }
+    run(false, aten_got);
+    EXPECT_EQ(Transformer::in_place_feed_count() - before, in_place) << "the ATen run took the fused feed";
+    const double fused_err = error(fused_got), aten_err = error(aten_got);
+    EXPECT_LE(fused_err, 2 * aten_err) << "graphs " << graphs << ": fused " << fused_err << ", ATen " << aten_err;
+    const double other =
+        (fused_got[0].first.to(at::kDouble) - full_logits(ref, fused_got[1].second)).abs().max().item<double>();
+    EXPECT_GT(other, 10 * aten_err) << "another sequence's logits must be rejected";
+  }
+  m.set_fused_kernels(true);
+}
+
 // Rows fed in turn (one row per step, a two-row feed every third step) leave three holes in four slots:
 // each compaction squeezes them out in place, keeping the cache's tensors and shape (and on CUDA the
 // captured step graph), and the logits still match each sequence's full forward in float64. A squeeze
