@@ -41,7 +41,11 @@
 // those captures), spread, compact_s (host seconds in compactions), step_gpu_s and feed_gpu_s (device seconds
 // of the replayed step and feed graphs, CUDA events), step_gpu_by_span {span: [steps, device seconds]}, steer_s
 // (host seconds the bench's steering took, inside decode_s and feed_s), turn_s (of sample_s, the host reading the
-// sampled tokens: turn ends, tool calls sent)};
+// sampled tokens: turn ends, tool calls sent), tool_latency_s (summed over the calls: submitted to collected;
+// tool_run_s of it the sandbox's own clock, SandboxResult::wall_ms),
+// tool_wait_row_steps and feed_wait_row_steps (sequences that sat out a decode step waiting on a tool call, or
+// holding a reply back for a shared feed, summed over the steps; the table prints them per sequence, with
+// call_ms, a call's mean latency)};
 // --modes runs only the listed ones (plain always, for the ratio); with --refill also
 // {mode lengths_waves | lengths_refill, batch, prompts, prompt_len, new_tokens_min, new_tokens_max,
 // sampled_tokens, seconds, sampled_tokens_per_s, ratio_to_waves, prefill_s, decode_s, decode_steps, refills,
@@ -372,6 +376,8 @@ int main(int argc, char** argv) {
             << "steps" << std::setw(8) << "feeds" << std::setw(10) << "captures" << std::setw(10) << "capture_s"
             << std::setw(12) << "compactions" << std::setw(7) << "span" << std::setw(11) << "step_ms" << std::setw(10)
             << "gpu_ms" << std::setw(10) << "feed_ms" << std::setw(10) << "gpu_ms" << std::setw(9) << "steer_s"
+            << std::setw(9) << "call_ms" << std::setw(8) << "run_ms" << std::setw(10) << "sat_tool" << std::setw(10)
+            << "sat_feed"
             << "\n";
   json records = json::array();
   double plain_tps = 0, plain_kept_tps = 0;
@@ -402,7 +408,10 @@ int main(int argc, char** argv) {
               << std::setw(7) << std::setprecision(0) << mean_span << std::setprecision(3) << std::setw(11)
               << per(st.decode_s, st.decode_steps) << std::setw(10) << per(step_gpu.seconds, step_gpu.count)
               << std::setw(10) << per(st.feed_s, st.feed_steps) << std::setw(10)
-              << per(counts.feed_replays.seconds, counts.feed_replays.count) << std::setw(9) << steer_s << "\n";
+              << per(counts.feed_replays.seconds, counts.feed_replays.count) << std::setw(9) << steer_s << std::setw(9)
+              << per(st.tool_latency_s, calls) << std::setw(8) << per(st.tool_run_s, calls) << std::setw(10)
+              << std::setprecision(1) << double(st.tool_wait_row_steps) / double(trajs.size()) << std::setw(10)
+              << double(st.feed_wait_row_steps) / double(trajs.size()) << "\n";
     json by_span = json::object();
     for (const auto& [span, t] : counts.step_replays) by_span[std::to_string(span)] = {t.count, t.seconds};
     records.push_back({{"mode", m.name},
@@ -424,6 +433,10 @@ int main(int argc, char** argv) {
                        {"sample_s", st.sample_s},
                        {"turn_s", st.turn_s},
                        {"tool_wait_s", st.tool_wait_s},
+                       {"tool_latency_s", st.tool_latency_s},
+                       {"tool_run_s", st.tool_run_s},
+                       {"tool_wait_row_steps", st.tool_wait_row_steps},
+                       {"feed_wait_row_steps", st.feed_wait_row_steps},
                        {"decode_steps", st.decode_steps},
                        {"feed_steps", st.feed_steps},
                        {"feed_wait", m.feed_wait},

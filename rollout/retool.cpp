@@ -161,6 +161,7 @@ struct Seq {
   std::future<SandboxResult> tool;
   int64_t stream = 0;
   int64_t run_since = -1;  // decode steps done when its pending run (several tokens) was first held back
+  std::chrono::steady_clock::time_point tool_sent;  // when its tool call was submitted
 };
 
 class Loop {
@@ -260,6 +261,10 @@ class Loop {
         rows.clear();
       }
       if (!rows.empty()) {
+        for (const Seq& q : seqs_) {
+          stats.tool_wait_row_steps += q.state == SeqState::kWaiting;
+          stats.feed_wait_row_steps += q.pending.size() >= 2;  // a reply held back (rollout.feed_wait)
+        }
         parts.push_back(policy_.step(rows, tokens));  // (rows, V)
         device_synchronize(parts.back().device());
         stats.decode_s += lap(t);
@@ -295,6 +300,8 @@ class Loop {
     TORCH_CHECK(next_prompt_ == P, "rollout: the loop ended with prompts never admitted");
     if (printed_) std::cerr << "\n";
     stats.forced_tokens += forced_tokens_;
+    stats.tool_latency_s += tool_latency_s_;
+    stats.tool_run_s += tool_run_s_;
     std::vector<Trajectory> out;
     out.reserve(seqs_.size());
     for (auto& s : seqs_) out.push_back(std::move(s.traj));
@@ -459,6 +466,7 @@ class Loop {
     if (s.traj.turns >= options_.max_turns) return finish(s, FinishReason::kMaxTurns);
     s.traj.tool_calls += 1;
     s.state = SeqState::kWaiting;
+    s.tool_sent = std::chrono::steady_clock::now();
     s.tool = tools_(end.code);
   }
 
@@ -512,6 +520,8 @@ class Loop {
         if (s.tool.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
         SandboxResult r = s.tool.get();
         got = true;
+        tool_latency_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - s.tool_sent).count();
+        tool_run_s_ += r.wall_ms / 1e3;
         s.traj.tool_timeouts += r.timed_out;
         if (append_forced(s, reply_turn(format_tool_output(r)))) next_turn(s);
       }
@@ -546,6 +556,8 @@ class Loop {
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
   int64_t forced_tokens_ = 0;
+  double tool_latency_s_ = 0;  // RolloutStats::tool_latency_s
+  double tool_run_s_ = 0;      // RolloutStats::tool_run_s
   Clock::time_point start_;
   double next_progress_ = 0;  // seconds since start_ of the next live line
   bool printed_ = false;

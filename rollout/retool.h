@@ -217,7 +217,15 @@ struct RolloutStats {
   double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host
   double turn_s = 0;          // of sample_s: the host reading the sampled tokens (turn ends, tool calls sent)
   double tool_wait_s = 0;     // blocked on tool calls with nothing else to decode
-  double total_s = 0;         // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
+  // A tool call's latency as the loop sees it, summed over the calls: from its submission to the pass that
+  // collected its result (the loop looks once a pass, so up to a decode step more than the sandbox took).
+  double tool_latency_s = 0;
+  double tool_run_s = 0;  // of it, the sandbox's own clock (SandboxResult::wall_ms: the script's run, supervised)
+  // Sequences that sat out a decode step, summed over the steps: waiting on a tool call, or holding a reply
+  // back for a shared feed (rollout.feed_wait). The longest trajectory's sat-out steps lengthen the rollout.
+  int64_t tool_wait_row_steps = 0;
+  int64_t feed_wait_row_steps = 0;
+  double total_s = 0;  // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
 };
 
 // One rollout: samples_per_prompt trajectories per prompt, in prompt-major order

@@ -330,6 +330,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int64_t H = G * Hkv, cache_row = rows[e];
 
   // The query tile (kAttnRows, HD), rows past G L zero, through the first stage's buffers.
+  // The block's keys end at the largest slot of its queries (none sees a slot past its own), found by one
+  // load per position, all in flight at once (a loop of dependent loads cost microseconds).
+  __shared__ unsigned long long last_s;  // 1 + that slot
+  if (threadIdx.x == 0) last_s = 0;
   T* qs = kv_s;
   for (int i = threadIdx.x; i < kAttnRows * V8; i += blockDim.x) {
     const int64_t r = i / V8, c = (i % V8) * 8, qi = first + r;
@@ -338,6 +342,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     *reinterpret_cast<uint4*>(qs + r * KLD + c) = x;
   }
   __syncthreads();
+  {
+    const int64_t t = first / G + threadIdx.x;
+    if (t <= (first + kAttnRows - 1) / G && t < L) atomicMax(&last_s, static_cast<unsigned long long>(slots[t] + 1));
+  }
   wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[HD / 16];
 #pragma unroll
   for (int d = 0; d < HD / 16; ++d) wmma::load_matrix_sync(qf[d], qs + warp * 16 * KLD + d * 16, KLD);
@@ -347,18 +355,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int64_t qi = first + warp * 16 + r;
   const bool live = qi < GL;
   const int64_t own = live ? slots[qi / G] : -1;
-  // No query of the block sees a slot past its own: the keys end at the largest of them (and at span).
-  int64_t last = -1;
-  for (int64_t t = first / G; t <= (first + kAttnRows - 1) / G && t < L; ++t) last = max(last, slots[t]);
-  const int64_t end = min(span, last + 1);
-  // This split's key blocks: [b_first, b_end) of the span's (none when its share lies past the end).
-  const int64_t b_first = split * per_split, b_end = min((end + BK - 1) / BK, b_first + per_split);
   const bool* keep_e = keep + e * keep_row;
   const T* kbase = kc + (cache_row * Hkv + kvh) * S * HD;
   const T* vbase = vc + (cache_row * Hkv + kvh) * S * HD;
   float* sc = scratch + warp * 16 * SLD;
   T* pw = probs + warp * 16 * PLD;
   __syncthreads();  // every warp holds its query fragments: the buffers take the keys
+  const int64_t end = min(span, static_cast<int64_t>(last_s));
+  // This split's key blocks: [b_first, b_end) of the span's (none when its share lies past the end).
+  const int64_t b_first = split * per_split, b_end = min((end + BK - 1) / BK, b_first + per_split);
 
   // Block b's keys and values into stage b % 2 (slots past the end zero: 0 x garbage would be NaN), and its
   // keep flags into a register, stored at the top of its iteration.
@@ -480,11 +485,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 }
 
 // The splits' shares of each output row added up, each weighted by 2^(its maximum - the row's maximum).
-// One block of HD threads per row.
+// A block of (HD, 4) threads takes four rows.
 template <typename T>
 __global__ void cache_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
                                         int64_t rows_all, int HD, T* __restrict__ out) {
-  const int64_t row = blockIdx.x;
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows_all) return;
   float top = -INFINITY;
   for (int sp = 0; sp < splits; ++sp) top = fmaxf(top, part_ml[2 * (sp * rows_all + row)]);
   float l = 0.f, acc = 0.f;
@@ -540,8 +546,10 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
       splits > 1 ? part_ml.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
-    cache_attention_combine<T><<<unsigned(rows_all), HD, 0, stream>>>(
-        part_o.data_ptr<float>(), part_ml.data_ptr<float>(), int(splits), rows_all, HD, ptr<T>(out));
+    constexpr int kRowsPerBlock = 4;
+    cache_attention_combine<T>
+        <<<unsigned((rows_all + kRowsPerBlock - 1) / kRowsPerBlock), dim3(HD, kRowsPerBlock), 0, stream>>>(
+            part_o.data_ptr<float>(), part_ml.data_ptr<float>(), int(splits), rows_all, HD, ptr<T>(out));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -39,8 +39,11 @@ struct FakeTool {
     return [this](const std::string& code) {
       record(code);
       return std::async(std::launch::async, [this, code] {
-        if (delay_ms.count(code)) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[code]));
-        return answer(code);
+        const int delay = delay_ms.count(code) ? delay_ms[code] : 0;
+        if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+        SandboxResult r = answer(code);
+        r.wall_ms = delay;  // the "sandbox's" own clock: its delay
+        return r;
       });
     };
   }

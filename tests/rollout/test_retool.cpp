@@ -531,8 +531,17 @@ TEST_F(ReToolTest, SlowToolsDoNotStallOtherSequences) {
   FakeTool tool;
   tool.outputs["\nslow()\n"] = "done\n";
   tool.delay_ms["\nslow()\n"] = 400;
-  auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(4), RolloutOptions{}, tool.runner());
+  RolloutStats stats;
+  auto ts = rollout(*p, *tok_, {enc("Q")}, sampling(4), RolloutOptions{}, tool.runner(), {}, {}, &stats);
   for (int n = 0; n < 4; ++n) check_consistent(ts[n], *p, n);
+  // The call's latency as the loop saw it (at least the tool's 400 ms), of it the tool's own clock, and the
+  // decode steps sequence 0 sat out meanwhile (the others had 20 words each to write).
+  EXPECT_DOUBLE_EQ(stats.tool_run_s, 0.4);
+  EXPECT_GE(stats.tool_latency_s, 0.4);
+  EXPECT_LE(stats.tool_latency_s, stats.total_s);
+  EXPECT_GE(stats.tool_wait_row_steps, 10);
+  EXPECT_LE(stats.tool_wait_row_steps, stats.decode_steps) << "one sequence waited, at most once a step";
+  EXPECT_EQ(stats.feed_wait_row_steps, 0) << "nothing else decodes once the reply is back: it is fed at once";
   ASSERT_EQ(tool.returned.size(), 1u);
   for (int n = 1; n < 4; ++n) {
     EXPECT_EQ(ts[n].finish, FinishReason::kAnswer);
@@ -705,13 +714,14 @@ TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
                       "}");
     tool.outputs[code] = std::to_string(i) + "\n";
   }
+  std::map<int64_t, RolloutStats> stats_of;  // by feed_wait
   auto run = [&](int64_t wait, std::unique_ptr<ScriptedPolicy>& p) {
     p = policy(scripts);
     p->code_close = tok_->piece_id("</code>");
     RolloutOptions o;
     o.feed_wait = wait;
     o.merge_feeds = false;  // replies apart from the decode step, so that a feed's runs are replies only
-    RolloutStats stats;
+    RolloutStats& stats = stats_of[wait];
     auto out = rollout(*p, *tok_, {enc("Q")}, sampling(16), o, tool.ready_runner(), {}, {}, &stats);
     EXPECT_EQ(stats.feed_steps, static_cast<int64_t>(p->feeds_.size()));
     int64_t replies = 0;
@@ -745,6 +755,13 @@ TEST_F(ReToolTest, ToolRepliesWaitToShareAFeed) {
   EXPECT_EQ(longest, 3);
   EXPECT_GT(early(*p_two), 0) << "the calls come 3 steps apart: replies go alone after 2";
   for (const auto& f : p_now->feeds_) EXPECT_LE(f.steps_waited, 1);
+  // The decode steps that sequences sat out holding a reply back: none when each is fed as it comes, at
+  // most 2 a reply at feed_wait 2, and more than that when replies wait for an eighth of the rows.
+  EXPECT_EQ(stats_of[0].feed_wait_row_steps, 0);
+  EXPECT_GT(stats_of[2].feed_wait_row_steps, 0);
+  EXPECT_LE(stats_of[2].feed_wait_row_steps, 2 * 16);
+  EXPECT_GT(stats_of[1000].feed_wait_row_steps, stats_of[2].feed_wait_row_steps);
+  for (const auto& [wait, st] : stats_of) EXPECT_EQ(st.tool_wait_row_steps, 0) << "replies are ready at once";
 }
 
 TEST_F(ReToolTest, RewardsFromModelTextOnly) {
