@@ -419,24 +419,28 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     __syncwarp();
     // Online softmax over this block's visible keys: key 2c + half of the block.
+    // The row sees the block's keys before its own slot where kept, and its own slot (own - j0: `mine`,
+    // clamped to [-1, BK]; a padding row's own is -1, so it sees none). own < end, so no key past the end
+    // passes.
     constexpr int C = BK / 2;
-    const int64_t j0 = b * BK;
+    const int64_t rel = own - b * BK;
+    const int mine = rel < -1 ? -1 : rel > BK ? BK : static_cast<int>(rel);
     float s[C], top = -INFINITY;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int jj = 2 * c + half;
-      const int64_t j = j0 + jj;
-      const bool seen = live && j < end && (j == own || (j <= own && kb[jj]));
+      const bool seen = jj < mine ? kb[jj] : jj == mine;
       s[c] = seen ? sc[r * SLD + jj] * scale : -INFINITY;  // scale: the softmax scale times log2(e)
       top = fmaxf(top, s[c]);
     }
     top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
     const float m_new = fmaxf(m, top);
     const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
+    const float shift = m_new == -INFINITY ? 0.f : m_new;  // 2^(-inf - shift) = 0 for the keys not seen
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const float p = s[c] == -INFINITY ? 0.f : exp2f(s[c] - m_new);
+      const float p = exp2f(s[c] - shift);
       sum += p;
       pw[r * PLD + 2 * c + half] = from_f<T>(p);
     }
