@@ -395,37 +395,10 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
                                       const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
                                       const at::Tensor& keep, const at::Tensor& slots) const {
   const ModelConfig& c = config_;
-  const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
-  const bool gemma = c.gemma_norms;
-  // The fused kernels (model/cuda/decode_kernels.h) stand in for the ATen chains, value for value.
-  auto norm = [&](const at::Tensor& x, const at::Tensor& w, bool g) {
-#ifdef RLT_HAVE_CUDA
-    if (fused) return cuda::rms_norm(x, w, c.rms_norm_eps, g);
-#endif
-    return rms_norm(x, w, c.rms_norm_eps, g);
-  };
-
-  // Attention block.
-  at::Tensor x = norm(h, l.input_norm, gemma);  // (B, L, D)
   const PackedWeights* packed = fused && cache ? cache->packed : nullptr;
-  at::Tensor q, k, v_new;  // (B, L, H, hd), (B, L, Hkv, hd) x 2
-  if (packed && !packed->qkv_w.empty()) {
-    // One GEMM, then views of its three column blocks (rows strided by (H + 2 Hkv) hd).
-    at::Tensor qkv = linear(x, packed->qkv_w[i], packed->qkv_b[i]);
-    q = qkv.narrow(-1, 0, H * hd).view({B, L, H, hd});
-    k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
-    v_new = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, L, Hkv, hd});
-  } else {
-    q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});
-    k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});
-    v_new = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});
-  }
-  if (c.qk_norm) {
-    q = norm(q, l.q_norm, false);
-    k = norm(k, l.k_norm, false);
-  }
-  at::Tensor attn;  // (B, L, H hd)
+  auto [q, k, v_new] = project_qkv(i, h, packed, fused);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
+  at::Tensor attn;                                        // (B, L, H hd)
 #ifdef RLT_HAVE_CUDA
   if (keep.defined()) {
     // A feed of some cache rows (forward() chose it): RoPE and the cache write in one kernel, then attention
@@ -519,9 +492,51 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     }
     attn = a.transpose(1, 2).reshape({B, L, H * hd});
   }
+  return output_and_mlp(i, h, attn, packed, fused);
+}
+
+at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const {
+  // The fused kernels (model/cuda/decode_kernels.h) stand in for the ATen chains, value for value.
+#ifdef RLT_HAVE_CUDA
+  if (fused) return cuda::rms_norm(x, w, config_.rms_norm_eps, gemma);
+#endif
+  return rms_norm(x, w, config_.rms_norm_eps, gemma);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, const at::Tensor& h,
+                                                                         const PackedWeights* packed,
+                                                                         bool fused) const {
+  const ModelConfig& c = config_;
+  const Layer& l = layers_[i];
+  const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
+  at::Tensor x = norm(h, l.input_norm, c.gemma_norms, fused);  // (B, L, D)
+  at::Tensor q, k, v;
+  if (packed && !packed->qkv_w.empty()) {
+    // One GEMM, then views of its three column blocks (rows strided by (H + 2 Hkv) hd).
+    at::Tensor qkv = linear(x, packed->qkv_w[i], packed->qkv_b[i]);
+    q = qkv.narrow(-1, 0, H * hd).view({B, L, H, hd});
+    k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
+    v = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, L, Hkv, hd});
+  } else {
+    q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});
+    k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});
+    v = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});
+  }
+  if (c.qk_norm) {
+    q = norm(q, l.q_norm, false, fused);
+    k = norm(k, l.k_norm, false, fused);
+  }
+  return {q, k, v};
+}
+
+at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn,
+                                       const PackedWeights* packed, bool fused) const {
+  const ModelConfig& c = config_;
+  const Layer& l = layers_[i];
+  const bool gemma = c.gemma_norms;
   at::Tensor o = linear(attn, l.o_w, l.o_b);  // (B, L, D)
-  if (gemma) o = norm(o, l.post_attn_norm, true);
-  at::Tensor h2;
+  if (gemma) o = norm(o, l.post_attn_norm, true, fused);
+  at::Tensor h2, x;
 
   // MLP block: down(act(gate(x)) * up(x)).
   const at::Tensor& ff_norm = gemma ? l.pre_ff_norm : l.post_attn_norm;
@@ -553,7 +568,7 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
     m = at::linear(g * u, l.down_w);
   }
-  if (gemma) m = norm(m, l.post_ff_norm, true);
+  if (gemma) m = norm(m, l.post_ff_norm, true, fused);
   return h2 + m;
 }
 

@@ -12,6 +12,7 @@
 
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -171,6 +172,16 @@ class Transformer {
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
                            const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor()) const;
+  // The pieces of a layer that every forward shares. RMSNorm, fused or the ATen form.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const;
+  // Layer i's input norm and q/k/v projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k
+  // normed where the model does: q (B, L, H, hd), k and v (B, L, Hkv, hd).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, const at::Tensor& h,
+                                                             const PackedWeights* packed, bool fused) const;
+  // Layer i after its attention: output projection of attn (B, L, H hd), residual, the MLP block and its
+  // residual. Returns the layer's output (B, L, D).
+  at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, const PackedWeights* packed,
+                            bool fused) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
