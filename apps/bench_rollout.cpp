@@ -31,6 +31,9 @@
 //                         one policy for the warm-up run and the timed one, so the timed rollout replays
 //                         the graphs the warm-up captured (as a training run's steps after the first);
 //                         their ratio is to plain_kept
+//   spread_merged_kept    spread_kept with rollout.merge_feeds: on a GPU (bf16, hd 64 or 128) a pass's one-token
+//                         rows and replies run as one merged forward (ModelPolicy::merged_extend)
+//   spread_merged_now_kept  the same with each reply fed at the next pass (feed_wait 0)
 // With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
 // prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
 // batch prompts one after the other (records lengths_waves, lengths_refill).
@@ -313,7 +316,9 @@ int main(int argc, char** argv) {
       {"spread_graphs", true, true, true, wait, false, true},
       {"plain_kept", false, true, true, wait, false, false, true},
       {"tools_kept", true, true, true, wait, false, false, true},
-      {"spread_kept", true, true, true, wait, false, true, true}};
+      {"spread_kept", true, true, true, wait, false, true, true},
+      {"spread_merged_kept", true, true, true, wait, true, true, true},
+      {"spread_merged_now_kept", true, true, true, 0, true, true, true}};
   if (!only.empty()) {
     for (const std::string& name : only) {
       if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {

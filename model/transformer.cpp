@@ -504,8 +504,7 @@ at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemm
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, const at::Tensor& h,
-                                                                         const PackedWeights* packed,
-                                                                         bool fused) const {
+                                                                        const PackedWeights* packed, bool fused) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
@@ -570,6 +569,83 @@ at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at:
   }
   if (gemma) m = norm(m, l.post_ff_norm, true, fused);
   return h2 + m;
+}
+
+bool Transformer::mixed_forward_applies() const {
+#ifdef RLT_HAVE_CUDA
+  const ModelConfig& c = config_;
+  bool sliding = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) sliding |= c.sliding_layers[i];
+  return fused_kernels_apply() && cuda::cache_attention_supports(final_norm_.scalar_type(), c.head_dim) &&
+         c.attn_softcap == 0 && !sliding && !c.qk_norm && !at::GradMode::is_enabled();
+#else
+  return false;
+#endif
+}
+
+at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tensor& step_pos,
+                                      const at::Tensor& step_mask, const at::Tensor& feed_ids,
+                                      const at::Tensor& feed_pos, const at::Tensor& feed_keep,
+                                      const at::Tensor& feed_rows, const at::Tensor& feed_slots, KvCache& cache) const {
+  TORCH_CHECK(mixed_forward_applies(),
+              "forward_mixed: needs the fused CUDA kernels in bf16/fp16 (hd 64 or 128), "
+              "no soft-capping, sliding window or q/k norm, no grad");
+#ifdef RLT_HAVE_CUDA
+  const ModelConfig& c = config_;
+  const int64_t Bc = step_ids.size(0), E = feed_ids.size(0), K = feed_ids.size(1), T = Bc + E * K;
+  const int64_t H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim, G = H / Hkv, span = cache.span;
+  TORCH_CHECK(step_ids.sizes() == at::IntArrayRef({Bc, 1}) && step_pos.sizes() == step_ids.sizes() &&
+                  feed_pos.sizes() == feed_ids.sizes() && cache.step_slot.numel() == 1 && span > 0 &&
+                  span <= cache.max_len && step_mask.sizes() == at::IntArrayRef({Bc, span}) &&
+                  feed_keep.sizes() == at::IntArrayRef({E, span}) && feed_rows.numel() == E &&
+                  feed_slots.numel() == K && !cache.k.empty() && cache.k[0].size(0) == Bc,
+              "forward_mixed: shapes disagree (step (Bc, 1) over every cache row, feed (E, K), masks over span)");
+  ++fused_forwards;
+  ++in_place_feeds;
+  const auto dev = embed_.device();
+  const at::ScalarType dt = final_norm_.scalar_type();
+  cache.positions.index_copy_(1, cache.step_slot, step_pos);
+  const c10::List<std::optional<at::Tensor>> at_slots{feed_rows.view({E, 1}), feed_slots.view({1, K})};
+  cache.positions.index_put_(at_slots, feed_pos);
+
+  at::Tensor ids = at::cat({step_ids.reshape({-1}), feed_ids.reshape({-1})});  // (T)
+  at::Tensor h = embed_.index_select(0, ids).view({1, T, c.hidden_size});      // (1, T, D)
+  if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
+  at::Tensor pos = at::cat({step_pos.reshape({-1}), feed_pos.reshape({-1})}).to(at::kFloat);  // (T)
+  at::Tensor freqs = pos.unsqueeze(-1) * inv_frequencies(c, dev);                             // (T, hd/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  at::Tensor cos = emb.cos().to(dt), sin = emb.sin().to(dt);  // (T, hd)
+  at::Tensor cos_s = cos.narrow(0, 0, Bc).view({Bc, 1, 1, hd}), sin_s = sin.narrow(0, 0, Bc).view({Bc, 1, 1, hd});
+  at::Tensor cos_f = cos.narrow(0, Bc, E * K).view({E, 1, K, hd}), sin_f = sin.narrow(0, Bc, E * K).view({E, 1, K, hd});
+  // The step's mask, additive (SDPA would convert a boolean one in every layer); the feed's, as kept slots.
+  at::Tensor step_add = at::zeros({Bc, 1, 1, span}, h.options())
+                            .masked_fill_(step_mask.to(at::kBool).logical_not().view({Bc, 1, 1, span}),
+                                          -std::numeric_limits<double>::infinity());
+  at::Tensor keep = feed_keep.to(at::kBool).contiguous();
+  const PackedWeights* packed = cache.fused_kernels ? cache.packed : nullptr;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    auto [q, k, v] = project_qkv(i, h, packed, true);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
+    auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
+    auto feed_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, Bc, E * K).view({E, K, heads, hd}); };
+    // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
+    // then masked attention over the span (the group's G query heads as G positions of one KV head).
+    at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv);
+    cuda::rope_write_cache(qs, ks, step_part(v, Hkv), cos_s, sin_s, cache.k[i], cache.v[i], cache.step_slot);
+    at::Tensor a_s = at::scaled_dot_product_attention(qs.transpose(1, 2).reshape({Bc, Hkv, G, hd}),
+                                                      cache.k[i].narrow(2, 0, span), cache.v[i].narrow(2, 0, span),
+                                                      step_add, /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale)
+                         .reshape({Bc, H * hd});
+    // The feed, as a fused feed runs it: into its rows' slots, then attention over their cache in place.
+    at::Tensor qf = feed_part(q, H), kf = feed_part(k, Hkv);
+    cuda::rope_write_cache(qf, kf, feed_part(v, Hkv), cos_f, sin_f, cache.k[i], cache.v[i], feed_slots, feed_rows);
+    at::Tensor a_f = cuda::cache_attention(qf, cache.k[i], cache.v[i], feed_rows, keep, feed_slots, span, c.attn_scale)
+                         .view({E * K, H * hd});
+    h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), packed, true);
+  }
+  return cuda::rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms).view({T, c.hidden_size});
+#else
+  return at::Tensor();
+#endif
 }
 
 at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,

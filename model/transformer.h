@@ -123,6 +123,21 @@ class Transformer {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
                      KvCache* cache = nullptr) const;
 
+  // A decode step and a feed in one forward (ModelPolicy's merged pass): each of the cache's Bc rows takes
+  // one token (step_ids, step_pos (Bc, 1)) at slot cache.step_slot (1), attending over step_mask (Bc, span)
+  // as a graphed step does; feed_ids, feed_pos (E, K) enter rows feed_rows (E) at slots feed_slots (K),
+  // attending in place over feed_keep (E, span) (cuda::cache_attention) as a fused feed does. The two
+  // share every weight read: norms, projections and the MLP run once over Bc + E K tokens. cache.span is
+  // the span (both parts); cache.length is left to the caller. feed_rows must not hold a row whose step
+  // token is fed (its slot in the step is a hole). Needs mixed_forward_applies(). Returns the hidden states
+  // (Bc + E K, D): the step's rows, then the feed's tokens row-major.
+  at::Tensor forward_mixed(const at::Tensor& step_ids, const at::Tensor& step_pos, const at::Tensor& step_mask,
+                           const at::Tensor& feed_ids, const at::Tensor& feed_pos, const at::Tensor& feed_keep,
+                           const at::Tensor& feed_rows, const at::Tensor& feed_slots, KvCache& cache) const;
+  // The merged pass can run: the fused kernels apply, in bf16 or fp16 at a head size cache_attention takes,
+  // without soft-capping, sliding windows or q/k norms, and with no grad.
+  bool mixed_forward_applies() const;
+
   // The packed projection weights of the current parameters (PackedWeights), on their device.
   PackedWeights pack_weights() const;
   // The same, written into `p`'s tensors (made by pack_weights() on this model), so that a CUDA graph

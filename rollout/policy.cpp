@@ -182,6 +182,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   }
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
+  merged_graphs_.clear();
   cache_ = KvCache();
   valid_ = at::Tensor();
   cache_row_.clear();
@@ -232,6 +233,7 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
     at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
     step_graphs_.clear();  // a graph reads the cache tensors it was captured with
     feed_graphs_.clear();
+    merged_graphs_.clear();
     cache_ = prefill.gather(rows, slots, aligned_slots(P + options_.slot_chunk));
     valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
     valid_.narrow(1, 0, P).copy_(prompt_valid);
@@ -350,12 +352,17 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     for (int64_t j = 0; j < E; ++j) tokens[j] = runs[j][0];
     return step(rows, tokens);
   }
-  NoCudnnAttention attention(!options_.cudnn_attention);  // after the step above, which keeps cuDNN when graphed
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
   graphs = options_.cuda_graphs && options_.feed_graphs && dev.is_cuda();
+  // Runs of one token beside longer ones (rollout.merge_feeds): one merged pass, a step and a feed sharing
+  // their weight reads, where the model can run it.
+  bool ones = false;
+  for (const auto& run : runs) ones |= run.size() == 1;
+  if (graphs && ones && model_.mixed_forward_applies()) return merged_extend(rows, runs);
 #endif
+  NoCudnnAttention attention(!options_.cudnn_attention);  // after the step above, which keeps cuDNN when graphed
   // The fixed-shape form (bucketed rows x tokens, the write slots on the device) is what a graph
   // captures; without graphs it runs eagerly at the exact shape.
   const bool fixed = graphs || options_.fixed_shape_extend;
@@ -429,6 +436,111 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   at::Tensor h = hidden.index_select(0, at::tensor(last).to(dev));  // (E, D)
   return next_token_logits(model_, h);                              // (E, V)
 }
+
+#ifdef RLT_HAVE_CUDA
+at::Tensor ModelPolicy::merged_extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  drop_released_rows();
+  int64_t K = 0;  // the longest run of more than one token
+  for (const auto& run : runs) K = std::max<int64_t>(K, static_cast<int64_t>(run.size()));
+  const int64_t Kb = feed_cols(K);
+  if (cache_.length + 1 + Kb > cache_.max_len || (options_.squeeze_holes && holes_cost_a_chunk())) compact(1 + Kb);
+  const int64_t L = cache_.length, Bc = cache_rows();
+  // The step's part, per cache row: ids, positions, fed; the feed's, per input row of the bucket: its run at
+  // columns [0, k), padding after it (holes).
+  std::vector<int64_t> ids(Bc, 0), pos(Bc, 0), fed(Bc, 0), pick(rows.size());
+  std::vector<int64_t> cache_row, f_ids, f_pos, f_fed;
+  std::vector<uint8_t> in_feed(Bc, 0);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t n = rows[j];
+    TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "extend: sequence ", n,
+                " was released or never started");
+    const int64_t r = cache_row_[n], k = static_cast<int64_t>(runs[j].size());
+    TORCH_CHECK(!fed[r] && !in_feed[r], "extend: sequence ", n, " listed twice");
+    if (k == 1) {
+      ids[r] = runs[j][0];
+      pos[r] = length_[n];
+      fed[r] = 1;
+      pick[j] = r;
+      continue;
+    }
+    in_feed[r] = 1;
+    pick[j] = Bc + static_cast<int64_t>(cache_row.size()) * Kb + k - 1;
+    cache_row.push_back(r);
+    for (int64_t t = 0; t < Kb; ++t) {
+      f_ids.push_back(t < k ? runs[j][t] : 0);
+      f_pos.push_back(length_[n] + t);  // a padding slot's position is never read: it is a hole
+      f_fed.push_back(t < k);
+    }
+  }
+  const int64_t E = static_cast<int64_t>(cache_row.size()), Eb = feed_rows(E, Bc);
+  // The bucket's extra rows are rows not in the feed, fed nothing there: hole slots, outputs never read.
+  for (int64_t r = 0; static_cast<int64_t>(cache_row.size()) < Eb; ++r) {
+    if (in_feed[r]) continue;
+    cache_row.push_back(r);
+    f_ids.insert(f_ids.end(), Kb, 0);
+    f_pos.insert(f_pos.end(), Kb, 0);
+    f_fed.insert(f_fed.end(), Kb, 0);
+  }
+  // One host vector, one copy: the step's ids, positions, fed flags and slot, then the feed's ids,
+  // positions, fed flags and rows.
+  std::vector<int64_t> packed = ids;
+  packed.insert(packed.end(), pos.begin(), pos.end());
+  packed.insert(packed.end(), fed.begin(), fed.end());
+  packed.push_back(L);
+  packed.insert(packed.end(), f_ids.begin(), f_ids.end());
+  packed.insert(packed.end(), f_pos.begin(), f_pos.end());
+  packed.insert(packed.end(), f_fed.begin(), f_fed.end());
+  packed.insert(packed.end(), cache_row.begin(), cache_row.end());
+  const int64_t span = span_of(L + 1 + Kb);  // the slots filled, the step's and the feed's
+  feed_span_slots_ += span;
+  ++merged_passes_;
+  // (No NoCudnnAttention here: a graphed pass builds its attention plans once per capture, and cuDNN's
+  // decode kernel is the step's faster one, as in step().)
+  at::Tensor in = to_device_async(packed, valid_.device());
+  auto& g = merged_graphs_[{Eb, Kb, span}];
+  if (g) {
+    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "ModelPolicy: stale merged graph");
+    g->inputs.copy_(in);
+  } else {
+    g = capture(
+        in, [this, Eb, Kb, span](const at::Tensor& x) { return fixed_merged(x, Eb, Kb, span); }, "merged pass");
+    ++feed_graph_captures_;
+  }
+  timed_replay(*g, -1);
+  cache_.length = L + 1 + Kb;
+  for (size_t j = 0; j < rows.size(); ++j) length_[rows[j]] += static_cast<int64_t>(runs[j].size());
+  return next_token_logits(model_, g->hidden.index_select(0, to_device_async(pick, valid_.device())));  // (rows, V)
+}
+
+at::Tensor ModelPolicy::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
+  const int64_t Bc = cache_rows(), n = Eb * Kb, f0 = 3 * Bc + 1;
+  at::Tensor ids = inputs.narrow(0, 0, Bc).view({Bc, 1}), pos = inputs.narrow(0, Bc, Bc).view({Bc, 1});
+  at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
+  at::Tensor f_ids = inputs.narrow(0, f0, n).view({Eb, Kb}), f_pos = inputs.narrow(0, f0 + n, n).view({Eb, Kb});
+  at::Tensor f_fed = inputs.narrow(0, f0 + 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, f0 + 3 * n, Eb);
+  at::Tensor slots = slot + 1 + at::arange(Kb, inputs.options());  // (Kb)
+  // The step's slot for every row (rows not fed there: a hole), then the feed's slots: holes for every row,
+  // then the runs' own slots of the feed's rows.
+  valid_.index_copy_(1, slot, fed);
+  valid_.index_fill_(1, slots, false);
+  const c10::List<std::optional<at::Tensor>> at_slots{rows.view({Eb, 1}), slots.view({1, Kb})};
+  valid_.index_put_(at_slots, f_fed);
+  at::Tensor mask = valid_.narrow(1, 0, span);
+  cache_.step_slot = slot;
+  cache_.span = span;
+  at::Tensor hidden;
+  try {
+    hidden = model_.forward_mixed(ids, pos, mask, f_ids, f_pos, mask.index_select(0, rows), rows, slots, cache_);
+  } catch (...) {
+    cache_.step_slot = at::Tensor();
+    cache_.span = 0;
+    throw;
+  }
+  cache_.step_slot = at::Tensor();
+  cache_.span = 0;
+  return hidden;  // (Bc + Eb Kb, D)
+}
+#endif
 
 at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
   const int64_t n = Eb * Kb;
@@ -667,6 +779,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   const int64_t len = aligned_slots(std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need);
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   feed_graphs_.clear();
+  merged_graphs_.clear();
   cache_ = cache_.gather(rows, order, len);
   valid_ = at::zeros({Bn, len}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);

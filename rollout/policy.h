@@ -158,6 +158,8 @@ class ModelPolicy : public TokenPolicy {
   // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
   int64_t graph_captures() const { return graph_captures_; }
   int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
+  // extend() calls that ran as one merged pass (a step and a feed in one forward; merged_extend).
+  int64_t merged_passes() const { return merged_passes_; }
   // Host seconds spent capturing them (the warm-up run and the capture, synchronised), step and feed graphs.
   double capture_seconds() const { return capture_s_; }
   // Host seconds in compactions (in-place squeezes and reallocations; each reads a count back, so the time
@@ -214,6 +216,13 @@ class ModelPolicy : public TokenPolicy {
   // on the device: ids, positions, fed (0/1), each (Eb, Kb) row-major, then the cache rows, then L. Returns
   // (Eb Kb, D).
   at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
+  // extend() with runs of one token beside longer ones, on a GPU with feed graphs (CUDA builds): one merged
+  // pass (Transformer::forward_mixed), the one-token rows as a step at slot L and the longer runs as a feed
+  // at slots [L + 1, L + 1 + Kb) in the feed's buckets, replayed from a graph per (Eb, Kb, span).
+  at::Tensor merged_extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
+  // Its fixed-shape form. inputs: the step's (fixed_step's 3 Bc + 1), then the feed's ids, positions and fed
+  // (Eb Kb each) and rows (Eb). Returns (Bc + Eb Kb, D).
+  at::Tensor fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
   // The graph path of extend() (CUDA builds): one graph per (Eb, Kb, span) for the current cache.
   at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span);
   // Replays g between two CUDA events; span: the step's, or -1 for a feed (CUDA builds).
@@ -239,7 +248,9 @@ class ModelPolicy : public TokenPolicy {
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)
-  std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> feed_graphs_;  // (Eb, Kb, span) -> feed graph
+  std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> feed_graphs_;    // (Eb, Kb, span) -> feed graph
+  std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> merged_graphs_;  // (Eb, Kb, span) -> merged pass
+  int64_t merged_passes_ = 0;
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
   double capture_s_ = 0, compact_s_ = 0;
   std::unique_ptr<ReplayClock> replay_clock_;

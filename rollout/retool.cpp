@@ -251,6 +251,10 @@ class Loop {
         continue;
       }
       lap(t);
+      for (const Seq& q : seqs_) {  // the sequences this pass leaves out
+        stats.tool_wait_row_steps += q.state == SeqState::kWaiting;
+        stats.feed_wait_row_steps += q.pending.size() >= 2;  // a reply held back (rollout.feed_wait)
+      }
       std::vector<at::Tensor> parts;
       if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty()) {
         // One forward for the pass: the one-token rows join the feed as runs of one token.
@@ -261,10 +265,6 @@ class Loop {
         rows.clear();
       }
       if (!rows.empty()) {
-        for (const Seq& q : seqs_) {
-          stats.tool_wait_row_steps += q.state == SeqState::kWaiting;
-          stats.feed_wait_row_steps += q.pending.size() >= 2;  // a reply held back (rollout.feed_wait)
-        }
         parts.push_back(policy_.step(rows, tokens));  // (rows, V)
         device_synchronize(parts.back().device());
         stats.decode_s += lap(t);

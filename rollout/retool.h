@@ -221,8 +221,9 @@ struct RolloutStats {
   // collected its result (the loop looks once a pass, so up to a decode step more than the sandbox took).
   double tool_latency_s = 0;
   double tool_run_s = 0;  // of it, the sandbox's own clock (SandboxResult::wall_ms: the script's run, supervised)
-  // Sequences that sat out a decode step, summed over the steps: waiting on a tool call, or holding a reply
-  // back for a shared feed (rollout.feed_wait). The longest trajectory's sat-out steps lengthen the rollout.
+  // Sequences that sat out a pass of the loop (its decode step, its feed, or both, or one merged forward),
+  // summed over the passes: waiting on a tool call, or holding a reply back for a shared feed
+  // (rollout.feed_wait). The longest trajectory's sat-out passes lengthen the rollout.
   int64_t tool_wait_row_steps = 0;
   int64_t feed_wait_row_steps = 0;
   double total_s = 0;  // the whole rollout; the rest is host bookkeeping (turn parsing, batching)

@@ -540,7 +540,7 @@ TEST_F(ReToolTest, SlowToolsDoNotStallOtherSequences) {
   EXPECT_GE(stats.tool_latency_s, 0.4);
   EXPECT_LE(stats.tool_latency_s, stats.total_s);
   EXPECT_GE(stats.tool_wait_row_steps, 10);
-  EXPECT_LE(stats.tool_wait_row_steps, stats.decode_steps) << "one sequence waited, at most once a step";
+  EXPECT_LE(stats.tool_wait_row_steps, stats.decode_steps + stats.feed_steps) << "one sequence waited, once a pass";
   EXPECT_EQ(stats.feed_wait_row_steps, 0) << "nothing else decodes once the reply is back: it is fed at once";
   ASSERT_EQ(tool.returned.size(), 1u);
   for (int n = 1; n < 4; ++n) {
@@ -970,22 +970,38 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
 // stay within twice the error of the run with the ATen forms (bf16 activations set both), and the in-place
 // attention must have taken every feed of the fused run. A known-bad check: another sequence's logits are
 // far outside that tolerance.
-TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+// A bf16 model on CUDA at a head size cache_attention takes (64; four query heads over two KV heads), and
+// `ref`, the same weights in float64 on the CPU: the reference of the fused feeds' tests.
+Transformer bf16_hd64_model(std::unique_ptr<Transformer>& ref) {
   nlohmann::json j = tiny_config("qwen2");
   j["hidden_size"] = 256;
   j["intermediate_size"] = 512;
   const ModelConfig cfg = model_config_from_json(j, "tiny qwen2, head size 64");
   Transformer m(cfg, at::kBFloat16, at::Device(at::kCUDA, 0), 11);
-  Transformer ref(cfg, at::kDouble, at::kCPU, 11);
-  {
-    at::NoGradGuard ng;
-    const auto src = m.named_parameters(), dst = ref.named_parameters();
-    for (size_t i = 0; i < src.size(); ++i) {
-      src[i].second.mul_(4.0);  // std 0.08: logits far from uniform
-      dst[i].second.copy_(src[i].second.to(at::kCPU, at::kDouble));
-    }
+  ref = std::make_unique<Transformer>(cfg, at::kDouble, at::kCPU, 11);
+  at::NoGradGuard ng;
+  const auto src = m.named_parameters(), dst = ref->named_parameters();
+  for (size_t i = 0; i < src.size(); ++i) {
+    src[i].second.mul_(4.0);  // std 0.08: logits far from uniform
+    dst[i].second.copy_(src[i].second.to(at::kCPU, at::kDouble));
   }
+  return m;
+}
+
+// The largest |logit - float64 full forward's| over (logits, sequence) pairs.
+double max_error(const Transformer& ref, const std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
+  double e = 0;
+  for (const auto& [logits, ids] : got) {
+    e = std::max(e, (logits.to(at::kDouble) - full_logits(ref, ids)).abs().max().item<double>());
+  }
+  return e;
+}
+
+TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  std::unique_ptr<Transformer> ref_model;
+  Transformer m = bf16_hd64_model(ref_model);
+  const Transformer& ref = *ref_model;
   for (bool graphs : {false, true}) {
     std::vector<std::vector<int64_t>> seqs;
     // Each fed row's logits and its sequence so far, for the reference.
@@ -1025,13 +1041,6 @@ TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
       }
       return feeds;
     };
-    auto error = [&](const std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
-      double e = 0;
-      for (const auto& [logits, ids] : got) {
-        e = std::max(e, (logits.to(at::kDouble) - full_logits(ref, ids)).abs().max().item<double>());
-      }
-      return e;
-    };
     std::vector<std::pair<at::Tensor, std::vector<int64_t>>> fused_got, aten_got;
     // Eager, every feed is a forward; graphed, only the captures' forwards run (a warm-up and the capture each).
     const int64_t before = Transformer::in_place_feed_count();
@@ -1043,13 +1052,74 @@ TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
     }
     run(false, aten_got);
     EXPECT_EQ(Transformer::in_place_feed_count() - before, in_place) << "the ATen run took the fused feed";
-    const double fused_err = error(fused_got), aten_err = error(aten_got);
+    const double fused_err = max_error(ref, fused_got), aten_err = max_error(ref, aten_got);
     EXPECT_LE(fused_err, 2 * aten_err) << "graphs " << graphs << ": fused " << fused_err << ", ATen " << aten_err;
     const double other =
         (fused_got[0].first.to(at::kDouble) - full_logits(ref, fused_got[1].second)).abs().max().item<double>();
     EXPECT_GT(other, 10 * aten_err) << "another sequence's logits must be rejected";
   }
   m.set_fused_kernels(true);
+}
+
+// The merged pass (ModelPolicy::merged_extend, Transformer::forward_mixed): a pass's one-token rows and its
+// tool replies in one graphed forward, in bf16 on the model above. The same passes run as a step then a feed
+// give each sequence's logits; both are measured against the float64 full forward, and the merged ones must
+// stay within twice the separate ones' error. Every mixed pass must have run merged, and none of the
+// separate ones. A known-bad check: another sequence's logits are far outside the tolerance.
+TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  std::unique_ptr<Transformer> ref_model;
+  const Transformer m = bf16_hd64_model(ref_model);
+  const Transformer& ref = *ref_model;
+  auto run = [&](bool merged, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
+    ModelPolicyOptions po;
+    po.feed_graphs = true;
+    ModelPolicy policy(m, po);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
+    policy.start(seqs, 1);
+    for (int64_t t = 0; t < 12; ++t) {
+      // Rows t and t + 2 get runs of 2-20 tokens every third pass; two of the others one token each, the
+      // fifth waits (holes).
+      std::vector<int64_t> rows, one_rows, one_tokens, run_rows;
+      std::vector<std::vector<int64_t>> runs, long_runs;
+      for (int64_t r : {t % 5, (t + 1) % 5, (t + 2) % 5, (t + 3) % 5}) {
+        rows.push_back(r);
+        if (t % 3 == 2 && (r == t % 5 || r == (t + 2) % 5)) {
+          runs.emplace_back();
+          for (int64_t k = 0; k < 2 + (5 * t + r) % 19; ++k) runs.back().push_back(40 + (t * 7 + r + k) % 300);
+          run_rows.push_back(r);
+          long_runs.push_back(runs.back());
+        } else {
+          runs.push_back({(r * 31 + t * 13) % 400});
+          one_rows.push_back(r);
+          one_tokens.push_back(runs.back()[0]);
+        }
+      }
+      std::vector<at::Tensor> logits(rows.size());
+      if (merged || run_rows.empty()) {
+        at::Tensor out = policy.extend(rows, runs).cpu();
+        for (size_t i = 0; i < rows.size(); ++i) logits[i] = out[static_cast<int64_t>(i)];
+      } else {
+        at::Tensor a = policy.step(one_rows, one_tokens).cpu(), b = policy.extend(run_rows, long_runs).cpu();
+        for (size_t i = 0, x = 0, y = 0; i < rows.size(); ++i) {
+          logits[i] = runs[i].size() == 1 ? a[static_cast<int64_t>(x++)] : b[static_cast<int64_t>(y++)];
+        }
+      }
+      for (size_t i = 0; i < rows.size(); ++i) {
+        seqs[rows[i]].insert(seqs[rows[i]].end(), runs[i].begin(), runs[i].end());
+        got.emplace_back(logits[i], seqs[rows[i]]);
+      }
+    }
+    return policy.merged_passes();
+  };
+  std::vector<std::pair<at::Tensor, std::vector<int64_t>>> merged_got, separate_got;
+  EXPECT_EQ(run(true, merged_got), 4) << "every pass with replies and one-token rows runs merged";
+  EXPECT_EQ(run(false, separate_got), 0);
+  const double merged_err = max_error(ref, merged_got), separate_err = max_error(ref, separate_got);
+  EXPECT_LE(merged_err, 2 * separate_err) << "merged " << merged_err << ", step then feed " << separate_err;
+  const double other =
+      (merged_got[0].first.to(at::kDouble) - full_logits(ref, merged_got[1].second)).abs().max().item<double>();
+  EXPECT_GT(other, 10 * separate_err) << "another sequence's logits must be rejected";
 }
 
 // Rows fed in turn (one row per step, a two-row feed every third step) leave three holes in four slots:

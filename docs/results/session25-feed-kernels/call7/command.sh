@@ -1,0 +1,12 @@
+set -uo pipefail
+out=$OUT
+source scripts/gpu_build.sh
+nvidia-smi --query-gpu=name --format=csv > "$out/gpu.txt" 2>&1
+(cd build-gpu && ctest -R 'DecodeKernels|ModelPolicy|StepSpans|KeepCache|ReservedRows|AdmitInto|Compaction|ReTool|Transformer' --output-on-failure) > "$out/ctest_policy.log" 2>&1; grep -E 'tests passed|Failed|Skipped' "$out/ctest_policy.log" | head
+build-gpu/bin/test_retool --gtest_filter='*Merged*:*FusedFeeds*' 2>&1 | grep -E "OK \]|FAIL|Failure|merged|Which|rror" | head -20
+model=configs/models/qwen2.5-0.5b
+for r in 1 2; do
+  build-gpu/bin/bench_rollout --model $model --tokenizer .gpu/fixtures/tokenizers/qwen3 --device cuda \
+    --dtype bfloat16 --batch 64 --prompt-len 256 --new-tokens 512 --tool-every 96 --workers 16 \
+    --modes tools_eager,spread_kept,spread_merged_kept,spread_merged_now_kept --json "$out/loop_$r.json" 2>&1 | tee -a "$out/loop.log"
+done
