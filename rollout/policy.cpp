@@ -496,20 +496,10 @@ at::Tensor ModelPolicy::merged_extend(const std::vector<int64_t>& rows, const st
   ++merged_passes_;
   // (No NoCudnnAttention here: a graphed pass builds its attention plans once per capture, and cuDNN's
   // decode kernel is the step's faster one, as in step().)
-  at::Tensor in = to_device_async(packed, valid_.device());
-  auto& g = merged_graphs_[{Eb, Kb, span}];
-  if (g) {
-    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "ModelPolicy: stale merged graph");
-    g->inputs.copy_(in);
-  } else {
-    g = capture(
-        in, [this, Eb, Kb, span](const at::Tensor& x) { return fixed_merged(x, Eb, Kb, span); }, "merged pass");
-    ++feed_graph_captures_;
-  }
-  timed_replay(*g, -1);
+  at::Tensor hidden = graph_extend(packed, Eb, Kb, span, /*merged=*/true);  // (Bc + Eb Kb, D)
   cache_.length = L + 1 + Kb;
   for (size_t j = 0; j < rows.size(); ++j) length_[rows[j]] += static_cast<int64_t>(runs[j].size());
-  return next_token_logits(model_, g->hidden.index_select(0, to_device_async(pick, valid_.device())));  // (rows, V)
+  return next_token_logits(model_, hidden.index_select(0, to_device_async(pick, valid_.device())));  // (rows, V)
 }
 
 at::Tensor ModelPolicy::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
@@ -682,15 +672,20 @@ void ModelPolicy::timed_replay(StepGraph& g, int64_t span) {
   replay_clock_->marks.push_back(std::move(m));  // kept only once both events are recorded
 }
 
-at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span) {
+at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span,
+                                     bool merged) {
   at::Tensor in = to_device_async(packed, valid_.device());
-  auto& g = feed_graphs_[{Eb, Kb, span}];
+  auto& g = (merged ? merged_graphs_ : feed_graphs_)[{Eb, Kb, span}];
   if (g) {
     TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "ModelPolicy: stale feed graph");
     g->inputs.copy_(in);
   } else {
     g = capture(
-        in, [this, Eb, Kb, span](const at::Tensor& x) { return fixed_extend(x, Eb, Kb, span); }, "multi-token feed");
+        in,
+        [this, Eb, Kb, span, merged](const at::Tensor& x) {
+          return merged ? fixed_merged(x, Eb, Kb, span) : fixed_extend(x, Eb, Kb, span);
+        },
+        merged ? "merged pass" : "multi-token feed");
     ++feed_graph_captures_;
   }
   timed_replay(*g, -1);

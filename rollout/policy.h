@@ -223,8 +223,10 @@ class ModelPolicy : public TokenPolicy {
   // Its fixed-shape form. inputs: the step's (fixed_step's 3 Bc + 1), then the feed's ids, positions and fed
   // (Eb Kb each) and rows (Eb). Returns (Bc + Eb Kb, D).
   at::Tensor fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
-  // The graph path of extend() (CUDA builds): one graph per (Eb, Kb, span) for the current cache.
-  at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span);
+  // The graph path of extend() (CUDA builds): one graph per (Eb, Kb, span) for the current cache, of
+  // fixed_extend or (merged) of fixed_merged.
+  at::Tensor graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span,
+                          bool merged = false);
   // Replays g between two CUDA events; span: the step's, or -1 for a feed (CUDA builds).
   void timed_replay(StepGraph& g, int64_t span);
   // Adds the device time of the replays whose events have completed (wait: of every replay) to

@@ -102,9 +102,11 @@ struct RolloutOptions {
   // every reply fed at the next step. The trajectories are the same up to rounding.
   int64_t feed_wait = 4;
   // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
-  // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. Off by
-  // default: the merged forward pads every row to the feed's length, and in bench_rollout on an H100 its
-  // cost (8 ms a feed, 0.83 s in all) ate the decode steps it saved (docs/benchmarks.md).
+  // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. With
+  // feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is ModelPolicy's merged
+  // pass: the step and the feed share their weight reads (2.4 ms on an H200 against 1.49 + 1.74 apart;
+  // bench_rollout's spread_merged_kept). Elsewhere it pads every row to the feed's length, whose cost (8 ms a
+  // feed on an H100, 0.83 s in all) ate the decode steps it saved: off by default, as feed_graphs is.
   bool merge_feeds = false;
   // With cuda_graphs, on a GPU: each multi-token feed replays a CUDA graph captured per (rows, tokens)
   // bucket, span and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
