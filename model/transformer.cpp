@@ -587,9 +587,9 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
                                       const at::Tensor& step_mask, const at::Tensor& feed_ids,
                                       const at::Tensor& feed_pos, const at::Tensor& feed_keep,
                                       const at::Tensor& feed_rows, const at::Tensor& feed_slots, KvCache& cache) const {
-  TORCH_CHECK(mixed_forward_applies(),
-              "forward_mixed: needs the fused CUDA kernels in bf16/fp16 (hd 64 or 128), "
-              "no soft-capping, sliding window or q/k norm, no grad");
+  TORCH_CHECK(mixed_forward_applies() && cache.fused_kernels,
+              "forward_mixed: needs the fused CUDA kernels (the model's and the cache's) in bf16/fp16 (hd 64 or "
+              "128), no soft-capping, sliding window or q/k norm, no grad");
 #ifdef RLT_HAVE_CUDA
   const ModelConfig& c = config_;
   const int64_t Bc = step_ids.size(0), E = feed_ids.size(0), K = feed_ids.size(1), T = Bc + E * K;
@@ -622,7 +622,7 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
                             .masked_fill_(step_mask.to(at::kBool).logical_not().view({Bc, 1, 1, span}),
                                           -std::numeric_limits<double>::infinity());
   at::Tensor keep = feed_keep.to(at::kBool).contiguous();
-  const PackedWeights* packed = cache.fused_kernels ? cache.packed : nullptr;
+  const PackedWeights* packed = cache.packed;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     auto [q, k, v] = project_qkv(i, h, packed, true);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
     auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
@@ -665,8 +665,10 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   const int64_t past = cache ? cache->length : 0, S = fixed ? span : past + L;
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const bool some_rows = cache && cache->step_rows.defined();
-  TORCH_CHECK(!some_rows || (cache->step_rows.size(0) == B && attention_mask.defined()),
-              "a forward over KvCache::step_rows takes one input row per listed row and an attention mask");
+  TORCH_CHECK(!some_rows || (cache->step_rows.size(0) == B && attention_mask.defined() && attention_mask.size(0) == B &&
+                             attention_mask.size(1) == S),
+              "a forward over KvCache::step_rows takes one input row per listed row and an attention mask over its ", S,
+              " slots");
   const auto dev = embed_.device();
   if (fixed && some_rows) {
     const c10::List<std::optional<at::Tensor>> at_slots{cache->step_rows.view({B, 1}), cache->step_slot.view({1, L})};

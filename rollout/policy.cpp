@@ -360,7 +360,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   // their weight reads, where the model can run it.
   bool ones = false;
   for (const auto& run : runs) ones |= run.size() == 1;
-  if (graphs && ones && model_.mixed_forward_applies()) return merged_extend(rows, runs);
+  if (graphs && ones && cache_.fused_kernels && model_.mixed_forward_applies()) return merged_extend(rows, runs);
 #endif
   NoCudnnAttention attention(!options_.cudnn_attention);  // after the step above, which keeps cuDNN when graphed
   // The fixed-shape form (bucketed rows x tokens, the write slots on the device) is what a graph

@@ -251,9 +251,14 @@ class Loop {
         continue;
       }
       lap(t);
-      for (const Seq& q : seqs_) {  // the sequences this pass leaves out
-        stats.tool_wait_row_steps += q.state == SeqState::kWaiting;
-        stats.feed_wait_row_steps += q.pending.size() >= 2;  // a reply held back (rollout.feed_wait)
+      // The sequences this pass leaves out: waiting on a tool (not the one whose call's last token this pass
+      // feeds), or holding a reply back (rollout.feed_wait; a fed one's pending was cleared above).
+      std::vector<uint8_t> fed_now(seqs_.size(), 0);
+      for (int64_t n : rows) fed_now[n] = 1;
+      for (int64_t n : run_rows) fed_now[n] = 1;
+      for (size_t n = 0; n < seqs_.size(); ++n) {
+        stats.tool_wait_row_steps += seqs_[n].state == SeqState::kWaiting && !fed_now[n];
+        stats.feed_wait_row_steps += seqs_[n].pending.size() >= 2;
       }
       std::vector<at::Tensor> parts;
       if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty()) {

@@ -587,13 +587,17 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == L && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.device() == q.device(),
               "cache_attention: one int64 slot per query position, on the device");
-  // 16-byte loads of q's heads: rows packed and evenly spaced, aligned; otherwise a contiguous copy.
+  // 16-byte loads of q's heads: rows packed and evenly spaced, aligned; otherwise an aligned copy (clone: a
+  // contiguous tensor at an odd offset would come back from contiguous() as it is).
   at::Tensor qq = q;
   int64_t q_row = row_stride(q, 2);
   if (q_row <= 0 || q_row % 8 != 0 || reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0) {
-    qq = q.contiguous();
+    qq = q.clone(at::MemoryFormat::Contiguous);
     q_row = H * hd;
   }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % 16 == 0,
+              "cache_attention: the caches must start 16-byte aligned");
   at::Tensor out = at::empty({E, L, H, hd}, q.options());
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(q.device());
