@@ -735,18 +735,16 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   fused = fused_kernels_apply() && cache && cache->fused_kernels && !at::GradMode::is_enabled() &&
           final_norm_.scalar_type() == dt;
   if (fused) ++fused_forwards;
+  bool any_sliding = false;  // a layer whose window restricts this forward (the loop below reads its mask)
+  for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
   // A feed of some rows (KvCache::step_rows) with the fused kernels: attention reads those rows' cache in
   // place (cuda::cache_attention), under the mask that `keep` (their rows of attention_mask) and the new
   // positions' slots make; no mask tensor is built, no row of the cache gathered. Not for soft-capped
   // scores, sliding windows that restrict this forward, or dtypes and head sizes the kernel lacks.
-  if (fused && some_rows && c.attn_softcap == 0 && cuda::cache_attention_supports(dt, c.head_dim)) {
-    bool any_sliding = false;
-    for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
-    if (!any_sliding) {
-      keep = attention_mask.to(dev, at::kBool).contiguous();  // (B, S)
-      slots = fixed ? cache->step_slot : at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev));
-      ++in_place_feeds;
-    }
+  if (fused && some_rows && c.attn_softcap == 0 && !any_sliding && cuda::cache_attention_supports(dt, c.head_dim)) {
+    keep = attention_mask.to(dev, at::kBool).contiguous();  // (B, S)
+    slots = fixed ? cache->step_slot : at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev));
+    ++in_place_feeds;
   }
   if (fused && c.attn_softcap == 0 && !keep.defined()) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.
@@ -756,8 +754,6 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
                 .masked_fill_(m.logical_not(), -std::numeric_limits<double>::infinity());
       }
     };
-    bool any_sliding = false;  // a layer whose window restricts this forward (the loop below reads its mask)
-    for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
     if (!fast || any_sliding) {
       build_masks();
       additive(full_mask);

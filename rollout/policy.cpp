@@ -57,6 +57,23 @@ int64_t feed_rows(int64_t E, int64_t cache_rows) {
   return std::min(b, cache_rows);
 }
 
+// A cache forward's KvCache fields (step_slot, step_rows, span: a fixed-shape step or feed, or an eager feed's
+// rows) for its scope: set on entry, cleared on every exit, a throw included.
+struct StepFields {
+  KvCache& cache;
+  StepFields(KvCache& c, const at::Tensor& slot, const at::Tensor& rows, int64_t span) : cache(c) {
+    cache.step_slot = slot;
+    cache.step_rows = rows;
+    cache.span = span;
+  }
+  ~StepFields() {
+    cache.step_slot = cache.step_rows = at::Tensor();
+    cache.span = 0;
+  }
+  StepFields(const StepFields&) = delete;
+  StepFields& operator=(const StepFields&) = delete;
+};
+
 }  // namespace
 
 #ifdef RLT_HAVE_CUDA
@@ -419,16 +436,9 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
     valid_.narrow(1, L, K).zero_();
     valid_.narrow(1, L, K).index_copy_(0, rows_t, at::tensor(fed).view({E, K}).to(dev, at::kBool));
     at::Tensor mask = valid_.narrow(1, 0, L + K).index_select(0, rows_t);  // (E, L + K)
-    cache_.step_rows = rows_t;
-    try {
-      hidden = model_.forward(at::tensor(ids).view({E, K}).to(dev), at::tensor(pos).view({E, K}).to(dev), mask,
-                              &cache_);  // (E, K, D); cache_.length becomes L + K
-    } catch (...) {
-      cache_.step_rows = at::Tensor();
-      throw;
-    }
-    cache_.step_rows = at::Tensor();
-    hidden = hidden.reshape({E * K, -1});
+    const StepFields on(cache_, at::Tensor(), rows_t, 0);  // no step slot: the eager feed's slots follow length
+    hidden = model_.forward(at::tensor(ids).view({E, K}).to(dev), at::tensor(pos).view({E, K}).to(dev), mask, &cache_)
+                 .reshape({E * K, -1});  // (E, K, D) -> (E K, D); cache_.length becomes L + K
   }
   // The runs are in the cache: each sequence holds its run's tokens more (not before: a feed that throws
   // leaves the positions as they were).
@@ -509,26 +519,13 @@ at::Tensor ModelPolicy::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64
   at::Tensor f_ids = inputs.narrow(0, f0, n).view({Eb, Kb}), f_pos = inputs.narrow(0, f0 + n, n).view({Eb, Kb});
   at::Tensor f_fed = inputs.narrow(0, f0 + 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, f0 + 3 * n, Eb);
   at::Tensor slots = slot + 1 + at::arange(Kb, inputs.options());  // (Kb)
-  // The step's slot for every row (rows not fed there: a hole), then the feed's slots: holes for every row,
-  // then the runs' own slots of the feed's rows.
+  // The step's slot for every row (rows not fed there: a hole), then the feed's slots.
   valid_.index_copy_(1, slot, fed);
-  valid_.index_fill_(1, slots, false);
-  const c10::List<std::optional<at::Tensor>> at_slots{rows.view({Eb, 1}), slots.view({1, Kb})};
-  valid_.index_put_(at_slots, f_fed);
+  mark_feed_slots(rows, slots, f_fed);
   at::Tensor mask = valid_.narrow(1, 0, span);
-  cache_.step_slot = slot;
-  cache_.span = span;
-  at::Tensor hidden;
-  try {
-    hidden = model_.forward_mixed(ids, pos, mask, f_ids, f_pos, mask.index_select(0, rows), rows, slots, cache_);
-  } catch (...) {
-    cache_.step_slot = at::Tensor();
-    cache_.span = 0;
-    throw;
-  }
-  cache_.step_slot = at::Tensor();
-  cache_.span = 0;
-  return hidden;  // (Bc + Eb Kb, D)
+  const StepFields on(cache_, slot, at::Tensor(), span);
+  return model_.forward_mixed(ids, pos, mask, f_ids, f_pos, mask.index_select(0, rows), rows, slots,
+                              cache_);  // (Bc + Eb Kb, D)
 }
 #endif
 
@@ -537,25 +534,17 @@ at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64
   at::Tensor ids = inputs.narrow(0, 0, n).view({Eb, Kb}), pos = inputs.narrow(0, n, n).view({Eb, Kb});
   at::Tensor fed = inputs.narrow(0, 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, 3 * n, Eb);
   at::Tensor slots = inputs.narrow(0, 3 * n + Eb, 1) + at::arange(Kb, inputs.options());  // (Kb)
-  // Slots [L, L + Kb) are holes for every row, then the runs' own slots of the listed rows.
-  valid_.index_fill_(1, slots, false);
-  const c10::List<std::optional<at::Tensor>> at_slots{rows.view({Eb, 1}), slots.view({1, Kb})};
-  valid_.index_put_(at_slots, fed);
+  mark_feed_slots(rows, slots, fed);
   at::Tensor mask = valid_.narrow(1, 0, span).index_select(0, rows);  // (Eb, span)
-  cache_.step_slot = slots;
-  cache_.step_rows = rows;
-  cache_.span = span;
-  at::Tensor hidden;
-  try {
-    hidden = model_.forward(ids, pos, mask, &cache_);  // (Eb, Kb, D)
-  } catch (...) {
-    cache_.step_slot = cache_.step_rows = at::Tensor();
-    cache_.span = 0;
-    throw;
-  }
-  cache_.step_slot = cache_.step_rows = at::Tensor();
-  cache_.span = 0;
-  return hidden.view({n, -1});
+  const StepFields on(cache_, slots, rows, span);
+  return model_.forward(ids, pos, mask, &cache_).view({n, -1});  // (Eb Kb, D)
+}
+
+void ModelPolicy::mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed) {
+  // The feed's slots are holes for every row, then the runs' own slots of the listed rows.
+  valid_.index_fill_(1, slots, false);
+  const c10::List<std::optional<at::Tensor>> at_slots{rows.view({rows.size(0), 1}), slots.view({1, slots.size(0)})};
+  valid_.index_put_(at_slots, fed);
 }
 
 int64_t ModelPolicy::aligned_slots(int64_t slots) const {
@@ -591,19 +580,8 @@ at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {
   at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
   valid_.index_copy_(1, slot, fed);
-  cache_.step_slot = slot;
-  cache_.span = span;
-  at::Tensor hidden;
-  try {
-    hidden = model_.forward(ids, pos, valid_.narrow(1, 0, span), &cache_);  // (Bc, 1, D)
-  } catch (...) {
-    cache_.step_slot = at::Tensor();
-    cache_.span = 0;
-    throw;
-  }
-  cache_.step_slot = at::Tensor();
-  cache_.span = 0;
-  return hidden.squeeze(1);
+  const StepFields on(cache_, slot, at::Tensor(), span);
+  return model_.forward(ids, pos, valid_.narrow(1, 0, span), &cache_).squeeze(1);  // (Bc, D)
 }
 
 #ifdef RLT_HAVE_CUDA

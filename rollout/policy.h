@@ -216,6 +216,8 @@ class ModelPolicy : public TokenPolicy {
   // on the device: ids, positions, fed (0/1), each (Eb, Kb) row-major, then the cache rows, then L. Returns
   // (Eb Kb, D).
   at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
+  // A feed's slots (Kb) in valid_: holes for every row, then fed (Eb, Kb) for the rows (Eb) it lists.
+  void mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed);
   // extend() with runs of one token beside longer ones, on a GPU with feed graphs (CUDA builds): one merged
   // pass (Transformer::forward_mixed), the one-token rows as a step at slot L and the longer runs as a feed
   // at slots [L + 1, L + 1 + Kb) in the feed's buckets, replayed from a graph per (Eb, Kb, span).
