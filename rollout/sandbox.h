@@ -128,6 +128,10 @@ struct SandboxResult {
   nlohmann::json to_json() const;
 };
 
+// The program the sandboxed interpreter runs (`python -I -B -u -c <it> -`): it reads the script from stdin and
+// runs it as `python -` does, then ends the process without tearing the interpreter down (sandbox.cpp).
+const char* python_script_runner();
+
 // Runs `code` (fed to the interpreter as its script on stdin) in a fresh sandbox and waits for it.
 // Thread-safe; throws SandboxError only when the sandbox itself fails.
 SandboxResult run_python(const std::string& code, const SandboxOptions& options);

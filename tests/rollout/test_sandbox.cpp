@@ -10,10 +10,12 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -318,6 +320,172 @@ TEST(Sandbox, BadSetupIsASandboxError) {
   std::vector<std::string> complaints;
   o.check([&](const std::string& key, const std::string&) { complaints.push_back(key); });
   EXPECT_EQ(complaints, std::vector<std::string>{"python"});
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The runner (python_script_runner) against `python -` itself, outside any sandbox: the same interpreter,
+// flags and environment, the script on stdin. What came out, and how it ended.
+struct Ran {
+  std::string out, err;
+  int code = -1;  // exit status, or 128 + signal
+  bool operator==(const Ran& o) const { return out == o.out && err == o.err && code == o.code; }
+};
+
+std::ostream& operator<<(std::ostream& os, const Ran& r) {
+  return os << "exit " << r.code << ", stdout '" << r.out << "', stderr '" << r.err << "'";
+}
+
+// Object addresses (an atexit callback's repr) differ from process to process.
+std::string without_addresses(std::string s) {
+  for (size_t at = s.find(" at 0x"); at != std::string::npos; at = s.find(" at 0x", at + 6)) {
+    size_t end = at + 6;
+    while (end < s.size() && std::isxdigit(static_cast<unsigned char>(s[end]))) ++end;
+    s.replace(at + 6, end - at - 6, "");
+  }
+  return s;
+}
+
+// The interpreter python3 on PATH resolves to (sys.executable: a pyenv shim runs it).
+std::string real_python() {
+  FILE* p = popen("python3 -c 'import sys; print(sys.executable)'", "r");
+  if (p == nullptr) return "";
+  char buf[4096] = {0};
+  const bool got = fgets(buf, sizeof buf, p) != nullptr;
+  pclose(p);
+  std::string exe = got ? buf : "";
+  while (!exe.empty() && (exe.back() == '\n' || exe.back() == '\r')) exe.pop_back();
+  return exe;
+}
+
+// Runs argv with `script` on stdin (written whole, then closed) and the sandbox's environment.
+Ran run_direct(const std::vector<std::string>& args, const std::string& script) {
+  int in[2], out[2], err[2];
+  if (pipe(in) != 0 || pipe(out) != 0 || pipe(err) != 0) throw std::runtime_error("pipe");
+  std::vector<std::string> env = {"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "OMP_NUM_THREADS=1"};
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  argv.push_back(nullptr), envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in[0], 0), dup2(out[1], 1), dup2(err[1], 2);
+    for (int fd : {in[0], in[1], out[0], out[1], err[0], err[1]}) close(fd);
+    execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  close(in[0]), close(out[1]), close(err[1]);
+  // A SIGPIPE here would end the test: the script goes in with send-like semantics ignored.
+  signal(SIGPIPE, SIG_IGN);
+  for (size_t done = 0; done < script.size();) {
+    const ssize_t n = write(in[1], script.data() + done, script.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  close(in[1]);
+  Ran r;
+  pollfd p[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  std::string* text[2] = {&r.out, &r.err};
+  for (int open = 2; open > 0;) {
+    if (poll(p, 2, 30000) <= 0) break;
+    for (int i = 0; i < 2; ++i) {
+      if (p[i].fd < 0 || p[i].revents == 0) continue;
+      char buf[4096];
+      const ssize_t n = read(p[i].fd, buf, sizeof buf);
+      if (n > 0) {
+        text[i]->append(buf, n);
+      } else {
+        close(p[i].fd), p[i].fd = -1, --open;
+      }
+    }
+  }
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? 128 + WTERMSIG(st) : -1;
+  r.err = without_addresses(r.err);
+  return r;
+}
+
+Ran ran(const SandboxResult& s) { return Ran{s.stdout_text, without_addresses(s.stderr_text), s.exit_code}; }
+
+// What a script sees and leaves as python runs it from stdin. Left out, as the runner's documented
+// differences: a recursion-depth traceback (its frame counts against the limit), and python's own refusals
+// of a coding cookie and of NUL bytes on stdin.
+const std::vector<std::pair<std::string, std::string>>& runner_scripts() {
+  static const std::vector<std::pair<std::string, std::string>> scripts = {
+      {"print", "print(6 * 7)\n"},
+      {"no newline", "import sys\nsys.stdout.write('x')"},
+      {"exception in a function", "def f():\n  return 1 / 0\nf()\n"},
+      {"chained exception", "try:\n  1 / 0\nexcept Exception as e:\n  raise ValueError('v') from e\n"},
+      {"syntax error", "x = = 1\n"},
+      {"indentation error", "if 1:\nprint(2)\n"},
+      {"SystemExit(3)", "raise SystemExit(3)\n"},
+      {"sys.exit(message)", "import sys\nprint('out')\nsys.exit('bye')\n"},
+      {"sys.exit()", "import sys\nprint(1)\nsys.exit()\n"},
+      {"sys.exit(256)", "import sys\nsys.exit(256)\n"},
+      {"atexit", "import atexit\natexit.register(print, 'at exit')\nprint('main')\n"},
+      {"atexit raising", "import atexit\ndef f():\n  1 / 0\natexit.register(f)\nprint('x')\n"},
+      {"thread outliving the script",
+       "import threading, time\ndef w():\n  time.sleep(0.3)\n  print('thread done')\n"
+       "threading.Thread(target=w).start()\nprint('main done')\n"},
+      {"globals and argv", "import sys\nprint(sorted(globals()), sys.argv, __file__, __name__)\n"},
+      {"finalizer", "class A:\n  def __del__(self):\n    print('del A')\na = A()\nprint('end')\n"},
+      {"unflushed file on stdout", "import os\nf = os.fdopen(1, 'w', closefd=False)\nf.write('buffered')\n"},
+      {"stderr and stdout", "import sys\nprint('e', file=sys.stderr)\nprint('o')\n"},
+      {"unicode", "print('\xc3\xa9\xe2\x82\xac')\n"},
+      {"own excepthook", "import sys\nsys.excepthook = lambda t, v, tb: print('hook', t.__name__)\n1 / 0\n"},
+      {"KeyboardInterrupt", "raise KeyboardInterrupt\n"},
+      {"input at end of file", "try:\n  input()\nexcept EOFError:\n  print('eof')\n"},
+  };
+  return scripts;
+}
+
+// Tool code runs as `python -` runs it, byte for byte: through the runner directly, in a sandbox started
+// for the call, and in a prestarted one. Five wrong runners (the runner's frame in tracebacks, atexit
+// skipped, threads not waited for, __main__ not cleared, SystemExit's code dropped) must each fail a
+// script of the set, so the set can tell.
+TEST(Sandbox, ToolCodeRunsAsPythonRunsAScriptFromStdin) {
+  const std::string exe = real_python();
+  ASSERT_FALSE(exe.empty()) << "python3 not found";
+  SandboxOptions o = quick();
+  o.python = exe;
+  const std::vector<std::string> plain = {exe, "-I", "-B", "-u", "-"};
+  auto through = [&](const std::string& runner) {
+    return std::vector<std::string>{exe, "-I", "-B", "-u", "-c", runner, "-"};
+  };
+  std::map<std::string, Ran> reference;
+  for (const auto& [name, script] : runner_scripts()) {
+    reference[name] = run_direct(plain, script);
+    EXPECT_EQ(run_direct(through(python_script_runner()), script), reference[name]) << name;
+  }
+  EXPECT_EQ(reference["SystemExit(3)"].code, 3);
+  EXPECT_EQ(reference["KeyboardInterrupt"].code, 128 + SIGINT);
+  EXPECT_EQ(reference["thread outliving the script"].out, "main done\nthread done\n");
+
+  o.workers = 2;
+  SandboxPool pool(o);
+  for (const auto& [name, script] : runner_scripts()) {
+    EXPECT_EQ(ran(run_python(script, o)), reference[name]) << name << ", in a sandbox";
+    EXPECT_EQ(ran(pool.submit(script).get()), reference[name]) << name << ", in a prestarted sandbox";
+  }
+
+  const std::string good = python_script_runner();
+  const std::vector<std::pair<std::string, std::string>> wrong = {
+      {"        tb = tb.tb_next\n", ""},
+      {"    exitfuncs()\n", ""},
+      {"        shutdown()\n", "        pass\n"},
+      {"    g.clear()\n", ""},
+      {"            status = e.code & 255\n", "            status = 0\n"},
+  };
+  for (const auto& [from, to] : wrong) {
+    const size_t at = good.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    const std::string bad = good.substr(0, at) + to + good.substr(at + from.size());
+    int differ = 0;
+    for (const auto& [name, script] : runner_scripts())
+      differ += !(run_direct(through(bad), script) == reference[name]);
+    EXPECT_GT(differ, 0) << "no script tells a runner without '" << from << "' from python";
+  }
 }
 
 TEST(SandboxPool, RunsCallsConcurrently) {
