@@ -170,8 +170,17 @@ void KvCache::squeeze_(const at::Tensor& slots) {
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == positions.size(0) && slots.size(1) <= max_len,
               "squeeze_: slots must be (B, S) with S <= ", max_len);
   const int64_t S = slots.size(1);
-  for (auto* layers : {&k, &v}) {
-    for (at::Tensor& t : *layers) t.narrow(2, 0, S).copy_(take_slots(t, slots));  // one layer's copy at a time
+#ifdef RLT_HAVE_CUDA
+  // One launch for every layer, moving only the slots that move (ATen's form: two kernels and a copy of
+  // the layer per tensor, 1.1-1.7 ms a squeeze at 64 x 800 slots of Qwen2.5-0.5B on an H200).
+  if (cuda::squeeze_slots_supports(k, v) && slots.is_contiguous()) {
+    cuda::squeeze_slots_(k, v, slots);
+  } else
+#endif
+  {
+    for (auto* layers : {&k, &v}) {
+      for (at::Tensor& t : *layers) t.narrow(2, 0, S).copy_(take_slots(t, slots));  // one layer's copy at a time
+    }
   }
   positions.narrow(1, 0, S).copy_(positions.gather(1, slots));
   length = S;

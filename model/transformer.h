@@ -85,9 +85,12 @@ struct KvCache {
   // squeezing out holes, growing, and copying a prefilled prompt to G rows.
   // rows (B') int64, slots (B', S') int64, both on the cache's device.
   KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
-  // gather() into this cache's own tensors, every row kept: row r's slot j becomes its slot slots[r, j]
-  // (slots (B, S) int64 on the cache's device, S <= max_len); length becomes S. Tensors and shapes stay,
-  // so a CUDA graph captured on them stays valid.
+  // gather() into this cache's own tensors, every row kept, squeezing out holes: row r's slot j becomes its
+  // slot slots[r, j] for j below its count of kept slots (slots (B, S) int64 on the cache's device, S <=
+  // max_len: each row's kept slots in increasing order, then zeros); its slots past them hold finite values
+  // of no meaning (the caller's mask hides them). length becomes S. Tensors and shapes stay, so a CUDA
+  // graph captured on them stays valid. On CUDA one kernel moves every layer's slots in place
+  // (cuda::squeeze_slots_).
   void squeeze_(const at::Tensor& slots);
   // Row rows[j]'s slots [0, src.length) become src's row src_rows[j]'s, keys, values and positions (a
   // prompt prefilled apart, placed into a cache row that a finished sequence left); its other slots and

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <vector>
 
 #include "common/cuda/dtypes.cuh"
 #include "model/cuda/decode_kernels.h"
@@ -614,6 +615,89 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       launch_cache_attention<__half, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// squeeze_slots_: one block per (tensor, row, KV head) moves that row's kept slots down in place, in chunks
+// of kSqueezeChunkVecs 16-byte vectors: every thread loads its vectors of the chunk, the block syncs, then
+// every thread stores them. Chunk c writes slots [j0, j0 + C) and reads slots order[j] >= j >= j0, so it
+// reads nothing an earlier chunk wrote, and within the chunk every read precedes every write.
+namespace {
+
+constexpr int kSqueezeThreads = 256, kSqueezePerThread = 4;
+
+__global__ void __launch_bounds__(kSqueezeThreads)
+    squeeze_slots_kernel(const int64_t* __restrict__ bases, const int64_t* __restrict__ order, int64_t S, int Hkv,
+                         int64_t max_len, int vecs_per_slot) {
+  const int tensor = blockIdx.y, row = blockIdx.x / Hkv, head = blockIdx.x % Hkv;
+  uint4* base = reinterpret_cast<uint4*>(bases[tensor]) + ((int64_t(row) * Hkv + head) * max_len) * vecs_per_slot;
+  const int64_t* row_order = order + int64_t(row) * S;
+  const int64_t chunk = int64_t(kSqueezeThreads) * kSqueezePerThread / vecs_per_slot;  // slots
+  for (int64_t j0 = 0; j0 < S; j0 += chunk) {
+    uint4 held[kSqueezePerThread];
+    int64_t to[kSqueezePerThread];
+#pragma unroll
+    for (int r = 0; r < kSqueezePerThread; ++r) {
+      const int i = threadIdx.x + r * kSqueezeThreads;
+      const int64_t j = j0 + i / vecs_per_slot;
+      to[r] = -1;
+      if (j < S) {
+        const int64_t from = row_order[j];
+        if (from > j) {  // kept slots only move down; from == j stays, and a row's slots past its kept ones
+                         // (order 0 there) keep what they hold
+          held[r] = base[from * vecs_per_slot + i % vecs_per_slot];
+          to[r] = j * vecs_per_slot + i % vecs_per_slot;
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kSqueezePerThread; ++r) {
+      if (to[r] >= 0) base[to[r]] = held[r];
+    }
+  }
+}
+
+}  // namespace
+
+bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
+  if (k.empty() || v.size() != k.size()) return false;
+  const at::Tensor& t0 = k[0];
+  if (!t0.is_cuda() || t0.dim() != 4 || (t0.size(3) * t0.element_size()) % 16 != 0) return false;
+  for (const auto* layers : {&k, &v}) {
+    for (const at::Tensor& t : *layers) {
+      if (t.sizes() != t0.sizes() || t.scalar_type() != t0.scalar_type() || t.device() != t0.device() ||
+          !t.is_contiguous() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, const at::Tensor& order) {
+  TORCH_CHECK(squeeze_slots_supports(k, v),
+              "squeeze_slots_: the caches must be contiguous (B, Hkv, S, hd) CUDA tensors of one shape and dtype, "
+              "16-byte aligned, a slot a multiple of 16 bytes");
+  const at::Tensor& t0 = k[0];
+  const int64_t B = t0.size(0), Hkv = t0.size(1), max_len = t0.size(2);
+  TORCH_CHECK(order.dim() == 2 && order.size(0) == B && order.size(1) <= max_len && order.scalar_type() == at::kLong &&
+                  order.is_contiguous() && order.device() == t0.device(),
+              "squeeze_slots_: order must be (B, S <= ", max_len, ") contiguous int64 on the caches' device");
+  const int64_t S = order.size(1), n = 2 * static_cast<int64_t>(k.size());
+  if (B == 0 || S == 0) return;
+  std::vector<int64_t> bases;
+  for (const auto* layers : {&k, &v}) {
+    for (const at::Tensor& t : *layers)
+      bases.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr())));
+  }
+  const c10::cuda::CUDAGuard guard(t0.device());
+  at::Tensor dev_bases = at::tensor(bases, at::kLong).pin_memory().to(t0.device(), /*non_blocking=*/true);
+  TORCH_CHECK(B * Hkv <= INT32_MAX && n <= 65535, "squeeze_slots_: too many rows or layers for one launch");
+  const int vecs = static_cast<int>(t0.size(3) * t0.element_size() / 16);
+  squeeze_slots_kernel<<<dim3(unsigned(B * Hkv), unsigned(n)), kSqueezeThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      dev_bases.data_ptr<int64_t>(), order.data_ptr<int64_t>(), S, int(Hkv), max_len, vecs);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace rlt::cuda

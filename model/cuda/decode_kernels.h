@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <utility>
+#include <vector>
 
 namespace rlt::cuda {
 
@@ -52,6 +53,13 @@ bool cache_attention_supports(at::ScalarType dtype, int64_t head_dim);
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                            double scale);
+// KvCache::squeeze_ in one launch, in place: in every tensor of k and v (each (B, Hkv, max_len, hd)), row r's
+// slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, S <= max_len) int64: each row's
+// kept slots in increasing order, then zeros, as ModelPolicy::compact makes it); other slots keep what they
+// hold. Byte copies, any dtype, where the tensors are contiguous, 16-byte aligned and a slot is a multiple of
+// 16 bytes (squeeze_slots_supports); order is not checked on the device.
+bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v);
+void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, const at::Tensor& order);
 // silu(g) * u, each rounded to the dtype as ATen's two kernels round them.
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u);
 

@@ -11,10 +11,12 @@
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <vector>
 
 #ifdef RLT_HAVE_CUDA
 #include "model/cuda/decode_kernels.h"
 #endif
+#include "model/transformer.h"
 
 namespace rlt {
 namespace {
@@ -262,6 +264,97 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
       EXPECT_GT(x, 3.0) << cs.dt << " hd " << hd << " E " << E << ": wrong variant " << int(w) << " must be rejected";
     }
     std::cout << "\n";
+  }
+#endif
+}
+
+// The squeeze of a kept cache (KvCache::squeeze_, as ModelPolicy::compact calls it): every layer's kept
+// slots moved down in place by one kernel must equal ATen's gather of them, bit for bit, in three dtypes
+// and three slot sizes, with rows of no hole, of no kept slot, and of long moves across several of the
+// kernel's chunks. The tensors stay where they were, and the slots past the kept ones are left as they were
+// (which also shows that KvCache::squeeze_ took the kernel: ATen's form writes them). An order shifted by
+// one slot in one row, and two rows' orders swapped, must each fail the same comparison.
+TEST(DecodeKernelsCuda, SqueezeMovesEveryLayersKeptSlotsInPlaceAsAtenGathersThem) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(4);
+  struct Case {
+    at::ScalarType dtype;
+    int64_t hd;
+  };
+  for (const Case& c : {Case{at::kFloat, 8}, Case{at::kBFloat16, 64}, Case{at::kHalf, 128}}) {
+    const int64_t layers = 3, B = 6, Hkv = 2, max_len = 400, L = 380;
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(c.dtype);
+    auto lo = at::TensorOptions().device(at::kCUDA).dtype(at::kLong);
+    // Row 0 keeps every slot, row 1 none; rows 2-4 keep 60% at random; row 5 only its last 100.
+    at::Tensor valid = at::rand({B, L}, at::TensorOptions().device(at::kCUDA)) < 0.6;
+    valid[0].fill_(true);
+    valid[1].fill_(false);
+    valid[5].fill_(false);
+    valid[5].narrow(0, L - 100, 100).fill_(true);
+    // As ModelPolicy::compact makes it: each row's kept slots in order, then zeros.
+    at::Tensor n = valid.sum(1);
+    const int64_t S = n.max().item<int64_t>();
+    at::Tensor slot = at::arange(L, lo).view({1, L});
+    at::Tensor order = std::get<0>(at::where(valid, slot, slot + L).sort(1)).narrow(1, 0, S);
+    at::Tensor keep = at::arange(S, lo).view({1, S}) < n.view({B, 1});
+    order = at::where(keep, order, at::zeros_like(order)).contiguous();
+    std::vector<at::Tensor> k0, v0;
+    for (int64_t i = 0; i < layers; ++i) {
+      k0.push_back(at::randn({B, Hkv, max_len, c.hd}, o));
+      v0.push_back(at::randn({B, Hkv, max_len, c.hd}, o));
+    }
+    auto copies = [](const std::vector<at::Tensor>& ts) {
+      std::vector<at::Tensor> out;
+      for (const auto& t : ts) out.push_back(t.clone());
+      return out;
+    };
+    at::Tensor kept = keep.view({B, 1, S, 1});
+    // True when every tensor's kept slots equal ATen's gather by `order` of the tensor as it was, and its
+    // slots from S on are untouched.
+    auto agrees = [&](const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& was, const at::Tensor& by) {
+      bool ok = true;
+      for (size_t i = 0; i < got.size(); ++i) {
+        at::Tensor want = was[i].gather(2, by.view({B, 1, S, 1}).expand({B, Hkv, S, c.hd}));
+        ok = ok && ((got[i].narrow(2, 0, S) == want) | kept.logical_not()).all().item<bool>();
+        ok = ok && got[i].narrow(2, S, max_len - S).equal(was[i].narrow(2, S, max_len - S));
+      }
+      return ok;
+    };
+    std::vector<at::Tensor> k = copies(k0), v = copies(v0);
+    const void* where = k[1].data_ptr();
+    ASSERT_TRUE(cuda::squeeze_slots_supports(k, v));
+    cuda::squeeze_slots_(k, v, order);
+    EXPECT_EQ(k[1].data_ptr(), where);
+    EXPECT_TRUE(agrees(k, k0, order)) << c.dtype << " hd " << c.hd << ": keys";
+    EXPECT_TRUE(agrees(v, v0, order)) << c.dtype << " hd " << c.hd << ": values";
+    // Past a row's kept slots (below S) the kernel leaves the cache as it was.
+    at::Tensor past = (keep.logical_not()).view({B, 1, S, 1});
+    EXPECT_TRUE(((k[2].narrow(2, 0, S) == k0[2].narrow(2, 0, S)) | past.logical_not()).all().item<bool>());
+
+    // KvCache::squeeze_ takes the kernel on CUDA: the same result everywhere, the untouched slots included.
+    KvCache cache;
+    cache.k = copies(k0), cache.v = copies(v0);
+    cache.positions = at::arange(max_len, lo).repeat({B, 1});
+    cache.max_len = max_len;
+    cache.length = L;
+    cache.squeeze_(order);
+    EXPECT_EQ(cache.length, S);
+    for (int64_t i = 0; i < layers; ++i) EXPECT_TRUE(cache.k[i].equal(k[i]) && cache.v[i].equal(v[i])) << i;
+    EXPECT_TRUE(((cache.positions.narrow(1, 0, S) == order) | keep.logical_not()).all().item<bool>());
+
+    // Wrong orders: row 3's kept slots read one further on; rows 2 and 4 exchanged.
+    at::Tensor shifted = order.clone();
+    const int64_t n3 = n[3].item<int64_t>();
+    shifted[3].narrow(0, 0, n3 - 1).copy_(order[3].narrow(0, 1, n3 - 1));
+    at::Tensor swapped = order.index_select(0, at::tensor({0, 1, 4, 3, 2, 5}, lo));
+    for (const at::Tensor& bad : {shifted, swapped}) {
+      std::vector<at::Tensor> kb = copies(k0), vb = copies(v0);
+      cuda::squeeze_slots_(kb, vb, bad.contiguous());
+      EXPECT_FALSE(agrees(kb, k0, order)) << "a wrong order passed";
+    }
   }
 #endif
 }
