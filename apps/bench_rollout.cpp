@@ -27,6 +27,8 @@
 //                         (in the other modes every row calls after the same count, 64 calls at once into
 //                         the sandbox's workers)
 //   spread_graphs         the same with feed graphs on
+//   spread_merged         spread_graphs with rollout.merge_feeds: merged passes (below), their graphs captured in
+//                         the timed run as every graph of the modes not kept
 //   plain_kept, tools_kept, spread_kept   plain, tools_graphs and spread_graphs with rollout.keep_cache:
 //                         one policy for the warm-up run and the timed one, so the timed rollout replays
 //                         the graphs the warm-up captured (as a training run's steps after the first);
@@ -314,6 +316,7 @@ int main(int argc, char** argv) {
       {"tools_onetoken", true, false, false, 0, false, false},
       {"spread_eager", true, true, false, wait, false, true},
       {"spread_graphs", true, true, true, wait, false, true},
+      {"spread_merged", true, true, true, wait, true, true},
       {"plain_kept", false, true, true, wait, false, false, true},
       {"tools_kept", true, true, true, wait, false, false, true},
       {"spread_kept", true, true, true, wait, false, true, true},
