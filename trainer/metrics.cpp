@@ -219,7 +219,15 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
           {"rollout_forced_tokens", double(rb.stats.forced_tokens)},
           {"rollout_feed_steps", double(rb.stats.feed_steps)},
           {"rollout_refills", double(rb.stats.refills)},
-          {"time_rollout_feed_s", rb.stats.feed_s}};
+          {"time_rollout_feed_s", rb.stats.feed_s},
+          {"time_rollout_turn_s", rb.stats.turn_s},
+          // A tool call's latency as the loop saw it, and on the sandbox's clock, over the step's calls.
+          {"rollout_tool_latency_ms_mean", 1e3 * rb.stats.tool_latency_s / std::max(1.0, tool_calls)},
+          {"rollout_tool_run_ms_mean", 1e3 * rb.stats.tool_run_s / std::max(1.0, tool_calls)},
+          // Passes of the loop a trajectory sat out, on average: waiting on its tool calls, or holding a
+          // reply back to share a feed (rollout.feed_wait).
+          {"rollout_tool_wait_passes_mean", double(rb.stats.tool_wait_row_steps) / S},
+          {"rollout_feed_wait_passes_mean", double(rb.stats.feed_wait_row_steps) / S}};
 }
 
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {

@@ -346,22 +346,27 @@ RolloutBatch collect_rollouts(Run& run) {
   assign_rewards(out.trajs, answers, cfg.reward);
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   out.table = gather_table(*run.dist, out.trajs, out.index, P * G);
-  if (world > 1) {  // the step waits for the slowest rank; counts add up
+  if (world > 1) {  // the step waits for the slowest rank; counts (and the calls' summed latencies) add up
     RolloutStats& st = out.stats;
     at::Tensor times = at::tensor(
-        {out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s, st.total_s}, at::kDouble);
-    at::Tensor counts = at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps),
-                                    double(st.feed_tokens), double(st.forced_tokens), double(st.refills)},
-                                   at::kDouble);
+        {out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s, st.total_s, st.turn_s},
+        at::kDouble);
+    at::Tensor counts =
+        at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps), double(st.feed_tokens),
+                    double(st.forced_tokens), double(st.refills), st.tool_latency_s, st.tool_run_s,
+                    double(st.tool_wait_row_steps), double(st.feed_wait_row_steps)},
+                   at::kDouble);
     run.dist->all_reduce({times}, ReduceOp::kMax);
     run.dist->all_reduce({counts}, ReduceOp::kSum);
     const double* t = times.data_ptr<double>();
     const double* n = counts.data_ptr<double>();
     out.seconds = t[0];
     st.prefill_s = t[1], st.decode_s = t[2], st.feed_s = t[3], st.sample_s = t[4], st.tool_wait_s = t[5];
-    st.total_s = t[6];
+    st.total_s = t[6], st.turn_s = t[7];
     st.decode_steps = int64_t(n[0]), st.fed_rows = int64_t(n[1]), st.feed_steps = int64_t(n[2]);
     st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]), st.refills = int64_t(n[5]);
+    st.tool_latency_s = n[6], st.tool_run_s = n[7];
+    st.tool_wait_row_steps = int64_t(n[8]), st.feed_wait_row_steps = int64_t(n[9]);
   }
   return out;
 }

@@ -341,11 +341,18 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   ASSERT_EQ(a.size(), 4u);
   for (const auto& row : a) {
     for (const char* k : {"loss", "pg_loss", "kl", "entropy", "grad_norm", "reward_mean", "accuracy", "tool_use", "lr",
-                          "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s", "rollout_refills"}) {
+                          "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s", "rollout_refills",
+                          "rollout_tool_latency_ms_mean", "rollout_tool_run_ms_mean", "rollout_tool_wait_passes_mean",
+                          "rollout_feed_wait_passes_mean", "time_rollout_turn_s"}) {
       ASSERT_TRUE(row.contains(k) && row[k].is_number()) << k << " in " << row.dump();
       EXPECT_TRUE(std::isfinite(row[k].get<double>())) << k;
     }
     EXPECT_EQ(row["rollout_refills"].get<double>(), 1.0);
+    // A call's latency as the loop sees it holds its run in the sandbox.
+    if (row["tool_calls_mean"].get<double>() > 0) {
+      EXPECT_GT(row["rollout_tool_latency_ms_mean"].get<double>(), 0);
+      EXPECT_GE(row["rollout_tool_latency_ms_mean"].get<double>(), row["rollout_tool_run_ms_mean"].get<double>());
+    }
     EXPECT_GT(row["grad_norm"].get<double>(), 0) << "the update must move the policy";
     // fp32: the rollout's log-probs are the trainer's own (tests/trainer/test_batch.cpp holds them to 1e-6).
     ASSERT_TRUE(row.contains("logprob_mismatch_max")) << row.dump();
@@ -421,6 +428,38 @@ TEST(MixedPrecisionRun, WarmUpTrainsTheMastersRlStartsFrom) {
     moved += (run.master[i] - before[i]).abs().sum().item<double>();
   }
   EXPECT_GT(moved, 0) << "the warm-up moved the masters RL starts from";
+}
+
+// The rollout's tool-call metrics against their definitions, on a batch made by hand: latencies are means
+// over the step's tool calls (4 here, from the table), sat-out passes means over its trajectories (3). A
+// latency divided by trajectories (20 ms, not 15) or passes divided by calls fail it.
+TEST(RolloutMetrics, ToolLatencyIsPerCallAndSatOutPassesPerTrajectory) {
+  TempDir tmp("rollout_metrics");
+  Config c = tiny_config();
+  rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {});
+  RolloutBatch rb;
+  rb.table = at::zeros({3, kTableColumns}, at::kDouble);
+  const double calls[] = {2, 0, 2};
+  for (int64_t s = 0; s < 3; ++s) rb.table[s][kToolCalls] = calls[s];
+  rb.seconds = 1.5;
+  rb.stats.tool_latency_s = 0.060;
+  rb.stats.tool_run_s = 0.046;
+  rb.stats.tool_wait_row_steps = 12;
+  rb.stats.feed_wait_row_steps = 6;
+  rb.stats.turn_s = 0.25;
+  const auto m = rollout_metrics(run, rb);
+  EXPECT_NEAR(m.at("rollout_tool_latency_ms_mean"), 15.0, 1e-12);
+  EXPECT_NEAR(m.at("rollout_tool_run_ms_mean"), 11.5, 1e-12);
+  EXPECT_NEAR(m.at("rollout_tool_wait_passes_mean"), 4.0, 1e-12);
+  EXPECT_NEAR(m.at("rollout_feed_wait_passes_mean"), 2.0, 1e-12);
+  EXPECT_EQ(m.at("time_rollout_turn_s"), 0.25);
+  EXPECT_NEAR(m.at("tool_calls_mean"), 4.0 / 3.0, 1e-12);
+  // No call at all: zero latencies, not a division by zero.
+  rb.table.zero_();
+  rb.stats.tool_latency_s = rb.stats.tool_run_s = 0;
+  const auto none = rollout_metrics(run, rb);
+  EXPECT_EQ(none.at("rollout_tool_latency_ms_mean"), 0.0);
+  EXPECT_EQ(none.at("rollout_tool_run_ms_mean"), 0.0);
 }
 
 // A step's metrics, one row per step, and the policy's parameters at the end of a run.
