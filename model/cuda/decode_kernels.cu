@@ -663,7 +663,12 @@ __global__ void __launch_bounds__(kSqueezeThreads)
 bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
   if (k.empty() || v.size() != k.size()) return false;
   const at::Tensor& t0 = k[0];
-  if (!t0.is_cuda() || t0.dim() != 4 || (t0.size(3) * t0.element_size()) % 16 != 0) return false;
+  // A chunk holds kSqueezeThreads * kSqueezePerThread vectors: at least one slot (16 KiB).
+  const int64_t slot_bytes = t0.dim() == 4 ? t0.size(3) * t0.element_size() : 0;
+  if (!t0.is_cuda() || slot_bytes == 0 || slot_bytes % 16 != 0 ||
+      slot_bytes / 16 > int64_t(kSqueezeThreads) * kSqueezePerThread) {
+    return false;
+  }
   for (const auto* layers : {&k, &v}) {
     for (const at::Tensor& t : *layers) {
       if (t.sizes() != t0.sizes() || t.scalar_type() != t0.scalar_type() || t.device() != t0.device() ||
@@ -686,6 +691,7 @@ void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, cons
               "squeeze_slots_: order must be (B, S <= ", max_len, ") contiguous int64 on the caches' device");
   const int64_t S = order.size(1), n = 2 * static_cast<int64_t>(k.size());
   if (B == 0 || S == 0) return;
+  TORCH_CHECK(B * Hkv <= INT32_MAX && n <= 65535, "squeeze_slots_: too many rows or layers for one launch");
   std::vector<int64_t> bases;
   for (const auto* layers : {&k, &v}) {
     for (const at::Tensor& t : *layers)
@@ -693,7 +699,6 @@ void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, cons
   }
   const c10::cuda::CUDAGuard guard(t0.device());
   at::Tensor dev_bases = at::tensor(bases, at::kLong).pin_memory().to(t0.device(), /*non_blocking=*/true);
-  TORCH_CHECK(B * Hkv <= INT32_MAX && n <= 65535, "squeeze_slots_: too many rows or layers for one launch");
   const int vecs = static_cast<int>(t0.size(3) * t0.element_size() / 16);
   squeeze_slots_kernel<<<dim3(unsigned(B * Hkv), unsigned(n)), kSqueezeThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       dev_bases.data_ptr<int64_t>(), order.data_ptr<int64_t>(), S, int(Hkv), max_len, vecs);

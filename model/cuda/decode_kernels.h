@@ -57,7 +57,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, S <= max_len) int64: each row's
 // kept slots in increasing order, then zeros, as ModelPolicy::compact makes it); other slots keep what they
 // hold. Byte copies, any dtype, where the tensors are contiguous, 16-byte aligned and a slot is a multiple of
-// 16 bytes (squeeze_slots_supports); order is not checked on the device.
+// 16 bytes up to 16 KiB (squeeze_slots_supports); order is not checked on the device.
 bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v);
 void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, const at::Tensor& order);
 // silu(g) * u, each rounded to the dtype as ATen's two kernels round them.

@@ -1,0 +1,4 @@
+import atexit
+def f(): raise KeyboardInterrupt
+atexit.register(f)
+print('x')

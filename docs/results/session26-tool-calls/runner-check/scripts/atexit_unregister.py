@@ -1,0 +1,3 @@
+import atexit
+atexit._clear()
+print('x')

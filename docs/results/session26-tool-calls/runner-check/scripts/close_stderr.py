@@ -1,0 +1,3 @@
+import sys
+sys.stderr.close()
+1/0

@@ -1,0 +1,3 @@
+import sys
+print('hi')
+sys.stdout.close()

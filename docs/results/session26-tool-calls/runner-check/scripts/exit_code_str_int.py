@@ -1,0 +1,3 @@
+import sys
+class E(int): pass
+sys.exit(E(300))

@@ -1,0 +1,3 @@
+import sys
+sys.stderr = None
+sys.exit('msg')

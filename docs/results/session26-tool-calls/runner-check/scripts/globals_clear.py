@@ -1,0 +1,2 @@
+globals().clear()
+print('x')

@@ -1,0 +1,3 @@
+import sys
+del sys.excepthook
+1/0

@@ -1,0 +1,3 @@
+import threading
+def w(): raise KeyboardInterrupt
+threading.Thread(target=w).start()

@@ -1,0 +1,3 @@
+import sys
+del sys.modules['__main__']
+print('x')

@@ -1,0 +1,5 @@
+import sys
+def f(n): return f(n+1)
+try: f(0)
+except RecursionError: print('rec')
+print(sys.getrecursionlimit())

@@ -1,0 +1,3 @@
+import os
+os._exit = lambda s: print('hijacked', s)
+print('x')

@@ -1,0 +1,4 @@
+import threading, time
+def w():
+    time.sleep(0.1); raise ValueError('t')
+threading.Thread(target=w).start()

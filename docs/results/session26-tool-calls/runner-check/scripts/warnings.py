@@ -1,0 +1,2 @@
+import warnings
+warnings.warn('w')
