@@ -765,7 +765,7 @@ const char* python_script_runner() {
     def to_stderr(text):
         err = sys.stderr
         try:
-            if err is not None and not err.closed:
+            if err is not None and not getattr(err, 'closed', False):
                 err.write(text)
                 return
         except Exception:
@@ -847,9 +847,12 @@ const char* python_script_runner() {
             setattr(sys, name, None)
     if sys.modules.get('__main__') is m:
         sys.modules['__main__'] = base
-    for name in [k for k, v in g.items() if not isinstance(v, kept) and k != '__builtins__']:
-        g.pop(name, None)
-    gc.collect(1)
+    try:
+        for name in [k for k, v in g.items() if not isinstance(v, kept) and k != '__builtins__']:
+            g.pop(name, None)
+        gc.collect(1)
+    except BaseException:
+        pass
     for stream in (sys.stdout, sys.stderr):
         broke = None
         try:

@@ -509,7 +509,7 @@ TEST(Sandbox, ToolCodeRunsAsPythonRunsAScriptFromStdin) {
       {"failed, tb = e, e.__traceback__.tb_next", "failed, tb = e, e.__traceback__"},
       {"for step in (shutdown, exitfuncs):", "for step in (shutdown,):"},
       {"for step in (shutdown, exitfuncs):", "for step in (exitfuncs,):"},
-      {"        g.pop(name, None)\n", "        pass\n"},
+      {"            g.pop(name, None)\n", "            pass\n"},
       {"return code & 255 if -2**63 <= code < 2**63 else 255", "return 0"},
   };
   for (const auto& [from, to] : wrong) {
