@@ -619,9 +619,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 // ---------------------------------------------------------------------------------------------------
 // squeeze_slots_: one block per (tensor, row, KV head) moves that row's kept slots down in place, in chunks
-// of kSqueezeChunkVecs 16-byte vectors: every thread loads its vectors of the chunk, the block syncs, then
-// every thread stores them. Chunk c writes slots [j0, j0 + C) and reads slots order[j] >= j >= j0, so it
-// reads nothing an earlier chunk wrote, and within the chunk every read precedes every write.
+// of kSqueezeThreads x kSqueezePerThread 16-byte vectors: every thread loads its vectors of the chunk, the block syncs,
+// then every thread stores them. Chunk c writes slots [j0, j0 + C) and reads slots order[j] >= j >= j0, so it reads
+// nothing an earlier chunk wrote, and within the chunk every read precedes every write.
 namespace {
 
 constexpr int kSqueezeThreads = 256, kSqueezePerThread = 4;
@@ -683,7 +683,7 @@ bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<
 void squeeze_slots_(std::vector<at::Tensor>& k, std::vector<at::Tensor>& v, const at::Tensor& order) {
   TORCH_CHECK(squeeze_slots_supports(k, v),
               "squeeze_slots_: the caches must be contiguous (B, Hkv, S, hd) CUDA tensors of one shape and dtype, "
-              "16-byte aligned, a slot a multiple of 16 bytes");
+              "16-byte aligned, a slot a multiple of 16 bytes up to 16 KiB");
   const at::Tensor& t0 = k[0];
   const int64_t B = t0.size(0), Hkv = t0.size(1), max_len = t0.size(2);
   TORCH_CHECK(order.dim() == 2 && order.size(0) == B && order.size(1) <= max_len && order.scalar_type() == at::kLong &&
