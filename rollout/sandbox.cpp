@@ -786,6 +786,10 @@ const char* python_script_runner() {
             pass
         return 1
 
+    def show(e):  # as python prints an exception it caught at the top, without the runner's own frame
+        tb = e.__traceback__.tb_next
+        sys.__excepthook__(type(e), e.with_traceback(tb), tb)
+
     def report(v, tb):
         t = type(v)
         v = v.with_traceback(tb)
@@ -806,8 +810,7 @@ const char* python_script_runner() {
             broke = e
         if broke is not None:
             to_stderr('Error in sys.excepthook:\n')
-            tb2 = broke.__traceback__.tb_next
-            sys.__excepthook__(type(broke), broke.with_traceback(tb2), tb2)
+            show(broke)
             to_stderr('\nOriginal exception was:\n')
             sys.__excepthook__(t, v, tb)
         return 1
@@ -866,8 +869,7 @@ const char* python_script_runner() {
                 to_stderr('Exception ignored on flushing sys.stdout:\n')
             else:
                 to_stderr('Exception ignored in: %r\n' % (stream,))
-            tb = broke.__traceback__.tb_next
-            sys.__excepthook__(type(broke), broke.with_traceback(tb), tb)
+            show(broke)
     if sigint:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
