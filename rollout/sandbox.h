@@ -129,7 +129,8 @@ struct SandboxResult {
 };
 
 // The program the sandboxed interpreter runs (`python -I -B -u -c <it> -`): it reads the script from stdin and
-// runs it as `python -` does, then ends the process without tearing the interpreter down (sandbox.cpp).
+// runs it as `python -` does, then ends the process without tearing the interpreter down. Its source is
+// rollout/sandbox_runner.py, embedded at build time.
 const char* python_script_runner();
 
 // Runs `code` (fed to the interpreter as its script on stdin) in a fresh sandbox and waits for it.
