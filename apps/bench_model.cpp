@@ -33,6 +33,7 @@
 #include "apps/bench_common.h"
 #include "common/config.h"
 #include "common/memory.h"
+#include "common/timing.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
 #include "rollout/policy.h"
@@ -42,10 +43,6 @@ using namespace rlt;
 using json = nlohmann::json;
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 struct Run {
   double prefill_s = 0, decode_s = 0;

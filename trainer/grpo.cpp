@@ -19,6 +19,7 @@
 #include <iostream>
 
 #include "common/memory.h"
+#include "common/timing.h"
 #include "loss/policy_loss.h"
 #include "rollout/policy.h"
 #include "rollout/retool.h"
@@ -34,7 +35,6 @@ namespace rlt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
 

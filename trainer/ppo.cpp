@@ -21,6 +21,7 @@
 #include <iostream>
 
 #include "common/memory.h"
+#include "common/timing.h"
 #include "loss/policy_loss.h"
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
@@ -34,7 +35,6 @@ namespace rlt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Per-token rewards (S_m, R) of micro-batch [begin, end): each trajectory's reward on its last sampled
 // token (a trajectory with none has no action to credit).

@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/timing.h"
 #include "rollout/sandbox.h"
 #include "tests/common/tmpdir.h"
 
@@ -38,8 +39,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
