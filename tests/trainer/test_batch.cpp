@@ -24,8 +24,6 @@
 namespace rlt {
 namespace {
 
-ModelConfig tiny_model() { return rlt::testing::tiny_llama(50); }
-
 // Prompts of 3, 5 and 2 tokens; responses of 4, 1 and 6 tokens, tool output (loss_mask 0) inside.
 std::vector<Trajectory> trajectories() {
   std::vector<Trajectory> t(3);
@@ -63,7 +61,7 @@ at::Tensor logprobs(const Transformer& model, const PackedBatch& b, const LossOp
 }
 
 TEST(Batch, RowIndexLinksEachResponseTokenToItsScoringRow) {
-  const Transformer model(tiny_model(), at::kFloat, at::kCPU, /*seed=*/3);
+  const Transformer model(testing::tiny_llama(50), at::kFloat, at::kCPU, /*seed=*/3);
   const auto trajs = trajectories();
   const PackedBatch b = pack(trajs, 0, 3, at::kCPU);
   ASSERT_EQ(b.R, 6);
@@ -97,7 +95,7 @@ TEST(Batch, RowIndexLinksEachResponseTokenToItsScoringRow) {
 }
 
 TEST(Batch, LossMaskOnlyScoresTheSampledTokensAlone) {
-  const Transformer model(tiny_model(), at::kFloat, at::kCPU, /*seed=*/4);
+  const Transformer model(testing::tiny_llama(50), at::kFloat, at::kCPU, /*seed=*/4);
   const auto trajs = trajectories();
   const PackedBatch b = pack(trajs, 0, 3, at::kCPU);
   for (auto impl : {LogprobImpl::kNaive, LogprobImpl::kSelective, LogprobImpl::kCce}) {
@@ -136,7 +134,7 @@ TEST(Batch, RolloutLogprobsMatchTheTrainersInFp32) {
   const std::string path = (dir.path() / "tok.model").string();
   Tokenizer::train(testing::tool_corpus(), path, to);
   const Tokenizer tok = Tokenizer::load(path);
-  const Transformer model(rlt::testing::tiny_llama(tok.vocab_size()), at::kFloat, at::kCPU, /*seed=*/5);
+  const Transformer model(testing::tiny_llama(tok.vocab_size()), at::kFloat, at::kCPU, /*seed=*/5);
   SamplingOptions s;
   s.temperature = 0.7;
   s.samples_per_prompt = 4;

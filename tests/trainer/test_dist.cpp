@@ -8,7 +8,7 @@
 #include <numeric>
 #include <set>
 
-#include "model/config.h"
+#include "tests/common/tiny_model.h"
 #include "tests/trainer/thread_ranks.h"
 #include "trainer/config.h"
 #include "trainer/optim.h"
@@ -263,15 +263,12 @@ class CountingCollectives : public Collectives {
 struct TinyBf16 {
   at::Device device;
   Run make(std::shared_ptr<Collectives> dist) const {
-    const nlohmann::json j = {{"model_type", "llama"},      {"vocab_size", 97},       {"hidden_size", 32},
-                              {"intermediate_size", 64},    {"num_hidden_layers", 2}, {"num_attention_heads", 2},
-                              {"num_key_value_heads", 1},   {"rms_norm_eps", 1e-6},   {"rope_theta", 10000.0},
-                              {"tie_word_embeddings", true}};
     Run run;
     run.config = load_config("", {});
     run.config.train.dist_bucket_mb = 1;
     run.device = device;
-    run.policy = std::make_unique<Transformer>(model_config_from_json(j, "test"), at::kBFloat16, device, 7);
+    run.policy =
+        std::make_unique<Transformer>(testing::tiny_llama(97, /*tie_word_embeddings=*/true), at::kBFloat16, device, 7);
     if (dist) run.dist = dist;
     make_optimizer(run, {});
     return run;

@@ -16,8 +16,6 @@
 namespace rlt {
 namespace {
 
-ModelConfig tiny_model() { return rlt::testing::tiny_llama(96); }
-
 // A run around a model in `dtype` whose weights are `start` (the same values for every run), with the
 // optimizer the trainer makes. No weight decay and no clipping, so only the gradient moves a weight.
 Run tiny_run(at::ScalarType dtype, MasterWeights master, const std::vector<at::Tensor>& start) {
@@ -27,7 +25,7 @@ Run tiny_run(at::ScalarType dtype, MasterWeights master, const std::vector<at::T
   run.config.train.weight_decay = 0;
   run.config.train.grad_clip = 0;
   run.config.train.master_weights = master;
-  run.policy = std::make_unique<Transformer>(tiny_model(), dtype, at::kCPU, /*seed=*/0);
+  run.policy = std::make_unique<Transformer>(testing::tiny_llama(96), dtype, at::kCPU, /*seed=*/0);
   const auto params = run.policy->parameters();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(start[i]);
@@ -74,7 +72,7 @@ struct Deltas {
 };
 
 Deltas ten_steps() {
-  Transformer init(tiny_model(), at::kFloat, at::kCPU, /*seed=*/3);
+  Transformer init(testing::tiny_llama(96), at::kFloat, at::kCPU, /*seed=*/3);
   std::vector<at::Tensor> start;  // bf16-representable, so every run starts at exactly the same point
   for (const auto& p : init.parameters()) start.push_back(p.detach().to(at::kBFloat16).to(at::kFloat));
   const at::Tensor ids = at::randint(0, 96, {8, 12}, at::TensorOptions().dtype(at::kLong));
@@ -118,7 +116,7 @@ TEST(MixedPrecision, MasterWeightsMoveLikeFp32AndPlainBf16DoesNot) {
 }
 
 TEST(MixedPrecision, MicroBatchGradientsAddUpInFp32) {
-  Transformer init(tiny_model(), at::kFloat, at::kCPU, /*seed=*/5);
+  Transformer init(testing::tiny_llama(96), at::kFloat, at::kCPU, /*seed=*/5);
   std::vector<at::Tensor> start;
   for (const auto& p : init.parameters()) start.push_back(p.detach());
   rlt::Run run = tiny_run(at::kBFloat16, MasterWeights::kFp32, start);
@@ -138,7 +136,7 @@ TEST(MixedPrecision, MicroBatchGradientsAddUpInFp32) {
 }
 
 TEST(MixedPrecision, OptimizerMemoryCountsMastersGradientsAndMoments) {
-  Transformer init(tiny_model(), at::kFloat, at::kCPU, /*seed=*/7);
+  Transformer init(testing::tiny_llama(96), at::kFloat, at::kCPU, /*seed=*/7);
   std::vector<at::Tensor> start;
   int64_t n = 0;
   for (const auto& p : init.parameters()) {
