@@ -1,12 +1,12 @@
 // bench_rollout: the ReTool loop's sampled tokens/s with real sandboxed tool calls, beside plain decoding
 // through the same loop at the same batch (the issue-14 target: tools >= 80% of plain).
 //
-// A random model writes no code, so each trajectory's turns are steered: after --tool-every free samples,
-// the logits are pushed (+1e4) to a fixed code block, "<code>\nprint(...)\n</code>", which the loop parses
-// as a tool call and runs in the sandbox; the interpreter's reply comes back in the protocol's framing and
-// the next turn starts free again. Everything else is the trainer's path: rollout() with ModelPolicy
-// (CUDA graphs on a GPU), sample_tokens, a SandboxPool of real interpreters, trajectories ended by
-// rollout.max_context = prompt + new tokens.
+// A random model writes no code, so each trajectory's turns are steered (tests/common/steered_policy.h): after
+// --tool-every free samples, the logits are pushed (+1e4) to a fixed code block, "<code>\nprint(...)\n</code>", which
+// the loop parses as a tool call and runs in the sandbox; the interpreter's reply comes back in the protocol's framing
+// and the next turn starts free again. Everything else is the trainer's path: rollout() with ModelPolicy (CUDA graphs
+// on a GPU), sample_tokens, a SandboxPool of real interpreters, trajectories ended by rollout.max_context = prompt +
+// new tokens.
 //
 // Modes, run in this order in one process on the same prompts and seed:
 //   plain                 tools off: --new-tokens sampled per trajectory
@@ -73,117 +73,14 @@
 #include "common/memory.h"
 #include "data/tokenizer.h"
 #include "rollout/retool.h"
+#include "tests/common/steered_policy.h"
 
 using namespace rlt;
 using json = nlohmann::json;
+using rlt::testing::SteeredPolicy;
+using rlt::testing::SteerOptions;
 
 namespace {
-
-// ModelPolicy with each turn steered into a tool call after `every` free samples (with `spread`, the first
-// turn of sequence n after every + (37 n mod every)). The state of a row follows the tokens it is fed: free samples
-// count up to `every`, then the script's tokens are forced one by one, then the row waits; the reply (whose last tokens
-// are the framing's close) starts a free turn again.
-class ToolSteered : public TokenPolicy {
- public:
-  ToolSteered(const Transformer& m, ModelPolicyOptions po, std::vector<int64_t> script, std::vector<int64_t> reply_end,
-              int64_t every, bool spread = false)
-      : inner_(m, po), script_(std::move(script)), reply_end_(std::move(reply_end)), every_(every), spread_(spread) {}
-  ModelPolicy& inner() { return inner_; }
-  double steer_seconds() const { return steer_s_; }  // host seconds in steer(), so far
-  // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
-  // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
-  void set_lengths(int64_t eos, std::function<int64_t(int64_t)> budget, int64_t first) {
-    eos_ = eos;
-    budget_ = std::move(budget);
-    first_ = first;
-  }
-
-  at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
-    rows_.clear();
-    return admit_rows(prompts, repeats, inner_.start(prompts, repeats));
-  }
-  at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
-    return admit_rows(prompts, repeats, inner_.admit(prompts, repeats));
-  }
-  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
-    for (size_t j = 0; j < rows.size(); ++j) fed(rows_[rows[j]], tokens[j]);
-    return steer(rows, inner_.step(rows, tokens));
-  }
-  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
-    for (size_t j = 0; j < rows.size(); ++j) {
-      for (int64_t t : runs[j]) fed(rows_[rows[j]], t);
-    }
-    return steer(rows, inner_.extend(rows, runs));
-  }
-  void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
-  void reserve_rows(int64_t rows) override { inner_.reserve_rows(rows); }
-  int64_t vocab_size() const override { return inner_.vocab_size(); }
-
- private:
-  enum class State { kFree, kScript, kWaiting };
-  struct Row {
-    State state = State::kFree;
-    int64_t count = 0;          // free samples of this turn, or script tokens fed
-    int64_t fed = 0;            // tokens fed since the prompt
-    std::vector<int64_t> tail;  // the last tokens fed, to see the reply's end
-    int64_t every = 0;          // free samples before this turn's call
-  };
-  at::Tensor admit_rows(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats, at::Tensor logits) {
-    const int64_t first = static_cast<int64_t>(rows_.size()), N = static_cast<int64_t>(prompts.size()) * repeats;
-    rows_.resize(first + N);
-    for (int64_t n = first; n < first + N; ++n) rows_[n].every = every_ + (spread_ ? (37 * n) % every_ : 0);
-    std::vector<int64_t> added(N);
-    for (int64_t n = 0; n < N; ++n) added[n] = first + n;
-    return steer(added, std::move(logits));
-  }
-  void fed(Row& r, int64_t t) {
-    r.fed += 1;
-    r.tail.push_back(t);
-    if (r.tail.size() > reply_end_.size()) r.tail.erase(r.tail.begin());
-    if (r.state == State::kWaiting || r.tail == reply_end_) {  // (also feedback: random text can close a tag)
-      if (r.tail == reply_end_) r = Row{State::kFree, 0, r.fed, r.tail, every_};  // the next turn starts free
-      return;
-    }
-    r.count += 1;
-    if (r.state == State::kScript && r.count == static_cast<int64_t>(script_.size())) {
-      r.state = State::kWaiting;
-    } else if (r.state == State::kFree && r.count >= r.every) {
-      r.state = State::kScript;
-      r.count = 0;
-    }
-  }
-  // One scatter-add for the whole call, its flat indices copied in through pinned memory without waiting. Its host
-  // time counts in the loop's decode and feed times, which a real model's rollout would not spend: steer_s.
-  // (A per-row `logits[j][t] += 1e4` was three dispatches a row, about 60 ms of a rollout's decode time in the
-  // tools modes; until session 24 one index_put_ whose two index tensors came from pageable memory, each copy
-  // waiting for the step to finish.)
-  at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const int64_t V = logits.size(1);
-    std::vector<int64_t> at;  // flat (row, token) entries to force
-    for (size_t j = 0; j < rows.size(); ++j) {
-      const Row& r = rows_[rows[j]];
-      if (r.state == State::kScript) at.push_back(static_cast<int64_t>(j) * V + script_[r.count]);
-      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) at.push_back(static_cast<int64_t>(j) * V + eos_);
-    }
-    if (!at.empty()) {
-      const int64_t k = static_cast<int64_t>(at.size());
-      logits.view(-1).index_add_(0, to_device_async(at, logits.device()), at::full({k}, 1e4, logits.options()));
-    }
-    steer_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return logits;
-  }
-
-  double steer_s_ = 0;  // host seconds in steer(), so far
-  ModelPolicy inner_;
-  std::vector<int64_t> script_, reply_end_;
-  int64_t eos_ = -1, first_ = 0;
-  std::function<int64_t(int64_t)> budget_;
-
-  int64_t every_;
-  bool spread_;
-  std::vector<Row> rows_;
-};
 
 // A ModelPolicy's counters: what it has done so far, or (since()) during one rollout.
 struct PolicyCounts {
@@ -336,9 +233,9 @@ int main(int argc, char** argv) {
                                }),
                 modes.end());
   }
-  PolicyCounts counts;                                       // of the last run
-  double steer_s = 0;                                        // the last run's host seconds steering (ToolSteered)
-  std::map<std::string, std::unique_ptr<ToolSteered>> kept;  // the keep modes' policies, by mode
+  PolicyCounts counts;                                         // of the last run
+  double steer_s = 0;                                          // the last run's host seconds steering
+  std::map<std::string, std::unique_ptr<SteeredPolicy>> kept;  // the keep modes' policies, by mode
   auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
     RolloutOptions o;
     o.tools = mode.tools;
@@ -356,10 +253,15 @@ int main(int argc, char** argv) {
     ModelPolicyOptions mpo = po;
     mpo.feed_graphs = mode.feed_graphs;
     mpo.keep_cache = mode.keep;
-    std::unique_ptr<ToolSteered>& policy = kept[mode.name];
-    if (!policy || !mode.keep)
-      policy =
-          std::make_unique<ToolSteered>(model, mpo, script, reply_end, mode.tools ? every : (1 << 30), mode.spread);
+    std::unique_ptr<SteeredPolicy>& policy = kept[mode.name];
+    if (!policy || !mode.keep) {
+      SteerOptions steer;
+      steer.scripts = {script};
+      steer.reply_end = reply_end;
+      steer.free_before = mode.tools ? every : (1 << 30);
+      steer.spread = mode.spread;
+      policy = std::make_unique<SteeredPolicy>(model, steer, mpo);
+    }
     ModelPolicy& inner = policy->inner();
     const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
     const double steer_before = policy->steer_seconds();
@@ -490,7 +392,11 @@ int main(int argc, char** argv) {
       o.progress_s = 0;
       SamplingOptions smp = sampling;
       smp.max_new_tokens = N;
-      ToolSteered policy(model, po, script, reply_end, 1 << 30);
+      SteerOptions steer;
+      steer.scripts = {script};
+      steer.reply_end = reply_end;
+      steer.free_before = 1 << 30;
+      SteeredPolicy policy(model, steer, po);
       policy.set_lengths(tok->eos_id(), budget, first);
       auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
       return std::make_pair(std::move(out), PolicyCounts::of(policy.inner()));

@@ -12,6 +12,7 @@
 
 #include "data/tokenizer.h"
 #include "tests/common/fake_tool.h"
+#include "tests/common/steered_policy.h"
 #include "tests/common/tiny_model.h"
 #include "tests/common/tiny_tokenizer.h"
 #include "tests/common/tmpdir.h"
@@ -21,6 +22,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using testing::FakeTool;
+using testing::SteeredPolicy;
+using testing::SteerOptions;
 using testing::tiny_model;
 
 // Writes a fixed script per sequence: its logits put +100 on the script's next token (Gumbel noise is
@@ -783,96 +786,19 @@ double logprob_gap(const Trajectory& x, const Trajectory& y) {
   return d;
 }
 
-// A model-backed policy whose logits are steered to `prefix` for each sequence's first tokens (a random
-// tiny model cannot write code, so its first turn is forced open with a code block; what it samples after
-// is its own). multi_token: a tool's reply enters in one forward (ModelPolicy::extend); else one token per
-// step (TokenPolicy's default extend). drop_first: a broken multi-token feed that loses each run's first
-// token, for the check that must reject it. With several prefixes, prompt i (in the order started) is
-// steered to prefixes[i % prefixes.size()].
-class Steered : public TokenPolicy {
- public:
-  Steered(const Transformer& m, std::vector<int64_t> prefix, bool multi_token = false, bool drop_first = false)
-      : Steered(m, std::vector<std::vector<int64_t>>{std::move(prefix)}, multi_token, drop_first) {}
-  Steered(const Transformer& m, std::vector<std::vector<int64_t>> prefixes, bool multi_token, bool drop_first = false)
-      : inner_(m), prefixes_(std::move(prefixes)), multi_token_(multi_token), drop_first_(drop_first) {}
-  at::Tensor start(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
-    count_.clear();
-    prefix_of_.clear();
-    prompts_ = 0;
-    return steer(add(p, r), inner_.start(p, r));
-  }
-  at::Tensor admit(const std::vector<std::vector<int64_t>>& p, int64_t r) override {
-    last_admitted_ = static_cast<int64_t>(count_.size());
-    std::vector<int64_t> rows = add(p, r);
-    return steer(rows, inner_.admit(p, r));
-  }
-  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
-    for (int64_t n : rows) ++count_[n];
-    return steer(rows, inner_.step(rows, tokens));
-  }
-  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
-    if (!multi_token_) return TokenPolicy::extend(rows, runs);
-    std::vector<std::vector<int64_t>> fed = runs;
-    bool single = false, longer = false;
-    for (auto& r : fed) {
-      single |= r.size() == 1;
-      longer |= r.size() > 1;
-      if (drop_first_ && r.size() > 1) r.erase(r.begin());
-      if (corrupt_single && r.size() == 1) r[0] = (r[0] + 1) % inner_.vocab_size();
-    }
-    mixed_extends_ += single && longer;
-    for (size_t j = 0; j < rows.size(); ++j) {
-      count_[rows[j]] += static_cast<int64_t>(runs[j].size());
-      fed_before_admitted_ |= last_admitted_ >= 0 && rows[j] < last_admitted_;
-    }
-    ++extends_;
-    return steer(rows, inner_.extend(rows, fed));
-  }
-  void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
-  void reserve_rows(int64_t rows) override { inner_.reserve_rows(rows); }
-  int64_t vocab_size() const override { return inner_.vocab_size(); }
-  int64_t extends() const { return extends_; }
-  // Feeds that carried one-token rows beside longer runs (rollout.merge_feeds).
-  int64_t mixed_extends() const { return mixed_extends_; }
-  bool corrupt_single = false;  // a wrong merge: feeds a one-token run's row another token
-  // The cache's rows, at most, after any call.
-  int64_t max_cache_rows() const { return max_rows_; }
-  // A multi-token feed (a tool's reply) went to a sequence started before the latest admit, after it.
-  bool fed_around_an_admit() const { return fed_before_admitted_; }
-
- private:
-  std::vector<int64_t> add(const std::vector<std::vector<int64_t>>& p, int64_t r) {
-    std::vector<int64_t> rows;
-    for (size_t u = 0; u < p.size(); ++u, ++prompts_) {
-      for (int64_t g = 0; g < r; ++g) {
-        rows.push_back(static_cast<int64_t>(count_.size()));
-        count_.push_back(0);
-        prefix_of_.push_back(prompts_ % static_cast<int64_t>(prefixes_.size()));
-      }
-    }
-    return rows;
-  }
-  at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
-    max_rows_ = std::max(max_rows_, inner_.cache_rows());
-    for (size_t j = 0; j < rows.size(); ++j) {
-      const std::vector<int64_t>& prefix = prefixes_[prefix_of_[rows[j]]];
-      const int64_t k = count_[rows[j]];
-      if (k < int64_t(prefix.size())) logits[j][prefix[k]] += 1000.0;
-    }
-    return logits;
-  }
-  ModelPolicy inner_;
-  std::vector<std::vector<int64_t>> prefixes_;
-  std::vector<int64_t> count_;      // by sequence: tokens fed
-  std::vector<int64_t> prefix_of_;  // by sequence: its prefix
-  int64_t prompts_ = 0;             // prompts started
-  bool multi_token_, drop_first_;
-  int64_t extends_ = 0, mixed_extends_ = 0, max_rows_ = 0, last_admitted_ = -1;
-  bool fed_before_admitted_ = false;
-};
+// A tiny model's rollout policy steered to `prefixes`: prompt i (in the order started) is forced to write
+// prefixes[i % prefixes.size()] first (a random model cannot write code, so its first turn opens with a
+// code block; what it samples after is its own). multi_token: a tool's reply enters in one forward, else
+// one token per step.
+SteerOptions steer_to(std::vector<std::vector<int64_t>> prefixes, bool multi_token) {
+  SteerOptions s;
+  s.scripts = std::move(prefixes);
+  s.multi_token = multi_token;
+  return s;
+}
 
 TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
-  // Real sandboxed calls inside a model rollout (Steered: its first turn is one code block), reproducible
+  // Real sandboxed calls inside a model rollout (steered: its first turn is one code block), reproducible
   // under a seed, and loss masks that match the tool turns.
   const Transformer m = tiny_model("llama", 5);
   SandboxOptions so;
@@ -881,7 +807,7 @@ TEST_F(ReToolTest, TinyModelMultiTurnRolloutWithTheRealSandbox) {
   ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
   const auto prefix = enc("<code>\nprint(347 * 829)\n</code>");
   auto run = [&](int64_t seed) {
-    Steered policy(m, prefix, /*multi_token=*/true);
+    SteeredPolicy policy(m, steer_to({prefix}, /*multi_token=*/true));
     SamplingOptions s = sampling(3);
     s.seed = seed;
     s.max_new_tokens = 24;
@@ -922,7 +848,9 @@ TEST_F(ReToolTest, ToolRepliesFedInOneForwardGiveTheOneTokenTrajectories) {
   tool.outputs["\nprint(347 * 829)\n"] = "287663\n";
   const auto prefix = enc("<code>\nprint(347 * 829)\n</code>");
   auto run = [&](bool multi, bool drop_first, RolloutStats* stats) {
-    Steered policy(m, prefix, multi, drop_first);
+    SteerOptions so = steer_to({prefix}, multi);
+    so.drop_first = drop_first;
+    SteeredPolicy policy(m, so);
     SamplingOptions s = sampling(3);
     s.seed = 4;
     s.max_new_tokens = 24;
@@ -969,8 +897,9 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
   std::vector<std::vector<int64_t>> prompts;
   for (int i = 0; i < 4; ++i) prompts.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
   auto run = [&](bool merge, bool corrupt, RolloutStats& stats, int64_t& mixed) {
-    Steered policy(m, prefixes, /*multi_token=*/true);
-    policy.corrupt_single = corrupt;
+    SteerOptions so = steer_to(prefixes, /*multi_token=*/true);
+    so.corrupt_single = corrupt;
+    SteeredPolicy policy(m, so);
     SamplingOptions s = sampling(2);
     s.seed = 5;
     s.max_new_tokens = 100;
@@ -1027,7 +956,7 @@ TEST_F(ReToolTest, RefillOfATinyModelGivesTheTrajectoriesOfOneBatch) {
     bool fed_around_an_admit = false;
   };
   auto run = [&](int64_t max_batch) {
-    Steered policy(m, prefixes, /*multi_token=*/true);
+    SteeredPolicy policy(m, steer_to(prefixes, /*multi_token=*/true));
     SamplingOptions s = sampling(2);
     s.seed = 3;
     s.max_new_tokens = 40;
