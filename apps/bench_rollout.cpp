@@ -1,12 +1,13 @@
 // bench_rollout: the ReTool loop's sampled tokens/s with real sandboxed tool calls, beside plain decoding
-// through the same loop at the same batch (the issue-14 target: tools >= 80% of plain).
+// through the same loop at the same batch (the target: tools at 80% of plain or more).
 //
-// A random model writes no code, so each trajectory's turns are steered (tests/common/steered_policy.h): after
-// --tool-every free samples, the logits are pushed (+1e4) to a fixed code block, "<code>\nprint(...)\n</code>", which
-// the loop parses as a tool call and runs in the sandbox; the interpreter's reply comes back in the protocol's framing
-// and the next turn starts free again. Everything else is the trainer's path: rollout() with ModelPolicy (CUDA graphs
-// on a GPU), sample_tokens, a SandboxPool of real interpreters, trajectories ended by rollout.max_context = prompt +
-// new tokens.
+// A random model writes no code, so each trajectory's turns are steered (tests/common/steered_policy.h):
+// after --tool-every free samples, the logits are pushed (+1e4) to a fixed code block,
+// "<code>\nprint(...)\n</code>", which the loop parses as a tool call and runs in the sandbox; the
+// interpreter's reply comes back in the protocol's framing and the next turn starts free again. Everything
+// else is the trainer's path: rollout() with ModelPolicy
+// (CUDA graphs on a GPU), sample_tokens, a SandboxPool of real interpreters, trajectories ended by
+// rollout.max_context = prompt + new tokens.
 //
 // Modes, run in this order in one process on the same prompts and seed:
 //   plain                 tools off: --new-tokens sampled per trajectory
@@ -59,7 +60,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -68,6 +68,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "apps/bench_common.h"
 #include "common/memory.h"
@@ -119,89 +120,125 @@ struct PolicyCounts {
   }
 };
 
-}  // namespace
+// ---- Options ----
 
-int main(int argc, char** argv) {
-  CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
+struct Options {
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice, feed_wait = 4;
   bool site_packages = true, graphs = true, prestart = SandboxOptions{}.prestart,
        squeeze = ModelPolicyOptions{}.squeeze_holes;
   uint64_t seed = 1;
-  add_model_options(app, model_dir, device, dtype, B);
-  app.add_option("--tokenizer", tokenizer_dir, "folder with tokenizer.json (a checkpoint's tokenizer files)")
+  std::vector<std::string> only;  // --modes
+  int64_t refill = 0;
+};
+
+// The exit code when the program should stop here (--help, a bad option); nullopt to go on.
+std::optional<int> parse_options(int argc, char** argv, Options& o) {
+  CLI::App app{"bench_rollout: the ReTool loop's sampled tokens/s with sandboxed tool calls, beside plain decoding"};
+  add_model_options(app, o.model_dir, o.device, o.dtype, o.B);
+  app.add_option("--tokenizer", o.tokenizer_dir, "folder with tokenizer.json (a checkpoint's tokenizer files)")
       ->required();
-  app.add_option("--prompt-len", P, "prompt tokens per sequence (random ids)")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--new-tokens", N, "response tokens per trajectory (rollout.max_context = prompt + this)")
+  app.add_option("--prompt-len", o.P, "prompt tokens per sequence (random ids)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--new-tokens", o.N, "response tokens per trajectory (rollout.max_context = prompt + this)")
       ->check(CLI::Range(16, 1 << 20));
-  app.add_option("--tool-every", every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--workers", workers, "sandbox workers")->check(CLI::Range(1, 4096));
-  app.add_option("--feed-wait", feed_wait,
+  app.add_option("--tool-every", o.every, "free samples before each steered tool call")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--workers", o.workers, "sandbox workers")->check(CLI::Range(1, 4096));
+  app.add_option("--feed-wait", o.feed_wait,
                  "rollout.feed_wait of the modes that hold replies back (not tools, *_feednow or tools_onetoken)")
       ->check(CLI::Range(0, 1 << 20));
-  app.add_option("--site-packages", site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
-  app.add_option("--nice", nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));
-  app.add_option("--prestart", prestart, "sandbox.prestart: each worker's next interpreter started ahead of its call");
-  app.add_option("--cuda-graphs", graphs, "rollout.cuda_graphs");
-  app.add_option("--squeeze-holes", squeeze,
+  app.add_option("--site-packages", o.site_packages, "sandbox.site_packages (true: as configs/retool.yaml)");
+  app.add_option("--nice", o.nice, "sandbox.nice: added to the interpreters' niceness")->check(CLI::Range(0, 19));
+  app.add_option("--prestart", o.prestart,
+                 "sandbox.prestart: each worker's next interpreter started ahead of its call");
+  app.add_option("--cuda-graphs", o.graphs, "rollout.cuda_graphs");
+  app.add_option("--squeeze-holes", o.squeeze,
                  "ModelPolicyOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
-  app.add_option("--seed", seed, "sampling seed");
-  app.add_option("--json", json_path, "write the records to this JSON file");
-  std::vector<std::string> only;
-  app.add_option("--modes", only, "run only these modes (comma-separated; plain always runs)")->delimiter(',');
-  int64_t refill = 0;
-  app.add_option("--refill", refill,
+  app.add_option("--seed", o.seed, "sampling seed");
+  app.add_option("--json", o.json_path, "write the records to this JSON file");
+  app.add_option("--modes", o.only, "run only these modes (comma-separated; plain always runs)")->delimiter(',');
+  app.add_option("--refill", o.refill,
                  "also compare continuous batching: R x batch prompts of uneven lengths (new/4 to new tokens, "
                  "tools off) through batch rows, refilled (rollout.max_batch) against R waves of batch prompts")
       ->check(CLI::Range(0, 64));
-  CLI11_PARSE(app, argc, argv);
-  std::optional<BenchModel> bench = load_bench_model("bench_rollout", model_dir, device, dtype);
-  if (!bench) return 2;
-  std::optional<Tokenizer> tok;
   try {
-    tok.emplace(Tokenizer::from_checkpoint(tokenizer_dir));
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return std::nullopt;
+}
+
+// ---- The model, the tokenizer, the sandbox and the prompts ----
+
+struct Setup {
+  std::optional<BenchModel> bench;
+  std::optional<Tokenizer> tok;
+  ToolProtocol protocol;           // <code>...</code>, replies in <interpreter> blocks
+  std::vector<int64_t> script;     // the steered tool call
+  std::vector<int64_t> reply_end;  // the reply's last tokens: the next turn starts
+  std::unique_ptr<SandboxPool> pool;
+  ToolRunner tools;
+  std::vector<std::vector<int64_t>> prompts;
+  SamplingOptions sampling;
+  ModelPolicyOptions po;
+  const Transformer& model() const { return *bench->model; }
+};
+
+// nullptr after printing the error (exit code 2).
+std::unique_ptr<Setup> build_setup(const Options& o) {
+  std::optional<BenchModel> bench = load_bench_model("bench_rollout", o.model_dir, o.device, o.dtype);
+  if (!bench) return nullptr;
+  auto s = std::make_unique<Setup>();
+  s->bench.emplace(std::move(*bench));
+  try {
+    s->tok.emplace(Tokenizer::from_checkpoint(o.tokenizer_dir));
   } catch (const std::exception& e) {
     std::cerr << "bench_rollout: " << e.what() << "\n";
-    return 2;
+    return nullptr;
   }
-  const Transformer& model = *bench->model;
-  const int64_t V = std::min(model.config().vocab_size, tok->vocab_size());
-  const ToolProtocol protocol;  // <code>...</code>, replies in <interpreter> blocks
-  const std::vector<int64_t> script = tok->encode("<code>\nprint(sum(i * i for i in range(1000)))\n</code>");
-  const std::vector<int64_t> reply_end = tok->encode(protocol.reply_close);
+  const Tokenizer& tok = *s->tok;
+  const int64_t V = std::min(s->model().config().vocab_size, tok.vocab_size());
+  s->script = tok.encode("<code>\nprint(sum(i * i for i in range(1000)))\n</code>");
+  s->reply_end = tok.encode(s->protocol.reply_close);
 
   SandboxOptions so;
-  so.workers = workers;
-  so.site_packages = site_packages;
-  so.prestart = prestart;
-  so.nice = nice;
+  so.workers = o.workers;
+  so.site_packages = o.site_packages;
+  so.prestart = o.prestart;
+  so.nice = o.nice;
   so.timeout_s = 10;
-  SandboxPool pool(so);
-  ToolRunner tools = [&pool](const std::string& code) { return pool.submit(code); };
+  s->pool = std::make_unique<SandboxPool>(so);
+  s->tools = [pool = s->pool.get()](const std::string& code) { return pool->submit(code); };
 
   // Random prompts of ordinary ids (below the tokenizer's and the model's vocabularies).
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  std::vector<std::vector<int64_t>> prompts(B);
-  for (auto& p : prompts) {
-    at::Tensor ids = at::randint(std::min<int64_t>(V, 100000), {P}, gen, at::kLong);
-    p.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + P);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  s->prompts.resize(o.B);
+  for (auto& p : s->prompts) {
+    at::Tensor ids = at::randint(std::min<int64_t>(V, 100000), {o.P}, gen, at::kLong);
+    p.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + o.P);
   }
-  SamplingOptions sampling;
-  sampling.samples_per_prompt = 1;
-  sampling.seed = seed;
-  ModelPolicyOptions po;
-  po.cuda_graphs = graphs;
-  po.squeeze_holes = squeeze;
+  s->sampling.samples_per_prompt = 1;
+  s->sampling.seed = o.seed;
+  s->po.cuda_graphs = o.graphs;
+  s->po.squeeze_holes = o.squeeze;
+  return s;
+}
 
-  struct Mode {
-    std::string name;
-    bool tools, multi_token, feed_graphs;
-    int64_t feed_wait;
-    bool merge_feeds, spread;
-    bool keep = false;  // rollout.keep_cache: one policy for the warm-up and the timed run
-  };
+// ---- The modes ----
+
+struct Mode {
+  std::string name;
+  bool tools, multi_token, feed_graphs;
+  int64_t feed_wait;
+  bool merge_feeds, spread;
+  bool keep = false;  // rollout.keep_cache: one policy for the warm-up and the timed run
+};
+
+// The modes in their order, those --modes leaves out removed (plain and plain_kept always run); nullopt
+// after printing an unknown name.
+std::optional<std::vector<Mode>> select_modes(const Options& o) {
   const RolloutOptions defaults;
-  const int64_t wait = feed_wait;  // --feed-wait: the modes that hold replies back
+  const int64_t wait = o.feed_wait;  // --feed-wait: the modes that hold replies back
   std::vector<Mode> modes = {
       {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
       {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
@@ -219,67 +256,81 @@ int main(int argc, char** argv) {
       {"spread_kept", true, true, true, wait, false, true, true},
       {"spread_merged_kept", true, true, true, wait, true, true, true},
       {"spread_merged_now_kept", true, true, true, 0, true, true, true}};
-  if (!only.empty()) {
-    for (const std::string& name : only) {
-      if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {
-        std::cerr << "bench_rollout: --modes: no mode " << name << "\n";
-        return 2;
-      }
+  if (o.only.empty()) return modes;
+  for (const std::string& name : o.only) {
+    if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {
+      std::cerr << "bench_rollout: --modes: no mode " << name << "\n";
+      return std::nullopt;
     }
-    modes.erase(std::remove_if(modes.begin(), modes.end(),
-                               [&](const Mode& m) {
-                                 return m.name != "plain" && m.name != "plain_kept" &&
-                                        std::find(only.begin(), only.end(), m.name) == only.end();
-                               }),
-                modes.end());
   }
-  PolicyCounts counts;                                         // of the last run
-  double steer_s = 0;                                          // the last run's host seconds steering
-  std::map<std::string, std::unique_ptr<SteeredPolicy>> kept;  // the keep modes' policies, by mode
-  auto run = [&](const Mode& mode, int64_t new_tokens, RolloutStats& stats) {
-    RolloutOptions o;
-    o.tools = mode.tools;
-    o.multi_token_feed = mode.multi_token;
-    o.feed_wait = mode.feed_wait;
-    o.merge_feeds = mode.merge_feeds;
-    o.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
-    o.cuda_graphs = graphs;
-    o.max_context = P + new_tokens;
-    o.max_turns = 1 << 20;
-    o.max_tool_calls = 1 << 20;
-    o.progress_s = 0;
-    SamplingOptions s = sampling;
-    s.max_new_tokens = new_tokens;
-    ModelPolicyOptions mpo = po;
+  modes.erase(std::remove_if(modes.begin(), modes.end(),
+                             [&](const Mode& m) {
+                               return m.name != "plain" && m.name != "plain_kept" &&
+                                      std::find(o.only.begin(), o.only.end(), m.name) == o.only.end();
+                             }),
+              modes.end());
+  return modes;
+}
+
+// One rollout of a mode and what it cost.
+struct ModeRun {
+  std::vector<Trajectory> trajs;
+  RolloutStats stats;
+  PolicyCounts counts;  // the policy's counters during this rollout
+  double steer_s = 0;   // host seconds steering (SteeredPolicy)
+};
+
+// Runs the modes' rollouts; the keep modes' policies stay from one run of a mode to the next.
+class ModeRunner {
+ public:
+  ModeRunner(const Options& o, const Setup& s) : o_(o), s_(s) {}
+
+  ModeRun run(const Mode& mode) {
+    RolloutOptions ro;
+    ro.tools = mode.tools;
+    ro.multi_token_feed = mode.multi_token;
+    ro.feed_wait = mode.feed_wait;
+    ro.merge_feeds = mode.merge_feeds;
+    ro.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
+    ro.cuda_graphs = o_.graphs;
+    ro.max_context = o_.P + o_.N;
+    ro.max_turns = 1 << 20;
+    ro.max_tool_calls = 1 << 20;
+    ro.progress_s = 0;
+    SamplingOptions smp = s_.sampling;
+    smp.max_new_tokens = o_.N;
+    ModelPolicyOptions mpo = s_.po;
     mpo.feed_graphs = mode.feed_graphs;
     mpo.keep_cache = mode.keep;
-    std::unique_ptr<SteeredPolicy>& policy = kept[mode.name];
+    std::unique_ptr<SteeredPolicy>& policy = kept_[mode.name];
     if (!policy || !mode.keep) {
       SteerOptions steer;
-      steer.scripts = {script};
-      steer.reply_end = reply_end;
-      steer.free_before = mode.tools ? every : (1 << 30);
+      steer.scripts = {s_.script};
+      steer.reply_end = s_.reply_end;
+      steer.free_before = mode.tools ? o_.every : (1 << 30);
       steer.spread = mode.spread;
-      policy = std::make_unique<SteeredPolicy>(model, steer, mpo);
+      policy = std::make_unique<SteeredPolicy>(s_.model(), steer, mpo);
     }
     ModelPolicy& inner = policy->inner();
     const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
     const double steer_before = policy->steer_seconds();
-    auto out = rollout(*policy, *tok, prompts, s, o, tools, {}, protocol, &stats);
-    counts = PolicyCounts::of(inner).since(before);
-    steer_s = policy->steer_seconds() - steer_before;
-    return out;
-  };
-  // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
-  // attention plans of every cache shape the runs meet (cuDNN builds one per new shape, ~40 ms each on an
-  // H200, then caches it process-wide) stay out of the timed runs and no mode pays for the next one.
-  for (const Mode& m : modes) {
-    RolloutStats st;
-    run(m, N, st);
+    ModeRun r;
+    r.trajs = rollout(*policy, *s_.tok, s_.prompts, smp, ro, s_.tools, {}, s_.protocol, &r.stats);
+    r.counts = PolicyCounts::of(inner).since(before);
+    r.steer_s = policy->steer_seconds() - steer_before;
+    return r;
   }
-  std::cout << "model " << model_dir << ", " << dtype << " on " << device << ", batch " << B << ", prompt " << P
-            << ", new " << N << ", a tool call every " << every << " free samples, " << workers << " sandbox workers"
-            << (prestart ? " (prestarted)" : "") << ", nice " << nice << "\n";
+
+ private:
+  const Options& o_;
+  const Setup& s_;
+  std::map<std::string, std::unique_ptr<SteeredPolicy>> kept_;  // the keep modes' policies, by mode
+};
+
+void print_modes_header(const Options& o) {
+  std::cout << "model " << o.model_dir << ", " << o.dtype << " on " << o.device << ", batch " << o.B << ", prompt "
+            << o.P << ", new " << o.N << ", a tool call every " << o.every << " free samples, " << o.workers
+            << " sandbox workers" << (o.prestart ? " (prestarted)" : "") << ", nice " << o.nice << "\n";
   std::cout << std::left << std::setw(26) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(8)
             << "calls" << std::setw(10) << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio"
             << std::setw(10) << "decode_s" << std::setw(9) << "feed_s" << std::setw(9) << "wait_s" << std::setw(8)
@@ -289,191 +340,230 @@ int main(int argc, char** argv) {
             << std::setw(9) << "call_ms" << std::setw(8) << "run_ms" << std::setw(10) << "sat_tool" << std::setw(10)
             << "sat_feed"
             << "\n";
+}
+
+// Prints a mode's row of the table and returns its record. ratio: to plain decoding with the same policy
+// setting (plain, or plain_kept for the keep modes).
+json report_mode(const Options& o, const Mode& m, const ModeRun& r, int64_t sampled, int64_t calls, double tps,
+                 double ratio) {
+  const RolloutStats& st = r.stats;
+  const PolicyCounts& counts = r.counts;
+  const double mean_span = st.decode_steps > 0 ? double(counts.span_slots) / double(st.decode_steps) : 0;
+  const ModelPolicy::ReplayTime step_gpu = counts.step_replay_total();
+  auto per = [](double s, int64_t n) { return n > 0 ? 1e3 * s / double(n) : 0.0; };  // ms each
+  std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
+            << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
+            << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
+            << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
+            << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
+            << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(10)
+            << std::setprecision(3) << counts.capture_s << std::setw(12)
+            << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)")
+            << std::setw(7) << std::setprecision(0) << mean_span << std::setprecision(3) << std::setw(11)
+            << per(st.decode_s, st.decode_steps) << std::setw(10) << per(step_gpu.seconds, step_gpu.count)
+            << std::setw(10) << per(st.feed_s, st.feed_steps) << std::setw(10)
+            << per(counts.feed_replays.seconds, counts.feed_replays.count) << std::setw(9) << r.steer_s << std::setw(9)
+            << per(st.tool_latency_s, calls) << std::setw(8) << per(st.tool_run_s, calls) << std::setw(10)
+            << std::setprecision(1) << double(st.tool_wait_row_steps) / double(r.trajs.size()) << std::setw(10)
+            << double(st.feed_wait_row_steps) / double(r.trajs.size()) << "\n";
+  json by_span = json::object();
+  for (const auto& [span, t] : counts.step_replays) by_span[std::to_string(span)] = {t.count, t.seconds};
+  return {{"mode", m.name},
+          {"batch", o.B},
+          {"prompt_len", o.P},
+          {"new_tokens", o.N},
+          {"tool_every", o.every},
+          {"prestart", o.prestart},
+          {"nice", o.nice},
+          {"dtype", o.dtype},
+          {"sampled_tokens", sampled},
+          {"tool_calls", calls},
+          {"seconds", st.total_s},
+          {"sampled_tokens_per_s", tps},
+          {"ratio_to_plain", ratio},
+          {"prefill_s", st.prefill_s},
+          {"decode_s", st.decode_s},
+          {"feed_s", st.feed_s},
+          {"sample_s", st.sample_s},
+          {"turn_s", st.turn_s},
+          {"tool_wait_s", st.tool_wait_s},
+          {"tool_latency_s", st.tool_latency_s},
+          {"tool_run_s", st.tool_run_s},
+          {"tool_wait_row_steps", st.tool_wait_row_steps},
+          {"feed_wait_row_steps", st.feed_wait_row_steps},
+          {"decode_steps", st.decode_steps},
+          {"feed_steps", st.feed_steps},
+          {"feed_wait", m.feed_wait},
+          {"merge_feeds", m.merge_feeds},
+          {"feed_graphs", m.feed_graphs},
+          {"spread", m.spread},
+          {"keep_cache", m.keep},
+          {"forced_tokens", st.forced_tokens},
+          {"cache_compactions", counts.compactions},
+          {"cache_reallocations", counts.reallocations},
+          {"step_graph_captures", counts.step_graphs},
+          {"feed_graph_captures", counts.feed_graphs},
+          {"capture_s", counts.capture_s},
+          {"mean_step_span", mean_span},
+          {"squeeze_holes", o.squeeze},
+          {"compact_s", counts.compact_s},
+          {"steer_s", r.steer_s},
+          {"step_gpu_s", step_gpu.seconds},
+          {"feed_gpu_s", counts.feed_replays.seconds},
+          {"feed_replays", counts.feed_replays.count},
+          {"step_gpu_by_span", by_span}};
+}
+
+// Every mode once untimed, then once timed with its row printed; returns the timed runs' records.
+json measure_modes(const Options& o, const Setup& s, const std::vector<Mode>& modes) {
+  ModeRunner runner(o, s);
+  // Warm-up: one whole run of every mode, so that kernels, the allocator, the sandbox pool and the
+  // attention plans of every cache shape the runs meet (cuDNN builds one per new shape, ~40 ms each on an
+  // H200, then caches it process-wide) stay out of the timed runs and no mode pays for the next one.
+  for (const Mode& m : modes) runner.run(m);
+  print_modes_header(o);
   json records = json::array();
   double plain_tps = 0, plain_kept_tps = 0;
   for (const Mode& m : modes) {
-    RolloutStats st;
-    const auto trajs = run(m, N, st);
+    const ModeRun r = runner.run(m);
     int64_t sampled = 0, calls = 0;
-    for (const auto& t : trajs) {
+    for (const auto& t : r.trajs) {
       sampled += t.sampled_tokens();
       calls += t.tool_calls;
     }
-    const double tps = double(sampled) / st.total_s;
+    const double tps = double(sampled) / r.stats.total_s;
     if (m.name == "plain") plain_tps = tps;
     if (m.name == "plain_kept") plain_kept_tps = tps;
     const double base = m.keep ? plain_kept_tps : plain_tps;  // plain decoding with the same policy setting
-    const double ratio = base > 0 ? tps / base : 0;
-    const double mean_span = st.decode_steps > 0 ? double(counts.span_slots) / double(st.decode_steps) : 0;
-    const ModelPolicy::ReplayTime step_gpu = counts.step_replay_total();
-    auto per = [](double s, int64_t n) { return n > 0 ? 1e3 * s / double(n) : 0.0; };  // ms each
-    std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
-              << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)
-              << std::setprecision(0) << tps << std::setw(9) << std::setprecision(3) << ratio << std::setw(10)
-              << st.decode_s << std::setw(9) << st.feed_s << std::setw(9) << st.tool_wait_s << std::setw(8)
-              << st.decode_steps << std::setw(8) << st.feed_steps << std::setw(10)
-              << (std::to_string(counts.step_graphs) + "+" + std::to_string(counts.feed_graphs)) << std::setw(10)
-              << std::setprecision(3) << counts.capture_s << std::setw(12)
-              << (std::to_string(counts.compactions) + " (" + std::to_string(counts.reallocations) + " new)")
-              << std::setw(7) << std::setprecision(0) << mean_span << std::setprecision(3) << std::setw(11)
-              << per(st.decode_s, st.decode_steps) << std::setw(10) << per(step_gpu.seconds, step_gpu.count)
-              << std::setw(10) << per(st.feed_s, st.feed_steps) << std::setw(10)
-              << per(counts.feed_replays.seconds, counts.feed_replays.count) << std::setw(9) << steer_s << std::setw(9)
-              << per(st.tool_latency_s, calls) << std::setw(8) << per(st.tool_run_s, calls) << std::setw(10)
-              << std::setprecision(1) << double(st.tool_wait_row_steps) / double(trajs.size()) << std::setw(10)
-              << double(st.feed_wait_row_steps) / double(trajs.size()) << "\n";
-    json by_span = json::object();
-    for (const auto& [span, t] : counts.step_replays) by_span[std::to_string(span)] = {t.count, t.seconds};
-    records.push_back({{"mode", m.name},
-                       {"batch", B},
-                       {"prompt_len", P},
-                       {"new_tokens", N},
-                       {"tool_every", every},
-                       {"prestart", prestart},
-                       {"nice", nice},
-                       {"dtype", dtype},
-                       {"sampled_tokens", sampled},
-                       {"tool_calls", calls},
-                       {"seconds", st.total_s},
-                       {"sampled_tokens_per_s", tps},
-                       {"ratio_to_plain", ratio},
-                       {"prefill_s", st.prefill_s},
-                       {"decode_s", st.decode_s},
-                       {"feed_s", st.feed_s},
-                       {"sample_s", st.sample_s},
-                       {"turn_s", st.turn_s},
-                       {"tool_wait_s", st.tool_wait_s},
-                       {"tool_latency_s", st.tool_latency_s},
-                       {"tool_run_s", st.tool_run_s},
-                       {"tool_wait_row_steps", st.tool_wait_row_steps},
-                       {"feed_wait_row_steps", st.feed_wait_row_steps},
-                       {"decode_steps", st.decode_steps},
-                       {"feed_steps", st.feed_steps},
-                       {"feed_wait", m.feed_wait},
-                       {"merge_feeds", m.merge_feeds},
-                       {"feed_graphs", m.feed_graphs},
-                       {"spread", m.spread},
-                       {"keep_cache", m.keep},
-                       {"forced_tokens", st.forced_tokens},
-                       {"cache_compactions", counts.compactions},
-                       {"cache_reallocations", counts.reallocations},
-                       {"step_graph_captures", counts.step_graphs},
-                       {"feed_graph_captures", counts.feed_graphs},
-                       {"capture_s", counts.capture_s},
-                       {"mean_step_span", mean_span},
-                       {"squeeze_holes", po.squeeze_holes},
-                       {"compact_s", counts.compact_s},
-                       {"steer_s", steer_s},
-                       {"step_gpu_s", step_gpu.seconds},
-                       {"feed_gpu_s", counts.feed_replays.seconds},
-                       {"feed_replays", counts.feed_replays.count},
-                       {"step_gpu_by_span", by_span}});
+    records.push_back(report_mode(o, m, r, sampled, calls, tps, base > 0 ? tps / base : 0));
   }
-  if (refill > 0) {
-    // Continuous batching against waves, tools off: R x B prompts whose trajectories end (EOS, steered)
-    // after new/4 to new tokens, a length fixed per prompt. Waves: R rollouts of B prompts each, every one
-    // as long as its longest trajectory. Refill: one rollout holding B rows, finished rows taking the next
-    // prompts (rollout.max_batch = B; an eighth of the rows at a time).
-    std::vector<std::vector<int64_t>> all;
-    for (int64_t r = 0; r < refill; ++r) all.insert(all.end(), prompts.begin(), prompts.end());
-    const int64_t lo = std::max<int64_t>(1, N / 4);
-    auto budget = [lo, N](int64_t n) {
-      uint64_t h = static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull;
-      h ^= h >> 31;
-      return lo + static_cast<int64_t>(h % static_cast<uint64_t>(N - lo + 1));
+  return records;
+}
+
+// ---- Continuous batching against waves ----
+
+// What the rollouts of one side took, summed over them (the waves').
+struct Outcome {
+  int64_t sampled = 0, steps = 0, refills = 0;
+  double seconds = 0, decode_s = 0, prefill_s = 0;
+  PolicyCounts counts;
+};
+
+// Tools off: R x B prompts whose trajectories end (EOS, steered) after new/4 to new tokens, a length fixed
+// per prompt. Waves: R rollouts of B prompts each, every one as long as its longest trajectory. Refill: one
+// rollout holding B rows, finished rows taking the next prompts (rollout.max_batch = B; an eighth of the
+// rows at a time). Prints the comparison and appends its records.
+void measure_refill(const Options& o, const Setup& s, json& records) {
+  const int64_t B = o.B, N = o.N;
+  std::vector<std::vector<int64_t>> all;
+  for (int64_t r = 0; r < o.refill; ++r) all.insert(all.end(), s.prompts.begin(), s.prompts.end());
+  const int64_t lo = std::max<int64_t>(1, N / 4);
+  auto budget = [lo, N](int64_t n) {
+    uint64_t h = static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    return lo + static_cast<int64_t>(h % static_cast<uint64_t>(N - lo + 1));
+  };
+  auto run_lengths = [&](const std::vector<std::vector<int64_t>>& ps, int64_t first, int64_t max_batch,
+                         RolloutStats& stats) {
+    RolloutOptions ro;
+    ro.tools = false;
+    ro.cuda_graphs = o.graphs;
+    ro.max_context = o.P + N;
+    ro.max_batch = max_batch;
+    ro.progress_s = 0;
+    SamplingOptions smp = s.sampling;
+    smp.max_new_tokens = N;
+    SteerOptions steer;
+    steer.scripts = {s.script};
+    steer.reply_end = s.reply_end;
+    steer.free_before = 1 << 30;
+    SteeredPolicy policy(s.model(), steer, s.po);
+    policy.set_lengths(s.tok->eos_id(), budget, first);
+    auto out = rollout(policy, *s.tok, ps, smp, ro, s.tools, {}, s.protocol, &stats);
+    return std::make_pair(std::move(out), PolicyCounts::of(policy.inner()));
+  };
+  auto measure = [&](bool waves) {
+    Outcome oc;
+    auto add = [&](const std::pair<std::vector<Trajectory>, PolicyCounts>& run, const RolloutStats& st) {
+      for (const auto& t : run.first) oc.sampled += t.sampled_tokens();
+      oc.counts.compactions += run.second.compactions;
+      oc.counts.reallocations += run.second.reallocations;
+      oc.counts.step_graphs += run.second.step_graphs;
+      oc.seconds += st.total_s;
+      oc.decode_s += st.decode_s;
+      oc.prefill_s += st.prefill_s;
+      oc.steps += st.decode_steps;
+      oc.refills += st.refills;
     };
-    auto run_lengths = [&](const std::vector<std::vector<int64_t>>& ps, int64_t first, int64_t max_batch,
-                           RolloutStats& stats) {
-      RolloutOptions o;
-      o.tools = false;
-      o.cuda_graphs = graphs;
-      o.max_context = P + N;
-      o.max_batch = max_batch;
-      o.progress_s = 0;
-      SamplingOptions smp = sampling;
-      smp.max_new_tokens = N;
-      SteerOptions steer;
-      steer.scripts = {script};
-      steer.reply_end = reply_end;
-      steer.free_before = 1 << 30;
-      SteeredPolicy policy(model, steer, po);
-      policy.set_lengths(tok->eos_id(), budget, first);
-      auto out = rollout(policy, *tok, ps, smp, o, tools, {}, protocol, &stats);
-      return std::make_pair(std::move(out), PolicyCounts::of(policy.inner()));
-    };
-    struct Outcome {
-      int64_t sampled = 0, steps = 0, refills = 0;
-      double seconds = 0, decode_s = 0, prefill_s = 0;
-      PolicyCounts counts;  // summed over the rollouts (the waves')
-    };
-    auto measure = [&](bool waves) {
-      Outcome oc;
-      auto add = [&](const std::pair<std::vector<Trajectory>, PolicyCounts>& run, const RolloutStats& st) {
-        for (const auto& t : run.first) oc.sampled += t.sampled_tokens();
-        oc.counts.compactions += run.second.compactions;
-        oc.counts.reallocations += run.second.reallocations;
-        oc.counts.step_graphs += run.second.step_graphs;
-        oc.seconds += st.total_s;
-        oc.decode_s += st.decode_s;
-        oc.prefill_s += st.prefill_s;
-        oc.steps += st.decode_steps;
-        oc.refills += st.refills;
-      };
-      if (waves) {
-        for (int64_t r = 0; r < refill; ++r) {
-          RolloutStats st;
-          const std::vector<std::vector<int64_t>> wave(all.begin() + r * B, all.begin() + (r + 1) * B);
-          add(run_lengths(wave, r * B, 0, st), st);
-        }
-      } else {
+    if (waves) {
+      for (int64_t r = 0; r < o.refill; ++r) {
         RolloutStats st;
-        add(run_lengths(all, 0, B, st), st);
+        const std::vector<std::vector<int64_t>> wave(all.begin() + r * B, all.begin() + (r + 1) * B);
+        add(run_lengths(wave, r * B, 0, st), st);
       }
-      return oc;
-    };
-    measure(false);  // warm-up (shapes, plans, allocator)
-    measure(true);
-    std::cout << "\ncontinuous batching: " << refill * B << " prompts of " << lo << "-" << N << " tokens through " << B
-              << " rows, tools off\n"
-              << std::left << std::setw(10) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(10)
-              << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio" << std::setw(10) << "decode_s"
-              << std::setw(10) << "prefill_s" << std::setw(8) << "steps" << std::setw(9) << "refills"
-              << "\n";
-    double waves_tps = 0;
-    for (bool waves : {true, false}) {
-      const Outcome oc = measure(waves);
-      const double tps = double(oc.sampled) / oc.seconds;
-      if (waves) waves_tps = tps;
-      const std::string name = waves ? "waves" : "refill";
-      std::cout << std::left << std::setw(10) << name << std::right << std::setw(10) << oc.sampled << std::setw(10)
-                << std::fixed << std::setprecision(3) << oc.seconds << std::setw(12) << std::setprecision(0) << tps
-                << std::setw(9) << std::setprecision(3) << tps / waves_tps << std::setw(10) << oc.decode_s
-                << std::setw(10) << oc.prefill_s << std::setw(8) << oc.steps << std::setw(9) << oc.refills << "\n";
-      records.push_back({{"mode", "lengths_" + name},
-                         {"batch", B},
-                         {"prompts", refill * B},
-                         {"prompt_len", P},
-                         {"new_tokens_min", lo},
-                         {"new_tokens_max", N},
-                         {"dtype", dtype},
-                         {"sampled_tokens", oc.sampled},
-                         {"seconds", oc.seconds},
-                         {"sampled_tokens_per_s", tps},
-                         {"ratio_to_waves", tps / waves_tps},
-                         {"prefill_s", oc.prefill_s},
-                         {"decode_s", oc.decode_s},
-                         {"decode_steps", oc.steps},
-                         {"refills", oc.refills},
-                         {"cache_compactions", oc.counts.compactions},
-                         {"cache_reallocations", oc.counts.reallocations},
-                         {"step_graph_captures", oc.counts.step_graphs}});
+    } else {
+      RolloutStats st;
+      add(run_lengths(all, 0, B, st), st);
     }
+    return oc;
+  };
+  measure(false);  // warm-up (shapes, plans, allocator)
+  measure(true);
+  std::cout << "\ncontinuous batching: " << o.refill * B << " prompts of " << lo << "-" << N << " tokens through " << B
+            << " rows, tools off\n"
+            << std::left << std::setw(10) << "mode" << std::right << std::setw(10) << "sampled" << std::setw(10)
+            << "seconds" << std::setw(12) << "sampled/s" << std::setw(9) << "ratio" << std::setw(10) << "decode_s"
+            << std::setw(10) << "prefill_s" << std::setw(8) << "steps" << std::setw(9) << "refills"
+            << "\n";
+  double waves_tps = 0;
+  for (bool waves : {true, false}) {
+    const Outcome oc = measure(waves);
+    const double tps = double(oc.sampled) / oc.seconds;
+    if (waves) waves_tps = tps;
+    const std::string name = waves ? "waves" : "refill";
+    std::cout << std::left << std::setw(10) << name << std::right << std::setw(10) << oc.sampled << std::setw(10)
+              << std::fixed << std::setprecision(3) << oc.seconds << std::setw(12) << std::setprecision(0) << tps
+              << std::setw(9) << std::setprecision(3) << tps / waves_tps << std::setw(10) << oc.decode_s
+              << std::setw(10) << oc.prefill_s << std::setw(8) << oc.steps << std::setw(9) << oc.refills << "\n";
+    records.push_back({{"mode", "lengths_" + name},
+                       {"batch", B},
+                       {"prompts", o.refill * B},
+                       {"prompt_len", o.P},
+                       {"new_tokens_min", lo},
+                       {"new_tokens_max", N},
+                       {"dtype", o.dtype},
+                       {"sampled_tokens", oc.sampled},
+                       {"seconds", oc.seconds},
+                       {"sampled_tokens_per_s", tps},
+                       {"ratio_to_waves", tps / waves_tps},
+                       {"prefill_s", oc.prefill_s},
+                       {"decode_s", oc.decode_s},
+                       {"decode_steps", oc.steps},
+                       {"refills", oc.refills},
+                       {"cache_compactions", oc.counts.compactions},
+                       {"cache_reallocations", oc.counts.reallocations},
+                       {"step_graph_captures", oc.counts.step_graphs}});
   }
-  if (!json_path.empty()) {
-    const auto parent = std::filesystem::path(json_path).parent_path();
-    std::error_code ec;
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    std::ofstream(json_path) << records.dump(1) << "\n";
-  }
+}
+
+void write_json(const std::string& path, const json& records) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::ofstream(path) << records.dump(1) << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (const std::optional<int> code = parse_options(argc, argv, o)) return *code;
+  const std::unique_ptr<Setup> setup = build_setup(o);
+  if (!setup) return 2;
+  const std::optional<std::vector<Mode>> modes = select_modes(o);
+  if (!modes) return 2;
+  json records = measure_modes(o, *setup, *modes);
+  if (o.refill > 0) measure_refill(o, *setup, records);
+  if (!o.json_path.empty()) write_json(o.json_path, records);
   return 0;
 }
