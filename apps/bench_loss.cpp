@@ -444,8 +444,8 @@ void case_seed002(Bench& b) {
   }
 }
 
-// seed002's shape on make_peaked's inputs: what gradient filtering skips on a trained-model-like softmax
-// (issue 15). Not in --case all (its float64 inputs take 5 GiB and minutes on a CPU).
+// seed002's shape on make_peaked's inputs: what gradient filtering skips on a trained-model-like softmax.
+// Not in --case all (its float64 inputs take 5 GiB and minutes on a CPU).
 void case_peaked(Bench& b) {
   const int64_t N = scaled(8192, b.scale), V = 256000, D = 2304;
   Inputs in;

@@ -215,9 +215,9 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
   }
   if (dev.is_cuda() && B >= 16) {
     // The ReTool loop's feed as its graphs run it (ModelPolicyOptions::fixed_shape_extend, eager here so
-    // that each kernel shows): 12 rows of 17 tokens in their bucket (16 x 24 since session 24; 16 x 32
-    // before), attention over the slots in use. The third such feed is recorded (the first two pay cuBLAS's
-    // and SDPA's set-up).
+    // that each kernel shows): 12 rows of 17 tokens in their bucket (16 x 24: rows to a power of two, tokens
+    // to a multiple of 8), attention over the slots in use. The third such feed is recorded (the first two pay
+    // cuBLAS's and SDPA's set-up).
     at::NoGradGuard ng;
     ModelPolicyOptions po;
     po.fixed_shape_extend = true;

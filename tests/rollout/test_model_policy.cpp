@@ -68,8 +68,8 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   std::vector<std::vector<int64_t>> seqs;
   for (int64_t n = 0; n < N; ++n) seqs.push_back(prompts[n / G]);
   // float64 on CPU, so rounding cannot hide a small error: the cached, masked, gathered forward matches the
-  // plain one to 1e-9 for both families (gemma2's eager attention once took its softmax in fp32 even for
-  // float64, which showed here as 6e-7). A wrong slot, position or window moves logits by more than 1e-2
+  // plain one to 1e-9 for both families (an attention that takes its softmax in fp32 for float64 inputs
+  // shows here as 6e-7). A wrong slot, position or window moves logits by more than 1e-2
   // (the known-bad check at the end).
   // float32 (cuda_f32): the fused RMSNorm sums its squares in another order than ATen's mean, and the
   // cache's SDPA kernels differ from the full forward's: ~1e-6 relative, on logits of magnitude ~50.
@@ -398,8 +398,8 @@ INSTANTIATE_TEST_SUITE_P(Devices, CompactionInPlace, ::testing::Values("cpu", "c
 // Feed graphs are captured per (rows, tokens) bucket, rows to a power of two of at least 8: on a cache of 40
 // rows, feeds of 1, 5 and 8 rows (runs of 2 to 16 tokens) replay one graph, a feed of 16 rows takes a second
 // and one of 17 rows a third. Each feed's logits match the sequences' full forwards in float64, so the padding
-// rows (up to 7 idle rows a feed) write only holes. Buckets from one row, as before session 20, capture a graph
-// for 1, 5 and 8 rows each (3 captures, not 1).
+// rows (up to 7 idle rows a feed) write only holes. Buckets that start at one row would capture a graph for
+// 1, 5 and 8 rows each (3 captures, not 1), which the checks reject.
 TEST(ModelPolicyCuda, FeedsOfUpToEightRowsShareOneGraph) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen2", 13, at::Device(at::kCUDA, 0));
@@ -443,8 +443,8 @@ TEST(ModelPolicyCuda, FeedsOfUpToEightRowsShareOneGraph) {
 // A step at the graphs' fixed shape attends over the slots in use rounded up to span_chunk (here 4, in a
 // cache of 44 slots), not over every slot: one step graph per span on CUDA (and no other capture, as the
 // cache is never reallocated), and the logits match each sequence's full forward in float64 on both
-// devices, idle rows leaving holes. A span one slot short (the slot the step writes left out) moved them
-// by far more (run broken, the test fails on the CPU).
+// devices, idle rows leaving holes. A span one slot short (the slot the step writes left out) moves them
+// by far more: this test fails on the CPU with it.
 class StepSpans : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
@@ -574,7 +574,7 @@ INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
 // A fixed-shape feed's tokens go to a multiple of 8 of at least 16 up to 64 slots, then to a power of two: runs
-// of 3, 17, 40 and 65 tokens take 16, 24, 40 and 128 slots of the cache (the old powers of two from 16 took 32
+// of 3, 17, 40 and 65 tokens take 16, 24, 40 and 128 slots of the cache (powers of two from 16 would take 32
 // for 17 and 64 for 40, which the checks reject), and the logits match each sequence's full forward (float64).
 TEST(StepSpans, FeedTokenBucketsAreMultiplesOfEightUpTo64) {
   const Transformer m = tiny_model("qwen2", 31, at::Device(at::kCPU));
@@ -601,7 +601,7 @@ TEST(StepSpans, FeedTokenBucketsAreMultiplesOfEightUpTo64) {
 // A feed at the graphs' fixed shape attends over the slots filled and its own, rounded up to span_chunk (here 8, in
 // a cache of 4 + 120 slots), not over every slot, and its logits match each sequence's full forward in float64.
 // On CUDA it replays one feed graph per (bucket, span). A span that leaves out the feed's own slots (span_of(L))
-// moves the logits by far more (run broken, the test fails on the CPU).
+// moves the logits by far more: this test fails on the CPU with it.
 TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   const bool cuda = GetParam() == "cuda";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
@@ -642,9 +642,9 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
 }
 
 // A new cache's slots are a multiple of slot_align (64 by default), at start() and after a growth, so a span
-// that ends at the cache's last slot is never of odd length (the graphed step's masked attention ran 12-22%
-// slower at odd spans on an H200). The steps' logits stay each sequence's full forward (float64). Control: with
-// slot_align 1 the same calls make caches of 3 + 5, then 14, 20, ... slots, which the checks reject.
+// that ends at the cache's last slot is never of odd length (an odd span slows the graphed step's masked
+// attention: ModelPolicyOptions::slot_align). The steps' logits stay each sequence's full forward (float64). Control:
+// with slot_align 1 the same calls make caches of 3 + 5, then 14, 20, ... slots, which the checks reject.
 TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
   const Transformer m = tiny_model("qwen3", 23, at::Device(at::kCPU));
   for (const int64_t align : {int64_t(64), int64_t(1)}) {
@@ -821,8 +821,8 @@ at::Tensor positioned_logits(const Transformer& m, const std::vector<int64_t>& i
 // live rows and the new ones), a prompt longer than the slots filled so far (placed in place, the fill
 // moves to its end), and one longer than the cache (a new, longer cache). A new row that still saw the
 // released sequence's keys, or whose RoPE positions went on from its slots rather than its prompt, moves
-// the logits by far more than the tolerance (the known-bad checks at the end: both checked by breaking
-// ModelPolicy::admit that way, which this test then failed).
+// the logits by far more than the tolerance (the known-bad checks at the end; ModelPolicy::admit broken
+// either way fails this test).
 class AdmitIntoReleasedRows : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {

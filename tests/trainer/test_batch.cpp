@@ -123,7 +123,7 @@ TEST(Batch, LossMaskOnlyScoresTheSampledTokensAlone) {
 }
 
 // The rollout's sampling log-probs and the trainer's recomputation of the same tokens on the same weights,
-// both through the loss module: in fp32 they agree to 1e-6 on every path (issue 14's target), and the
+// both through the loss module: in fp32 they agree to 1e-6 on every path, and the
 // logged logprob_mismatch_* are that difference. A recomputation without the sampling temperature must
 // exceed it.
 TEST(Batch, RolloutLogprobsMatchTheTrainersInFp32) {

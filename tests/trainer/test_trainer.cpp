@@ -150,7 +150,7 @@ TEST(Warmup, ProblemsCycleThroughOperandLengthsAndAvoidTheRlPrompts) {
   SftOptions o;
   o.steps = 10;
   o.batch_size = 6;
-  // Off (0): the task's own lengths, as before the option existed.
+  // Off (0): the task's own operand lengths.
   const auto plain = warmup_tasks(task, o);
   ASSERT_EQ(plain.size(), 60u);
   for (const auto& ex : plain) EXPECT_EQ(operand_digits(ex), std::make_pair(size_t(3), size_t(3))) << ex.prompt;
