@@ -2,7 +2,8 @@
 // child process with resource limits, a private working directory, an (almost) empty environment, no
 // network, and as much kernel isolation as the host allows (namespaces, a minimal read-only root, Landlock,
 // seccomp, a dropped uid, pids and memory cgroups); `isolation` in the result says which were applied.
-// The trainer keeps running whatever the code does. See sandbox.cpp for the layout of the processes.
+// The trainer keeps running whatever the code does. rollout/sandbox_internal.h lays out the processes of
+// one call and the files that implement it.
 //
 // What the code sees: its private directory as cwd, HOME and TMPDIR (a tmpfs of disk_mb in the jail);
 // stdin at end of file; PATH, LANG and one-thread math libraries as the whole environment. Reads: in the
@@ -73,12 +74,12 @@ struct SandboxOptions {
   // each call's init into them costs 1 to 10 ms, an RCU grace period); RLIMIT_NPROC and RLIMIT_AS remain.
   bool cgroups = true;
   // Added to the interpreter's niceness (0 to 19), so tool code yields the CPU to the trainer, whose decode
-  // loop launches the GPU's work from the host. Off by default: 10 was within the noise on a 16-core H100
-  // host and made the 2-core CPU demo's RL steps 19% slower (tool replies came later: more decode steps).
+  // loop launches the GPU's work from the host. Off by default: 10 is within the noise on a 16-core H100
+  // host and makes the 2-core CPU demo's RL steps 19% slower (tool replies come later: more decode steps).
   int64_t nice = 0;
   // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
-  // before the call arrives, so a call no longer waits for the interpreter's start-up (bench_sandbox, spaced
-  // calls on 2 cores: 20.7 -> 4.2 ms with -S, 47.9 -> 8.9 ms with site-packages). The call's wall_ms and
+  // before the call arrives, so a call skips the interpreter's start-up (bench_sandbox, spaced calls on 2
+  // cores: 4.2 ms against 20.7 cold with -S, 8.9 against 47.9 with site-packages). The call's wall_ms and
   // timeout count from its script's delivery. Costs one idle interpreter per worker. run_python() always
   // starts cold.
   bool prestart = true;

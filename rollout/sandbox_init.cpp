@@ -1,5 +1,5 @@
 // rlt-sandbox-init: the init process (B) of one sandboxed call, and the interpreter's set-up (C). The
-// trainer (P, rollout/sandbox.cpp) starts it with clone(CLONE_VM | CLONE_VFORK) and an immediate execve
+// trainer (P, rollout/sandbox_spawn.cpp) starts it with clone(CLONE_VM | CLONE_VFORK) and an immediate execve
 // (what posix_spawn does), so a call never copies the trainer's page tables; this small static program then
 // does everything that needs a process of its own:
 //

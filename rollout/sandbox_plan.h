@@ -1,7 +1,7 @@
 // What the trainer (P) hands the sandbox's init process (B, the rlt-sandbox-init executable) for one
-// call, and the reports B sends back. Shared by rollout/sandbox.cpp and rollout/sandbox_init.cpp; the
-// plan travels as bytes in a memfd (SandboxPlan::encode / decode), the reports as fixed-size records on a
-// pipe. Both ends are built from the same tree, so the format has no versioning.
+// call, and the reports B sends back. Shared by the trainer's side (rollout/sandbox_internal.h) and
+// rollout/sandbox_init.cpp; the plan travels as bytes in a memfd (SandboxPlan::encode / decode), the
+// reports as fixed-size records on a pipe. Both ends are built from the same tree, so the format has no versioning.
 #pragma once
 
 #include <unistd.h>
