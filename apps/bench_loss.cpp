@@ -230,7 +230,7 @@ void make_lm(int64_t N, int64_t V, int64_t D, at::ScalarType dt, const at::Devic
   in.hidden = E.to(dt).requires_grad_(true);
 }
 
-// Peaked like a trained LM head, built as the CCE paper's Fig. 3 describes its softmax (scripts/peaked_inputs.py
+// Peaked like a trained LM head, built as the CCE paper's Fig. 3 describes its softmax (scripts/dev/peaked_inputs.py
 // builds the same in float64 on the CPU and measures it; docs/benchmarks.md): C ~ N(0, 1/(D-1)) per entry with
 // column 0 = -b ln(1 + v), a frequency prior over ids in frequency order; each row draws K = 64 token ids without
 // replacement from Zipf(1) over the ids (Gumbel top-k) and gets exact logits A - b ln k on them (A = 30, b = 1.5)

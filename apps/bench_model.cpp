@@ -11,9 +11,9 @@
 // Every cache forward here (prefill included) runs the fused kernels unless said otherwise.
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
 // seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
-// (scripts/gpu_model.sh).
+// (scripts/gpu/model.sh).
 // --trace FILE profiles one short run of each mode, plus a multi-token extend (a tool reply's feed), with
-// the Kineto profiler (CPU ops and CUDA kernels) into a Chrome trace; scripts/trace_summary.py splits it
+// the Kineto profiler (CPU ops and CUDA kernels) into a Chrome trace; scripts/dev/trace_summary.py splits it
 // by phase into GPU-busy time, launch gaps and the top kernels.
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
@@ -266,7 +266,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph", "rollout_graph_aten",
                              "rollout_graph_unpacked"}));
   app.add_option("--trace", trace_path,
-                 "also profile a short run of each mode into this Chrome trace (scripts/trace_summary.py reads it)");
+                 "also profile a short run of each mode into this Chrome trace (scripts/dev/trace_summary.py "
+                 "reads it)");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   BenchModelConfig cfg;
   if (!load_cli_config(cc, cfg)) return 2;

@@ -4,7 +4,7 @@
 // P tokens and a response of L - P tokens in which a share of tokens (tool output, in spans) has
 // loss_mask = 0. Reports per setting: milliseconds (median of --reps), peak extra memory over the
 // weights and their gradient buffers, and the mean response log-prob, which must agree across settings.
-// The transformers peer is scripts/bench_update_peer.py, run in the same command (scripts/gpu_train.sh).
+// The transformers peer is scripts/bench_update_peer.py, run in the same command (scripts/gpu/train.sh).
 #include <ATen/core/grad_mode.h>
 
 #include <CLI/CLI.hpp>

@@ -11,7 +11,7 @@ in the three settings of the seed documents:
   seed002  Cut Cross-Entropy Table 1: E (N, D) and C (V, D) bf16, N=8192, V=256000, D=2304
   heads    the LM heads of real models, N=8192, bf16, log-prob + entropy: Qwen2.5-0.5B (D=896,
            V=151936) and Llama-3-8B (D=4096, V=128256); inputs built as seed002's
-  peaked   seed002's shape, a trained-model-like softmax (scripts/peaked_inputs.py); not in all
+  peaked   seed002's shape, a trained-model-like softmax (scripts/dev/peaked_inputs.py); not in all
 
 Fused peers (when installed: pip install cut-cross-entropy liger-kernel; the GPU host takes their wheels
 from .gpu/wheels): apple CCE (linear_cross_entropy, impl="cce") and Liger's fused linear cross-entropy,
@@ -443,11 +443,11 @@ def run_fused_peers(R, base, E, C, E_leaf, C_leaf, targets, err_fn):
 
 
 def case_peaked(R, scale):
-    """seed002's shape on a trained-model-like softmax (scripts/peaked_inputs.py: the CCE paper's Fig. 3), the
+    """seed002's shape on a trained-model-like softmax (scripts/dev/peaked_inputs.py: the CCE paper's Fig. 3), the
     targets sampled from each row's softmax, as bench_loss --case peaked (its own draw of the same construction)."""
     import os
     import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dev"))
     from peaked_inputs import build
     dev, V, D = R.dev, S2_V, S2_D
     N = scaled(S2_N, scale)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bench_model --trace and scripts/trace_summary.py on the CPU: the trace holds every phase, each with the
+"""bench_model --trace and scripts/dev/trace_summary.py on the CPU: the trace holds every phase, each with the
 host's ATen calls, and the summary's arithmetic is what its docstring says.
 
 - union_ms is the union of intervals, not their sum (overlapping kernels count once);
@@ -20,7 +20,7 @@ PHASES = ["prefill+decode_greedy", "prefill", "prefill+decode_sample", "prefill"
 
 
 def load_summary(src):
-    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(src, "scripts", "trace_summary.py"))
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(src, "scripts", "dev", "trace_summary.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

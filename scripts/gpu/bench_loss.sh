@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# One call on the H200 host: build (Debian packages carried in .gpu/, see ../shared/gpu/README.md), run
-# every test (the CUDA ones included), then bench_loss on CUDA for every case and the PyTorch peers
-# (scripts/bench_peers.py) in the same command on the same GPU. Results land in $OUT (or runs/gpu).
-# Usage on the host: [SKIP_CTEST=1] bash scripts/gpu_bench.sh [cases...]   (default: seed000 seed001 seed002 heads;
+# The loss benchmark on the GPU host: build (scripts/gpu/build.sh), run every test (the CUDA ones
+# included), then bench_loss on CUDA for every case beside the PyTorch peers (scripts/bench_peers.py) in
+# the same command on the same GPU. Results land in $OUT (or runs/gpu).
+# Usage: [SKIP_CTEST=1] bash scripts/gpu/bench_loss.sh [cases...]   (default: seed000 seed001 seed002 heads;
 # also: peaked, seed002's shape on a trained-model-like softmax, for gradient filtering)
-# The fused peers (apple CCE, Liger) come from their pure-Python wheels in .gpu/wheels, fetched here with
-#   pip download --no-deps cut-cross-entropy liger-kernel -d .gpu/wheels
-# and unpacked onto PYTHONPATH (the host has no package registry; triton comes with its torch).
+# The fused peers (apple CCE, Liger) come from their pure-Python wheels in .gpu/wheels
+# (scripts/gpu/fetch_deps.sh downloads them), unpacked onto PYTHONPATH; triton comes with torch.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 cases=("${@:-seed000 seed001 seed002 heads}")
@@ -17,10 +16,10 @@ if ls .gpu/wheels/*.whl > /dev/null 2>&1; then
   for w in .gpu/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/rlt_peer_wheels; done
   export PYTHONPATH=/tmp/rlt_peer_wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
-source scripts/gpu_build.sh
+source scripts/gpu/build.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$out/gpu.txt" 2>&1
-# SKIP_CTEST=1: the benchmarks alone (when the same tree's tests ran in an earlier call).
+# SKIP_CTEST=1: the benchmarks alone (when the same tree's tests have run already).
 if [ "${SKIP_CTEST:-0}" != 1 ]; then run_gpu_ctest || ctest_failed=1; fi
 for c in ${cases[*]}; do
   reps=10
@@ -39,5 +38,5 @@ for kind in ("cpp", "peers"):
     json.dump(recs, open(os.path.join(out, f"bench_{kind}.json"), "w"), indent=1)
 PY
 ls -la "$out"
-# The script's status: a failed or skipped test fails the call, after the benchmarks have run.
+# The script's status: a failed or skipped test fails the script, after the benchmarks have run.
 exit "${ctest_failed:-0}"

@@ -9,7 +9,7 @@ lie inside its wall-clock window. Per phase it reports:
   top-level ops the host's outermost ATen calls: total time, count and the longest call (launch cost
                 and one-time costs such as a new shape's attention plan live here);
   top kernels   by total time, with count and mean.
-Usage: scripts/trace_summary.py TRACE.json [--top 12] [--json OUT.json]
+Usage: scripts/dev/trace_summary.py TRACE.json [--top 12] [--json OUT.json]
 """
 import argparse
 import collections

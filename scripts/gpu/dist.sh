@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Data-parallel training on the GPU host (issue 16), one call; results in $OUT (or runs/gpu_dist):
+# Data-parallel training on the GPU host, one command; results in $OUT (or runs/gpu_dist):
 #   1. the data-parallel tests (NCCL from the autograd engine's device thread, the CPU launch tests);
 #   2. one rank through the launched path (--nproc 1: TCPStore, NCCL, every collective staged through the
 #      GPU) against the plain single process: the same metrics, bit for bit (times aside);
-# with two GPUs or more (nvidia-h200-x2), also
+# with two GPUs or more on the host, also
 #   3. equivalence: configs/retool_gpu.yaml in fp32, 2 ranks (torchrun --nproc-per-node 2) against 1, same
 #      seed: first-step loss and gradient norm within 1e-5, the weights after 3 steps within 1e-4 relative;
 #   4. scaling: configs/retool.yaml steps (random Qwen2.5-0.5B-shaped checkpoint saved by transformers) on
 #      1 and 2 GPUs, the step time split into rollout / scoring / update / gradient communication.
-# Usage: bash scripts/gpu_dist.sh [scaling_steps] [max_new_tokens]; CTEST_ALL=1 also runs every test.
+# Usage: bash scripts/gpu/dist.sh [scaling_steps] [max_new_tokens]; CTEST_ALL=1 also runs every test.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_dist}
 steps=${1:-3}
 new_tokens=${2:-2048}
@@ -18,7 +18,7 @@ mkdir -p "$out"
 # NVLink multicast stays off in every process (the device host's rule: it can take shared GPUs out of
 # service); the ranks inherit these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu_build.sh
+GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu/build.sh
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
@@ -29,8 +29,8 @@ tidy() {
     cp "$out/$d/metrics.jsonl" "$out/metrics_$d.jsonl" 2>/dev/null
     rm -rf "${out:?}/$d"
   done
-  # The device tool returns at most 8 files: the comparisons and the scaling summary stay beside one
-  # archive of every log and metrics file.
+  # Few files to bring back: the comparisons and the scaling summary stay beside one archive of
+  # every log and metrics file.
   grep -E "tests passed|tests failed|Failed|Skipped" "$out"/ctest*.log > "$out/ctest_summary.txt" 2>/dev/null
   (cd "$out" && tar czf raw.tgz --remove-files $(ls metrics_*.jsonl *.log math.jsonl 2>/dev/null))
 }
@@ -95,7 +95,7 @@ if [ "${CTEST_ALL:-0}" = 1 ]; then
 fi
 
 if [ "$ngpu" -lt 2 ]; then
-  echo "$ngpu GPU: parts 3 and 4 need two (nvidia-h200-x2)"
+  echo "$ngpu GPU: parts 3 and 4 need two"
   tidy
   exit $rc
 fi
@@ -119,7 +119,7 @@ sys.exit(0 if rel <= 1e-4 else 1)
 PY
 
 # 4. Scaling: configs/retool.yaml on 1 and 2 GPUs, same prompts.
-source scripts/gpu_random_qwen.sh
+source scripts/gpu/random_qwen.sh
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
         --set data.eval_path= --set train.eval_prompts=0)

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Where a CCE forward+backward's time goes, on the GPU host (issue 15). In one call:
+# Where a CCE forward+backward's time goes, on the GPU host. In one command:
 #   1. bench_loss's cce rows (fw, fw+bw filtered and unfiltered) with the SM clock and power sampled
 #      every 50 ms (clocks.csv), so a figure can be read against the clock it ran at;
 #   2. every kernel of one timed cce fw and one fw+bw (the filtered row: with random inputs no block is
 #      skipped), by duration and clock (Nsight Compute, timing metrics only, no cache flush and no clock
 #      lock: ncu_*.csv);
-#   3. cuBLAS's time for the same GEMM shapes (scripts/gemm_ceiling.py): the ceiling of a recompute-based
+#   3. cuBLAS's time for the same GEMM shapes (scripts/dev/gemm_ceiling.py): the ceiling of a recompute-based
 #      fw+bw.
-# At most 7 files land in $OUT (the device tool returns 8).
-# Usage: OUT=... [CTEST=regex] bash scripts/gpu_cce_profile.sh [case: seed002 | heads]
+# At most 7 files land in $OUT.
+# Usage: OUT=... [CTEST=regex] bash scripts/gpu/cce_profile.sh [case: seed002 | heads]
 #   (prints a per-kernel summary; CTEST first runs the tests matching the regex and stops if one fails)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 case=${1:-seed002}
-source scripts/gpu_build.sh
+source scripts/gpu/build.sh
 export PATH=$PATH:/usr/local/cuda/bin
 if [ -n "${CTEST:-}" ]; then
   (cd build-gpu && ctest --output-on-failure --no-tests=error -R "$CTEST") > "$out/ctest.log" 2>&1 ||
@@ -27,7 +27,7 @@ smi=$!
 build-gpu/bin/bench_loss --device cuda --case "$case" --impl cce cce_nofilter cce_blockwise --reps 10 \
   --json "$out/bench_$case.json" 2>&1 | tee "$out/bench_$case.log"
 kill "$smi"
-python3 scripts/gemm_ceiling.py --json "$out/gemm_ceiling.json" 2>&1
+python3 scripts/dev/gemm_ceiling.py --json "$out/gemm_ceiling.json" 2>&1
 metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
 for impl in cce; do
   ncu --metrics "$metrics" --csv --page raw --clock-control none --cache-control none \

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# One call on the H200 host for the trainer (issue 5): build, then
+# The trainer on the GPU host: build, then
 #   1. bench_update beside scripts/bench_update_peer.py (transformers): one GRPO policy update of
 #      B=8 x L=4096 on a random Qwen2.5-0.5B-shaped model under every memory setting;
 #   2. grpo_train --config configs/retool.yaml for a few steps on a random Qwen2.5-0.5B-shaped checkpoint
 #      saved by transformers and a small math JSONL, with the memory switches on, then one step with
 #      them off (rollout tokens/s, update tokens/s, peak memory from metrics.jsonl).
-# Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu_train.sh [steps] [max_new_tokens]
+# Results land in $OUT (or runs/gpu_train). Usage: bash scripts/gpu/train.sh [steps] [max_new_tokens]
 # SKIP_UPDATE_BENCH=1 skips part 1; SKIP_OFF=1 skips the switches-off run; EAGER_ROLLOUT=1 adds one step
 # with the rollout's CUDA graphs off; KERNELS_AB=1 adds one step with rollout.fused_kernels and
 # rollout.packed_weights off; FEED_AB=1 repeats the steps with rollout.multi_token_feed off;
 # TRAIN_TIMEOUT=S bounds each grpo_train run (default: none).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_train}
 steps=${1:-3}
 new_tokens=${2:-8192}
 mkdir -p "$out"
-GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu_build.sh  # builds only where nothing is built yet
+GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu/build.sh  # builds only where nothing is built yet
 model=configs/models/qwen2.5-0.5b
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt" 2>&1
 
@@ -30,10 +30,10 @@ for round in 1 2; do
 done
 
 # 2. A random checkpoint saved by transformers ($ckpt), and a small math dataset ($out/math.jsonl).
-source scripts/gpu_random_qwen.sh
+source scripts/gpu/random_qwen.sh
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0
-        --set data.eval_path=.gpu/fixtures/data/aime2024.jsonl --set train.eval_prompts=8 --set train.eval_samples=4
+        --set data.eval_path="$RLT_FIXTURES_DIR/data/aime2024.jsonl" --set train.eval_prompts=8 --set train.eval_samples=4
         --set train.eval_every=$steps)
 limit=(); [ -n "${TRAIN_TIMEOUT:-}" ] && limit=(timeout "$TRAIN_TIMEOUT")
 "${limit[@]}" build-gpu/bin/grpo_train "${common[@]}" --set train.steps=$steps --out "$out/run_on" 2>&1 | tail -n 30 | tee "$out/train_on.log"

@@ -4,11 +4,12 @@
 # beside bare python and bubblewrap, then 60 s of the demo's tool calls on 16 workers. Every test when
 # CTEST=1. Results land in $OUT (or runs/gpu_sandbox).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_sandbox}
 mkdir -p "$out"
-source scripts/gpu_build.sh
-[ -x .gpu/bin/bwrap ] && export PATH="$PWD/.gpu/bin:$PATH"  # bubblewrap, carried for the peer row
+source scripts/gpu/build.sh
+# bubblewrap for the peer row: the host's, else the one unpacked from .gpu/debs.
+command -v bwrap > /dev/null || export PATH="$PATH:${RLT_DEPS_DIR:-$PWD/build-gpu/deps}/usr/bin"
 {
   uname -a
   nproc

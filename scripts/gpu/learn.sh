@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU learning check (issue 13) on one H200: grpo_train --config configs/retool_gpu.yaml, wrapped in
+# The GPU learning check on one GPU: grpo_train --config configs/retool_gpu.yaml, wrapped in
 # `time`, its metrics.jsonl and log brought back in $OUT, and a summary of the curve: sampled accuracy at
 # the first RL step and over the last five, the greedy evaluations, the wall time. Extra arguments are
-# passed to grpo_train (--set ...). GPU_REBUILD=0 reuses build-gpu/ from an earlier call.
+# passed to grpo_train (--set ...). GPU_REBUILD=0 reuses an existing build-gpu/.
+# Usage: OUT=... [RUN_NAME=learn] [LEARN_TIMEOUT=570] bash scripts/gpu/learn.sh [--set key=value...]
 set -uo pipefail
+cd "$(dirname "$0")/../.."
 out=${OUT:?set OUT}
 name=${RUN_NAME:-learn}
-source scripts/gpu_build.sh
+source scripts/gpu/build.sh
 mkdir -p "$out/$name"
 start=$(date +%s)
 timeout "${LEARN_TIMEOUT:-570}" build-gpu/bin/grpo_train --config configs/retool_gpu.yaml --out "$out/run_$name" "$@" \

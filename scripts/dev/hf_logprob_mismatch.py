@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""transformers' own rollout/training log-prob mismatch: the peer figure beside ours (issue 14).
+"""transformers' own rollout/training log-prob mismatch: the peer figure beside ours.
 
 The same weights score the same sampled tokens twice:
   - generate: sampled with the KV cache (do_sample, temperature 1, no top-k/top-p), its raw logits kept
@@ -8,9 +8,9 @@ The same weights score the same sampled tokens twice:
 Prints and writes {"mismatch_mean", "mismatch_max", ...} over every sampled token. Our figure is
 logprob_mismatch_mean / _max in metrics.jsonl (rollout log-probs vs the trainer's, same weights).
 
-  python3 scripts/hf_logprob_mismatch.py --model configs/models/qwen2.5-0.5b --batch 64 \
+  python3 scripts/dev/hf_logprob_mismatch.py --model configs/models/qwen2.5-0.5b --batch 64 \
       --prompt-len 256 --new-tokens 512 --json out.json
---model is a folder with config.json: random weights (torch.manual_seed(0), as scripts/gpu_train.sh saves
+--model is a folder with config.json: random weights (torch.manual_seed(0), as scripts/gpu/train.sh saves
 its checkpoint) unless it holds safetensors.
 """
 import argparse

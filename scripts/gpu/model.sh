@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One call on the H200 host for the model: build, run every test (bf16 parity with transformers on the
+# The model on the GPU host: build, run every test (bf16 parity with transformers on the
 # GPU included: ctest's model_refs_bf16 fixture), then prefill/decode throughput of a random
 # Qwen2.5-0.5B-shaped model (configs/models/qwen2.5-0.5b) beside transformers in the same command.
 # Results land in $OUT (or runs/gpu_model). --bench-only skips the tests.
 # Both implementations run twice, back to back; round 1 warms the GPU (it idles at 345 MHz and ramps
 # with load, which skewed a first measurement by up to 9x) and round 2 is the one recorded.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_model}
 mkdir -p "$out"
-source scripts/gpu_build.sh
+source scripts/gpu/build.sh
 if [ "${1:-}" != "--bench-only" ]; then
   run_gpu_ctest || ctest_failed=1
   # ctest hides a passing test's output: run the parity test again for its per-case figures.
@@ -38,5 +38,5 @@ for f in sorted(glob.glob(os.path.join(out, "rlt_*.json")) + glob.glob(os.path.j
 json.dump(recs, open(os.path.join(out, "bench_model.json"), "w"), indent=1)
 PY
 ls -la "$out"
-# The script's status: a failed or skipped test fails the call, after the benchmarks have run.
+# The script's status: a failed or skipped test fails the script, after the benchmarks have run.
 exit "${ctest_failed:-0}"

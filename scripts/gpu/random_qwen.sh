@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_train.sh and scripts/gpu_dist.sh on the GPU host, with $out set: a random
+# Sourced by scripts/gpu/train.sh and scripts/gpu/dist.sh on the GPU host, with $out set: a random
 # Qwen2.5-0.5B-shaped checkpoint saved by transformers in $ckpt (bf16, with the published Qwen tokenizer
 # files, as a real Qwen folder has them; Qwen2.5 and Qwen3 share the base vocabulary), and a small math
 # JSONL in $out/math.jsonl.
@@ -16,4 +16,4 @@ with open(sys.argv[3], "w") as f:
         a, b = rng.randint(100, 9999), rng.randint(100, 9999)
         f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
 PY
-cp .gpu/fixtures/tokenizers/qwen3/tokenizer.json .gpu/fixtures/tokenizers/qwen3/tokenizer_config.json "$ckpt/"
+cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$ckpt/"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How sparse is a peaked softmax at the tile level? (issue 15: gradient filtering on peaked inputs)
+"""How sparse is a peaked softmax at the tile level? (gradient filtering on peaked inputs)
 
 Builds CCE inputs E (N, D) and C (V, D) whose logits E C^T look like a trained LM head's, as the CCE
 paper's Fig. 3 describes them (sorted probabilities linear in log-rank, below 2^-12 by about the 50th
@@ -12,7 +12,7 @@ Construction (float64):
   logits A - b ln k on them: E_n = (1, e_n), e_n the minimum-norm solution of C[t_k, 1:] e_n =
   A - b ln k - C[t_k, 0] - (A - tail); every other token's logit is its prior plus noise e_n . C_v.
 
-Usage: python3 scripts/peaked_inputs.py [--rows 256] [--vocab 256000] [--hidden 2304] [--k 64]
+Usage: python3 scripts/dev/peaked_inputs.py [--rows 256] [--vocab 256000] [--hidden 2304] [--k 64]
 """
 import argparse
 import math

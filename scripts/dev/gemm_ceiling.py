@@ -9,7 +9,7 @@ Each is timed with CUDA events (median of --reps after 3 warm-ups) and reported 
 block GEMMs are also given times the number of blocks, so the four add up to the ceiling of a
 recompute-based CCE fw+bw built on cuBLAS (the block count is V / block, fractional: a last partial
 block counts for its share of a full one's time). Usage:
-  python3 scripts/gemm_ceiling.py [--shape seed002|qwen|llama]... [--block 4096] [--json out.json]
+  python3 scripts/dev/gemm_ceiling.py [--shape seed002|qwen|llama]... [--block 4096] [--json out.json]
 """
 import argparse
 import json
