@@ -11,6 +11,7 @@
 #include "data/dataset.h"
 #include "data/reward.h"
 #include "data/synthetic.h"
+#include "tests/common/fixtures.h"
 #include "tests/common/tmpdir.h"
 
 namespace rlt {
@@ -445,6 +446,7 @@ const std::string kHfData = std::string(RLT_FIXTURES_DIR) + "/data";
 
 // DAPO-Math-17k as slime ships it: the prompt is a list of chat messages, the answer is under "label".
 TEST(Dataset, DapoMathPromptsAreChatMessages) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   DatasetOptions o = options_for(kHfData + "/dapo_math_17k.head200.jsonl");
   o.answer_key = "label";
   const Dataset d = load_jsonl(o);
@@ -463,6 +465,7 @@ TEST(Dataset, DapoMathPromptsAreChatMessages) {
 
 // AIME 2024: `problem` / zero-padded string answers; the reward counts "25" for "025".
 TEST(Dataset, Aime2024KeysAndZeroPaddedAnswers) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   DatasetOptions o = options_for(kHfData + "/aime2024.jsonl");
   o.prompt_key = "problem";
   const Dataset d = load_jsonl(o);
@@ -482,6 +485,7 @@ TEST(Dataset, Aime2024KeysAndZeroPaddedAnswers) {
 // The evaluation file beside DAPO training data: its own path and keys; unset keys fall back to the
 // training ones, and the same key for question and answer is refused.
 TEST(Dataset, EvaluationFileWithItsOwnKeys) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   DatasetOptions o = options_for(kHfData + "/dapo_math_17k.head200.jsonl");
   o.answer_key = "label";
   o.max_examples = 8;

@@ -8,6 +8,7 @@
 
 #include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "tests/common/fixtures.h"
 #include "tests/common/tmpdir.h"
 
 namespace rlt {
@@ -16,6 +17,7 @@ namespace {
 const std::string kFixtures = RLT_FIXTURES_DIR;
 
 TEST(HfTokenizer, QwenFolderTakesItsSpecialTokensFromTheConfig) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/qwen3");
   EXPECT_EQ(t.vocab_size(), 151669);
   EXPECT_EQ(t.eos_id(), 151645) << "<|im_end|>, tokenizer_config.json's eos_token";
@@ -27,6 +29,7 @@ TEST(HfTokenizer, QwenFolderTakesItsSpecialTokensFromTheConfig) {
 }
 
 TEST(HfTokenizer, LlamaFolderAddsBeginOfTextOnlyWhenAsked) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/llama-3.1");
   EXPECT_EQ(t.bos_id(), 128000);
   EXPECT_EQ(t.eos_id(), 128009) << "<|eot_id|> (Llama-3.1-Instruct's tokenizer_config.json)";
@@ -37,6 +40,7 @@ TEST(HfTokenizer, LlamaFolderAddsBeginOfTextOnlyWhenAsked) {
 }
 
 TEST(HfTokenizer, PieceTextsAreTheBytesEachTokenAdds) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   for (const char* fam : {"qwen3", "llama-3.1", "mistral-7b-v0.3"}) {
     const Tokenizer t = Tokenizer::from_checkpoint(kFixtures + "/tokenizers/" + fam);
     // An emoji split across byte-level tokens, CJK, spaces and a newline: the concatenated piece texts are

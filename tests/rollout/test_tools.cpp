@@ -19,6 +19,7 @@
 #include "rollout/retool.h"
 #include "rollout/tools.h"
 #include "tests/common/fake_tool.h"
+#include "tests/common/fixtures.h"
 
 namespace rlt {
 namespace {
@@ -94,6 +95,7 @@ TEST(ToolProtocol, MalformedCallsAreAnsweredWithWhatIsWrong) {
 }
 
 TEST(ToolProtocol, ReplyFramingOfPublishedTemplates) {
+  RLT_SKIP_WITHOUT_FIXTURES();
   const auto none = nlohmann::ordered_json::object();
   const TemplateReply q = template_tool_framing(fixture_template("Qwen2.5-Instruct"), none, "code_interpreter");
   EXPECT_EQ(q.open, "<|im_end|>\n<|im_start|>user\n<tool_response>\n");
@@ -163,6 +165,7 @@ std::ostream& operator<<(std::ostream& os, const ModelCase& c) { return os << c.
 class ModelToolCall : public ::testing::TestWithParam<ModelCase> {
  protected:
   void SetUp() override {
+    RLT_SKIP_WITHOUT_FIXTURES();
     const ModelCase& c = GetParam();
     tok_ = std::make_unique<Tokenizer>(Tokenizer::load(kFixtures + "/tokenizers/" + c.tokenizer));
     chat_ = std::make_shared<HfChatTemplate>(fixture_template(c.chat_template, c.bos, c.eos));
