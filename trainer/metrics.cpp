@@ -148,6 +148,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   if (!run.lead()) return m;
   TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
   run.log->write(m);
+  std::cerr << progress_line(m, progress_fields(run, m)) << "\n";
   run.log->plot();
   if (run.checkpoint_due()) save_checkpoint(run);
   return m;
@@ -276,14 +277,32 @@ void MetricsLog::write(const std::map<std::string, double>& m) {
   file_ << j.dump() << "\n";
   file_.flush();
   rows_.push_back(m);
+}
+
+ProgressFields progress_fields(const Run& run, const std::map<std::string, double>& metrics) {
+  const StepShape shape = step_shape(run.config, run.dist->world());
+  const bool off_policy = run.config.train.num_iterations > 1 || shape.mini < shape.S;
+  ProgressFields f;
+  f.loss = off_policy || metrics.count("value_loss") > 0;
+  f.kl = run.reference != nullptr;
+  f.entropy = run.config.loss.entropy != EntropyMode::kNone;
+  return f;
+}
+
+std::string progress_line(const std::map<std::string, double>& m, const ProgressFields& show) {
   auto get = [&](const char* k) { return m.count(k) ? m.at(k) : 0.0; };
   std::ostringstream line;
   line << std::fixed << "step " << int64_t(get("step")) << "/" << int64_t(get("steps")) << "  reward "
        << std::setprecision(3) << get("reward_mean") << "  acc " << std::setprecision(0) << 100 * get("accuracy")
-       << "%  tool " << 100 * get("tool_use") << "%  len " << std::setprecision(1) << get("response_length_mean")
-       << std::scientific << std::setprecision(3) << "  loss " << get("loss") << "  kl " << get("kl") << std::fixed
-       << "  " << std::setprecision(1) << get("time_step_s") << " s";
-  std::cerr << line.str() << "\n";
+       << "%  tool " << 100 * get("tool_use") << "%  len " << std::setprecision(1) << get("response_length_mean");
+  if (show.entropy) line << "  entropy " << std::setprecision(3) << get("entropy");
+  line << std::defaultfloat << std::setprecision(3) << "  grad norm " << get("grad_norm") << std::fixed
+       << std::setprecision(1) << "  clip " << 100 * get("clip_frac") << "%";
+  if (show.loss) line << std::scientific << std::setprecision(3) << "  loss " << get("loss");
+  if (show.kl) line << std::scientific << std::setprecision(3) << "  kl " << get("kl");
+  line << std::fixed << std::setprecision(0) << "  sampled " << get("rollout_tokens_per_s") << " tok/s  "
+       << std::setprecision(2) << get("time_step_s") << " s/step";
+  return line.str();
 }
 
 void MetricsLog::plot() const {

@@ -1,6 +1,6 @@
 // What a step reports: the peak memory of its phases, the rollout's metrics, the update's metrics
-// (accumulated on the device, read once per step), samples.jsonl, metrics.jsonl with the console's
-// progress line, and plot.svg.
+// (accumulated on the device, read once per step), samples.jsonl, metrics.jsonl, the console's progress
+// line, and plot.svg.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -106,7 +106,8 @@ struct StepTimes {
 };
 
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
-// metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the console and the plot;
+// metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the progress line on stderr,
+// and the plot;
 // samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics. Every rank
 // calls it (the metrics are reduced over the ranks); rank 0 writes.
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
@@ -123,7 +124,26 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
 // response text (tool output included, as the model saw it), reward, finish reason, tool calls.
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs);
 
-// metrics.jsonl (one JSON object per step), the progress line, and plot.svg.
+// The optional fields of the console's progress line. Every line shows the step, reward_mean, accuracy,
+// tool_use, response_length_mean, grad_norm, clip_frac, rollout_tokens_per_s (sampled tokens per second
+// of generation) and time_step_s.
+struct ProgressFields {
+  bool loss = false;     // loss: where its value says something (progress_fields)
+  bool kl = false;       // kl: to the reference policy, which exists when policy.kl_coef > 0
+  bool entropy = false;  // entropy: measured when loss.entropy != none
+};
+
+// The fields a run's progress line shows. The loss shows for PPO (it holds the value loss) and for an
+// off-policy GRPO update (train.num_iterations > 1 or mini-batches: the old log-probs are not the current
+// ones). On-policy GRPO's loss is -mean(advantage) at ratio 1, which group normalisation holds near zero
+// whatever the policy learns, so the line leaves it out; metrics.jsonl keeps it.
+ProgressFields progress_fields(const Run& run, const std::map<std::string, double>& metrics);
+
+// One step's console line, e.g. "step 3/40  reward 0.250  acc 25%  tool 50%  len 87.3  entropy 0.812
+// grad norm 0.456  clip 1.2%  sampled 1234 tok/s  2.10 s/step" (one line, no newline).
+std::string progress_line(const std::map<std::string, double>& metrics, const ProgressFields& show);
+
+// metrics.jsonl (one JSON object per step) and plot.svg.
 class MetricsLog {
  public:
   MetricsLog(const std::string& out_dir, bool append);

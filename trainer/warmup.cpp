@@ -2,9 +2,11 @@
 #include "trainer/warmup.h"
 
 #include <torch/nn/utils/clip_grad.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <iomanip>
 #include <iostream>
 
@@ -82,6 +84,9 @@ double sft_warmup(Run& run) {
   lo.entropy = EntropyMode::kNone;
   double loss_value = 0;
   const auto t0 = std::chrono::steady_clock::now();
+  // The live line: rewritten in place ("\r") on a terminal, one line per update in a log file; the last
+  // update ends with a newline either way, so what follows starts on a line of its own.
+  const bool tty = isatty(fileno(stderr)) == 1;
   for (int64_t step = 0; step < o.steps; ++step) {
     std::vector<Trajectory> batch;
     for (int64_t i = 0; i < o.batch_size; ++i) {
@@ -119,11 +124,12 @@ double sft_warmup(Run& run) {
     loss_value = loss.item<double>();
     if (run.lead() && (step % 20 == 0 || step + 1 == o.steps)) {
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::cerr << "\rwarm-up " << step + 1 << "/" << o.steps << "  loss " << std::fixed << std::setprecision(4)
-                << loss_value << "  " << std::setprecision(1) << sec << " s" << std::flush;
+      const char* end = step + 1 == o.steps ? ", done\n" : (tty ? "" : "\n");
+      std::cerr << (tty ? "\r" : "") << "warm-up " << step + 1 << "/" << o.steps << "  loss " << std::fixed
+                << std::setprecision(4) << loss_value << "  " << std::setprecision(1) << sec << " s" << end
+                << std::flush;
     }
   }
-  if (run.lead()) std::cerr << "\n";
   return loss_value;
 }
 
