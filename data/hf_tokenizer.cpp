@@ -583,7 +583,7 @@ struct HfTokenizer::Impl {
 
   // Applies the merges to a word's symbols: the lowest rank first, among equal ranks the leftmost. A heap
   // of candidate pairs over a linked list of symbols: O(n log n) in the symbols, where rescanning the word
-  // after every merge was O(n^2) (a Metaspace line without splitting, as Mistral's, is one long word).
+  // after every merge is O(n^2) (a Metaspace line without splitting, as Mistral's, is one long word).
   void merge(std::vector<int32_t>& ids) const {
     const int n = static_cast<int>(ids.size());
     if (n < 2) return;

@@ -62,8 +62,8 @@ struct LossOptions {
   // separate gradient buffer (an ablation of seed 003).
   bool inplace_backward = false;
   // cce on an H100/H200 (bf16/fp16): the fused Hopper kernels (loss/cuda/cce_fused.cu), whose GEMM tiles
-  // never leave registers; false: cuBLAS GEMM blocks through HBM + epilogue kernels (the earlier path,
-  // kept as their reference and for ablation).
+  // never leave registers; false: cuBLAS GEMM blocks through HBM + epilogue kernels (their reference,
+  // kept for ablation).
   bool cce_fused = true;
   // The fused kernels' schedule. false (cooperative): both MMA warp groups share a 128-row tile and the
   // tensor cores idle during its epilogue. true (ping-pong): the two take alternate 64-row tiles, one's

@@ -30,7 +30,7 @@ at::Tensor chunk_rows(const at::Tensor& logits, const at::Tensor& rows, int64_t 
 }
 
 // The ATen chunks' rows when chunk_size is 0: one chunk's [rows, V] fp32 working set (log-sum-exp and
-// entropy temporaries) stays near 1M elements (4 MiB). A fixed 1024 rows was a whole batch's logits at
+// entropy temporaries) stays near 1M elements (4 MiB). A fixed 1024 rows is a whole batch's logits at
 // seed 000's shapes on the CPU (bench_loss --case seed000: +100%).
 constexpr int64_t kChunkElems = int64_t{1} << 20;
 

@@ -728,7 +728,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
 
   // Grouped-query attention with a mask (layer_forward) sees each query head group's L positions as G L
   // positions of one head, so the mask (B, 1, L, S) is repeated G times along them: once here, for every
-  // layer (it was a copy of the mask in each layer).
+  // layer, rather than in each layer.
   auto group = [&](at::Tensor& m) {
     const int64_t G = c.num_heads / c.num_kv_heads;
     if (m.defined() && G > 1 && L > 1 && c.attn_softcap == 0)

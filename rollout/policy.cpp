@@ -39,9 +39,9 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
 // slots, which the next in-place compaction squeezes out); rows to a power of two of at least kFeedMinRows,
 // at most the cache's rows. Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time).
 // With one row bucket per power of two from 1, the ReTool loop in bench_rollout captured 14-15 feed graphs
-// per rollout, which cost what their replays saved. Until session 24 the buckets were 16 rows and powers of
-// two from 16 tokens: the loop's typical feed (3-4 replies of 17 tokens) ran as 16 x 32, 4.0 ms of device
-// time on an H200, for about a tenth of that many real tokens.
+// per rollout, which cost what their replays saved. Coarser buckets of 16 rows and powers of two from 16
+// tokens run the loop's typical feed (3-4 replies of 17 tokens) as 16 x 32: 4.0 ms of device time on an
+// H200 for about a tenth of that many real tokens.
 constexpr int64_t kFeedMinRows = 8;
 
 int64_t feed_cols(int64_t K) {
@@ -306,7 +306,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   if (cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk())) compact(1);
   const int64_t Bc = cache_rows();
   // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
-  // dispatch each, which at 256 rows was milliseconds per decode step.
+  // dispatch each, which at 256 rows is milliseconds per decode step.
   std::vector<int64_t> ids(Bc, 0), pos(Bc, 0), pick(rows.size());
   std::vector<uint8_t> fed(Bc, 0);
   for (size_t j = 0; j < rows.size(); ++j) {

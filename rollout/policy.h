@@ -92,8 +92,8 @@ struct ModelPolicyOptions {
   bool fixed_shape_extend = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
-  // default: a capture costs two forwards' host time (~35 ms on the H200 host), and in the ReTool loop (bench_rollout)
-  // 13 of 76 feeds were still captures, which cost about what the replays saved (loop ratio 0.40-0.59 between calls).
+  // default: a capture costs two forwards' host time (~35 ms on an H200), and in the ReTool loop (bench_rollout)
+  // 13 of 76 feeds are still captures, which cost about what the replays save (loop ratio 0.40-0.59 from run to run).
   // Worth it once caches outlive a rollout.
   bool feed_graphs = false;
   // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,

@@ -328,8 +328,8 @@ class Loop {
     const int64_t count = std::min(P - next_prompt_, (rows_ - held) / G);
     if (count <= 0) return at::Tensor();
     // While others decode, wait until an eighth of the rows (or the last prompts) can start together: each
-    // admit is an eager prefill and a device sync. With one prompt per admit, continuous batching ran at
-    // 0.89x of two waves (H200, session 18); batched, at 1.05-1.11x (H100; bench_rollout --refill,
+    // admit is an eager prefill and a device sync. With one prompt per admit, continuous batching runs at
+    // 0.89x of two waves (H200); batched, at 1.05-1.11x (H100; bench_rollout --refill,
     // docs/benchmarks.md). With nothing else to decode, waiting would only leave the device idle.
     const int64_t batch = std::min(P - next_prompt_, std::max<int64_t>(1, rows_ / G / 8));
     if (held > 0 && !idle && count < batch) return at::Tensor();

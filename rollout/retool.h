@@ -92,7 +92,7 @@ struct RolloutOptions {
   bool fused_kernels = true;
   bool packed_weights = true;
   // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
-  // false: one token per decode step, as before; the trajectories are the same up to rounding.
+  // false: one token per decode step; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
   // With multi_token_feed: decode steps a ready tool reply (or feedback) may wait, while other rows decode,
   // so that more replies share its forward: the replies are fed once an eighth of the live sequences have

@@ -70,7 +70,7 @@ struct SampleOutput {
 
 // One token per row of logits (N, V) (final-logit softcap already applied). Rows at or past `vocab_limit`
 // (> 0) are never sampled: a checkpoint's embedding may be larger than its tokenizer. `fused` as in
-// gumbel_argmax (false: the ATen draw, for benchmarks' before/after).
+// gumbel_argmax (false: the ATen draw, for benchmarks' A/B).
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
                            const at::Tensor& counters, int64_t vocab_limit = 0, bool fused = true);
 

@@ -108,7 +108,7 @@ void load_checkpoint(Run& run) {
     run.skipped_steps = state.at("skipped_steps").get<int64_t>();
     run.prompts->seek(state.at("prompts_consumed").get<int64_t>());
     // A switch to recompute (the rollout's log-probs missed train.old_logprobs_tol) holds for the rest of
-    // the run; a checkpoint from before the key existed keeps the config's setting.
+    // the run; a checkpoint without the key keeps the config's setting.
     if (state.value("old_logprobs", std::string()) == enum_to_string(OldLogprobs::kRecompute)) {
       run.old_logprobs = OldLogprobs::kRecompute;
     }

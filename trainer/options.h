@@ -75,7 +75,7 @@ inline const EnumNames<ScaleRewards>& enum_names(ScaleRewards) {
 
 // Where AdamW keeps the weights it updates when the model computes in bf16: fp32 master copies (the bf16
 // weights are their rounding), or the bf16 weights themselves. A bf16 weight cannot absorb an update below
-// half its resolution (2^-8 relative): at lr 1e-6 a plain bf16 AdamW step changed 1.5% of the weights.
+// half its resolution (2^-8 relative): at lr 1e-6 a plain bf16 AdamW step changes 1.5% of the weights.
 enum class MasterWeights { kFp32, kNone };
 inline const EnumNames<MasterWeights>& enum_names(MasterWeights) {
   static const EnumNames<MasterWeights> names{{"fp32", MasterWeights::kFp32}, {"none", MasterWeights::kNone}};
@@ -202,7 +202,7 @@ struct SftOptions {
   // Shortest operand of a warm-up problem, in digits; 0 = the task's own lengths (synthetic.digits_a/b).
   // With 2 on a 3 x 3-digit task, warm-up problems cycle through 2 x 2, 2 x 3, 3 x 2 and 3 x 3 digits, so
   // products of 3 to 6 digits are copied from the interpreter's output. Without it, 5-digit products
-  // (17% of 3 x 3-digit problems) were miscopied into the answer far more often than 6-digit ones.
+  // (17% of 3 x 3-digit problems) are miscopied into the answer far more often than 6-digit ones.
   int64_t operand_digits_min = 0;
 
   template <class V>

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CPU demo (configs/retool_tiny.yaml, 40 GRPO steps with real sandboxed tool calls) on the GPU host's
 # 16 cores, run by this tree and, when .gpu/old.tar holds an older tree (git archive <commit>), by that
-# tree too, one after the other in the same command: the A/B for a change that should only move time
-# (the sandbox's spawn). Each run: its folder (metrics.jsonl), train.log and time.txt (elapsed, user and
-# system seconds of the run and its children) in $OUT/<name>/.
+# tree too, one after the other in the same command: the A/B for a change that should only move time.
+# Each run: its folder (metrics.jsonl), train.log and time.txt (elapsed, user and system seconds of the
+# run and its children) in $OUT/<name>/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD

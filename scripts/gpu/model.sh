@@ -4,7 +4,7 @@
 # Qwen2.5-0.5B-shaped model (configs/models/qwen2.5-0.5b) beside transformers in the same command.
 # Results land in $OUT (or runs/gpu_model). --bench-only skips the tests.
 # Both implementations run twice, back to back; round 1 warms the GPU (it idles at 345 MHz and ramps
-# with load, which skewed a first measurement by up to 9x) and round 2 is the one recorded.
+# with load, which skews a first measurement by up to 9x) and round 2 is the one recorded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_model}
