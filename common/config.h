@@ -1,15 +1,19 @@
-// The one configuration reader: a YAML file plus `--set section.key=value` overrides -> the options
+// The one configuration reader: YAML files plus `--set section.key=value` overrides -> the options
 // structs of whatever sections an app declares, through each struct's field visitor (common/fields.h),
 // so names, types, ranges and documentation are declared once, next to the field. Every problem is a
 // ConfigError naming the key and where its value came from (file:line, or the --set argument); apps turn
 // it into a message on stderr and exit code 2.
+//
+// Layers, each overriding the ones before: the structs' defaults; the --config files in order, each
+// preceded by the files its `defaults:` key names (a path or a list of paths, relative to that file);
+// the --set overrides in order. An unknown key is an error in any layer.
 //
 // An app declares its sections once:
 //   struct BenchConfig {
 //     LossOptions loss;
 //     template <class V> void visit_sections(V&& v) { v("loss", loss, "log-prob module"); }
 //   };
-// and reads them with load_config<BenchConfig>(path, overrides). The trainer's Config
+// and reads them with load_config<BenchConfig>(paths, overrides). The trainer's Config
 // (trainer/config.h) is the same thing with every section, plus the rules that span sections.
 // Leaves out: YAML lists and nested mappings inside a section (every field is a scalar).
 #pragma once
@@ -17,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -46,7 +51,9 @@ struct ConfigEntry {
 };
 
 // Reads a YAML file into entries (a missing file, a syntax error or a top level that is not a mapping
-// of sections is a ConfigError). The order of the file is kept.
+// of sections is a ConfigError). The order of the file is kept. A top-level `defaults:` key (a path, or
+// a list of paths, relative to the file's folder) names files read first, the same way, in its order;
+// a file that names itself again through `defaults:` is a ConfigError (a cycle).
 std::vector<ConfigEntry> read_config_file(const std::string& path);
 // Parses one `section.key=value` override (the value is read as YAML, so quotes work as in a file).
 ConfigEntry read_config_override(const std::string& arg);
@@ -138,19 +145,27 @@ class ConfigReader {
   std::map<std::string, std::string> origin_;  // "section.key" -> where its value was last set
 };
 
-// path may be empty (defaults + overrides only). `cross_check` sees the validated config and reports
-// rules that span sections through reader.fail(key, why). Throws ConfigError.
+// The files apply in order, then the overrides; later ones win. No files: defaults + overrides only.
+// `cross_check` sees the validated config and reports rules that span sections through
+// reader.fail(key, why). Throws ConfigError.
 template <class C>
-C load_config(const std::string& path, const std::vector<std::string>& overrides,
+C load_config(const std::vector<std::string>& paths, const std::vector<std::string>& overrides,
               const std::function<void(const ConfigReader<C>&)>& cross_check = {}) {
   ConfigReader<C> reader;
-  if (!path.empty()) {
+  for (const auto& path : paths) {
     for (const auto& e : read_config_file(path)) reader.apply(e);
   }
   for (const auto& o : overrides) reader.apply(read_config_override(o));
   reader.validate_sections();
   if (cross_check) cross_check(reader);
   return reader.config;
+}
+// One file, or none when path is empty.
+template <class C>
+C load_config(const std::string& path, const std::vector<std::string>& overrides,
+              const std::function<void(const ConfigReader<C>&)>& cross_check = {}) {
+  return load_config<C>(path.empty() ? std::vector<std::string>{} : std::vector<std::string>{path}, overrides,
+                        cross_check);
 }
 
 // Every field with its value in use and its documentation, as YAML (loadable by load_config).
@@ -166,12 +181,71 @@ std::string describe_config(C config) {
   return os.str();
 }
 
-// Command-line plumbing shared by every app: --config FILE, --set key=value (repeatable),
-// --print-config. Call add_config_flags before parsing, load_cli_config after.
+// Markdown helpers of describe_reference.
+std::string markdown_cell(const std::string& text);  // `|` escaped, so a table cell holds it
+std::string markdown_code(const std::string& text);  // a code span (escaped for a table cell)
+std::string format_number(double v);                 // the shortest text that reads back as v: 1e9, 0.2
+inline const char* field_type(bool) { return "bool"; }
+inline const char* field_type(int64_t) { return "integer"; }
+inline const char* field_type(double) { return "number"; }
+inline const char* field_type(const std::string&) { return "string"; }
+template <class E, class = std::enable_if_t<std::is_enum_v<E>>>
+const char* field_type(E) {
+  return "enum";
+}
+
+// The text above the sections of describe_reference: how files, `defaults:` and --set combine.
+std::string reference_preamble();
+
+// The reference of a sections struct, as markdown: per section a table of every key with its type,
+// default, allowed values (a numeric range, or an enum's names) and documentation. The defaults are C{}'s,
+// whatever the files and overrides say; docs/config.md is the trainers' reference.
+template <class C>
+std::string describe_reference() {
+  C defaults{};
+  std::ostringstream toc, body;
+  defaults.visit_sections([&](const char* name, auto& opts, const char* doc) {
+    toc << "- [" << name << "](#" << name << "): " << markdown_cell(doc) << "\n";
+    body << "\n## " << name << "\n\n"
+         << doc << "\n\n"
+         << "| key | type | default | allowed | description |\n|---|---|---|---|---|\n";
+    opts.visit([&](const char* field, auto& ref, const char* field_doc, FieldRange range = {}) {
+      using T = std::decay_t<decltype(ref)>;
+      std::string allowed;
+      if constexpr (std::is_enum_v<T>) {
+        for (const auto& [value, e] : enum_names(T{})) allowed += (allowed.empty() ? "" : ", ") + markdown_code(value);
+      } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+        const bool has_lo = range.lo > -std::numeric_limits<double>::infinity();
+        const bool has_hi = range.hi < std::numeric_limits<double>::infinity();
+        if (has_lo && has_hi)
+          allowed = format_number(range.lo) + " to " + format_number(range.hi);
+        else if (has_lo)
+          allowed = ">= " + format_number(range.lo);
+        else if (has_hi)
+          allowed = "<= " + format_number(range.hi);
+        else
+          allowed = "any";
+      }
+      std::string value;
+      if constexpr (std::is_same_v<T, double>)
+        value = format_number(ref);  // 0.2, where --print-config writes every digit (0.20000000000000001)
+      else
+        value = format_field(ref);
+      body << "| " << markdown_code(std::string(name) + "." + field) << " | " << field_type(ref) << " | "
+           << markdown_code(value) << " | " << allowed << " | " << markdown_cell(field_doc) << " |\n";
+    });
+  });
+  return reference_preamble() + "\n## Sections\n\n" + toc.str() + body.str();
+}
+
+// Command-line plumbing shared by every app: --config FILE (repeatable), --set key=value (repeatable),
+// --print-config, --config-reference. Call add_config_flags before parsing, load_cli_config after.
 struct ConfigCli {
-  std::string path;
+  std::vector<std::string> paths;  // the --config files, in order
+  std::string path;                // the last of them ("" without one): apps name their output after it
   std::vector<std::string> overrides;
-  bool print = false;
+  bool print = false;      // print something, then exit: --print-config or --config-reference
+  bool reference = false;  // --config-reference: the markdown reference instead of the values in use
 };
 void add_config_flags(CLI::App& app, ConfigCli& cli);
 // Parses argv with CLI11. Returns -1 to continue, else the exit code to return from main (0 for
@@ -180,17 +254,21 @@ int parse_cli(CLI::App& app, int argc, char** argv);
 // Prints "config error: ..." to stderr.
 void print_config_error(const ConfigError& e);
 
-// load_config + --print-config; on ConfigError prints it and returns false (the app exits with 2).
+// load_config + --print-config / --config-reference; on ConfigError prints it and returns false (the
+// app exits with 2).
 template <class C>
 bool load_cli_config(const ConfigCli& cli, C& out,
                      const std::function<void(const ConfigReader<C>&)>& cross_check = {}) {
   try {
-    out = load_config<C>(cli.path, cli.overrides, cross_check);
+    out = load_config<C>(cli.paths, cli.overrides, cross_check);
   } catch (const ConfigError& e) {
     print_config_error(e);
     return false;
   }
-  if (cli.print) std::cout << describe_config(out);
+  if (cli.reference)
+    std::cout << describe_reference<C>();
+  else if (cli.print)
+    std::cout << describe_config(out);
   return true;
 }
 

@@ -29,6 +29,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   return load_config<Config>(path, overrides, check_sections);
 }
 
+Config load_config(const std::vector<std::string>& paths, const std::vector<std::string>& overrides) {
+  return load_config<Config>(paths, overrides, check_sections);
+}
+
 bool load_cli_config(const ConfigCli& cli, Config& out) { return load_cli_config<Config>(cli, out, check_sections); }
 
 }  // namespace rlt

@@ -57,6 +57,8 @@ struct Config {
 
 // Reads the trainer's sections (common/config.h) and checks the rules that span them. Throws ConfigError.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+// The files in order, each with its `defaults:` layers, then the overrides (common/config.h).
+Config load_config(const std::vector<std::string>& paths, const std::vector<std::string>& overrides);
 // load_config + --print-config for the trainer apps; false after printing a ConfigError (exit code 2).
 bool load_cli_config(const ConfigCli& cli, Config& out);
 

@@ -1,7 +1,9 @@
-// The config reader: defaults, files, --set overrides, and a clear error (key + file:line) for every
-// kind of bad input the apps must reject with exit code 2.
+// The config reader: defaults, layered files (--config repeated, `defaults:`), --set overrides, the
+// markdown reference, and a clear error (key + file:line) for every kind of bad input the apps must
+// reject with exit code 2.
 #include <gtest/gtest.h>
 
+#include <CLI/CLI.hpp>
 #include <filesystem>
 #include <fstream>
 
@@ -12,24 +14,39 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// `name` may hold folders (made as needed) under the test's temporary folder.
 std::string write_yaml(const std::string& name, const std::string& text) {
-  const fs::path dir = fs::temp_directory_path() / "rlt_test_config";
-  fs::create_directories(dir);
-  const fs::path p = dir / name;
+  const fs::path p = fs::temp_directory_path() / "rlt_test_config" / name;
+  fs::create_directories(p.parent_path());
   std::ofstream(p) << text;
   return p.string();
 }
 
-// Expects load_config to throw a ConfigError whose message contains every fragment.
+// The ConfigError message of loading `paths` with `sets`, or "" when it loads.
+std::string error_of(const std::vector<std::string>& paths, const std::vector<std::string>& sets) {
+  try {
+    load_config(paths, sets);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Expects loading the files to throw a ConfigError whose message contains every fragment and none of
+// `absent`.
+void expect_error(const std::vector<std::string>& paths, const std::vector<std::string>& sets,
+                  const std::vector<std::string>& fragments, const std::vector<std::string>& absent = {}) {
+  const std::string msg = error_of(paths, sets);
+  if (msg.empty()) {
+    ADD_FAILURE() << "no error for " << (paths.empty() ? std::string("(no file)") : paths.back());
+    return;
+  }
+  for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "'" << f << "' not in: " << msg;
+  for (const auto& f : absent) EXPECT_EQ(msg.find(f), std::string::npos) << "'" << f << "' in: " << msg;
+}
 void expect_error(const std::string& path, const std::vector<std::string>& sets,
                   const std::vector<std::string>& fragments) {
-  try {
-    load_config(path, sets);
-    ADD_FAILURE() << "no error for " << path;
-  } catch (const ConfigError& e) {
-    const std::string msg = e.what();
-    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "'" << f << "' not in: " << msg;
-  }
+  expect_error(path.empty() ? std::vector<std::string>{} : std::vector<std::string>{path}, sets, fragments);
 }
 
 TEST(Config, DefaultsWithoutAFile) {
@@ -41,9 +58,16 @@ TEST(Config, DefaultsWithoutAFile) {
   EXPECT_EQ(c.policy.agg, LossAgg::kTokenMean);
 }
 
-TEST(Config, ShippedDefaultsFileMatchesTheStructDefaults) {
-  Config from_file = load_config(std::string(RLT_SOURCE_DIR) + "/configs/loss_defaults.yaml", {});
-  EXPECT_EQ(describe_config(from_file), describe_config(Config{}));
+// --print-config of the defaults, read back, is the defaults: the printed YAML is a complete config.
+TEST(Config, PrintedDefaultsReadBackAsTheDefaults) {
+  const std::string p = write_yaml("defaults.yaml", describe_config(Config{}));
+  EXPECT_EQ(describe_config(load_config(p, {})), describe_config(Config{}));
+  // The control: one changed value in the printed file shows in what it reads back.
+  std::string changed = describe_config(Config{});
+  const std::string from = "impl: selective", to = "impl: cce";
+  ASSERT_NE(changed.find(from), std::string::npos);
+  changed.replace(changed.find(from), from.size(), to);
+  EXPECT_NE(describe_config(load_config(write_yaml("changed.yaml", changed), {})), describe_config(Config{}));
 }
 
 TEST(Config, FileThenOverrides) {
@@ -128,6 +152,218 @@ TEST(Config, BadOverrides) {
   expect_error("", {"impl=cce"}, {"section.key"});
   expect_error("", {"loss.impl.x=cce"}, {"section.key"});
   expect_error("", {"loss.nope=1"}, {"--set loss.nope=1", "unknown key"});
+}
+
+// Layers: --config files in order, then --set; each later one wins, keys it leaves alone keep theirs.
+TEST(ConfigLayers, LaterFileWins) {
+  const std::string base = write_yaml("layers/base.yaml", "loss:\n  chunk_size: 256\ntrain:\n  lr: 0.1\n");
+  const std::string variant = write_yaml("layers/variant.yaml", "loss:\n  chunk_size: 512\n");
+  Config c = load_config(std::vector<std::string>{base, variant}, {});
+  EXPECT_EQ(c.loss.chunk_size, 512) << "the variant, given later, wins";
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.1) << "a key the variant leaves alone keeps the base's value";
+  EXPECT_EQ(load_config(std::vector<std::string>{variant, base}, {}).loss.chunk_size, 256)
+      << "the order decides: the base, given later, wins";
+}
+
+TEST(ConfigLayers, SetWinsOverEveryFile) {
+  const std::string base = write_yaml("set/base.yaml", "loss:\n  chunk_size: 256\n");
+  const std::string via_defaults = write_yaml("set/variant.yaml", "defaults: base.yaml\nloss:\n  chunk_size: 512\n");
+  for (const auto& paths : {std::vector<std::string>{base}, std::vector<std::string>{base, via_defaults},
+                            std::vector<std::string>{via_defaults}}) {
+    EXPECT_EQ(load_config(paths, {"loss.chunk_size=1024"}).loss.chunk_size, 1024) << paths.back();
+    EXPECT_NE(load_config(paths, {}).loss.chunk_size, 1024) << "the files alone set another value";
+  }
+}
+
+// An unknown key in any layer is an error naming that layer's file and line, not the file that named it.
+TEST(ConfigLayers, UnknownKeyInBaseOrVariantNamesItsFile) {
+  const std::string base = write_yaml("unknown/base.yaml", "loss:\n  chunk_size: 256\n  chunk: 3\n");
+  const std::string good_base = write_yaml("unknown/good_base.yaml", "loss:\n  chunk_size: 256\n");
+  const std::string variant = write_yaml("unknown/variant.yaml", "train:\n  lr: 0.1\n  stepz: 3\n");
+  const std::string good_variant = write_yaml("unknown/good_variant.yaml", "train:\n  lr: 0.1\n");
+  expect_error({base, good_variant}, {}, {base + ":3", "loss.chunk", "unknown key"}, {good_variant});
+  expect_error({good_base, variant}, {}, {variant + ":3", "train.stepz", "unknown key"}, {good_base});
+  // The same through `defaults:`.
+  const std::string names_bad = write_yaml("unknown/names_bad.yaml", "defaults: base.yaml\ntrain:\n  lr: 0.1\n");
+  expect_error({names_bad}, {}, {base + ":3", "loss.chunk", "unknown key"}, {names_bad});
+  const std::string bad_on_good =
+      write_yaml("unknown/bad_on_good.yaml", "defaults: good_base.yaml\ntrain:\n  stepz: 3\n");
+  expect_error({bad_on_good}, {}, {bad_on_good + ":3", "train.stepz", "unknown key"}, {good_base});
+  EXPECT_EQ(error_of({good_base, good_variant}, {}), "") << "the control: the good layers load";
+}
+
+// `defaults:` paths are relative to the file that names them, not to the working folder; the file's own
+// keys win over its bases wherever `defaults:` stands; a list's later bases win over earlier ones.
+TEST(ConfigLayers, DefaultsPathsAreRelativeToTheirFile) {
+  const fs::path root = fs::temp_directory_path() / "rlt_test_config" / "relative";
+  write_yaml("relative/base.yaml", "loss:\n  chunk_size: 128\n");  // a decoy in the working folder
+  write_yaml("relative/sub/base.yaml", "loss:\n  chunk_size: 256\n  vocab_chunk_size: 32\n");
+  write_yaml("relative/sub/more/other.yaml", "loss:\n  vocab_chunk_size: 64\n");
+  write_yaml("relative/sub/variant.yaml", "train:\n  lr: 0.1\ndefaults: base.yaml\n");
+  write_yaml("relative/sub/list.yaml", "defaults: [base.yaml, more/other.yaml]\nloss:\n  chunk_size: 512\n");
+  write_yaml("relative/sub/more/up.yaml", "defaults: ../base.yaml\n");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root);
+  Config variant = load_config("sub/variant.yaml", {});
+  Config list = load_config("sub/list.yaml", {});
+  Config up = load_config("sub/more/up.yaml", {});
+  fs::current_path(cwd);
+  EXPECT_EQ(variant.loss.chunk_size, 256) << "sub/base.yaml, not the working folder's base.yaml (128)";
+  EXPECT_DOUBLE_EQ(variant.train.lr, 0.1);
+  EXPECT_EQ(list.loss.chunk_size, 512) << "the file's own key wins over its bases";
+  EXPECT_EQ(list.loss.vocab_chunk_size, 64) << "the list's later base wins";
+  EXPECT_EQ(up.loss.chunk_size, 256) << "../ from the file's folder";
+  // A base that is not there is named as resolved, at the line that names it.
+  const std::string missing = write_yaml("relative/missing.yaml", "loss:\n  chunk_size: 1\ndefaults: nope.yaml\n");
+  expect_error(missing, {}, {missing + ":3", (root / "nope.yaml").string(), "not found"});
+  expect_error(write_yaml("relative/mapping.yaml", "defaults:\n  x: 1\n"), {}, {":1", "defaults", "list of paths"});
+}
+
+TEST(ConfigLayers, ACycleIsRejected) {
+  const std::string a = write_yaml("cycle/a.yaml", "defaults: b.yaml\nloss:\n  chunk_size: 1\n");
+  const std::string b = write_yaml("cycle/b.yaml", "loss:\n  chunk_size: 2\ndefaults: [c.yaml, a.yaml]\n");
+  write_yaml("cycle/c.yaml", "loss:\n  chunk_size: 3\n");
+  expect_error({a}, {}, {b + ":3", "defaults", "cycle", a + " -> " + b + " -> " + a});
+  const std::string self = write_yaml("cycle/self.yaml", "defaults: ./self.yaml\n");
+  expect_error({self}, {}, {self + ":1", "cycle"});
+  // The control: a base reached twice along different paths (a diamond) is no cycle.
+  write_yaml("diamond/d.yaml", "loss:\n  chunk_size: 4\n");
+  write_yaml("diamond/b.yaml", "defaults: d.yaml\n");
+  write_yaml("diamond/c.yaml", "defaults: d.yaml\n");
+  const std::string top = write_yaml("diamond/a.yaml", "defaults: [b.yaml, c.yaml]\n");
+  EXPECT_EQ(error_of({top}, {}), "");
+  EXPECT_EQ(load_config(top, {}).loss.chunk_size, 4);
+}
+
+// --config repeats; the last file names the run; --config-reference asks for the reference.
+TEST(ConfigLayers, CommandLineTakesSeveralFiles) {
+  CLI::App app;
+  ConfigCli cli;
+  add_config_flags(app, cli);
+  std::vector<std::string> args = {"app", "--config", "a.yaml", "--set", "loss.impl=cce", "--config", "b.yaml"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  ASSERT_EQ(parse_cli(app, static_cast<int>(argv.size()), argv.data()), -1);
+  EXPECT_EQ(cli.paths, (std::vector<std::string>{"a.yaml", "b.yaml"}));
+  EXPECT_EQ(cli.path, "b.yaml");
+  EXPECT_EQ(cli.overrides, std::vector<std::string>{"loss.impl=cce"});
+  EXPECT_FALSE(cli.print);
+  EXPECT_FALSE(cli.reference);
+
+  CLI::App app2;
+  ConfigCli cli2;
+  add_config_flags(app2, cli2);
+  std::vector<std::string> args2 = {"app", "--config-reference"};
+  std::vector<char*> argv2;
+  for (auto& a : args2) argv2.push_back(a.data());
+  ASSERT_EQ(parse_cli(app2, static_cast<int>(argv2.size()), argv2.data()), -1);
+  EXPECT_TRUE(cli2.print) << "the app prints and exits";
+  EXPECT_TRUE(cli2.reference);
+  EXPECT_TRUE(cli2.paths.empty());
+}
+
+// The reference of a hand-made section, cell by cell: each type, an enum's names, ranges, and `|` escaped.
+enum class Shade { kLight, kDark };
+const EnumNames<Shade>& enum_names(Shade) {
+  static const EnumNames<Shade> names = {{"light", Shade::kLight}, {"dark", Shade::kDark}};
+  return names;
+}
+struct DemoOptions {
+  bool on = true;
+  int64_t rows = 4;
+  double eps = 0.2;
+  std::string text = "a|b";
+  Shade shade = Shade::kDark;
+  int64_t steps = -3;
+  template <class V>
+  void visit(V&& v) {
+    v("on", on, "a switch");
+    v("rows", rows, "rows per chunk | 0 = all", FieldRange{0, 1e9});
+    v("eps", eps, "a threshold", FieldRange{1e-6, 1});
+    v("text", text, "free text");
+    v("shade", shade, "a colour");
+    v("steps", steps, "any count");
+  }
+  void check(const FieldFail&) const {}
+};
+struct DemoConfig {
+  DemoOptions demo;
+  template <class V>
+  void visit_sections(V&& v) {
+    v("demo", demo, "a section for the test");
+  }
+};
+
+TEST(ConfigReference, EveryKeyWithTypeDefaultRangeAndDoc) {
+  const std::string ref = describe_reference<DemoConfig>();
+  const std::string expected =
+      "## Sections\n\n"
+      "- [demo](#demo): a section for the test\n"
+      "\n## demo\n\na section for the test\n\n"
+      "| key | type | default | allowed | description |\n|---|---|---|---|---|\n"
+      "| `demo.on` | bool | `true` |  | a switch |\n"
+      "| `demo.rows` | integer | `4` | 0 to 1e9 | rows per chunk \\| 0 = all |\n"
+      "| `demo.eps` | number | `0.2` | 1e-6 to 1 | a threshold |\n"
+      "| `demo.text` | string | `\"a\\|b\"` |  | free text |\n"
+      "| `demo.shade` | enum | `dark` | `light`, `dark` | a colour |\n"
+      "| `demo.steps` | integer | `-3` | any | any count |\n";
+  ASSERT_GE(ref.size(), expected.size());
+  EXPECT_EQ(ref.substr(0, reference_preamble().size()), reference_preamble());
+  EXPECT_EQ(ref.substr(ref.size() - expected.size()), expected) << ref;
+}
+
+TEST(ConfigReference, FormatsBoundsShortest) {
+  EXPECT_EQ(format_number(1e9), "1e9");
+  EXPECT_EQ(format_number(1e-6), "1e-6");
+  EXPECT_EQ(format_number(0.2), "0.2");
+  EXPECT_EQ(format_number(0.000244140625), "0.000244140625");
+  EXPECT_EQ(format_number(1e6), "1e6");
+  EXPECT_EQ(format_number(65536), "65536");
+  EXPECT_EQ(format_number(300), "300");
+  EXPECT_EQ(format_number(9e18), "9e18");
+  EXPECT_EQ(format_number(-1), "-1");
+  EXPECT_EQ(markdown_code("a`b"), "`` a`b ``");
+}
+
+// The trainers' reference holds every key --print-config prints, with the same default (numbers compared
+// as numbers: the reference writes the shortest form).
+TEST(ConfigReference, TheTrainersReferenceListsEveryKey) {
+  const std::string ref = describe_reference<Config>();
+  std::istringstream yaml(describe_config(Config{}));
+  std::string line, section;
+  int keys = 0;
+  while (std::getline(yaml, line)) {
+    if (line[0] != ' ') {
+      section = line.substr(0, line.find(':'));
+      continue;
+    }
+    const auto colon = line.find(':');
+    const std::string key = line.substr(2, colon - 2);
+    std::string value = line.substr(colon + 2, line.find("  # ") - colon - 2);
+    std::string cell;
+    for (char ch : value) cell += ch == '|' ? std::string("\\|") : std::string(1, ch);
+    const std::string row_start = "| `" + section + "." + key + "` | ";
+    const auto at = ref.find(row_start);
+    ASSERT_NE(at, std::string::npos) << section << "." << key << " missing";
+    const std::string row = ref.substr(at, ref.find('\n', at) - at);
+    // The cells are split by " | " (a `|` inside one is escaped: "\\|"); the third is the default.
+    std::vector<std::string> cells;
+    for (size_t from = 0, to; from != std::string::npos; from = to == std::string::npos ? to : to + 3) {
+      to = row.find(" | ", from);
+      cells.push_back(row.substr(from, to == std::string::npos ? to : to - from));
+    }
+    ASSERT_EQ(cells.size(), 5u) << row;
+    const std::string shown = cells[2].substr(1, cells[2].size() - 2);  // inside the backticks
+    char* end = nullptr;
+    const double number = std::strtod(value.c_str(), &end);
+    if (!value.empty() && *end == '\0' && value.find_first_not_of("0123456789.e+-") == std::string::npos) {
+      EXPECT_EQ(std::strtod(shown.c_str(), nullptr), number) << row << ": the default is " << value;
+    } else {
+      EXPECT_EQ(shown, cell) << row << ": the default is " << value;
+    }
+    ++keys;
+  }
+  EXPECT_GT(keys, 100);
 }
 
 }  // namespace
