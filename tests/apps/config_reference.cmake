@@ -1,0 +1,35 @@
+# docs/config.md is the trainers' `--config-reference` output, byte for byte. Regenerate it with
+#   build/bin/grpo_train --config-reference > docs/config.md
+# Usage: cmake -DBIN=<grpo_train or ppo_train> -DDOC=docs/config.md -P config_reference.cmake
+# With -DCONTROL=ON the check runs on a copy of the binary's output with one default changed, and must
+# report it stale: the comparison can fail.
+execute_process(COMMAND ${BIN} --config-reference RESULT_VARIABLE rc OUTPUT_VARIABLE fresh ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${BIN} --config-reference: exit code ${rc}\n${err}")
+endif()
+if(CONTROL)
+  set(row "| `loss.impl` | enum | `selective` |")
+  string(FIND "${fresh}" "${row}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "control: the reference lacks the row '${row}'")
+  endif()
+  string(REPLACE "${row}" "| `loss.impl` | enum | `cce` |" doc "${fresh}")
+else()
+  file(READ ${DOC} doc)
+endif()
+if(doc STREQUAL fresh)
+  if(CONTROL)
+    message(FATAL_ERROR "control: a reference with a changed default passed the check")
+  endif()
+  return()
+endif()
+if(CONTROL)
+  message(STATUS "control: a reference with a changed default is reported stale")
+  return()
+endif()
+get_filename_component(app ${BIN} NAME)
+set(fresh_file ${CMAKE_CURRENT_BINARY_DIR}/config_reference_${app}.md)
+file(WRITE ${fresh_file} "${fresh}")
+execute_process(COMMAND diff -u ${DOC} ${fresh_file} OUTPUT_VARIABLE diff)
+message(FATAL_ERROR "${DOC} is stale: it differs from `${BIN} --config-reference`. Regenerate it:\n"
+                    "  build/bin/grpo_train --config-reference > docs/config.md\n${diff}")
