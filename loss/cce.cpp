@@ -314,12 +314,12 @@ std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t 
   // ~8M elements: a [rows, vocab] logits block and the fp32 (vocab, D) dW accumulator of a bf16 run
   // each stay within 32 MiB.
   constexpr int64_t kBlockElems = int64_t{1} << 23;
-  // Blockwise: 4096 rows x 2048 entries at seed 002's shape: on the H200 this beat 8192 x 1024 (fewer
-  // passes over the fp32 dE accumulator) and 2048 x 4096 (over the 1.1x memory target); docs/benchmarks.md.
+  // Blockwise: 4096 rows x 2048 entries at seed 002's shape: on the H200 this is faster than 8192 x 1024
+  // (fewer passes over the fp32 dE accumulator) and, unlike 2048 x 4096, within the 1.1x memory target.
   // Fused: the kernels hold no fp32 logits block, only the bf16 logits gradient (rows x vocab) between the
   // dz kernel and the dE/dW GEMMs. Up to 8192 rows x 4096 entries (64 MiB): at seed 002's shape every row
-  // in one block (dW's block written by one GEMM, no fp32 accumulator) and 63 passes over dE beat
-  // 4096 x 2048 by 20 ms on the H200 (docs/benchmarks.md).
+  // in one block (dW's block written by one GEMM, no fp32 accumulator) and 63 passes over dE are 20 ms
+  // faster than 4096 x 2048 on the H200. Wider blocks: docs/benchmarks.md, design notes.
   int64_t rb = row_block > 0 ? row_block : std::min<int64_t>(std::max<int64_t>(N, 1), fused ? 8192 : 4096);
   rb = std::max<int64_t>(1, std::min(rb, std::max<int64_t>(N, 1)));
   const int64_t vb_auto =

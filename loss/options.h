@@ -43,9 +43,10 @@ struct LossOptions {
   // Rows processed at a time (seeds 003/004): bounds the [rows, V] working set of every path, and on
   // the hidden-state path the LM-head matmul's fp32 [rows, V] logits too. 0 = automatic: naive all rows
   // at once; selective 1M logits per ATen chunk (the CUDA kernel streams rows and needs none) and 4096
-  // rows per LM-head matmul; cce 4096 rows (measured best on the H200, docs/benchmarks.md).
+  // rows per LM-head matmul; cce 4096 rows, 8192 on the fused kernels (cce_blocks in loss/cce.cpp says why).
   int64_t chunk_size = 0;
-  // cce: vocabulary entries per block; 0 = automatic (about 8M logits per [rows, vocab] block).
+  // cce: vocabulary entries per block; 0 = automatic (about 8M logits per [rows, vocab] block; 4096 entries
+  // on the fused kernels).
   int64_t vocab_chunk_size = 0;
   // Per-token entropy: none | value (no gradient) | grad (differentiable, for an entropy bonus).
   EntropyMode entropy = EntropyMode::kNone;
@@ -67,8 +68,8 @@ struct LossOptions {
   bool cce_fused = true;
   // The fused kernels' schedule. false (cooperative): both MMA warp groups share a 128-row tile and the
   // tensor cores idle during its epilogue. true (ping-pong): the two take alternate 64-row tiles, one's
-  // epilogue under the other's MMAs; measured slower on the H100 (Llama-3-8B head fw 15.4 against 12.4 ms,
-  // docs/benchmarks.md), so it stays an ablation.
+  // epilogue under the other's MMAs; slower on the H100 in every row but one (docs/benchmarks.md, design
+  // notes), so it stays an ablation.
   bool cce_pingpong = false;
 
   template <class V>

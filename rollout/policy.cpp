@@ -37,11 +37,10 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
 // The fixed shapes a feed of E rows x K tokens runs at, so that a few captured graphs serve every feed:
 // tokens to a multiple of 8 up to 64 (at least 16), then to a power of two (a 17-token reply costs 7 hole
 // slots, which the next in-place compaction squeezes out); rows to a power of two of at least kFeedMinRows,
-// at most the cache's rows. Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time).
-// With one row bucket per power of two from 1, the ReTool loop in bench_rollout captured 14-15 feed graphs
-// per rollout, which cost what their replays saved. Coarser buckets of 16 rows and powers of two from 16
-// tokens run the loop's typical feed (3-4 replies of 17 tokens) as 16 x 32: 4.0 ms of device time on an
-// H200 for about a tenth of that many real tokens.
+// at most the cache's rows. Coarse on purpose: a capture costs two eager forwards (~20-35 ms of host time),
+// and with one row bucket per power of two from 1 the ReTool loop in bench_rollout captures 14-15 feed
+// graphs a rollout, which cost what their replays save. The loop's typical feed (3-4 replies of 17 tokens)
+// runs as 8 x 24.
 constexpr int64_t kFeedMinRows = 8;
 
 int64_t feed_cols(int64_t K) {

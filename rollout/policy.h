@@ -62,7 +62,7 @@ struct ModelPolicyOptions {
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
   // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
   // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
-  // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span, docs/benchmarks.md).
+  // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span).
   int64_t slot_align = 64;
   // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
@@ -92,8 +92,8 @@ struct ModelPolicyOptions {
   bool fixed_shape_extend = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
-  // default: a capture costs two forwards' host time (~35 ms on an H200), and in the ReTool loop (bench_rollout)
-  // 13 of 76 feeds are still captures, which cost about what the replays save (loop ratio 0.40-0.59 from run to run).
+  // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
+  // loop the captures cost about what the replays save (docs/benchmarks.md, the tools loop: spread_graphs).
   // Worth it once caches outlive a rollout.
   bool feed_graphs = false;
   // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,

@@ -97,16 +97,16 @@ struct RolloutOptions {
   // With multi_token_feed: decode steps a ready tool reply (or feedback) may wait, while other rows decode,
   // so that more replies share its forward: the replies are fed once an eighth of the live sequences have
   // one, or the oldest has waited this long, or no row is left to decode. A feed is an eager forward
-  // (about four decode steps' time): in bench_rollout on an H100 (two calls), 4 halved the feeds (74-82
-  // to 40) and their time (-0.25 s), for 38-46 more decode steps; the rollout got 1% and 10% shorter. 0 =
-  // every reply fed at the next step. The trajectories are the same up to rounding.
+  // (about four decode steps' time): in bench_rollout on an H100 (two runs), 4 against 0 gives 40 feeds
+  // against 74-82 and 0.25 s less feed time, for 38-46 more decode steps; the rollouts are 1% and 10%
+  // shorter. 0 = every reply fed at the next step. The trajectories are the same up to rounding.
   int64_t feed_wait = 4;
   // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
   // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. With
   // feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is ModelPolicy's merged
-  // pass: the step and the feed share their weight reads (2.4 ms on an H200 against 1.49 + 1.74 apart;
-  // bench_rollout's spread_merged_kept). Elsewhere it pads every row to the feed's length, whose cost (8 ms a
-  // feed on an H100, 0.83 s in all) ate the decode steps it saved: off by default, as feed_graphs is.
+  // pass: the step and the feed share their weight reads (docs/benchmarks.md, "A feed, a merged pass, a
+  // squeeze"). Elsewhere it pads every row to the feed's length, which costs about what it saves in decode
+  // steps (docs/benchmarks.md, design notes): off by default, as feed_graphs is.
   bool merge_feeds = false;
   // With cuda_graphs, on a GPU: each multi-token feed replays a CUDA graph captured per (rows, tokens)
   // bucket, span and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the

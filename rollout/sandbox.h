@@ -74,12 +74,13 @@ struct SandboxOptions {
   // each call's init into them costs 1 to 10 ms, an RCU grace period); RLIMIT_NPROC and RLIMIT_AS remain.
   bool cgroups = true;
   // Added to the interpreter's niceness (0 to 19), so tool code yields the CPU to the trainer, whose decode
-  // loop launches the GPU's work from the host. Off by default: 10 is within the noise on a 16-core H100
-  // host and makes the 2-core CPU demo's RL steps 19% slower (tool replies come later: more decode steps).
+  // loop launches the GPU's work from the host. Off by default: 10 makes the 2-core CPU demo's RL steps
+  // slower (tool replies come later: more decode steps), and on 16-core GPU hosts its effect stays within
+  // the runs' spread (docs/benchmarks.md, design notes).
   int64_t nice = 0;
   // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
-  // before the call arrives, so a call skips the interpreter's start-up (bench_sandbox, spaced calls on 2
-  // cores: 4.2 ms against 20.7 cold with -S, 8.9 against 47.9 with site-packages). The call's wall_ms and
+  // before the call arrives, so a call skips the interpreter's start-up (docs/benchmarks.md, "A prestarted
+  // call and the pool"). The call's wall_ms and
   // timeout count from its script's delivery. Costs one idle interpreter per worker. run_python() always
   // starts cold.
   bool prestart = true;

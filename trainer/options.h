@@ -75,7 +75,8 @@ inline const EnumNames<ScaleRewards>& enum_names(ScaleRewards) {
 
 // Where AdamW keeps the weights it updates when the model computes in bf16: fp32 master copies (the bf16
 // weights are their rounding), or the bf16 weights themselves. A bf16 weight cannot absorb an update below
-// half its resolution (2^-8 relative): at lr 1e-6 a plain bf16 AdamW step changes 1.5% of the weights.
+// half its resolution (2^-8 relative), so at RL learning rates plain bf16 AdamW leaves most updates
+// unapplied (docs/benchmarks.md, mixed precision).
 enum class MasterWeights { kFp32, kNone };
 inline const EnumNames<MasterWeights>& enum_names(MasterWeights) {
   static const EnumNames<MasterWeights> names{{"fp32", MasterWeights::kFp32}, {"none", MasterWeights::kNone}};

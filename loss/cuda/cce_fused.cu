@@ -862,7 +862,7 @@ void cce_fused_backward(const at::Tensor& hidden, const at::Tensor& weight, int6
                                                   flags.defined() ? static_cast<int>(flags.size(1)) : 0,
                                                   stamp};
     // Each thread block walks a run of the block's vocabulary tiles, as the forward's do, so the producer
-    // loads the next tile while the consumers write this one's gradient (one tile per block left the
+    // loads the next tile while the consumers write this one's gradient (one tile per block leaves the
     // pipeline's fill and every epilogue exposed: 290 TFLOP/s on the H100).
     const auto [m_tiles, n_tiles] = tiles<kPingpong>(h.size(0), w.size(0));
     launch<Element, BackwardEpilogue<Element>, kPingpong>(h, w, vocab_splits<kPingpong>(m_tiles, n_tiles), args);

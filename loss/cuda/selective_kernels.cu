@@ -28,7 +28,8 @@ namespace {
 
 constexpr int kThreads = 512;
 // 16-byte loads each thread has in flight before it folds or writes them: enough bytes in flight per SM to
-// cover HBM's latency (one load per thread left the forward at 3.4 TB/s on the H200).
+// cover HBM's latency (with one load per thread the forward reads 3.4 TB/s on the H200; more loads or
+// streaming loads: docs/benchmarks.md, design notes).
 constexpr int kUnroll = 4;
 
 template <typename T>

@@ -56,7 +56,7 @@ inline ::testing::AssertionResult rejects(const at::Tensor& wrong, const at::Ten
 }
 
 // Close only. Use it where the same tolerance is shown elsewhere in the test to reject a wrong
-// implementation (tests/model still pair theirs that way).
+// implementation (as tests/model/ pair theirs).
 #define RLT_EXPECT_CLOSE(actual, expected, atol, rtol, what) \
   EXPECT_TRUE(::rlt::testing::close((actual), (expected), (atol), (rtol), (what)))
 

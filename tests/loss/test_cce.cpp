@@ -391,7 +391,7 @@ TEST(CceCuda, BackwardFlagsMarkTheTilesToKeep) {
     EXPECT_GT(kept, 0.2) << "the unsure rows' tiles";
     EXPECT_LT(kept, 0.6) << "the sharp rows' tiles without a target";
     // Wrong: targets not flagged, a target flagging its own column and every one before it (a bound on the
-    // target's column of the rest of the block, not of the tile: this kernel's first version), eps ignored (every
+    // target's column over the rest of the block, not over the tile), eps ignored (every
     // tile kept): each disagrees on a sure tile.
     EXPECT_FALSE(at::equal(pmax.ge(eps).masked_select(sure), want.masked_select(sure)));
     const at::Tensor up_to = std::get<0>(at::cummax(has_target.to(at::kInt).flip({1}), 1)).flip({1}).gt(0);

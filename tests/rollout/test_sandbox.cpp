@@ -295,8 +295,8 @@ TEST(Sandbox, DeepRecursionIsContained) {
 }
 
 TEST(Sandbox, NumpyAndSympyImportUnderTheDefaultLimits) {
-  // The default memory limit (1024 MiB) is what this checks. Not the clock: sympy's import took over the
-  // default 5 s on the H200 host under ctest -j 8 (killed, exit 137), so the time limit is lifted.
+  // The default memory limit (1024 MiB) is what this checks. Not the clock: under ctest -j 8 on a 16-core
+  // GPU host sympy's import can take more than the default 5 s (killed, exit 137), so the time limit is lifted.
   SandboxOptions o;
   o.timeout_s = 60;
   const SandboxResult r = run_python("import numpy, sympy\nprint(int(numpy.arange(10).sum()), sympy.sqrt(8))", o);

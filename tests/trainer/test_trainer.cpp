@@ -407,9 +407,9 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
 }
 
 // A bf16 model with fp32 master weights: the warm-up trains the masters and leaves the model equal to
-// them rounded, so RL's first optimizer step starts from the warmed-up weights. (It once started from
-// the masters copied before the warm-up: one RL step put the model back to its random initialisation,
-// entropy jumping from 0.26 to 5.7 nats on the H200 learning check.)
+// them rounded, so RL's first optimizer step starts from the warmed-up weights. (Masters copied before the
+// warm-up would put the model back to its random initialisation at RL's first step: on the H200 learning
+// check the entropy jumps from 0.26 to 5.7 nats.)
 TEST(MixedPrecisionRun, WarmUpTrainsTheMastersRlStartsFrom) {
   TempDir tmp("bf16_warmup");
   Config c = tiny_config();
