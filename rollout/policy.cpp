@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/memory.h"
+#include "common/timing.h"
 #include "loss/logprob.h"
 
 #ifdef RLT_HAVE_CUDA
@@ -616,7 +617,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
   }
   device_synchronize(dev);
   ++graph_captures_;
-  capture_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  capture_s_ += seconds_since(t0);
   return g;
 }
 
@@ -704,7 +705,7 @@ void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, in
   struct Timed {  // adds the call's host seconds to compact_s_ on every return
     double& total;
     std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    ~Timed() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+    ~Timed() { total += seconds_since(t0); }
   } timed{compact_s_};
   const auto dev = valid_.device();
   const int64_t Bc = cache_rows(), L = cache_.length;

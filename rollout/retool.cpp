@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/memory.h"
+#include "common/timing.h"
 #include "data/tokenizer.h"
 
 namespace rlt {
@@ -429,7 +430,7 @@ class Loop {
     const float* lp = out.logprobs.data_ptr<float>();
     const auto t0 = Clock::now();
     for (int64_t j = 0; j < n; ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
-    stats.turn_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    stats.turn_s += seconds_since(t0);
   }
 
   void on_sampled(Seq& s, int64_t id, float logprob) {
@@ -478,7 +479,7 @@ class Loop {
   // The live line of a long rollout (rollout.progress_s): "\r"-rewritten in place, ended by run().
   void report_progress() {
     if (options_.progress_s <= 0) return;
-    const double s = std::chrono::duration<double>(Clock::now() - start_).count();
+    const double s = seconds_since(start_);
     if (s < next_progress_) return;
     next_progress_ = s + options_.progress_s;
     int64_t done = 0, waiting = 0, sampled = 0;
@@ -525,7 +526,7 @@ class Loop {
         if (s.tool.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
         SandboxResult r = s.tool.get();
         got = true;
-        tool_latency_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - s.tool_sent).count();
+        tool_latency_s_ += seconds_since(s.tool_sent);
         tool_run_s_ += r.wall_ms / 1e3;
         s.traj.tool_timeouts += r.timed_out;
         if (append_forced(s, reply_turn(format_tool_output(r)))) next_turn(s);
@@ -618,7 +619,7 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
   } clear_reserve{policy};
   std::vector<Trajectory> out = loop.run(prompts, prompt_streams, options.max_batch, local);
   if (stats) {
-    local.total_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    local.total_s = seconds_since(t0);
     *stats = local;
   }
   return out;

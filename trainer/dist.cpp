@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/memory.h"
+#include "common/timing.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
 
@@ -357,7 +358,7 @@ void GradReducer::finish() {
   start_ready_buckets();
   const auto t0 = Clock::now();
   for (auto& p : pending_) p->wait();
-  wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  wait_s_ += seconds_since(t0);
   pending_.clear();
   next_bucket_ = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) remaining_[b] = buckets_[b].size();

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "common/files.h"
+#include "common/timing.h"
 #include "data/chat_template.h"
 #include "data/synthetic.h"
 #include "model/config.h"
@@ -344,7 +345,7 @@ RolloutBatch collect_rollouts(Run& run) {
   std::vector<std::string> answers;
   for (const auto& ex : out.examples) answers.push_back(ex.answer);
   assign_rewards(out.trajs, answers, cfg.reward);
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.seconds = seconds_since(t0);
   out.table = gather_table(*run.dist, out.trajs, out.index, P * G);
   if (world > 1) {  // the step waits for the slowest rank; counts (and the calls' summed latencies) add up
     RolloutStats& st = out.stats;

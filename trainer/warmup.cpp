@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <iostream>
 
+#include "common/timing.h"
 #include "data/chat_template.h"
 #include "data/synthetic.h"
 #include "trainer/batch.h"
@@ -123,7 +124,7 @@ double sft_warmup(Run& run) {
     copy_master_weights_to_model(run);
     loss_value = loss.item<double>();
     if (run.lead() && (step % 20 == 0 || step + 1 == o.steps)) {
-      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double sec = seconds_since(t0);
       const char* end = step + 1 == o.steps ? ", done\n" : (tty ? "" : "\n");
       std::cerr << (tty ? "\r" : "") << "warm-up " << step + 1 << "/" << o.steps << "  loss " << std::fixed
                 << std::setprecision(4) << loss_value << "  " << std::setprecision(1) << sec << " s" << end
