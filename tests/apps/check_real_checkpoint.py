@@ -1,7 +1,8 @@
 """A real checkpoint end to end, on the CPU: transformers saves a random Qwen3-architecture model (vocabulary
 sized as Qwen3's) beside the published Qwen3 tokenizer.json, tokenizer_config.json (with its chat template)
-and a generation_config.json; grpo_train runs 2 GRPO steps of configs/retool.yaml on the DAPO-Math
-fixture (chat-message prompts, "label" answers), with the model's own tokenizer, chat template and stop ids
+and a generation_config.json; grpo_train runs 2 GRPO steps of configs/retool.yaml, from the source folder with
+only model.path and the CPU's sizes set, on the DAPO-Math sample and AIME 2024 that ship in data/ (chat-message
+prompts, "label" answers), with the model's own tokenizer, chat template and stop ids
 and the <tool_call> format (the template lists the code_interpreter tool);
 the checkpoint it writes is a complete HF folder that transformers' AutoModelForCausalLM and AutoTokenizer
 load and generate from. The prompt ids grpo_train sampled from are transformers' own apply_chat_template ids.
@@ -20,8 +21,7 @@ import transformers
 
 grpo, src, fixtures = sys.argv[1:4]
 qwen3 = os.path.join(fixtures, "tokenizers", "qwen3")
-dapo = os.path.join(fixtures, "data", "dapo_math_17k.head200.jsonl")
-aime = os.path.join(fixtures, "data", "aime2024.jsonl")
+dapo = os.path.join(src, "data", "dapo-math-17k-200.jsonl")
 failures = []
 # The tool the trainer offers in tool_call format (rollout/tools.cpp, ToolProtocol::tool_schema).
 CODE_INTERPRETER = {"type": "function", "function": {
@@ -53,15 +53,17 @@ with tempfile.TemporaryDirectory() as tmp:
     cmd = [grpo, "--config", os.path.join(src, "configs", "retool.yaml"), "--out", out,
            "--set", "model.path=" + ckpt, "--set", "model.device=cpu", "--set", "model.dtype=float32",
            "--set", "model.activation_checkpointing=false",
-           "--set", "data.path=" + dapo, "--set", "data.max_examples=8",
-           "--set", "data.eval_path=" + aime, "--set", "train.eval_prompts=2", "--set", "train.eval_samples=2",
+           "--set", "data.max_examples=8",
+           "--set", "train.eval_prompts=2", "--set", "train.eval_samples=2",
            "--set", "train.eval_every=2",
            "--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "train.micro_batch_size=4",
            "--set", "train.checkpoint_every=0", "--set", "train.log_samples=4",
            "--set", "sampling.samples_per_prompt=2", "--set", "sampling.max_new_tokens=24",
            "--set", "rollout.max_context=1024", "--set", "rollout.max_turns=2",
            "--set", "sandbox.workers=2", "--set", "loss.impl=selective"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # From the source folder, as a user runs it: the config's data.path and data.eval_path are the shipped
+    # data/dapo-math-17k-200.jsonl and data/aime-2024.jsonl.
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=src)
     text = p.stdout + p.stderr
     check(p.returncode == 0, f"grpo_train exit {p.returncode}:\n{text[-3000:]}")
     if p.returncode == 0:
