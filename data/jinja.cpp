@@ -10,9 +10,56 @@
 #include <ctime>
 #include <sstream>
 
+#include <pthread.h>
+
 namespace rlt::jinja {
 
 namespace {
+
+// ------------------------------------------------------------------------------------------------ limits
+
+// The limits of the render in progress on this thread and what it has used so far. The value helpers
+// (to_str, dump_json, equal, building lists) charge it as well as the renderer.
+struct Budget {
+  Limits limits;
+  int64_t work = 0, iterations = 0;
+  int macro_depth = 0;
+};
+thread_local Budget* tl_budget = nullptr;
+
+// An error raised where the template line is not at hand; the renderer adds the line of its statement.
+struct LineLess {
+  std::string why;
+};
+
+[[noreturn]] void limit_hit(const char* name, const std::string& detail, const char* field) {
+  throw LineLess{std::string(name) + " limit: " + detail + " (jinja::Limits::" + field + ")"};
+}
+// `bytes` more built or scanned.
+void charge(int64_t bytes) {
+  if (!tl_budget) return;
+  tl_budget->work += bytes;
+  if (tl_budget->work > tl_budget->limits.max_work) {
+    limit_hit("work", "the render built or scanned more than " + std::to_string(tl_budget->limits.max_work) + " bytes",
+              "max_work");
+  }
+}
+// A string of `bytes` is about to be, or has just been, built.
+void check_string(size_t bytes) {
+  if (tl_budget && static_cast<int64_t>(bytes) > tl_budget->limits.max_output) {
+    limit_hit("string size",
+              "a string of " + std::to_string(bytes) + " bytes, over " + std::to_string(tl_budget->limits.max_output),
+              "max_output");
+  }
+}
+// A list or mapping nested `depth` deep.
+void check_value_depth(int depth) {
+  if (tl_budget && depth > tl_budget->limits.max_nesting) {
+    limit_hit("nesting depth",
+              "lists and mappings nested over " + std::to_string(tl_budget->limits.max_nesting) + " deep",
+              "max_nesting");
+  }
+}
 
 // ------------------------------------------------------------------------------------------------ values
 
@@ -37,6 +84,11 @@ struct Value {
   std::shared_ptr<List> list;
   std::shared_ptr<Dict> dict;
   std::shared_ptr<Fn> fn;
+  // Lists and mappings nested inside (0 for a scalar), as built; and whether a namespace (the one mutable
+  // value) is in it. A namespace may not hold a namespace, so no value is cyclic and a namespace's
+  // contents keep the depth they had when set: no value nests deeper than twice max_nesting.
+  int depth = 0;
+  bool holds_ns = false;
 
   static Value none() { return with(kNone); }
   static Value boolean(bool x) {
@@ -61,13 +113,16 @@ struct Value {
   }
   static Value of_list(List x) {
     Value v = with(kList);
+    v.depth = 1;
+    for (const auto& item : x) v.take_child(item);
     v.list = std::make_shared<List>(std::move(x));
     return v;
   }
-  static Value of_dict(Dict x) {
-    Value v = with(kDict);
-    v.dict = std::make_shared<Dict>(std::move(x));
-    return v;
+  static Value of_dict(Dict x);
+  void take_child(const Value& c) {
+    depth = std::max(depth, c.depth + 1);
+    holds_ns = holds_ns || c.holds_ns;
+    check_value_depth(depth);
   }
   static Value function(Fn x) {
     Value v = with(kFn);
@@ -82,6 +137,14 @@ struct Value {
   bool number() const { return kind == kInt || kind == kFloat || kind == kBool; }
   double as_double() const { return kind == kFloat ? f : kind == kBool ? double(b) : double(i); }
 };
+
+Value Value::of_dict(Dict x) {
+  Value v = with(kDict);
+  v.depth = 1;
+  for (const auto& item : x.items) v.take_child(item.second);
+  v.dict = std::make_shared<Dict>(std::move(x));
+  return v;
+}
 
 Value* Dict::find(const std::string& k) {
   for (auto& [key, v] : items) {
@@ -218,9 +281,10 @@ std::string py_repr_str(const std::string& s) {
   return out + q;
 }
 
-std::string to_str(const Value& v, bool repr = false);
+std::string to_str(const Value& v, bool repr = false, int depth = 0);
 
-std::string to_str(const Value& v, bool repr) {
+std::string to_str(const Value& v, bool repr, int depth) {
+  check_value_depth(depth);
   switch (v.kind) {
     case Value::kUndefined:
       return "";
@@ -236,14 +300,21 @@ std::string to_str(const Value& v, bool repr) {
       return repr ? py_repr_str(v.s) : v.s;
     case Value::kList: {
       std::string out = "[";
-      for (size_t k = 0; k < v.list->size(); ++k) out += (k ? ", " : "") + to_str((*v.list)[k], true);
+      for (size_t k = 0; k < v.list->size(); ++k) {
+        out += (k ? ", " : "") + to_str((*v.list)[k], true, depth + 1);
+        check_string(out.size());
+      }
+      charge(static_cast<int64_t>(out.size()));
       return out + "]";
     }
     case Value::kDict: {
       std::string out = "{";
       for (size_t k = 0; k < v.dict->items.size(); ++k) {
-        out += (k ? ", " : "") + py_repr_str(v.dict->items[k].first) + ": " + to_str(v.dict->items[k].second, true);
+        out += (k ? ", " : "") + py_repr_str(v.dict->items[k].first) + ": " +
+               to_str(v.dict->items[k].second, true, depth + 1);
+        check_string(out.size());
       }
+      charge(static_cast<int64_t>(out.size()));
       return out + "}";
     }
     case Value::kFn:
@@ -254,9 +325,12 @@ std::string to_str(const Value& v, bool repr) {
 
 // json.dumps(x, ensure_ascii=False, indent=indent) as transformers' tojson filter calls it.
 void dump_json(const Value& v, int indent, int depth, std::string& out) {
+  check_value_depth(depth);
+  check_string(out.size());
   auto newline = [&](int d) {
+    check_string(out.size() + static_cast<size_t>(indent) * d);
     out += '\n';
-    out += std::string(static_cast<size_t>(indent * d), ' ');
+    out += std::string(static_cast<size_t>(indent) * d, ' ');
   };
   switch (v.kind) {
     case Value::kUndefined:
@@ -347,7 +421,9 @@ void dump_json(const Value& v, int indent, int depth, std::string& out) {
   }
 }
 
-bool equal(const Value& a, const Value& b) {
+bool equal(const Value& a, const Value& b, int depth = 0) {
+  check_value_depth(depth);
+  charge(sizeof(Value));
   if (a.number() && b.number()) return a.as_double() == b.as_double();
   if (a.kind != b.kind) return false;
   switch (a.kind) {
@@ -359,14 +435,14 @@ bool equal(const Value& a, const Value& b) {
     case Value::kList:
       if (a.list->size() != b.list->size()) return false;
       for (size_t k = 0; k < a.list->size(); ++k) {
-        if (!equal((*a.list)[k], (*b.list)[k])) return false;
+        if (!equal((*a.list)[k], (*b.list)[k], depth + 1)) return false;
       }
       return true;
     case Value::kDict:
       if (a.dict->items.size() != b.dict->items.size()) return false;
       for (const auto& [k, v] : a.dict->items) {
         const Value* o = b.dict->find(k);
-        if (!o || !equal(v, *o)) return false;
+        if (!o || !equal(v, *o, depth + 1)) return false;
       }
       return true;
     default:
@@ -410,10 +486,14 @@ std::vector<Tok> lex_expr(const std::string& src, int line) {
       std::string num = src.substr(p, e - p);
       num.erase(std::remove(num.begin(), num.end(), '_'), num.end());
       Tok t{real ? Tok::kFloat : Tok::kInt, num};
-      if (real)
-        t.f = std::stod(num);
-      else
-        t.i = std::stoll(num);
+      try {
+        if (real)
+          t.f = std::stod(num);
+        else
+          t.i = std::stoll(num);
+      } catch (const std::out_of_range&) {
+        fail("number " + num + " is out of range");
+      }
       out.push_back(t);
       p = e;
     } else if (c == '\'' || c == '"') {
@@ -479,6 +559,7 @@ struct Expr {
   std::vector<std::pair<std::string, ExprP>> kwargs;
   bool negated = false;  // `is not`, `not in`
   int line = 0;
+  int depth = 1;  // operators nested in this expression, this one included
 };
 
 ExprP make(Expr::Kind k, int line) {
@@ -490,7 +571,8 @@ ExprP make(Expr::Kind k, int line) {
 
 class ExprParser {
  public:
-  ExprParser(std::vector<Tok> toks, int line) : t_(std::move(toks)), line_(line) {}
+  ExprParser(std::vector<Tok> toks, int line, int max_nesting)
+      : t_(std::move(toks)), line_(line), max_nesting_(max_nesting) {}
 
   ExprP expression() { return conditional(); }
   bool at_end() const { return t_[p_].kind == Tok::kEnd; }
@@ -519,18 +601,41 @@ class ExprParser {
   [[noreturn]] void fail(const std::string& why) const {
     throw TemplateError("template line " + std::to_string(line_) + ": " + why);
   }
+  // The parser's own recursion (brackets, `not`, unary minus, conditionals) and the depth of the tree it
+  // builds (left-assoc chains such as 1+1+...+1 are built in a loop but evaluated recursively): both
+  // stay within max_nesting.
+  struct Deeper {
+    ExprParser& p;
+    explicit Deeper(ExprParser& parser) : p(parser) {
+      if (++p.nesting_ > p.max_nesting_) p.too_deep();
+    }
+    ~Deeper() { --p.nesting_; }
+  };
+  [[noreturn]] void too_deep() const {
+    fail("nesting depth limit: an expression nested over " + std::to_string(max_nesting_) +
+         " deep (jinja::Limits::max_nesting)");
+  }
+  ExprP fin(ExprP e) const {
+    for (const auto& a : e->args) {
+      if (a) e->depth = std::max(e->depth, a->depth + 1);
+    }
+    for (const auto& kv : e->kwargs) e->depth = std::max(e->depth, kv.second->depth + 1);
+    if (e->depth > max_nesting_) too_deep();
+    return e;
+  }
   void expect_end() {
     if (!at_end()) fail("unexpected '" + peek().text + "'");
   }
 
   ExprP conditional() {
+    Deeper guard(*this);
     ExprP e = or_expr();
     if (accept_name("if")) {
       ExprP c = make(Expr::kCond, line_);
       ExprP test = or_expr();
       ExprP other = accept_name("else") ? conditional() : nullptr;
       c->args = {test, e, other};
-      return c;
+      return fin(c);
     }
     return e;
   }
@@ -539,7 +644,7 @@ class ExprParser {
     while (accept_name("or")) {
       ExprP o = make(Expr::kOr, line_);
       o->args = {e, and_expr()};
-      e = o;
+      e = fin(o);
     }
     return e;
   }
@@ -548,15 +653,16 @@ class ExprParser {
     while (accept_name("and")) {
       ExprP o = make(Expr::kAnd, line_);
       o->args = {e, not_expr()};
-      e = o;
+      e = fin(o);
     }
     return e;
   }
   ExprP not_expr() {
     if (accept_name("not")) {
+      Deeper guard(*this);
       ExprP n = make(Expr::kNot, line_);
       n->args = {not_expr()};
-      return n;
+      return fin(n);
     }
     return compare();
   }
@@ -582,7 +688,7 @@ class ExprParser {
       b->name = op;
       b->negated = neg;
       b->args = {e, concat()};
-      e = b;
+      e = fin(b);
     }
   }
   ExprP binary_left(ExprP (ExprParser::*next)(), std::initializer_list<const char*> ops) {
@@ -597,7 +703,7 @@ class ExprParser {
       ExprP b = make(Expr::kBin, line_);
       b->name = hit;
       b->args = {e, (this->*next)()};
-      e = b;
+      e = fin(b);
     }
   }
   ExprP concat() { return binary_left(&ExprParser::sum, {"~"}); }
@@ -606,11 +712,15 @@ class ExprParser {
   ExprP power() { return binary_left(&ExprParser::unary, {"**"}); }
   ExprP unary() {
     if (accept_op("-")) {
+      Deeper guard(*this);
       ExprP n = make(Expr::kNeg, line_);
       n->args = {unary()};
-      return n;
+      return fin(n);
     }
-    if (accept_op("+")) return unary();
+    if (accept_op("+")) {
+      Deeper guard(*this);
+      return unary();
+    }
     return filtered(postfix(primary()));
   }
   void call_args(ExprP& e) {
@@ -634,7 +744,7 @@ class ExprParser {
         f->name = name();
         f->args.push_back(e);
         if (accept_op("(")) call_args(f);
-        e = postfix(f);
+        e = postfix(fin(f));
       } else if (accept_name("is")) {
         ExprP t = make(Expr::kTest, line_);
         t->negated = accept_name("not");
@@ -647,7 +757,7 @@ class ExprParser {
                     peek().text != "if" && peek().text != "is" && peek().text != "in" && peek().text != "not")) {
           t->args.push_back(primary());  // `is divisibleby 3`, `is equalto x`
         }
-        e = t;
+        e = fin(t);
       } else {
         return e;
       }
@@ -659,7 +769,7 @@ class ExprParser {
         ExprP a = make(Expr::kAttr, line_);
         a->name = peek().kind == Tok::kInt ? std::to_string(t_[p_++].i) : name();
         a->args = {e};
-        e = a;
+        e = fin(a);
       } else if (accept_op("[")) {
         ExprP lo, hi, step;
         bool slice = false;
@@ -672,12 +782,12 @@ class ExprParser {
         expect_op("]");
         ExprP s = make(slice ? Expr::kSlice : Expr::kItem, line_);
         s->args = {e, lo, hi, step};
-        e = s;
+        e = fin(s);
       } else if (accept_op("(")) {
         ExprP c = make(Expr::kCall, line_);
         c->args.push_back(e);
         call_args(c);
-        e = c;
+        e = fin(c);
       } else {
         return e;
       }
@@ -726,7 +836,7 @@ class ExprParser {
             break;
           }
         }
-        return l;
+        return fin(l);
       }
       expect_op(")");
       return e;
@@ -740,7 +850,7 @@ class ExprParser {
           break;
         }
       }
-      return l;
+      return fin(l);
     }
     if (accept_op("{")) {
       ExprP d = make(Expr::kDict, line_);
@@ -753,7 +863,7 @@ class ExprParser {
           break;
         }
       }
-      return d;
+      return fin(d);
     }
     fail("unexpected '" + t.text + "'");
   }
@@ -762,6 +872,8 @@ class ExprParser {
   std::vector<Tok> t_;
   size_t p_ = 0;
   int line_;
+  int max_nesting_;
+  int nesting_ = 0;
 };
 
 }  // namespace
@@ -873,23 +985,34 @@ std::vector<RawTag> split_tags(const std::string& src, const Options& opt) {
 
 class StmtParser {
  public:
-  explicit StmtParser(std::vector<RawTag> tags) : tags_(std::move(tags)) {}
+  StmtParser(std::vector<RawTag> tags, int max_nesting) : tags_(std::move(tags)), max_nesting_(max_nesting) {}
 
   // Parses nodes until one of `ends` (a block keyword) is met; returns that keyword ("" at the end).
   std::string parse(std::vector<NodeP>& out, std::initializer_list<const char*> ends, ExprParser** end_tag = nullptr) {
+    struct Deeper {  // one level per open block: bounds this recursion and the renderer's
+      int& n;
+      ~Deeper() { --n; }
+    } guard{++nesting_};
+    if (nesting_ > max_nesting_ + 1) {
+      fail(k_ < tags_.size() ? tags_[k_ - 1].line : 0, "nesting depth limit: blocks nested over " +
+                                                           std::to_string(max_nesting_) +
+                                                           " deep (jinja::Limits::max_nesting)");
+    }
     while (k_ < tags_.size()) {
       const RawTag& t = tags_[k_++];
       if (t.is_text) {
         auto n = std::make_shared<Template::Node>();
         n->kind = Template::Node::kText;
         n->text = t.content;
+        n->line = t.line;
         out.push_back(n);
         continue;
       }
-      auto ep = std::make_unique<ExprParser>(lex_expr(t.content, t.line), t.line);
+      auto ep = std::make_unique<ExprParser>(lex_expr(t.content, t.line), t.line, max_nesting_);
       if (!t.block) {
         auto n = std::make_shared<Template::Node>();
         n->kind = Template::Node::kOut;
+        n->line = t.line;
         n->expr = ep->expression();
         ep->expect_end();
         out.push_back(n);
@@ -982,6 +1105,8 @@ class StmtParser {
   std::vector<RawTag> tags_;
   size_t k_ = 0;
   std::unique_ptr<ExprParser> last_;
+  int max_nesting_;
+  int nesting_ = 0;
 };
 
 // ------------------------------------------------------------------------------------------------ render
@@ -992,17 +1117,60 @@ struct LoopContinue {};
 class Renderer {
  public:
   explicit Renderer(const nlohmann::ordered_json& ctx) {
+    set_stack_floor();
     scopes_.emplace_back();
     for (const auto& [k, v] : ctx.items()) scopes_.back().set(k, from_json(v));
     install_globals();
   }
 
   void run(const std::vector<NodeP>& body, std::string& out) {
-    for (const auto& n : body) node(*n, out);
+    for (const auto& n : body) {
+      check_stack(n->line);
+      try {
+        node(*n, out);
+      } catch (const LineLess& e) {
+        fail(n->line, e.why);
+      }
+      if (static_cast<int64_t>(out.size()) > limits().max_output) {
+        fail(n->line, "output size limit: the text passes " + std::to_string(limits().max_output) +
+                          " bytes (jinja::Limits::max_output)");
+      }
+    }
   }
 
  private:
   std::vector<Dict> scopes_;
+  // The renderer recurses once per open block, operator and macro call. Each is bounded (max_nesting,
+  // max_recursion), but together (100 macro calls deep, each 256 blocks and 256 operators deep) they
+  // need more stack than a thread has, so the depth is also held to the thread's stack: all of it but
+  // 1 MiB (half of it when the stack is under 2 MiB), which to_str and tojson's 2 * max_nesting levels
+  // fit in.
+  const char* stack_floor_ = nullptr;
+
+  void set_stack_floor() {
+    const char* here = static_cast<const char*>(__builtin_frame_address(0));
+    size_t left = size_t(4) << 20;  // when the thread's stack cannot be read
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      void* lowest = nullptr;
+      size_t size = 0;
+      if (pthread_attr_getstack(&attr, &lowest, &size) == 0 && here > static_cast<const char*>(lowest)) {
+        left = static_cast<size_t>(here - static_cast<const char*>(lowest));
+      }
+      pthread_attr_destroy(&attr);
+    }
+    const size_t usable = left > (size_t(2) << 20) ? left - (size_t(1) << 20) : left / 2;
+    stack_floor_ = here - usable;
+  }
+  void check_stack(int line) const {
+    if (static_cast<const char*>(__builtin_frame_address(0)) < stack_floor_) {
+      fail(line,
+           "nesting depth limit: blocks, expressions and macro calls nested deeper than this thread's stack "
+           "holds (jinja::Limits::max_nesting, max_recursion)");
+    }
+  }
+
+  static const Limits& limits() { return tl_budget->limits; }
 
   [[noreturn]] static void fail(int line, const std::string& why) {
     throw TemplateError("template line " + std::to_string(line) + ": " + why);
@@ -1037,17 +1205,38 @@ class Renderer {
             Dict d;
             if (!a.empty() && a[0].kind == Value::kDict) d = *a[0].dict;
             for (const auto& [k, v] : kw) d.set(k, v);
-            return Value::of_dict(std::move(d));
+            for (const auto& [k, v] : d.items) no_namespace_inside(k, v);
+            Value ns = Value::of_dict(std::move(d));
+            ns.holds_ns = true;
+            return ns;
           }));
     g.set("range", Value::function([](const Args& a, const Kwargs&) {
             int64_t lo = 0, hi = 0, st = 1;
             if (a.size() == 1) hi = a[0].i;
             if (a.size() >= 2) lo = a[0].i, hi = a[1].i;
             if (a.size() >= 3) st = a[2].i;
+            if (st == 0) throw LineLess{"range() step must not be zero"};
+            // Its length, in floating point so that no bound overflows.
+            const double n = std::max(0.0, std::ceil((double(hi) - double(lo)) / double(st)));
+            if (n > double(limits().max_range)) {
+              char items[32];
+              std::snprintf(items, sizeof(items), "%.0f", n);
+              limit_hit("range length",
+                        "range(" + std::to_string(lo) + ", " + std::to_string(hi) + ", " + std::to_string(st) +
+                            ") has " + items + " items, over " + std::to_string(limits().max_range),
+                        "max_range");
+            }
             List l;
-            for (int64_t x = lo; st > 0 ? x < hi : x > hi; x += st) l.push_back(Value::integer(x));
+            for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) l.push_back(Value::integer(lo + k * st));
+            charge(static_cast<int64_t>(l.size() * sizeof(Value)));
             return Value::of_list(std::move(l));
           }));
+  }
+
+  // A namespace's attribute may hold anything but a namespace (see Value::holds_ns).
+  static void no_namespace_inside(const std::string& name, const Value& v) {
+    if (v.holds_ns) throw LineLess{"namespace attribute '" + name + "': a namespace may not hold a namespace"};
+    if (v.depth + 1 > limits().max_nesting) check_value_depth(v.depth + 1);
   }
 
   void node(const Template::Node& n, std::string& out) {
@@ -1071,6 +1260,7 @@ class Renderer {
         if (n.targets.size() == 2) {
           Value ns = lookup(n.targets[0]);
           if (ns.kind != Value::kDict) fail(n.line, "set " + n.targets[0] + "." + n.targets[1] + ": not a namespace");
+          no_namespace_inside(n.targets[1], v);
           ns.dict->set(n.targets[1], std::move(v));
         } else {
           scopes_.back().set(n.targets[0], std::move(v));
@@ -1081,6 +1271,16 @@ class Renderer {
         const Template::Node* def = &n;
         scopes_.back().set(
             n.targets[0], Value::function([this, def](const Args& a, const Kwargs& kw) {
+              struct Deeper {
+                int& n;
+                ~Deeper() { --n; }
+              } guard{++tl_budget->macro_depth};
+              if (tl_budget->macro_depth > limits().max_recursion) {
+                limit_hit(
+                    "recursion depth",
+                    "macro " + def->targets[0] + " called " + std::to_string(limits().max_recursion + 1) + " deep",
+                    "max_recursion");
+              }
               Dict params;
               for (size_t k = 0; k < def->params.size(); ++k) {
                 Value v = k < a.size() ? a[k] : def->params[k].second ? eval(*def->params[k].second) : Value();
@@ -1117,6 +1317,9 @@ class Renderer {
   }
 
   static List iterate(const Value& v, int line) {
+    charge(static_cast<int64_t>(sizeof(Value)) * (v.kind == Value::kList   ? v.list->size()
+                                                  : v.kind == Value::kDict ? v.dict->items.size()
+                                                                           : v.s.size()));
     if (v.kind == Value::kList) return *v.list;
     if (v.kind == Value::kDict) {
       List keys;
@@ -1150,11 +1353,19 @@ class Renderer {
     for (size_t k = 0; k < targets.size(); ++k) scope.set(targets[k], parts[k]);
   }
 
+  void count_iteration() {
+    if (++tl_budget->iterations > limits().max_iterations) {
+      limit_hit("loop iteration", "loops ran over " + std::to_string(limits().max_iterations) + " iterations",
+                "max_iterations");
+    }
+  }
+
   void for_loop(const Template::Node& n, std::string& out) {
     List items = iterate(eval(*n.expr), n.line);
     if (n.filter) {
       List kept;
       for (const auto& it : items) {
+        count_iteration();
         scopes_.emplace_back();
         bind(n.targets, it, scopes_.back(), n.line);
         const bool keep = truthy(eval(*n.filter));
@@ -1165,6 +1376,7 @@ class Renderer {
     }
     const int64_t N = static_cast<int64_t>(items.size());
     for (int64_t k = 0; k < N; ++k) {
+      if (!n.filter) count_iteration();
       Dict loop;
       loop.set("index", Value::integer(k + 1));
       loop.set("index0", Value::integer(k));
@@ -1193,7 +1405,16 @@ class Renderer {
 
   // ---- expressions
 
+  // Every string an expression yields is charged to max_work: reading a variable or an attribute copies
+  // it, so a loop that re-reads a long string costs its length each time.
   Value eval(const Expr& e) {
+    check_stack(e.line);
+    Value v = eval_node(e);
+    if (v.kind == Value::kStr) charge(static_cast<int64_t>(v.s.size()));
+    return v;
+  }
+
+  Value eval_node(const Expr& e) {
     switch (e.kind) {
       case Expr::kLit:
         return e.lit;
@@ -1252,7 +1473,7 @@ class Renderer {
     if (op == "==") return Value::boolean(equal(a, b));
     if (op == "!=") return Value::boolean(!equal(a, b));
     if (op == "in") return Value::boolean(contains(b, a, e.line) != e.negated);
-    if (op == "~") return Value::str(to_str(a) + to_str(b));
+    if (op == "~") return built(to_str(a) + to_str(b));
     if (op == "<" || op == ">" || op == "<=" || op == ">=") {
       int c = 0;
       if (a.number() && b.number())
@@ -1264,17 +1485,29 @@ class Renderer {
       return Value::boolean(op == "<" ? c < 0 : op == ">" ? c > 0 : op == "<=" ? c <= 0 : c >= 0);
     }
     if (op == "+") {
-      if (a.kind == Value::kStr && b.kind == Value::kStr) return Value::str(a.s + b.s);
+      if (a.kind == Value::kStr && b.kind == Value::kStr) return built(a.s + b.s);
       if (a.kind == Value::kList && b.kind == Value::kList) {
+        charge(static_cast<int64_t>((a.list->size() + b.list->size()) * sizeof(Value)));
         List l = *a.list;
         l.insert(l.end(), b.list->begin(), b.list->end());
         return Value::of_list(std::move(l));
       }
     }
     if (op == "*" && a.kind == Value::kStr && b.kind == Value::kInt) {
+      const double bytes = double(a.s.size()) * double(std::max<int64_t>(b.i, 0));
+      if (bytes > double(limits().max_output)) {
+        char n[32];
+        std::snprintf(n, sizeof(n), "%.0f", bytes);
+        fail(e.line, "string size limit: repeating " + std::to_string(a.s.size()) + " bytes " + std::to_string(b.i) +
+                         " times makes " + n + " bytes, over " + std::to_string(limits().max_output) +
+                         " (jinja::Limits::max_output)");
+      }
       std::string s;
-      for (int64_t k = 0; k < b.i; ++k) s += a.s;
-      return Value::str(s);
+      s.reserve(static_cast<size_t>(bytes));
+      if (b.i > 0) s = a.s;
+      while (!s.empty() && s.size() * 2 <= static_cast<size_t>(bytes)) s.append(s.data(), s.size());  // doubles
+      s.append(s.data(), static_cast<size_t>(bytes) - s.size());
+      return built(std::move(s));
     }
     if (!a.number() || !b.number()) {
       fail(e.line, "unsupported operand types for " + op + ": " + kind_name(a) + " and " + kind_name(b));
@@ -1287,13 +1520,21 @@ class Renderer {
     }
     if (ints) {
       const int64_t p = a.kind == Value::kBool ? a.b : a.i, q = b.kind == Value::kBool ? b.b : b.i;
-      if (op == "+") return Value::integer(p + q);
-      if (op == "-") return Value::integer(p - q);
-      if (op == "*") return Value::integer(p * q);
+      int64_t r = 0;
+      auto overflow = [&]() {
+        fail(e.line, "integer overflow in " + std::to_string(p) + " " + op + " " + std::to_string(q));
+      };
+      if (op == "+") return __builtin_add_overflow(p, q, &r) ? overflow(), Value() : Value::integer(r);
+      if (op == "-") return __builtin_sub_overflow(p, q, &r) ? overflow(), Value() : Value::integer(r);
+      if (op == "*") return __builtin_mul_overflow(p, q, &r) ? overflow(), Value() : Value::integer(r);
       if ((op == "//" || op == "%") && q == 0) fail(e.line, "integer division or modulo by zero");
       if (op == "//") return Value::integer(static_cast<int64_t>(std::floor(double(p) / double(q))));
-      if (op == "%") return Value::integer(((p % q) + q) % q);
-      if (op == "**") return Value::integer(static_cast<int64_t>(std::pow(double(p), double(q))));
+      if (op == "%") return Value::integer(q == -1 ? 0 : ((p % q) + q) % q);
+      if (op == "**") {
+        const double x = std::pow(double(p), double(q));
+        if (!(std::fabs(x) < 9.2e18)) overflow();
+        return q < 0 ? Value::real(x) : Value::integer(static_cast<int64_t>(x));
+      }
     }
     if (op == "+") return Value::real(x + y);
     if (op == "-") return Value::real(x - y);
@@ -1304,9 +1545,16 @@ class Renderer {
     fail(e.line, "unknown operator " + op);
   }
 
+  // A string built by the template, within max_output (eval charges it to max_work).
+  static Value built(std::string s) {
+    check_string(s.size());
+    return Value::str(std::move(s));
+  }
+
   static bool contains(const Value& hay, const Value& needle, int line) {
     if (hay.kind == Value::kStr) {
       if (needle.kind != Value::kStr) fail(line, "'in <string>' requires a string on the left");
+      charge(static_cast<int64_t>(hay.s.size() * std::max<size_t>(needle.s.size(), 1)));  // the search's worst case
       return hay.s.find(needle.s) != std::string::npos;
     }
     if (hay.kind == Value::kList) {
@@ -1359,7 +1607,7 @@ class Renderer {
     if (step == 0) fail(e.line, "slice step cannot be zero");
     List src;
     if (obj.kind == Value::kList)
-      src = *obj.list;
+      src = iterate(obj, e.line);
     else if (obj.kind == Value::kStr)
       src = iterate(obj, e.line);
     else
@@ -1374,7 +1622,10 @@ class Renderer {
     lo = clamp(lo, has_lo, step > 0 ? 0 : n - 1);
     hi = clamp(hi, has_hi, step > 0 ? n : -1);
     List out;
-    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) out.push_back(src[i]);
+    for (int64_t i = lo; step > 0 ? i < hi : i > hi;) {
+      out.push_back(src[i]);
+      if (__builtin_add_overflow(i, step, &i)) break;
+    }
     if (obj.kind == Value::kStr) {
       std::string s;
       for (const auto& c : out) s += c.s;
@@ -1395,6 +1646,11 @@ class Renderer {
 
   // Python str methods and mapping methods, bound to their object.
   Value attribute(const Value& obj, const std::string& name, int line) {
+    Value method = attribute_of(obj, name, line);
+    if (method.kind == Value::kFn && obj.kind == Value::kDict) method.holds_ns = obj.holds_ns;  // bound to obj
+    return method;
+  }
+  Value attribute_of(const Value& obj, const std::string& name, int line) {
     if (obj.kind == Value::kDict) {
       if (Value* v = obj.dict->find(name)) return *v;
       auto d = obj.dict;
@@ -1463,6 +1719,7 @@ class Renderer {
       return Value::function([s, arg_str](const Args& a, const Kwargs&) {
         List parts;
         const std::string sep = arg_str(a, 0);
+        charge(static_cast<int64_t>(s.size() * std::max<size_t>(sep.size(), 1) + s.size() * sizeof(Value)));
         if (sep.empty()) {  // split on runs of whitespace
           std::istringstream in(s);
           std::string w;
@@ -1481,10 +1738,14 @@ class Renderer {
       return Value::function([s, arg_str](const Args& a, const Kwargs&) {
         const std::string from = arg_str(a, 0), to = arg_str(a, 1);
         if (from.empty()) return Value::str(s);
+        charge(static_cast<int64_t>(s.size() * from.size()));  // the searches' worst case
         std::string out;
         size_t b = 0;
-        for (size_t e; (e = s.find(from, b)) != std::string::npos; b = e + from.size()) out += s.substr(b, e - b) + to;
-        return Value::str(out + s.substr(b));
+        for (size_t e; (e = s.find(from, b)) != std::string::npos; b = e + from.size()) {
+          out += s.substr(b, e - b) + to;
+          check_string(out.size());
+        }
+        return built(out + s.substr(b));
       });
     }
     if (name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
@@ -1497,12 +1758,13 @@ class Renderer {
         for (size_t i = 0; i < s.size(); ++i) {
           if (s[i] == '{' && i + 1 < s.size() && s[i + 1] == '}') {
             out += k < a.size() ? to_str(a[k++]) : "";
+            check_string(out.size());
             ++i;
           } else {
             out += s[i];
           }
         }
-        return Value::str(out);
+        return built(std::move(out));
       });
     }
     return Value();  // like jinja2: an attribute a str lacks is undefined (calling it is the error)
@@ -1579,12 +1841,13 @@ class Renderer {
     };
     const std::string& f = e.name;
     if (f == "tojson") {
-      int indent = -1;
-      if (const Value* i = kwarg("indent"); i && i->kind == Value::kInt) indent = static_cast<int>(i->i);
-      if (!a.empty() && a[0].kind == Value::kInt) indent = static_cast<int>(a[0].i);
+      int64_t indent = -1;
+      if (const Value* i = kwarg("indent"); i && i->kind == Value::kInt) indent = i->i;
+      if (!a.empty() && a[0].kind == Value::kInt) indent = a[0].i;
+      check_string(static_cast<size_t>(std::max<int64_t>(indent, 0)));
       std::string out;
-      dump_json(v, indent, 0, out);
-      return Value::str(out);
+      dump_json(v, static_cast<int>(indent), 0, out);
+      return built(std::move(out));
     }
     if (f == "trim") return Value::str(strip_chars(to_str(v), a.empty() ? "" : to_str(a[0]), true, true));
     if (f == "length" || f == "count") {
@@ -1598,7 +1861,7 @@ class Renderer {
       if (v.kind == Value::kUndefined) return Value::integer(0);
       fail(e.line, std::string("length of ") + kind_name(v));
     }
-    if (f == "string") return Value::str(to_str(v));
+    if (f == "string") return built(to_str(v));
     if (f == "list") return Value::of_list(iterate(v, e.line));
     if (f == "first" || f == "last") {
       const List l = iterate(v, e.line);
@@ -1609,8 +1872,11 @@ class Renderer {
       const std::string sep = a.empty() ? "" : to_str(a[0]);
       std::string out;
       const List l = iterate(v, e.line);
-      for (size_t k = 0; k < l.size(); ++k) out += (k ? sep : "") + to_str(l[k]);
-      return Value::str(out);
+      for (size_t k = 0; k < l.size(); ++k) {
+        out += (k ? sep : "") + to_str(l[k]);
+        check_string(out.size());
+      }
+      return built(std::move(out));
     }
     if (f == "items") {
       if (v.kind != Value::kDict) fail(e.line, "items of " + std::string(kind_name(v)));
@@ -1674,20 +1940,24 @@ class Renderer {
     }
     if (f == "unique") {
       List out;
-      for (const auto& x : iterate(v, e.line)) {
+      for (const auto& x : iterate(v, e.line)) {  // equal() charges each comparison
         if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return equal(x, y); })) out.push_back(x);
       }
       return Value::of_list(std::move(out));
     }
     if (f == "indent") {
-      const int64_t width = a.empty() ? 4 : a[0].i;
+      const int64_t width = a.empty() ? 4 : std::max<int64_t>(a[0].i, 0);
+      check_string(static_cast<size_t>(width));
       const std::string pad(static_cast<size_t>(width), ' ');
       std::string s = to_str(v), out;
       for (size_t i = 0; i < s.size(); ++i) {
         out += s[i];
-        if (s[i] == '\n' && i + 1 < s.size() && s[i + 1] != '\n') out += pad;
+        if (s[i] == '\n' && i + 1 < s.size() && s[i + 1] != '\n') {
+          out += pad;
+          check_string(out.size());
+        }
       }
-      return Value::str(out);
+      return built(std::move(out));
     }
     fail(e.line, "filter '" + f + "' is not supported");
   }
@@ -1695,8 +1965,8 @@ class Renderer {
 
 }  // namespace
 
-Template::Template(const std::string& source, const Options& options) {
-  StmtParser p(split_tags(source, options));
+Template::Template(const std::string& source, const Options& options) : limits_(options.limits) {
+  StmtParser p(split_tags(source, options), limits_.max_nesting);
   const std::string end = p.parse(body_, {"endif", "endfor", "endmacro", "elif", "else"});
   if (!end.empty()) throw TemplateError("template: unexpected '" + end + "' with no open block");
 }
@@ -1704,14 +1974,26 @@ Template::Template(const std::string& source, const Options& options) {
 Template::~Template() = default;
 
 std::string Template::render(const nlohmann::ordered_json& context) const {
-  Renderer r(context);
+  Budget budget{limits_};
+  struct Install {  // this render's budget on this thread, the caller's back after
+    Budget* saved = tl_budget;
+    explicit Install(Budget* b) { tl_budget = b; }
+    ~Install() { tl_budget = saved; }
+  } install(&budget);
   std::string out;
   try {
+    Renderer r(context);
     r.run(body_, out);
   } catch (const LoopBreak&) {
     throw TemplateError("template: break outside a loop");
   } catch (const LoopContinue&) {
     throw TemplateError("template: continue outside a loop");
+  } catch (const LineLess& e) {
+    throw TemplateError("template: " + e.why);
+  } catch (const std::length_error& e) {  // a size the checks above let through: an error, never an abort
+    throw TemplateError(std::string("template: ") + e.what());
+  } catch (const std::bad_alloc&) {
+    throw TemplateError("template: out of memory");
   }
   return out;
 }

@@ -10,10 +10,14 @@
 // templates call (startswith, strip, split, ...). Values print as Python's str() of them.
 // Leaves out: template inheritance and includes, call blocks, filters and tests not listed above (an
 // error naming them), autoescaping.
+// A template is untrusted input (it comes with a downloaded model folder): parsing and rendering are
+// bounded by Limits, like jinja2's SandboxedEnvironment, so no template crashes the process or runs
+// without end. Hitting a limit throws TemplateError naming it.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -35,9 +39,32 @@ class TemplateRaise : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Each is far above what the published chat templates use (the fixtures' templates nest blocks at most 6
+// deep, define no macros and loop over the messages and the tools), and low enough that a hostile
+// template stops within seconds and a few hundred MiB on one CPU core (tests/data/test_jinja_limits.cpp).
+struct Limits {
+  int64_t max_range = 100000;  // items in one range(): jinja2's sandbox MAX_RANGE
+  // Bytes of the rendered text; also of any one string the template builds (~, +, *, join, replace,
+  // format, tojson, indent): a large prompt is a few hundred KiB, a 16 MiB one no model takes.
+  int64_t max_output = 16 << 20;
+  int max_recursion = 100;  // macro calls in progress at once (a recursive macro)
+  // Nested blocks ({% if %}, {% for %}, {% macro %}) and nested brackets or operators in one expression
+  // (both checked by the parser), and nested lists and mappings the template builds or prints. Bounds the
+  // parser's recursion; the renderer's, blocks and macro calls together, is also held to the thread's
+  // stack (an error naming this limit).
+  int max_nesting = 256;
+  int64_t max_iterations = 1000000;  // for-loop iterations in one render, all loops together
+  // Bytes handled in one render: every string an expression yields (a read copies it), list items copied
+  // or searched (sizeof(Value) bytes each), string searches (length times pattern length). What a loop
+  // that grows a string or a list, or re-reads or searches a long one, costs in total; such a loop stops
+  // within seconds.
+  int64_t max_work = int64_t(1) << 30;
+};
+
 struct Options {
   bool trim_blocks = true;    // drop the first newline after a block tag
   bool lstrip_blocks = true;  // strip spaces and tabs before a block tag at the start of a line
+  Limits limits;
 };
 
 class Template {
@@ -51,6 +78,7 @@ class Template {
 
  private:
   std::vector<std::shared_ptr<Node>> body_;
+  Limits limits_;
 };
 
 }  // namespace rlt::jinja

@@ -3,7 +3,8 @@ render_jinja_template, which apply_chat_template(tokenize=False) calls with the 
 byte for byte, on every published template in the fixtures: system/user/assistant turns, multi-turn chats,
 add_generation_prompt on and off, a tool call and its tool response with `tools` given (9-character
 call ids, as Mistral requires), Qwen3's enable_thinking switch and reasoning_content, and the conversations
-Gemma and Mistral refuse (exit code 2 with the template's own message). Rendering without lstrip_blocks or
+Gemma and Mistral refuse (exit code 2 with the template's own message); hostile templates stop with exit
+code 2 within seconds, naming the limit they hit and the file. Rendering without lstrip_blocks or
 without trim_blocks (the app's debug switches, a wrong renderer) must change at least one output: the
 comparison can fail.
 
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import jinja2
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -63,7 +65,7 @@ def expected(template, messages, tools, extra, gen):
         return 2, str(e)
 
 
-def ours(folder, messages, tools, extra, gen, debug=()):
+def ours(folder, messages, tools, extra, gen, debug=(), timeout=60):
     with open(os.path.join(folder, "m.json"), "w") as f:
         json.dump(messages, f)
     args = [binary, "--model", folder, "--messages", os.path.join(folder, "m.json")]
@@ -76,7 +78,7 @@ def ours(folder, messages, tools, extra, gen, debug=()):
     for k, v in extra.items():
         args += ["--var", f"{k}={json.dumps(v)}"]
     args += list(debug)
-    p = subprocess.run(args, capture_output=True, timeout=60)
+    p = subprocess.run(args, capture_output=True, timeout=timeout)
     return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", errors="replace")
 
 
@@ -106,6 +108,36 @@ with tempfile.TemporaryDirectory() as tmp:
                         wrong_diffs[flag] += rc2 == 0 and out2 != want
 print(f"chat templates: {len(templates)} templates, {checked} renderings, {refused} refusals compared; "
       f"wrong renderers differ in {wrong_diffs}")
+
+# Hostile templates (a template comes with a downloaded folder): each must end within seconds with exit 2
+# and an error naming the limit and the file, never a crash (a negative return code) or a hang.
+HOSTILE = {
+    "recursive macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion depth limit"),
+    "100,000 nested parentheses": ("{{ " + "(" * 100000 + "1" + ")" * 100000 + " }}", "nesting depth limit"),
+    "50,000 nested ifs": ("{% if true %}" * 50000 + "x" + "{% endif %}" * 50000, "nesting depth limit"),
+    "range(10**8)": ("{% for i in range(10**8) %}{% endfor %}", "range length limit"),
+    "two nested range(100000)": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                 "loop iteration limit"),
+    "'x' * 10**10": ("{{ 'x' * 10**10 }}", "string size limit"),
+}
+with tempfile.TemporaryDirectory() as tmp:
+    for case, (template, limit) in HOSTILE.items():
+        folder = os.path.join(tmp, "hostile")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "chat_template.jinja")
+        with open(path, "w") as f:
+            f.write(template)
+        start = time.monotonic()
+        try:
+            rc, out, err = ours(folder, [{"role": "user", "content": "hi"}], None, {}, True, timeout=20)
+        except subprocess.TimeoutExpired:
+            failures.append(f"hostile {case}: still running after 20 s")
+            continue
+        seconds = time.monotonic() - start
+        if rc != 2 or limit not in err or path not in err or seconds > 10:
+            failures.append(f"hostile {case}: exit {rc} after {seconds:.1f} s, want 2 naming {limit!r} and {path}: "
+                            f"{err[:300]!r}")
+    print(f"chat templates: {len(HOSTILE)} hostile templates checked")
 for flag, n in wrong_diffs.items():
     if n == 0:
         failures.append(f"{flag}: no template rendered differently; the comparison could not catch it")
