@@ -14,6 +14,7 @@
 #include <array>
 #include <climits>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <queue>
 #include <unordered_map>
@@ -156,21 +157,26 @@ class Regex {
   Regex(const Regex&) = delete;
   Regex& operator=(const Regex&) = delete;
   ~Regex() { pcre2_code_free(code_); }
-  // [begin, end) of every non-empty match, left to right.
+  // [begin, end) of every match, left to right, empty matches included, as the library's regex engine
+  // (Oniguruma) iterates them: the search resumes at the end of the last match, and an empty match that
+  // ends where the last match ended is skipped by stepping one character on.
   std::vector<std::pair<size_t, size_t>> find_all(const std::string& s) const {
     std::vector<std::pair<size_t, size_t>> out;
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     size_t pos = 0;
+    bool have_last = false;
+    size_t last_end = 0;
     while (pos <= s.size()) {
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
       if (rc < 0) break;
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      if (ov[1] == ov[0]) {  // an empty match: step one character on
-        pos = ov[0] + std::max<size_t>(1, ov[0] < s.size() ? std::max<size_t>(1, utf8_len(s, ov[0])) : 1);
+      if (ov[1] == ov[0] && have_last && ov[1] == last_end) {
+        pos += pos < s.size() ? std::max<size_t>(1, utf8_len(s, pos)) : 1;
         continue;
       }
       out.emplace_back(ov[0], ov[1]);
-      pos = ov[1];
+      pos = last_end = ov[1];
+      have_last = true;
     }
     pcre2_match_data_free(md);
     return out;
@@ -182,6 +188,148 @@ class Regex {
 
 // GPT-2's pre-tokenizer regex, used by a ByteLevel pre-tokenizer with use_regex.
 constexpr const char* kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// Unicode White_Space, the library's char::is_whitespace.
+bool is_unicode_space(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+// General category Nd, Nl or No ("½", "²", "Ⅻ" as well as "7"), the library's char::is_numeric.
+bool is_numeric(uint32_t c) {
+  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
+}
+
+// A piece of text as the library's pattern search sees it: a byte range and whether the pattern matched
+// it. The spans of a text cover it, in order; an empty text is one empty span that did not match.
+struct Span {
+  size_t b, e;
+  bool match;
+};
+
+std::vector<Span> regex_spans(const std::string& s, const Regex& re) {
+  if (s.empty()) return {{0, 0, false}};
+  std::vector<Span> out;
+  size_t prev = 0;
+  for (const auto& [b, e] : re.find_all(s)) {
+    if (prev != b) out.push_back({prev, b, false});
+    out.push_back({b, e, true});
+    prev = e;
+  }
+  if (prev != s.size()) out.push_back({prev, s.size(), false});
+  return out;
+}
+
+// Each character for which pred holds is a match of its own; the runs between are one span each. A byte
+// that is not UTF-8 never matches.
+template <class Pred>
+std::vector<Span> char_spans(const std::string& s, Pred pred) {
+  if (s.empty()) return {{0, 0, false}};
+  std::vector<Span> out;
+  size_t last = 0;
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_len(s, i);
+    const size_t len = n == 0 ? 1 : n;
+    if (n > 0 && pred(code_point(s, i, n))) {
+      if (last < i) out.push_back({last, i, false});
+      out.push_back({i, i + len, true});
+      last = i + len;
+    }
+    i += len;
+  }
+  if (last < s.size()) out.push_back({last, s.size(), false});
+  return out;
+}
+
+// What a split does with the matches (the library's SplitDelimiterBehavior).
+enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
+
+// A pre-token: its text, and whether it starts at the start of the input (Metaspace's "first").
+struct Piece {
+  std::string text;
+  bool first;
+};
+
+// Splits piece `x` at `spans` (matches flipped first when invert): Removed drops the matches, Isolated
+// keeps each span as a piece, MergedWithPrevious appends a match to the piece before it, MergedWithNext
+// prepends it to the piece after it, Contiguous joins neighbouring spans of the same kind. Empty pieces
+// are dropped.
+void split_spans(const Piece& x, std::vector<Span> spans, Behavior beh, bool invert, std::vector<Piece>& out) {
+  if (invert) {
+    for (auto& sp : spans) sp.match = !sp.match;
+  }
+  struct Cut {
+    size_t b, e;
+    bool remove;
+  };
+  std::vector<Cut> cuts;
+  bool prev = false;
+  switch (beh) {
+    case Behavior::Removed:
+      for (const auto& sp : spans) cuts.push_back({sp.b, sp.e, sp.match});
+      break;
+    case Behavior::Isolated:
+      for (const auto& sp : spans) cuts.push_back({sp.b, sp.e, false});
+      break;
+    case Behavior::MergedWithPrevious:
+      for (const auto& sp : spans) {
+        if (sp.match && !prev && !cuts.empty())
+          cuts.back().e = sp.e;
+        else
+          cuts.push_back({sp.b, sp.e, false});
+        prev = sp.match;
+      }
+      break;
+    case Behavior::MergedWithNext:
+      for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
+        if (it->match && !prev && !cuts.empty())
+          cuts.back().b = it->b;
+        else
+          cuts.push_back({it->b, it->e, false});
+        prev = it->match;
+      }
+      std::reverse(cuts.begin(), cuts.end());
+      break;
+    case Behavior::Contiguous:
+      for (const auto& sp : spans) {
+        if (sp.match == prev && !cuts.empty())
+          cuts.back().e = sp.e;
+        else
+          cuts.push_back({sp.b, sp.e, false});
+        prev = sp.match;
+      }
+      break;
+  }
+  for (const auto& c : cuts) {
+    if (!c.remove && c.e > c.b) out.push_back({x.text.substr(c.b, c.e - c.b), x.first && c.b == 0});
+  }
+}
+
+// The one character of a Metaspace replacement / CharDelimiterSplit delimiter (the library's `char`).
+uint32_t single_char(const std::string& s, const std::function<void(const std::string&)>& fail) {
+  const size_t n = s.empty() ? 0 : utf8_len(s, 0);
+  if (n == 0 || n != s.size()) fail("'" + s + "' is not one character");
+  return code_point(s, 0, n);
+}
+
+// A literal as a PCRE2 pattern: ASCII punctuation escaped, control bytes as \x{..}.
+std::string quote_regex(const std::string& lit) {
+  std::string out;
+  for (unsigned char c : lit) {
+    if (c < 0x20 || c == 0x7F) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x{%02X}", c);
+      out += buf;
+    } else if (c < 0x80 && !std::isalnum(c)) {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -204,11 +352,12 @@ struct HfTokenizer::Impl {
 
   // --- pre-tokenizer
   struct PreTokenizer {
-    std::string type;  // Split | ByteLevel | Metaspace | Digits | WhitespaceSplit
+    std::string type;  // Split | ByteLevel | Metaspace | Digits | WhitespaceSplit | CharDelimiterSplit
     std::shared_ptr<Regex> regex;
-    std::string behavior;
+    Behavior behavior = Behavior::Isolated;
     bool invert = false, add_prefix_space = false, individual_digits = false, split = true;
     std::string replacement, prepend_scheme;
+    uint32_t ch = 0;  // Metaspace's replacement, CharDelimiterSplit's delimiter
   };
   std::vector<PreTokenizer> pre_tokenizers;
 
@@ -216,12 +365,14 @@ struct HfTokenizer::Impl {
   struct Added {
     std::string content;
     int32_t id;
-    bool special, lstrip, rstrip, single_word;
+    bool special, lstrip, rstrip, single_word, normalized;
   };
   std::vector<Added> added;
-  // added's indices by the token's first byte, longest first: a text position is only compared with the
-  // tokens that can start there (Mistral v0.3 has 771 added tokens, Llama-3.1 256).
-  std::array<std::vector<uint32_t>, 256> added_by_byte;
+  // added's indices by [normalized][the token's first byte], longest first: a text position is only
+  // compared with the tokens that can start there (Mistral v0.3 has 771 added tokens, Llama-3.1 256).
+  // Tokens with normalized=false are matched in the raw text, the others in the normalized text between
+  // them, as the library's added vocabulary does.
+  std::array<std::array<std::vector<uint32_t>, 256>, 2> added_by_byte;
   std::vector<uint8_t> special;  // (V) 1 = a special added token
 
   // --- post-processor (single sequences)
@@ -240,8 +391,22 @@ struct HfTokenizer::Impl {
 
   [[noreturn]] void fail(const std::string& what) const { throw DataError(path + ": " + what); }
 
+  // Fails naming the first field of `j` outside `known`: a field this file sets and the code would not
+  // read is refused rather than ignored.
+  void check_fields(const Json& j, const std::string& where, std::initializer_list<const char*> known) const {
+    if (!j.is_object()) fail(where + ": not an object");
+    for (const auto& [key, value] : j.items()) {
+      if (std::none_of(known.begin(), known.end(), [&](const char* k) { return key == k; })) {
+        fail(where + ": field '" + key + "' is not supported");
+      }
+    }
+  }
+
   void load_model(const Json& m) {
     if (str(m, "type") != "BPE") fail("model.type '" + str(m, "type") + "' is not supported (BPE only)");
+    check_fields(m, "model (BPE)",
+                 {"type", "dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                  "byte_fallback", "ignore_merges", "vocab", "merges"});
     if (!str(m, "continuing_subword_prefix").empty() || !str(m, "end_of_word_suffix").empty()) {
       fail("model: continuing_subword_prefix / end_of_word_suffix are not supported");
     }
@@ -301,13 +466,21 @@ struct HfTokenizer::Impl {
   void load_normalizer(const Json& n) {
     if (n.is_null()) return;
     const std::string type = str(n, "type");
+    const std::string where = "normalizer " + type;
     if (type == "Sequence") {
+      check_fields(n, where, {"type", "normalizers"});
       for (const auto& x : n["normalizers"]) load_normalizer(x);
-    } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
+    } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD" || type == "Lowercase") {
+      check_fields(n, where, {"type"});
       normalizers.push_back({type, "", ""});
+    } else if (type == "Strip") {
+      check_fields(n, where, {"type", "strip_left", "strip_right"});
+      normalizers.push_back({type, flag(n, "strip_left") ? "l" : "", flag(n, "strip_right") ? "r" : ""});
     } else if (type == "Prepend") {
+      check_fields(n, where, {"type", "prepend"});
       normalizers.push_back({type, str(n, "prepend"), ""});
     } else if (type == "Replace") {
+      check_fields(n, where, {"type", "pattern", "content"});
       if (!n.contains("pattern") || !n["pattern"].contains("String")) fail("normalizer Replace: only String patterns");
       normalizers.push_back({type, n["pattern"]["String"].get<std::string>(), str(n, "content")});
     } else {
@@ -318,42 +491,65 @@ struct HfTokenizer::Impl {
   void load_pre_tokenizer(const Json& p) {
     if (p.is_null()) return;
     const std::string type = str(p, "type");
+    const std::string where = "pre_tokenizer " + type;
     PreTokenizer t;
     t.type = type;
     if (type == "Sequence") {
+      check_fields(p, where, {"type", "pretokenizers"});
       for (const auto& x : p["pretokenizers"]) load_pre_tokenizer(x);
       return;
     } else if (type == "Split") {
+      check_fields(p, where, {"type", "pattern", "behavior", "invert"});
       if (!p.contains("pattern")) fail("pre_tokenizer Split: no pattern");
       const Json& pat = p["pattern"];
       std::string re;
       if (pat.contains("Regex")) {
         re = pat["Regex"].get<std::string>();
-      } else if (pat.contains("String")) {  // a literal: quote it
-        re = "\\Q" + pat["String"].get<std::string>() + "\\E";
+      } else if (pat.contains("String") && !pat["String"].get<std::string>().empty()) {
+        re = quote_regex(pat["String"].get<std::string>());
       } else {
-        fail("pre_tokenizer Split: pattern is neither Regex nor String");
+        fail("pre_tokenizer Split: pattern is neither Regex nor a non-empty String");
       }
       t.regex = std::make_shared<Regex>(re, path + ": pre_tokenizer Split");
-      t.behavior = str(p, "behavior", "Isolated");
+      t.behavior = behavior(str(p, "behavior", "Isolated"), where);
       t.invert = flag(p, "invert");
-      if (t.behavior != "Isolated" && t.behavior != "Removed") {
-        fail("pre_tokenizer Split behavior '" + t.behavior + "' is not supported (Isolated, Removed)");
-      }
     } else if (type == "ByteLevel") {
+      // trim_offsets moves offsets only, which encode does not return.
+      check_fields(p, where, {"type", "add_prefix_space", "trim_offsets", "use_regex"});
       t.add_prefix_space = flag(p, "add_prefix_space");
       if (flag(p, "use_regex", true)) t.regex = std::make_shared<Regex>(kGpt2Regex, path + ": ByteLevel");
     } else if (type == "Metaspace") {
+      // str_rep: older files' copy of replacement.
+      check_fields(p, where, {"type", "replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
       t.replacement = str(p, "replacement", "\xe2\x96\x81");
+      t.ch = single_char(t.replacement, [&](const std::string& m) { fail(where + " replacement: " + m); });
       t.prepend_scheme = str(p, "prepend_scheme", flag(p, "add_prefix_space", true) ? "always" : "never");
+      if (t.prepend_scheme != "always" && t.prepend_scheme != "first" && t.prepend_scheme != "never") {
+        fail(where + ": prepend_scheme '" + t.prepend_scheme + "' is not always, first or never");
+      }
       t.split = flag(p, "split", true);
     } else if (type == "Digits") {
+      check_fields(p, where, {"type", "individual_digits"});
       t.individual_digits = flag(p, "individual_digits");
     } else if (type == "WhitespaceSplit") {
+      check_fields(p, where, {"type"});
+    } else if (type == "CharDelimiterSplit") {
+      check_fields(p, where, {"type", "delimiter"});
+      t.ch = single_char(str(p, "delimiter"), [&](const std::string& m) { fail(where + " delimiter: " + m); });
     } else {
       fail("pre_tokenizer '" + type + "' is not supported");
     }
     pre_tokenizers.push_back(std::move(t));
+  }
+
+  Behavior behavior(const std::string& name, const std::string& where) const {
+    if (name == "Removed") return Behavior::Removed;
+    if (name == "Isolated") return Behavior::Isolated;
+    if (name == "MergedWithPrevious") return Behavior::MergedWithPrevious;
+    if (name == "MergedWithNext") return Behavior::MergedWithNext;
+    if (name == "Contiguous") return Behavior::Contiguous;
+    fail(where + ": behavior '" + name + "' is not one of Removed, Isolated, MergedWithPrevious, MergedWithNext, " +
+         "Contiguous");
   }
 
   int64_t special_id(const std::string& token, const std::string& where) const {
@@ -365,10 +561,15 @@ struct HfTokenizer::Impl {
   void load_post_processor(const Json& p) {
     if (p.is_null()) return;
     const std::string type = str(p, "type");
+    const std::string where = "post_processor " + type;
     if (type == "Sequence") {
+      check_fields(p, where, {"type", "processors"});
       for (const auto& x : p["processors"]) load_post_processor(x);
-    } else if (type == "ByteLevel") {  // offsets only
+    } else if (type == "ByteLevel") {  // offsets only, which encode does not return
+      check_fields(p, where, {"type", "add_prefix_space", "trim_offsets", "use_regex"});
     } else if (type == "TemplateProcessing") {
+      // pair frames two sequences, which encode does not take; type ids are not returned.
+      check_fields(p, where, {"type", "single", "pair", "special_tokens"});
       bool seen_a = false;
       for (const auto& item : p["single"]) {
         if (item.contains("Sequence")) {
@@ -393,23 +594,35 @@ struct HfTokenizer::Impl {
   void load_decoder(const Json& d) {
     if (d.is_null()) return;
     const std::string type = str(d, "type");
+    const std::string where = "decoder " + type;
     Decoder x;
     x.type = type;
     if (type == "Sequence") {
+      check_fields(d, where, {"type", "decoders"});
       for (const auto& y : d["decoders"]) load_decoder(y);
       return;
     } else if (type == "Replace") {
+      check_fields(d, where, {"type", "pattern", "content"});
       if (!d.contains("pattern") || !d["pattern"].contains("String")) fail("decoder Replace: only String patterns");
       x.a = d["pattern"]["String"].get<std::string>();
       x.b = str(d, "content");
     } else if (type == "Strip") {
+      check_fields(d, where, {"type", "content", "start", "stop"});
       x.a = str(d, "content", " ");
+      single_char(x.a, [&](const std::string& m) { fail(where + " content: " + m); });
       x.start = d.value("start", 0);
       x.stop = d.value("stop", 0);
     } else if (type == "Metaspace") {
+      // split only shapes encoding; str_rep is older files' copy of replacement.
+      check_fields(d, where, {"type", "replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
       x.a = str(d, "replacement", "\xe2\x96\x81");
+      single_char(x.a, [&](const std::string& m) { fail(where + " replacement: " + m); });
       x.prepend_scheme = str(d, "prepend_scheme", flag(d, "add_prefix_space", true) ? "always" : "never");
-    } else if (type != "ByteLevel" && type != "ByteFallback" && type != "Fuse") {
+    } else if (type == "ByteLevel") {  // the library's ByteLevel decoder reads none of its fields
+      check_fields(d, where, {"type", "add_prefix_space", "trim_offsets", "use_regex"});
+    } else if (type == "ByteFallback" || type == "Fuse") {
+      check_fields(d, where, {"type"});
+    } else {
       fail("decoder '" + type + "' is not supported");
     }
     decoders.push_back(std::move(x));
@@ -417,13 +630,22 @@ struct HfTokenizer::Impl {
 
   void load_added(const Json& list) {
     for (const auto& a : list) {
+      check_fields(a, "added_tokens", {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"});
       Added t{a.at("content").get<std::string>(),
               a.at("id").get<int32_t>(),
               flag(a, "special"),
               flag(a, "lstrip"),
               flag(a, "rstrip"),
-              flag(a, "single_word")};
+              flag(a, "single_word"),
+              flag(a, "normalized", !flag(a, "special"))};
       if (t.content.empty()) fail("added_tokens: an empty token (id " + std::to_string(t.id) + ")");
+      // A normalized token is matched, and decodes, as the normalizer writes it ("ﬁnAl" under NFKC and
+      // Lowercase is "final"), as the library does.
+      if (t.normalized) {
+        vocab[t.content] = t.id;
+        t.content = normalize(t.content);
+        if (t.content.empty()) fail("added_tokens: token id " + std::to_string(t.id) + " normalizes to nothing");
+      }
       if (t.id >= static_cast<int32_t>(id_to_token.size())) id_to_token.resize(t.id + 1);
       id_to_token[t.id] = t.content;
       vocab[t.content] = t.id;
@@ -432,7 +654,7 @@ struct HfTokenizer::Impl {
     std::stable_sort(added.begin(), added.end(),
                      [](const Added& x, const Added& y) { return x.content.size() > y.content.size(); });
     for (uint32_t k = 0; k < added.size(); ++k) {
-      added_by_byte[static_cast<unsigned char>(added[k].content[0])].push_back(k);
+      added_by_byte[added[k].normalized][static_cast<unsigned char>(added[k].content[0])].push_back(k);
     }
     special.assign(id_to_token.size(), 0);
     for (const auto& t : added) special[t.id] = t.special;
@@ -446,22 +668,42 @@ struct HfTokenizer::Impl {
     int32_t id = -1;  // an added token, else -1
   };
 
-  static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+  // The character ending at s[i] (its start in *start), or -1 when the bytes before i are not UTF-8.
+  static int64_t char_before(const std::string& s, size_t i, size_t* start) {
+    size_t k = i - 1;
+    while (k > 0 && i - k < 4 && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    const size_t n = utf8_len(s, k);
+    *start = k;
+    return n == i - k ? static_cast<int64_t>(code_point(s, k, n)) : -1;
+  }
+  static int64_t char_at(const std::string& s, size_t i, size_t* len) {
+    const size_t n = utf8_len(s, i);
+    *len = n == 0 ? 1 : n;
+    return n == 0 ? -1 : static_cast<int64_t>(code_point(s, i, n));
+  }
+  // A word character for single_word: alphanumeric (letters and numerics) or '_'.
+  static bool is_word_char(int64_t c) {
+    if (c < 0) return false;
+    if (c == '_' || is_numeric(static_cast<uint32_t>(c))) return true;
+    const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+    return cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO;
+  }
 
   // Added tokens out of the raw text: at each position the longest token that matches (leftmost first);
   // lstrip / rstrip tokens take the whitespace beside them.
-  std::vector<Segment> split_added(const std::string& text) const {
+  std::vector<Segment> split_added(const std::string& text, bool normalized) const {
     std::vector<Segment> out;
     size_t start = 0, i = 0;
     while (i < text.size()) {
       const Added* hit = nullptr;
-      for (uint32_t k : added_by_byte[static_cast<unsigned char>(text[i])]) {
+      for (uint32_t k : added_by_byte[normalized][static_cast<unsigned char>(text[i])]) {
         const Added& a = added[k];
         if (text.compare(i, a.content.size(), a.content) != 0) continue;
         if (a.single_word) {
           const size_t e = i + a.content.size();
-          const bool left_ok = i == 0 || is_space(text[i - 1]);
-          const bool right_ok = e == text.size() || is_space(text[e]);
+          size_t at = 0;
+          const bool left_ok = i == 0 || !is_word_char(char_before(text, i, &at));
+          const bool right_ok = e == text.size() || !is_word_char(char_at(text, e, &at));
           if (!left_ok || !right_ok) continue;
         }
         hit = &a;
@@ -472,11 +714,18 @@ struct HfTokenizer::Impl {
         continue;
       }
       size_t b = i, e = i + hit->content.size();
+      size_t at = 0;  // lstrip / rstrip take the Unicode whitespace beside the token
       if (hit->lstrip) {
-        while (b > start && is_space(text[b - 1])) --b;
+        for (int64_t c;
+             b > start && (c = char_before(text, b, &at)) >= 0 && is_unicode_space(static_cast<uint32_t>(c));)
+          b = at;
       }
       if (hit->rstrip) {
-        while (e < text.size() && is_space(text[e])) ++e;
+        size_t len = 0;
+        for (int64_t c;
+             e < text.size() && (c = char_at(text, e, &len)) >= 0 && is_unicode_space(static_cast<uint32_t>(c));) {
+          e += len;
+        }
       }
       if (b > start) out.push_back({text.substr(start, b - start), start, -1});
       out.push_back({text.substr(b, e - b), b, hit->id});
@@ -490,6 +739,34 @@ struct HfTokenizer::Impl {
     for (const auto& n : normalizers) {
       if (n.type == "Prepend") {
         if (!s.empty()) s = n.a + s;
+      } else if (n.type == "Lowercase") {  // full lowercase mapping, character by character
+        std::string out;
+        for (size_t i = 0; i < s.size();) {
+          const size_t len = utf8_len(s, i);
+          if (len == 0) {
+            out += s[i++];
+            continue;
+          }
+          const uint32_t c = code_point(s, i, len);
+          out += c == 0x130 ? std::string("i\xcc\x87") : ByteAlphabet::utf8(utf8proc_tolower(c));  // İ -> i + U+0307
+          i += len;
+        }
+        s.swap(out);
+      } else if (n.type == "Strip") {  // Unicode whitespace off either end
+        size_t b = 0, e = s.size();
+        while (!n.a.empty() && b < e) {
+          const size_t len = utf8_len(s, b);
+          if (len == 0 || !is_unicode_space(code_point(s, b, len))) break;
+          b += len;
+        }
+        while (!n.b.empty() && e > b) {
+          size_t k = e - 1;
+          while (k > b && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+          const size_t len = utf8_len(s, k);
+          if (len != e - k || !is_unicode_space(code_point(s, k, len))) break;
+          e = k;
+        }
+        s = s.substr(b, e - b);
       } else if (n.type == "Replace") {
         s = replace_all(std::move(s), n.a, n.b);
       } else {
@@ -507,78 +784,52 @@ struct HfTokenizer::Impl {
     return s;
   }
 
-  // Splits `s` at the regex's matches, keeping both matches and the gaps between them (Isolated), or
-  // only the gaps (Removed).
-  static void split_regex(const std::string& s, const Regex& re, bool keep_matches, std::vector<std::string>& out) {
-    size_t pos = 0;
-    for (const auto& [b, e] : re.find_all(s)) {
-      if (b > pos) out.push_back(s.substr(pos, b - pos));
-      if (keep_matches) out.push_back(s.substr(b, e - b));
-      pos = e;
-    }
-    if (pos < s.size()) out.push_back(s.substr(pos));
-  }
-
   std::vector<std::string> pre_tokenize(const std::string& s, bool at_input_start) const {
-    std::vector<std::string> pieces{s};
+    std::vector<Piece> pieces;
+    if (!s.empty()) pieces.push_back({s, at_input_start});
     for (const auto& p : pre_tokenizers) {
-      std::vector<std::string> next;
-      for (size_t k = 0; k < pieces.size(); ++k) {
-        const std::string& x = pieces[k];
+      std::vector<Piece> next;
+      for (const Piece& x : pieces) {
         if (p.type == "Split") {
-          split_regex(x, *p.regex, p.behavior == "Isolated", next);
+          split_spans(x, regex_spans(x.text, *p.regex), p.behavior, p.invert, next);
         } else if (p.type == "ByteLevel") {
-          const std::string y = p.add_prefix_space && (x.empty() || x[0] != ' ') ? " " + x : x;
-          std::vector<std::string> parts;
+          Piece y = x;
+          if (p.add_prefix_space && y.text[0] != ' ') y.text = " " + y.text;
+          std::vector<Piece> parts;
           if (p.regex)
-            split_regex(y, *p.regex, true, parts);
+            split_spans(y, regex_spans(y.text, *p.regex), Behavior::Isolated, false, parts);
           else
             parts.push_back(y);
-          for (const auto& part : parts) {
+          for (auto& part : parts) {
             std::string mapped;
-            for (unsigned char c : part) mapped += alphabet().to_char[c];
-            next.push_back(std::move(mapped));
+            for (unsigned char c : part.text) mapped += alphabet().to_char[c];
+            next.push_back({std::move(mapped), part.first});
           }
         } else if (p.type == "Metaspace") {
-          std::string y = replace_all(x, " ", p.replacement);
-          const bool prepend =
-              p.prepend_scheme == "always" || (p.prepend_scheme == "first" && at_input_start && k == 0);
-          if (prepend && y.compare(0, p.replacement.size(), p.replacement) != 0) y = p.replacement + y;
+          Piece y{replace_all(x.text, " ", p.replacement), x.first};
+          const bool prepend = p.prepend_scheme == "always" || (p.prepend_scheme == "first" && x.first);
+          if (prepend && y.text.compare(0, p.replacement.size(), p.replacement) != 0) y.text = p.replacement + y.text;
           if (!p.split) {
-            next.push_back(y);
+            next.push_back(std::move(y));
             continue;
           }
-          size_t b = 0;  // MergedWithNext: each replacement starts a piece
-          for (size_t j = p.replacement.size(); j <= y.size(); ++j) {
-            if (j == y.size() || y.compare(j, p.replacement.size(), p.replacement) == 0) {
-              if (j > b) next.push_back(y.substr(b, j - b));
-              b = j;
-            }
-          }
+          split_spans(y, char_spans(y.text, [&](uint32_t c) { return c == p.ch; }), Behavior::MergedWithNext, false,
+                      next);
         } else if (p.type == "Digits") {
-          size_t b = 0;
-          for (size_t j = 0; j <= x.size(); ++j) {
-            const bool end = j == x.size();
-            const bool d = !end && x[j] >= '0' && x[j] <= '9';
-            const bool prev_d = j > 0 && x[j - 1] >= '0' && x[j - 1] <= '9';
-            if (end || (j > b && (p.individual_digits ? (d || prev_d) : d != prev_d))) {
-              if (j > b) next.push_back(x.substr(b, j - b));
-              b = j;
-            }
-          }
+          split_spans(x, char_spans(x.text, is_numeric),
+                      p.individual_digits ? Behavior::Isolated : Behavior::Contiguous, false, next);
         } else if (p.type == "WhitespaceSplit") {
-          size_t b = 0;
-          for (size_t j = 0; j <= x.size(); ++j) {
-            if (j == x.size() || is_space(x[j])) {
-              if (j > b) next.push_back(x.substr(b, j - b));
-              b = j + 1;
-            }
-          }
+          split_spans(x, char_spans(x.text, is_unicode_space), Behavior::Removed, false, next);
+        } else if (p.type == "CharDelimiterSplit") {
+          split_spans(x, char_spans(x.text, [&](uint32_t c) { return c == p.ch; }), Behavior::Removed, false, next);
         }
       }
       pieces.swap(next);
     }
-    return pieces;
+    std::vector<std::string> out;
+    out.reserve(pieces.size());
+    for (auto& x : pieces) out.push_back(std::move(x.text));
+    return out;
   }
 
   // Applies the merges to a word's symbols: the lowest rank first, among equal ranks the leftmost. A heap
@@ -672,21 +923,20 @@ struct HfTokenizer::Impl {
     }
     for (const auto& d : decoders) {
       if (d.type == "ByteLevel") {
+        // A token whose characters are all in the alphabet becomes their bytes; any other token (an added
+        // token such as "ﬁnal") stays as its own UTF-8, whole.
         std::string bytes;
         for (const auto& t : toks) {
-          for (size_t i = 0; i < t.size();) {
-            size_t n = utf8_len(t, i);
-            if (n == 0) {
-              bytes += t[i++];
-              continue;
-            }
-            auto it = alphabet().to_byte.find(code_point(t, i, n));
-            if (it != alphabet().to_byte.end())
-              bytes += static_cast<char>(it->second);
-            else
-              bytes.append(t, i, n);
-            i += n;
+          std::string mapped;
+          bool all = true;
+          for (size_t i = 0; i < t.size() && all;) {
+            const size_t n = utf8_len(t, i);
+            auto it = n == 0 ? alphabet().to_byte.end() : alphabet().to_byte.find(code_point(t, i, n));
+            all = it != alphabet().to_byte.end();
+            if (all) mapped += static_cast<char>(it->second);
+            i += n == 0 ? 1 : n;
           }
+          bytes += all ? mapped : t;
         }
         toks = {exact ? bytes : lossy_utf8(bytes)};
       } else if (d.type == "Replace") {
@@ -742,11 +992,10 @@ struct HfTokenizer::Impl {
           }
         }
       } else if (d.type == "Metaspace") {
+        // Every replacement becomes a space, except in the first token, where a prepend scheme other than
+        // never drops them all (the library's rule, "▁▁a" first decodes to "a").
         for (size_t i = 0; i < toks.size(); ++i) {
-          toks[i] = replace_all(toks[i], d.a, " ");
-          if (!exact && i == 0 && d.prepend_scheme != "never" && !toks[i].empty() && toks[i][0] == ' ') {
-            toks[i].erase(0, 1);
-          }
+          toks[i] = replace_all(toks[i], d.a, !exact && i == 0 && d.prepend_scheme != "never" ? "" : " ");
         }
       }
     }
@@ -772,9 +1021,16 @@ std::shared_ptr<const HfTokenizer> HfTokenizer::load(const std::string& path) {
   }
   if (!j.is_object() || !j.contains("model")) impl->fail("not a tokenizer.json (no \"model\")");
   try {
+    impl->check_fields(j, "tokenizer.json",
+                       {"version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer", "model",
+                        "post_processor", "decoder"});
+    // Both change what encode returns; a file that sets them is refused rather than encoded differently.
+    for (const char* k : {"truncation", "padding"}) {
+      if (j.contains(k) && !j[k].is_null()) impl->fail(std::string(k) + ": set; only null is supported");
+    }
     impl->load_model(j["model"]);
+    impl->load_normalizer(j.value("normalizer", Json()));  // first: normalized added tokens go through it
     impl->load_added(j.value("added_tokens", Json::array()));
-    impl->load_normalizer(j.value("normalizer", Json()));
     impl->load_pre_tokenizer(j.value("pre_tokenizer", Json()));
     impl->load_post_processor(j.value("post_processor", Json()));
     impl->load_decoder(j.value("decoder", Json()));
@@ -788,12 +1044,18 @@ std::vector<int64_t> HfTokenizer::encode(const std::string& text, bool add_speci
   const Impl& m = *impl_;
   std::vector<int64_t> ids;
   if (add_special_tokens) ids = m.prefix;
-  for (const auto& seg : m.split_added(text)) {
-    if (seg.id >= 0) {
-      ids.push_back(seg.id);
+  for (const auto& raw : m.split_added(text, /*normalized=*/false)) {
+    if (raw.id >= 0) {
+      ids.push_back(raw.id);
       continue;
     }
-    for (const auto& piece : m.pre_tokenize(m.normalize(seg.text), seg.offset == 0)) m.bpe(piece, ids);
+    for (const auto& seg : m.split_added(m.normalize(raw.text), /*normalized=*/true)) {
+      if (seg.id >= 0) {
+        ids.push_back(seg.id);
+        continue;
+      }
+      for (const auto& piece : m.pre_tokenize(seg.text, raw.offset == 0 && seg.offset == 0)) m.bpe(piece, ids);
+    }
   }
   if (add_special_tokens) ids.insert(ids.end(), m.suffix.begin(), m.suffix.end());
   return ids;

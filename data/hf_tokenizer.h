@@ -1,9 +1,21 @@
 // A Hugging Face `tokenizer.json` with a BPE model, encoded and decoded as the `tokenizers` library does,
-// byte for byte: the byte-level BPE of Qwen2/2.5/3 and Llama-3 (NFC, a Split pre-tokenizer with the
-// file's own regex, ByteLevel, merges as "a b" strings or ["a", "b"] pairs, ignore_merges), and the
-// sentencepiece-style BPE of Mistral/Llama-2 fast tokenizers (Metaspace, byte_fallback <0xXX> pieces,
-// fuse_unk, the Replace/ByteFallback/Fuse/Strip decoder). Added tokens (special or not) are matched in the
-// raw text before anything else, longest first, as the library's added vocabulary does.
+// byte for byte: the byte-level BPE of Qwen2/2.5/3, Llama-3 and tiktoken conversions (NFC, a Split
+// pre-tokenizer with the file's own regex, ByteLevel, merges as "a b" strings or ["a", "b"] pairs,
+// ignore_merges), and the sentencepiece-style BPE of Mistral/Llama-2 fast tokenizers (Metaspace,
+// byte_fallback <0xXX> pieces, fuse_unk, the Replace/ByteFallback/Fuse/Strip decoder). Added tokens are
+// matched before anything else, longest first, as the library's added vocabulary does: normalized=false
+// ones in the raw text, normalized=true ones in the normalized text between them.
+//
+// What a file may use:
+//   * pre-tokenizers: Split (Regex or String pattern; behavior Removed, Isolated, MergedWithPrevious,
+//     MergedWithNext or Contiguous; invert), ByteLevel, Metaspace, Digits (Unicode numerics Nd/Nl/No,
+//     "½" and "²" included), WhitespaceSplit, CharDelimiterSplit, Sequence;
+//   * normalizers: NFC, NFD, NFKC, NFKD, Lowercase, Strip, Prepend, Replace (String pattern), Sequence;
+//   * decoders: ByteLevel, Metaspace, Replace (String pattern), ByteFallback, Fuse, Strip, Sequence;
+//   * post-processors: TemplateProcessing, ByteLevel, Sequence; truncation and padding null.
+// Anything else, and any field of these the code does not read, stops the load with an error naming it
+// and the file: a file is never encoded with a part of it ignored. Fields that only shape offsets
+// (trim_offsets) or pair encodings (TemplateProcessing.pair) are accepted, as encode returns neither.
 //
 // Semantics chosen where the library leaves a choice to the caller:
 //   * encode(text) splits special tokens out of the text ("<|im_start|>" becomes its id), which is what
@@ -13,8 +25,8 @@
 //   * invalid UTF-8 input is encoded by its bytes through the byte-level alphabet (no character is
 //     lost); decode turns byte sequences that are not UTF-8 into U+FFFD, as the library's lossy decode
 //     does, while token_bytes() gives the exact bytes of one token (a partial UTF-8 sequence included).
-// Leaves out: WordPiece, Unigram and WordLevel models, BPE dropout, pair encodings, offsets, and
-// normalizers other than NFC/NFKC/Lowercase/Prepend/Replace(string) (a file using one is an error naming it).
+// Leaves out: WordPiece, Unigram and WordLevel models, BPE dropout, continuing_subword_prefix,
+// end_of_word_suffix, pair encodings and offsets.
 #pragma once
 
 #include <cstdint>

@@ -76,5 +76,57 @@ TEST(HfTokenizer, WrongFoldersAndFilesNameThemselves) {
   expect_error((tmp.path() / "tokenizer.json").string(), "not valid JSON");
 }
 
+// A tokenizer.json in the form tiktoken converters write: Split keeps the regex's matches (behavior
+// Removed, invert true) and drops the text between them. Ids as HF tokenizers gives them; read without
+// invert, the same file keeps only " " and "!" (ids 3, 4).
+constexpr const char* kTiktokenStyle = R"({
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+  "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": " ?\\p{L}+|\\p{N}"}, "behavior": "Removed", "invert": true},
+    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]},
+  "post_processor": null,
+  "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+  "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": {"h": 0, "i": 1, "7": 2, "\u0120": 3, "!": 4, "hi": 5, "\u0120hi": 6, "\u0120h": 7},
+            "merges": ["h i", "\u0120 hi"]}})";
+
+TEST(HfTokenizer, SplitWithInvertKeepsTheMatches) {
+  rlt::testing::TempDir tmp("hf_tok_invert");
+  const std::string path = (tmp.path() / "tokenizer.json").string();
+  std::ofstream(path) << kTiktokenStyle;
+  const Tokenizer t = Tokenizer::load(path);
+  EXPECT_EQ(t.encode("hi 7!"), (std::vector<int64_t>{5, 2}));
+  EXPECT_EQ(t.encode("hi hi!!7"), (std::vector<int64_t>{5, 6, 2}));
+  EXPECT_EQ(t.decode({5, 6, 2}), "hi hi7");
+}
+
+TEST(HfTokenizer, AFieldTheCodeDoesNotReadIsRefusedByName) {
+  rlt::testing::TempDir tmp("hf_tok_fields");
+  const std::string path = (tmp.path() / "tokenizer.json").string();
+  auto expect_refused = [&](const std::string& from, const std::string& to, const std::string& fragment) {
+    std::string text = kTiktokenStyle;
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    std::ofstream(path) << text;
+    try {
+      Tokenizer::load(path);
+      ADD_FAILURE() << "accepted a file with " << to;
+    } catch (const DataError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(fragment), std::string::npos) << what;
+      EXPECT_NE(what.find(path), std::string::npos) << what;
+    }
+  };
+  expect_refused(R"("invert": true)", R"("invert": true, "colour": "red")", "field 'colour'");
+  expect_refused(R"("fuse_unk": false)", R"("fuse_unk": false, "max_input_chars_per_word": 100)",
+                 "field 'max_input_chars_per_word'");
+  expect_refused(R"("behavior": "Removed")", R"("behavior": "Dropped")", "behavior 'Dropped'");
+  expect_refused(R"("normalizer": null)", R"("normalizer": {"type": "Nmt"})", "normalizer 'Nmt'");
+  expect_refused(R"("truncation": null)", R"("truncation": {"max_length": 8})", "truncation");
+  expect_refused(R"("version": "1.0")", R"("version": "1.0", "extra": 1)", "field 'extra'");
+}
+
 }  // namespace
 }  // namespace rlt
