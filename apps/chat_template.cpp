@@ -4,7 +4,8 @@
 //   build/bin/chat_template --model DIR --messages chat.json [--tools tools.json] [--add-generation-prompt]
 //                           [--var enable_thinking=false]
 // Prints the rendered text exactly (no newline added). A template that refuses the conversation
-// (raise_exception) exits with code 2 and its message; so does bad input, naming the file.
+// (raise_exception) exits with code 2 and its message; so does bad input, naming the file, and a template
+// that passes one of the engine's limits (data/jinja.h, Limits), naming the limit and the file.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -84,8 +85,8 @@ int main(int argc, char** argv) {
   } catch (const rlt::DataError& e) {
     std::cerr << "chat_template: " << e.what() << "\n";
     return 2;
-  } catch (const rlt::jinja::TemplateError& e) {
-    std::cerr << "chat_template: " << e.what() << "\n";
+  } catch (const rlt::jinja::TemplateError& e) {  // the debug renderers: the folder's template
+    std::cerr << "chat_template: " << model << ": " << e.what() << "\n";
     return 2;
   }
   return 0;

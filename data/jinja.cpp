@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <sstream>
 
@@ -59,6 +60,14 @@ void check_value_depth(int depth) {
               "lists and mappings nested over " + std::to_string(tl_budget->limits.max_nesting) + " deep",
               "max_nesting");
   }
+}
+
+// The first `p` in `s` at or after `from`, or npos: glibc's memmem (the two-way algorithm) takes time
+// linear in both lengths, where std::string::find can take their product.
+size_t find_text(const std::string& s, const std::string& p, size_t from = 0) {
+  if (from > s.size()) return std::string::npos;
+  const void* hit = memmem(s.data() + from, s.size() - from, p.data(), p.size());
+  return hit ? static_cast<size_t>(static_cast<const char*>(hit) - s.data()) : std::string::npos;
 }
 
 // ------------------------------------------------------------------------------------------------ values
@@ -1554,8 +1563,8 @@ class Renderer {
   static bool contains(const Value& hay, const Value& needle, int line) {
     if (hay.kind == Value::kStr) {
       if (needle.kind != Value::kStr) fail(line, "'in <string>' requires a string on the left");
-      charge(static_cast<int64_t>(hay.s.size() * std::max<size_t>(needle.s.size(), 1)));  // the search's worst case
-      return hay.s.find(needle.s) != std::string::npos;
+      charge(static_cast<int64_t>(hay.s.size() + needle.s.size()));
+      return find_text(hay.s, needle.s) != std::string::npos;
     }
     if (hay.kind == Value::kList) {
       for (const auto& x : *hay.list) {
@@ -1719,18 +1728,19 @@ class Renderer {
       return Value::function([s, arg_str](const Args& a, const Kwargs&) {
         List parts;
         const std::string sep = arg_str(a, 0);
-        charge(static_cast<int64_t>(s.size() * std::max<size_t>(sep.size(), 1) + s.size() * sizeof(Value)));
+        charge(static_cast<int64_t>(s.size() + sep.size()));
         if (sep.empty()) {  // split on runs of whitespace
           std::istringstream in(s);
           std::string w;
           while (in >> w) parts.push_back(Value::str(w));
         } else {
           size_t b = 0;
-          for (size_t e; (e = s.find(sep, b)) != std::string::npos; b = e + sep.size()) {
+          for (size_t e; (e = find_text(s, sep, b)) != std::string::npos; b = e + sep.size()) {
             parts.push_back(Value::str(s.substr(b, e - b)));
           }
           parts.push_back(Value::str(s.substr(b)));
         }
+        charge(static_cast<int64_t>(parts.size() * sizeof(Value)));
         return Value::of_list(std::move(parts));
       });
     }
@@ -1738,10 +1748,10 @@ class Renderer {
       return Value::function([s, arg_str](const Args& a, const Kwargs&) {
         const std::string from = arg_str(a, 0), to = arg_str(a, 1);
         if (from.empty()) return Value::str(s);
-        charge(static_cast<int64_t>(s.size() * from.size()));  // the searches' worst case
+        charge(static_cast<int64_t>(s.size() + from.size()));
         std::string out;
         size_t b = 0;
-        for (size_t e; (e = s.find(from, b)) != std::string::npos; b = e + from.size()) {
+        for (size_t e; (e = find_text(s, from, b)) != std::string::npos; b = e + from.size()) {
           out += s.substr(b, e - b) + to;
           check_string(out.size());
         }

@@ -55,7 +55,7 @@ struct Limits {
   int max_nesting = 256;
   int64_t max_iterations = 1000000;  // for-loop iterations in one render, all loops together
   // Bytes handled in one render: every string an expression yields (a read copies it), list items copied
-  // or searched (sizeof(Value) bytes each), string searches (length times pattern length). What a loop
+  // or searched (sizeof(Value) bytes each), strings searched (in, split, replace). What a loop
   // that grows a string or a list, or re-reads or searches a long one, costs in total; such a loop stops
   // within seconds.
   int64_t max_work = int64_t(1) << 30;

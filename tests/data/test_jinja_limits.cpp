@@ -154,6 +154,12 @@ TEST(JinjaLimits, Work) {
   // So is a search of a long list in a loop.
   expect_limit("{% set r = range(100000) %}{% for i in range(100000) %}{% if -1 in r %}{% endif %}{% endfor %}",
                "work");
+  // And a search whose pattern nearly matches everywhere (linear time, charged by length).
+  expect_limit(
+      "{% set h = 'a' * 16000000 %}{% set n = 'a' * 8000000 ~ 'b' %}"
+      "{% for i in range(100) %}{{ n in h }}{{ h.split(n)|length }}{% endfor %}",
+      "work");
+  EXPECT_EQ(render("{{ 'a</think>b</think>c'.split('</think>') }}{{ 'aaa'.replace('aa', 'b') }}"), "['a', 'b', 'c']ba");
   // Each 'x' * 10**7 costs 10**7 bytes: 107 of them stay under 2**30, 108 do not.
   auto strings = [](int n) {
     return "{% for i in range(" + std::to_string(n) + ") %}{% set s = 'x' * 10000000 %}{% endfor %}done";
