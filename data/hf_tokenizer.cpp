@@ -313,6 +313,48 @@ uint32_t single_char(const std::string& s, const std::function<void(const std::s
   return code_point(s, 0, n);
 }
 
+// Unicode punctuation (Pc, Pd, Ps, Pe, Pi, Pf, Po) or ASCII punctuation ("$", "+", "^" included), the
+// library's notion for Punctuation and BertPreTokenizer.
+bool is_punctuation(uint32_t c) {
+  if (c < 0x80) return std::ispunct(static_cast<int>(c)) != 0;
+  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  return cat >= UTF8PROC_CATEGORY_PC && cat <= UTF8PROC_CATEGORY_PO;
+}
+
+// One character `c` (UTF-8 `ch`) through a per-character normalizer, appended to `out`:
+//   Lowercase: the full lowercase mapping ("İ" is "i" + U+0307);
+//   StripAccents: every mark (Mn, Mc, Me) dropped;
+//   Nmt: control characters dropped, the line and format characters below read as a space.
+void map_char(const std::string& type, uint32_t c, const std::string& ch, std::string& out) {
+  if (type == "Lowercase") {
+    out += c == 0x130 ? std::string("i\xcc\x87") : ByteAlphabet::utf8(utf8proc_tolower(c));
+  } else if (type == "StripAccents") {
+    const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+    if (cat != UTF8PROC_CATEGORY_MN && cat != UTF8PROC_CATEGORY_MC && cat != UTF8PROC_CATEGORY_ME) out += ch;
+  } else if ((c >= 0x01 && c <= 0x08) || c == 0x0B || (c >= 0x0E && c <= 0x1F) || c == 0x7F || c == 0x8F || c == 0x9F) {
+    // Nmt: dropped
+  } else if (c == 0x09 || c == 0x0A || c == 0x0C || c == 0x0D || c == 0x1680 || (c >= 0x200B && c <= 0x200F) ||
+             c == 0x2028 || c == 0x2029 || c == 0x2581 || c == 0xFEFF || c == 0xFFFD) {
+    out += ' ';
+  } else {
+    out += ch;
+  }
+}
+
+// Every match of `re` (empty ones included) replaced by `to`; without a regex, every occurrence of the
+// literal `from`, left to right.
+std::string replace_pattern(std::string s, const Regex* re, const std::string& from, const std::string& to) {
+  if (re == nullptr) return replace_all(std::move(s), from, to);
+  std::string out;
+  for (const auto& sp : regex_spans(s, *re)) {
+    if (sp.match)
+      out += to;
+    else
+      out.append(s, sp.b, sp.e - sp.b);
+  }
+  return out;
+}
+
 // A literal as a PCRE2 pattern: ASCII punctuation escaped, control bytes as \x{..}.
 std::string quote_regex(const std::string& lit) {
   std::string out;
@@ -347,6 +389,7 @@ struct HfTokenizer::Impl {
   // --- normalizer
   struct Normalizer {
     std::string type, a, b;
+    std::shared_ptr<Regex> regex;  // Replace with a Regex pattern
   };
   std::vector<Normalizer> normalizers;
 
@@ -357,7 +400,8 @@ struct HfTokenizer::Impl {
     Behavior behavior = Behavior::Isolated;
     bool invert = false, add_prefix_space = false, individual_digits = false, split = true;
     std::string replacement, prepend_scheme;
-    uint32_t ch = 0;  // Metaspace's replacement, CharDelimiterSplit's delimiter
+    uint32_t ch = 0;     // Metaspace's replacement, CharDelimiterSplit's delimiter
+    int64_t length = 0;  // FixedLength
   };
   std::vector<PreTokenizer> pre_tokenizers;
 
@@ -383,6 +427,7 @@ struct HfTokenizer::Impl {
     std::string type, a, b;
     int64_t start = 0, stop = 0;
     std::string prepend_scheme;
+    std::shared_ptr<Regex> regex;  // Replace with a Regex pattern
   };
   std::vector<Decoder> decoders;
 
@@ -470,7 +515,8 @@ struct HfTokenizer::Impl {
     if (type == "Sequence") {
       check_fields(n, where, {"type", "normalizers"});
       for (const auto& x : n["normalizers"]) load_normalizer(x);
-    } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD" || type == "Lowercase") {
+    } else if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD" || type == "Lowercase" ||
+               type == "StripAccents" || type == "Nmt" || type == "ByteLevel") {
       check_fields(n, where, {"type"});
       normalizers.push_back({type, "", ""});
     } else if (type == "Strip") {
@@ -481,10 +527,24 @@ struct HfTokenizer::Impl {
       normalizers.push_back({type, str(n, "prepend"), ""});
     } else if (type == "Replace") {
       check_fields(n, where, {"type", "pattern", "content"});
-      if (!n.contains("pattern") || !n["pattern"].contains("String")) fail("normalizer Replace: only String patterns");
-      normalizers.push_back({type, n["pattern"]["String"].get<std::string>(), str(n, "content")});
+      Normalizer x{type, "", str(n, "content"), nullptr};
+      load_pattern(n, where, x.a, x.regex);
+      normalizers.push_back(std::move(x));
     } else {
       fail("normalizer '" + type + "' is not supported");
+    }
+  }
+
+  // A Replace's pattern: {"String": literal} (every occurrence, left to right) or {"Regex": ...}.
+  void load_pattern(const Json& j, const std::string& where, std::string& literal,
+                    std::shared_ptr<Regex>& regex) const {
+    const Json pat = j.value("pattern", Json());
+    if (pat.is_object() && pat.contains("String") && !pat["String"].get<std::string>().empty()) {
+      literal = pat["String"].get<std::string>();
+    } else if (pat.is_object() && pat.contains("Regex")) {
+      regex = std::make_shared<Regex>(pat["Regex"].get<std::string>(), path + ": " + where);
+    } else {
+      fail(where + ": pattern is neither Regex nor a non-empty String");
     }
   }
 
@@ -533,6 +593,15 @@ struct HfTokenizer::Impl {
       t.individual_digits = flag(p, "individual_digits");
     } else if (type == "WhitespaceSplit") {
       check_fields(p, where, {"type"});
+    } else if (type == "Punctuation") {
+      check_fields(p, where, {"type", "behavior"});
+      t.behavior = behavior(str(p, "behavior", "Isolated"), where);
+    } else if (type == "BertPreTokenizer") {
+      check_fields(p, where, {"type"});
+    } else if (type == "FixedLength") {
+      check_fields(p, where, {"type", "length"});
+      t.length = p.value("length", int64_t{5});
+      if (t.length <= 0) fail(where + ": length " + std::to_string(t.length) + " is not positive");
     } else if (type == "CharDelimiterSplit") {
       check_fields(p, where, {"type", "delimiter"});
       t.ch = single_char(str(p, "delimiter"), [&](const std::string& m) { fail(where + " delimiter: " + m); });
@@ -567,6 +636,18 @@ struct HfTokenizer::Impl {
       for (const auto& x : p["processors"]) load_post_processor(x);
     } else if (type == "ByteLevel") {  // offsets only, which encode does not return
       check_fields(p, where, {"type", "add_prefix_space", "trim_offsets", "use_regex"});
+    } else if (type == "BertProcessing" || type == "RobertaProcessing") {  // cls A sep
+      if (type == "BertProcessing")
+        check_fields(p, where, {"type", "sep", "cls"});
+      else  // trim_offsets, add_prefix_space: offsets only
+        check_fields(p, where, {"type", "sep", "cls", "trim_offsets", "add_prefix_space"});
+      for (const char* k : {"cls", "sep"}) {
+        if (!p.contains(k) || !p[k].is_array() || p[k].size() != 2 || !p[k][1].is_number_integer()) {
+          fail(where + ": " + k + " is not [token, id]");
+        }
+      }
+      prefix.push_back(p["cls"][1].get<int64_t>());
+      suffix.insert(suffix.begin(), p["sep"][1].get<int64_t>());
     } else if (type == "TemplateProcessing") {
       // pair frames two sequences, which encode does not take; type ids are not returned.
       check_fields(p, where, {"type", "single", "pair", "special_tokens"});
@@ -603,8 +684,7 @@ struct HfTokenizer::Impl {
       return;
     } else if (type == "Replace") {
       check_fields(d, where, {"type", "pattern", "content"});
-      if (!d.contains("pattern") || !d["pattern"].contains("String")) fail("decoder Replace: only String patterns");
-      x.a = d["pattern"]["String"].get<std::string>();
+      load_pattern(d, where, x.a, x.regex);
       x.b = str(d, "content");
     } else if (type == "Strip") {
       check_fields(d, where, {"type", "content", "start", "stop"});
@@ -739,7 +819,7 @@ struct HfTokenizer::Impl {
     for (const auto& n : normalizers) {
       if (n.type == "Prepend") {
         if (!s.empty()) s = n.a + s;
-      } else if (n.type == "Lowercase") {  // full lowercase mapping, character by character
+      } else if (n.type == "Lowercase" || n.type == "StripAccents" || n.type == "Nmt") {  // char by char
         std::string out;
         for (size_t i = 0; i < s.size();) {
           const size_t len = utf8_len(s, i);
@@ -747,8 +827,7 @@ struct HfTokenizer::Impl {
             out += s[i++];
             continue;
           }
-          const uint32_t c = code_point(s, i, len);
-          out += c == 0x130 ? std::string("i\xcc\x87") : ByteAlphabet::utf8(utf8proc_tolower(c));  // İ -> i + U+0307
+          map_char(n.type, code_point(s, i, len), s.substr(i, len), out);
           i += len;
         }
         s.swap(out);
@@ -768,7 +847,11 @@ struct HfTokenizer::Impl {
         }
         s = s.substr(b, e - b);
       } else if (n.type == "Replace") {
-        s = replace_all(std::move(s), n.a, n.b);
+        s = replace_pattern(std::move(s), n.regex.get(), n.a, n.b);
+      } else if (n.type == "ByteLevel") {  // each byte as its byte-level alphabet character
+        std::string out;
+        for (unsigned char c : s) out += alphabet().to_char[c];
+        s.swap(out);
       } else {
         int opts = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
         if (n.type == "NFKC") opts |= UTF8PROC_COMPAT;
@@ -822,6 +905,26 @@ struct HfTokenizer::Impl {
           split_spans(x, char_spans(x.text, is_unicode_space), Behavior::Removed, false, next);
         } else if (p.type == "CharDelimiterSplit") {
           split_spans(x, char_spans(x.text, [&](uint32_t c) { return c == p.ch; }), Behavior::Removed, false, next);
+        } else if (p.type == "Punctuation") {
+          split_spans(x, char_spans(x.text, is_punctuation), p.behavior, false, next);
+        } else if (p.type == "BertPreTokenizer") {
+          std::vector<Piece> words;
+          split_spans(x, char_spans(x.text, is_unicode_space), Behavior::Removed, false, words);
+          for (const auto& w : words)
+            split_spans(w, char_spans(w.text, is_punctuation), Behavior::Isolated, false, next);
+        } else if (p.type == "FixedLength") {  // chunks of `length` characters
+          size_t b = 0, n = 0;
+          for (size_t i = 0; i <= x.text.size();) {
+            if (i == x.text.size() || n == static_cast<size_t>(p.length)) {
+              if (i > b) next.push_back({x.text.substr(b, i - b), x.first && b == 0});
+              b = i;
+              n = 0;
+              if (i == x.text.size()) break;
+            }
+            const size_t len = utf8_len(x.text, i);
+            i += len == 0 ? 1 : len;
+            ++n;
+          }
         }
       }
       pieces.swap(next);
@@ -940,7 +1043,7 @@ struct HfTokenizer::Impl {
         }
         toks = {exact ? bytes : lossy_utf8(bytes)};
       } else if (d.type == "Replace") {
-        for (auto& t : toks) t = replace_all(t, d.a, d.b);
+        for (auto& t : toks) t = replace_pattern(t, d.regex.get(), d.a, d.b);
       } else if (d.type == "ByteFallback") {
         std::vector<std::string> next;
         std::string pending;  // consecutive <0xXX> bytes

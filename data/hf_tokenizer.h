@@ -9,10 +9,14 @@
 // What a file may use:
 //   * pre-tokenizers: Split (Regex or String pattern; behavior Removed, Isolated, MergedWithPrevious,
 //     MergedWithNext or Contiguous; invert), ByteLevel, Metaspace, Digits (Unicode numerics Nd/Nl/No,
-//     "½" and "²" included), WhitespaceSplit, CharDelimiterSplit, Sequence;
-//   * normalizers: NFC, NFD, NFKC, NFKD, Lowercase, Strip, Prepend, Replace (String pattern), Sequence;
-//   * decoders: ByteLevel, Metaspace, Replace (String pattern), ByteFallback, Fuse, Strip, Sequence;
-//   * post-processors: TemplateProcessing, ByteLevel, Sequence; truncation and padding null.
+//     "½" and "²" included), WhitespaceSplit, CharDelimiterSplit, Punctuation, BertPreTokenizer,
+//     FixedLength, Sequence;
+//   * normalizers: NFC, NFD, NFKC, NFKD, Lowercase, Strip, StripAccents, Nmt, ByteLevel, Prepend,
+//     Replace (String or Regex pattern), Sequence;
+//   * decoders: ByteLevel, Metaspace, Replace (String or Regex pattern), ByteFallback, Fuse, Strip,
+//     Sequence;
+//   * post-processors: TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence;
+//     truncation and padding null.
 // Anything else, and any field of these the code does not read, stops the load with an error naming it
 // and the file: a file is never encoded with a part of it ignored. Fields that only shape offsets
 // (trim_offsets) or pair encodings (TemplateProcessing.pair) are accepted, as encode returns neither.
@@ -25,8 +29,10 @@
 //   * invalid UTF-8 input is encoded by its bytes through the byte-level alphabet (no character is
 //     lost); decode turns byte sequences that are not UTF-8 into U+FFFD, as the library's lossy decode
 //     does, while token_bytes() gives the exact bytes of one token (a partial UTF-8 sequence included).
-// Leaves out: WordPiece, Unigram and WordLevel models, BPE dropout, continuing_subword_prefix,
-// end_of_word_suffix, pair encodings and offsets.
+// Leaves out (refused by name): WordPiece, Unigram and WordLevel models, BPE dropout,
+// continuing_subword_prefix, end_of_word_suffix, the Whitespace and UnicodeScripts pre-tokenizers, the
+// BertNormalizer and Precompiled normalizers, the WordPiece, BPEDecoder and CTC decoders; pair encodings
+// and offsets.
 #pragma once
 
 #include <cstdint>

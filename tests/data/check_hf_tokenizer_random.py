@@ -2,12 +2,15 @@
 pre-tokenizer and normalizer configuration that decoder LLMs ship, encoding and decoding seeded random
 strings; ids and decoded text must match byte for byte:
   * ByteLevel with and without its regex (and add_prefix_space);
-  * Split with a tiktoken-style regex in each behavior (Removed, Isolated, MergedWithPrevious,
-    MergedWithNext, Contiguous), with and without invert, then ByteLevel; Split with a String pattern;
+  * Split in each behavior (Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous), with and
+    without invert, on a regex with gaps and empty matches, then ByteLevel; the tiktoken-converted form
+    (Removed + invert on the Llama-3 regex); Split with a String pattern;
   * Digits, individual or not (Unicode numerics: "½", "²", "٣");
   * Metaspace (prepend_scheme first / always, split or not) on a byte-fallback BPE with Mistral's decoder
     chain and with the Metaspace decoder;
-  * NFC, NFKC, Lowercase and Strip normalizers; WhitespaceSplit and CharDelimiterSplit;
+  * NFC, NFKC, NFD, Lowercase, Strip, StripAccents, Nmt, ByteLevel and Replace (Regex) normalizers;
+    WhitespaceSplit, CharDelimiterSplit, Punctuation, BertPreTokenizer and FixedLength; the Bert and
+    Roberta post-processors (compared with add_special_tokens as well); the Replace (Regex) decoder;
   * ignore_merges with whole-word vocabulary entries the merges do not build;
   * added tokens: special, non-special matched in the raw text, non-special matched in the normalized
     text, lstrip / rstrip.
@@ -16,7 +19,8 @@ control characters and the added tokens. The check can fail: a copy of the expec
 changed, and the Split configurations with invert flipped in our copy of the file, must both be reported
 as mismatches. A file with a field the code does not read must be refused (exit 2, naming the field).
 
-usage: check_hf_tokenizer_random.py TOKENIZE_BIN [N_STRINGS]
+usage: check_hf_tokenizer_random.py TOKENIZE_BIN [N_STRINGS]   (3,000 strings; RLT_TOKENIZER_SEED
+sets another seed)
 """
 import json
 import os
@@ -25,11 +29,11 @@ import subprocess
 import sys
 import tempfile
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 tokenize_bin = sys.argv[1]
 n_strings = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
-SEED = 20240611
+SEED = int(os.environ.get("RLT_TOKENIZER_SEED", "20240611"))
 
 # A pattern that leaves gaps between its matches and matches the empty string (x*), so that every
 # behavior and invert give different pieces.
@@ -75,10 +79,12 @@ def corpus(seed):
     return random_strings(600, seed)
 
 
-def bytelevel_bpe(pre, normalizer=None, vocab_size=500):
+def bytelevel_bpe(pre, normalizer=None, vocab_size=500, post=None):
     tok = Tokenizer(models.BPE())
     if normalizer is not None:
         tok.normalizer = normalizer
+    if post is not None:
+        tok.post_processor = post
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
@@ -155,6 +161,21 @@ def configurations():
             pre_tokenizers.Metaspace(prepend_scheme="never", split=True),
             decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first"), decoders.Fuse()])),
         "ignore-merges": ignore_merges_bpe,
+        "nmt-stripaccents-replace-regex": lambda: bytelevel_bpe(bl(regex=True), normalizer=normalizers.Sequence([
+            normalizers.Nmt(), normalizers.NFD(), normalizers.StripAccents(),
+            normalizers.Replace(Regex(r" {2,}"), "_"), normalizers.Replace(Regex(r"\d\d"), "#")])),
+        "bytelevel-normalizer-punctuation": lambda: bytelevel_bpe(pre_tokenizers.Punctuation(),
+                                                                  normalizer=normalizers.ByteLevel()),
+        "punctuation-removed": lambda: bytelevel_bpe(seq([pre_tokenizers.Punctuation("removed"), bl()])),
+        "bert-pretokenizer-roberta": lambda: bytelevel_bpe(
+            seq([pre_tokenizers.BertPreTokenizer(), bl()]),
+            post=processors.RobertaProcessing(("<|im_end|>", 2), ("<|im_start|>", 1))),
+        "fixedlength-bert": lambda: bytelevel_bpe(
+            seq([pre_tokenizers.FixedLength(3), bl()]),
+            post=processors.BertProcessing(("<|im_end|>", 2), ("<|im_start|>", 1))),
+        "metaspace-replace-regex-decoder": lambda: byte_fallback_bpe(
+            pre_tokenizers.Metaspace(prepend_scheme="always", split=True),
+            decoders.Sequence([decoders.Replace(Regex("▁+"), " "), decoders.ByteFallback(), decoders.Fuse()])),
     }
     # The tiktoken-converted form: keep the regex's matches, drop the rest.
     out["split-tiktoken-removed-invert"] = lambda: bytelevel_bpe(seq([
@@ -167,12 +188,13 @@ def configurations():
     return out
 
 
-def ours(tok_path, lines, tmp, decode=False):
+def ours(tok_path, lines, tmp, decode=False, special=False):
     path = os.path.join(tmp, "in.txt")
     with open(path, "w", encoding="utf-8") as f:
         for line in lines:
             f.write((",".join(map(str, line)) if decode else json.dumps(line)) + "\n")
     args = [tokenize_bin, "--tokenizer", tok_path, "--file", path] + (["--decode"] if decode else ["--jsonl"])
+    args += ["--add-special-tokens"] if special else []
     p = subprocess.run(args, capture_output=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(args)}: exit {p.returncode}: {p.stderr.decode(errors='replace')[-2000:]}")
@@ -205,6 +227,10 @@ with tempfile.TemporaryDirectory() as tmp:
             failures.append(f"{name}: HF encodes every string to nothing; the configuration tests nothing")
         got = ours(path, strings, tmp)
         n_enc = mismatches(name + " encode", got, want, strings, failures)
+        if hf.post_processor is not None:  # the post-processor's framing, add_special_tokens=True
+            want_special = [e.ids for e in hf.encode_batch(strings, add_special_tokens=True)]
+            n_enc += mismatches(name + " encode (special)", ours(path, strings, tmp, special=True), want_special,
+                                strings, failures)
         want_text = hf.decode_batch(want, skip_special_tokens=False)
         got_text = ours(path, want, tmp, decode=True)
         n_dec = mismatches(name + " decode", got_text, want_text, strings, failures)

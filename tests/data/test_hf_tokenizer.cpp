@@ -123,7 +123,8 @@ TEST(HfTokenizer, AFieldTheCodeDoesNotReadIsRefusedByName) {
   expect_refused(R"("fuse_unk": false)", R"("fuse_unk": false, "max_input_chars_per_word": 100)",
                  "field 'max_input_chars_per_word'");
   expect_refused(R"("behavior": "Removed")", R"("behavior": "Dropped")", "behavior 'Dropped'");
-  expect_refused(R"("normalizer": null)", R"("normalizer": {"type": "Nmt"})", "normalizer 'Nmt'");
+  expect_refused(R"("normalizer": null)", R"("normalizer": {"type": "Precompiled", "precompiled_charsmap": ""})",
+                 "normalizer 'Precompiled'");
   expect_refused(R"("truncation": null)", R"("truncation": {"max_length": 8})", "truncation");
   expect_refused(R"("version": "1.0")", R"("version": "1.0", "extra": 1)", "field 'extra'");
 }
