@@ -259,6 +259,14 @@ void split_spans(const Piece& x, std::vector<Span> spans, Behavior beh, bool inv
   if (invert) {
     for (auto& sp : spans) sp.match = !sp.match;
   }
+  if (beh == Behavior::Isolated || beh == Behavior::Removed) {  // the spans as they are: no merging
+    for (const auto& sp : spans) {
+      if (sp.e > sp.b && !(beh == Behavior::Removed && sp.match)) {
+        out.push_back({x.text.substr(sp.b, sp.e - sp.b), x.first && sp.b == 0});
+      }
+    }
+    return;
+  }
   struct Cut {
     size_t b, e;
     bool remove;
@@ -267,10 +275,7 @@ void split_spans(const Piece& x, std::vector<Span> spans, Behavior beh, bool inv
   bool prev = false;
   switch (beh) {
     case Behavior::Removed:
-      for (const auto& sp : spans) cuts.push_back({sp.b, sp.e, sp.match});
-      break;
     case Behavior::Isolated:
-      for (const auto& sp : spans) cuts.push_back({sp.b, sp.e, false});
       break;
     case Behavior::MergedWithPrevious:
       for (const auto& sp : spans) {
@@ -417,6 +422,7 @@ struct HfTokenizer::Impl {
   // Tokens with normalized=false are matched in the raw text, the others in the normalized text between
   // them, as the library's added vocabulary does.
   std::array<std::array<std::vector<uint32_t>, 256>, 2> added_by_byte;
+  bool has_added[2] = {false, false};
   std::vector<uint8_t> special;  // (V) 1 = a special added token
 
   // --- post-processor (single sequences)
@@ -735,6 +741,7 @@ struct HfTokenizer::Impl {
                      [](const Added& x, const Added& y) { return x.content.size() > y.content.size(); });
     for (uint32_t k = 0; k < added.size(); ++k) {
       added_by_byte[added[k].normalized][static_cast<unsigned char>(added[k].content[0])].push_back(k);
+      has_added[added[k].normalized] = true;
     }
     special.assign(id_to_token.size(), 0);
     for (const auto& t : added) special[t.id] = t.special;
@@ -772,6 +779,7 @@ struct HfTokenizer::Impl {
   // Added tokens out of the raw text: at each position the longest token that matches (leftmost first);
   // lstrip / rstrip tokens take the whitespace beside them.
   std::vector<Segment> split_added(const std::string& text, bool normalized) const {
+    if (!has_added[normalized]) return {{text, 0, -1}};
     std::vector<Segment> out;
     size_t start = 0, i = 0;
     while (i < text.size()) {
@@ -876,17 +884,21 @@ struct HfTokenizer::Impl {
         if (p.type == "Split") {
           split_spans(x, regex_spans(x.text, *p.regex), p.behavior, p.invert, next);
         } else if (p.type == "ByteLevel") {
-          Piece y = x;
-          if (p.add_prefix_space && y.text[0] != ' ') y.text = " " + y.text;
-          std::vector<Piece> parts;
+          const size_t from = next.size();
+          Piece prefixed;
+          const Piece* y = &x;
+          if (p.add_prefix_space && x.text[0] != ' ') {
+            prefixed = {" " + x.text, x.first};
+            y = &prefixed;
+          }
           if (p.regex)
-            split_spans(y, regex_spans(y.text, *p.regex), Behavior::Isolated, false, parts);
+            split_spans(*y, regex_spans(y->text, *p.regex), Behavior::Isolated, false, next);
           else
-            parts.push_back(y);
-          for (auto& part : parts) {
+            next.push_back(*y);
+          for (size_t k = from; k < next.size(); ++k) {
             std::string mapped;
-            for (unsigned char c : part.text) mapped += alphabet().to_char[c];
-            next.push_back({std::move(mapped), part.first});
+            for (unsigned char c : next[k].text) mapped += alphabet().to_char[c];
+            next[k].text.swap(mapped);
           }
         } else if (p.type == "Metaspace") {
           Piece y{replace_all(x.text, " ", p.replacement), x.first};
