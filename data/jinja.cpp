@@ -124,10 +124,17 @@ struct Value {
     Value v = with(kList);
     v.depth = 1;
     for (const auto& item : x) v.take_child(item);
+    charge(copy_cost(x));
     v.list = std::make_shared<List>(std::move(x));
     return v;
   }
   static Value of_dict(Dict x);
+  // What copying the items costs: each value and its string (lists and mappings inside are shared).
+  static int64_t copy_cost(const List& items) {
+    int64_t bytes = 0;
+    for (const auto& x : items) bytes += static_cast<int64_t>(sizeof(Value) + x.s.size());
+    return bytes;
+  }
   void take_child(const Value& c) {
     depth = std::max(depth, c.depth + 1);
     holds_ns = holds_ns || c.holds_ns;
@@ -150,7 +157,10 @@ struct Value {
 Value Value::of_dict(Dict x) {
   Value v = with(kDict);
   v.depth = 1;
-  for (const auto& item : x.items) v.take_child(item.second);
+  for (const auto& item : x.items) {
+    v.take_child(item.second);
+    charge(static_cast<int64_t>(sizeof(Value) + item.first.size() + item.second.s.size()));
+  }
   v.dict = std::make_shared<Dict>(std::move(x));
   return v;
 }
@@ -1237,7 +1247,6 @@ class Renderer {
             }
             List l;
             for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) l.push_back(Value::integer(lo + k * st));
-            charge(static_cast<int64_t>(l.size() * sizeof(Value)));
             return Value::of_list(std::move(l));
           }));
   }
@@ -1300,6 +1309,7 @@ class Renderer {
               }
               std::vector<Dict> saved;
               saved.swap(scopes_);
+              for (const auto& g : saved.front().items) charge(static_cast<int64_t>(sizeof(Value) + g.second.s.size()));
               scopes_.push_back(saved.front());
               scopes_.push_back(std::move(params));
               std::string body;
@@ -1326,10 +1336,12 @@ class Renderer {
   }
 
   static List iterate(const Value& v, int line) {
-    charge(static_cast<int64_t>(sizeof(Value)) * (v.kind == Value::kList   ? v.list->size()
-                                                  : v.kind == Value::kDict ? v.dict->items.size()
-                                                                           : v.s.size()));
-    if (v.kind == Value::kList) return *v.list;
+    if (v.kind == Value::kList) {
+      charge(Value::copy_cost(*v.list));
+      return *v.list;
+    }
+    if (v.kind == Value::kDict) charge(static_cast<int64_t>(v.dict->items.size() * sizeof(Value)));
+    if (v.kind == Value::kStr) charge(static_cast<int64_t>(v.s.size() * sizeof(Value)));
     if (v.kind == Value::kDict) {
       List keys;
       for (const auto& [k, x] : v.dict->items) keys.push_back(Value::str(k));
@@ -1397,7 +1409,15 @@ class Renderer {
       loop.set("previtem", k > 0 ? items[k - 1] : Value());
       loop.set("nextitem", k + 1 < N ? items[k + 1] : Value());
       scopes_.emplace_back();
-      scopes_.back().set("loop", Value::of_dict(std::move(loop)));
+      // Not of_dict: max_iterations pays for the mapping itself; the items' strings are charged.
+      Value loop_value = Value::with(Value::kDict);
+      loop_value.depth = 1;
+      for (const auto& entry : loop.items) {
+        loop_value.take_child(entry.second);
+        charge(static_cast<int64_t>(entry.second.s.size()));
+      }
+      loop_value.dict = std::make_shared<Dict>(std::move(loop));
+      scopes_.back().set("loop", std::move(loop_value));
       bind(n.targets, items[k], scopes_.back(), n.line);
       bool stop = false;
       try {
@@ -1496,7 +1516,6 @@ class Renderer {
     if (op == "+") {
       if (a.kind == Value::kStr && b.kind == Value::kStr) return built(a.s + b.s);
       if (a.kind == Value::kList && b.kind == Value::kList) {
-        charge(static_cast<int64_t>((a.list->size() + b.list->size()) * sizeof(Value)));
         List l = *a.list;
         l.insert(l.end(), b.list->begin(), b.list->end());
         return Value::of_list(std::move(l));
@@ -1740,7 +1759,6 @@ class Renderer {
           }
           parts.push_back(Value::str(s.substr(b)));
         }
-        charge(static_cast<int64_t>(parts.size() * sizeof(Value)));
         return Value::of_list(std::move(parts));
       });
     }

@@ -160,6 +160,17 @@ TEST(JinjaLimits, Work) {
       "{% for i in range(100) %}{{ n in h }}{{ h.split(n)|length }}{% endfor %}",
       "work");
   EXPECT_EQ(render("{{ 'a</think>b</think>c'.split('</think>') }}{{ 'aaa'.replace('aa', 'b') }}"), "['a', 'b', 'c']ba");
+  // Copying a list copies its strings: a loop over a list of long strings, a macro call with a long
+  // global string (the call copies the globals), and a mapping's values() each cost their bytes.
+  expect_limit(
+      "{% set b = 'x' * 1000000 %}{% set l = [b, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b] %}"
+      "{% for i in range(100000) %}{% for x in l %}{% endfor %}{% endfor %}",
+      "work");
+  expect_limit(
+      "{% set b = 'x' * 1000000 %}{% macro f() %}{% endmacro %}{% for i in range(100000) %}{{ f() }}{% endfor %}",
+      "work");
+  expect_limit("{% set d = {'a': 'x' * 1000000} %}{% for i in range(100000) %}{% set v = d.values() %}{% endfor %}",
+               "work");
   // Each 'x' * 10**7 costs 10**7 bytes: 107 of them stay under 2**30, 108 do not.
   auto strings = [](int n) {
     return "{% for i in range(" + std::to_string(n) + ") %}{% set s = 'x' * 10000000 %}{% endfor %}done";
