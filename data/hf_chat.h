@@ -26,7 +26,8 @@ class HfChatTemplate {
 
   // messages: a JSON list of {"role", "content", ...}; tools: a list of JSON schemas, or null; extra: more
   // template variables (e.g. {"enable_thinking": false}). Throws jinja::TemplateRaise with the template's
-  // own message when it refuses the conversation, DataError for other rendering errors.
+  // own message when it refuses the conversation, DataError for other rendering errors (a template that
+  // passes one of jinja::Limits included: the message names the limit and the file).
   std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                      bool add_generation_prompt,
                      const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
