@@ -9,7 +9,8 @@
 // equalto/eq, ne, lt, gt, in, odd, even, divisibleby, callable, lower, upper), and Python's str methods the
 // templates call (startswith, strip, split, ...). Values print as Python's str() of them.
 // Leaves out: template inheritance and includes, call blocks, filters and tests not listed above (an
-// error naming them), autoescaping.
+// error naming them), autoescaping, and a namespace stored in a namespace (an error: it could make a
+// value that holds itself).
 // A template is untrusted input (it comes with a downloaded model folder): parsing and rendering are
 // bounded by Limits, like jinja2's SandboxedEnvironment, so no template crashes the process or runs
 // without end. Hitting a limit throws TemplateError naming it.
