@@ -187,6 +187,11 @@ class Regex {
 };
 
 // GPT-2's pre-tokenizer regex, used by a ByteLevel pre-tokenizer with use_regex.
+// The Whitespace pre-tokenizer's \w+|[^\w\s]+ with the library's regex engine's Unicode classes:
+// \w is Alphabetic, a mark, a decimal digit, a connector or a joiner (not "½" or "①"), \s is \t-\r,
+// U+0085 or a separator (Z).
+constexpr const char* kWhitespaceRegex =
+    R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}]+|[^\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}\t-\r\x{85}\p{Z}]+)";
 constexpr const char* kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 // Unicode White_Space, the library's char::is_whitespace.
@@ -329,12 +334,26 @@ bool is_punctuation(uint32_t c) {
 // One character `c` (UTF-8 `ch`) through a per-character normalizer, appended to `out`:
 //   Lowercase: the full lowercase mapping ("İ" is "i" + U+0307);
 //   StripAccents: every mark (Mn, Mc, Me) dropped;
-//   Nmt: control characters dropped, the line and format characters below read as a space.
+//   Nmt: control characters dropped, the line and format characters below read as a space;
+//   BertNormalizer's steps: BertClean drops NUL, U+FFFD and Cc/Cf/Co/Cs characters but \t \n \r, and reads
+//   whitespace as a space, BertChinese puts spaces around CJK ideographs, StripMn drops Mn marks.
 void map_char(const std::string& type, uint32_t c, const std::string& ch, std::string& out) {
-  if (type == "Lowercase") {
+  const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  if (type == "BertClean") {
+    const bool other = cat == UTF8PROC_CATEGORY_CC || cat == UTF8PROC_CATEGORY_CF || cat == UTF8PROC_CATEGORY_CO ||
+                       cat == UTF8PROC_CATEGORY_CS;
+    if (c == 0 || c == 0xFFFD || (other && c != '\t' && c != '\n' && c != '\r')) return;
+    out += is_unicode_space(c) ? std::string(" ") : ch;
+  } else if (type == "BertChinese") {
+    const bool cjk = (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0x3400 && c <= 0x4DBF) || (c >= 0x20000 && c <= 0x2A6DF) ||
+                     (c >= 0x2A700 && c <= 0x2B73F) || (c >= 0x2B740 && c <= 0x2B81F) ||
+                     (c >= 0x2B920 && c <= 0x2CEAF) || (c >= 0xF900 && c <= 0xFAFF) || (c >= 0x2F800 && c <= 0x2FA1F);
+    out += cjk ? " " + ch + " " : ch;
+  } else if (type == "StripMn") {
+    if (cat != UTF8PROC_CATEGORY_MN) out += ch;
+  } else if (type == "Lowercase") {
     out += c == 0x130 ? std::string("i\xcc\x87") : ByteAlphabet::utf8(utf8proc_tolower(c));
   } else if (type == "StripAccents") {
-    const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
     if (cat != UTF8PROC_CATEGORY_MN && cat != UTF8PROC_CATEGORY_MC && cat != UTF8PROC_CATEGORY_ME) out += ch;
   } else if ((c >= 0x01 && c <= 0x08) || c == 0x0B || (c >= 0x0E && c <= 0x1F) || c == 0x7F || c == 0x8F || c == 0x9F) {
     // Nmt: dropped
@@ -525,6 +544,16 @@ struct HfTokenizer::Impl {
                type == "StripAccents" || type == "Nmt" || type == "ByteLevel") {
       check_fields(n, where, {"type"});
       normalizers.push_back({type, "", ""});
+    } else if (type == "BertNormalizer") {  // as its steps, in the library's order
+      check_fields(n, where, {"type", "clean_text", "handle_chinese_chars", "strip_accents", "lowercase"});
+      const bool lowercase = flag(n, "lowercase", true);
+      if (flag(n, "clean_text", true)) normalizers.push_back({"BertClean", "", ""});
+      if (flag(n, "handle_chinese_chars", true)) normalizers.push_back({"BertChinese", "", ""});
+      if (flag(n, "strip_accents", lowercase)) {
+        normalizers.push_back({"NFD", "", ""});
+        normalizers.push_back({"StripMn", "", ""});
+      }
+      if (lowercase) normalizers.push_back({"Lowercase", "", ""});
     } else if (type == "Strip") {
       check_fields(n, where, {"type", "strip_left", "strip_right"});
       normalizers.push_back({type, flag(n, "strip_left") ? "l" : "", flag(n, "strip_right") ? "r" : ""});
@@ -602,6 +631,12 @@ struct HfTokenizer::Impl {
     } else if (type == "Punctuation") {
       check_fields(p, where, {"type", "behavior"});
       t.behavior = behavior(str(p, "behavior", "Isolated"), where);
+    } else if (type == "Whitespace") {  // keeps the regex's matches
+      check_fields(p, where, {"type"});
+      t.type = "Split";
+      t.regex = std::make_shared<Regex>(kWhitespaceRegex, path + ": Whitespace");
+      t.behavior = Behavior::Removed;
+      t.invert = true;
     } else if (type == "BertPreTokenizer") {
       check_fields(p, where, {"type"});
     } else if (type == "FixedLength") {
@@ -827,7 +862,8 @@ struct HfTokenizer::Impl {
     for (const auto& n : normalizers) {
       if (n.type == "Prepend") {
         if (!s.empty()) s = n.a + s;
-      } else if (n.type == "Lowercase" || n.type == "StripAccents" || n.type == "Nmt") {  // char by char
+      } else if (n.type == "Lowercase" || n.type == "StripAccents" || n.type == "Nmt" || n.type == "BertClean" ||
+                 n.type == "BertChinese" || n.type == "StripMn") {  // char by char
         std::string out;
         for (size_t i = 0; i < s.size();) {
           const size_t len = utf8_len(s, i);

@@ -9,10 +9,10 @@
 // What a file may use:
 //   * pre-tokenizers: Split (Regex or String pattern; behavior Removed, Isolated, MergedWithPrevious,
 //     MergedWithNext or Contiguous; invert), ByteLevel, Metaspace, Digits (Unicode numerics Nd/Nl/No,
-//     "½" and "²" included), WhitespaceSplit, CharDelimiterSplit, Punctuation, BertPreTokenizer,
-//     FixedLength, Sequence;
-//   * normalizers: NFC, NFD, NFKC, NFKD, Lowercase, Strip, StripAccents, Nmt, ByteLevel, Prepend,
-//     Replace (String or Regex pattern), Sequence;
+//     "½" and "²" included), Whitespace, WhitespaceSplit, CharDelimiterSplit, Punctuation,
+//     BertPreTokenizer, FixedLength, Sequence;
+//   * normalizers: NFC, NFD, NFKC, NFKD, Lowercase, Strip, StripAccents, Nmt, ByteLevel, BertNormalizer,
+//     Prepend, Replace (String or Regex pattern), Sequence;
 //   * decoders: ByteLevel, Metaspace, Replace (String or Regex pattern), ByteFallback, Fuse, Strip,
 //     Sequence;
 //   * post-processors: TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence;
@@ -30,9 +30,8 @@
 //     lost); decode turns byte sequences that are not UTF-8 into U+FFFD, as the library's lossy decode
 //     does, while token_bytes() gives the exact bytes of one token (a partial UTF-8 sequence included).
 // Leaves out (refused by name): WordPiece, Unigram and WordLevel models, BPE dropout,
-// continuing_subword_prefix, end_of_word_suffix, the Whitespace and UnicodeScripts pre-tokenizers, the
-// BertNormalizer and Precompiled normalizers, the WordPiece, BPEDecoder and CTC decoders; pair encodings
-// and offsets.
+// continuing_subword_prefix, end_of_word_suffix, the UnicodeScripts pre-tokenizer, the Precompiled
+// normalizer, the WordPiece, BPEDecoder and CTC decoders; pair encodings and offsets.
 #pragma once
 
 #include <cstdint>

@@ -8,9 +8,10 @@ strings; ids and decoded text must match byte for byte:
   * Digits, individual or not (Unicode numerics: "½", "²", "٣");
   * Metaspace (prepend_scheme first / always, split or not) on a byte-fallback BPE with Mistral's decoder
     chain and with the Metaspace decoder;
-  * NFC, NFKC, NFD, Lowercase, Strip, StripAccents, Nmt, ByteLevel and Replace (Regex) normalizers;
-    WhitespaceSplit, CharDelimiterSplit, Punctuation, BertPreTokenizer and FixedLength; the Bert and
-    Roberta post-processors (compared with add_special_tokens as well); the Replace (Regex) decoder;
+  * NFC, NFKC, NFD, Lowercase, Strip, StripAccents, Nmt, ByteLevel, BertNormalizer and Replace (Regex)
+    normalizers; Whitespace, WhitespaceSplit, CharDelimiterSplit, Punctuation, BertPreTokenizer and
+    FixedLength; the Bert and Roberta post-processors (compared with add_special_tokens as well); the
+    Replace (Regex) decoder;
   * ignore_merges with whole-word vocabulary entries the merges do not build;
   * added tokens: special, non-special matched in the raw text, non-special matched in the normalized
     text, lstrip / rstrip.
@@ -53,7 +54,9 @@ POOLS = {
     "space": [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\u2003", "\u2009", "\u200b",
               "\u2581", "      "],
     "emoji": ["😀", "👍🏽", "👨\u200d👩\u200d👧\u200d👦", "🏳️\u200d🌈", "🇯🇵", "❤️", "🧑🏿\u200d💻", "\u200d"],
-    "control": ["\x00", "\x01", "\x07", "\x1b", "\x7f", "\x85", "\ufeff", "\ufffd", "\u0301", "e\u0301", "\u00c5", "A\u030a"],
+    "control": ["\x00", "\x01", "\x07", "\x1b", "\x7f", "\x85", "\ufeff", "\ufffd", "\u0301", "e\u0301", "\u00c5", "A\u030a",
+                "\ue000", "\u0378", "\u200c", "\u0903", "\u20dd"],
+    "rare": ["Ⓐ", "ǅ", "〇", "_x_", "\U00020000", "\uf900", "\U0002b820", "\U0002b920", "ﬀ", "Ⅻ", "İ", "ß", "\u2028", "\u1680"],
     "punct": ["'s", "'", "?", "!!", "...", "--", "$x^2$", "\\frac{1}{2}", "{", "}}", "(a)", "#", "→", "≤"],
     "added": SPECIAL + RAW_ADDED + NORM_ADDED + STRIPPED + ["<tool", "[calc]", "fi"],
 }
@@ -166,6 +169,11 @@ def configurations():
             normalizers.Replace(Regex(r" {2,}"), "_"), normalizers.Replace(Regex(r"\d\d"), "#")])),
         "bytelevel-normalizer-punctuation": lambda: bytelevel_bpe(pre_tokenizers.Punctuation(),
                                                                   normalizer=normalizers.ByteLevel()),
+        "whitespace-bertnormalizer": lambda: bytelevel_bpe(
+            seq([pre_tokenizers.Whitespace(), bl()]), normalizer=normalizers.BertNormalizer()),
+        "whitespace-bertnormalizer-keep-accents": lambda: bytelevel_bpe(
+            seq([pre_tokenizers.Whitespace(), bl()]),
+            normalizer=normalizers.BertNormalizer(strip_accents=False, lowercase=False)),
         "punctuation-removed": lambda: bytelevel_bpe(seq([pre_tokenizers.Punctuation("removed"), bl()])),
         "bert-pretokenizer-roberta": lambda: bytelevel_bpe(
             seq([pre_tokenizers.BertPreTokenizer(), bl()]),
@@ -273,7 +281,8 @@ with tempfile.TemporaryDirectory() as tmp:
     base = json.loads(configurations()["bytelevel-regex"]().to_str())
     for label, mutate, fragment in (
             ("unknown field", lambda j: j["pre_tokenizer"].__setitem__("colour", "red"), "colour"),
-            ("unsupported pre-tokenizer", lambda j: j.__setitem__("pre_tokenizer", {"type": "Whitespace"}), "Whitespace"),
+            ("unsupported pre-tokenizer", lambda j: j.__setitem__("pre_tokenizer", {"type": "UnicodeScripts"}),
+             "UnicodeScripts"),
             ("unknown model field", lambda j: j["model"].__setitem__("max_input_chars_per_word", 100),
              "max_input_chars_per_word"),
             ("truncation", lambda j: j.__setitem__("truncation", {"max_length": 8, "strategy": "LongestFirst",
