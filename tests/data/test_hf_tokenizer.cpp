@@ -101,6 +101,33 @@ TEST(HfTokenizer, SplitWithInvertKeepsTheMatches) {
   EXPECT_EQ(t.decode({5, 6, 2}), "hi hi7");
 }
 
+// Digits then ByteLevel, with merges that join "½" and "²": HF counts every Unicode numeric as a digit, so
+// individual_digits keeps them apart; ASCII-only digits would leave " ½²" to the ByteLevel regex and
+// merge it (ids 1, 7). Ids as HF tokenizers gives them.
+constexpr const char* kDigits = R"({
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+  "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": true},
+    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": true}]},
+  "post_processor": null,
+  "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+  "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": {"x": 0, "\u0120": 1, "\u00c2": 2, "\u00bd": 3, "\u00b2": 4, "\u00c2\u00bd": 5,
+                      "\u00c2\u00b2": 6, "\u00c2\u00bd\u00c2\u00b2": 7, "1": 8, "2": 9, "12": 10},
+            "merges": ["\u00c2 \u00bd", "\u00c2 \u00b2", "\u00c2\u00bd \u00c2\u00b2", "1 2"]}})";
+
+TEST(HfTokenizer, DigitsCountEveryUnicodeNumeric) {
+  rlt::testing::TempDir tmp("hf_tok_digits");
+  const std::string path = (tmp.path() / "tokenizer.json").string();
+  std::ofstream(path) << kDigits;
+  EXPECT_EQ(Tokenizer::load(path).encode("x \u00bd\u00b2 12"), (std::vector<int64_t>{0, 1, 5, 6, 1, 8, 9}));
+  std::string contiguous = kDigits;
+  contiguous.replace(contiguous.find("\"individual_digits\": true"), 25, "\"individual_digits\": false");
+  std::ofstream(path) << contiguous;
+  EXPECT_EQ(Tokenizer::load(path).encode("x \u00bd\u00b2 12"), (std::vector<int64_t>{0, 1, 7, 1, 10}));
+}
+
 TEST(HfTokenizer, AFieldTheCodeDoesNotReadIsRefusedByName) {
   rlt::testing::TempDir tmp("hf_tok_fields");
   const std::string path = (tmp.path() / "tokenizer.json").string();
