@@ -202,7 +202,9 @@ const char* kind_name(const Value& v) {
   return "?";
 }
 
-Value from_json(const nlohmann::ordered_json& j) {
+// The context's JSON (the conversation) as values; nested deeper than max_nesting is an error.
+Value from_json(const nlohmann::ordered_json& j, int depth = 0) {
+  if (j.is_structured()) check_value_depth(depth + 1);
   if (j.is_null()) return Value::none();
   if (j.is_boolean()) return Value::boolean(j.get<bool>());
   if (j.is_number_integer() || j.is_number_unsigned()) return Value::integer(j.get<int64_t>());
@@ -210,11 +212,11 @@ Value from_json(const nlohmann::ordered_json& j) {
   if (j.is_string()) return Value::str(j.get<std::string>());
   if (j.is_array()) {
     List l;
-    for (const auto& x : j) l.push_back(from_json(x));
+    for (const auto& x : j) l.push_back(from_json(x, depth + 1));
     return Value::of_list(std::move(l));
   }
   Dict d;
-  for (const auto& [k, v] : j.items()) d.items.emplace_back(k, from_json(v));
+  for (const auto& [k, v] : j.items()) d.items.emplace_back(k, from_json(v, depth + 1));
   return Value::of_dict(std::move(d));
 }
 

@@ -90,6 +90,22 @@ TEST(JinjaLimits, ValueNesting) {
   EXPECT_NE(cyc.find("a namespace may not hold a namespace"), std::string::npos) << cyc;
 }
 
+TEST(JinjaLimits, ConversationNesting) {
+  // The conversation is input too: a message nested 100,000 lists deep stops, 250 deep renders.
+  const auto t = HfChatTemplate::from_source("{{ messages[0].content }}", "", "", kFile);
+  auto nested = [](int n) {
+    return nlohmann::ordered_json::parse(R"([{"role": "user", "content": "hi", "x": )" + repeat("[", n) +
+                                         repeat("]", n) + "}]");
+  };
+  EXPECT_EQ(t.render(nested(250), nullptr, false), "hi");
+  try {
+    t.render(nested(100000), nullptr, false);
+    ADD_FAILURE() << "a conversation nested 100,000 deep rendered";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("nesting depth limit"), std::string::npos) << e.what();
+  }
+}
+
 TEST(JinjaLimits, StackHeldAcrossMacros) {
   // 100 macro calls, each inside 250 blocks: every count is under its limit, the product is not.
   const std::string deep = "{% macro f(n) %}" + repeat("{% for i in [1] %}", 250) +
