@@ -54,7 +54,11 @@ std::string render_tool_turn(const HfChatTemplate& chat, const nlohmann::ordered
   try {
     return chat.render(conv, nullptr, /*add_generation_prompt=*/true, vars);
   } catch (const std::exception& e) {
-    throw DataError(std::string("the chat template cannot render a tool turn (") + e.what() +
+    // A template that hits one of the renderer's limits is hostile or broken, not merely without a tool
+    // role: fixed-template advice would mislead, so its error is passed on as it is.
+    const std::string why = e.what();
+    if (why.find("(jinja::Limits::") != std::string::npos) throw DataError("the chat template's tool turn: " + why);
+    throw DataError("the chat template cannot render a tool turn (" + why +
                     "); use chat.template: fixed, whose replies are <interpreter> blocks");
   }
 }

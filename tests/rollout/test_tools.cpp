@@ -123,6 +123,31 @@ TEST(ToolProtocol, ReplyFramingOfPublishedTemplates) {
   EXPECT_NE(refusal("Gemma-2-it").find("cannot render a tool turn"), std::string::npos) << "Gemma-2 has no tool role";
 }
 
+// A template that hits a renderer limit on the tool turn is refused with that limit, not with the advice for
+// templates that lack a tool role; one without a tool role still gets that advice.
+TEST(ToolProtocol, AToolTurnOverARenderLimitNamesTheLimit) {
+  const auto none = nlohmann::ordered_json::object();
+  auto refusal = [&](const std::string& source) {
+    try {
+      template_tool_framing(HfChatTemplate::from_source(source, "", "", "hostile.jinja"), none, "code_interpreter");
+    } catch (const DataError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string hostile =
+      "{% for m in messages %}{% for i in range(10**8) %}x{% endfor %}{{ m['content'] }}{% endfor %}";
+  const std::string over = refusal(hostile);
+  EXPECT_NE(over.find("range length limit"), std::string::npos) << over;
+  EXPECT_NE(over.find("hostile.jinja"), std::string::npos) << over;
+  EXPECT_EQ(over.find("chat.template: fixed"), std::string::npos) << over;
+  // No tool role: the template raises on it, and the advice stays.
+  const std::string no_tool =
+      "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+      "{{ m['content'] }}{% endfor %}";
+  EXPECT_NE(refusal(no_tool).find("chat.template: fixed"), std::string::npos) << refusal(no_tool);
+}
+
 // Proposes its script one token at a time (logit 100); a fed token that is not the proposal is the loop's
 // own (the tool turn) and does not advance the script.
 class ReplayPolicy : public TokenPolicy {
