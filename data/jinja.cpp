@@ -34,7 +34,7 @@ struct LineLess {
 };
 
 [[noreturn]] void limit_hit(const char* name, const std::string& detail, const char* field) {
-  throw LineLess{std::string(name) + " limit: " + detail + " (jinja::Limits::" + field + ")"};
+  throw LineLess{std::string(name) + " limit: " + detail + " " + std::string(kLimitTag) + field + ")"};
 }
 // `bytes` more built or scanned.
 void charge(int64_t bytes) {
@@ -633,8 +633,8 @@ class ExprParser {
     ~Deeper() { --p.nesting_; }
   };
   [[noreturn]] void too_deep() const {
-    fail("nesting depth limit: an expression nested over " + std::to_string(max_nesting_) +
-         " deep (jinja::Limits::max_nesting)");
+    fail("nesting depth limit: an expression nested over " + std::to_string(max_nesting_) + " deep " +
+         std::string(kLimitTag) + "max_nesting)");
   }
   ExprP fin(ExprP e) const {
     for (const auto& a : e->args) {
@@ -1016,8 +1016,8 @@ class StmtParser {
     } guard{++nesting_};
     if (nesting_ > max_nesting_ + 1) {
       fail(k_ < tags_.size() ? tags_[k_ - 1].line : 0, "nesting depth limit: blocks nested over " +
-                                                           std::to_string(max_nesting_) +
-                                                           " deep (jinja::Limits::max_nesting)");
+                                                           std::to_string(max_nesting_) + " deep " +
+                                                           std::string(kLimitTag) + "max_nesting)");
     }
     while (k_ < tags_.size()) {
       const RawTag& t = tags_[k_++];
@@ -1153,8 +1153,8 @@ class Renderer {
         fail(n->line, e.why);
       }
       if (static_cast<int64_t>(out.size()) > limits().max_output) {
-        fail(n->line, "output size limit: the text passes " + std::to_string(limits().max_output) +
-                          " bytes (jinja::Limits::max_output)");
+        fail(n->line, "output size limit: the text passes " + std::to_string(limits().max_output) + " bytes " +
+                          std::string(kLimitTag) + "max_output)");
       }
     }
   }
@@ -1187,7 +1187,8 @@ class Renderer {
     if (static_cast<const char*>(__builtin_frame_address(0)) < stack_floor_) {
       fail(line,
            "nesting depth limit: blocks, expressions and macro calls nested deeper than this thread's stack "
-           "holds (jinja::Limits::max_nesting, max_recursion)");
+           "holds " +
+               std::string(kLimitTag) + "max_nesting, max_recursion)");
     }
   }
 
@@ -1529,8 +1530,8 @@ class Renderer {
         char n[32];
         std::snprintf(n, sizeof(n), "%.0f", bytes);
         fail(e.line, "string size limit: repeating " + std::to_string(a.s.size()) + " bytes " + std::to_string(b.i) +
-                         " times makes " + n + " bytes, over " + std::to_string(limits().max_output) +
-                         " (jinja::Limits::max_output)");
+                         " times makes " + n + " bytes, over " + std::to_string(limits().max_output) + " " +
+                         std::string(kLimitTag) + "max_output)");
       }
       std::string s;
       s.reserve(static_cast<size_t>(bytes));

@@ -24,6 +24,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace rlt::jinja {
@@ -61,6 +62,11 @@ struct Limits {
   // within seconds.
   int64_t max_work = int64_t(1) << 30;
 };
+
+// Every error for a passed limit names its field as "(jinja::Limits::<field>", so a caller that handles a
+// hostile template apart from one that merely fails (rollout/tools.cpp) asks names_a_limit().
+inline constexpr std::string_view kLimitTag = "(jinja::Limits::";
+inline bool names_a_limit(std::string_view message) { return message.find(kLimitTag) != std::string_view::npos; }
 
 struct Options {
   bool trim_blocks = true;    // drop the first newline after a block tag

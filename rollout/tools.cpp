@@ -57,7 +57,7 @@ std::string render_tool_turn(const HfChatTemplate& chat, const nlohmann::ordered
     // A template that hits one of the renderer's limits is hostile or broken, not merely without a tool
     // role: fixed-template advice would mislead, so its error is passed on as it is.
     const std::string why = e.what();
-    if (why.find("(jinja::Limits::") != std::string::npos) throw DataError("the chat template's tool turn: " + why);
+    if (jinja::names_a_limit(why)) throw DataError("the chat template's tool turn: " + why);
     throw DataError("the chat template cannot render a tool turn (" + why +
                     "); use chat.template: fixed, whose replies are <interpreter> blocks");
   }
