@@ -117,6 +117,9 @@ struct RolloutOptions {
   // holding the cache through the policy update. Off by default. Evaluation rollouts keep their own
   // policy, made each time.
   bool keep_cache = false;
+  // train.shard parameters: keep the whole bf16 weights the rollout gathers through the update (2 bytes a
+  // parameter more), instead of freeing them before it and gathering a layer at a time.
+  bool keep_weights = false;
   // A rollout still running after this many seconds prints a live line to stderr, and again every as many
   // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
@@ -146,6 +149,8 @@ struct RolloutOptions {
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
+    v("keep_weights", keep_weights,
+      "train.shard parameters: keep the gathered bf16 weights through the update (2 bytes a parameter)");
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {

@@ -21,6 +21,16 @@ void check_sections(const ConfigReader<Config>& r) {
            "policy.tis / policy.icepop_* correct the rollout's log-probs against recomputed ones: set "
            "train.old_logprobs: recompute (with rollout, rho = 1)");
   }
+  // A layer's weights are gathered for its forward and freed after it, and gathered again for its backward:
+  // only a layer recomputed in the backward holds no weights between the two.
+  if (c.train.shard == ShardStage::kParameters && !c.model.activation_checkpointing) {
+    r.fail("train.shard", "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
+  }
+  if (c.train.shard == ShardStage::kParameters && c.lora.enabled()) {
+    r.fail("train.shard",
+           "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "
+           "adapters' state");
+  }
 }
 
 }  // namespace

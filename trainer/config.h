@@ -13,6 +13,7 @@
 #include "data/synthetic.h"
 #include "loss/options.h"
 #include "loss/policy_loss.h"
+#include "model/lora.h"
 #include "rollout/retool.h"
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"
@@ -22,6 +23,7 @@ namespace rlt {
 
 struct Config {
   ModelOptions model;          // `model:`     checkpoint or new model, tokenizer, device, dtype
+  LoraOptions lora;            // `lora:`      low-rank adapters instead of full fine-tuning
   DatasetOptions data;         // `data:`      JSONL prompts (train.prompts: jsonl)
   SyntheticOptions synthetic;  // `synthetic:` the built-in task (train.prompts: synthetic)
   ChatTemplateOptions chat;    // `chat:`      prompt framing
@@ -38,6 +40,7 @@ struct Config {
   template <class V>
   void visit_sections(V&& v) {
     v("model", model, "checkpoint or new model, tokenizer, device, dtype");
+    v("lora", lora, "low-rank adapters (rank > 0) instead of full fine-tuning");
     v("data", data, "JSONL prompt dataset");
     v("synthetic", synthetic, "the built-in multiplication task");
     v("chat", chat, "prompt template");

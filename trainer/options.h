@@ -101,6 +101,26 @@ inline const EnumNames<OldLogprobs>& enum_names(OldLogprobs) {
   return names;
 }
 
+// How the training state (bf16 weights, gradients, fp32 masters, AdamW moments) is split over the ranks:
+// ZeRO's stages (trainer/shard.h). none: every rank holds all of it (16 bytes a parameter); optimizer:
+// masters and moments split (4 + 12/N); gradients: gradients too, reduce-scattered during the backward
+// (2 + 14/N); parameters: the weights too, gathered a layer at a time (16/N).
+enum class ShardStage { kNone, kOptimizer, kGradients, kParameters };
+inline const EnumNames<ShardStage>& enum_names(ShardStage) {
+  static const EnumNames<ShardStage> names{{"none", ShardStage::kNone},
+                                           {"optimizer", ShardStage::kOptimizer},
+                                           {"gradients", ShardStage::kGradients},
+                                           {"parameters", ShardStage::kParameters}};
+  return names;
+}
+
+// Where the optimizer's masters and moments live: on the device, or in pinned host memory, stepped there.
+enum class Offload { kNone, kOptimizer };
+inline const EnumNames<Offload>& enum_names(Offload) {
+  static const EnumNames<Offload> names{{"none", Offload::kNone}, {"optimizer", Offload::kOptimizer}};
+  return names;
+}
+
 struct TrainOptions {
   PromptSource prompts = PromptSource::kSynthetic;   // data.path (jsonl) or the synthetic task
   int64_t steps = 40;                                // RL steps (rollout + update)
@@ -144,6 +164,8 @@ struct TrainOptions {
   // naming it (a rollout's length is the usual wait), and the size of a gradient bucket.
   double dist_timeout_s = 1800;
   int64_t dist_bucket_mb = 25;
+  ShardStage shard = ShardStage::kNone;  // ZeRO stage over the ranks (trainer/shard.h)
+  Offload offload = Offload::kNone;      // masters and moments in pinned host memory
 
   template <class V>
   void visit(V&& v) {
@@ -181,6 +203,10 @@ struct TrainOptions {
       FieldRange{1, 1e6});
     v("dist_bucket_mb", dist_bucket_mb, "several ranks: MiB per gradient bucket summed during the backward",
       FieldRange{1, 1e5});
+    v("shard", shard,
+      "training state split over the ranks: none | optimizer (masters, moments) | gradients (and gradients) | "
+      "parameters (and weights)");
+    v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory, stepped there");
   }
   void check(const FieldFail& fail) const {}
 };
