@@ -101,9 +101,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
 // backward (reentrant, as torch.utils.checkpoint's original form), which accumulates the parameter
 // gradients directly and returns the input's. The layer closure lives in the autograd context (a
 // capsule), so it lasts exactly as long as the graph that needs it.
+// `fn(x, backward)` runs the layer (backward: the recompute); `done` runs after the layer's backward.
 struct LayerFnHolder : torch::CustomClassHolder {
-  explicit LayerFnHolder(std::function<at::Tensor(const at::Tensor&)> f) : fn(std::move(f)) {}
-  std::function<at::Tensor(const at::Tensor&)> fn;
+  LayerFnHolder(std::function<at::Tensor(const at::Tensor&, bool)> f, std::function<void()> d)
+      : fn(std::move(f)), done(std::move(d)) {}
+  std::function<at::Tensor(const at::Tensor&, bool)> fn;
+  std::function<void()> done;
 };
 
 class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
@@ -114,7 +117,7 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
     at::Tensor out;
     {
       at::NoGradGuard ng;
-      out = layer->fn(h);
+      out = layer->fn(h, false);
     }
     ctx->saved_data["layer"] = c10::IValue::make_capsule(std::move(layer));
     return {out};
@@ -126,9 +129,10 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
     at::Tensor out;
     {
       at::AutoGradMode on(true);
-      out = layer->fn(h);
+      out = layer->fn(h, true);
     }
     torch::autograd::backward({out}, {grads[0]});
+    if (layer->done) layer->done();
     return {h.grad(), at::Tensor()};
   }
 };
@@ -228,6 +232,7 @@ Transformer& Transformer::operator=(const Transformer& other) {
   layers_ = other.layers_;
   checkpointing_ = other.checkpointing_;
   fused_kernels_ = other.fused_kernels_;
+  residency_ = other.residency_;
   bind_names();  // by_name_ must point at this object's members, not other's
   return *this;
 }
@@ -344,6 +349,16 @@ std::vector<std::pair<std::string, at::Tensor>> Transformer::named_parameters() 
 std::vector<at::Tensor> Transformer::parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& [name, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Transformer::named_trainable_parameters() const {
+  return named_parameters();
+}
+
+std::vector<at::Tensor> Transformer::trainable_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : named_trainable_parameters()) out.push_back(t);
   return out;
 }
 
@@ -678,6 +693,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
                              attention_mask.size(1) == S),
               "a forward over KvCache::step_rows takes one input row per listed row and an attention mask over its ", S,
               " slots");
+  if (residency_) residency_->acquire(-1, false);
   const auto dev = embed_.device();
   if (fixed && some_rows) {
     const c10::List<std::optional<at::Tensor>> at_slots{cache->step_rows.view({B, 1}), cache->step_slot.view({1, L})};
@@ -790,12 +806,23 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       mask = sliding ? sliding_mask : full_mask;
     }
     if (checkpointing_ && !cache && at::GradMode::is_enabled()) {
-      auto layer = c10::make_intrusive<LayerFnHolder>([this, i, cos, sin, mask, is_causal](const at::Tensor& x) {
-        return layer_forward(i, x, cos, sin, mask, is_causal, nullptr, false);
-      });
+      WeightResidency* res = residency_;
+      auto layer = c10::make_intrusive<LayerFnHolder>(
+          [this, i, cos, sin, mask, is_causal, res](const at::Tensor& x, bool backward) {
+            if (res) res->acquire(i, backward);
+            at::Tensor y = layer_forward(i, x, cos, sin, mask, is_causal, nullptr, false);
+            if (res && !backward) res->release(i);  // the recompute's graph needs them until its backward
+            return y;
+          },
+          res ? std::function<void()>([res, i] { res->release(i); }) : std::function<void()>());
       h = CheckpointFn::apply(h, std::move(layer))[0];
     } else {
+      // A layer's weights go back after it: its graph must not need them (no grad, or a recompute above).
+      TORCH_CHECK(!residency_ || !at::GradMode::is_enabled(),
+                  "a forward with gradients over sharded weights needs activation checkpointing");
+      if (residency_) residency_->acquire(i, false);
       h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots);
+      if (residency_) residency_->release(i);
     }
   }
   if (cache && !fixed) cache->length = S;

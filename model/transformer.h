@@ -100,6 +100,18 @@ struct KvCache {
   void put_rows_(const at::Tensor& rows, const KvCache& src, const at::Tensor& src_rows);
 };
 
+// Where a model's weights are while they are sharded over ranks (train.shard parameters, trainer/shard.h):
+// forward() asks for layer i's weights before running it and hands them back after it (a checkpointed
+// layer asks again in the backward, and hands them back once its backward is done); the embedding, final
+// norm and head (layer -1) are asked for at the start of every forward and handed back by the owner.
+class WeightResidency {
+ public:
+  virtual ~WeightResidency() = default;
+  // `backward`: asked by a checkpointed layer's recompute, so the next layer needed is i - 1, not i + 1.
+  virtual void acquire(int64_t layer, bool backward) = 0;
+  virtual void release(int64_t layer) = 0;
+};
+
 class Transformer {
  public:
   // Random initialisation (normal(0, 0.02) weights, unit norms) in `dtype` on `device`.
@@ -156,9 +168,16 @@ class Transformer {
   // Every parameter under its HF name (tied models have no "lm_head.weight"), sorted by name.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   std::vector<at::Tensor> parameters() const;
+  // What training updates, under names, in a fixed order: the LoRA adapters when the model has them, else
+  // every parameter (named_parameters()).
+  std::vector<std::pair<std::string, at::Tensor>> named_trainable_parameters() const;
+  std::vector<at::Tensor> trainable_parameters() const;
   // Recompute each layer's activations in the backward instead of storing them (reentrant: parameter
   // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it).
   void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  // Weights held elsewhere between forwards (WeightResidency); nullptr: always here. Copies share it, clones
+  // do not.
+  void set_residency(WeightResidency* r) { residency_ = r; }
   // No-grad forwards through a KvCache on CUDA (the rollout's prefill, decode steps and feeds) run the
   // fused RMSNorm, RoPE and SiLU-gate kernels of model/cuda/decode_kernels.h (on by default); off, they
   // run the ATen forms like every other forward. Tests compare the two; bench_model measures both.
@@ -207,6 +226,7 @@ class Transformer {
   std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
   bool checkpointing_ = false;
   bool fused_kernels_ = true;
+  WeightResidency* residency_ = nullptr;
 };
 
 }  // namespace rlt

@@ -68,7 +68,7 @@ void save_checkpoint(Run& run) {
   torch::save(*run.optimizer, (fs::path(tmp) / "optimizer.pt").string());
   if (!run.master.empty()) {  // the fp32 weights AdamW updates: the bf16 model folder is their rounding
     torch::serialize::OutputArchive a;
-    const auto named = run.policy->named_parameters();
+    const auto named = run.policy->named_trainable_parameters();
     for (size_t i = 0; i < named.size(); ++i) a.write(named[i].first, run.master[i].detach().cpu());
     a.save_to((fs::path(tmp) / "master.pt").string());
   }
@@ -122,7 +122,7 @@ void load_checkpoint(Run& run) {
       if (!fs::exists(path)) throw RunError(path + ": missing; a bf16 run with fp32 master weights saves it");
       torch::serialize::InputArchive a;
       a.load_from(path);
-      const auto named = run.policy->named_parameters();
+      const auto named = run.policy->named_trainable_parameters();
       at::NoGradGuard no_grad;
       for (size_t i = 0; i < named.size(); ++i) {
         at::Tensor v;

@@ -280,7 +280,7 @@ std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world
 // ---- GradReducer ----
 
 GradReducer::GradReducer(Run& run, int64_t bucket_bytes) : run_(run) {
-  params_ = run.policy->parameters();
+  params_ = run.policy->trainable_parameters();
   for (const auto& [name, p] : run.extra) params_.push_back(p);
   const size_t n = params_.size();
   bucket_of_.assign(n, 0);

@@ -11,9 +11,10 @@ namespace rlt {
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
   auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
-  std::vector<at::Tensor> policy_params = run.policy->parameters();
+  std::vector<at::Tensor> policy_params = run.policy->trainable_parameters();
   run.master.clear();
-  if (t.master_weights == MasterWeights::kFp32 && run.policy->lm_head().scalar_type() == at::kBFloat16) {
+  if (t.master_weights == MasterWeights::kFp32 && !policy_params.empty() &&
+      policy_params.front().scalar_type() == at::kBFloat16) {
     for (const auto& p : policy_params) run.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
     policy_params = run.master;
   }
@@ -122,7 +123,7 @@ StepShape step_shape(const Config& c, int world) {
 }
 
 std::vector<at::Tensor> optimizer_params(const Run& run) {
-  std::vector<at::Tensor> params = run.master.empty() ? run.policy->parameters() : run.master;
+  std::vector<at::Tensor> params = run.master.empty() ? run.policy->trainable_parameters() : run.master;
   for (const auto& [name, p] : run.extra) params.push_back(p);
   return params;
 }
@@ -141,7 +142,7 @@ void accumulate_gradient(const at::Tensor& param, const at::Tensor& master) {
 
 void accumulate_gradients(Run& run) {
   if (run.master.empty()) return;
-  const std::vector<at::Tensor> params = run.policy->parameters();  // handles sharing the parameters' storage
+  const std::vector<at::Tensor> params = run.policy->trainable_parameters();  // handles sharing the parameters' storage
   for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], run.master[i]);
 }
 
@@ -155,7 +156,7 @@ void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_
 void copy_master_weights_to_model(Run& run) {
   if (run.master.empty()) return;
   at::NoGradGuard no_grad;
-  const std::vector<at::Tensor> params = run.policy->parameters();
+  const std::vector<at::Tensor> params = run.policy->trainable_parameters();
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(run.master[i]);  // rounded to nearest
 }
 

@@ -68,7 +68,7 @@ double sft_warmup(Run& run) {
   // A bf16 model with master weights trains the run's fp32 masters here too (its own AdamW state): plain
   // bf16 AdamW would round most small updates away, and the RL optimizer then starts from the masters the
   // warm-up left, not from the weights before it.
-  const std::vector<at::Tensor> trained = run.master.empty() ? run.policy->parameters() : run.master;
+  const std::vector<at::Tensor> trained = run.master.empty() ? run.policy->trainable_parameters() : run.master;
   torch::optim::AdamW opt(
       trained, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.adam_eps).weight_decay(o.weight_decay));
   TrainOptions sched;  // the schedule's fields, read by learning_rate()
