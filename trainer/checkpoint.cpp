@@ -3,11 +3,16 @@
 
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <vector>
 
 #include "common/files.h"
+#include "model/peft.h"
+#include "model/safetensors.h"
+#include "trainer/optim.h"
+#include "trainer/shard.h"
 
 namespace rlt {
 
@@ -56,22 +61,99 @@ void copy_side_files(const Run& run, const fs::path& model_dir) {
   }
 }
 
+// The names of optimizer_params(run), in its order: the policy's trainable tensors, then run.extra's.
+std::vector<std::string> optimizer_param_names(const Run& run) {
+  std::vector<std::string> names;
+  for (const auto& [name, t] : run.policy->named_trainable_parameters()) names.push_back(name);
+  for (const auto& [name, t] : run.extra) names.push_back(name);
+  return names;
+}
+
+// The replicated AdamW's state as whole-parameter pieces (trainer/shard.h, OptimizerPieces), so a run
+// resumes with another number of ranks or a shard stage.
+void save_adamw_pieces(const Run& run, const std::string& dir) {
+  const std::vector<at::Tensor> params = optimizer_params(run);
+  const std::vector<std::string> names = optimizer_param_names(run);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (size_t i = 0; i < params.size(); ++i) {
+    tensors.push_back({OptimizerPieces::key("master", names[i], 0), params[i].detach().reshape(-1)});
+    auto it = run.optimizer->state().find(params[i].unsafeGetTensorImpl());
+    if (it == run.optimizer->state().end()) continue;  // not stepped yet: zero moments
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    tensors.push_back({OptimizerPieces::key("exp_avg", names[i], 0), s.exp_avg().reshape(-1)});
+    tensors.push_back({OptimizerPieces::key("exp_avg_sq", names[i], 0), s.exp_avg_sq().reshape(-1)});
+  }
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  safetensors::write_file((fs::path(dir) / "optimizer-0.safetensors").string(), tensors);
+}
+
+void load_adamw_pieces(Run& run, const std::string& dir) {
+  const OptimizerPieces stored(dir);
+  if (stored.empty()) throw RunError(dir + ": no optimizer-*.safetensors (the optimizer state)");
+  const std::vector<at::Tensor> params = optimizer_params(run);
+  const std::vector<std::string> names = optimizer_param_names(run);
+  const std::vector<at::Tensor> policy = run.policy->trainable_parameters();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor p = params[i].detach();
+    at::Tensor master = at::empty({p.numel()}, p.options().dtype(at::kFloat).device(at::kCPU));
+    if (!stored.read("master", names[i], 0, master)) {
+      throw RunError(dir + ": the optimizer state does not cover " + names[i]);
+    }
+    p.copy_(master.view(p.sizes()));
+    if (!run.master.empty() && i < policy.size()) policy[i].detach().copy_(p);  // rounded to nearest
+    at::Tensor m = at::empty_like(master), v = at::empty_like(master);
+    if (!stored.read("exp_avg", names[i], 0, m) || !stored.read("exp_avg_sq", names[i], 0, v)) {
+      if (run.optimizer_steps > 0) {
+        throw RunError(dir + ": the optimizer state has no AdamW moments for " + names[i] + " after " +
+                       std::to_string(run.optimizer_steps) + " optimizer steps");
+      }
+      continue;
+    }
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(run.optimizer_steps);
+    s->exp_avg(m.view(p.sizes()).to(p.device(), p.scalar_type()));
+    s->exp_avg_sq(v.view(p.sizes()).to(p.device(), p.scalar_type()));
+    run.optimizer->state()[p.unsafeGetTensorImpl()] = std::move(s);
+  }
+}
+
 }  // namespace
 
 void save_checkpoint(Run& run) {
   const auto& extra = run.extra;
   const std::string dir = checkpoint_dir(run), tmp = dir + ".tmp", old = dir + ".old";
-  remove_tree(tmp);
-  fs::create_directories(tmp);
-  run.policy->save((fs::path(tmp) / "model").string());  // in the model's dtype
-  copy_side_files(run, fs::path(tmp) / "model");
-  torch::save(*run.optimizer, (fs::path(tmp) / "optimizer.pt").string());
-  if (!run.master.empty()) {  // the fp32 weights AdamW updates: the bf16 model folder is their rounding
-    torch::serialize::OutputArchive a;
-    const auto named = run.policy->named_trainable_parameters();
-    for (size_t i = 0; i < named.size(); ++i) a.write(named[i].first, run.master[i].detach().cpu());
-    a.save_to((fs::path(tmp) / "master.pt").string());
+  // A sharded state: every rank writes its pieces into the folder rank 0 made, and rank 0 renames it once
+  // all have (the barriers). Otherwise rank 0 alone writes.
+  const bool every_rank = run.sharded && run.dist->world() > 1;
+  if (!run.lead() && !every_rank) return;
+  if (run.lead()) {
+    remove_tree(tmp);
+    fs::create_directories(tmp);
   }
+  if (every_rank) run.dist->barrier();
+  if (run.sharded) run.sharded->gather_weights();  // the parameters stage: a collective
+  if (run.lead() && run.policy->has_lora()) {
+    // LoRA: the adapters as a PEFT folder (the base is model.path), and the dropout masks' generator.
+    save_peft_adapter(*run.policy, (fs::path(tmp) / "adapter").string(), run.config.model.path);
+    copy_side_files(run, fs::path(tmp) / "adapter");
+    if (run.config.lora.dropout > 0) {
+      torch::serialize::OutputArchive a;
+      a.write("state", run.policy->lora_rng_state().cpu());
+      a.save_to((fs::path(tmp) / "lora_rng.pt").string());
+    }
+  } else if (run.lead()) {
+    run.policy->save((fs::path(tmp) / "model").string());  // in the model's dtype
+    copy_side_files(run, fs::path(tmp) / "model");
+  }
+  if (run.sharded) {
+    run.sharded->release_weights();
+    run.sharded->save(tmp);
+  } else {
+    save_adamw_pieces(run, tmp);  // masters (or the weights AdamW updates) and moments
+  }
+  if (every_rank) run.dist->barrier();
+  if (!run.lead()) return;
   if (!extra.empty()) {
     torch::serialize::OutputArchive a;
     for (const auto& [name, t] : extra) a.write(name, t.detach().cpu());
@@ -92,6 +174,12 @@ void save_checkpoint(Run& run) {
   if (fs::exists(dir)) fs::rename(dir, old);
   fs::rename(tmp, dir);
   remove_tree(old);
+}
+
+void save_merged_model(Run& run, const std::string& dir) {
+  const Transformer& model = rollout_model(run);  // LoRA: the adapters merged; else the policy
+  model.save(dir);
+  copy_side_files(run, fs::path(dir));
 }
 
 void load_checkpoint(Run& run) {
@@ -115,22 +203,18 @@ void load_checkpoint(Run& run) {
   } catch (const nlohmann::json::exception& e) {
     throw RunError(state_path + ": " + e.what());
   }
-  try {
-    torch::load(*run.optimizer, (fs::path(dir) / "optimizer.pt").string());
-    if (!run.master.empty()) {
-      const std::string path = (fs::path(dir) / "master.pt").string();
-      if (!fs::exists(path)) throw RunError(path + ": missing; a bf16 run with fp32 master weights saves it");
+  if (run.policy->has_lora()) {  // the adapters in place: the optimizer holds these tensors
+    load_peft_adapter(*run.policy, (fs::path(dir) / "adapter").string());
+    const std::string rng = (fs::path(dir) / "lora_rng.pt").string();
+    if (run.config.lora.dropout > 0 && fs::exists(rng)) {
       torch::serialize::InputArchive a;
-      a.load_from(path);
-      const auto named = run.policy->named_trainable_parameters();
-      at::NoGradGuard no_grad;
-      for (size_t i = 0; i < named.size(); ++i) {
-        at::Tensor v;
-        a.read(named[i].first, v);
-        run.master[i].copy_(v);
-        named[i].second.detach().copy_(run.master[i]);
-      }
+      a.load_from(rng);
+      at::Tensor v;
+      a.read("state", v);
+      run.policy->set_lora_rng_state(v);
     }
+  }
+  try {
     if (!run.extra.empty()) {
       torch::serialize::InputArchive a;
       a.load_from((fs::path(dir) / "extra.pt").string());
@@ -141,6 +225,13 @@ void load_checkpoint(Run& run) {
         t.copy_(v);
       }
     }
+    // After extra.pt: the optimizer's masters of run.extra are the same values.
+    if (run.sharded)
+      run.sharded->load(dir);
+    else
+      load_adamw_pieces(run, dir);
+  } catch (const safetensors::Error& e) {
+    throw RunError(dir + ": cannot restore the optimizer state: " + e.what());
   } catch (const c10::Error& e) {
     throw RunError(dir + ": cannot restore the optimizer state: " + e.what_without_backtrace());
   }

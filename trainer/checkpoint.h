@@ -1,5 +1,5 @@
-// Atomic checkpoints of a run: the model as a Hugging Face folder, the optimizer state, run.extra and the
-// step counters (and the old log-probs in force, train.old_logprobs), written under a temporary name and
+// Atomic checkpoints of a run: the model as a Hugging Face folder, the optimizer state (per parameter, as
+// trainer/shard.h's pieces, whatever the ranks and shard stage), run.extra and the step counters (and the old log-probs in force, train.old_logprobs), written under a temporary name and
 // renamed into place.
 #pragma once
 
@@ -17,10 +17,15 @@ namespace rlt {
 // out_dir/checkpoint.
 std::string checkpoint_dir(const Run& run);
 
-// Checkpoint out_dir/checkpoint: model folder (HF), optimizer.pt, extra.pt (run.extra), state.json,
+// Checkpoint out_dir/checkpoint: model folder (HF), optimizer-<rank>.safetensors, extra.pt (run.extra),
+// state.json,
 // written under a temporary name and renamed; the previous checkpoint stays until the new one is complete.
 void save_checkpoint(Run& run);
 // Restores the state saved by save_checkpoint into a run made for it (make_run calls it with resume).
+// With LoRA the checkpoint holds adapter/, a PEFT adapter folder (model/peft.h), instead of model/.
 void load_checkpoint(Run& run);
+// The policy as one Hugging Face folder at `dir`: with LoRA its adapters merged into the base weights
+// (rollout_model), with the checkpoint's side files (tokenizer, generation config, chat template).
+void save_merged_model(Run& run, const std::string& dir);
 
 }  // namespace rlt

@@ -26,6 +26,17 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.train.shard == ShardStage::kParameters && !c.model.activation_checkpointing) {
     r.fail("train.shard", "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
   }
+  const bool sharded = c.train.shard != ShardStage::kNone || c.train.offload != Offload::kNone;
+  if (sharded && c.train.master_weights == MasterWeights::kNone && c.model.dtype == DType::kBFloat16) {
+    r.fail("train.master_weights", "the sharded state (train.shard, train.offload) always keeps fp32 masters");
+  }
+  // The warm-up trains the model's weights with an AdamW of its own: whole weights, and no fp32 masters
+  // for a bf16 model outside the replicated optimizer.
+  if (sharded && c.sft.steps > 0 && (c.train.shard == ShardStage::kParameters || c.model.dtype != DType::kFloat32)) {
+    r.fail("sft.steps",
+           "the warm-up trains whole weights in place: with train.shard parameters, or a bf16 model with "
+           "train.shard / train.offload, run it apart (sft.steps: 0)");
+  }
   if (c.train.shard == ShardStage::kParameters && c.lora.enabled()) {
     r.fail("train.shard",
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "

@@ -44,8 +44,11 @@ class DistError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. None set: one process
-// (launched = false). A partial or malformed set is refused, naming the variable (RunError).
+// torchrun's variables (--nproc sets them too): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+// Without RANK, WORLD_SIZE and LOCAL_RANK, Slurm's: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and
+// MASTER_ADDR, MASTER_PORT (which the sbatch script exports), read when SLURM_PROCID is set and
+// SLURM_NTASKS > 1 (srun's tasks; one task per GPU). Neither: one process (launched = false). A partial or
+// malformed set is refused, naming the variable (RunError). A rank's GPU is cuda:local_rank.
 struct DistEnv {
   bool launched = false;
   int rank = 0, world = 1, local_rank = 0;
@@ -80,6 +83,12 @@ class Collectives {
   // An in-place sum over the ranks of tensors of one dtype (a gradient bucket), started now; the default
   // runs it at once.
   virtual std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& tensors);
+  // The sharded state's two collectives (trainer/shard.h), started now, on contiguous tensors of one dtype.
+  // reduce_scatter: `in` (world x n elements) summed element-wise over the ranks; `out` (n) receives
+  // elements [rank n, (rank + 1) n) of the sum. all_gather: `out` (world x n) receives every rank's `in`
+  // (n), in rank order.
+  virtual std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) = 0;
+  virtual std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) = 0;
   virtual void broadcast(const std::vector<at::Tensor>& tensors, int root) = 0;
   virtual void barrier() = 0;
   // Where this rank is ("step 3: update"): read when a collective times out, to name the late rank.

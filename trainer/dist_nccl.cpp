@@ -81,6 +81,18 @@ class NcclCollectives : public Collectives {
     return std::make_unique<NcclPending>(this, pg_->allreduce_coalesced(v));
   }
 
+  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_on_device(out, in, "reduce_scatter");
+    at::Tensor o = out, i = in;
+    return std::make_unique<NcclPending>(this, pg_->_reduce_scatter_base(o, i));
+  }
+
+  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_on_device(out, in, "all_gather");
+    at::Tensor o = out, i = in;
+    return std::make_unique<NcclPending>(this, pg_->_allgather_base(o, i));
+  }
+
   void broadcast(const std::vector<at::Tensor>& tensors, int root) override {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> dev;
@@ -113,6 +125,12 @@ class NcclCollectives : public Collectives {
   }
 
  private:
+  void check_on_device(const at::Tensor& a, const at::Tensor& b, const char* what) const {
+    TORCH_CHECK(a.device() == device_ && b.device() == device_ && a.is_contiguous() && b.is_contiguous() &&
+                    a.scalar_type() == b.scalar_type(),
+                what, ": contiguous tensors of one dtype on ", device_);
+  }
+
   std::string describe_timeout(const std::string& why) const {
     std::string mine, late;
     try {

@@ -109,7 +109,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     peaks.end("scoring");
     run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
     const auto t_update = Clock::now();
-    const double comm_before = reducer ? reducer->wait_seconds() : 0.0;
+    const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device);
     LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
@@ -117,7 +117,7 @@ std::map<std::string, double> train_grpo(Run& run) {
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
-        run.optimizer->zero_grad();
+        zero_gradients(run);
         for (; k < batches.size() && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           const auto [begin, end] = micro_ranges[k];
@@ -146,7 +146,7 @@ std::map<std::string, double> train_grpo(Run& run) {
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
-    run.optimizer->zero_grad();
+    zero_gradients(run);
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
@@ -154,7 +154,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
     std::map<std::string, double> extra = mismatch.read(run.dist.get());
     check_old_logprobs(run, use_rollout, extra);
-    const double t_comm = reducer ? reducer->wait_seconds() - comm_before : 0.0;
+    const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
                     extra);
   }

@@ -145,7 +145,10 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
   if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
-  if (!run.lead()) return m;
+  if (!run.lead()) {
+    if (run.checkpoint_due() && run.sharded) save_checkpoint(run);  // each rank writes its pieces
+    return m;
+  }
   TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
   run.log->write(m);
   std::cerr << progress_line(m, progress_fields(run, m)) << "\n";

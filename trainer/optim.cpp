@@ -1,6 +1,8 @@
 // AdamW, the schedule and gradient accumulation; see optim.h.
 #include "trainer/optim.h"
 
+#include "trainer/shard.h"
+
 #include <torch/nn/utils/clip_grad.h>
 
 #include <cmath>
@@ -10,6 +12,14 @@ namespace rlt {
 
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
+  if (!run.extra.empty() && extra.lr && extra.lr(run.config) > 0 && t.lr > 0)
+    run.extra_lr_scale = extra.lr(run.config) / t.lr;
+  if (t.shard != ShardStage::kNone || t.offload != Offload::kNone) {
+    run.master.clear();
+    run.optimizer.reset();
+    run.sharded = std::make_shared<ShardedState>(run);
+    return;
+  }
   auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
   std::vector<at::Tensor> policy_params = run.policy->trainable_parameters();
   run.master.clear();
@@ -122,6 +132,17 @@ StepShape step_shape(const Config& c, int world) {
   return s;
 }
 
+double update_comm_seconds(const Run& run, const GradReducer* reducer) {
+  return reducer ? reducer->wait_seconds() : run.sharded ? run.sharded->comm_seconds() : 0.0;
+}
+
+void zero_gradients(Run& run) {
+  if (run.sharded)
+    run.sharded->zero_grad();
+  else
+    run.optimizer->zero_grad();
+}
+
 std::vector<at::Tensor> optimizer_params(const Run& run) {
   std::vector<at::Tensor> params = run.master.empty() ? run.policy->trainable_parameters() : run.master;
   for (const auto& [name, p] : run.extra) params.push_back(p);
@@ -147,6 +168,7 @@ void accumulate_gradients(Run& run) {
 }
 
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
+  if (run.sharded) return run.sharded->backward(loss, ends_step);
   if (reducer && ends_step) reducer->arm();
   loss.backward();
   if (reducer && ends_step) reducer->finish();
@@ -161,6 +183,7 @@ void copy_master_weights_to_model(Run& run) {
 }
 
 int64_t optimizer_memory_bytes(const Run& run) {
+  if (run.sharded) return run.sharded->device_bytes();
   int64_t bytes = 0;
   for (const auto& m : run.master) bytes += m.nbytes() + (m.grad().defined() ? m.grad().nbytes() : 0);
   for (const auto& group : run.optimizer->param_groups()) {
@@ -175,6 +198,7 @@ int64_t optimizer_memory_bytes(const Run& run) {
 }
 
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
+  if (run.sharded) return run.sharded->step(loss, total_optimizer_steps);
   accumulate_gradients(run);
   const std::vector<at::Tensor> params = optimizer_params(run);
   const double clip = run.config.train.grad_clip;

@@ -18,6 +18,9 @@ namespace rlt {
 // master copies in run.master), then run.extra's (a second group at its own learning rate).
 void make_optimizer(Run& run, const ExtraParams& extra);
 
+// Clears the gradients an optimizer step accumulates (the sharded state's, or AdamW's).
+void zero_gradients(Run& run);
+
 // The tensors AdamW updates, in its order: run.master (or the policy's parameters), then run.extra's.
 // Gradient clipping reads their gradients.
 std::vector<at::Tensor> optimizer_params(const Run& run);
@@ -33,12 +36,15 @@ void accumulate_gradient(const at::Tensor& param, const at::Tensor& master);
 // accumulate_gradients.
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step);
 
+// Seconds the update has waited for its collectives so far: the reducer's, or the sharded state's.
+double update_comm_seconds(const Run& run, const GradReducer* reducer);
+
 // With master weights: the bf16 weights the model computes with become the masters, rounded to nearest.
 // Whatever trains run.master (the RL optimizer, the warm-up) calls it after each step.
 void copy_master_weights_to_model(Run& run);
 
 // Bytes the optimizer holds beside the model: master weights, their gradients and AdamW's two moments
-// (for every parameter it updates, run.extra included).
+// (for every parameter it updates, run.extra included); with run.sharded, what it holds on the device.
 int64_t optimizer_memory_bytes(const Run& run);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.

@@ -171,14 +171,14 @@ std::map<std::string, double> train_ppo(Run& run) {
     peaks.end("scoring");
     const auto t_update = Clock::now();
     run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
-    const double comm_before = reducer ? reducer->wait_seconds() : 0.0;
+    const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device);
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
-        run.optimizer->zero_grad();
+        zero_gradients(run);
         for (; k < K && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
@@ -214,7 +214,7 @@ std::map<std::string, double> train_ppo(Run& run) {
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
-    run.optimizer->zero_grad();
+    zero_gradients(run);
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
@@ -227,7 +227,7 @@ std::map<std::string, double> train_ppo(Run& run) {
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},
                   {"advantage_std", adv_std}});
-    const double t_comm = reducer ? reducer->wait_seconds() - comm_before : 0.0;
+    const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
                     extra);
   }

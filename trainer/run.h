@@ -29,6 +29,7 @@
 namespace rlt {
 
 class MetricsLog;
+class ShardedState;
 
 // Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
 // print it and exit with code 2.
@@ -66,8 +67,13 @@ struct Run {
   // rollout.keep_cache: the training rollouts' ModelPolicy, made at the first and kept (its KV cache and
   // CUDA graphs with it) while it is built on `policy`.
   std::unique_ptr<ModelPolicy> rollout_policy;
+  // lora.rank > 0: what the rollout and the evaluation decode, the policy with its adapters merged into
+  // the targeted weights (Transformer::merged; its other tensors are the policy's), refreshed in place by
+  // rollout_model(). It costs the targeted weights' size again.
+  std::unique_ptr<Transformer> merged;
   // Only when policy.kl_coef > 0: the policy as RL starts (after the warm-up), saved once to
-  // out_dir/reference so a resumed run keeps it.
+  // out_dir/reference so a resumed run keeps it. With LoRA: the base shared with the policy plus a
+  // frozen copy of the adapters, saved as a PEFT adapter folder.
   std::unique_ptr<Transformer> reference;
   std::unique_ptr<PromptSampler> prompts;
   std::vector<PromptExample> eval_set;              // held-out training prompts, or data.eval_path's problems
@@ -81,6 +87,9 @@ struct Run {
   // parameters, in the order of policy->parameters(). AdamW steps these (its moments are fp32 too); the
   // bf16 parameters are their rounding, refreshed after every step. Empty otherwise.
   std::vector<at::Tensor> master;
+  // train.shard / train.offload set: the sharded state (trainer/shard.h) trains in place of `optimizer`
+  // and `master` (both empty then). Shared: ShardedState is complete in trainer/shard.h only.
+  std::shared_ptr<ShardedState> sharded;
   int64_t step = 0;             // RL steps done
   int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
   int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
@@ -126,6 +135,10 @@ double begin_training(Run& run);
 // After the last step: the evaluation "after" (the last step's own when train.eval_every ran one there),
 // adding eval_accuracy_start / eval_accuracy_end (pass@1) to `m`.
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m);
+
+// The model the rollout and the evaluation decode: the policy itself, or with LoRA run.merged, made on
+// first use and rewritten in place from the policy's current adapters at every call.
+const Transformer& rollout_model(Run& run);
 
 // Prompt ids of examples through the chat template.
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples);

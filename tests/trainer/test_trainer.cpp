@@ -699,6 +699,12 @@ class WrongGradients : public Collectives {
     };
     return std::make_unique<Done>();
   }
+  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
+    return inner_->reduce_scatter_start(out, in);
+  }
+  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
+    return inner_->all_gather_start(out, in);
+  }
   void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
   void barrier() override { inner_->barrier(); }
 

@@ -1,0 +1,264 @@
+// The sharded training state (trainer/shard.h) against the replicated one-process optimizer: thread ranks
+// over the in-memory store, fp32, 2 and 3 ranks (3 leaves uneven chunks: a tensor straddles two ranks),
+// every stage, offload. Each run takes 3 optimizer steps over the same six micro-batches a step, dealt
+// round-robin to the ranks, with a value-head-like extra tensor (its own learning rate, no decay); the
+// reference takes them all in one process with torch's AdamW. AdamW's epsilon is large (1e-2, against
+// gradients of about 1e-3), so an update scales with its gradient: a gradient doubled or halved shows in
+// the weights, where Adam's normalisation would otherwise hide it. Each deliberate mistake of ShardFault
+// must move the weights by far more than the tolerance.
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+
+#include "model/safetensors.h"
+#include "tests/common/tiny_model.h"
+#include "tests/common/tmpdir.h"
+#include "tests/trainer/thread_ranks.h"
+#include "trainer/config.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+#include "trainer/shard.h"
+
+namespace rlt {
+namespace {
+
+constexpr int64_t kVocab = 97, kMicro = 6, kSteps = 3;
+
+struct ShardSetup {
+  ShardStage shard = ShardStage::kNone;
+  Offload offload = Offload::kNone;
+  ShardFault fault = ShardFault::kNone;
+  bool tie = false;
+  double clip = 0.05;  // binding: the global norm is about 0.1; 0 = off
+  double lr = 3e-2;
+};
+
+Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
+  Run run;
+  run.config = load_config("", {});
+  TrainOptions& t = run.config.train;
+  t.lr = s.lr;
+  t.adam_eps = 1e-2;
+  t.weight_decay = 0.1;
+  t.grad_clip = s.clip;
+  run.config.model.activation_checkpointing = true;
+  run.policy = std::make_unique<Transformer>(testing::tiny_llama(kVocab, s.tie), at::kFloat, at::kCPU, 7);
+  run.policy->set_activation_checkpointing(true);
+  at::manual_seed(3);
+  run.extra["value_head.weight"] = (at::randn({32}) * 0.1).requires_grad_(true);
+  if (dist) run.dist = dist;
+  ExtraParams extra;
+  extra.lr = [](const Config& c) { return 2 * c.train.lr; };
+  make_optimizer(run, extra);  // the replicated AdamW
+  if (s.shard != ShardStage::kNone || s.offload != Offload::kNone) {
+    t.shard = s.shard;
+    t.offload = s.offload;
+    run.optimizer.reset();
+    run.sharded = std::make_shared<ShardedState>(run, s.fault);
+  }
+  return run;
+}
+
+// Micro-batch `m` of optimizer step `step`: a loss of the policy and the extra tensor.
+at::Tensor loss_of(Run& run, int64_t step, int64_t m) {
+  at::manual_seed(100 * step + m);
+  const at::Tensor ids = at::randint(kVocab, {2, 7}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor pos = at::arange(7, at::TensorOptions().dtype(at::kLong)).expand({2, 7});
+  const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
+  const at::Tensor value = (h * run.extra.at("value_head.weight")).sum(-1);
+  return run.policy->logits(h).logsumexp(-1).mean() + 0.1 * value.square().mean();
+}
+
+// Steps [first, last) on one rank: micro-batches rank, rank + world, ... of each.
+void train(Run& run, int64_t first, int64_t last) {
+  const int world = run.dist->world(), rank = run.dist->rank();
+  for (int64_t step = first; step < last; ++step) {
+    zero_gradients(run);
+    at::Tensor total = at::zeros({});
+    std::vector<int64_t> mine;
+    for (int64_t m = rank; m < kMicro; m += world) mine.push_back(m);
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const at::Tensor loss = loss_of(run, step, mine[k]);
+      total = total + loss.detach();
+      backward(run, loss, nullptr, k + 1 == mine.size());
+    }
+    apply_gradients(run, total, kSteps);
+  }
+}
+
+// Every trainable tensor, whole, by name (the parameters stage gathers them).
+std::map<std::string, at::Tensor> weights(Run& run) {
+  const GatheredWeights whole(run.sharded);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, t] : run.policy->named_parameters()) out[name] = t.detach().clone();
+  for (const auto& [name, t] : run.extra) out[name] = t.detach().clone();
+  return out;
+}
+
+// max over tensors of max |a - b| / max |b|.
+double rel_diff(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  double worst = 0;
+  EXPECT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : b) {
+    const at::Tensor x = a.at(name);
+    EXPECT_EQ(x.sizes(), t.sizes()) << name;
+    if (x.sizes() != t.sizes()) return INFINITY;
+    worst = std::max(worst, (x - t).abs().max().item<double>() / std::max(1e-12, t.abs().max().item<double>()));
+  }
+  return worst;
+}
+
+struct OneThread {
+  int n = at::get_num_threads();
+  OneThread() { at::set_num_threads(1); }
+  ~OneThread() { at::set_num_threads(n); }
+};
+
+std::map<std::string, at::Tensor> reference(bool tie = false, double clip = 0.05, double lr = 3e-2) {
+  ShardSetup s;
+  s.tie = tie;
+  s.clip = clip;
+  s.lr = lr;
+  rlt::Run run = make_run(s, nullptr);
+  train(run, 0, kSteps);
+  return weights(run);
+}
+
+// The weights of every rank after `kSteps` steps of `s` over `world` thread ranks.
+std::vector<std::map<std::string, at::Tensor>> sharded(const ShardSetup& s, int world) {
+  std::vector<std::map<std::string, at::Tensor>> out(world);
+  testing::on_thread_ranks(world, [&](int r, std::shared_ptr<Collectives> c) {
+    at::set_num_threads(1);
+    rlt::Run run = make_run(s, c);
+    train(run, 0, kSteps);
+    out[r] = weights(run);
+  });
+  return out;
+}
+
+class ShardStages : public ::testing::TestWithParam<std::tuple<ShardStage, int>> {};
+
+TEST_P(ShardStages, EqualTheReplicatedRunAndRejectEachMistake) {
+  const OneThread one;
+  const auto [stage, world] = GetParam();
+  const auto ref = reference();
+  ShardSetup s;
+  s.shard = stage;
+  for (const auto& w : sharded(s, world)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  // The mistakes: each must be far off (one rank's view suffices). Clipping off: a gradient scaled as a
+  // whole (reduced twice, averaged) would otherwise be clipped back to the same norm; and a smaller
+  // learning rate, as the unclipped updates are larger.
+  const auto ref_unclipped = reference(false, 0, 1e-2);
+  s.clip = 0;
+  s.lr = 1e-2;
+  for (const auto& w : sharded(s, world)) EXPECT_LT(rel_diff(w, ref_unclipped), 1e-6);
+  for (ShardFault f : {ShardFault::kReduceTwice, ShardFault::kNeverReduce, ShardFault::kSliceOffByOne,
+                       ShardFault::kAverage, ShardFault::kMomentWrongSlice}) {
+    s.fault = f;
+    EXPECT_GT(rel_diff(sharded(s, world)[world - 1], ref_unclipped), 1e-3) << "fault " << int(f);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, ShardStages,
+                         ::testing::Combine(::testing::Values(ShardStage::kOptimizer, ShardStage::kGradients,
+                                                              ShardStage::kParameters),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::string(enum_to_string(std::get<0>(info.param))) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "_ranks";
+                         });
+
+TEST(ShardedState, TiedEmbeddingsAndOffloadEqualTheReplicatedRun) {
+  const OneThread one;
+  const auto ref = reference(/*tie=*/true);
+  ShardSetup s;
+  s.tie = true;
+  s.shard = ShardStage::kParameters;
+  for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  s.shard = ShardStage::kGradients;
+  s.offload = Offload::kOptimizer;
+  for (const auto& w : sharded(s, 3)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  s.shard = ShardStage::kNone;  // offload alone: a replicated state on the host
+  for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+}
+
+TEST(ShardedState, EveryElementIsOwnedByExactlyOneRank) {
+  const OneThread one;
+  for (int world : {2, 3}) {
+    std::vector<std::vector<ShardedState::Piece>> pieces(world);
+    std::vector<std::string> names;
+    std::vector<int64_t> sizes;
+    testing::on_thread_ranks(world, [&](int r, std::shared_ptr<Collectives> c) {
+      ShardSetup s;
+      s.shard = ShardStage::kGradients;
+      rlt::Run run = make_run(s, c);
+      pieces[r] = run.sharded->pieces();
+      if (r == 0) {
+        for (const auto& [name, t] : run.policy->named_trainable_parameters()) sizes.push_back(t.numel());
+        sizes.push_back(run.extra.at("value_head.weight").numel());
+      }
+    });
+    std::vector<at::Tensor> count;
+    for (int64_t n : sizes) count.push_back(at::zeros({n}, at::kInt));
+    bool straddles = false;  // some tensor split between two ranks
+    std::vector<std::set<int>> owners(sizes.size());
+    for (int r = 0; r < world; ++r) {
+      for (const auto& p : pieces[r]) {
+        count[p.param].narrow(0, p.begin, p.count).add_(1);
+        owners[p.param].insert(r);
+      }
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_TRUE(at::all(count[i] == 1).item<bool>()) << "tensor " << i << " over " << world << " ranks";
+      straddles |= owners[i].size() > 1;
+    }
+    EXPECT_TRUE(straddles) << world << " ranks";
+  }
+}
+
+// Two ranks of the gradients stage save after 2 steps; three ranks of the parameters stage load that and
+// take the third: the weights equal the uninterrupted run's. The twin resumes from the masters alone (the
+// moments dropped, as a load that skipped them would): far off.
+TEST(ShardedState, ResumesOnOtherRanksAndStage) {
+  const OneThread one;
+  const auto ref = reference();
+  const testing::TempDir dir("shard_resume"), masters_only("shard_masters");
+  ShardSetup two;
+  two.shard = ShardStage::kGradients;
+  testing::on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    at::set_num_threads(1);
+    rlt::Run run = make_run(two, c);
+    train(run, 0, 2);
+    run.sharded->save(dir.path().string());
+  });
+  for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
+    const auto reader = safetensors::Reader::open(f.path().string());
+    std::vector<std::pair<std::string, at::Tensor>> kept;
+    for (const auto& name : reader.names()) {
+      if (name.rfind("master/", 0) == 0) kept.push_back({name, reader.load(name)});
+    }
+    safetensors::write_file((masters_only.path() / f.path().filename()).string(), kept);
+  }
+  auto resumed = [&](const std::string& from, int64_t steps_done) {
+    ShardSetup three;
+    three.shard = ShardStage::kParameters;
+    std::vector<std::map<std::string, at::Tensor>> out(3);
+    testing::on_thread_ranks(3, [&](int r, std::shared_ptr<Collectives> c) {
+      at::set_num_threads(1);
+      rlt::Run run = make_run(three, c);
+      run.optimizer_steps = steps_done;
+      run.sharded->load(from);
+      run.optimizer_steps = 2;
+      train(run, 2, 3);
+      out[r] = weights(run);
+    });
+    return out;
+  };
+  for (const auto& w : resumed(dir.path().string(), 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  EXPECT_GT(rel_diff(resumed(masters_only.path().string(), 0)[0], ref), 1e-3);
+}
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,204 @@
+// The training state split over a run's ranks: ZeRO's stages (Rajbhandari et al. 2020) on the c10d
+// collectives of trainer/dist.h (train.shard), and the optimizer state in host memory (train.offload).
+//
+// The trainable tensors (the policy's, or its LoRA adapters, then run.extra's) are grouped into units: one
+// per decoder layer, one per other tensor. A unit's elements, laid end to end and padded with zeros to a
+// multiple of the world size, split into N equal chunks; rank r owns chunk r of every unit. What a rank
+// holds per parameter, with P parameters over N ranks (bf16 model, fp32 masters):
+//   optimizer:  the whole bf16 weights (2), a whole fp32 gradient accumulated over the micro-batches (4),
+//               and its chunk of fp32 masters and AdamW moments (12/N). The gradient is reduce-scattered
+//               once per optimizer step, unit by unit, as the last micro-batch's backward produces it.
+//   gradients:  the whole weights (2), and its chunks of the gradient, masters and moments (16/N): every
+//               micro-batch's backward reduce-scatters each unit as soon as its gradients are complete and
+//               frees them, so a rank accumulates only its fp32 gradient chunk.
+//   parameters: its chunk of the weights too (18/N). A layer's weights are all-gathered before its
+//               forward (the next layer's gather already started) and freed after it, then gathered again
+//               for its backward, which recomputes it (model.activation_checkpointing); the embedding,
+//               final norm and head are gathered for a whole micro-batch. The rollout gathers every layer
+//               once and frees them before the update, unless rollout.keep_weights keeps them.
+// ZeRO's formulas count a 2-byte gradient (4 + 12/N, 2 + 14/N, 16/N); the gradient here is accumulated
+// in fp32 over the micro-batches and summed over the ranks in fp32, as the replicated run does it.
+// After an optimizer step each rank rounds its master chunk to the model's dtype and the chunks are
+// all-gathered into the whole weights (the parameters stage keeps its chunk only).
+//
+// The global gradient norm is the square root of the sum over ranks of each chunk's sum of squares; the
+// loss denominators are the replicated run's (trainer/optim.h), so the update equals it up to the order of
+// floating-point sums (the CPU tests: within 1e-6 relative over 3 steps, 2 and 3 ranks).
+//
+// train.offload: optimizer keeps the master chunks and moments in pinned host memory and steps them there
+// (trainer/adamw.h); the device holds the gradient chunk and the weights.
+//
+// Checkpoints hold the state per parameter, not per rank: each rank writes its pieces of every parameter
+// (optimizer-<rank>.safetensors: "master/<name>/<first element>", "exp_avg/...", "exp_avg_sq/..."), so a
+// run resumes with another number of ranks or another stage by reading the pieces that overlap its chunks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/safetensors.h"
+#include "model/transformer.h"
+#include "trainer/dist.h"
+#include "trainer/options.h"
+
+namespace rlt {
+
+struct Run;
+class OffloadedAdamW;
+class ShardedState;
+
+// The optimizer state of a checkpoint, per parameter, as pieces: "<kind>/<name>/<first element>" in every
+// optimizer-*.safetensors of a folder, kind master (the fp32 values AdamW updates), exp_avg or exp_avg_sq.
+// Written by ShardedState and by the replicated optimizer alike (trainer/checkpoint.cpp), so either reads
+// the other's.
+class OptimizerPieces {
+ public:
+  explicit OptimizerPieces(const std::string& dir);  // no files: empty()
+  bool empty() const { return readers_.empty(); }
+  // Fills dest (count elements of `name` from `begin`, flat) from the pieces that cover it; false when
+  // some element is covered by none.
+  bool read(const std::string& kind, const std::string& name, int64_t begin, const at::Tensor& dest) const;
+  static std::string key(const std::string& kind, const std::string& name, int64_t begin);
+
+ private:
+  struct Stored {
+    int64_t begin, count;
+    size_t reader;
+    std::string key;
+  };
+  std::vector<safetensors::Reader> readers_;
+  std::map<std::string, std::vector<Stored>> index_;  // "<kind>/<name>" -> its pieces
+};
+
+// ShardedState::gather_weights() for a scope; nothing without a sharded state. Every rank makes one at
+// the same point (the parameters stage gathers with a collective).
+class GatheredWeights {
+ public:
+  explicit GatheredWeights(const std::shared_ptr<ShardedState>& s);
+  ~GatheredWeights();
+  GatheredWeights(const GatheredWeights&) = delete;
+  GatheredWeights& operator=(const GatheredWeights&) = delete;
+
+ private:
+  std::shared_ptr<ShardedState> s_;
+};
+
+// Deliberate mistakes, for the tests: each equivalence test runs one and must see the result differ.
+enum class ShardFault { kNone, kReduceTwice, kNeverReduce, kSliceOffByOne, kAverage, kMomentWrongSlice };
+
+class ShardedState : public WeightResidency {
+ public:
+  // Takes the run's trainable tensors and their values as they are now; with the parameters stage the
+  // policy's weights are freed to their chunks (run.policy asks this object for them).
+  // `fault`: a deliberate mistake, for the tests only.
+  explicit ShardedState(Run& run, ShardFault fault = ShardFault::kNone);
+  ~ShardedState() override;
+  ShardedState(const ShardedState&) = delete;
+  ShardedState& operator=(const ShardedState&) = delete;
+
+  // One micro-batch's backward. `ends_step`: the last before an optimizer step (the optimizer stage
+  // reduces then only).
+  void backward(const at::Tensor& loss, bool ends_step);
+  // Ends an optimizer step as apply_gradients does (trainer/optim.h): global norm, clip, the finite check
+  // on the norm and the ranks' summed `loss`, AdamW on every chunk, the weights rebuilt. Returns the norm.
+  double step(const at::Tensor& loss, int64_t total_optimizer_steps);
+  void zero_grad();
+
+  // The parameters stage: every layer's weights gathered and kept until release_weights() (the rollout,
+  // an evaluation, a save); the other stages hold them anyway. Calls nest.
+  void gather_weights();
+  void release_weights();
+  // The masters (and weight chunks) from the tensors' values now: after the warm-up trained them.
+  void load_from_model();
+
+  // This rank's pieces into dir/optimizer-<rank>.safetensors; and back, from every optimizer-*.safetensors
+  // in dir, whatever the stage and world that wrote them (RunError naming a parameter no piece covers).
+  void save(const std::string& dir) const;
+  void load(const std::string& dir);
+
+  // Bytes this rank holds for the state: on the device (gradient chunks or whole gradients, masters and
+  // moments unless offloaded, the weight chunks of the parameters stage) and in host memory (offload).
+  int64_t device_bytes() const;
+  int64_t host_bytes() const;
+  // Seconds spent waiting for the reduce-scatters and all-gathers.
+  double comm_seconds() const { return comm_s_; }
+  ShardStage stage() const { return stage_; }
+
+  // WeightResidency (the parameters stage; otherwise nothing to do).
+  void acquire(int64_t layer, bool backward) override;
+  void release(int64_t layer) override;
+
+  // The pieces a rank owns, for the tests: (parameter index, first element, count, offset in its group's
+  // flat chunk). Exposed so a test can check every element is owned exactly once.
+  struct Piece {
+    size_t param;
+    int64_t begin, count, flat;
+  };
+  std::vector<Piece> pieces() const;
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor leaf;
+    std::vector<int64_t> shape;
+    int64_t numel = 0, offset = 0;  // within its unit
+    size_t unit = 0;
+  };
+  struct Unit {
+    std::vector<size_t> params;
+    int64_t numel = 0, chunk = 0;  // chunk: elements per rank (numel padded to world x chunk)
+    int group = 0;                 // 0: the policy; 1: run.extra (its own learning rate, no decay)
+    int64_t layer = -1;            // decoder layer, -1: the embedding / final norm / head, -2: run.extra
+    int64_t flat = 0;              // offset of this rank's chunk in its group's flat tensors
+    size_t remaining = 0;          // gradients not yet complete in this backward
+    bool started = false, resident = true;
+    at::Tensor reduce_in, reduce_out;  // fp32 (world x chunk, chunk) while its reduce-scatter runs
+    std::unique_ptr<Pending> reduce_pending;
+    at::Tensor gather_buf;  // the parameters stage: (world x chunk) while gathered or gathering
+    std::unique_ptr<Pending> gather_pending;
+  };
+  struct Group {
+    at::Tensor master, grad, exp_avg, exp_avg_sq;  // fp32 flat chunks of its units
+    at::Tensor weights;  // the masters rounded to the model's dtype: all-gather input, the parameters stage's chunks
+    std::unique_ptr<OffloadedAdamW> offload;
+  };
+
+  void ready(size_t i);
+  void start_ready_units();
+  void start_reduce(Unit& u);
+  void finish_backward();
+  at::Tensor unit_chunk(const at::Tensor& flat, const Unit& u) const { return flat.narrow(0, u.flat, u.chunk); }
+  // Every unit's rounded chunk all-gathered into the leaves (extra_only: run.extra's units only).
+  void write_whole_weights(bool extra_only = false);
+  void start_gather(Unit& u);
+  void install(Unit& u);  // waits for its gather; the leaves become views of it
+  void free_weights(Unit& u);
+  void acquire_unit(Unit& u);
+  std::vector<size_t> units_of_layer(int64_t layer) const;
+
+  Run& run_;
+  ShardStage stage_;
+  int world_ = 1, rank_ = 0;
+  at::ScalarType weight_dtype_ = at::kFloat;
+  std::vector<Param> params_;
+  std::vector<Unit> units_;  // in the order their reductions start (the backward's order)
+  std::vector<Group> groups_;
+  std::vector<at::Tensor> accum_;  // the optimizer stage: whole fp32 gradients over the micro-batches
+  std::vector<bool> done_;         // per parameter, in the backward that reduces
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  size_t next_unit_ = 0;
+  bool reducing_ = false;  // the running backward reduces its gradients
+  int pinned_ = 0;         // gather_weights() depth
+  double comm_s_ = 0;
+  int shard_world_ = 1;  // ranks the state is split over: 1 with shard none (offload alone)
+  bool keep_ = false;    // rollout.keep_weights
+  ShardFault fault_ = ShardFault::kNone;
+};
+
+}  // namespace rlt
