@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 
@@ -27,11 +28,19 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   int64_t stop_after = 0;
   app.add_option("--stop-after", stop_after, "checkpoint and exit once this many RL steps are done (0 = run all)")
       ->check(CLI::NonNegativeNumber);
-  int nproc = 0;
-  app.add_option("--nproc", nproc,
+  LaunchOptions launch;
+  app.add_option("--nproc", launch.nproc,
                  "run N data-parallel ranks on this machine, one GPU each (cuda:0..N-1), as torchrun "
                  "--nproc-per-node N would")
       ->check(CLI::Range(1, 1024));
+  app.add_option("--nnodes", launch.nnodes, "with --nproc: the nodes of the run, one launcher each (default 1)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--node-rank", launch.node_rank, "with --nproc: this node, 0..nnodes-1 (default 0)")
+      ->check(CLI::Range(0, 1023));
+  app.add_option("--master-addr", launch.master_addr,
+                 "with --nproc: node 0's address, where its launcher serves the rendezvous (several nodes)");
+  app.add_option("--master-port", launch.master_port, "with --nproc: the rendezvous port on node 0")
+      ->check(CLI::Range(1, 65535));
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   Config cfg;
   if (!load_cli_config(cc, cfg)) return 2;
@@ -41,23 +50,30 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   }
   DistEnv env;
   try {
-    env = dist_env();
+    check_launch(launch);
+    // A launcher reads torchrun's variables only: under srun it is one task of its node (one per node).
+    env = launch.nproc > 0
+              ? dist_env([](const char* n) { return std::strncmp(n, "SLURM_", 6) == 0 ? nullptr : std::getenv(n); })
+              : dist_env();
   } catch (const RunError& e) {
     std::cerr << name << ": " << e.what() << "\n";
     return 2;
   }
-  if (nproc > 0) {
+  if (launch.nproc > 0) {
     if (env.launched) {
       std::cerr << name << ": --nproc inside a launched rank (RANK is set): use one launcher, torchrun or --nproc\n";
       return 2;
     }
     try {
-      check_world(cfg, nproc);  // before any rank starts
+      check_world(cfg, launch.world());  // before any rank starts
     } catch (const RunError& e) {
-      std::cerr << name << ": --nproc " << nproc << ": " << e.what() << "\n";
+      std::cerr << name << ": --nproc " << launch.nproc
+                << (launch.nnodes > 1 ? " x --nnodes " + std::to_string(launch.nnodes) : "") << ": " << e.what()
+                << "\n";
       return 2;
     }
-    return launch_ranks(name, nproc, without_nproc(argc, argv));
+    launch.timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * cfg.train.dist_timeout_s));
+    return launch_ranks(name, launch, without_launch_flags(argc, argv));
   }
   // Several ranks: messages say whose; rank 0 alone reports progress.
   const std::string who = env.launched && env.world > 1 ? name + " rank " + std::to_string(env.rank) : name;

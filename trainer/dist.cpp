@@ -169,26 +169,41 @@ class StoreCollectives : public Collectives {
 
 DistEnv dist_env(const std::function<const char*(const char*)>& getenv) {
   DistEnv env;
-  const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"};
-  int set = 0;
-  for (const char* n : names) set += getenv(n) != nullptr;
-  if (set == 0) return env;
+  // torchrun's set (and --nproc's): RANK, WORLD_SIZE or LOCAL_RANK makes a launch. MASTER_ADDR and
+  // MASTER_PORT alone do not: an sbatch script exports them for its srun tasks, and its own shell runs
+  // one process.
+  const bool torchrun = getenv("RANK") || getenv("WORLD_SIZE") || getenv("LOCAL_RANK");
+  // Slurm's: srun's tasks (and the batch script's shell, task 0) have SLURM_PROCID; a step of one task
+  // is one process. With SLURM_NTASKS unset (no --ntasks) or 1 the process trains alone.
+  const char* ntasks = getenv("SLURM_NTASKS");
+  const bool slurm = !torchrun && getenv("SLURM_PROCID") && ntasks && env_int("SLURM_NTASKS", ntasks, 1, 1 << 20) > 1;
+  if (!torchrun && !slurm) return env;
+  const std::vector<const char*> names =
+      torchrun
+          ? std::vector<const char*>{"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+          : std::vector<const char*>{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"};
   for (const char* n : names) {
     if (!getenv(n)) {
       throw RunError(std::string("distributed launch: ") + n +
-                     " is not set; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT go together (torchrun "
-                     "sets them all; --nproc N sets them for its own ranks)");
+                     (torchrun ? " is not set; RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT go together "
+                                 "(torchrun sets them all; --nproc N sets them for its own ranks)"
+                               : " is not set; a Slurm step of several tasks (SLURM_PROCID, SLURM_NTASKS > 1) needs "
+                                 "SLURM_LOCALID, and MASTER_ADDR and MASTER_PORT from the sbatch script "
+                                 "(docs/training.md, Several nodes)"));
     }
   }
+  const char* rank = names[0];
+  const char* world = names[1];
+  const char* local = names[2];
   env.launched = true;
-  env.world = env_int("WORLD_SIZE", getenv("WORLD_SIZE"), 1, 1 << 20);
-  env.rank = env_int("RANK", getenv("RANK"), 0, env.world - 1);
-  env.local_rank = env_int("LOCAL_RANK", getenv("LOCAL_RANK"), 0, env.world - 1);
+  env.world = env_int(world, getenv(world), 1, 1 << 20);
+  env.rank = env_int(rank, getenv(rank), 0, env.world - 1);
+  env.local_rank = env_int(local, getenv(local), 0, env.world - 1);
   env.master_addr = getenv("MASTER_ADDR");
   if (env.master_addr.empty()) throw RunError("MASTER_ADDR is empty");
   env.master_port = env_int("MASTER_PORT", getenv("MASTER_PORT"), 1, 65535);
   const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
-  env.agent_store = agent && std::string(agent) == "True";
+  env.agent_store = torchrun && agent && std::string(agent) == "True";
   return env;
 }
 

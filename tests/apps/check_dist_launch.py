@@ -145,7 +145,7 @@ with tempfile.TemporaryDirectory() as tmp:
     step = checkpoint_step(killed)
     check(step >= 2 and step < 60, f"checkpoint at step {step}")
     # save_checkpoint writes checkpoint.tmp and renames it: checkpoint/ itself is whole.
-    check(os.path.exists(os.path.join(killed, "checkpoint", "optimizer.pt")), "checkpoint/ incomplete")
+    check(os.path.exists(os.path.join(killed, "checkpoint", "optimizer-0.safetensors")), "checkpoint/ incomplete")
     # Resume on one process up to step + 2; it samples what the uninterrupted one-process run samples.
     resumed = subprocess.run([grpo, "--config", tiny] + SMALL + ["--set", f"train.steps={step + 2}", "--out", killed,
                               "--resume"], capture_output=True, text=True, timeout=600)
