@@ -1,0 +1,460 @@
+// The memory plan against what the code allocates on the CPU (the tracking allocator of common/memory.h):
+// the parameter count against built models, the training state and one micro-batch's activations against
+// measured peaks, and the refusal of a plan over the device with suggestions that re-plan under it.
+#include "trainer/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/memory.h"
+#include "model/transformer.h"
+#include "tests/common/tiny_model.h"
+#include "trainer/batch.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+
+namespace rlt {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// A small decoder of family `type` (model_type) with the given switches.
+ModelConfig small_config(const std::string& type, bool tied, int64_t vocab = 256, int64_t hidden = 128,
+                         int64_t layers = 4, int64_t intermediate = 384, bool attention_bias = false) {
+  nlohmann::json j = {{"model_type", type},
+                      {"vocab_size", vocab},
+                      {"hidden_size", hidden},
+                      {"intermediate_size", intermediate},
+                      {"num_hidden_layers", layers},
+                      {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2},
+                      {"rms_norm_eps", 1e-6},
+                      {"tie_word_embeddings", tied},
+                      {"rope_theta", 10000.0},
+                      {"attention_bias", attention_bias}};
+  return model_config_from_json(j, "small " + type);
+}
+
+// Qwen2.5-7B's config.json (hidden 3584, 28 layers, 28 heads over 4 KV heads, MLP 18944, vocabulary 152064,
+// untied, q/k/v biases).
+ModelConfig qwen25_7b() {
+  const nlohmann::json j = {{"model_type", "qwen2"},
+                            {"vocab_size", 152064},
+                            {"hidden_size", 3584},
+                            {"intermediate_size", 18944},
+                            {"num_hidden_layers", 28},
+                            {"num_attention_heads", 28},
+                            {"num_key_value_heads", 4},
+                            {"rms_norm_eps", 1e-6},
+                            {"tie_word_embeddings", false},
+                            {"rope_theta", 1000000.0},
+                            {"max_position_embeddings", 32768}};
+  return model_config_from_json(j, "Qwen2.5-7B");
+}
+
+int64_t built_count(const ModelConfig& m) {
+  const Transformer t(m, at::kFloat, at::kCPU, 0);
+  int64_t n = 0;
+  for (const auto& p : t.parameters()) n += p.numel();
+  return n;
+}
+
+TEST(MemoryPlan, ParameterCountIsTheBuiltModels) {
+  struct Case {
+    std::string name;
+    ModelConfig m;
+  };
+  std::vector<Case> cases = {
+      {"llama tied", small_config("llama", true)},
+      {"llama untied, attention_bias", small_config("llama", false, 256, 128, 4, 384, /*attention_bias=*/true)},
+      {"qwen2 (q/k/v biases)", small_config("qwen2", false)},
+      {"qwen3 (q/k norms) tied", small_config("qwen3", true)},
+      {"gemma2 (four norms a layer)", model_config_from_json(testing::tiny_family_config("gemma2"), "gemma2")},
+  };
+  for (const Case& c : cases) {
+    const int64_t built = built_count(c.m);
+    EXPECT_EQ(parameter_count(c.m), built) << c.name;
+    // Twin: a count that forgets the biases.
+    if (c.m.qkv_bias || c.m.o_bias) {
+      ModelConfig no_bias = c.m;
+      no_bias.qkv_bias = no_bias.o_bias = false;
+      EXPECT_NE(parameter_count(no_bias), built) << c.name << ": a count without biases must differ";
+    }
+  }
+  // Qwen2.5-7B: 7,615,616,512 parameters (its safetensors hold 15,231,233,024 bytes of bf16).
+  EXPECT_EQ(parameter_count(qwen25_7b()), int64_t{7615616512});
+}
+
+// Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
+std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
+  std::vector<Trajectory> out(count);
+  for (int64_t s = 0; s < count; ++s) {
+    Trajectory& t = out[s];
+    t.prompt_ids = {1 + s % (vocab - 1)};
+    for (int64_t j = 1; j < tokens; ++j) {
+      t.response_ids.push_back((7 * j + 3 * s) % vocab);
+      t.loss_mask.push_back(1);
+      t.logprobs.push_back(-1.0f);
+    }
+  }
+  return out;
+}
+
+// One micro-batch's forward through the loss module and its backward, as GRPO's update runs it.
+void micro_batch(Run& run, const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, bool ends_step) {
+  const PackedBatch b = pack(trajs, begin, end, run.device);
+  const ResponseLogprobs r = response_logprobs(*run.policy, b, run.config.loss);
+  const at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / double(b.loss_mask.sum().item<float>());
+  backward(run, loss, nullptr, ends_step);
+}
+
+Config small_run_config(DType dtype, int64_t micro, int64_t context) {
+  Config c = load_config("", {});
+  c.model.dtype = dtype;
+  c.model.device = "cpu";
+  c.train.prompts_per_step = 2;
+  c.sampling.samples_per_prompt = 2;  // 4 sequences a step, one mini-batch
+  c.train.micro_batch_size = micro;
+  c.rollout.max_context = context;
+  c.train.eval_prompts = 0;
+  return c;
+}
+
+// Relative error of a planned figure against a measured one.
+double off(int64_t planned, int64_t measured) { return std::abs(double(planned) / double(measured) - 1.0); }
+
+// What the trainer allocates from building the model to its second optimizer step (each over the step's
+// micro-batches of a few tokens, so the training state dominates) against the plan's update phase.
+struct StateCase {
+  DType dtype;
+  int64_t micro;  // 4: one backward a step; 2: two, accumulated
+  Offload offload = Offload::kNone;
+};
+
+TEST(MemoryPlan, TrainingStateMatchesTheMeasuredPeak) {
+  install_cpu_memory_tracking();
+  const at::Device cpu(at::kCPU);
+  const ModelConfig m = small_config("llama", false, /*vocab=*/256, /*hidden=*/256, /*layers=*/4, 768);
+  for (const StateCase sc :
+       {StateCase{DType::kFloat32, 4}, StateCase{DType::kFloat32, 2}, StateCase{DType::kBFloat16, 4},
+        StateCase{DType::kBFloat16, 2}, StateCase{DType::kBFloat16, 2, Offload::kOptimizer},
+        StateCase{DType::kFloat32, 4, Offload::kOptimizer}}) {
+    Config c = small_run_config(sc.dtype, sc.micro, /*context=*/8);
+    c.train.offload = sc.offload;
+    const std::string name = std::string(sc.dtype == DType::kFloat32 ? "fp32" : "bf16") + ", micro-batch " +
+                             std::to_string(sc.micro) + (sc.offload == Offload::kOptimizer ? ", offload" : "");
+    const std::vector<Trajectory> trajs = trajectories(4, 8, m.vocab_size);
+    int64_t measured = 0;
+    {
+      PeakMemory peak(cpu);
+      rlt::Run run;
+      run.config = c;
+      run.policy = std::make_unique<Transformer>(m, sc.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, at::kCPU,
+                                                 /*seed=*/0);
+      make_optimizer(run, {});
+      for (int step = 0; step < 2; ++step) {
+        zero_gradients(run);
+        for (int64_t b = 0; b < 4; b += sc.micro) micro_batch(run, trajs, b, b + sc.micro, b + sc.micro == 4);
+        apply_gradients(run, at::zeros({}), /*total_optimizer_steps=*/10);
+      }
+      measured = peak.peak_extra_bytes();
+    }
+    const MemoryPlan plan = plan_memory(c, m, 1);
+    // On the CPU the offloaded optimizer's host memory comes from the same allocator.
+    const int64_t planned = plan.persistent() + plan.update_phase() + plan.host_optimizer;
+    std::cout << name << ": planned " << planned << ", measured " << measured << "\n";
+    EXPECT_LT(off(planned, measured), 0.10) << name;
+    EXPECT_LT(plan.activations, planned / 10) << name << ": the training state is what this case measures";
+    // Twins: a plan that forgets the offloaded state, a plan with bf16 moments (make_optimizer's fp32
+    // masters forgotten), and a plan that gives an fp32 model masters.
+    if (sc.offload == Offload::kOptimizer) {
+      EXPECT_GT(off(planned - plan.host_optimizer, measured), 0.10) << name << ": the host state forgotten";
+    } else if (sc.dtype == DType::kBFloat16) {
+      EXPECT_GT(off(planned - plan.moments / 2 - plan.masters, measured), 0.10) << name << ": bf16 moments, no masters";
+    } else {
+      EXPECT_GT(off(planned + 4 * plan.parameters, measured), 0.10) << name << ": an fp32 model with masters";
+    }
+  }
+}
+
+// One micro-batch's forward and backward with the gradients already allocated (as from the second
+// micro-batch on), against the plan's activations. On `device` (c.model.device).
+int64_t measured_activations(const Config& c, const ModelConfig& m, int64_t micro, int64_t context) {
+  const at::Device device(c.model.device);
+  Run run;
+  run.config = c;
+  run.device = device;
+  run.policy = std::make_unique<Transformer>(m, c.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, device,
+                                             /*seed=*/0);
+  run.policy->set_activation_checkpointing(c.model.activation_checkpointing);
+  const std::vector<Trajectory> trajs = trajectories(micro, context, m.vocab_size);
+  micro_batch(run, trajs, 0, micro, true);  // the parameters' gradients, kept (and cuBLAS's workspace)
+  device_synchronize(device);
+  PeakMemory peak(device);
+  micro_batch(run, trajs, 0, micro, true);
+  device_synchronize(device);
+  return peak.peak_extra_bytes();
+}
+
+TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
+  install_cpu_memory_tracking();
+  const int64_t micro = 4, context = 128;
+  const ModelConfig layers_heavy = small_config("llama", false, /*vocab=*/256, /*hidden=*/64, /*layers=*/4, 192);
+  const ModelConfig vocab_heavy = small_config("llama", false, /*vocab=*/4096, /*hidden=*/64, /*layers=*/1, 192);
+  struct Case {
+    std::string name;
+    ModelConfig m;
+    DType dtype;
+    bool checkpointing;
+    LogprobImpl impl;
+  };
+  const std::vector<Case> cases = {
+      {"fp32", layers_heavy, DType::kFloat32, false, LogprobImpl::kSelective},
+      {"fp32 checkpointed", layers_heavy, DType::kFloat32, true, LogprobImpl::kSelective},
+      {"bf16", layers_heavy, DType::kBFloat16, false, LogprobImpl::kSelective},
+      {"bf16 checkpointed", layers_heavy, DType::kBFloat16, true, LogprobImpl::kSelective},
+      {"fp32 vocab 4096 selective", vocab_heavy, DType::kFloat32, false, LogprobImpl::kSelective},
+      {"fp32 vocab 4096 naive", vocab_heavy, DType::kFloat32, false, LogprobImpl::kNaive},
+      {"fp32 vocab 4096 cce", vocab_heavy, DType::kFloat32, false, LogprobImpl::kCce},
+      {"qwen3 (q/k norms) bf16", small_config("qwen3", false, 256, 64, 4, 192), DType::kBFloat16, false,
+       LogprobImpl::kSelective},
+      {"qwen2 (q/k/v biases) fp32", small_config("qwen2", false, 256, 64, 4, 192), DType::kFloat32, false,
+       LogprobImpl::kSelective},
+      {"gemma2 (soft-capped attention) fp32", model_config_from_json(testing::tiny_family_config("gemma2"), "g"),
+       DType::kFloat32, false, LogprobImpl::kSelective},
+  };
+  for (const Case& k : cases) {
+    Config c = small_run_config(k.dtype, micro, context);
+    c.train.prompts_per_step = micro;
+    c.sampling.samples_per_prompt = 1;
+    c.model.activation_checkpointing = k.checkpointing;
+    c.loss.impl = k.impl;
+    const int64_t measured = measured_activations(c, k.m, micro, context);
+    const int64_t planned = plan_memory(c, k.m, 1).activations;
+    std::cout << k.name << ": activations planned " << planned << ", measured " << measured << "\n";
+    EXPECT_LT(off(planned, measured), 0.10) << k.name;
+    // Twins: the estimate without the MLP's saved activations (4 s F a token and layer), without
+    // checkpointing for a checkpointed run, and with another loss path's working set.
+    const int64_t s = k.dtype == DType::kBFloat16 ? 2 : 4;
+    const int64_t T = micro * context, F = k.m.intermediate_size;
+    if (k.m.attn_softcap > 0) {
+      // The eager attention's scores: tanh's output and the fp32 softmax, a context's worth per head.
+      const int64_t scores = T * k.m.num_layers * k.m.num_heads * context * 8;
+      EXPECT_GT(off(planned - scores, measured), 0.10) << k.name << ": no quadratic scores";
+    } else if (k.m.num_layers > 1 && !k.checkpointing) {
+      EXPECT_GT(off(planned - T * (k.m.num_layers + 1) * 4 * s * F, measured), 0.10) << k.name << ": no MLP term";
+    }
+    if (k.checkpointing) {
+      Config x = c;
+      x.model.activation_checkpointing = false;
+      EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as not checkpointed";
+    }
+    if (k.m.vocab_size >= 4096) {
+      // The [T', V] working set: a plan that takes cce's for naive or selective, or selective's for cce.
+      Config x = c;
+      x.loss.impl = k.impl == LogprobImpl::kCce ? LogprobImpl::kSelective : LogprobImpl::kCce;
+      EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as another path";
+    }
+  }
+}
+
+// The same on a GPU, in bf16 (flash attention's (B, L, H, hd) output, the CUDA selective kernel, the
+// fp32-output LM-head GEMM): what the plan counts for CUDA.
+TEST(MemoryPlan, ActivationsMatchTheMeasuredPeakOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t micro = 4, context = 128;
+  struct Case {
+    std::string name;
+    ModelConfig m;
+    bool checkpointing;
+  };
+  const std::vector<Case> cases = {
+      {"bf16", small_config("llama", false, 256, 64, 4, 192), false},
+      {"bf16 checkpointed", small_config("llama", false, 256, 64, 4, 192), true},
+      {"bf16 vocab 4096", small_config("llama", false, 4096, 64, 1, 192), false},
+  };
+  for (const Case& k : cases) {
+    Config c = small_run_config(DType::kBFloat16, micro, context);
+    c.model.device = "cuda";
+    c.train.prompts_per_step = micro;
+    c.sampling.samples_per_prompt = 1;
+    c.model.activation_checkpointing = k.checkpointing;
+    const int64_t measured = measured_activations(c, k.m, micro, context);
+    const int64_t planned = plan_memory(c, k.m, 1).activations;
+    std::cout << k.name << " (CUDA): activations planned " << planned << ", measured " << measured << "\n";
+    EXPECT_LT(off(planned, measured), 0.10) << k.name;
+    // Twin: the CPU's figures (ATen loss chunks, the bf16 head upcast, the attention output's copy).
+    Config x = c;
+    x.model.device = "cpu";
+    if (k.m.vocab_size >= 4096) {
+      EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as on the CPU";
+    }
+  }
+}
+
+// The suggestions of a refusal: "key: value" lines after "What fits", as --set overrides.
+std::vector<std::string> suggested_overrides(const std::string& message) {
+  std::vector<std::string> out;
+  std::istringstream in(message);
+  std::string line;
+  bool listing = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("What fits", 0) == 0) {
+      listing = true;
+      continue;
+    }
+    if (!listing || line.size() < 3) continue;
+    const size_t colon = line.find(": "), paren = line.find(" (");
+    if (colon == std::string::npos || paren == std::string::npos) continue;
+    const size_t b = line.find_first_not_of(' ');
+    out.push_back(line.substr(b, colon - b) + "=" + line.substr(colon + 2, paren - colon - 2));
+  }
+  return out;
+}
+
+// check_memory_plan's message for `overrides` on `budget`, or "" when the plan fits.
+std::string refusal(const std::vector<std::string>& overrides, const ModelConfig& m, int world, int64_t budget) {
+  const Config c = load_config("", overrides);
+  const MemoryPlan plan = plan_memory(c, m, world);
+  try {
+    check_memory_plan(plan, c, m, world, budget);
+  } catch (const RunError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string gib_text(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", double(bytes) / double(kGiB));
+  return buf;
+}
+
+// The 7B run of the tests: 16 prompts x 8 samples a step, 32 rows at a time in the rollout, 4096 tokens of
+// context, micro-batches of 2 sequences through checkpointed layers and CCE.
+std::vector<std::string> seven_b_run() {
+  return {"model.dtype=bfloat16",
+          "model.device=cuda",
+          "model.activation_checkpointing=true",
+          "loss.impl=cce",
+          "train.prompts_per_step=16",
+          "sampling.samples_per_prompt=8",
+          "rollout.max_context=4096",
+          "rollout.max_batch=32",
+          "train.micro_batch_size=2"};
+}
+
+TEST(MemoryPlan, RefusesAPlanOverTheDeviceAndSuggestsWhatFits) {
+  const ModelConfig m = qwen25_7b();
+  const std::vector<std::string> base = seven_b_run();
+  const Config c = load_config("", base);
+  const MemoryPlan plan = plan_memory(c, m, 1);
+  // Full fine-tuning with shard none: 18 bytes a parameter before any activation; over 80 GiB.
+  EXPECT_GT(plan.weights + plan.gradients + plan.masters + plan.moments, 18 * plan.parameters - 1);
+  const std::string msg = refusal(base, m, 1, 80 * kGiB);
+  ASSERT_FALSE(msg.empty()) << "a 7B full fine-tune on one 80 GiB device must be refused";
+  std::cout << msg << "\n";
+  EXPECT_NE(msg.find(gib_text(plan.device_total())), std::string::npos) << msg;
+  EXPECT_NE(msg.find("80.00"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("weights"), std::string::npos) << msg;
+  const std::vector<std::string> fixes = suggested_overrides(msg);
+  ASSERT_FALSE(fixes.empty()) << msg;
+  EXPECT_NE(std::find(fixes.begin(), fixes.end(), "lora.rank=64"), fixes.end()) << msg;
+  for (const std::string& fix : fixes) {
+    std::vector<std::string> o = base;
+    o.push_back(fix);
+    EXPECT_EQ(refusal(o, m, 1, 80 * kGiB), "") << fix << " was suggested but does not fit";
+  }
+  // With LoRA rank 64 the same run fits in 60 GiB.
+  std::vector<std::string> lora = base;
+  lora.push_back("lora.rank=64");
+  EXPECT_LE(plan_memory(load_config("", lora), m, 1).device_total(), 60 * kGiB);
+  EXPECT_EQ(refusal(lora, m, 1, 60 * kGiB), "");
+
+  // Over eight ranks, a shard stage is among the suggestions, and every suggestion fits.
+  const std::string msg8 = refusal(base, m, 8, 80 * kGiB);
+  ASSERT_FALSE(msg8.empty());
+  std::cout << msg8 << "\n";
+  const std::vector<std::string> fixes8 = suggested_overrides(msg8);
+  bool shard = false;
+  for (const std::string& fix : fixes8) {
+    shard = shard || fix.rfind("train.shard=", 0) == 0;
+    std::vector<std::string> o = base;
+    o.push_back(fix);
+    EXPECT_EQ(refusal(o, m, 8, 80 * kGiB), "") << fix << " was suggested but does not fit";
+  }
+  EXPECT_TRUE(shard) << msg8;
+
+  // A plan under the budget passes; the CPU (0 bytes) is never checked.
+  EXPECT_EQ(refusal(base, m, 1, plan.device_total()), "");
+  EXPECT_NE(refusal(base, m, 1, plan.device_total() - 1), "");
+  EXPECT_EQ(refusal(base, m, 1, 0), "");
+}
+
+// "No single change fits; together, a: x, b: y plan N GiB." -> {"a=x", "b=y"}.
+std::vector<std::string> combined_overrides(const std::string& message) {
+  const std::string lead = "No single change fits; together, ";
+  const size_t b = message.find(lead), e = message.find(" plan ", b);
+  if (b == std::string::npos || e == std::string::npos) return {};
+  std::vector<std::string> out;
+  std::istringstream in(message.substr(b + lead.size(), e - b - lead.size()));
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    part = part.substr(part.find_first_not_of(' '));
+    const size_t colon = part.find(": ");
+    out.push_back(part.substr(0, colon) + "=" + part.substr(colon + 2));
+  }
+  return out;
+}
+
+TEST(MemoryPlan, NamesACombinationWhenNoSingleChangeFits) {
+  const ModelConfig m = qwen25_7b();
+  // Every prompt's samples in the cache at once (128 rows of 4096 tokens), no checkpointing, selective.
+  const std::vector<std::string> base = {"model.dtype=bfloat16",      "model.device=cuda",
+                                         "train.prompts_per_step=16", "sampling.samples_per_prompt=8",
+                                         "rollout.max_context=4096",  "train.micro_batch_size=2"};
+  const std::string msg = refusal(base, m, 1, 48 * kGiB);
+  std::cout << msg << "\n";
+  const std::vector<std::string> together = combined_overrides(msg);
+  ASSERT_FALSE(together.empty()) << msg;
+  EXPECT_TRUE(suggested_overrides(msg).empty()) << msg;
+  std::vector<std::string> o = base;
+  o.insert(o.end(), together.begin(), together.end());
+  EXPECT_EQ(refusal(o, m, 1, 48 * kGiB), "") << "the combination was suggested but does not fit";
+  // Twins: without any one of its changes the combination does not fit.
+  for (size_t i = 0; i < together.size(); ++i) {
+    std::vector<std::string> fewer = base;
+    for (size_t j = 0; j < together.size(); ++j) {
+      if (j != i) fewer.push_back(together[j]);
+    }
+    EXPECT_NE(refusal(fewer, m, 1, 48 * kGiB), "") << "fits without " << together[i];
+  }
+  // 12 GiB holds not even the bf16 weights: nothing fits, and the message says what is left.
+  const std::string none = refusal(base, m, 1, 12 * kGiB);
+  std::cout << none << "\n";
+  EXPECT_NE(none.find("Nothing fits"), std::string::npos) << none;
+  EXPECT_NE(none.find("more ranks"), std::string::npos) << none;
+}
+
+TEST(MemoryPlan, TablePrintsEachItemInGiB) {
+  const Config c = load_config("", seven_b_run());
+  const MemoryPlan plan = plan_memory(c, qwen25_7b(), 1);
+  const std::string t = plan.table();
+  std::cout << t;
+  for (const char* item :
+       {"weights", "gradients", "masters", "moments", "rollout weights", "kv cache", "activations", "device total"}) {
+    EXPECT_NE(t.find(item), std::string::npos) << item << "\n" << t;
+  }
+  EXPECT_NE(t.find(gib_text(plan.weights) + " GiB"), std::string::npos) << t;
+  EXPECT_NE(t.find(gib_text(plan.device_total()) + " GiB"), std::string::npos) << t;
+  // 2 bytes a parameter: 14.19 GiB of bf16 weights.
+  EXPECT_EQ(gib_text(plan.weights), "14.19");
+}
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,489 @@
+// The memory plan; see memory_plan.h. Every figure is counted from how the code allocates; the comments
+// name the place.
+#include "trainer/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+#include <vector>
+
+#include "loss/cce.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+
+#ifdef RLT_HAVE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace rlt {
+
+namespace {
+
+constexpr double kGiB = double(int64_t{1} << 30);
+
+std::string gib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", double(bytes) / kGiB);
+  return buf;
+}
+
+// One projection of a decoder layer: its name among lora.targets, and its input and output widths.
+struct Projection {
+  const char* name;
+  int64_t in, out;
+};
+
+std::vector<Projection> projections(const ModelConfig& m) {
+  const int64_t D = m.hidden_size, F = m.intermediate_size, qd = m.num_heads * m.head_dim,
+                kvd = m.num_kv_heads * m.head_dim;
+  return {{"q", D, qd}, {"k", D, kvd}, {"v", D, kvd}, {"o", qd, D}, {"gate", D, F}, {"up", D, F}, {"down", F, D}};
+}
+
+// The sizes the plan is made of, in parameters.
+struct Shape {
+  int64_t P = 0;            // the whole model
+  int64_t layer = 0;        // one decoder layer
+  int64_t outer = 0;        // embedding, final norm and (untied) LM head: what every forward needs whole
+  int64_t largest = 0;      // the largest tensor
+  int64_t packed = 0;       // PackedWeights: [q; k; v] (+ biases) and [gate; up] of every layer
+  int64_t adapters = 0;     // LoRA: rank x (in + out) per targeted projection and layer
+  int64_t adapter_max = 0;  // LoRA: the largest adapter matrix
+  int64_t targeted = 0;     // LoRA: in x out per targeted projection and layer (the merged copy)
+};
+
+Shape shape_of(const Config& c, const ModelConfig& m) {
+  Shape s;
+  const int64_t D = m.hidden_size, V = m.vocab_size, F = m.intermediate_size, hd = m.head_dim, qd = m.num_heads * hd,
+                kvd = m.num_kv_heads * hd;
+  int64_t layer = 0;
+  for (const Projection& p : projections(m)) {
+    layer += p.in * p.out;
+    s.largest = std::max(s.largest, p.in * p.out);
+  }
+  layer += 2 * D;                         // input and post-attention norms
+  if (m.qkv_bias) layer += qd + 2 * kvd;  // q/k/v biases
+  if (m.o_bias) layer += D;               // o_proj bias
+  if (m.qk_norm) layer += 2 * hd;         // q and k norms over head_dim
+  if (m.gemma_norms) layer += 2 * D;      // pre- and post-feedforward norms
+  s.layer = layer;
+  s.outer = V * D + D + (m.tie_word_embeddings ? 0 : V * D);
+  s.largest = std::max(s.largest, V * D);
+  s.P = m.num_layers * layer + s.outer;
+  // Transformer::pack_weights: no [q; k; v] for q/k-normed models.
+  const int64_t qkv = m.qk_norm ? 0 : (qd + 2 * kvd) * D + (m.qkv_bias ? qd + 2 * kvd : 0);
+  s.packed = m.num_layers * (qkv + 2 * F * D);
+  if (c.lora.enabled()) {
+    const std::vector<std::string> targets = c.lora.target_list();
+    for (const Projection& p : projections(m)) {
+      if (std::find(targets.begin(), targets.end(), p.name) == targets.end()) continue;
+      s.adapters += m.num_layers * c.lora.rank * (p.in + p.out);
+      s.adapter_max = std::max(s.adapter_max, c.lora.rank * std::max(p.in, p.out));
+      s.targeted += m.num_layers * p.in * p.out;
+    }
+  }
+  return s;
+}
+
+// Bytes autograd keeps per token of an RMSNorm over `width` (rms_norm in model/transformer.cpp): x.to(fp32)
+// (a copy for bf16, the input itself for fp32) saved by pow and mul, the rsqrt (4 bytes), and x_hat in the
+// model dtype (for fp32 the fp32 x_hat itself) saved by the weight's mul.
+int64_t norm_saved(int64_t width, int64_t s) { return (s < 4 ? 4 + s : 8) * width + 4; }
+
+// Bytes one token keeps for the backward in one decoder layer, counted from what autograd saves in
+// Transformer::layer_forward's ATen path (training never runs the fused kernels):
+//   - the input and post-attention RMSNorms (norm_saved), and their outputs, s D each, which the
+//     projections save as their input (q/k/v share one, gate/up the other);
+//   - attention: q and k after RoPE and v, saved by SDPA (mul by the cos/sin tables saves only the tables,
+//     so the un-rotated q and k are not kept), SDPA's output and its fp32 log-sum-exp per head: flash
+//     attention on CUDA and on the CPU alike (no [L, L] scores; measured on the CPU with torch 2.11);
+//   - the CPU's flash output is laid out (B, H, L, hd), so reshaping it for o_proj copies it: s qd more
+//     (CUDA's is (B, L, H, hd) and the reshape is a view);
+//   - the MLP: gate's output (saved by silu / gelu), the activation and up's output (saved by their
+//     product), and the product (saved by down_proj): 4 s F. The residual adds save nothing;
+//   - qwen3's q/k norms: one RMSNorm over q and k; gemma2: two more RMSNorms over D; a soft-capped
+//     attention (gemma2) runs the eager form, whose scores are quadratic in the context: per score tanh's
+//     output (s), the fp32 softmax (4) and, below fp32, its cast (s) for the matmul with V; and K, V
+//     repeated to H heads;
+//   - LoRA (lora_update in model/lora.h): each targeted projection's x A^T, rank wide, saved by the
+//     matmul with B; with lora.dropout also the dropped input and its mask, (s + 1) per input element.
+int64_t layer_bytes_per_token(const Config& c, const ModelConfig& m, int64_t s, bool cpu) {
+  const int64_t D = m.hidden_size, F = m.intermediate_size, H = m.num_heads, qd = H * m.head_dim,
+                kvd = m.num_kv_heads * m.head_dim;
+  int64_t b = 2 * norm_saved(D, s) + 2 * s * D;
+  b += s * (2 * qd + 2 * kvd) + 4 * H;
+  if (cpu) b += s * qd;
+  b += 4 * s * F;
+  if (m.qk_norm) b += norm_saved(qd + kvd, s);
+  if (m.gemma_norms) b += 2 * norm_saved(D, s);
+  if (m.attn_softcap > 0) b += H * c.rollout.max_context * (s + 4 + (s < 4 ? s : 0)) + 2 * s * qd;
+  if (c.lora.enabled()) {
+    const std::vector<std::string> t = c.lora.target_list();
+    for (const Projection& p : projections(m)) {
+      if (std::find(t.begin(), t.end(), p.name) == t.end()) continue;
+      b += s * c.lora.rank + (c.lora.dropout > 0 ? (s + 1) * p.in : 0);
+    }
+  }
+  return b;
+}
+
+// The loss module's peak over T' scored rows (loss/logprob.cpp and the paths it calls), what it saves
+// for the backward and what its backward allocates:
+//   - naive (naive_chunked, all rows at once unless loss.chunk_size): log_softmax's fp32 output is saved;
+//     the backward holds the gather's [T', V] gradient and log_softmax's;
+//   - selective: SelectiveFn saves every LM-head chunk's fp32 logits (only the log-softmax is avoided);
+//     its backward fills one [T', V] gradient (none with inplace_backward), on the CPU through ATen
+//     chunks of 2^20 logits (kChunkElems: the chunk's log-probs and probabilities), on CUDA in a kernel;
+//   - cce: its backward's fp32 dE accumulator (T', D) and [rows, vocab] blocks (cce_blocks): two fp32
+//     blocks on the ATen path (log-probs and probabilities), an fp32 logits block and the gradient in
+//     the model dtype on the CUDA blockwise path, the gradient alone (model dtype) on the fused one;
+//   - naive and selective with bf16 weights through ATen (on the CPU, or over more rows than one LM-head
+//     GEMM takes, 4096 by default: kHiddenAutoRows): the rows and the head upcast to fp32, saved by the
+//     matmul, and the fp32 head's gradient.
+int64_t loss_bytes(const Config& c, const ModelConfig& m, int64_t T, int64_t s, bool cpu) {
+  const LossOptions& L = c.loss;
+  const int64_t V = m.vocab_size, D = m.hidden_size;
+  const int64_t gemm_rows = L.chunk_size > 0 ? L.chunk_size : 4096;
+  int64_t b = 0;
+  switch (L.impl) {
+    case LogprobImpl::kNaive:
+      b = 3 * T * V * 4;
+      break;
+    case LogprobImpl::kSelective: {
+      b = T * V * 4 + (L.inplace_backward ? 0 : T * V * 4);
+      const int64_t aten_rows = L.chunk_size > 0 ? L.chunk_size : std::max<int64_t>(1, (int64_t{1} << 20) / V);
+      if (cpu) b += 2 * std::min(T, aten_rows) * V * 4;
+      break;
+    }
+    case LogprobImpl::kCce: {
+      const bool fused = !cpu && L.cce_fused && s < 4;
+      const auto [rb, vb] = cce_blocks(T, V, D, L.chunk_size, L.vocab_chunk_size, fused);
+      b = T * D * 4 + (cpu ? 2 * 4 : fused ? s : 4 + s) * rb * vb;
+      break;
+    }
+  }
+  if (s < 4 && L.impl != LogprobImpl::kCce && (cpu || T > gemm_rows)) b += T * D * 4 + 2 * V * D * 4;
+  return b;
+}
+
+// One micro-batch's forward and backward: micro sequences of rollout.max_context tokens (pack() pads a
+// micro-batch to its longest sequence), every token a scored row (response rows are at most all rows).
+// The backward runs the loss first, then the layers from the last: their working sets never meet. So the
+// peak is what the layers saved plus the larger of
+//   - the head's part: the final norm, the hidden states it returns, the scored rows (index_select), the
+//     policy loss's (S, R) fp32 terms (about ten: ratio, clipped ratio, KL...) and the loss module's;
+//   - a layer's backward: the MLP's gradients, three of s F at once in the product's backward (the
+//     product's, the activation's and up's) while down_proj's saved input is already freed: 2 s F more
+//     than the layer saved; and two of s D (the residual stream's, the MLP input's). With checkpointing
+//     this comes on top of the layer's recompute: what it saves again, less its input, which for fp32 is
+//     the tensor CheckpointFn saved (rms_norm's x.to(fp32) is x itself).
+int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64_t s, bool cpu) {
+  const int64_t T = step_shape(c, world).micro * c.rollout.max_context;
+  const int64_t D = m.hidden_size, F = m.intermediate_size, layers = m.num_layers;
+  const int64_t per_layer = layer_bytes_per_token(c, m, s, cpu);
+  const bool ckpt = c.model.activation_checkpointing;
+  // Saved through the whole backward: every layer's activations (with checkpointing, each layer's input,
+  // which CheckpointFn saves), the RoPE cos/sin tables, and the attention masks forward() builds when
+  // SDPA cannot run causal alone (soft-capping, or a sliding window shorter than the context): the full
+  // and the sliding one, bool per slot on the CPU, additive in the model dtype on CUDA, repeated over
+  // the G query heads of a KV head unless soft-capped.
+  const int64_t S = c.rollout.max_context;
+  const bool sliding = m.sliding_window > 0 && S > m.sliding_window;
+  const int64_t G = m.num_heads / std::max<int64_t>(1, m.num_kv_heads);
+  const int64_t masks = m.attn_softcap > 0 || sliding ? 2 * S * (cpu ? 1 : s) * (m.attn_softcap > 0 ? 1 : G) : 0;
+  const int64_t saved = T * ((ckpt ? layers * s * D : layers * per_layer) + 2 * s * m.head_dim + masks);
+  const int64_t head = T * (norm_saved(D, s) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
+  const int64_t recompute = ckpt ? per_layer - (s == 4 ? 4 * D : 0) : 0;
+  const int64_t layer = T * (recompute + 2 * s * F + 2 * s * D);
+  return saved + std::max(head, layer);
+}
+
+// Cache rows of a rollout of `samples` sequences (G per prompt) under rollout.max_batch: the rollout
+// starts at least one whole prompt.
+int64_t cache_rows(const RolloutOptions& r, int64_t samples, int64_t G) {
+  if (r.max_batch <= 0) return samples;
+  return std::min(samples, std::max(r.max_batch, G));
+}
+
+}  // namespace
+
+int64_t parameter_count(const ModelConfig& m) {
+  Config c;
+  return shape_of(c, m).P;
+}
+
+int64_t MemoryPlan::device_total() const { return persistent() + std::max(rollout_phase(), update_phase()); }
+
+std::string MemoryPlan::table() const {
+  std::ostringstream o;
+  auto line = [&](const char* name, int64_t bytes, const std::string& note = "") {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %-16s %9s GiB", name, gib(bytes).c_str());
+    o << buf << (note.empty() ? "" : "  " + note) << "\n";
+  };
+  char head[128];
+  std::snprintf(head, sizeof head, "memory plan per rank (%.2fB parameters, %.2fB trained, %d rank%s):\n",
+                double(parameters) / 1e9, double(trainable) / 1e9, world, world == 1 ? "" : "s");
+  o << head;
+  line("weights", weights);
+  line("gradients", gradients);
+  line("grad buffers", grad_buffers);
+  line("masters", masters);
+  line("moments", moments);
+  line("optimizer step", optimizer_step);
+  line("reference", reference);
+  line("rollout weights", rollout_weights);
+  line("kv cache", kv_cache);
+  line("activations", activations);
+  line("device total", device_total(),
+       "(weights to reference, plus the larger of the rollout's " + gib(rollout_phase()) + " and the update's " +
+           gib(update_phase()) + ")");
+  if (host_optimizer > 0) line("host optimizer", host_optimizer, "(pinned host memory, train.offload optimizer)");
+  return o.str();
+}
+
+MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
+  MemoryPlan p;
+  const Shape sh = shape_of(c, m);
+  const int64_t N = std::max(1, world);
+  const int64_t s = c.model.dtype == DType::kBFloat16 ? 2 : 4;
+  const bool cuda = c.model.device.rfind("cuda", 0) == 0;
+  const ShardStage stage = c.train.shard;
+  const bool lora = c.lora.enabled();
+  const bool gathers = stage == ShardStage::kParameters && N > 1;
+  const StepShape shape = step_shape(c, world);
+  const bool accumulates = shape.micro < shape.mini;  // several backwards per optimizer step
+  p.parameters = sh.P;
+  p.world = world;
+  // What the optimizer updates: the model, or its fp32 adapters (the base frozen in the model dtype).
+  const int64_t T = lora ? sh.adapters : sh.P;
+  const int64_t w = lora ? 4 : s;  // bytes of a trainable weight
+  p.trainable = T;
+  p.weights = s * sh.P + (lora ? 4 * sh.adapters : 0);
+
+  if (stage == ShardStage::kNone && c.train.offload == Offload::kNone) {
+    // make_optimizer's torch::optim::AdamW. A bf16 model with train.master_weights fp32: fp32 masters,
+    // whose fp32 gradients accumulate the micro-batches (accumulate_gradients), and fp32 moments; the bf16
+    // gradients of a backward wait whole until it ends (optim.cpp backward) before they are added in, so
+    // with several micro-batches a step they sit beside the fp32 sums of the previous ones. Otherwise the
+    // model's (or the adapters') own gradients and moments, in their dtype; autograd accumulates the
+    // micro-batches in place.
+    const bool masters = !lora && s == 2 && c.train.master_weights == MasterWeights::kFp32;
+    const int64_t stepped = masters ? 4 : w;
+    p.gradients = stepped * T;
+    p.grad_buffers = masters && accumulates ? 2 * T : 0;
+    p.masters = masters ? 4 * T : 0;
+    p.moments = 2 * stepped * T;
+    // AdamW::step's denominator, exp_avg_sq.sqrt() / sqrt(bias_correction2): two temporaries the size of
+    // the tensor it steps.
+    p.optimizer_step = 2 * stepped * (lora ? sh.adapter_max : sh.largest);
+  } else {
+    // ShardedState (trainer/shard.h): the trainable tensors in units (a decoder layer's, or one other
+    // tensor), each split into Ns chunks (Ns = 1 for train.offload alone). A rank holds the fp32 chunks
+    // of the masters, the moments and the summed gradient (G.master, G.exp_avg/_sq, G.grad) and a chunk of
+    // the weights in their dtype (G.weights: the weights themselves under shard parameters, else the
+    // rounded masters that are all-gathered into the model). The backward adds each gradient into an
+    // fp32 whole as it is produced (no wait for the backward's end); under shard optimizer those wholes
+    // live through the step's micro-batches, under gradients and parameters a unit is reduce-scattered
+    // and freed once complete: about two units in flight, each an fp32 whole and its reduce buffer.
+    const int64_t Ns = stage == ShardStage::kNone ? 1 : N;
+    const int64_t unit = lora ? sh.adapters / std::max<int64_t>(1, m.num_layers) : std::max(sh.layer, sh.largest);
+    if (gathers && !lora) {
+      // The rank's chunk, and gathered: two layers (the next one's gather starts before the current one
+      // is freed) and the embedding, final norm and head for the whole micro-batch.
+      p.weights = s * sh.P / N + s * (2 * sh.layer + sh.outer);
+    } else {
+      p.weights += w * T / Ns;
+    }
+    p.gradients = 4 * T / Ns;
+    p.grad_buffers = stage >= ShardStage::kGradients && N > 1 ? 2 * (4 + 4) * unit : 4 * T + 4 * unit;
+    p.masters = 4 * T / Ns;
+    p.moments = 8 * T / Ns;
+    // ShardedState::step's gradient norm, at::sum(G.grad.square(), kDouble): the squares in fp32 and
+    // their float64 cast (a reduction to another dtype casts its input first), 12 bytes an element of the
+    // rank's gradient chunks. It runs on the device even with train.offload, and before adamw_step, whose
+    // one temporary (the denominator over at most 2^24 elements, kAtenChunk) is far smaller.
+    p.optimizer_step = 12 * T / Ns;
+  }
+  if (c.train.offload == Offload::kOptimizer) {
+    // OffloadedAdamW: masters and moments in pinned host memory, stepped there (trainer/adamw.h).
+    p.host_optimizer = p.masters + p.moments;
+    p.masters = p.moments = 0;
+  }
+  // ensure_reference: a clone of the whole model.
+  if (c.policy.kl_coef > 0) p.reference = s * sh.P;
+
+  // The rollout: ModelPolicy's packed weights (fused kernels on CUDA), the merged LoRA projections, and
+  // under shard parameters the whole weights gathered.
+  const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
+  const int64_t gathered = gathers && !lora ? s * sh.P : 0;
+  p.rollout_weights = packed + (lora ? s * sh.targeted : 0) + gathered;
+  // KvCache::allocate: k and v per layer (rows, Hkv, slots, hd) in the model dtype, int64 positions, and
+  // ModelPolicy's bool slot mask. The training rollout's rows (one rank's share), or an evaluation's
+  // (train.eval_prompts x eval_samples over the ranks), whichever is more.
+  const int64_t G = c.sampling.samples_per_prompt;
+  const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
+  const int64_t train_rows = cache_rows(c.rollout, c.train.prompts_per_step * G / N, G);
+  const int64_t k = c.train.eval_samples;
+  const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
+  p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
+  if (c.rollout.keep_cache) p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
+  if (c.rollout.keep_weights) p.held_through_update += gathered;
+
+  p.activations = activation_bytes(c, m, world, s, !cuda);
+  return p;
+}
+
+namespace {
+
+struct Change {
+  std::string what;                    // "train.shard: gradients"
+  std::function<void(Config&)> apply;  // makes it
+};
+
+// The changes to try, each alone: only those that alter the config.
+std::vector<Change> single_changes(const Config& c, int world) {
+  std::vector<Change> out;
+  if (world > 1) {
+    for (ShardStage st : {ShardStage::kOptimizer, ShardStage::kGradients, ShardStage::kParameters}) {
+      if (st <= c.train.shard) continue;
+      out.push_back({std::string("train.shard: ") + enum_to_string(st), [st](Config& x) { x.train.shard = st; }});
+    }
+  }
+  if (c.train.offload == Offload::kNone)
+    out.push_back({"train.offload: optimizer", [](Config& x) { x.train.offload = Offload::kOptimizer; }});
+  if (!c.model.activation_checkpointing)
+    out.push_back({"model.activation_checkpointing: true", [](Config& x) { x.model.activation_checkpointing = true; }});
+  if (c.loss.impl != LogprobImpl::kCce)
+    out.push_back({"loss.impl: cce", [](Config& x) { x.loss.impl = LogprobImpl::kCce; }});
+  if (!c.lora.enabled()) out.push_back({"lora.rank: 64", [](Config& x) { x.lora.rank = 64; }});
+  return out;
+}
+
+// The most rows of `field` in [1, current) for which the plan of `c` (with `set`) fits, or 0.
+int64_t most_rows_that_fit(const Config& c, const ModelConfig& m, int world, int64_t budget, int64_t current,
+                           const std::function<void(Config&, int64_t)>& set) {
+  int64_t lo = 0, hi = current - 1;  // lo: fits (0: none known); hi: the largest to try
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    Config x = c;
+    set(x, mid);
+    if (plan_memory(x, m, world).device_total() <= budget)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace
+
+void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfig& m, int world, int64_t device_bytes) {
+  if (device_bytes <= 0 || plan.device_total() <= device_bytes) return;
+  std::ostringstream msg;
+  msg << "the run needs " << gib(plan.device_total()) << " GiB per rank on " << c.model.device << ", which has "
+      << gib(device_bytes) << " GiB (train.shard " << enum_to_string(c.train.shard) << ", " << world
+      << (world == 1 ? " rank" : " ranks") << "):\n"
+      << plan.table();
+  std::vector<std::string> fits;
+  auto planned = [&](const Config& x) { return plan_memory(x, m, world).device_total(); };
+  for (const Change& ch : single_changes(c, world)) {
+    Config x = c;
+    ch.apply(x);
+    const int64_t need = planned(x);
+    if (need <= device_bytes) fits.push_back(ch.what + " (" + gib(need) + " GiB)");
+  }
+  // Fewer rows: the rollout's cache rows, the update's micro-batch.
+  const int64_t G = c.sampling.samples_per_prompt;
+  const int64_t rows =
+      c.rollout.max_batch > 0 ? c.rollout.max_batch : c.train.prompts_per_step * G / std::max(1, world);
+  const int64_t mb =
+      most_rows_that_fit(c, m, world, device_bytes, rows, [](Config& x, int64_t n) { x.rollout.max_batch = n; });
+  if (mb > 0) {
+    Config x = c;
+    x.rollout.max_batch = mb;
+    fits.push_back("rollout.max_batch: " + std::to_string(mb) + " (" + gib(planned(x)) + " GiB)");
+  }
+  const int64_t micro = step_shape(c, world).micro;
+  const int64_t mu =
+      most_rows_that_fit(c, m, world, device_bytes, micro, [](Config& x, int64_t n) { x.train.micro_batch_size = n; });
+  if (mu > 0) {
+    Config x = c;
+    x.train.micro_batch_size = mu;
+    fits.push_back("train.micro_batch_size: " + std::to_string(mu) + " (" + gib(planned(x)) + " GiB)");
+  }
+  if (fits.empty()) {
+    // No change alone: the one that saves most, then the next on top of it, ..., then the most cache rows
+    // that fit under them; then each change is dropped again where the rest fits without it.
+    std::vector<Change> pool = single_changes(c, world), chosen;
+    Config x = c;
+    while (planned(x) > device_bytes && !pool.empty()) {
+      size_t best = 0;
+      int64_t best_need = 0;
+      for (size_t i = 0; i < pool.size(); ++i) {
+        Config y = x;
+        pool[i].apply(y);
+        const int64_t need = planned(y);
+        if (i == 0 || need < best_need) best = i, best_need = need;
+      }
+      pool[best].apply(x);
+      chosen.push_back(pool[best]);
+      pool.erase(pool.begin() + best);
+    }
+    auto with = [&](const std::vector<Change>& changes) {
+      Config y = c;
+      for (const Change& ch : changes) ch.apply(y);
+      return y;
+    };
+    int64_t rows_fit = 0;
+    if (planned(x) > device_bytes) {
+      rows_fit =
+          most_rows_that_fit(x, m, world, device_bytes, rows, [](Config& y, int64_t v) { y.rollout.max_batch = v; });
+      if (rows_fit > 0) {
+        const int64_t n = rows_fit;
+        chosen.push_back({"rollout.max_batch: " + std::to_string(n), [n](Config& y) { y.rollout.max_batch = n; }});
+        x = with(chosen);
+      }
+    }
+    if (planned(x) <= device_bytes) {
+      for (size_t i = chosen.size(); i-- > 0;) {
+        if (chosen[i].what.rfind("rollout.max_batch", 0) == 0) continue;
+        std::vector<Change> fewer = chosen;
+        fewer.erase(fewer.begin() + i);
+        if (planned(with(fewer)) <= device_bytes) chosen = fewer;
+      }
+      x = with(chosen);
+    }
+    std::string combined;
+    for (const Change& ch : chosen) combined += (combined.empty() ? "" : ", ") + ch.what;
+    if (!chosen.empty() && planned(x) <= device_bytes) {
+      msg << "No single change fits; together, " << combined << " plan " << gib(planned(x)) << " GiB.";
+    } else {
+      msg << "Nothing fits: even with " << (combined.empty() ? "every saving on" : combined) << " the plan needs "
+          << gib(planned(x))
+          << " GiB; use more ranks (with train.shard), fewer rollout.max_context tokens or a smaller model.";
+    }
+  } else {
+    msg << "What fits (each re-planned alone):";
+    for (const auto& f : fits) msg << "\n  " << f;
+  }
+  throw RunError(msg.str());
+}
+
+int64_t device_memory_bytes(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) {
+    const c10::DeviceIndex idx = device.index() < 0 ? 0 : device.index();
+    c10::cuda::CUDAGuard guard(idx);
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(idx);
+    return static_cast<int64_t>(free) + stats.reserved_bytes[0].current;  // index 0: aggregate over pools
+  }
+#endif
+  (void)device;
+  return 0;
+}
+
+}  // namespace rlt

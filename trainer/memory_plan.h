@@ -1,0 +1,80 @@
+// The memory a run needs on each rank, planned from the config and the model's shape before anything is
+// allocated: the run prints the plan at its start (MemoryPlan::table) and refuses, before step 1, a plan
+// that exceeds the device (check_memory_plan), naming what would fit instead.
+//
+// A step has two phases that never hold their working sets at once: the rollout (the KV cache and the
+// rollout's weight copies) and the update (gradients and one micro-batch's activations). Weights, fp32
+// masters, AdamW's moments and the reference policy live through both. rollout.keep_cache (and
+// rollout.keep_weights under train.shard parameters) keep the rollout's part through the update.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "trainer/config.h"
+
+namespace rlt {
+
+struct MemoryPlan {
+  // Per rank, bytes.
+  int64_t weights = 0;          // the model in its dtype (its shard and a gathered layer under shard
+                                // parameters), plus the LoRA adapters in fp32
+  int64_t gradients = 0;        // the gradients the optimizer steps on
+  int64_t grad_buffers = 0;     // the backward's gradients before they reach those: the model-dtype ones
+                                // awaiting the fp32 sum, or the fp32 wholes awaiting the reduce-scatter
+  int64_t masters = 0;          // fp32 master weights of a bf16 model
+  int64_t moments = 0;          // AdamW's two moments
+  int64_t optimizer_step = 0;   // AdamW's temporaries: two fp32 tensors the size of the largest it steps
+  int64_t reference = 0;        // the reference policy (policy.kl_coef > 0)
+  int64_t rollout_weights = 0;  // the rollout's packed q/k/v and gate/up, its merged LoRA projections, the
+                                // weights it gathers under shard parameters
+  int64_t kv_cache = 0;         // every cache row at rollout.max_context
+  int64_t activations = 0;      // one micro-batch's forward/backward, the loss module's working set included
+  int64_t host_optimizer = 0;   // train.offload optimizer: masters and moments in pinned host memory
+  // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
+  // rollout.keep_weights).
+  int64_t held_through_update = 0;
+
+  // The model's parameters, the ones the optimizer updates, and the ranks the plan is for.
+  int64_t parameters = 0, trainable = 0;
+  int world = 1;
+
+  // Both phases: weights, masters, moments and the reference, plus the larger of the rollout's part
+  // (rollout_weights + kv_cache) and the update's: gradients, what the rollout keeps, and the larger of a
+  // backward's (activations, gradient buffers) and the optimizer step's temporaries (the step follows the
+  // last backward).
+  int64_t persistent() const { return weights + masters + moments + reference; }
+  int64_t rollout_phase() const { return rollout_weights + kv_cache; }
+  int64_t update_phase() const {
+    const int64_t backward = activations + grad_buffers;
+    return gradients + held_through_update + (backward > optimizer_step ? backward : optimizer_step);
+  }
+  int64_t device_total() const;
+  // The lines the run prints: one per item in GiB with two decimals, then the device total (and the pinned
+  // host memory under train.offload optimizer).
+  std::string table() const;
+};
+
+// Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and
+// q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied.
+int64_t parameter_count(const ModelConfig& m);
+
+// The plan of a run of config `c` over model `m` on each of `world` ranks. `c.model.dtype` is the dtype
+// the run computes in (m.dtype, the checkpoint's, is not read).
+MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world);
+
+// Throws RunError (trainer/run.h) when plan.device_total() > device_bytes, with the plan's figures and the
+// changes that would fit, each re-planned: the train.shard stage (at this world), train.offload
+// optimizer, model.activation_checkpointing, loss.impl cce, lora.rank 64, and the most rollout.max_batch
+// and train.micro_batch_size rows that fit; when no single change fits, the combination that does (if
+// one does). device_bytes <= 0: no check (the CPU).
+void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfig& m, int world, int64_t device_bytes);
+
+// Bytes this process may use on `device`: a CUDA device's free memory plus what the caching allocator
+// already holds for this process. 0 for the CPU (check_memory_plan then checks nothing).
+int64_t device_memory_bytes(const at::Device& device);
+
+}  // namespace rlt
