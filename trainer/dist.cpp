@@ -45,17 +45,35 @@ std::string mark_key(int r) { return "rlt/mark/" + std::to_string(r); }
                   ": the rendezvous store is gone (rank 0 serves it; did it exit?): " + e.what_without_backtrace());
 }
 
+class Done : public Pending {
+ public:
+  void wait() override {}
+};
+
+// The shapes every reduce_scatter / all_gather takes: `whole` = world x `part` elements, one dtype.
+void check_scatter_shapes(const at::Tensor& whole, const at::Tensor& part, int world, const char* what) {
+  TORCH_CHECK(whole.is_contiguous() && part.is_contiguous() && whole.scalar_type() == part.scalar_type() &&
+                  whole.numel() == part.numel() * world,
+              what, ": contiguous tensors of one dtype, ", world, " x ", part.numel(), " elements against ",
+              whole.numel());
+}
+
 class SingleProcess : public Collectives {
  public:
   SingleProcess() : Collectives(0, 1) {}
   void all_reduce(const std::vector<at::Tensor>&, ReduceOp) override {}
+  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_scatter_shapes(in, out, 1, "reduce_scatter");
+    if (!out.is_same(in)) out.copy_(in);
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_scatter_shapes(out, in, 1, "all_gather");
+    if (!out.is_same(in)) out.copy_(in);
+    return std::make_unique<Done>();
+  }
   void broadcast(const std::vector<at::Tensor>&, int) override {}
   void barrier() override {}
-};
-
-class Done : public Pending {
- public:
-  void wait() override {}
 };
 
 // Every call posts one value per rank under "rlt/c/<call>/<rank>" and waits for all of them, so having
@@ -77,6 +95,26 @@ class StoreCollectives : public Collectives {
       }
       tensors[i].copy_(acc);
     }
+  }
+
+  // The whole sum, in rank order as all_reduce makes it, of which this rank keeps its part.
+  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_scatter_shapes(in, out, world(), "reduce_scatter");
+    at::Tensor sum = in.detach().clone();
+    all_reduce({sum}, ReduceOp::kSum);
+    out.copy_(sum.view(-1).narrow(0, rank() * out.numel(), out.numel()).view(out.sizes()));
+    return std::make_unique<Done>();
+  }
+
+  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
+    check_scatter_shapes(out, in, world(), "all_gather");
+    std::vector<at::Tensor> host = to_host({in});
+    const std::vector<std::vector<uint8_t>> all = exchange(pack(host));
+    at::Tensor flat = out.view(-1);
+    for (int r = 0; r < world(); ++r) {
+      flat.narrow(0, r * in.numel(), in.numel()).copy_(unpack(all[r], host, 0).view(-1));
+    }
+    return std::make_unique<Done>();
   }
 
   void broadcast(const std::vector<at::Tensor>& tensors, int root) override {
@@ -382,7 +420,7 @@ void GradReducer::finish() {
 }
 
 std::unique_ptr<GradReducer> make_reducer(Run& run) {
-  if (run.dist->world() == 1) return nullptr;
+  if (run.dist->world() == 1 || run.sharded) return nullptr;  // the sharded state reduces its own
   return std::make_unique<GradReducer>(run, run.config.train.dist_bucket_mb << 20);
 }
 

@@ -11,6 +11,7 @@
 
 #include "trainer/checkpoint.h"
 #include "trainer/optim.h"
+#include "trainer/shard.h"
 
 namespace rlt {
 
@@ -145,6 +146,9 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
   if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
+  if (run.sharded && run.config.train.offload == Offload::kOptimizer) {
+    m["optimizer_host_memory_mib"] = run.sharded->host_bytes() / 1048576.0;
+  }
   if (!run.lead()) {
     if (run.checkpoint_due() && run.sharded) save_checkpoint(run);  // each rank writes its pieces
     return m;

@@ -25,6 +25,8 @@ using Clock = std::chrono::steady_clock;
 
 // Chunks are whole multiples of 16 elements: collectives on aligned addresses.
 constexpr int64_t kAlign = 16;
+// Elements per piece of the gradient norm's sum of squares.
+constexpr int64_t kNormChunk = int64_t(1) << 24;
 
 // The decoder layer a tensor belongs to ("model.layers.<i>." in its name), or -1.
 int64_t layer_of(const std::string& name) {
@@ -279,6 +281,9 @@ void ShardedState::start_reduce(Unit& u) {
   } else {
     u.reduce_out = at::empty({u.chunk}, u.reduce_in.options());
     u.reduce_pending = run_.dist->reduce_scatter_start(u.reduce_out, u.reduce_in);
+    // Released now: NCCL keeps its input alive until the collective is done (the caching allocator
+    // records it on NCCL's stream), so a rank holds only the units in flight, not the whole gradient.
+    u.reduce_in = at::Tensor();
   }
 }
 
@@ -336,7 +341,11 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
   // chunks of a replicated state, shard none, are whole: only the loss is summed then).
   at::Tensor sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(device));
   at::Tensor sq = sums.narrow(0, 0, 1);
-  for (const Group& G : groups_) sq.add_(at::sum(G.grad.square(), at::kDouble));
+  for (const Group& G : groups_) {  // in chunks: a square of the whole would cost 4 bytes an element
+    for (int64_t b = 0; b < G.grad.numel(); b += kNormChunk) {
+      sq.add_(at::sum(G.grad.narrow(0, b, std::min(kNormChunk, G.grad.numel() - b)).square(), at::kDouble));
+    }
+  }
   if (loss.defined()) sums.narrow(0, 1, 1).add_(loss.detach().to(at::kDouble).sum());
   if (shard_world_ == 1) {
     at::Tensor l = sums.narrow(0, 1, 1).clone();

@@ -6,6 +6,7 @@
 // gradients of about 1e-3), so an update scales with its gradient: a gradient doubled or halved shows in
 // the weights, where Adam's normalisation would otherwise hide it. Each deliberate mistake of ShardFault
 // must move the weights by far more than the tolerance.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -46,8 +47,9 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
   run.config.model.activation_checkpointing = true;
   run.policy = std::make_unique<Transformer>(testing::tiny_llama(kVocab, s.tie), at::kFloat, at::kCPU, 7);
   run.policy->set_activation_checkpointing(true);
-  at::manual_seed(3);
-  run.extra["value_head.weight"] = (at::randn({32}) * 0.1).requires_grad_(true);
+  // Generators of their own: the ranks run on threads at once, and the global one is shared.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  run.extra["value_head.weight"] = (at::randn({32}, gen) * 0.1).requires_grad_(true);
   if (dist) run.dist = dist;
   ExtraParams extra;
   extra.lr = [](const Config& c) { return 2 * c.train.lr; };
@@ -63,8 +65,8 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
 
 // Micro-batch `m` of optimizer step `step`: a loss of the policy and the extra tensor.
 at::Tensor loss_of(Run& run, int64_t step, int64_t m) {
-  at::manual_seed(100 * step + m);
-  const at::Tensor ids = at::randint(kVocab, {2, 7}, at::TensorOptions().dtype(at::kLong));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + m);
+  const at::Tensor ids = at::randint(kVocab, {2, 7}, gen, at::TensorOptions().dtype(at::kLong));
   const at::Tensor pos = at::arange(7, at::TensorOptions().dtype(at::kLong)).expand({2, 7});
   const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
   const at::Tensor value = (h * run.extra.at("value_head.weight")).sum(-1);

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The sharded training state on the GPU host, one command; results in $OUT (or runs/gpu_shard).
+#   bash scripts/gpu/shard.sh small   the sharding tests, then configs/retool.yaml on a random
+#                                     Qwen2.5-0.5B-shaped checkpoint over every GPU of the host, one run per
+#                                     train.shard stage: step time split into rollout / update / communication,
+#                                     peak memory per GPU (nvidia-smi, sampled every 200 ms)
+#   bash scripts/gpu/shard.sh large   a random Qwen2.5-7B-shaped checkpoint (bf16, saved by transformers):
+#                                     shard none on one GPU (the memory plan must refuse it before step 1),
+#                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU
+# Usage: bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-runs/gpu_shard}
+part=${1:-small}
+steps=${2:-2}
+new_tokens=${3:-1024}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source scripts/gpu/build.sh
+ngpu=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
+rc=0
+
+# run NAME NPROC ARGS...: one training run with its peak memory per GPU; its metrics stay as
+# $out/metrics_NAME.jsonl, its log as $out/NAME.log, its exit code in $out/NAME.rc.
+run() {
+  local name=$1 nproc=$2
+  shift 2
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem_$name.csv" &
+  local watcher=$!
+  if [ "$nproc" = 1 ]; then
+    build-gpu/bin/grpo_train "$@" --out "$out/$name" > "$out/$name.log" 2>&1
+  else
+    python3 -m torch.distributed.run --nproc-per-node "$nproc" --no-python build-gpu/bin/grpo_train "$@" \
+      --out "$out/$name" > "$out/$name.log" 2>&1
+  fi
+  echo $? > "$out/$name.rc"
+  kill $watcher
+  cp "$out/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
+  rm -rf "${out:?}/$name"
+  echo "$name: exit $(cat "$out/$name.rc")"
+}
+
+summary() {
+  python3 - "$out" "$@" <<'PY' | tee -a "$out/summary.txt"
+import json, os, sys
+out = sys.argv[1]
+res = {}
+for name in sys.argv[2:]:
+    r = {"exit": int(open(f"{out}/{name}.rc").read())}
+    peak = {}
+    for line in open(f"{out}/mem_{name}.csv"):
+        try:
+            i, mib = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        peak[i] = max(peak.get(i, 0), mib)
+    r["peak_gpu_mib"] = peak
+    path = f"{out}/metrics_{name}.jsonl"
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    steady = rows[1:] or rows  # the first step warms up (graphs, plans)
+    keys = ["time_step_s", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
+            "optimizer_memory_mib", "peak_memory_update_mib", "grad_norm", "loss"]
+    for k in keys:
+        vals = [x[k] for x in steady if k in x]
+        if vals:
+            r[k] = sum(vals) / len(vals)
+    if "sampled_tokens" in r and "time_step_s" in r:
+        r["sampled_tokens_per_s"] = r["sampled_tokens"] / r["time_step_s"]
+    log = open(f"{out}/{name}.log", errors="replace").read()
+    plan = [l for l in log.splitlines() if l.startswith("memory plan") or "would fit" in l or "does not fit" in l]
+    r["plan"] = plan[:20]
+    res[name] = r
+    print(name, json.dumps({k: v for k, v in r.items() if k != "plan"}))
+    for l in plan[:12]:
+        print("   ", l)
+prev = {}
+if os.path.exists(f"{out}/summary.json"):
+    prev = json.load(open(f"{out}/summary.json"))
+prev.update(res)
+json.dump(prev, open(f"{out}/summary.json", "w"), indent=1)
+PY
+}
+
+if [ "$part" = small ]; then
+  (cd build-gpu && ctest --output-on-failure -R "Shard|AdamW|Offload|MemoryPlan|Lora|GradReducer|StoreCollectives") \
+    > "$out/ctest.log" 2>&1 || rc=1
+  grep -E "tests passed|tests failed|Failed|Skipped" "$out/ctest.log"
+  source scripts/gpu/random_qwen.sh
+  common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
+          --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
+          --set data.eval_path= --set train.eval_prompts=0)
+  names=()
+  for stage in none optimizer gradients parameters; do
+    run "s05_${stage}_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=$stage
+    names+=("s05_${stage}_${ngpu}gpu")
+  done
+  run "s05_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients --set train.offload=optimizer
+  names+=("s05_gradients_offload_${ngpu}gpu")
+  summary "${names[@]}"
+fi
+
+if [ "$part" = large ]; then
+  ckpt=/tmp/qwen2.5-7b-random
+  python3 - configs/models/qwen2.5-7b "$ckpt" "$out/math.jsonl" <<'PY'
+import json, random, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2])
+rng = random.Random(0)
+with open(sys.argv[3], "w") as f:
+    for _ in range(512):
+        a, b = rng.randint(100, 9999), rng.randint(100, 9999)
+        f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
+PY
+  cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$ckpt/"
+  # A step of 8 prompts x 8 samples, 512 new tokens: the 7B's memory, not its learning.
+  common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
+          --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
+          --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4)
+  run s7_none_1gpu 1 "${common[@]}"
+  run s7_lora64_1gpu 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128
+  names=(s7_none_1gpu s7_lora64_1gpu)
+  if [ "$ngpu" -ge 2 ]; then
+    run "s7_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters
+    run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters --set train.offload=optimizer
+    names+=("s7_parameters_${ngpu}gpu" "s7_parameters_offload_${ngpu}gpu")
+  fi
+  summary "${names[@]}"
+  rm -rf "$ckpt"
+fi
+(cd "$out" && tar czf raw.tgz --remove-files $(ls *.log mem_*.csv metrics_*.jsonl math.jsonl 2>/dev/null | grep -v build.log))
+exit $rc
