@@ -3,6 +3,8 @@
 // transformers to ~1e-5 (tests/model/test_transformer.cpp).
 #include "model/transformer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -11,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <tuple>
 
 #include "model/safetensors.h"
@@ -233,6 +237,8 @@ Transformer& Transformer::operator=(const Transformer& other) {
   checkpointing_ = other.checkpointing_;
   fused_kernels_ = other.fused_kernels_;
   residency_ = other.residency_;
+  lora_ = other.lora_;
+  lora_gen_ = other.lora_gen_;
   bind_names();  // by_name_ must point at this object's members, not other's
   return *this;
 }
@@ -247,7 +253,121 @@ Transformer Transformer::clone() const {
     if (ptr->defined()) *t.by_name_.at(name) = ptr->detach().clone();
   }
   if (config_.tie_word_embeddings) t.lm_head_ = t.embed_;
+  t.lora_ = lora_;
+  if (lora_gen_.defined()) t.lora_gen_ = lora_gen_.clone();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    for (int k = 0; k < kLoraTargets; ++k) {
+      if (!layers_[i].lora_a[k].defined()) continue;
+      t.layers_[i].lora_a[k] = layers_[i].lora_a[k].detach().clone();
+      t.layers_[i].lora_b[k] = layers_[i].lora_b[k].detach().clone();
+    }
+  }
   return t;
+}
+
+at::Tensor Transformer::Layer::*const Transformer::kLoraWeights[kLoraTargets] = {
+    &Layer::q_w, &Layer::k_w, &Layer::v_w, &Layer::o_w, &Layer::gate_w, &Layer::up_w, &Layer::down_w};
+
+void Transformer::attach_lora(const LoraOptions& options, uint64_t seed) {
+  const std::vector<int> targets = options.target_indices();
+  if (!options.enabled() || targets.empty()) throw std::invalid_argument("attach_lora: rank 0 or no target");
+  lora_ = options;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, ptr] : by_name_) {
+    if (ptr->defined()) ptr->requires_grad_(false);  // the base is frozen
+  }
+  const at::ScalarType dt = embed_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto dev = embed_.device();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (Layer& l : layers_) {
+    l.lora_a.fill(at::Tensor());
+    l.lora_b.fill(at::Tensor());
+    for (int t : targets) {
+      const at::Tensor& w = l.*kLoraWeights[t];  // (out, in)
+      const double bound = 1.0 / std::sqrt(static_cast<double>(w.size(1)));
+      l.lora_a[t] = at::empty({options.rank, w.size(1)}, dt).uniform_(-bound, bound, gen).to(dev).requires_grad_(true);
+      l.lora_b[t] =
+          at::zeros({w.size(0), options.rank}, at::TensorOptions().dtype(dt).device(dev)).requires_grad_(true);
+    }
+  }
+  // The dropout masks' stream, apart from the initialisation's.
+  const uint64_t dropout_seed = seed ^ 0x9E3779B97F4A7C15ull;
+  if (dev.is_cpu()) {
+    lora_gen_ = at::make_generator<at::CPUGeneratorImpl>(dropout_seed);
+  } else {
+    lora_gen_ = at::detail::getCUDAHooks().getNewGenerator(dev.index());
+    lora_gen_.set_current_seed(dropout_seed);
+  }
+}
+
+Transformer Transformer::merged() const {
+  Transformer m = *this;  // shares every tensor; the targeted weights are replaced below
+  m.lora_ = LoraOptions();
+  m.lora_gen_ = at::Generator();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& ml = m.layers_[i];
+    for (int k = 0; k < kLoraTargets; ++k) {
+      if (ml.lora_a[k].defined()) {
+        ml.*kLoraWeights[k] = lora_merged_weight(ml.*kLoraWeights[k], ml.lora_a[k], ml.lora_b[k], lora_.scale());
+      }
+      ml.lora_a[k] = ml.lora_b[k] = at::Tensor();
+    }
+  }
+  return m;
+}
+
+void Transformer::merge_into(Transformer& dst) const {
+  TORCH_CHECK(!dst.has_lora() && dst.layers_.size() == layers_.size(),
+              "merge_into: dst must be merged() of this model");
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    for (int k = 0; k < kLoraTargets; ++k) {
+      if (!l.lora_a[k].defined()) continue;
+      at::Tensor& w = dst.layers_[i].*kLoraWeights[k];
+      const at::Tensor& base = l.*kLoraWeights[k];
+      TORCH_CHECK(w.sizes() == base.sizes() && !w.is_same(base), "merge_into: layer ", i, " ", lora_module_path(k),
+                  ": dst's weight is this model's base weight or of another shape; make dst with merged()");
+      w.copy_(lora_merged_weight(base, l.lora_a[k], l.lora_b[k], lora_.scale()));
+    }
+  }
+}
+
+Transformer Transformer::adapter_snapshot() const {
+  TORCH_CHECK(has_lora(), "adapter_snapshot: the model has no adapters");
+  Transformer s = *this;
+  if (lora_gen_.defined()) s.lora_gen_ = lora_gen_.clone();
+  for (Layer& l : s.layers_) {
+    for (int k = 0; k < kLoraTargets; ++k) {
+      if (!l.lora_a[k].defined()) continue;
+      l.lora_a[k] = l.lora_a[k].detach().clone();
+      l.lora_b[k] = l.lora_b[k].detach().clone();
+    }
+  }
+  return s;
+}
+
+at::Tensor Transformer::lora_rng_state() const {
+  if (!lora_gen_.defined()) return at::Tensor();
+  at::Generator gen = lora_gen_;
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void Transformer::set_lora_rng_state(const at::Tensor& state) {
+  TORCH_CHECK(lora_gen_.defined(), "set_lora_rng_state: the model has no adapters");
+  at::Generator gen = lora_gen_;
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+at::Tensor Transformer::project(const Layer& l, int target, const at::Tensor& x, const at::Tensor& b,
+                                bool dropout) const {
+  at::Tensor y = linear(x, l.*kLoraWeights[target], b);
+  if (!l.lora_a[target].defined()) return y;
+  const double p = dropout ? lora_.dropout : 0.0;
+  return y + lora_update(x, l.lora_a[target], l.lora_b[target], lora_.scale(), p,
+                         p > 0 ? std::optional<at::Generator>(lora_gen_) : std::nullopt);
 }
 
 void Transformer::bind_names() {
@@ -353,7 +473,16 @@ std::vector<at::Tensor> Transformer::parameters() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Transformer::named_trainable_parameters() const {
-  return named_parameters();
+  if (!has_lora()) return named_parameters();
+  std::map<std::string, at::Tensor> adapters;  // sorted by name, as named_parameters()
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    for (int k = 0; k < kLoraTargets; ++k) {
+      if (!layers_[i].lora_a[k].defined()) continue;
+      adapters[lora_weight_name(static_cast<int64_t>(i), k, false)] = layers_[i].lora_a[k];
+      adapters[lora_weight_name(static_cast<int64_t>(i), k, true)] = layers_[i].lora_b[k];
+    }
+  }
+  return {adapters.begin(), adapters.end()};
 }
 
 std::vector<at::Tensor> Transformer::trainable_parameters() const {
@@ -375,7 +504,8 @@ int64_t Transformer::in_place_feed_count() { return in_place_feeds.load(); }
 bool Transformer::fused_kernels_apply() const {
 #ifdef RLT_HAVE_CUDA
   const at::ScalarType dt = final_norm_.scalar_type();
-  return fused_kernels_ && final_norm_.is_cuda() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  return fused_kernels_ && !has_lora() && final_norm_.is_cuda() &&
+         (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
 #else
   return false;
 #endif
@@ -417,12 +547,12 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
 
 at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
-                                      const at::Tensor& keep, const at::Tensor& slots) const {
+                                      const at::Tensor& keep, const at::Tensor& slots, bool dropout) const {
   const ModelConfig& c = config_;
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
   const PackedWeights* packed = fused && cache ? cache->packed : nullptr;
-  auto [q, k, v_new] = project_qkv(i, h, packed, fused);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
-  at::Tensor attn;                                        // (B, L, H hd)
+  auto [q, k, v_new] = project_qkv(i, h, packed, fused, dropout);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
+  at::Tensor attn;                                                 // (B, L, H hd)
 #ifdef RLT_HAVE_CUDA
   if (keep.defined()) {
     // A feed of some cache rows (forward() chose it): RoPE and the cache write in one kernel, then attention
@@ -516,7 +646,7 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     }
     attn = a.transpose(1, 2).reshape({B, L, H * hd});
   }
-  return output_and_mlp(i, h, attn, packed, fused);
+  return output_and_mlp(i, h, attn, packed, fused, dropout);
 }
 
 at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const {
@@ -528,7 +658,8 @@ at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemm
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, const at::Tensor& h,
-                                                                        const PackedWeights* packed, bool fused) const {
+                                                                        const PackedWeights* packed, bool fused,
+                                                                        bool dropout) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
@@ -541,9 +672,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t 
     k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, L, Hkv, hd});
     v = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, L, Hkv, hd});
   } else {
-    q = linear(x, l.q_w, l.q_b).view({B, L, H, hd});
-    k = linear(x, l.k_w, l.k_b).view({B, L, Hkv, hd});
-    v = linear(x, l.v_w, l.v_b).view({B, L, Hkv, hd});
+    q = project(l, 0, x, l.q_b, dropout).view({B, L, H, hd});
+    k = project(l, 1, x, l.k_b, dropout).view({B, L, Hkv, hd});
+    v = project(l, 2, x, l.v_b, dropout).view({B, L, Hkv, hd});
   }
   if (c.qk_norm) {
     q = norm(q, l.q_norm, false, fused);
@@ -553,11 +684,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t 
 }
 
 at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn,
-                                       const PackedWeights* packed, bool fused) const {
+                                       const PackedWeights* packed, bool fused, bool dropout) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const bool gemma = c.gemma_norms;
-  at::Tensor o = linear(attn, l.o_w, l.o_b);  // (B, L, D)
+  at::Tensor o = project(l, 3, attn, l.o_b, dropout);  // (B, L, D)
   if (gemma) o = norm(o, l.post_attn_norm, true, fused);
   at::Tensor h2, x;
 
@@ -579,17 +710,17 @@ at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at:
     g = gu.narrow(-1, 0, F);
     u = gu.narrow(-1, F, F);
   } else {
-    g = at::linear(x, l.gate_w);
-    u = at::linear(x, l.up_w);
+    g = project(l, 4, x, at::Tensor(), dropout);
+    u = project(l, 5, x, at::Tensor(), dropout);
   }
 #ifdef RLT_HAVE_CUDA
   if (fused && !c.gelu_tanh) {
-    m = at::linear(cuda::silu_mul(g, u), l.down_w);
+    m = project(l, 6, cuda::silu_mul(g, u), at::Tensor(), dropout);
   } else
 #endif
   {
     g = c.gelu_tanh ? at::gelu(g, "tanh") : at::silu(g);
-    m = at::linear(g * u, l.down_w);
+    m = project(l, 6, g * u, at::Tensor(), dropout);
   }
   if (gemma) m = norm(m, l.post_ff_norm, true, fused);
   return h2 + m;
@@ -695,6 +826,9 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
               " slots");
   if (residency_) residency_->acquire(-1, false);
   const auto dev = embed_.device();
+  // The adapters' dropout runs in training forwards only (grad mode on as the forward starts: a
+  // checkpointed layer's first run is no-grad, yet part of a training forward).
+  const bool dropout = has_lora() && lora_.dropout > 0 && at::GradMode::is_enabled();
   if (fixed && some_rows) {
     const c10::List<std::optional<at::Tensor>> at_slots{cache->step_rows.view({B, 1}), cache->step_slot.view({1, L})};
     cache->positions.index_put_(at_slots, positions.to(dev));
@@ -788,6 +922,12 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     }
   }
 #endif
+  // A checkpointed layer's gradients reach its weights only through its input: the layers' input must
+  // require grad even when the embedding is frozen (LoRA), or the first layer's output would not, and
+  // the adapters would get no gradient (torch.utils.checkpoint's reentrant form has the same need).
+  if (checkpointing_ && !cache && at::GradMode::is_enabled() && !h.requires_grad()) {
+    h = h.detach().requires_grad_(true);
+  }
   for (int64_t i = 0; i < c.num_layers; ++i) {
     // The window restricts nothing while all S slots fit in it.
     const bool sliding = c.sliding_layers[i] && S > c.sliding_window;
@@ -807,10 +947,30 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
     }
     if (checkpointing_ && !cache && at::GradMode::is_enabled()) {
       WeightResidency* res = residency_;
+      // With adapter dropout the recompute must draw the masks the first run drew: it starts from the
+      // generator's state as that run began (`drawn`), then puts back the state it found, so the forwards
+      // that follow draw on as if no recompute had run (torch.utils.checkpoint's preserve_rng_state).
+      auto drawn = std::make_shared<at::Tensor>();
+      at::Generator gen = lora_gen_;
       auto layer = c10::make_intrusive<LayerFnHolder>(
-          [this, i, cos, sin, mask, is_causal, res](const at::Tensor& x, bool backward) {
+          [this, i, cos, sin, mask, is_causal, res, dropout, drawn, gen](const at::Tensor& x, bool backward) mutable {
             if (res) res->acquire(i, backward);
-            at::Tensor y = layer_forward(i, x, cos, sin, mask, is_causal, nullptr, false);
+            at::Tensor found;
+            if (dropout) {
+              std::lock_guard<std::mutex> lock(gen.mutex());  // not held while drawing: bernoulli_ takes it
+              if (backward) {
+                found = gen.get_state();
+                gen.set_state(*drawn);
+              } else {
+                *drawn = gen.get_state();
+              }
+            }
+            at::Tensor y =
+                layer_forward(i, x, cos, sin, mask, is_causal, nullptr, false, at::Tensor(), at::Tensor(), dropout);
+            if (found.defined()) {
+              std::lock_guard<std::mutex> lock(gen.mutex());
+              gen.set_state(found);
+            }
             if (res && !backward) res->release(i);  // the recompute's graph needs them until its backward
             return y;
           },
@@ -821,7 +981,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       TORCH_CHECK(!residency_ || !at::GradMode::is_enabled(),
                   "a forward with gradients over sharded weights needs activation checkpointing");
       if (residency_) residency_->acquire(i, false);
-      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots);
+      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots, dropout);
       if (residency_) residency_->release(i);
     }
   }

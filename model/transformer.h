@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <map>
 #include <string>
 #include <tuple>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/lora.h"
 
 namespace rlt {
 
@@ -125,7 +127,7 @@ class Transformer {
   // Writes config.json (every key it was loaded with, dtype updated) and the weights under their HF
   // names (sharded above max_shard_bytes), so transformers can load the folder.
   void save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
-  // A deep copy (the reference policy): same config, parameters cloned and detached.
+  // A deep copy (the reference policy): same config, parameters (and adapters) cloned and detached.
   Transformer clone() const;
   // Copies share the parameter tensors (like at::Tensor copies); the name table is rebuilt for the copy.
   Transformer(const Transformer& other) { *this = other; }
@@ -172,6 +174,33 @@ class Transformer {
   // every parameter (named_parameters()).
   std::vector<std::pair<std::string, at::Tensor>> named_trainable_parameters() const;
   std::vector<at::Tensor> trainable_parameters() const;
+  // LoRA (model/lora.h): an adapter on each of options.targets' projections of every layer. A (rank, in)
+  // is drawn as PEFT draws it by default, kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)),
+  // from a CPU generator seeded with `seed`, layer by layer, target by target; B (out, rank) is zero, so
+  // the model's outputs do not move until B trains. Both are fp32 (float64 on a float64 model: the
+  // references' runs) and require grad; every base parameter stops requiring grad, and
+  // named_trainable_parameters() becomes the adapters. The adapters' dropout draws from a generator of
+  // the model's own on its device, seeded from `seed` too. Forwards with adapters run the ATen forms only
+  // (fused_kernels_apply() is false): the rollout decodes merged() instead. Replaces adapters already
+  // attached. Throws std::invalid_argument for options that name no target.
+  void attach_lora(const LoraOptions& options, uint64_t seed);
+  bool has_lora() const { return lora_.enabled(); }
+  // The adapters' options (rank 0: none).
+  const LoraOptions& lora() const { return lora_; }
+  // A model without adapters whose targeted weights are W + (alpha / rank) B A, computed in fp32 and
+  // rounded once to the model's dtype (lora_merged_weight); every other tensor is shared with this model,
+  // not copied. Without adapters, a copy sharing every tensor.
+  Transformer merged() const;
+  // Rewrites `dst`'s targeted weights in place with this model's merged ones (dst made by merged(): its
+  // other tensors are this model's), so a rollout built on dst keeps its tensors and graphs.
+  void merge_into(Transformer& dst) const;
+  // A copy that shares the frozen base weights and holds detached clones of the adapters: the model as it
+  // is now, which later updates of this one do not move (the LoRA run's reference policy). Needs adapters.
+  Transformer adapter_snapshot() const;
+  // The state of the adapters' dropout generator (a resumed run draws the masks the uninterrupted one
+  // would), and its restoration. Undefined without adapters.
+  at::Tensor lora_rng_state() const;
+  void set_lora_rng_state(const at::Tensor& state);
   // Recompute each layer's activations in the backward instead of storing them (reentrant: parameter
   // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it).
   void set_activation_checkpointing(bool on) { checkpointing_ = on; }
@@ -198,7 +227,11 @@ class Transformer {
   struct Layer {
     at::Tensor input_norm, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm;
     at::Tensor post_attn_norm, pre_ff_norm, post_ff_norm, gate_w, up_w, down_w;
+    // LoRA adapters by target (lora_target_name's order): A (rank, in), B (out, rank); undefined: none.
+    std::array<at::Tensor, kLoraTargets> lora_a, lora_b;
   };
+  // The base weight each LoRA target adapts: &Layer::q_w, ..., &Layer::down_w.
+  static at::Tensor Layer::*const kLoraWeights[kLoraTargets];
   Transformer() = default;
   void bind_names();
   // mask (B, 1, L, S), bool or additive, or undefined: then causal (is_causal) or no restriction (a decode
@@ -208,17 +241,22 @@ class Transformer {
   // the causal mask that keep and slots make (mask is then unused).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
-                           const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor()) const;
+                           const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor(),
+                           bool dropout = false) const;
   // The pieces of a layer that every forward shares. RMSNorm, fused or the ATen form.
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const;
   // Layer i's input norm and q/k/v projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k
   // normed where the model does: q (B, L, H, hd), k and v (B, L, Hkv, hd).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, const at::Tensor& h,
-                                                             const PackedWeights* packed, bool fused) const;
+                                                             const PackedWeights* packed, bool fused,
+                                                             bool dropout = false) const;
   // Layer i after its attention: output projection of attn (B, L, H hd), residual, the MLP block and its
   // residual. Returns the layer's output (B, L, D).
   at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, const PackedWeights* packed,
-                            bool fused) const;
+                            bool fused, bool dropout = false) const;
+  // x (…, in) through layer l's projection `target` (weight, bias b): x W^T (+ b), plus its LoRA adapter's
+  // term when it has one (with dropout: the adapters' dropout, in training forwards).
+  at::Tensor project(const Layer& l, int target, const at::Tensor& x, const at::Tensor& b, bool dropout) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
@@ -227,6 +265,8 @@ class Transformer {
   bool checkpointing_ = false;
   bool fused_kernels_ = true;
   WeightResidency* residency_ = nullptr;
+  LoraOptions lora_;        // the adapters' options; rank 0: none
+  at::Generator lora_gen_;  // the adapters' dropout draws, on the parameters' device
 };
 
 }  // namespace rlt

@@ -35,6 +35,11 @@ if ! "$py" -c 'import transformers, safetensors, sys; sys.exit(0 if transformers
   echo "setup: installing transformers==5.17.0 safetensors (reference models for the tests)"
   "$py" -m pip install -q transformers==5.17.0 safetensors
 fi
+# peft loads the trainer's LoRA adapter folders onto the reference checkpoints (tests/model/check_peft.py).
+if ! "$py" -c 'import peft, sys; sys.exit(0 if peft.__version__ == "0.21.2" else 1)' 2>/dev/null; then
+  echo "setup: installing peft==0.21.2 (loads our LoRA adapter folders in the tests)"
+  "$py" -m pip install -q peft==0.21.2
+fi
 # The independent references of the data tests: HF tokenizers and sentencepiece (tokenizer parity), jinja2
 # (transformers' apply_chat_template renders with it), pyarrow (parquet datasets).
 if ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then

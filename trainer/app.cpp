@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "rollout/sandbox.h"
+#include "trainer/checkpoint.h"
 #include "trainer/launch.h"
 
 namespace rlt {
@@ -41,6 +42,10 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
                  "with --nproc: node 0's address, where its launcher serves the rendezvous (several nodes)");
   app.add_option("--master-port", launch.master_port, "with --nproc: the rendezvous port on node 0")
       ->check(CLI::Range(1, 65535));
+  std::string merge;
+  app.add_option("--merge", merge,
+                 "write the checkpoint in --out as one Hugging Face folder at this path (LoRA: the adapters merged "
+                 "into the base weights) and exit; takes the run's --config");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   Config cfg;
   if (!load_cli_config(cc, cfg)) return 2;
@@ -57,6 +62,10 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
               : dist_env();
   } catch (const RunError& e) {
     std::cerr << name << ": " << e.what() << "\n";
+    return 2;
+  }
+  if (!merge.empty() && (launch.nproc > 0 || env.launched)) {
+    std::cerr << name << ": --merge runs in one process: drop --nproc and the launcher\n";
     return 2;
   }
   if (launch.nproc > 0) {
@@ -96,6 +105,12 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
                   << (at::Device(cfg.model.device).is_cuda() ? "NCCL" : "store collectives, CPU")
                   << "); every rank samples train.prompts_per_step / " << env.world << " prompts a step\n";
       }
+    }
+    if (!merge.empty()) {
+      Run run = make_run(cfg, out, /*resume=*/true, extra);
+      save_merged_model(run, merge);
+      std::cerr << name << ": wrote " << merge << ", the policy of " << out << " at step " << run.step << "\n";
+      return 0;
     }
     Run run = make_run(cfg, out, resume, extra, dist);
     run.stop_after = stop_after;

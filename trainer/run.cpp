@@ -17,6 +17,7 @@
 #include "data/chat_template.h"
 #include "data/synthetic.h"
 #include "model/config.h"
+#include "model/peft.h"
 #include "rollout/policy.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
@@ -143,11 +144,18 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     run.dist->barrier();
     run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
   }
-  // Model: the checkpoint's when resuming, else the configured checkpoint, else a new one.
+  // Model: the checkpoint's when resuming, else the configured checkpoint, else a new one. With LoRA the
+  // base is always the configured one (or the new one of model.init_seed); the checkpoint holds adapters.
   const std::string ckpt = checkpoint_dir(run);
   std::string ckpt_found = fs::exists(ckpt) ? ckpt : fs::exists(ckpt + ".old") ? ckpt + ".old" : "";
   if (resume && ckpt_found.empty()) throw RunError(out_dir + ": --resume, but there is no checkpoint in it");
-  if (resume) {
+  if (resume && fs::exists(fs::path(ckpt_found) / "adapter") != config.lora.enabled()) {
+    throw RunError(ckpt_found + ": the checkpoint holds " +
+                   (config.lora.enabled() ? "a whole model, and lora.rank is " + std::to_string(config.lora.rank)
+                                          : std::string("LoRA adapters, and lora.rank is 0")) +
+                   ": resume with the lora section the run was trained with");
+  }
+  if (resume && !config.lora.enabled()) {
     run.policy = std::make_unique<Transformer>(
         Transformer::load((fs::path(ckpt_found) / "model").string(), scalar_type(config.model.dtype), run.device));
   } else if (!config.model.path.empty()) {
@@ -173,6 +181,8 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                    " pieces, more than the model's vocabulary of " + std::to_string(run.policy->config().vocab_size));
   }
   run.policy->set_activation_checkpointing(config.model.activation_checkpointing);
+  // LoRA: adapters on the frozen base (model/lora.h); a resumed run's values come from its checkpoint.
+  if (config.lora.enabled()) run.policy->attach_lora(config.lora, static_cast<uint64_t>(config.train.seed));
   // The chat template: the model's own (from model.tokenizer when it is a folder, else model.path).
   if (config.chat.template_kind == ChatTemplateKind::kModel) {
     const std::string dir = fs::is_directory(config.model.tokenizer) ? config.model.tokenizer : config.model.path;
@@ -205,9 +215,10 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   make_optimizer(run, extra);
   if (run.lead()) {
     int64_t n = 0;
-    for (const auto& p : run.policy->parameters()) n += p.numel();
-    // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the model's.
-    const int64_t moments = 2 * n * (run.master.empty() ? run.policy->lm_head().element_size() : 4);
+    const std::vector<at::Tensor> trained = run.policy->trainable_parameters();  // LoRA: the adapters
+    for (const auto& p : trained) n += p.numel();
+    // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the trained tensors'.
+    const int64_t moments = 2 * n * (run.master.empty() ? trained.front().element_size() : 4);
     std::cerr << "optimizer: AdamW over " << n << " parameters, "
               << (run.master.empty() ? std::string("in the model's dtype")
                                      : "on fp32 master weights (" + std::to_string(optimizer_memory_bytes(run) >> 20) +
@@ -221,6 +232,24 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 void ensure_reference(Run& run) {
   if (run.config.policy.kl_coef <= 0 || run.reference) return;
   const std::string dir = (fs::path(run.out_dir) / "reference").string();
+  if (run.policy->has_lora()) {
+    // LoRA: the base weights shared with the policy, and a frozen copy of the adapters as RL starts (B = 0,
+    // i.e. the base itself, unless a warm-up trained them), kept as a PEFT adapter folder for a resume.
+    run.reference = std::make_unique<Transformer>(run.policy->adapter_snapshot());
+    if (run.step > 0) {
+      if (!fs::exists(fs::path(dir) / "adapter_config.json")) {
+        throw RunError(dir + ": missing; a resumed LoRA run with policy.kl_coef > 0 needs its reference adapters");
+      }
+      load_peft_adapter(*run.reference, dir);
+      return;
+    }
+    if (!run.lead()) return;
+    remove_tree(dir + ".tmp");
+    save_peft_adapter(*run.reference, dir + ".tmp", run.config.model.path);
+    remove_tree(dir);
+    fs::rename(dir + ".tmp", dir);
+    return;
+  }
   if (run.step > 0 && fs::exists(fs::path(dir) / "config.json")) {
     run.reference =
         std::make_unique<Transformer>(Transformer::load(dir, scalar_type(run.config.model.dtype), run.device));
@@ -233,6 +262,16 @@ void ensure_reference(Run& run) {
   run.reference->save(dir + ".tmp");
   remove_tree(dir);
   fs::rename(dir + ".tmp", dir);
+}
+
+const Transformer& rollout_model(Run& run) {
+  if (!run.policy->has_lora()) return *run.policy;
+  if (!run.merged) {
+    run.merged = std::make_unique<Transformer>(run.policy->merged());
+  } else {
+    run.policy->merge_into(*run.merged);  // in place: a kept ModelPolicy's tensors and graphs stay valid
+  }
+  return *run.merged;
 }
 
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples) {
@@ -333,10 +372,11 @@ RolloutBatch collect_rollouts(Run& run) {
     at::NoGradGuard no_grad;
     // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
     std::unique_ptr<ModelPolicy> own;
+    const Transformer& model = rollout_model(run);
     if (!cfg.rollout.keep_cache) {
-      own = std::make_unique<ModelPolicy>(*run.policy, policy_options(cfg.rollout));
-    } else if (!run.rollout_policy || &run.rollout_policy->model() != run.policy.get()) {
-      run.rollout_policy = std::make_unique<ModelPolicy>(*run.policy, policy_options(cfg.rollout));
+      own = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
+    } else if (!run.rollout_policy || &run.rollout_policy->model() != &model) {
+      run.rollout_policy = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
     }
     ModelPolicy& policy = own ? *own : *run.rollout_policy;
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
@@ -427,7 +467,7 @@ EvalResult evaluate(Run& run) {
   if (!problems.empty()) {
     RolloutOptions ro = run.config.rollout;
     if (!run.lead()) ro.progress_s = 0;
-    ModelPolicy policy(*run.policy, policy_options(run.config.rollout));
+    ModelPolicy policy(rollout_model(run), policy_options(run.config.rollout));
     trajs = rollout(policy, *run.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams, run.tools);
     std::vector<std::string> answers;
     for (const auto& ex : problems) answers.push_back(ex.answer);
