@@ -476,6 +476,9 @@ int64_t device_memory_bytes(const at::Device& device) {
   if (device.is_cuda()) {
     const c10::DeviceIndex idx = device.index() < 0 ? 0 : device.index();
     c10::cuda::CUDAGuard guard(idx);
+    // The caching allocator's statistics exist once it has served the device (before, it refuses the
+    // device as invalid): one small allocation makes sure.
+    (void)at::empty({1}, at::TensorOptions().device(at::Device(at::kCUDA, idx)));
     size_t free = 0, total = 0;
     C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(idx);
