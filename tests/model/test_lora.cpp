@@ -391,6 +391,44 @@ TEST(Lora, DropoutRunsInTrainingForwardsOnlyAndTheRecomputeReplaysItsMasks) {
   RLT_EXPECT_CLOSE_REJECTING(recomputed, other, "other dropout masks", stored, 1e-6, 1e-5, "checkpointed gradients");
 }
 
+// On a GPU: bf16 base, fp32 adapters, dropout from the model's CUDA generator under activation
+// checkpointing (the recompute replays its masks: gradients equal a stored forward's bit for bit, another
+// generator state's differ), and the merged copy runs the fused decode kernels the adapter model may not.
+TEST(Lora, CudaBf16AdaptersTrainAndTheMergedCopyTakesTheFusedKernels) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  Transformer m = testing::tiny_model("llama", 8, at::kCUDA, at::kBFloat16);
+  LoraOptions o = options(4, 8);
+  o.dropout = 0.2;
+  m.attach_lora(o, 1);
+  randomize_adapters(m, 2, 0.05);
+  const auto named = m.named_trainable_parameters();
+  EXPECT_TRUE(named[0].second.is_cuda());
+  EXPECT_EQ(named[0].second.scalar_type(), at::kFloat);
+  const at::Tensor ids = at::randint(400, {2, 7}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+  const at::Tensor pos = positions(2, 7).cuda();
+  const at::Tensor R = at::randn({2, 7, m.config().hidden_size}, at::TensorOptions().device(at::kCUDA));
+  auto grads = [&](bool checkpointing, const at::Tensor& rng) {
+    m.set_activation_checkpointing(checkpointing);
+    m.set_lora_rng_state(rng);
+    for (auto& [name, t] : m.named_trainable_parameters()) t.mutable_grad() = at::Tensor();
+    (m.forward(ids, pos, at::Tensor()).to(at::kFloat) * R).sum().backward();
+    std::vector<at::Tensor> flat;
+    for (auto& [name, t] : m.named_trainable_parameters()) flat.push_back(t.grad().view({-1}).clone());
+    return at::cat(flat);
+  };
+  const at::Tensor rng = m.lora_rng_state();
+  const at::Tensor stored = grads(false, rng), after = m.lora_rng_state();
+  const at::Tensor recomputed = grads(true, rng), other = grads(false, after);
+  EXPECT_EQ(stored.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(recomputed, stored)) << "the recompute draws the first run's masks";
+  EXPECT_FALSE(at::equal(other, stored)) << "another generator state draws other masks";
+  EXPECT_FALSE(m.fused_kernels_apply());
+  const Transformer merged = m.merged();
+#ifdef RLT_HAVE_CUDA
+  EXPECT_TRUE(merged.fused_kernels_apply());
+#endif
+}
+
 TEST(Peft, AdapterFolderRoundTripsAndRefusesWhatItCannotRead) {
   const testing::TempDir dir("peft");
   Transformer m(testing::tiny_llama(50), at::kFloat, at::kCPU, 3);
