@@ -95,7 +95,7 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
   const std::vector<at::Tensor> policy = run.policy->trainable_parameters();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor p = params[i].detach();
+    const at::Tensor p = params[i].detach();  // its values; AdamW keys its state by params[i] itself
     at::Tensor master = at::empty({p.numel()}, p.options().dtype(at::kFloat).device(at::kCPU));
     if (!stored.read("master", names[i], 0, master)) {
       throw RunError(dir + ": the optimizer state does not cover " + names[i]);
@@ -114,7 +114,7 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
     s->step(run.optimizer_steps);
     s->exp_avg(m.view(p.sizes()).to(p.device(), p.scalar_type()));
     s->exp_avg_sq(v.view(p.sizes()).to(p.device(), p.scalar_type()));
-    run.optimizer->state()[p.unsafeGetTensorImpl()] = std::move(s);
+    run.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
   }
 }
 

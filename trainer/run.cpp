@@ -23,8 +23,10 @@
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/shard.h"
 #include "trainer/warmup.h"
 
 namespace rlt {
@@ -35,21 +37,37 @@ namespace {
 
 at::ScalarType scalar_type(DType d) { return d == DType::kBFloat16 ? at::kBFloat16 : at::kFloat; }
 
-std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Device device) {
+// The config of a new model (model.path empty): llama-style, from model.init_*.
+ModelConfig new_model_config(const Config& c, int64_t vocab) {
   const ModelOptions& m = c.model;
-  nlohmann::json j = {{"model_type", "llama"},
-                      {"vocab_size", vocab},
-                      {"hidden_size", m.init_hidden},
-                      {"intermediate_size", m.init_intermediate},
-                      {"num_hidden_layers", m.init_layers},
-                      {"num_attention_heads", m.init_heads},
-                      {"num_key_value_heads", m.init_kv_heads},
-                      {"rms_norm_eps", 1e-6},
-                      {"rope_theta", 10000.0},
-                      {"tie_word_embeddings", true},
-                      {"max_position_embeddings", c.rollout.max_context}};
-  return std::make_unique<Transformer>(model_config_from_json(j, "model.init_*"), scalar_type(m.dtype), device,
-                                       static_cast<uint64_t>(m.init_seed));
+  const nlohmann::json j = {{"model_type", "llama"},
+                            {"vocab_size", vocab},
+                            {"hidden_size", m.init_hidden},
+                            {"intermediate_size", m.init_intermediate},
+                            {"num_hidden_layers", m.init_layers},
+                            {"num_attention_heads", m.init_heads},
+                            {"num_key_value_heads", m.init_kv_heads},
+                            {"rms_norm_eps", 1e-6},
+                            {"rope_theta", 10000.0},
+                            {"tie_word_embeddings", true},
+                            {"max_position_embeddings", c.rollout.max_context}};
+  return model_config_from_json(j, "model.init_*");
+}
+
+std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Device device) {
+  return std::make_unique<Transformer>(new_model_config(c, vocab), scalar_type(c.model.dtype), device,
+                                       static_cast<uint64_t>(c.model.init_seed));
+}
+
+// The memory plan (trainer/memory_plan.h), before any weight is loaded: printed by rank 0, and a run that
+// cannot fit the smallest device of its ranks is refused (RunError) with the numbers and what would fit.
+void check_memory(const Run& run, const ModelConfig& mc) {
+  const int world = run.dist->world();
+  const MemoryPlan plan = plan_memory(run.config, mc, world);
+  if (run.lead()) std::cerr << plan.table() << std::flush;
+  at::Tensor low = at::tensor({-double(device_memory_bytes(run.device))}, at::kDouble);
+  run.dist->all_reduce({low}, ReduceOp::kMax);  // the smallest device: every rank refuses alike
+  check_memory_plan(plan, run.config, mc, world, int64_t(-low.item<double>()));
 }
 
 // The rollout's model-side settings.
@@ -155,6 +173,14 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                                           : std::string("LoRA adapters, and lora.rank is 0")) +
                    ": resume with the lora section the run was trained with");
   }
+  {
+    const std::string from =
+        resume && !config.lora.enabled() ? (fs::path(ckpt_found) / "model").string() : config.model.path;
+    if (!from.empty() && !fs::exists(fs::path(from) / "config.json")) {
+      throw RunError((from == config.model.path ? "model.path: " : "") + from + " holds no config.json");
+    }
+    check_memory(run, from.empty() ? new_model_config(config, run.tokenizer->vocab_size()) : load_model_config(from));
+  }
   if (resume && !config.lora.enabled()) {
     run.policy = std::make_unique<Transformer>(
         Transformer::load((fs::path(ckpt_found) / "model").string(), scalar_type(config.model.dtype), run.device));
@@ -213,14 +239,20 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.extra = extra.make(*run.policy, config);
   make_optimizer(run, extra);
-  if (run.lead()) {
+  if (run.lead() && run.sharded) {
+    const TrainOptions& t = config.train;
+    std::cerr << "optimizer: AdamW on fp32 masters, train.shard " << enum_to_string(t.shard) << " over "
+              << run.dist->world() << " rank(s)" << (t.offload == Offload::kOptimizer ? ", offloaded" : "") << ": "
+              << (run.sharded->device_bytes() >> 20) << " MiB on the device, " << (run.sharded->host_bytes() >> 20)
+              << " MiB in host memory, per rank\n";
+  } else if (run.lead()) {
     int64_t n = 0;
     const std::vector<at::Tensor> trained = run.policy->trainable_parameters();  // LoRA: the adapters
     for (const auto& p : trained) n += p.numel();
     // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the trained tensors'.
     const int64_t moments = 2 * n * (run.master.empty() ? trained.front().element_size() : 4);
     std::cerr << "optimizer: AdamW over " << n << " parameters, "
-              << (run.master.empty() ? std::string("in the model's dtype")
+              << (run.master.empty() ? std::string("in their dtype, ") + c10::toString(trained.front().scalar_type())
                                      : "on fp32 master weights (" + std::to_string(optimizer_memory_bytes(run) >> 20) +
                                            " MiB) while the model computes in bf16")
               << "; moments " << (moments >> 20) << " MiB once stepped\n";
@@ -256,7 +288,11 @@ void ensure_reference(Run& run) {
     return;
   }
   if (run.step > 0) throw RunError(dir + ": missing; a resumed run with policy.kl_coef > 0 needs its reference");
-  run.reference = std::make_unique<Transformer>(run.policy->clone());
+  {
+    const GatheredWeights whole(run.sharded);
+    run.reference = std::make_unique<Transformer>(run.policy->clone());
+    run.reference->set_residency(nullptr);
+  }
   if (!run.lead()) return;  // every rank holds the same policy (broadcast_weights); rank 0 saves it
   remove_tree(dir + ".tmp");
   run.reference->save(dir + ".tmp");
@@ -317,7 +353,10 @@ void broadcast_weights(Run& run) {
   if (run.dist->world() == 1) return;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors;
-  for (const auto& p : run.policy->parameters()) tensors.push_back(p.detach());
+  // The parameters stage holds chunks, not weights: every rank's are its own, made from the same weights.
+  if (!run.sharded || run.sharded->stage() != ShardStage::kParameters) {
+    for (const auto& p : run.policy->parameters()) tensors.push_back(p.detach());
+  }
   for (const auto& m : run.master) tensors.push_back(m.detach());
   for (const auto& [name, t] : run.extra) tensors.push_back(t.detach());
   run.dist->broadcast(tensors, 0);
@@ -370,6 +409,7 @@ RolloutBatch collect_rollouts(Run& run) {
   if (!run.lead()) ro.progress_s = 0;  // one live line: rank 0's
   {
     at::NoGradGuard no_grad;
+    const GatheredWeights whole(run.sharded);  // train.shard parameters: decoded from whole weights
     // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
     std::unique_ptr<ModelPolicy> own;
     const Transformer& model = rollout_model(run);
@@ -418,7 +458,9 @@ double begin_training(Run& run) {
   const bool fresh = run.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
   broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
-  ensure_reference(run);   // only when policy.kl_coef > 0: the policy RL starts from
+  // The sharded state took its masters from the weights before the warm-up trained them.
+  if (run.sharded && fresh && run.config.sft.steps > 0) run.sharded->load_from_model();
+  ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
   return fresh && !run.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
 }
 
@@ -450,6 +492,7 @@ EvalResult report_evaluation(Run& run, const std::string& when) {
 EvalResult evaluate(Run& run) {
   if (run.eval_set.empty()) return EvalResult{};
   at::NoGradGuard no_grad;
+  const GatheredWeights whole(run.sharded);
   const int64_t k = run.config.train.eval_samples;
   SamplingOptions s = run.config.sampling;
   if (k == 1) s.temperature = 0;  // greedy

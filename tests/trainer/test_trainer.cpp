@@ -375,7 +375,7 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   for (const auto& row : a) reward_std_max = std::max(reward_std_max, row["reward_std"].get<double>());
   EXPECT_GT(reward_std_max, 0) << "some step must have unequal rewards, so advantages are not all 0";
   EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/model/config.json"));
-  EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/optimizer.pt"));
+  EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/optimizer-0.safetensors"));
   EXPECT_TRUE(std::filesystem::exists(full + "/plot.svg"));
   EXPECT_FALSE(std::filesystem::exists(full + "/checkpoint.tmp"));
 
