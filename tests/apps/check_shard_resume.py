@@ -70,7 +70,7 @@ def differences(a, b, what, steps=None):
 
 
 def varied(run_dir):
-    return all(r["grad_norm"] > 0 for r in rows(run_dir))
+    return any(r["grad_norm"] > 0 for r in rows(run_dir))
 
 
 def same_steps(a, b, what, steps=None):
@@ -84,7 +84,8 @@ with tempfile.TemporaryDirectory() as tmp:
     SMALL += ["--set", "model.path=" + os.path.join(d("warm"), "checkpoint", "model")]
     train(d("replicated"), "--nproc", "2")
     train(d("gradients"), "--nproc", "2", "--set", "train.shard=gradients")
-    check(varied(d("replicated")), "every step of the replicated run has a gradient (rewards vary)")
+    # Not vacuous: some step has a gradient (a group's rewards vary), and the twin below differs.
+    check(varied(d("replicated")), "some step of the replicated run has a gradient (rewards vary)")
     same_steps(d("gradients"), d("replicated"), "gradients on 2 ranks against replicated")
     # The comparison can fail: a run at another learning rate differs by step 3.
     train(d("lr_twin"), "--nproc", "2", "--set", "train.shard=gradients", "--set", "train.lr=2e-3")
