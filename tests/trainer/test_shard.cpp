@@ -34,6 +34,7 @@ struct ShardSetup {
   bool tie = false;
   double clip = 0.05;  // binding: the global norm is about 0.1; 0 = off
   double lr = 3e-2;
+  bool lora = false;  // rank-4 adapters on every projection: the trainable tensors are the adapters
 };
 
 Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
@@ -47,6 +48,13 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
   run.config.model.activation_checkpointing = true;
   run.policy = std::make_unique<Transformer>(testing::tiny_llama(kVocab, s.tie), at::kFloat, at::kCPU, 7);
   run.policy->set_activation_checkpointing(true);
+  if (s.lora) {
+    LoraOptions lora;
+    lora.rank = 4;
+    lora.alpha = 8;
+    run.config.lora = lora;
+    run.policy->attach_lora(lora, 11);
+  }
   // Generators of their own: the ranks run on threads at once, and the global one is shared.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   run.extra["value_head.weight"] = (at::randn({32}, gen) * 0.1).requires_grad_(true);
@@ -73,9 +81,11 @@ at::Tensor loss_of(Run& run, int64_t step, int64_t m) {
   return run.policy->logits(h).logsumexp(-1).mean() + 0.1 * value.square().mean();
 }
 
-// Steps [first, last) on one rank: micro-batches rank, rank + world, ... of each.
+// Steps [first, last) on one rank: micro-batches rank, rank + world, ... of each. A replicated state over
+// several ranks sums its gradients with the run's GradReducer, as the trainers do.
 void train(Run& run, int64_t first, int64_t last) {
   const int world = run.dist->world(), rank = run.dist->rank();
+  std::unique_ptr<GradReducer> reducer = make_reducer(run);
   for (int64_t step = first; step < last; ++step) {
     zero_gradients(run);
     at::Tensor total = at::zeros({});
@@ -84,7 +94,7 @@ void train(Run& run, int64_t first, int64_t last) {
     for (size_t k = 0; k < mine.size(); ++k) {
       const at::Tensor loss = loss_of(run, step, mine[k]);
       total = total + loss.detach();
-      backward(run, loss, nullptr, k + 1 == mine.size());
+      backward(run, loss, reducer.get(), k + 1 == mine.size());
     }
     apply_gradients(run, total, kSteps);
   }
@@ -95,6 +105,7 @@ std::map<std::string, at::Tensor> weights(Run& run) {
   const GatheredWeights whole(run.sharded);
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, t] : run.policy->named_parameters()) out[name] = t.detach().clone();
+  for (const auto& [name, t] : run.policy->named_trainable_parameters()) out[name] = t.detach().clone();
   for (const auto& [name, t] : run.extra) out[name] = t.detach().clone();
   return out;
 }
@@ -118,8 +129,9 @@ struct OneThread {
   ~OneThread() { at::set_num_threads(n); }
 };
 
-std::map<std::string, at::Tensor> reference(bool tie = false, double clip = 0.05, double lr = 3e-2) {
+std::map<std::string, at::Tensor> reference(bool tie = false, double clip = 0.05, double lr = 3e-2, bool lora = false) {
   ShardSetup s;
+  s.lora = lora;
   s.tie = tie;
   s.clip = clip;
   s.lr = lr;
@@ -184,6 +196,43 @@ TEST(ShardedState, TiedEmbeddingsAndOffloadEqualTheReplicatedRun) {
   for (const auto& w : sharded(s, 3)) EXPECT_LT(rel_diff(w, ref), 1e-6);
   s.shard = ShardStage::kNone;  // offload alone: a replicated state on the host
   for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+}
+
+// LoRA: the base is frozen and replicated, the adapters train; replicated over 2 ranks (the GradReducer)
+// and sharded (optimizer, gradients) over 2 and 3, against one process. The base must not move.
+TEST(ShardedState, LoraAdaptersEqualTheReplicatedRunWithAndWithoutSharding) {
+  const OneThread one;
+  const auto ref = reference(false, 0.05, 3e-2, /*lora=*/true);
+  ShardSetup s;
+  s.lora = true;
+  for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6) << "replicated, 2 ranks";
+  for (ShardStage stage : {ShardStage::kOptimizer, ShardStage::kGradients}) {
+    s.shard = stage;
+    for (int world : {2, 3}) {
+      for (const auto& w : sharded(s, world)) EXPECT_LT(rel_diff(w, ref), 1e-6) << enum_to_string(stage) << world;
+    }
+  }
+  const auto untrained = [&] {
+    rlt::Run run = make_run(s, nullptr);
+    return weights(run);
+  }();
+  double adapters_moved = 0;
+  for (const auto& [name, t] : untrained) {
+    if (name.find("lora") == std::string::npos && name != "value_head.weight") {
+      EXPECT_TRUE(at::equal(ref.at(name), t)) << name << ": the frozen base moved";
+    } else {
+      adapters_moved = std::max(adapters_moved, (ref.at(name) - t).abs().max().item<double>());
+    }
+  }
+  EXPECT_GT(adapters_moved, 1e-3) << "the adapters train";
+  // Twin: a unit reduced twice, clipping off.
+  const auto ref_unclipped = reference(false, 0, 1e-2, /*lora=*/true);
+  s.shard = ShardStage::kGradients;
+  s.clip = 0;
+  s.lr = 1e-2;
+  EXPECT_LT(rel_diff(sharded(s, 2)[1], ref_unclipped), 1e-6);
+  s.fault = ShardFault::kReduceTwice;
+  EXPECT_GT(rel_diff(sharded(s, 2)[1], ref_unclipped), 1e-3);
 }
 
 TEST(ShardedState, EveryElementIsOwnedByExactlyOneRank) {
