@@ -14,66 +14,68 @@ out=${OUT:-runs/gpu_shard}
 part=${1:-small}
 steps=${2:-2}
 new_tokens=${3:-1024}
-mkdir -p "$out"
+mkdir -p "$out/raw"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The large part runs the trainer only: it builds nothing else.
+[ "$part" = large ] && export RLT_BUILD_TARGETS=grpo_train
 source scripts/gpu/build.sh
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 rc=0
 
-# run NAME NPROC ARGS...: one training run with its peak memory per GPU; its metrics stay as
-# $out/metrics_NAME.jsonl, its log as $out/NAME.log, its exit code in $out/NAME.rc.
+# run NAME NPROC ARGS...: one training run with its peak memory per GPU; its metrics, log, exit code and
+# memory samples go to $out/raw (archived at the end), its summary at once to $out/summary.json.
 run() {
   local name=$1 nproc=$2
   shift 2
-  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem_$name.csv" &
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$out/raw/mem_$name.csv" &
   local watcher=$!
   if [ "$nproc" = 1 ]; then
-    build-gpu/bin/grpo_train "$@" --out "$out/$name" > "$out/$name.log" 2>&1
+    build-gpu/bin/grpo_train "$@" --out "$out/$name" > "$out/raw/$name.log" 2>&1
   else
     python3 -m torch.distributed.run --nproc-per-node "$nproc" --no-python build-gpu/bin/grpo_train "$@" \
-      --out "$out/$name" > "$out/$name.log" 2>&1
+      --out "$out/$name" > "$out/raw/$name.log" 2>&1
   fi
-  echo $? > "$out/$name.rc"
+  echo $? > "$out/raw/$name.rc"
   kill $watcher
-  cp "$out/$name/metrics.jsonl" "$out/metrics_$name.jsonl" 2>/dev/null
+  cp "$out/$name/metrics.jsonl" "$out/raw/metrics_$name.jsonl" 2>/dev/null
   rm -rf "${out:?}/$name"
-  echo "$name: exit $(cat "$out/$name.rc")"
+  echo "$name: exit $(cat "$out/raw/$name.rc")"
+  summary "$name"
 }
 
 summary() {
   python3 - "$out" "$@" <<'PY' | tee -a "$out/summary.txt"
 import json, os, sys
 out = sys.argv[1]
+raw = f"{out}/raw"
 res = {}
 for name in sys.argv[2:]:
-    r = {"exit": int(open(f"{out}/{name}.rc").read())}
+    r = {"exit": int(open(f"{raw}/{name}.rc").read())}
     peak = {}
-    for line in open(f"{out}/mem_{name}.csv"):
+    for line in open(f"{raw}/mem_{name}.csv"):
         try:
             i, mib = (int(x) for x in line.split(","))
         except ValueError:
             continue
         peak[i] = max(peak.get(i, 0), mib)
     r["peak_gpu_mib"] = peak
-    path = f"{out}/metrics_{name}.jsonl"
+    path = f"{raw}/metrics_{name}.jsonl"
     rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
     steady = rows[1:] or rows  # the first step warms up (graphs, plans)
     keys = ["time_step_s", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
-            "optimizer_memory_mib", "peak_memory_update_mib", "grad_norm", "loss"]
+            "optimizer_memory_mib", "optimizer_host_memory_mib", "peak_memory_rollout_mib", "peak_memory_update_mib",
+            "grad_norm", "loss"]
     for k in keys:
         vals = [x[k] for x in steady if k in x]
         if vals:
             r[k] = sum(vals) / len(vals)
     if "sampled_tokens" in r and "time_step_s" in r:
         r["sampled_tokens_per_s"] = r["sampled_tokens"] / r["time_step_s"]
-    log = open(f"{out}/{name}.log", errors="replace").read()
-    plan = [l for l in log.splitlines() if l.startswith("memory plan") or "would fit" in l or "does not fit" in l]
-    r["plan"] = plan[:20]
+    log = open(f"{raw}/{name}.log", errors="replace").read().splitlines()
+    r["log_tail"] = log[-25:]
     res[name] = r
-    print(name, json.dumps({k: v for k, v in r.items() if k != "plan"}))
-    for l in plan[:12]:
-        print("   ", l)
+    print(name, json.dumps({k: v for k, v in r.items() if k != "log_tail"}))
 prev = {}
 if os.path.exists(f"{out}/summary.json"):
     prev = json.load(open(f"{out}/summary.json"))
@@ -90,14 +92,10 @@ if [ "$part" = small ]; then
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
           --set data.eval_path= --set train.eval_prompts=0)
-  names=()
   for stage in none optimizer gradients parameters; do
     run "s05_${stage}_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=$stage
-    names+=("s05_${stage}_${ngpu}gpu")
   done
   run "s05_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients --set train.offload=optimizer
-  names+=("s05_gradients_offload_${ngpu}gpu")
-  summary "${names[@]}"
 fi
 
 if [ "$part" = large ]; then
@@ -117,20 +115,25 @@ with open(sys.argv[3], "w") as f:
         f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
 PY
   cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$ckpt/"
-  # A step of 8 prompts x 8 samples, 512 new tokens: the 7B's memory, not its learning.
+  # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning.
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
           --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4)
-  run s7_none_1gpu 1 "${common[@]}"
-  run s7_lora64_1gpu 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128
-  names=(s7_none_1gpu s7_lora64_1gpu)
-  if [ "$ngpu" -ge 2 ]; then
-    run "s7_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters
-    run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters --set train.offload=optimizer
-    names+=("s7_parameters_${ngpu}gpu" "s7_parameters_offload_${ngpu}gpu")
-  fi
-  summary "${names[@]}"
+  # LARGE_RUNS: which of none_1gpu lora64_1gpu parameters gradients_offload parameters_offload (all).
+  runs=${LARGE_RUNS:-none_1gpu lora64_1gpu parameters gradients_offload parameters_offload}
+  for r in $runs; do
+    case $r in
+      none_1gpu) run s7_none_1gpu 1 "${common[@]}" ;;
+      lora64_1gpu) run s7_lora64_1gpu 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128 ;;
+      parameters) run "s7_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
+      gradients_offload) run "s7_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients \
+                           --set train.offload=optimizer ;;
+      parameters_offload) run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+                            --set train.offload=optimizer ;;
+    esac
+  done
   rm -rf "$ckpt"
 fi
-(cd "$out" && tar czf raw.tgz --remove-files $(ls *.log mem_*.csv metrics_*.jsonl math.jsonl 2>/dev/null | grep -v build.log))
+rm -f "$out/math.jsonl"
+(cd "$out" && tar czf raw.tgz --remove-files raw)
 exit $rc
