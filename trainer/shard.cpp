@@ -233,12 +233,15 @@ void ShardedState::load_from_model() {
 void ShardedState::backward(const at::Tensor& loss, bool ends_step) {
   reducing_ = stage_ != ShardStage::kOptimizer || ends_step;
   if (stage_ == ShardStage::kNone && !ends_step) reducing_ = false;
+  collecting_ = true;
   loss.backward();
+  collecting_ = false;
   if (reducing_) finish_backward();
   reducing_ = false;
 }
 
 void ShardedState::ready(size_t i) {
+  if (!collecting_) return;  // a backward of someone else's (the warm-up's own AdamW reads the gradients)
   Param& p = params_[i];
   at::Tensor& g = p.leaf.mutable_grad();
   if (g.defined()) {

@@ -193,8 +193,9 @@ class ShardedState : public WeightResidency {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   size_t next_unit_ = 0;
-  bool reducing_ = false;  // the running backward reduces its gradients
-  int pinned_ = 0;         // gather_weights() depth
+  bool collecting_ = false;  // a backward of this object's is running: the hooks take its gradients
+  bool reducing_ = false;    // the running backward reduces its gradients
+  int pinned_ = 0;           // gather_weights() depth
   double comm_s_ = 0;
   int shard_world_ = 1;  // ranks the state is split over: 1 with shard none (offload alone)
   bool keep_ = false;    // rollout.keep_weights

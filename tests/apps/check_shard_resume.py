@@ -8,6 +8,8 @@
    one optimizer-<rank>.safetensors per rank of the run that wrote it.
 3. A replicated run resumes the sharded checkpoint (and the other way round) alike.
 4. A resume whose optimizer pieces were deleted exits with code 2, naming the file it needs.
+5. The warm-up (its own AdamW) trains under train.shard gradients as it does replicated: the first RL
+   step after it samples the same rollouts.
 
 usage: check_shard_resume.py GRPO_TRAIN SOURCE_DIR
 """
@@ -112,6 +114,10 @@ with tempfile.TemporaryDirectory() as tmp:
             os.remove(os.path.join(d("lost"), "checkpoint", f))
     p = train(d("lost"), "--nproc", "2", "--set", "train.shard=gradients", "--resume", expect=2)
     check("optimizer-" in p.stderr, f"the error names the missing optimizer state: {p.stderr[-400:]}")
+
+    train(d("warm_replicated"), "--nproc", "2", base=WARM)
+    train(d("warm_sharded"), "--nproc", "2", "--set", "train.shard=gradients", base=WARM)
+    same_steps(d("warm_sharded"), d("warm_replicated"), "a warm-up under train.shard gradients")
 
 if failures:
     print(f"{len(failures)} failure(s)")
