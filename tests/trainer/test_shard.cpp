@@ -35,6 +35,7 @@ struct ShardSetup {
   double clip = 0.05;  // binding: the global norm is about 0.1; 0 = off
   double lr = 3e-2;
   bool lora = false;  // rank-4 adapters on every projection: the trainable tensors are the adapters
+  bool keep = false;  // rollout.keep_weights: the parameters stage keeps what it gathers
 };
 
 Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
@@ -65,6 +66,7 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
   if (s.shard != ShardStage::kNone || s.offload != Offload::kNone) {
     t.shard = s.shard;
     t.offload = s.offload;
+    run.config.rollout.keep_weights = s.keep;
     run.optimizer.reset();
     run.sharded = std::make_shared<ShardedState>(run, s.fault);
   }
@@ -184,13 +186,16 @@ INSTANTIATE_TEST_SUITE_P(, ShardStages,
                                   std::to_string(std::get<1>(info.param)) + "_ranks";
                          });
 
-TEST(ShardedState, TiedEmbeddingsAndOffloadEqualTheReplicatedRun) {
+TEST(ShardedState, TiedEmbeddingsKeptWeightsAndOffloadEqualTheReplicatedRun) {
   const OneThread one;
   const auto ref = reference(/*tie=*/true);
   ShardSetup s;
   s.tie = true;
   s.shard = ShardStage::kParameters;
   for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  s.keep = true;  // gathered once, kept, gathered again after each step
+  for (const auto& w : sharded(s, 3)) EXPECT_LT(rel_diff(w, ref), 1e-6);
+  s.keep = false;
   s.shard = ShardStage::kGradients;
   s.offload = Offload::kOptimizer;
   for (const auto& w : sharded(s, 3)) EXPECT_LT(rel_diff(w, ref), 1e-6);
