@@ -330,7 +330,7 @@ TEST(Lora, MergedModelLogitsEqualTheAdapterModels) {
   // Tiny models of every family at their initialisation (weights of std 0.02), adapters on every target
   // with B non-zero: s B A (~0.04 an element) outweighs the base weights, so the logits (~0.4) are mostly
   // the adapters' doing and the twin (the same adapters scaled by alpha, 4x) moves them by ~0.4.
-  for (const std::string& family : {"llama", "qwen2", "qwen3", "gemma2"}) {
+  for (const std::string family : {"llama", "qwen2", "qwen3", "gemma2"}) {
     SCOPED_TRACE(family);
     Transformer m(model_config_from_json(testing::tiny_family_config(family), family), at::kFloat, at::kCPU, 8);
     Transformer twin_src = m.clone();
@@ -479,7 +479,7 @@ TEST(Peft, TransformersWithPeftGiveOurLogits) {
   }
   const testing::TempDir dir("peft_parity");
   std::string args;
-  for (const std::string& c : {"llama_tied", "qwen2", "qwen3", "gemma2"}) {
+  for (const std::string c : {"llama_tied", "qwen2", "qwen3", "gemma2"}) {
     const fs::path base = fs::path(RLT_MODEL_REFS) / c, out = dir.path() / c;
     Transformer m = Transformer::load(base.string(), at::kFloat, at::kCPU);
     m.attach_lora(options(4, 8), 3);
