@@ -139,6 +139,18 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   EXPECT_NO_THROW(load_config("", {"policy.tis=2", "train.old_logprobs=recompute"}));
   EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "policy.entropy_coef=0.01", "loss.entropy=grad"}))
       << "greedy sampling scores at any temperature";
+  // The sharded state: the parameters stage recomputes each layer, keeps the base whole under LoRA, and the
+  // state always keeps fp32 masters; the warm-up trains whole fp32 weights.
+  expect_error("", {"train.shard=parameters"}, {"train.shard", "activation_checkpointing"});
+  expect_error("", {"train.shard=parameters", "model.activation_checkpointing=true", "lora.rank=8"},
+               {"train.shard", "LoRA"});
+  expect_error("", {"train.shard=gradients", "model.dtype=bfloat16", "train.master_weights=none"},
+               {"train.master_weights", "fp32 masters"});
+  expect_error("", {"train.offload=optimizer", "model.dtype=bfloat16", "sft.steps=5"}, {"sft.steps"});
+  expect_error("", {"lora.targets=q,ffn"}, {"lora.targets", "ffn"});
+  EXPECT_NO_THROW(load_config("", {"train.shard=parameters", "model.activation_checkpointing=true"}));
+  EXPECT_NO_THROW(load_config("", {"train.shard=gradients", "sft.steps=5"})) << "an fp32 warm-up under sharding";
+  EXPECT_NO_THROW(load_config("", {"train.offload=optimizer", "lora.rank=8"}));
 }
 
 TEST(Config, MissingFileAndBadSyntax) {
