@@ -24,7 +24,8 @@ void check_sections(const ConfigReader<Config>& r) {
   // A layer's weights are gathered for its forward and freed after it, and gathered again for its backward:
   // only a layer recomputed in the backward holds no weights between the two.
   if (c.train.shard == ShardStage::kParameters && !c.model.activation_checkpointing) {
-    r.fail("train.shard", "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
+    r.fail("train.shard",
+           "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
   }
   const bool sharded = c.train.shard != ShardStage::kNone || c.train.offload != Offload::kNone;
   if (sharded && c.train.master_weights == MasterWeights::kNone && c.model.dtype == DType::kBFloat16) {
