@@ -99,7 +99,6 @@ ShardedState::ShardedState(Run& run, ShardFault fault)
       keep_(run.config.rollout.keep_weights),
       fault_(fault) {
   shard_world_ = stage_ == ShardStage::kNone ? 1 : world_;
-  const int shard_rank = shard_world_ == 1 ? 0 : rank_;
   for (const auto& [name, t] : run.policy->named_trainable_parameters()) {
     params_.push_back({name, t, t.sizes().vec(), t.numel()});
   }
@@ -161,7 +160,6 @@ ShardedState::ShardedState(Run& run, ShardFault fault)
     G.grad = at::zeros({sizes[g]}, f32);
     G.weights = at::empty({sizes[g]}, f32.dtype(weight_dtype_));
   }
-  (void)shard_rank;
   load_from_model();
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& G = groups_[g];

@@ -94,7 +94,8 @@ enum class ShardFault { kNone, kReduceTwice, kNeverReduce, kSliceOffByOne, kAver
 class ShardedState : public WeightResidency {
  public:
   // Takes the run's trainable tensors and their values as they are now; with the parameters stage the
-  // policy's weights are freed to their chunks (run.policy asks this object for them).
+  // policy's weights are freed to their chunks (run.policy asks this object for them). Holds `run` by
+  // reference, as GradReducer does: the Run stays where it is (make_run returns its own, elided).
   // `fault`: a deliberate mistake, for the tests only.
   explicit ShardedState(Run& run, ShardFault fault = ShardFault::kNone);
   ~ShardedState() override;
