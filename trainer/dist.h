@@ -1,16 +1,17 @@
 // Data-parallel training: the launch environment, the collectives a run uses, how a step's prompts are
 // shared among the ranks, and the gradient reduction that overlaps the backward.
 //
-// Every rank holds the whole model and optimizer. A step's P prompts are drawn by every rank in the same
-// order (the prompt stream and its noise streams are the single-process ones); each rank samples its share,
-// with a prompt's G samples on one rank, so group advantages need no communication. Per optimizer step:
+// Every rank holds the whole model and optimizer, unless train.shard splits them (trainer/shard.h). A
+// step's P prompts are drawn by every rank in the same order (the prompt stream and its noise streams are
+// the single-process ones); each rank samples its share, with a prompt's G samples on one rank, so group
+// advantages need no communication. Per optimizer step:
 //   - the loss denominators (tokens, sequences) are summed over the ranks before the loss, so each rank's
 //     loss is its share of the single-process loss;
 //   - gradients are summed (not averaged) over the ranks in buckets launched as the backward produces
 //     them, so every rank holds the single-process gradient and clips by its global norm;
 //   - metrics are reduced (sums, maxima) or gathered (per-trajectory rows) once a step.
-// Rank 0 writes checkpoints, metrics.jsonl, samples.jsonl and the plot. A checkpoint holds nothing
-// rank-specific, so a run resumes with any number of ranks.
+// Rank 0 writes checkpoints (each rank its optimizer pieces when sharded), metrics.jsonl, samples.jsonl
+// and the plot. A checkpoint's optimizer state is per parameter, so a run resumes with any number of ranks.
 //
 // Two backends behind one interface: NCCL through c10d's ProcessGroupNCCL for CUDA runs (dist_nccl.cpp),
 // and collectives through c10d's key-value store for CPU runs and the CPU tests (the torch wheel ships no
