@@ -23,6 +23,18 @@ void PolicyLossOptions::check(const FieldFail& fail) const {
     fail("icepop_high",
          "the band [icepop_low, icepop_high] must hold 1 with icepop_low > 0 (e.g. 0.5 and 2), or both 0");
   }
+  // TIS/IcePop weigh tokens by a per-token rho; on a per-sequence ratio their level would be mixed.
+  if (ratio_level == RatioLevel::kSequence && tis != 0.0) {
+    fail("tis", "must be 0 with ratio_level: sequence (rho is per token, the GSPO ratio per sequence)");
+  }
+  if (ratio_level == RatioLevel::kSequence && icepop) {
+    fail("icepop_low", "icepop_low and icepop_high must be 0 with ratio_level: sequence (rho is per token)");
+  }
+  if (loss == PolicyLossKind::kCispo && ratio_level != RatioLevel::kToken) {
+    fail("ratio_level", "must be token with loss: cispo (CISPO weighs each token by its own ratio)");
+  }
+  // CISPO's weight is already capped at 1 + clip_eps_high, so the dual clip would never bind.
+  if (loss == PolicyLossKind::kCispo && clip_c != 0.0) fail("clip_c", "must be 0 with loss: cispo");
 }
 
 namespace {
@@ -140,20 +152,34 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   // Zeroed outside the mask before exp(): padding may hold -inf or large policy gaps; where() keeps
   // both the forward value and the gradient there exactly 0 (no inf * 0 = NaN in backward).
   const at::Tensor log_ratio = at::where(valid, logprobs - logprobs_old, 0.0);  // (S, L)
-  const at::Tensor ratio = at::exp(log_ratio);                                  // (S, L)
-  const at::Tensor pg_unclipped = -advantages * ratio;                          // (S, L)
-  const at::Tensor pg_clipped =
-      -advantages * at::clamp(ratio, 1.0 - opt.clip_eps_low, 1.0 + opt.clip_eps_high);  // (S, L)
-  // Pessimistic bound (PPO eq. 7 as a loss): the larger loss. At a tie (ratio inside the clip range)
-  // maximum() splits the gradient half/half between two identical branches: the full gradient.
-  const at::Tensor pg_max = at::maximum(pg_unclipped, pg_clipped);  // (S, L)
-  at::Tensor pg = pg_max;                                           // (S, L)
-  at::Tensor dual_bound;                                            // (S, L) or (S, 1)
-  if (opt.clip_c > 1.0) {
-    // Dual clip (Ye et al. 2020, eq. 5): for A < 0 the loss -A*r grows without bound in r; cap it at
-    // -A*c so a few stale tokens with huge ratios cannot dominate the update.
-    dual_bound = -advantages * opt.clip_c;
-    pg = at::where(advantages < 0, at::minimum(pg_max, dual_bound), pg_max);
+  const bool seq_level = opt.ratio_level == RatioLevel::kSequence;
+  const at::Tensor seq_tokens = valid.sum(/*dim=*/1, /*keepdim=*/true).to(dtype);  // (S, 1) mask tokens
+  // GSPO: exp of the mean log-ratio over the sequence's mask tokens (count clamped to >= 1: an empty
+  // sequence gets ratio 1 and no term), broadcast to its tokens; the gradient flows into each token.
+  const at::Tensor ratio = seq_level ? at::exp(log_ratio.sum(/*dim=*/1, /*keepdim=*/true) / seq_tokens.clamp_min(1.0))
+                                     : at::exp(log_ratio);  // (S, 1) or (S, L)
+  const at::Tensor ratio_clamped = at::clamp(ratio, 1.0 - opt.clip_eps_low, 1.0 + opt.clip_eps_high);
+  const bool cispo = opt.loss == PolicyLossKind::kCispo;
+  at::Tensor pg_unclipped, pg_clipped, pg_max, pg;  // (S, L); the first three for ppo_clip only
+  at::Tensor dual_bound;                            // (S, L) or (S, 1)
+  if (cispo) {
+    // CISPO: the clipped ratio is a detached weight on the log-prob's gradient. logprobs is zeroed
+    // outside the mask so that -inf padding gives no NaN gradient through the product.
+    pg = -advantages * ratio_clamped.detach() * at::where(valid, logprobs, 0.0);
+  } else {
+    // expand(): with a per-sequence ratio and advantages both are (S, 1).
+    pg_unclipped = (-advantages * ratio).expand({S, logprobs.size(1)});        // (S, L)
+    pg_clipped = (-advantages * ratio_clamped).expand({S, logprobs.size(1)});  // (S, L)
+    // Pessimistic bound (PPO eq. 7 as a loss): the larger loss. At a tie (ratio inside the clip range)
+    // maximum() splits the gradient half/half between two identical branches: the full gradient.
+    pg_max = at::maximum(pg_unclipped, pg_clipped);  // (S, L)
+    pg = pg_max;
+    if (opt.clip_c > 1.0) {
+      // Dual clip (Ye et al. 2020, eq. 5): for A < 0 the loss -A*r grows without bound in r; cap it
+      // at -A*c so a few stale tokens with huge ratios cannot dominate the update.
+      dual_bound = -advantages * opt.clip_c;
+      pg = at::where(advantages < 0, at::minimum(pg_max, dual_bound), pg_max);
+    }
   }
   // Rollout/trainer mismatch: rho = pi_old / pi_rollout per token, a constant weight on the surrogate.
   at::Tensor rho;  // (S, L), defined with tis or icepop
@@ -195,7 +221,16 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
   out.pg_loss = aggregate_loss(pg.detach(), valid, opt.agg, opt.agg_norm, in.global_denominator);
   out.kl = kl_tok.defined() ? masked_token_mean(kl_tok.detach(), valid) : at::zeros({}, logprobs.options());
   if (entropy_tok.defined()) out.entropy = masked_token_mean(entropy_tok.detach(), valid);
-  out.clip_frac = masked_token_mean((pg_clipped > pg_unclipped).to(dtype), valid);
+  if (cispo) {
+    out.clip_frac = masked_token_mean((ratio_clamped != ratio).to(dtype), valid);
+  } else if (seq_level) {
+    // A sequence counts as clipped when the clipped branch is taken at any of its mask tokens.
+    const at::Tensor taken = ((pg_clipped > pg_unclipped) & valid).any(/*dim=*/1);  // (S) bool
+    const at::Tensor nonempty = seq_tokens.squeeze(1) > 0;                          // (S) bool
+    out.clip_frac = (taken & nonempty).sum().to(dtype) / nonempty.sum().to(dtype).clamp_min(1.0);
+  } else {
+    out.clip_frac = masked_token_mean((pg_clipped > pg_unclipped).to(dtype), valid);
+  }
   out.approx_kl = masked_token_mean(0.5 * log_ratio.detach() * log_ratio.detach(), valid);
   out.dual_clip_frac = dual_bound.defined()
                            ? masked_token_mean(((advantages < 0) & (pg_max > dual_bound)).to(dtype), valid)

@@ -1,8 +1,7 @@
 // Clipped-surrogate policy loss for RL post-training (PPO / GRPO / DAPO / Dr. GRPO variants) on
 // precomputed per-token log-probs, with an optional KL penalty to a reference policy, an entropy bonus
 // and four loss aggregations. Leaves out: computing log-probs (loss/logprob.h), advantage estimation
-// (GAE, group normalisation), the value loss (which reuses aggregate_loss) and sequence-level ratios
-// (GSPO).
+// (GAE, group normalisation) and the value loss (which reuses aggregate_loss).
 //
 // Shape letters: S = sequences in the (micro-)batch, L = padded response length.
 //
@@ -20,6 +19,21 @@
 //   tis     pg *= min(rho, tis)                       truncated importance sampling (Yao et al. 2025)
 //   icepop  pg *= [icepop_low <= rho <= icepop_high]  tokens outside the band give no gradient (IcePop)
 // Both leave the denominators as they are: a masked token still counts, with a zero term.
+//
+// Sequence-level ratio (ratio_level = sequence; GSPO, Zheng et al. 2025): per sequence i with
+// mask tokens T_i, s_i = exp(mean_{t in T_i} (logprobs - logprobs_old)), the exp of the mean log-ratio,
+// so its gradient reaches every token's log-prob (d s_i / d logprobs_t = s_i / |T_i|). Every mask token
+// t of sequence i then takes pg = max(-A_t s_i, -A_t clamp(s_i, 1 - clip_eps_low, 1 + clip_eps_high))
+// (A_t = A_i with per-sequence advantages, GSPO's setting), then the dual clip as above and the
+// configured aggregation; GSPO's own objective is seq-mean-token-mean. tis/icepop are refused (their
+// rho is per token).
+//
+// CISPO (loss = cispo; MiniMax-M1, MiniMax 2025): per token
+//   pg = -sg(clamp(r, 1 - clip_eps_low, 1 + clip_eps_high)) A logprobs
+// with sg = stop-gradient, so d pg / d logprobs = -w A with the clipped weight w: every token keeps a
+// gradient, with its importance weight capped. The value of pg is a surrogate (it scales with the
+// log-prob), only its gradient means something. tis/icepop multiply it as above; clip_c and
+// ratio_level = sequence are refused.
 //
 // Masking: loss_mask != 0 marks tokens that count (its values are used as 0/1, not as weights). The
 // log-ratios are zeroed outside the mask before exp(), so garbage log-probs at prompt/padding
@@ -80,6 +94,23 @@ inline const EnumNames<LossAgg>& enum_names(LossAgg) {
   return names;
 }
 
+// Which ratio the clipped surrogate uses: each token's own, or one per sequence (GSPO).
+enum class RatioLevel { kToken, kSequence };
+
+inline const EnumNames<RatioLevel>& enum_names(RatioLevel) {
+  static const EnumNames<RatioLevel> names{{"token", RatioLevel::kToken}, {"sequence", RatioLevel::kSequence}};
+  return names;
+}
+
+// The policy-gradient term: PPO's clipped surrogate, or CISPO's clipped, detached importance weight.
+enum class PolicyLossKind { kPpoClip, kCispo };
+
+inline const EnumNames<PolicyLossKind>& enum_names(PolicyLossKind) {
+  static const EnumNames<PolicyLossKind> names{{"ppo_clip", PolicyLossKind::kPpoClip},
+                                               {"cispo", PolicyLossKind::kCispo}};
+  return names;
+}
+
 struct PolicyLossOptions {
   double clip_eps_low = 0.2;   // ratio lower clip 1 - eps_low
   double clip_eps_high = 0.2;  // ratio upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28)
@@ -93,6 +124,8 @@ struct PolicyLossOptions {
   double tis = 0.0;         // truncated importance sampling cap C on rho; 0 = off
   double icepop_low = 0.0;  // IcePop band [low, high] on rho; both 0 = off
   double icepop_high = 0.0;
+  RatioLevel ratio_level = RatioLevel::kToken;  // token (PPO) | sequence (GSPO)
+  PolicyLossKind loss = PolicyLossKind::kPpoClip;
 
   template <class V>
   void visit(V&& v) {
@@ -123,10 +156,20 @@ struct PolicyLossOptions {
     v("icepop_low", icepop_low, "IcePop: tokens with rho below this give no gradient; 0 with icepop_high 0 = off",
       FieldRange{0, kInf});
     v("icepop_high", icepop_high, "IcePop: tokens with rho above this give no gradient", FieldRange{0, kInf});
+    v("ratio_level", ratio_level,
+      "importance ratio of the clipped surrogate: token | sequence (GSPO, Zheng et al. 2025: "
+      "exp of the mean log-ratio over a sequence's mask tokens, clipped to [1 - clip_eps_low, "
+      "1 + clip_eps_high]; GSPO uses tiny ranges, e.g. clip_eps_low 3e-4 and clip_eps_high 4e-4, and "
+      "seq-mean-token-mean); sequence refuses tis and icepop");
+    v("loss", loss,
+      "policy-gradient term: ppo_clip | cispo (MiniMax-M1 2025: -sg(clamp(r, 1 - clip_eps_low, "
+      "1 + clip_eps_high)) * A * logprob, the clipped ratio detached); cispo needs ratio_level token "
+      "and clip_c 0");
   }
 
   // Cross-field rules: clip_c is 0 or > 1; agg_norm > 0 when agg is seq-mean-token-sum-norm; the IcePop
-  // band is off or 0 < low <= 1 <= high; tis is 0 or >= 1.
+  // band is off or 0 < low <= 1 <= high; tis is 0 or >= 1; ratio_level sequence without tis and
+  // icepop; loss cispo with ratio_level token and clip_c 0.
   void check(const FieldFail& fail) const;
 };
 
@@ -147,15 +190,21 @@ struct PolicyLossInputs {
 };
 
 // Metrics are this micro-batch's own masked token means (they ignore global_denominator); average
-// them over micro-batches weighted by mask-token count if an exact mini-batch value is needed.
+// them over micro-batches weighted by mask-token count if an exact mini-batch value is needed (the
+// sequence-level clip_frac is a mean over non-empty sequences: weight it by their count instead).
 struct PolicyLossOutput {
   at::Tensor loss;            // () differentiable: aggregate of pg + kl_coef*kl - entropy_coef*entropy
   at::Tensor pg_loss;         // () the clipped-surrogate part, same aggregation as loss (detached)
   at::Tensor kl;              // () masked token-mean of the chosen KL estimator vs ref (detached; 0 if no
                               //    ref given, computed as a metric if ref is given with kl_coef = 0)
   at::Tensor entropy;         // () masked token-mean entropy (detached; undefined if none given)
-  at::Tensor clip_frac;       // () fraction of mask tokens where the clipped branch was taken, i.e.
-                              //    the clipped term was strictly larger (detached)
+  at::Tensor clip_frac;       // () ppo_clip, token level: fraction of mask tokens where the clipped
+                              //    branch was taken, i.e. the clipped term was strictly larger.
+                              //    sequence level: fraction of the sequences with >= 1 mask token
+                              //    (each weighs 1, whatever its length) where the clipped branch was
+                              //    taken at a mask token (at all of them with per-sequence A).
+                              //    cispo: fraction of mask tokens whose weight r was clamped, i.e.
+                              //    r outside [1 - clip_eps_low, 1 + clip_eps_high] (detached)
   at::Tensor approx_kl;       // () masked mean of 0.5*(logprobs - logprobs_old)^2, vs the behaviour
                               //    policy (detached)
   at::Tensor dual_clip_frac;  // () fraction of mask tokens where A < 0 and the dual-clip bound -A*c

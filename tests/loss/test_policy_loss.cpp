@@ -544,6 +544,28 @@ TEST(PolicyLossOptions, Check) {
   opt.agg = LossAgg::kTokenMean;
   opt.agg_norm = 0.0;  // unused outside the norm mode
   EXPECT_EQ(failed_keys(opt), Keys{});
+  // GSPO's per-sequence ratio refuses the per-token mismatch weights; CISPO refuses the sequence
+  // ratio and the dual clip.
+  opt.ratio_level = RatioLevel::kSequence;
+  opt.clip_c = 3.0;  // defined at sequence level: the cap applies to the sequence's surrogate
+  EXPECT_EQ(failed_keys(opt), Keys{});
+  opt.clip_c = 0.0;
+  opt.tis = 2.0;
+  EXPECT_EQ(failed_keys(opt), Keys{"tis"});
+  opt.tis = 0.0;
+  opt.icepop_low = 0.5;
+  opt.icepop_high = 2.0;
+  EXPECT_EQ(failed_keys(opt), Keys{"icepop_low"});
+  opt.icepop_low = opt.icepop_high = 0.0;
+  opt.loss = PolicyLossKind::kCispo;
+  EXPECT_EQ(failed_keys(opt), Keys{"ratio_level"});
+  opt.ratio_level = RatioLevel::kToken;
+  EXPECT_EQ(failed_keys(opt), Keys{});
+  opt.clip_c = 3.0;
+  EXPECT_EQ(failed_keys(opt), Keys{"clip_c"});
+  opt.clip_c = 0.0;
+  opt.tis = 2.0;  // a constant per-token weight on CISPO's term: allowed
+  EXPECT_EQ(failed_keys(opt), Keys{});
 }
 
 // Field visitor (fields.h convention) that records the keys and checks each has a doc and a sane range.
@@ -615,7 +637,10 @@ TEST(PolicyLossOptions, VisitListsEveryFieldAndEnumNames) {
   std::vector<std::string> names;
   opt.visit(CollectFields{&names});
   EXPECT_EQ(names, (std::vector<std::string>{"clip_eps_low", "clip_eps_high", "clip_c", "kl_coef", "kl_estimator",
-                                             "entropy_coef", "agg", "agg_norm", "tis", "icepop_low", "icepop_high"}));
+                                             "entropy_coef", "agg", "agg_norm", "tis", "icepop_low", "icepop_high",
+                                             "ratio_level", "loss"}));
+  EXPECT_STREQ(enum_to_string(RatioLevel::kSequence), "sequence");
+  EXPECT_STREQ(enum_to_string(PolicyLossKind::kCispo), "cispo");
   EXPECT_STREQ(enum_to_string(KlEstimator::kK2), "k2");
   EXPECT_STREQ(enum_to_string(LossAgg::kTokenMean), "token-mean");
   EXPECT_STREQ(enum_to_string(LossAgg::kSeqMeanTokenMean), "seq-mean-token-mean");
@@ -656,6 +681,204 @@ TEST(PolicyLoss, RejectsBadInputsAndOptions) {
   bad.agg = LossAgg::kSeqMeanTokenSumNorm;
   bad.agg_norm = 0.0;  // check(): norm mode needs agg_norm > 0
   EXPECT_THROW(policy_loss(good, bad), c10::Error);
+}
+
+PolicyLossOptions gspo(double eps_low, double eps_high) {
+  PolicyLossOptions opt;
+  opt.ratio_level = RatioLevel::kSequence;
+  opt.clip_eps_low = eps_low;
+  opt.clip_eps_high = eps_high;
+  opt.agg = LossAgg::kSeqMeanTokenMean;
+  return opt;
+}
+
+TEST(PolicyLossGspo, RatioIsExpOfMeanLogRatio) {
+  // Sequence 0: log-ratios [0.1, -0.3, 0.05], all masked in, A = 1.
+  // Sequence 1: log-ratios [0.2, 0.4, 5.0], mask [1, 1, 0], A = -0.5.
+  //   s_0 = exp((0.1 - 0.3 + 0.05) / 3) = exp(-0.05),  s_1 = exp((0.2 + 0.4) / 2) = exp(0.3).
+  // Clip range [0.1, 11]: no clipping, so each token's pg = -A_i s_i; seq-mean-token-mean:
+  //   loss = (-1 * s_0 + 0.5 * s_1) / 2.
+  PolicyLossInputs in;
+  in.logprobs = mat({{-2.0 + 0.1, -2.0 - 0.3, -2.0 + 0.05}, {-2.0 + 0.2, -2.0 + 0.4, -2.0 + 5.0}}).requires_grad_();
+  in.logprobs_old = mat({{-2.0, -2.0, -2.0}, {-2.0, -2.0, -2.0}});
+  in.advantages = vec({1.0, -0.5});
+  in.loss_mask = mat({{1, 1, 1}, {1, 1, 0}});
+  const PolicyLossOutput out = policy_loss(in, gspo(0.9, 10.0));
+  auto loss_of = [](double s0, double s1) { return (-1.0 * s0 + 0.5 * s1) / 2; };
+  const double want = loss_of(std::exp(-0.05), std::exp(0.3));
+  EXPECT_TRUE(near(val(out.loss), want, kTolF64)) << val(out.loss) << " vs " << want;
+  // Wrong: the mean of the ratios, the exp of the summed log-ratios, the padding token counted.
+  const double mean_of_ratios =
+      loss_of((std::exp(0.1) + std::exp(-0.3) + std::exp(0.05)) / 3, (std::exp(0.2) + std::exp(0.4)) / 2);
+  const double exp_of_sum = loss_of(std::exp(-0.15), std::exp(0.6));
+  const double unmasked = loss_of(std::exp(-0.05), std::exp((0.2 + 0.4 + 5.0) / 3));
+  for (double wrong : {mean_of_ratios, exp_of_sum, unmasked}) {
+    EXPECT_FALSE(near(val(out.loss), wrong, kTolF64)) << wrong;
+  }
+}
+
+TEST(PolicyLossGspo, ClipFractionCountsSequences) {
+  // GSPO's tiny range [1 - 3e-4, 1 + 4e-4]; advantages per sequence; seq-mean-token-mean.
+  //   seq 0: 3 tokens, log-ratios [0.02, 0.01, 0.0], mean 0.01, A = 1: s = e^0.01 > 1.0004 -> clipped,
+  //          pg = -1.0004 on each token.
+  //   seq 1: 1 token, log-ratio -0.01, A = 1: s = e^-0.01 < 0.9997 -> pg = max(-s, -0.9997) = -s.
+  //   seq 2: no mask token (ignored by the aggregation and by the clip fraction).
+  //   seq 3: 2 tokens, log-ratios [-0.02, 0.0], mean -0.01, A = -1: pg = max(s, 0.9997) = 0.9997 ->
+  //          clipped.
+  // clip_frac = 2 clipped / 3 non-empty sequences; loss = (-1.0004 - e^-0.01 + 0.9997) / 3.
+  PolicyLossInputs in;
+  in.logprobs = mat({{-1.0 + 0.02, -1.0 + 0.01, -1.0},
+                     {-1.0 - 0.01, -1.0, -1.0},
+                     {-1.0 + 0.5, -1.0, -1.0},
+                     {-1.0 - 0.02, -1.0, -1.0}})
+                    .requires_grad_();
+  in.logprobs_old = at::full({4, 3}, -1.0, at::kDouble);
+  in.advantages = vec({1.0, 1.0, 1.0, -1.0});
+  in.loss_mask = mat({{1, 1, 1}, {1, 0, 0}, {0, 0, 0}, {1, 1, 0}});
+  const PolicyLossOutput out = policy_loss(in, gspo(3e-4, 4e-4));
+  EXPECT_TRUE(near(val(out.clip_frac), 2.0 / 3, kTolF64)) << val(out.clip_frac);
+  // Wrong: weighted by mask tokens (5 of 6), or with the empty sequence counted (2 of 4).
+  EXPECT_FALSE(near(val(out.clip_frac), 5.0 / 6, kTolF64));
+  EXPECT_FALSE(near(val(out.clip_frac), 2.0 / 4, kTolF64));
+  const double want = (-1.0004 - std::exp(-0.01) + 0.9997) / 3;
+  EXPECT_TRUE(near(val(out.loss), want, kTolF64)) << val(out.loss) << " vs " << want;
+  // Wrong: the symmetric default range [0.8, 1.2] clips nothing: (-e^0.01 - e^-0.01 + e^-0.01) / 3.
+  EXPECT_FALSE(near(val(policy_loss(in, gspo(0.2, 0.2)).loss), want, kTolF64));
+  out.loss.backward();
+  // The clipped sequences 0 and 3 get no gradient; sequence 1's token gets -A s / (1 token * 3 seqs).
+  const at::Tensor g = in.logprobs.grad();
+  EXPECT_TRUE(near(val(g[0].abs().sum() + g[3].abs().sum()), 0.0, kTolF64));
+  EXPECT_TRUE(near(val(g[1][0]), -std::exp(-0.01) / 3, kTolF64)) << val(g[1][0]);
+}
+
+TEST(PolicyLossGspo, GradientMatchesFiniteDifference) {
+  // Autograd d loss/d logprobs vs float64 central differences for the sequence-level ratio, with one
+  // clipped sequence (0), padding (sequence 2) and two aggregations.
+  constexpr int64_t S = 3, L = 5;
+  at::manual_seed(12);
+  const at::Tensor logprobs = -2.0 * at::rand({S, L}, at::kDouble);           // (S, L)
+  at::Tensor logprobs_old = logprobs + 0.3 * at::randn({S, L}, at::kDouble);  // (S, L)
+  logprobs_old[0] = logprobs[0] - 0.5;                                        // s_0 = e^0.5 > 1.28 with A = 1: clipped
+  const at::Tensor advantages = vec({1.0, -0.7, 1.3});
+  at::Tensor mask = at::ones({S, L}, at::kDouble);
+  mask[2].narrow(0, 3, 2).fill_(0.0);  // padding
+  for (LossAgg agg : {LossAgg::kTokenMean, LossAgg::kSeqMeanTokenMean}) {
+    SCOPED_TRACE(enum_to_string(agg));
+    PolicyLossOptions opt = clip_higher();
+    opt.ratio_level = RatioLevel::kSequence;
+    opt.agg = agg;
+    auto loss_at = [&](const at::Tensor& lp, const PolicyLossOptions& o) {
+      PolicyLossInputs in;
+      in.logprobs = lp;
+      in.logprobs_old = logprobs_old;
+      in.advantages = advantages;
+      in.loss_mask = mask;
+      return policy_loss(in, o).loss;
+    };
+    const at::Tensor lp = logprobs.clone().requires_grad_();
+    loss_at(lp, opt).backward();
+    const at::Tensor grad = lp.grad();  // (S, L)
+    at::Tensor grad_fd = at::zeros({S, L}, at::kDouble);
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t l = 0; l < L; ++l) {
+        at::Tensor plus = logprobs.clone(), minus = logprobs.clone();
+        plus[s][l] += kFdStep;
+        minus[s][l] -= kFdStep;
+        grad_fd[s][l] = (val(loss_at(plus, opt)) - val(loss_at(minus, opt))) / (2 * kFdStep);
+      }
+    }
+    EXPECT_TRUE(near(max_abs_diff(grad, grad_fd), 0.0, kFdTol)) << max_abs_diff(grad, grad_fd);
+    EXPECT_TRUE(near(val(grad[0].abs().sum()), 0.0, kTolF64));  // clipped sequence: no gradient
+    EXPECT_GT(val(grad.abs().max()), 0.05);                     // not two near-zero tensors
+    // Wrong: a detached sequence ratio (no gradient at all), and each token's own ratio (token level).
+    EXPECT_FALSE(near(max_abs_diff(at::zeros_like(grad_fd), grad_fd), 0.0, kFdTol));
+    PolicyLossOptions token = opt;
+    token.ratio_level = RatioLevel::kToken;
+    const at::Tensor lp_wrong = logprobs.clone().requires_grad_();
+    loss_at(lp_wrong, token).backward();
+    EXPECT_FALSE(near(max_abs_diff(lp_wrong.grad(), grad_fd), 0.0, kFdTol));
+  }
+}
+
+TEST(PolicyLossGspo, OneTokenSequenceEqualsTokenLevel) {
+  // A sequence with a single mask token has s = r, so sequence level is token-level PPO (clip-higher
+  // and dual clip included). A padding position after it holds log-ratio 5, which must not count.
+  // Wrong: the mean taken over L = 2 positions with the padding's log-ratio zeroed, s = exp(lr / 2).
+  const double cases[][2] = {{0.1, 1.0}, {-0.5, 1.0}, {1.5, -1.0}, {0.05, -1.0}, {-0.4, -2.0}};
+  for (const auto& c : cases) {
+    const double lr = c[0], adv = c[1];
+    SCOPED_TRACE("log-ratio " + std::to_string(lr) + ", A " + std::to_string(adv));
+    PolicyLossOptions opt = clip_higher();
+    opt.clip_c = 3.0;
+    const OneToken tok = one_token(lr, adv, opt);
+    opt.ratio_level = RatioLevel::kSequence;
+    PolicyLossInputs in;
+    in.logprobs = mat({{-2.0 + lr, -2.0 + 5.0}}).requires_grad_();
+    in.logprobs_old = mat({{-2.0, -2.0}});
+    in.advantages = vec({adv});
+    in.loss_mask = mat({{1, 0}});
+    const PolicyLossOutput out = policy_loss(in, opt);
+    out.loss.backward();
+    EXPECT_TRUE(near(val(out.loss), tok.loss, kTolF64)) << val(out.loss) << " vs " << tok.loss;
+    EXPECT_TRUE(near(val(in.logprobs.grad()[0][0]), tok.dloss_dlogprob, kTolF64));
+    EXPECT_TRUE(near(val(in.logprobs.grad()[0][1]), 0.0, kTolF64));
+    EXPECT_TRUE(near(val(out.clip_frac), tok.clip_frac, kTolF64));
+    EXPECT_TRUE(near(val(out.dual_clip_frac), tok.dual_clip_frac, kTolF64));
+    const double half = std::exp(lr / 2);
+    double wrong = std::max(-adv * half, -adv * std::clamp(half, 0.8, 1.28));
+    if (adv < 0) wrong = std::min(wrong, -adv * 3.0);
+    EXPECT_FALSE(near(val(out.loss), wrong, kTolF64)) << wrong;
+  }
+}
+
+TEST(PolicyLossCispo, WeightCarriesNoGradient) {
+  // Tokens (logprobs_old = -1, A per sequence [1, -2], mask [[1, 1, 1], [1, 1, 0]], range [0.8, 1.28]):
+  //   log-ratios [0.5, 0.1, -0.5] and [0.2, -0.1, (padding: logprob -inf)].
+  //   w = clamp(e^lr) = [1.28, e^0.1, 0.8] and [e^0.2, e^-0.1]: tokens 0 and 2 of sequence 0 clamped.
+  // token-mean over D = 5 tokens: loss = -sum w A logprob / 5, d loss / d logprob = -w A / 5.
+  const double lr[2][3] = {{0.5, 0.1, -0.5}, {0.2, -0.1, 0.0}};
+  const double adv[2] = {1.0, -2.0};
+  PolicyLossInputs in;
+  in.logprobs =
+      mat({{-1.0 + lr[0][0], -1.0 + lr[0][1], -1.0 + lr[0][2]}, {-1.0 + lr[1][0], -1.0 + lr[1][1], -INFINITY}})
+          .requires_grad_();
+  in.logprobs_old = at::full({2, 3}, -1.0, at::kDouble);
+  in.advantages = vec({adv[0], adv[1]});
+  in.loss_mask = mat({{1, 1, 1}, {1, 1, 0}});
+  PolicyLossOptions opt = clip_higher();
+  opt.loss = PolicyLossKind::kCispo;
+  const PolicyLossOutput out = policy_loss(in, opt);
+  out.loss.backward();
+  const at::Tensor grad = in.logprobs.grad();
+  at::Tensor want_grad = at::zeros({2, 3}, at::kDouble), wrong_grad = at::zeros({2, 3}, at::kDouble);
+  double want_loss = 0.0;
+  for (int s = 0; s < 2; ++s) {
+    for (int t = 0; t < (s == 0 ? 3 : 2); ++t) {
+      const double r = std::exp(lr[s][t]), lp = -1.0 + lr[s][t];
+      const double w = std::clamp(r, 0.8, 1.28);
+      const double dw = (r > 0.8 && r < 1.28) ? r : 0.0;  // d w / d logprob where w is not detached
+      want_loss += -w * adv[s] * lp / 5;
+      want_grad[s][t] = -w * adv[s] / 5;
+      // Wrong: the weight carries gradient, d/dlp (w A lp) = A (dw lp + w).
+      wrong_grad[s][t] = -adv[s] * (dw * lp + w) / 5;
+    }
+  }
+  EXPECT_TRUE(near(val(out.loss), want_loss, kTolF64)) << val(out.loss) << " vs " << want_loss;
+  EXPECT_TRUE(near(max_abs_diff(grad, want_grad), 0.0, kTolF64)) << max_abs_diff(grad, want_grad);
+  EXPECT_FALSE(near(max_abs_diff(grad, wrong_grad), 0.0, kTolF64));
+  // Every token keeps a gradient, clamped ones too (PPO would zero tokens 0 and 2 of sequence 0).
+  EXPECT_GT(std::abs(val(grad[0][0])), 0.1);
+  EXPECT_GT(std::abs(val(grad[0][2])), 0.1);
+  // Wrong: PPO's clipped surrogate on the same tokens gives them no gradient.
+  const at::Tensor lp_ppo = in.logprobs.detach().clone().requires_grad_();
+  PolicyLossInputs ppo_in = in;
+  ppo_in.logprobs = lp_ppo;
+  policy_loss(ppo_in, clip_higher()).loss.backward();
+  EXPECT_FALSE(near(max_abs_diff(lp_ppo.grad(), want_grad), 0.0, kTolF64));
+  // clip_frac: the share of mask tokens whose weight was clamped, 2 of 5 (PPO's branch rule gives 1 of
+  // 5: token 2 of sequence 0 has A > 0 and r < 0.8, where PPO keeps the unclipped branch).
+  EXPECT_TRUE(near(val(out.clip_frac), 2.0 / 5, kTolF64)) << val(out.clip_frac);
+  EXPECT_FALSE(near(val(out.clip_frac), 1.0 / 5, kTolF64));
 }
 
 }  // namespace
