@@ -33,7 +33,14 @@ void UpdateMetrics::add_micro_batch(const at::Tensor& loss, const PolicyLossOutp
   step_loss_ = step_loss_.defined() ? step_loss_ + l : l;
   add(per_update_, "pg_loss", out.pg_loss);
   add(per_token_, "kl", out.kl * tokens);
-  add(per_token_, "clip_frac", out.clip_frac * tokens);
+  if (clip_per_sequence_) {
+    const at::Tensor seqs = (loss_mask.detach().sum(1) > 0).sum().to(at::kDouble);  // ()
+    const at::Tensor c = out.clip_frac.detach().to(at::kDouble).reshape({}) * seqs;
+    clip_sum_ = clip_sum_.defined() ? clip_sum_ + c : c;
+    clip_sequences_ = clip_sequences_.defined() ? clip_sequences_ + seqs : seqs;
+  } else {
+    add(per_token_, "clip_frac", out.clip_frac * tokens);
+  }
   add(per_token_, "approx_kl", out.approx_kl * tokens);
   add(per_token_, "dual_clip_frac", out.dual_clip_frac * tokens);
   if (out.tis_clip_frac.defined()) add(per_token_, "tis_clip_frac", out.tis_clip_frac * tokens);
@@ -102,6 +109,10 @@ std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
     names.push_back(name);
     values.push_back(v);
   }
+  if (clip_sum_.defined()) {
+    values.push_back(clip_sum_);
+    values.push_back(clip_sequences_);
+  }
   if (tokens_.defined()) {
     names.push_back("");
     values.push_back(tokens_);
@@ -121,6 +132,10 @@ std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
   const double tokens = tokens_.defined() ? std::max(1.0, h[values.size() - 1]) : 1.0;
   for (size_t i = 0; i < per_update_.size(); ++i) m[names[i]] = h[i] / n_upd;
   for (size_t i = per_update_.size(); i < per_update_.size() + per_token_.size(); ++i) m[names[i]] = h[i] / tokens;
+  if (clip_sum_.defined()) {
+    const size_t k = per_update_.size() + per_token_.size();
+    m["clip_frac"] = h[k] / std::max(1.0, h[k + 1]);
+  }
   return m;
 }
 

@@ -45,9 +45,12 @@ class PhasePeaks {
 //   * per loss-mask token, averaged over every micro-batch's loss-mask tokens: kl, entropy, clip_frac,
 //     approx_kl, dual_clip_frac, logprob_mean, and the sums given to add_token_sum (PPO's
 //     value_clip_frac). A micro-batch's token mean is weighted by its own token count.
+//   * clip_frac with policy.ratio_level sequence (GSPO): a share of sequences, so a micro-batch's value
+//     is weighted by its sequences with a loss-mask token, and averaged over them.
 class UpdateMetrics {
  public:
-  explicit UpdateMetrics(const at::Device& device) : device_(device) {}
+  explicit UpdateMetrics(const at::Device& device, bool clip_per_sequence = false)
+      : device_(device), clip_per_sequence_(clip_per_sequence) {}
   // One micro-batch: `loss` () is what was backpropagated (the policy loss plus any extra term);
   // logprobs, loss_mask (S_m, R).
   void add_micro_batch(const at::Tensor& loss, const PolicyLossOutput& out, const at::Tensor& logprobs,
@@ -71,6 +74,8 @@ class UpdateMetrics {
   std::map<std::string, at::Tensor> per_update_;  // name -> () float64 sum over optimizer steps
   std::map<std::string, at::Tensor> per_token_;   // name -> () float64 sum over loss-mask tokens
   at::Tensor tokens_;                             // () float64 loss-mask tokens
+  bool clip_per_sequence_ = false;
+  at::Tensor clip_sum_, clip_sequences_;  // clip_per_sequence_: () float64 sums of clip_frac x sequences, of sequences
   double grad_norm_sum_ = 0;
   int64_t updates_ = 0;
 };

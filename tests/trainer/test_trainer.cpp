@@ -254,6 +254,26 @@ TEST(UpdateMetrics, LossesAddUpPerMiniBatchAndTokenMeansWeighByTokens) {
   EXPECT_EQ(m.at("entropy"), 0.0) << "no micro-batch reported entropy";
 }
 
+// GSPO's clip fraction is a share of sequences: micro-batches weigh by their sequences with a loss-mask
+// token. Two micro-batches: 1 of 2 sequences clipped (5 tokens), 1 of 1 clipped (1 token), one sequence
+// of the first empty: 2/3 of the sequences, where token weighting would give (0.5 x 5 + 1 x 1) / 6.
+TEST(UpdateMetrics, SequenceLevelClipFractionWeighsBySequences) {
+  UpdateMetrics um(at::kCPU, /*clip_per_sequence=*/true);
+  auto add = [&](double clip, const at::Tensor& mask) {
+    PolicyLossOutput out;
+    out.loss = out.pg_loss = out.kl = out.approx_kl = out.dual_clip_frac = at::scalar_tensor(0.0, at::kFloat);
+    out.clip_frac = at::scalar_tensor(clip, at::kFloat);
+    um.add_micro_batch(out.loss, out, at::zeros(mask.sizes()), mask);
+  };
+  add(0.5, at::tensor({1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0}, at::kFloat).view({3, 4}));  // third row empty
+  add(1.0, at::tensor({1, 0, 0, 0}, at::kFloat).view({1, 4}));
+  um.end_optimizer_step(1.0);
+  const double clip = um.read().at("clip_frac");
+  EXPECT_NEAR(clip, 2.0 / 3, 1e-12);
+  EXPECT_GT(std::abs(clip - (0.5 * 5 + 1.0) / 6), 0.01) << "token weighting is told apart";
+  EXPECT_GT(std::abs(clip - (0.5 * 3 + 1.0) / 4), 0.01) << "counting the empty sequence is told apart";
+}
+
 // A tiny run: a trained tokenizer, a 2-layer model, a short warm-up, 2 prompts x 4 samples per step with
 // real sandboxed tool calls, two iterations over two mini-batches (off-policy ratios), a KL penalty (so
 // the reference model is built, saved and restored).
