@@ -272,6 +272,19 @@ bool answers_match(const std::string& predicted, const std::string& reference) {
   return a.num == b.num && a.den == b.den;  // lowest terms with den > 0 are unique
 }
 
+double overlong_penalty(int64_t sampled_tokens, int64_t budget, const RewardOptions& options) {
+  const int64_t L = options.overlong_buffer;
+  if (L <= 0) return 0.0;
+  const int64_t start = std::max<int64_t>(budget - L, 0);  // the last token that costs nothing
+  if (sampled_tokens <= start) return 0.0;
+  if (sampled_tokens > budget) return -options.overlong_penalty;
+  return -options.overlong_penalty * static_cast<double>(sampled_tokens - start) / static_cast<double>(L);
+}
+
+int64_t overlong_budget(int64_t prompt_tokens, int64_t max_context, int64_t max_turns, int64_t max_new_tokens) {
+  return std::max<int64_t>(std::min(max_context - prompt_tokens, max_turns * max_new_tokens), 0);
+}
+
 RewardResult compute_reward(const std::string& response_text, const std::string& reference, int64_t tool_calls,
                             const RewardOptions& options) {
   if (tool_calls < 0) {

@@ -56,12 +56,22 @@ struct RewardOptions {
   double correct = 1.0;
   // Reward of a wrong or missing answer (boxed_tool_shaping: before the tool-call credit).
   double wrong = -1.0;
+  // DAPO's overlong shaping (Yu et al. 2025): a response of n sampled tokens against a budget B (see
+  // overlong_penalty) loses nothing up to B - L, P (n - (B - L)) / L inside the last L tokens, and P beyond
+  // B. L = overlong_buffer tokens (0 = off), P = overlong_penalty.
+  int64_t overlong_buffer = 0;
+  double overlong_penalty = 1.0;
 
   template <class V>
   void visit(V&& v) {
     v("kind", kind, "reward function: boxed | boxed_tool_shaping");
     v("correct", correct, "reward of a correct answer", FieldRange{-1e6, 1e6});
     v("wrong", wrong, "reward of a wrong or missing answer", FieldRange{-1e6, 1e6});
+    v("overlong_buffer", overlong_buffer,
+      "DAPO overlong shaping: the last L tokens of the response budget where the penalty ramps up; 0 = off",
+      FieldRange{0, 1e9});
+    v("overlong_penalty", overlong_penalty, "DAPO overlong shaping: the penalty at and beyond the budget",
+      FieldRange{0, 1e6});
   }
   void check(const FieldFail& fail) const {
     if (!(correct > wrong))
@@ -83,6 +93,20 @@ struct RewardResult {
   bool has_answer = false;  // a closed \boxed{...} with non-empty content was found
   std::string extracted;    // that box's content as written (empty when none)
 };
+
+// DAPO's soft overlong punishment, added to the reward: 0 for n <= B - L, -P (n - (B - L)) / L for
+// B - L < n <= B, -P beyond B (L = options.overlong_buffer, P = options.overlong_penalty; 0 when L = 0).
+// n is the trajectory's sampled tokens (tool output and feedback left out: the policy did not write
+// them); B its response budget (overlong_budget). A budget shorter than L ramps from n = 0.
+double overlong_penalty(int64_t sampled_tokens, int64_t budget, const RewardOptions& options);
+
+// The response budget of a trajectory whose prompt has prompt_tokens tokens: what the rollout lets it
+// sample, min(max_context - prompt_tokens, max_turns * max_new_tokens) (rollout.max_context,
+// rollout.max_turns, sampling.max_new_tokens; one turn when rollout.tools is off). For a single turn it is
+// sampling.max_new_tokens unless the context is shorter; for multi-turn tool trajectories the context
+// usually binds, and since the tool output inside it is not counted in n, a trajectory stopped by the
+// context falls short of B by its tool output.
+int64_t overlong_budget(int64_t prompt_tokens, int64_t max_context, int64_t max_turns, int64_t max_new_tokens);
 
 // response_text: the model-written text only (the caller leaves tool output out, so a box printed by
 // the interpreter earns nothing). tool_calls: code executions in the trajectory (>= 0).

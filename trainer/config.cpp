@@ -38,6 +38,10 @@ void check_sections(const ConfigReader<Config>& r) {
            "the warm-up trains whole weights in place: with train.shard parameters, or a bf16 model with "
            "train.shard / train.offload, run it apart (sft.steps: 0)");
   }
+  // The leave-one-out baseline of a lone sample is the mean of no other sample.
+  if (c.train.advantage == Advantage::kRloo && c.sampling.samples_per_prompt < 2) {
+    r.fail("sampling.samples_per_prompt", "train.advantage rloo needs at least 2 samples per prompt");
+  }
   if (c.train.shard == ShardStage::kParameters && c.lora.enabled()) {
     r.fail("train.shard",
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "

@@ -1,7 +1,8 @@
 // GRPO with the ReTool rollout, one step read top to bottom:
 //   1. rollout: prompts x G samples with sandboxed tool calls (rollout/retool.h)
 //   2. rewards: boxed-answer match and tool-use shaping (data/reward.h)
-//   3. advantages: group-relative, scaled per train.scale_rewards
+//   3. advantages: per train.advantage (group-relative scaled per train.scale_rewards, leave-one-out, or
+//      normalised over the batch); train.mask_truncated zeroes truncated trajectories' loss masks
 //   4. old log-probs (only when an update is off-policy, and then the rollout's own unless
 //      train.old_logprobs is recompute) and reference log-probs (only when policy.kl_coef > 0: no
 //      reference model exists otherwise), all through the loss module
@@ -14,12 +15,14 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
 
 #include "common/memory.h"
 #include "common/timing.h"
+#include "data/reward.h"
 #include "loss/policy_loss.h"
 #include "rollout/policy.h"
 #include "rollout/retool.h"
@@ -50,6 +53,43 @@ at::Tensor group_advantages(const at::Tensor& rewards, ScaleRewards scale) {
   return centred / at::where(std < 1e-6, at::ones_like(std), std);
 }
 
+at::Tensor estimate_advantages(const at::Tensor& rewards, Advantage kind, ScaleRewards scale) {
+  TORCH_CHECK(rewards.dim() == 2, "rewards must be (P, G)");
+  const int64_t G = rewards.size(1);
+  // Normalised over every reward of the step; a constant batch divides by 1.
+  auto batch_normalise = [](const at::Tensor& x) {
+    const at::Tensor std = x.numel() > 1 ? x.std() : at::ones({}, x.options());
+    return (x - x.mean()) / at::where(std < 1e-6, at::ones_like(std), std);
+  };
+  switch (kind) {
+    case Advantage::kGrpo:
+      return group_advantages(rewards, scale);
+    case Advantage::kRloo: {
+      TORCH_CHECK(G >= 2, "rloo needs at least 2 samples per prompt, got ", G);
+      const at::Tensor others = (rewards.sum(/*dim=*/1, /*keepdim=*/true) - rewards) / static_cast<double>(G - 1);
+      return rewards - others;
+    }
+    case Advantage::kReinforcePp:
+      return batch_normalise(rewards);
+    case Advantage::kReinforcePpBaseline:
+      return batch_normalise(rewards - rewards.mean(/*dim=*/1, /*keepdim=*/true));
+  }
+  TORCH_CHECK(false, "estimate_advantages: unknown kind");
+}
+
+void mask_truncated(std::vector<Trajectory>& trajs) {
+  for (Trajectory& t : trajs) {
+    if (t.truncated) std::fill(t.loss_mask.begin(), t.loss_mask.end(), uint8_t{0});
+  }
+}
+
+double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sampled_tokens) {
+  const RolloutOptions& ro = config.rollout;
+  const int64_t budget =
+      overlong_budget(prompt_tokens, ro.max_context, ro.tools ? ro.max_turns : 1, config.sampling.max_new_tokens);
+  return overlong_penalty(sampled_tokens, budget, config.reward);
+}
+
 std::map<std::string, double> train_grpo(Run& run) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
@@ -68,12 +108,13 @@ std::map<std::string, double> train_grpo(Run& run) {
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb = collect_rollouts(run);
+    if (T.mask_truncated) mask_truncated(rb.trajs);   // before packing and the denominators
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
     // reward (rb.table, all ranks'), then this rank's rows.
     const at::Tensor rewards = rb.table.select(1, kReward).view({P, G});
-    at::Tensor advantages = group_advantages(rewards, T.scale_rewards)
+    at::Tensor advantages = estimate_advantages(rewards, T.advantage, T.scale_rewards)
                                 .view({P * G})
                                 .index_select(0, at::tensor(rb.index, at::kLong))
                                 .to(at::kFloat)
@@ -153,6 +194,15 @@ std::map<std::string, double> train_grpo(Run& run) {
 
     // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
     std::map<std::string, double> extra = mismatch.read(run.dist.get());
+    if (cfg.reward.overlong_buffer > 0) {  // the step's mean overlong penalty, from every rank's rows
+      const auto t = rb.table.accessor<double, 2>();
+      double sum = 0;
+      for (int64_t s = 0; s < rb.table.size(0); ++s) {
+        const auto prompt = static_cast<int64_t>(t[s][kTokens] - t[s][kResponseTokens]);
+        sum += overlong_shaping(cfg, prompt, static_cast<int64_t>(t[s][kSampledTokens]));
+      }
+      extra["overlong_penalty_mean"] = sum / static_cast<double>(rb.table.size(0));
+    }
     check_old_logprobs(run, use_rollout, extra);
     const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,

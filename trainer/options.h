@@ -73,6 +73,19 @@ inline const EnumNames<ScaleRewards>& enum_names(ScaleRewards) {
   return names;
 }
 
+// How GRPO turns the step's rewards into one advantage per trajectory (grpo.h, group_advantages):
+// grpo: r - mean of its group, scaled per train.scale_rewards; rloo: r - mean of the group's other samples
+// (Ahmadian et al. 2024); reinforce_pp: (r - batch mean) / batch std over the whole step (REINFORCE++, Hu
+// 2025); reinforce_pp_baseline: the group mean subtracted first, then normalised over the whole step.
+enum class Advantage { kGrpo, kRloo, kReinforcePp, kReinforcePpBaseline };
+inline const EnumNames<Advantage>& enum_names(Advantage) {
+  static const EnumNames<Advantage> names{{"grpo", Advantage::kGrpo},
+                                          {"rloo", Advantage::kRloo},
+                                          {"reinforce_pp", Advantage::kReinforcePp},
+                                          {"reinforce_pp_baseline", Advantage::kReinforcePpBaseline}};
+  return names;
+}
+
 // Where AdamW keeps the weights it updates when the model computes in bf16: fp32 master copies (the bf16
 // weights are their rounding), or the bf16 weights themselves. A bf16 weight cannot absorb an update below
 // half its resolution (2^-8 relative), so at RL learning rates plain bf16 AdamW leaves most updates
@@ -145,7 +158,13 @@ struct TrainOptions {
   LrSchedule lr_schedule = LrSchedule::kConstant;
   int64_t warmup_steps = 0;   // optimizer steps of linear warm-up from 0
   double min_lr_ratio = 0.0;  // linear/cosine decay ends at lr * min_lr_ratio
+
+  // GRPO's advantage estimator (PPO's is GAE, ppo.*), and the std that scales advantage grpo's.
+  Advantage advantage = Advantage::kGrpo;
   ScaleRewards scale_rewards = ScaleRewards::kGroup;
+  // Truncated trajectories (a length or context limit) get no loss: their loss mask is zeroed, so they
+  // count in no denominator either (DAPO's overlong filtering).
+  bool mask_truncated = false;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
   // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
@@ -189,7 +208,11 @@ struct TrainOptions {
     v("lr_schedule", lr_schedule, "constant | linear | cosine");
     v("warmup_steps", warmup_steps, "optimizer steps of linear warm-up", FieldRange{0, 1e9});
     v("min_lr_ratio", min_lr_ratio, "decay floor as a fraction of lr", FieldRange{0, 1});
-    v("scale_rewards", scale_rewards, "advantage scaling: group | batch | none");
+    v("scale_rewards", scale_rewards, "advantage scaling: group | batch | none (train.advantage grpo)");
+    v("advantage", advantage,
+      "GRPO advantage: grpo (group-relative) | rloo (leave-one-out mean) | reinforce_pp (batch-normalised) | "
+      "reinforce_pp_baseline (group mean off, then batch-normalised); ppo_train takes grpo only (GAE)");
+    v("mask_truncated", mask_truncated, "truncated trajectories get no loss (their loss mask is zeroed)");
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

@@ -106,6 +106,12 @@ std::map<std::string, double> train_ppo(Run& run) {
   const PpoOptions& ppo = cfg.ppo;
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
   TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
+  // PPO's advantages are GAE on the value head; the truncation mask would move the reward's token.
+  if (T.advantage != Advantage::kGrpo) {
+    throw RunError(std::string("train.advantage = ") + enum_to_string(T.advantage) +
+                   ": ppo_train estimates advantages with GAE (ppo.gamma, ppo.lam); leave it grpo");
+  }
+  if (T.mask_truncated) throw RunError("train.mask_truncated: ppo_train does not mask truncated trajectories");
   const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;

@@ -23,6 +23,7 @@
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/grpo.h"
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
@@ -425,6 +426,10 @@ RolloutBatch collect_rollouts(Run& run) {
   std::vector<std::string> answers;
   for (const auto& ex : out.examples) answers.push_back(ex.answer);
   assign_rewards(out.trajs, answers, cfg.reward);
+  // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
+  if (cfg.reward.overlong_buffer > 0) {
+    for (Trajectory& t : out.trajs) t.reward += overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
+  }
   out.seconds = seconds_since(t0);
   out.table = gather_table(*run.dist, out.trajs, out.index, P * G);
   if (world > 1) {  // the step waits for the slowest rank; counts (and the calls' summed latencies) add up
