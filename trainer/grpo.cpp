@@ -152,7 +152,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     const auto t_update = Clock::now();
     const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
-    UpdateMetrics um(run.device);
+    UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
     LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < batches.size();) {

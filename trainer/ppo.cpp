@@ -179,7 +179,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
     const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
-    UpdateMetrics um(run.device);
+    UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
     for (int64_t it = 0; it < T.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
