@@ -1,15 +1,21 @@
-# Sourced by scripts/gpu/train.sh and scripts/gpu/dist.sh on the GPU host, with $out set: a random
-# Qwen2.5-0.5B-shaped checkpoint saved by transformers in $ckpt (bf16, with the published Qwen tokenizer
+# Sourced by scripts/gpu/train.sh, dist.sh and shard.sh on the GPU host, with $out set: a random
+# Qwen2.5-shaped checkpoint saved by transformers in $ckpt (bf16, with the published Qwen tokenizer
 # files, as a real Qwen folder has them; Qwen2.5 and Qwen3 share the base vocabulary), and a small math
-# JSONL in $out/math.jsonl.
-model=configs/models/qwen2.5-0.5b
-ckpt=/tmp/qwen2.5-0.5b-random
-python3 - "$model" "$ckpt" "$out/math.jsonl" <<'PY'
+# JSONL in $out/math.jsonl. The 0.5B shape by default; RANDOM_QWEN=7b makes the 7B one, its weights drawn
+# on the GPU (on the host's cores a 7.6B-parameter draw takes minutes).
+size=${RANDOM_QWEN:-0.5b}
+model=configs/models/qwen2.5-$size
+ckpt=/tmp/qwen2.5-$size-random
+init_device=cpu
+[ "$size" = 0.5b ] || init_device=cuda
+python3 - "$model" "$ckpt" "$out/math.jsonl" "$init_device" <<'PY'
 import json, random, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
 cfg = AutoConfig.from_pretrained(sys.argv[1])
 torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[2])
+with torch.device(sys.argv[4]):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2])
 rng = random.Random(0)
 with open(sys.argv[3], "w") as f:
     for _ in range(512):

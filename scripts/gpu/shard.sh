@@ -99,22 +99,7 @@ if [ "$part" = small ]; then
 fi
 
 if [ "$part" = large ]; then
-  ckpt=/tmp/qwen2.5-7b-random
-  python3 - configs/models/qwen2.5-7b "$ckpt" "$out/math.jsonl" <<'PY'
-import json, random, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-cfg = AutoConfig.from_pretrained(sys.argv[1])
-torch.manual_seed(0)
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-model.save_pretrained(sys.argv[2])
-rng = random.Random(0)
-with open(sys.argv[3], "w") as f:
-    for _ in range(512):
-        a, b = rng.randint(100, 9999), rng.randint(100, 9999)
-        f.write(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b)}) + "\n")
-PY
-  cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$ckpt/"
+  RANDOM_QWEN=7b source scripts/gpu/random_qwen.sh
   # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning.
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
