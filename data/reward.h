@@ -42,20 +42,26 @@ bool answers_match(const std::string& predicted, const std::string& reference);
 enum class RewardKind {
   kBoxed,             // +correct when the last box matches the reference, else wrong (no box included)
   kBoxedToolShaping,  // as kBoxed, but a wrong answer earns back 0.1 per tool call, up to 0.4 (ReTool)
+  kPython,            // reward.script's reward(prompt, response, answer), in the sandbox (rollout/python_reward.h)
 };
 inline const EnumNames<RewardKind>& enum_names(RewardKind) {
   static const EnumNames<RewardKind> names{{"boxed", RewardKind::kBoxed},
-                                           {"boxed_tool_shaping", RewardKind::kBoxedToolShaping}};
+                                           {"boxed_tool_shaping", RewardKind::kBoxedToolShaping},
+                                           {"python", RewardKind::kPython}};
   return names;
 }
 
 struct RewardOptions {
-  // boxed | boxed_tool_shaping.
+  // boxed | boxed_tool_shaping | python.
   RewardKind kind = RewardKind::kBoxedToolShaping;
-  // Reward of a correct answer.
+  // Reward of a correct answer. python: a score >= correct counts as correct (unless the script's dict says).
   double correct = 1.0;
-  // Reward of a wrong or missing answer (boxed_tool_shaping: before the tool-call credit).
+  // Reward of a wrong or missing answer (boxed_tool_shaping: before the tool-call credit; python: what a
+  // failed script call gets).
   double wrong = -1.0;
+  // python: the script defining reward(prompt, response, answer); relative to the folder of the config
+  // file that sets it (the working directory for --set), made absolute when the config is read.
+  std::string script;
   // DAPO's overlong shaping (Yu et al. 2025): a response of n sampled tokens against a budget B (see
   // overlong_penalty) loses nothing up to B - L, P (n - (B - L)) / L inside the last L tokens, and P beyond
   // B. L = overlong_buffer tokens (0 = off), P = overlong_penalty.
@@ -64,9 +70,13 @@ struct RewardOptions {
 
   template <class V>
   void visit(V&& v) {
-    v("kind", kind, "reward function: boxed | boxed_tool_shaping");
+    v("kind", kind, "reward function: boxed | boxed_tool_shaping | python");
     v("correct", correct, "reward of a correct answer", FieldRange{-1e6, 1e6});
-    v("wrong", wrong, "reward of a wrong or missing answer", FieldRange{-1e6, 1e6});
+    v("wrong", wrong, "reward of a wrong or missing answer (python: also of a failed script call)",
+      FieldRange{-1e6, 1e6});
+    v("script", script,
+      "python: a .py file defining reward(prompt, response, answer) -> float or dict with score; relative to the "
+      "config file's folder");
     v("overlong_buffer", overlong_buffer,
       "DAPO overlong shaping: the last L tokens of the response budget where the penalty ramps up; 0 = off",
       FieldRange{0, 1e9});
@@ -74,6 +84,7 @@ struct RewardOptions {
       FieldRange{0, 1e6});
   }
   void check(const FieldFail& fail) const {
+    if (kind == RewardKind::kPython && script.empty()) fail("script", "reward.kind python needs a script");
     if (!(correct > wrong))
       fail("correct", "must be greater than reward.wrong, or learning would avoid correct answers");
     // The shaped penalty tops out at wrong + 0.4; it must stay below a correct answer's reward.
@@ -116,7 +127,7 @@ int64_t overlong_budget(int64_t prompt_tokens, int64_t max_context, int64_t max_
 //                       (num_turns - 2) / 2 * 0.1, where verl's num_turns counts the prompt, every
 //                       assistant turn and every tool response: 1 + (k + 1) + k = 2k + 2 for k tool calls
 //                       ending in an answer, so (num_turns - 2) / 2 = k.
-// Throws std::invalid_argument when tool_calls < 0.
+// Throws std::invalid_argument when tool_calls < 0, and for reward.kind python (the script scores those).
 RewardResult compute_reward(const std::string& response_text, const std::string& reference, int64_t tool_calls,
                             const RewardOptions& options);
 

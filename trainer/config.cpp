@@ -1,6 +1,10 @@
 // The trainer's cross-section rules; everything else is the generic reader in common/config.h.
 #include "trainer/config.h"
 
+#include <filesystem>
+
+#include "rollout/python_reward.h"
+
 namespace rlt {
 
 namespace {
@@ -46,6 +50,26 @@ void check_sections(const ConfigReader<Config>& r) {
     r.fail("train.shard",
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "
            "adapters' state");
+  }
+  if (c.reward.kind == RewardKind::kPython) {
+    // reward.script is relative to the folder of the file that set it (the working directory for --set). It
+    // is made absolute in the config itself, the one value this check rewrites (the reader's config, const
+    // here only by the signature), so the run and --print-config hold a path that works from anywhere.
+    namespace fs = std::filesystem;
+    const std::string where = r.origin("reward.script");
+    fs::path script = c.reward.script;
+    if (script.is_relative() && where.rfind("--set ", 0) != 0 && where.find(':') != std::string::npos) {
+      script = fs::path(where.substr(0, where.rfind(':'))).parent_path() / script;
+    }
+    script = fs::absolute(script).lexically_normal();
+    try {
+      check_reward_script(script.string(), c.sandbox);  // one sandboxed import: it defines reward
+    } catch (const RewardScriptError& e) {
+      r.fail("reward.script", e.what());
+    } catch (const SandboxError& e) {
+      r.fail("reward.script", std::string("the sandbox could not import it: ") + e.what());
+    }
+    const_cast<Config&>(c).reward.script = script.string();
   }
 }
 

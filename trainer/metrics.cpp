@@ -11,6 +11,7 @@
 
 #include "trainer/checkpoint.h"
 #include "trainer/optim.h"
+#include "trainer/rewards.h"
 #include "trainer/shard.h"
 
 namespace rlt {
@@ -144,6 +145,8 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra) {
   const TrainOptions& T = run.config.train;
   std::map<std::string, double> m = rollout_metrics(run, rb);
+  // reward.kind python: reward_errors, reward/<field>
+  m.merge(reward_metrics(run));
   if (run.lead()) log_samples(run, rb.trajs);  // rank 0's first trajectories
   ++run.step;
   m.merge(um.read(run.dist.get()));

@@ -27,6 +27,7 @@
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/rewards.h"
 #include "trainer/shard.h"
 #include "trainer/warmup.h"
 
@@ -423,9 +424,7 @@ RolloutBatch collect_rollouts(Run& run) {
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
                         run.tools, &out.stats);
   }
-  std::vector<std::string> answers;
-  for (const auto& ex : out.examples) answers.push_back(ex.answer);
-  assign_rewards(out.trajs, answers, cfg.reward);
+  score_rewards(run, out.trajs, out.examples);
   // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
   if (cfg.reward.overlong_buffer > 0) {
     for (Trajectory& t : out.trajs) t.reward += overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
@@ -517,9 +516,7 @@ EvalResult evaluate(Run& run) {
     if (!run.lead()) ro.progress_s = 0;
     ModelPolicy policy(rollout_model(run), policy_options(run.config.rollout));
     trajs = rollout(policy, *run.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams, run.tools);
-    std::vector<std::string> answers;
-    for (const auto& ex : problems) answers.push_back(ex.answer);
-    assign_rewards(trajs, answers, run.config.reward);
+    score_rewards(run, trajs, problems, /*training=*/false);
   }
   return summarize_evaluation(trajs, k, run.dist.get());
 }

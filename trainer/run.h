@@ -30,6 +30,7 @@ namespace rlt {
 
 class MetricsLog;
 class ShardedState;
+struct ScriptRewards;
 
 // Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
 // print it and exit with code 2.
@@ -61,6 +62,9 @@ struct Run {
   // writer (begin_training). Shared pointers: MetricsLog is complete in trainer/metrics.h only.
   std::shared_ptr<SandboxPool> sandbox;
   std::shared_ptr<MetricsLog> log;
+  // reward.kind python: the script, its own interpreter pool and its pending metrics (trainer/rewards.h),
+  // made at the first scoring.
+  std::shared_ptr<ScriptRewards> rewards;
   // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
   std::shared_ptr<const HfChatTemplate> chat;
   std::unique_ptr<Transformer> policy;
