@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -242,6 +243,78 @@ TEST(PythonReward, TheImportCheckNamesThePathAndWhatIsWrong) {
   const std::string good = write_script(dir, "good.py", kValues);
   EXPECT_EQ(error_of(good), "");
   EXPECT_THROW(PythonReward(python_reward(missing), sandbox), RewardScriptError);
+}
+
+// examples/rewards/math_verify.py through each of its checkers: as shipped (math_verify where the
+// interpreter has it, else sympy), with math_verify hidden (sympy), and with sympy hidden too (the texts).
+// The "checker" field says which one ran; a checker the interpreter lacks is skipped, the texts never are.
+const std::vector<RewardQuery>& example_queries() {
+  static const std::vector<RewardQuery> q{
+      {"", "so \\boxed{\\frac{1}{2}}", "0.5"},
+      {"", "\\boxed{41}", "42"},
+      {"", "\\boxed{1+x}", "x+1"},
+      {"", "\\boxed{\\frac{\\sqrt{2}}{2}}", "\\sqrt{2}/2"},
+      {"", "no box", "1"},
+      {"", "The answer is \\boxed{ 10 }.", "10"},
+      {"", "\\boxed{2^{10}}", "1024"},
+      {"", "\\boxed{3", "3"},  // never closed: no answer
+  };
+  return q;
+}
+
+// "" when the scores are the checker's verdicts: +1 correct, -1 wrong or no box.
+std::string check_example(const std::vector<ScriptScore>& s, const std::vector<bool>& correct) {
+  if (s.size() != correct.size()) return "scores: " + std::to_string(s.size());
+  for (size_t i = 0; i < correct.size(); ++i) {
+    if (s[i].failed) return "query " + std::to_string(i) + " failed: " + s[i].error;
+    if (s[i].correct != correct[i] || s[i].reward != (correct[i] ? 1.0 : -1.0)) {
+      return "query " + std::to_string(i) + ": reward " + std::to_string(s[i].reward);
+    }
+  }
+  return "";
+}
+
+TEST(PythonReward, TheMathVerifyExampleAgreesWithEachOfItsCheckers) {
+  std::ifstream f(std::string(RLT_SOURCE_DIR) + "/examples/rewards/math_verify.py");
+  std::stringstream example;
+  example << f.rdbuf();
+  ASSERT_FALSE(example.str().empty());
+  testing::TempDir dir("python_reward_example");
+  SandboxOptions sandbox = sandbox_options(/*workers=*/2);
+  sandbox.timeout_s = 20;  // the first sympy simplify of a cold interpreter, on a loaded CI machine
+  const auto run = [&](const std::string& name, const std::string& prelude, int64_t& checker) {
+    RewardOptions o = python_reward(write_script(dir, name, prelude + example.str()));
+    o.wrong = -1.0;
+    const std::vector<ScriptScore> s = PythonReward(o, sandbox).score(example_queries());
+    checker = s.empty() || !s[0].fields.count("checker") ? 0 : static_cast<int64_t>(s[0].fields.at("checker"));
+    return s;
+  };
+  // Which answers each checker accepts: 0.5 = \frac{1}{2}, 1 + x = x + 1, \frac{\sqrt 2}{2} = \sqrt 2 / 2 and
+  // 2^{10} = 1024 need algebra; the texts match only " 10 " against "10".
+  const std::vector<bool> algebra{true, false, true, true, false, true, true, false};
+  const std::vector<bool> texts{false, false, false, false, false, true, false, false};
+
+  int64_t shipped_checker = 0, sympy_checker = 0, text_checker = 0;
+  const std::vector<ScriptScore> shipped = run("shipped.py", "", shipped_checker);
+  const std::vector<ScriptScore> sympy =
+      run("no_math_verify.py", "import sys\nsys.modules['math_verify'] = None\n", sympy_checker);
+  const std::vector<ScriptScore> text =
+      run("texts_only.py", "import sys\nsys.modules['math_verify'] = sys.modules['sympy'] = None\n", text_checker);
+
+  ASSERT_EQ(text_checker, 3);
+  EXPECT_EQ(check_example(text, texts), "");
+  EXPECT_NE(check_example(text, algebra), "");  // twin: the texts' verdicts are not algebra's
+  if (sympy_checker == 2) {
+    EXPECT_EQ(check_example(sympy, algebra), "");
+    EXPECT_NE(check_example(sympy, texts), "");
+  }
+  if (shipped_checker == 1) {
+    EXPECT_EQ(check_example(shipped, algebra), "");
+  }
+  if (shipped_checker != 1 || sympy_checker != 2) {
+    GTEST_SKIP() << "the sandbox's interpreter lacks " << (sympy_checker != 2 ? "sympy" : "math_verify")
+                 << ": that checker was not compared";
+  }
 }
 
 }  // namespace
