@@ -46,6 +46,10 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.train.advantage == Advantage::kRloo && c.sampling.samples_per_prompt < 2) {
     r.fail("sampling.samples_per_prompt", "train.advantage rloo needs at least 2 samples per prompt");
   }
+  // One sample per prompt is a group of one: its rewards are always equal, so every group would be dropped.
+  if (c.train.dynamic_sampling && c.sampling.samples_per_prompt < 2) {
+    r.fail("train.dynamic_sampling", "drops groups of equal rewards: it needs sampling.samples_per_prompt >= 2");
+  }
   if (c.train.shard == ShardStage::kParameters && c.lora.enabled()) {
     r.fail("train.shard",
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "

@@ -29,6 +29,7 @@
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/dynamic_sampling.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/warmup.h"
@@ -98,6 +99,7 @@ std::map<std::string, double> train_grpo(Run& run) {
   const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
   // Several ranks: gradients summed over them as the backward produces them (trajectories are not).
   std::unique_ptr<GradReducer> reducer = make_reducer(run);
+  DynamicSampling sampling(cfg);  // train.dynamic_sampling: rounds of prompts, equal-reward groups dropped
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
@@ -107,7 +109,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
-    RolloutBatch rb = collect_rollouts(run);
+    RolloutBatch rb = sampling.collect(run);
     if (T.mask_truncated) mask_truncated(rb.trajs);   // before packing and the denominators
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
@@ -154,7 +156,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
     LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
-    for (int64_t it = 0; it < T.num_iterations; ++it) {
+    for (int64_t it = 0; it < sampling.iterations(T.num_iterations); ++it) {  // 0: no group kept
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
@@ -194,6 +196,7 @@ std::map<std::string, double> train_grpo(Run& run) {
 
     // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
     std::map<std::string, double> extra = mismatch.read(run.dist.get());
+    extra.merge(sampling.metrics());
     if (cfg.reward.overlong_buffer > 0) {  // the step's mean overlong penalty, from every rank's rows
       const auto t = rb.table.accessor<double, 2>();
       double sum = 0;

@@ -165,6 +165,11 @@ struct TrainOptions {
   // Truncated trajectories (a length or context limit) get no loss: their loss mask is zeroed, so they
   // count in no denominator either (DAPO's overlong filtering).
   bool mask_truncated = false;
+  // DAPO's dynamic sampling (trainer/dynamic_sampling.h): groups whose rewards are all equal are dropped and
+  // rounds of prompts_per_step more prompts are sampled until prompts_per_step groups are kept, or
+  // max_sampling_rounds rounds are spent (then the step trains on what was kept, with a warning once).
+  bool dynamic_sampling = false;
+  int64_t max_sampling_rounds = 3;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
   // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
@@ -213,6 +218,11 @@ struct TrainOptions {
       "GRPO advantage: grpo (group-relative) | rloo (leave-one-out mean) | reinforce_pp (batch-normalised) | "
       "reinforce_pp_baseline (group mean off, then batch-normalised); ppo_train takes grpo only (GAE)");
     v("mask_truncated", mask_truncated, "truncated trajectories get no loss (their loss mask is zeroed)");
+    v("dynamic_sampling", dynamic_sampling,
+      "DAPO dynamic sampling (grpo_train): drop groups whose rewards are all equal, sample more prompts until "
+      "prompts_per_step groups are kept");
+    v("max_sampling_rounds", max_sampling_rounds,
+      "dynamic_sampling: rounds of prompts_per_step prompts a step samples at most", FieldRange{1, 1e6});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

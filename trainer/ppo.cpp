@@ -112,6 +112,7 @@ std::map<std::string, double> train_ppo(Run& run) {
                    ": ppo_train estimates advantages with GAE (ppo.gamma, ppo.lam); leave it grpo");
   }
   if (T.mask_truncated) throw RunError("train.mask_truncated: ppo_train does not mask truncated trajectories");
+  if (T.dynamic_sampling) throw RunError("train.dynamic_sampling: ppo_train samples no groups; it is grpo_train's");
   const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;
