@@ -19,7 +19,7 @@ namespace {
 // source is put in linecache (the sandbox may not let it read the file), so its tracebacks show its lines.
 constexpr const char* kDriver = R"PY(
 def _rlt_reward(payload):
-    import base64, json, linecache, math, numbers, os, signal, sys, traceback, types
+    import base64, json, linecache, math, numbers, os, signal, sys, time, traceback, types
     p = json.loads(base64.b64decode(payload))
     out = os.fdopen(os.dup(1), 'w', encoding='ascii')
     os.dup2(2, 1)
@@ -86,6 +86,7 @@ def _rlt_reward(payload):
         pass
 
     for i, (prompt, response, answer) in enumerate(p['queries']):
+        t0 = time.perf_counter()
         try:
             v = timed(fn, prompt, response, answer)
             fields, correct, score = {}, None, v
@@ -101,11 +102,11 @@ def _rlt_reward(payload):
                         fields[str(k)] = float(x)
             if not finite(score):
                 raise Bad('returned %s, expected a finite number or a dict with one under "score"' % shown(score))
-            emit({'i': i, 'score': float(score), 'correct': correct, 'fields': fields})
+            emit({'i': i, 'score': float(score), 'correct': correct, 'fields': fields, 's': time.perf_counter() - t0})
         except Bad as e:
-            emit({'i': i, 'error': 'reward(prompt, response, answer) ' + str(e)})
+            emit({'i': i, 'error': 'reward(prompt, response, answer) ' + str(e), 's': time.perf_counter() - t0})
         except BaseException as e:
-            emit({'i': i, 'error': trace(e)})
+            emit({'i': i, 'error': trace(e), 's': time.perf_counter() - t0})
     emit({'done': len(p['queries'])})
 )PY";
 
@@ -198,6 +199,7 @@ std::vector<ScriptScore> parse_reward_call(const SandboxResult& result, int64_t 
     const int64_t i = j["i"].get<int64_t>();
     if (i < 0 || i >= count || answered[i]) continue;
     ScriptScore& s = out[i];
+    if (j.contains("s") && j["s"].is_number()) s.seconds = j["s"].get<double>();
     if (j.contains("error")) {
       s.failed = true;
       s.error = j["error"].is_string() ? j["error"].get<std::string>() : "the script failed";

@@ -58,6 +58,7 @@ struct ScriptScore {
   bool failed = false;
   std::string error;                     // failed: what went wrong, with the script's traceback when it raised
   std::map<std::string, double> fields;  // a dict's other finite numbers
+  double seconds = 0;                    // the reward() call in the interpreter (0 when it never answered)
 };
 
 // The totals of some scorings, for one step's metrics.

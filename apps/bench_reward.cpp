@@ -1,0 +1,175 @@
+// bench_reward: what scoring a step's trajectories costs with the built-in boxed matcher (data/reward.h)
+// and with a Python reward (reward.kind python, rollout/python_reward.h) on the sandbox's pool. The
+// trajectories are made from a JSONL dataset's answers: a quarter each of the answer as written, an
+// equivalent form (2n/2 for an integer n), a wrong answer, and an unclosed box, each after ~1 KB of
+// LaTeX reasoning. Prints one JSON object: per-trajectory latency p50/p99 (the matcher's call; the
+// script's reward() call in its interpreter) and each batch's wall time (--repeats batches; the pool's
+// interpreters are started before the first). Bad flags or files are exit code 2.
+//   build/bin/bench_reward --script examples/rewards/math_verify.py --trajectories 256 --workers 4
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data/dataset.h"
+#include "data/reward.h"
+#include "rollout/python_reward.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+bool is_integer(const std::string& s) {
+  if (s.empty() || s.size() > 17) return false;
+  for (size_t i = s[0] == '-' ? 1 : 0; i < s.size(); ++i) {
+    if (s[i] < '0' || s[i] > '9') return false;
+  }
+  return s != "-";
+}
+
+// A model-like response to a problem whose reference is `answer`, of one of four kinds (i % 4).
+std::string make_response(const std::string& answer, int64_t i) {
+  std::string text;
+  for (int k = 0; k < 6; ++k) {
+    text += "Let $a_" + std::to_string(k) + " = \\frac{" + std::to_string(3 * k + 1) + "}{" + std::to_string(k + 2) +
+            "}$, so that $a_" + std::to_string(k) + "^2 + \\sqrt{" + std::to_string(k + 5) +
+            "} \\cdot x = 0$ holds; substituting into the previous equation and simplifying gives the next step.\n";
+  }
+  const bool integer = is_integer(answer);
+  switch (i % 4) {
+    case 0:
+      return text + "Answer: \\boxed{" + answer + "}";
+    case 1:  // equivalent, in another form
+      return text + "Answer: \\boxed{" +
+             (integer ? "\\frac{" + std::to_string(2 * std::stoll(answer)) + "}{2}" : " " + answer + " ") + "}";
+    case 2:  // wrong
+      return text + "Answer: \\boxed{" + (integer ? std::to_string(std::stoll(answer) + 1) : answer + "+1") + "}";
+    default:  // cut off inside its box
+      return text + "Answer: \\boxed{" + answer;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_reward: the built-in boxed matcher against a Python reward script, per trajectory and batch"};
+  std::string script = "examples/rewards/math_verify.py", data = "data/dapo-math-17k-200.jsonl";
+  std::string answer_key = "label";
+  int64_t trajectories = 256, repeats = 3;
+  rlt::SandboxOptions sandbox;
+  app.add_option("--script", script, "the reward script (reward.script)")->check(CLI::ExistingFile);
+  app.add_option("--data", data, "JSONL problems whose answers the responses are made from")->check(CLI::ExistingFile);
+  app.add_option("--answer-key", answer_key, "the answer's key in --data");
+  app.add_option("--trajectories", trajectories, "trajectories a batch (a step)")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--repeats", repeats, "batches scored by each path")->check(CLI::Range(1, 1000));
+  app.add_option("--workers", sandbox.workers, "sandbox.workers")->check(CLI::Range(1, 4096));
+  app.add_option("--timeout-s", sandbox.timeout_s, "sandbox.timeout_s, per trajectory")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--memory-mb", sandbox.memory_mb, "sandbox.memory_mb")->check(CLI::Range(16, 10000000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  try {
+    rlt::DatasetOptions d;
+    d.path = data;
+    d.answer_key = answer_key;
+    const rlt::Dataset set = rlt::load_jsonl(d);
+    std::vector<rlt::RewardQuery> queries;
+    for (int64_t i = 0; i < trajectories; ++i) {
+      const rlt::PromptExample& ex = set.examples[i % set.examples.size()];
+      queries.push_back({ex.prompt, make_response(ex.answer, i), ex.answer});
+    }
+
+    // (a) The built-in matcher, one trajectory after another, as assign_rewards runs it.
+    rlt::RewardOptions boxed;
+    boxed.kind = rlt::RewardKind::kBoxed;
+    std::vector<double> builtin_us, builtin_batch_ms;
+    std::vector<bool> builtin_correct(trajectories);
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto t_batch = Clock::now();
+      for (int64_t i = 0; i < trajectories; ++i) {
+        const auto t0 = Clock::now();
+        builtin_correct[i] = rlt::compute_reward(queries[i].response, queries[i].answer, 0, boxed).correct;
+        builtin_us.push_back(1000 * ms_since(t0));
+      }
+      builtin_batch_ms.push_back(ms_since(t_batch));
+    }
+
+    // (b) The script on the pool, its interpreters started (and prestarted) before the first batch.
+    rlt::RewardOptions python;
+    python.kind = rlt::RewardKind::kPython;
+    python.script = script;
+    rlt::check_reward_script(script, sandbox);
+    rlt::PythonReward reward(python, sandbox);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the spares reach their stdin read
+    std::vector<double> call_ms, batch_ms;
+    int64_t errors = 0, agree = 0, correct = 0, checker_sum = 0, checkers = 0;
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto t_batch = Clock::now();
+      const std::vector<rlt::ScriptScore> scores = reward.score(queries);
+      batch_ms.push_back(ms_since(t_batch));
+      for (int64_t i = 0; i < trajectories; ++i) {
+        const rlt::ScriptScore& s = scores[i];
+        call_ms.push_back(1000 * s.seconds);
+        errors += s.failed;
+        if (r > 0) continue;
+        correct += s.correct;
+        agree += s.correct == builtin_correct[i];
+        if (s.fields.count("checker")) {
+          checker_sum += static_cast<int64_t>(s.fields.at("checker"));
+          ++checkers;
+        }
+      }
+    }
+    const double n = static_cast<double>(trajectories);
+    const int64_t per_call = std::min<int64_t>(rlt::PythonReward::kMaxQueriesPerCall,
+                                               (trajectories + sandbox.workers - 1) / sandbox.workers);
+    nlohmann::ordered_json out{
+        {"trajectories", trajectories},
+        {"repeats", repeats},
+        {"data", data},
+        {"builtin",
+         {{"per_trajectory_p50_us", percentile(builtin_us, 0.5)},
+          {"per_trajectory_p99_us", percentile(builtin_us, 0.99)},
+          {"batch_ms", builtin_batch_ms},
+          {"accuracy", static_cast<double>(std::count(builtin_correct.begin(), builtin_correct.end(), true)) / n}}},
+        {"python",
+         {{"script", script},
+          {"workers", sandbox.workers},
+          {"calls_per_batch", (trajectories + per_call - 1) / per_call},
+          {"checker_mean", checkers ? static_cast<double>(checker_sum) / checkers : 0.0},
+          {"reward_call_p50_ms", percentile(call_ms, 0.5)},
+          {"reward_call_p99_ms", percentile(call_ms, 0.99)},
+          {"batch_ms", batch_ms},
+          {"batch_ms_per_trajectory", percentile(batch_ms, 0.5) / n},
+          {"errors", errors},
+          {"accuracy", static_cast<double>(correct) / n},
+          {"agreement_with_builtin", static_cast<double>(agree) / n}}}};
+    std::cout << out.dump(2) << "\n";
+  } catch (const rlt::DataError& e) {
+    std::cerr << "bench_reward: data error: " << e.what() << "\n";
+    return 2;
+  } catch (const rlt::RewardScriptError& e) {
+    std::cerr << "bench_reward: " << e.what() << "\n";
+    return 2;
+  } catch (const rlt::SandboxError& e) {
+    std::cerr << "bench_reward: sandbox error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
