@@ -16,8 +16,8 @@
 // without "score", a "correct" that is no bool), or the interpreter ending before it answered (memory,
 // a crash, the call's time limit). The import of the script has sandbox.timeout_s too. The per-trajectory
 // limit is an ITIMER_REAL alarm in the interpreter (a script must not set its own SIGALRM), and the
-// call's own limit, sandbox.timeout_s x (queries + 2), is the backstop for code that holds off the alarm
-// (one share for the import, one for the interpreter and the driver).
+// call's own limit, sandbox.timeout_s x (kMaxQueriesPerCall + 2), is the backstop for code that holds off
+// the alarm (one share for the import, one for the interpreter and the driver).
 //
 // The protocol. The trainer sends one call per batch: a small driver, the script's source and the queries,
 // base64-encoded JSON. The driver answers one JSON line per trajectory on a duplicate of the original stdout;
