@@ -52,19 +52,20 @@ def reward(prompt, response, answer):
 )PY";
 
 std::vector<RewardQuery> value_queries() {
-  return {{"scalar", "abcdefgh", "x"},                       // 8 / 8 = 1.0, correct: 1.0 >= reward.correct
-          {"scalar", "abcd", "x"},                           // 0.5, not correct
-          {"pq", "the answer is 42", "42"},                  // 16 / 8 - 2 = 0.0, correct (the dict says so); 4 words
-          {"p", "no idea", "7"},                             // 7 / 8 - 1 = -0.125, not correct; 2 words
-          {"", "7 7 7 7", "7"},                              // 7 / 8 = 0.875, correct; 4 words
-          {"abc", "", "9"},                                  // 0 - 3 = -3.0, not correct; 0 words
-          {"scalar", "unicode \xC3\xA9\xE2\x9C\x93", "x"}};  // 10 characters (13 bytes): 1.25, correct
+  return {{"scalar", "abcdefgh", "x"},                      // 8 / 8 = 1.0, correct: 1.0 >= reward.correct
+          {"scalar", "abcd", "x"},                          // 0.5, not correct
+          {"pq", "the answer is 42", "42"},                 // 16 / 8 - 2 = 0.0, correct (the dict says so); 4 words
+          {"p", "no idea", "7"},                            // 7 / 8 - 1 = -0.125, not correct; 2 words
+          {"", "7 7 7 7", "7"},                             // 7 / 8 = 0.875, correct; 4 words
+          {"abc", "", "9"},                                 // 0 - 3 = -3.0, not correct; 0 words
+          {"scalar", "unicode \xC3\xA9\xE2\x9C\x93", "x"},  // 10 characters (13 bytes): 1.25, correct
+          {"scalar", "cut\xE2\x9C", "x"}};                  // a character cut in two: "cut" + U+FFFD, 4 characters: 0.5
 }
 
 // "" when scores and tally are the hand-computed ones, else what differs.
 std::string check_values(const std::vector<ScriptScore>& scores, const RewardTally& tally) {
-  const std::vector<double> reward{1.0, 0.5, 0.0, -0.125, 0.875, -3.0, 1.25};  // exact binary fractions
-  const std::vector<bool> correct{true, false, true, false, true, false, true};
+  const std::vector<double> reward{1.0, 0.5, 0.0, -0.125, 0.875, -3.0, 1.25, 0.5};  // exact binary fractions
+  const std::vector<bool> correct{true, false, true, false, true, false, true, false};
   if (scores.size() != reward.size()) return "scores: " + std::to_string(scores.size());
   for (size_t i = 0; i < reward.size(); ++i) {
     if (scores[i].failed) return "query " + std::to_string(i) + " failed: " + scores[i].error;
@@ -72,7 +73,7 @@ std::string check_values(const std::vector<ScriptScore>& scores, const RewardTal
       return "query " + std::to_string(i) + " reward " + std::to_string(scores[i].reward);
     if (scores[i].correct != correct[i]) return "query " + std::to_string(i) + " correct";
   }
-  if (tally.scored != 7 || tally.failed != 0) return "tally counts";
+  if (tally.scored != 8 || tally.failed != 0) return "tally counts";
   // reward/<field>: the mean over the 4 dict results. hit: (1 + 0 + 1 + 0) / 4; words: (4 + 2 + 4 + 0) / 4.
   // 'note' (a string) and 'inf' (not finite) are left out.
   if (tally.fields.size() != 2 || !tally.fields.count("hit") || !tally.fields.count("words")) return "field names";
@@ -84,7 +85,7 @@ std::string check_values(const std::vector<ScriptScore>& scores, const RewardTal
 TEST(PythonReward, ScoresFieldsAndCorrectAreTheScriptsInOrder) {
   testing::TempDir dir("python_reward_values");
   PythonReward reward(python_reward(write_script(dir, "values.py", kValues)), sandbox_options(/*workers=*/3));
-  const std::vector<ScriptScore> scores = reward.score(value_queries());  // 3 calls: 2, 2 and 3 queries
+  const std::vector<ScriptScore> scores = reward.score(value_queries());  // 3 calls: 2, 3 and 3 queries
   RewardTally tally;
   tally.add(scores);
   EXPECT_EQ(check_values(scores, tally), "");
@@ -93,7 +94,7 @@ TEST(PythonReward, ScoresFieldsAndCorrectAreTheScriptsInOrder) {
   std::vector<ScriptScore> by_score = scores;
   for (ScriptScore& s : by_score) s.correct = s.reward >= 1.0;
   EXPECT_NE(check_values(by_score, tally), "");
-  // Twin: a field's mean over every scored trajectory (7), not over those that returned it (4).
+  // Twin: a field's mean over every scored trajectory (8), not over those that returned it (4).
   RewardTally over_all = tally;
   for (auto& [name, sum_count] : over_all.fields) sum_count.second = over_all.scored;
   EXPECT_NE(check_values(scores, over_all), "");
