@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <iostream>
@@ -136,9 +137,12 @@ std::string stderr_tail(const SandboxResult& r) {
 
 // Why a call left queries without an answer.
 std::string call_failure(const SandboxResult& r) {
-  if (r.timed_out) return "the reward call was killed at its time limit before this trajectory was scored";
+  if (r.timed_out) {
+    return "the reward call was killed at its own time limit (sandbox.timeout_s x " +
+           std::to_string(PythonReward::kMaxQueriesPerCall + 2) + ") before this trajectory was scored";
+  }
   std::string why = "the interpreter ended (exit code " + std::to_string(r.exit_code) + ")";
-  if (r.truncated) why += " or its answers were cut at sandbox output's limit";
+  if (r.truncated) why += " or its answers were cut at the output limit";
   why += " before this trajectory was scored";
   const std::string tail = stderr_tail(r);
   return tail.empty() ? why : why + "; its stderr:\n" + tail;
@@ -159,6 +163,8 @@ void RewardTally::add(const std::vector<ScriptScore>& scores) {
 }
 
 std::string read_reward_script(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw RewardScriptError(path + ": cannot read the reward script");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw RewardScriptError(path + ": cannot read the reward script");
   std::ostringstream s;

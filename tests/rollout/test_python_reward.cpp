@@ -221,6 +221,34 @@ def reward(prompt, response, answer):
   }
 }
 
+TEST(PythonReward, CodeThatHoldsOffTheAlarmIsStoppedByTheCallsLimit) {
+  testing::TempDir dir("python_reward_blocked");
+  const std::string source = R"PY(
+import signal
+def reward(prompt, response, answer):
+    if response == 'block':
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        while True:
+            pass
+    return 1.0
+)PY";
+  const std::string path = write_script(dir, "blocks.py", source);
+  // One call through the pieces PythonReward::score uses, with a call limit of 1 s x (0 + 2).
+  const SandboxResult r =
+      run_python(reward_call_code(path, source, /*timeout_s=*/1.0, {{"", "a", ""}, {"", "block", ""}, {"", "b", ""}}),
+                 reward_sandbox_options(sandbox_options(1), /*max_queries=*/0));
+  EXPECT_TRUE(r.timed_out);
+  const std::vector<ScriptScore> s = parse_reward_call(r, 3, python_reward(path));
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_FALSE(s[0].failed);
+  EXPECT_EQ(s[0].reward, 1.0);
+  for (int i : {1, 2}) {
+    EXPECT_TRUE(s[i].failed);
+    EXPECT_EQ(s[i].reward, -0.75);
+    EXPECT_TRUE(contains(s[i].error, "killed at its own time limit")) << s[i].error;
+  }
+}
+
 TEST(PythonReward, TheImportCheckNamesThePathAndWhatIsWrong) {
   testing::TempDir dir("python_reward_check");
   const SandboxOptions sandbox = sandbox_options(1);
