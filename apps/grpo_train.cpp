@@ -6,5 +6,5 @@ int main(int argc, char** argv) {
   return rlt::train_main(argc, argv, "grpo_train",
                          "GRPO post-training with multi-turn sandboxed tool use (configs/retool.yaml, "
                          "configs/retool_tiny.yaml)",
-                         rlt::train_grpo);
+                         [](rlt::Run& run) { return rlt::train_grpo(run); });
 }

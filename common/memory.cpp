@@ -11,6 +11,7 @@
 #ifdef RLT_HAVE_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace rlt {
@@ -111,6 +112,12 @@ int64_t PeakMemory::peak_extra_bytes() const {
 void device_synchronize(const at::Device& device) {
 #ifdef RLT_HAVE_CUDA
   if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+}
+
+void stream_synchronize(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
 #endif
 }
 

@@ -27,6 +27,10 @@ class PeakMemory {
 
 // Waits for all work queued on `device` (no-op on CPU).
 void device_synchronize(const at::Device& device);
+// Waits for the work this thread queued: the current stream of `device` (no-op on CPU). What a phase's
+// timer and a graph capture wait for: with train.async the rollout's thread and the update's run on
+// streams of their own, and neither waits for the other's work.
+void stream_synchronize(const at::Device& device);
 // A CPU tensor (or int64 host values) on `device` without waiting: staged in pinned memory and copied
 // asynchronously on the current stream. A copy from pageable memory first waits for all work queued on
 // the stream, which in a decode loop idles the GPU while the host launches what comes next. On the CPU,

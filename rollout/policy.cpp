@@ -597,12 +597,14 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
   g->rows = cache_rows();
   g->slots = cache_.max_len;
   g->inputs = inputs.clone();
-  device_synchronize(dev);
+  stream_synchronize(dev);
   {
     c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()));
     run(g->inputs);
-    device_synchronize(dev);
-    g->graph.capture_begin();
+    stream_synchronize(dev);
+    // Thread-local capture: with train.async the update's thread keeps allocating and launching on its own
+    // stream while this one captures, which a global capture would forbid.
+    g->graph.capture_begin(/*pool=*/{0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       g->hidden = run(g->inputs);
     } catch (const std::exception& e) {
@@ -615,7 +617,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
     }
     g->graph.capture_end();
   }
-  device_synchronize(dev);
+  stream_synchronize(dev);
   ++graph_captures_;
   capture_s_ += seconds_since(t0);
   return g;

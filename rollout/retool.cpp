@@ -272,7 +272,7 @@ class Loop {
       }
       if (!rows.empty()) {
         parts.push_back(policy_.step(rows, tokens));  // (rows, V)
-        device_synchronize(parts.back().device());
+        stream_synchronize(parts.back().device());
         stats.decode_s += lap(t);
         stats.decode_steps += 1;
         stats.fed_rows += static_cast<int64_t>(rows.size());
@@ -281,7 +281,7 @@ class Loop {
         // (run_rows, V); rollout.multi_token_feed off: TokenPolicy's one-token-per-step feed.
         parts.push_back(options_.multi_token_feed ? policy_.extend(run_rows, runs)
                                                   : policy_.TokenPolicy::extend(run_rows, runs));
-        device_synchronize(parts.back().device());
+        stream_synchronize(parts.back().device());
         stats.feed_s += lap(t);
         stats.feed_steps += 1;
         for (const auto& r : runs) stats.feed_tokens += static_cast<int64_t>(r.size());
@@ -344,7 +344,7 @@ class Loop {
     const std::vector<std::vector<int64_t>> prompts(prompts_->begin() + begin, prompts_->begin() + next_prompt_);
     lap(t);
     at::Tensor logits = first ? policy_.start(prompts, G) : policy_.admit(prompts, G);  // (count G, V)
-    device_synchronize(logits.device());
+    stream_synchronize(logits.device());
     stats.prefill_s += lap(t);
     if (!first) stats.refills += count;
     return logits;

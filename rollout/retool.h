@@ -171,6 +171,9 @@ struct Trajectory {
   std::string response_text;  // the model-written text only (rewards read this)
   double reward = 0;
   bool correct = false;
+  // The version of the weights that sampled it: the RL steps they had taken (train.async: one behind the
+  // update that trains on it; in turn, the update's own).
+  int64_t weights_version = 0;
 
   // The response window in ids(): [begin, end).
   int64_t window_begin() const { return static_cast<int64_t>(prompt_ids.size()); }

@@ -11,6 +11,7 @@
 #include "common/files.h"
 #include "model/peft.h"
 #include "model/safetensors.h"
+#include "trainer/async_rollout.h"
 #include "trainer/optim.h"
 #include "trainer/shard.h"
 
@@ -164,6 +165,7 @@ void save_checkpoint(Run& run) {
                           {"skipped_steps", run.skipped_steps},
                           {"prompts_consumed", run.prompts->consumed()},
                           {"old_logprobs", enum_to_string(run.old_logprobs)}};
+  if (run.async) run.async->save(tmp, state);  // train.async: the copy the next rollout samples from
   {
     std::ofstream f((fs::path(tmp) / "state.json").string());
     f << state.dump(2) << "\n";
@@ -191,6 +193,7 @@ void load_checkpoint(Run& run) {
   nlohmann::json state;
   try {
     state = nlohmann::json::parse(f);
+    run.resumed_from = dir;
     run.step = state.at("step").get<int64_t>();
     run.optimizer_steps = state.at("optimizer_steps").get<int64_t>();
     run.skipped_steps = state.at("skipped_steps").get<int64_t>();

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <fcntl.h>
@@ -74,6 +75,7 @@ class SingleProcess : public Collectives {
   }
   void broadcast(const std::vector<at::Tensor>&, int) override {}
   void barrier() override {}
+  std::shared_ptr<Collectives> fork(const std::string&) override { return std::make_shared<SingleProcess>(); }
 };
 
 // Every call posts one value per rank under "rlt/c/<call>/<rank>" and waits for all of them, so having
@@ -122,6 +124,11 @@ class StoreCollectives : public Collectives {
     const std::vector<std::vector<uint8_t>> all = exchange(rank() == root ? pack(host) : std::vector<uint8_t>{});
     if (rank() == root) return;
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(unpack(all[root], host, i));
+  }
+
+  std::shared_ptr<Collectives> fork(const std::string& name) override {
+    return std::make_shared<StoreCollectives>(c10::make_intrusive<c10d::PrefixStore>("rlt/fork/" + name, store_),
+                                              rank(), world(), timeout_);
   }
 
   void barrier() override { exchange({}); }
@@ -247,6 +254,10 @@ DistEnv dist_env(const std::function<const char*(const char*)>& getenv) {
 
 DistEnv dist_env() {
   return dist_env([](const char* n) { return std::getenv(n); });
+}
+
+std::shared_ptr<Collectives> Collectives::fork(const std::string& name) {
+  throw DistError("these collectives cannot fork a second set (" + name + ")");
 }
 
 std::unique_ptr<Pending> Collectives::all_reduce_start(const std::vector<at::Tensor>& tensors) {

@@ -92,6 +92,10 @@ class Collectives {
   virtual std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) = 0;
   virtual void broadcast(const std::vector<at::Tensor>& tensors, int root) = 0;
   virtual void barrier() = 0;
+  // A second set of collectives between the same ranks, independent of this one: collectives on the two may
+  // run at once from two threads (train.async's rollout thread has its own). Every rank forks in the same
+  // order with the same name.
+  virtual std::shared_ptr<Collectives> fork(const std::string& name);
   // Where this rank is ("step 3: update"): read when a collective times out, to name the late rank.
   virtual void mark(const std::string& where) {}
   // The end of a clean run, on every rank: rank 0 (which may serve the store) waits until every rank has

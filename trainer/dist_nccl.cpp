@@ -49,6 +49,12 @@ class NcclCollectives : public Collectives {
     }
   }
 
+  // Its own communicator, rendezvous under its own prefix of the same store.
+  std::shared_ptr<Collectives> fork(const std::string& name) override {
+    return std::make_shared<NcclCollectives>(c10::make_intrusive<c10d::PrefixStore>("rlt/fork/" + name, store_), rank(),
+                                             world(), device_, timeout_);
+  }
+
   void all_reduce(const std::vector<at::Tensor>& tensors, ReduceOp op) override {
     // NCCL coalesces tensors of one dtype per call: one call per dtype, host tensors through the device.
     std::vector<at::Tensor> dev;

@@ -27,6 +27,7 @@
 #include "rollout/policy.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
+#include "trainer/async_rollout.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
 #include "trainer/dynamic_sampling.h"
@@ -91,7 +92,7 @@ double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sam
   return overlong_penalty(sampled_tokens, budget, config.reward);
 }
 
-std::map<std::string, double> train_grpo(Run& run) {
+std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
   const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
@@ -100,6 +101,17 @@ std::map<std::string, double> train_grpo(Run& run) {
   // Several ranks: gradients summed over them as the backward produces them (trajectories are not).
   std::unique_ptr<GradReducer> reducer = make_reducer(run);
   DynamicSampling sampling(cfg);  // train.dynamic_sampling: rounds of prompts, equal-reward groups dropped
+  // train.async one_step: the next step's rollout runs beside this step's update (trainer/async_rollout.h).
+  std::unique_ptr<AsyncRollouts> async;
+  struct Detach {  // a checkpoint reads run.async: never past the object's life
+    Run& run;
+    ~Detach() { run.async = nullptr; }
+  } detach{run};
+  if (T.async == AsyncMode::kOneStep) {
+    async = std::make_unique<AsyncRollouts>(
+        run, [&sampling](Run& r) { return sampling.collect(r); }, hooks.async_threaded, hooks.async_fault);
+    run.async = async.get();
+  }
   std::map<std::string, double> m;
 
   while (run.more_steps()) {
@@ -109,7 +121,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
-    RolloutBatch rb = sampling.collect(run);
+    RolloutBatch rb = async ? async->next() : sampling.collect(run);
     if (T.mask_truncated) mask_truncated(rb.trajs);   // before packing and the denominators
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
@@ -134,7 +146,7 @@ std::map<std::string, double> train_grpo(Run& run) {
     // or a scoring forward (recompute, or since the mismatch exceeded train.old_logprobs_tol).
     peaks.end("rollout");
     const auto t_score = Clock::now();
-    const bool on_policy = T.num_iterations == 1 && mini == S;
+    const bool on_policy = !async && T.num_iterations == 1 && mini == S;  // async: sampled a step behind
     const bool use_rollout = !on_policy && run.old_logprobs == OldLogprobs::kRollout;
     const bool score_old = !on_policy && !use_rollout;
     std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
@@ -178,7 +190,8 @@ std::map<std::string, double> train_grpo(Run& run) {
           // pass's own while no optimizer step has moved the weights, i.e. in the first iteration's first
           // mini-batch (on-policy, the only one). With the rollout's old log-probs, later mini-batches are
           // scored on moved weights and are left out: the figure then covers the first mini-batch only.
-          if (it == 0 && (score_old || mb_begin == 0)) {
+          // Async, no pass runs on the rollout's weights (they are a step behind): no mismatch is measured.
+          if (!async && it == 0 && (score_old || mb_begin == 0)) {
             mismatch.add(score_old ? logprobs_old[k] : r.logprobs, b.logprobs_rollout, b.loss_mask);
           }
           PolicyLossOutput out = policy_loss(in, cfg.policy);
@@ -190,13 +203,18 @@ std::map<std::string, double> train_grpo(Run& run) {
       }
     }
     zero_gradients(run);
-    device_synchronize(run.device);
+    stream_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
 
     // 6. Metrics, warnings (a mismatch above train.old_logprobs_tol switches to recompute), checkpoint.
     std::map<std::string, double> extra = mismatch.read(run.dist.get());
     extra.merge(sampling.metrics());
+    if (async) extra.merge(async->metrics(rb));
+    {  // groups trained on whose rewards are all equal: zero advantage under a group baseline
+      const std::vector<bool> varied = varied_groups(rb.table, G);
+      extra["groups_equal_reward"] = static_cast<double>(std::count(varied.begin(), varied.end(), false));
+    }
     if (cfg.reward.overlong_buffer > 0) {  // the step's mean overlong penalty, from every rank's rows
       const auto t = rb.table.accessor<double, 2>();
       double sum = 0;

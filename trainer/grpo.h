@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/async_rollout.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -33,6 +34,12 @@ double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sam
 
 // Trains run.config.train.steps - run.step RL steps (after the warm-up when sft.steps > 0 and the run is
 // new). Writes metrics.jsonl, plot.svg and checkpoints into run.out_dir. Returns the last step's metrics.
-std::map<std::string, double> train_grpo(Run& run);
+// What the tests change in train_grpo: train.async's rollout on the calling thread (the schedule without
+// the concurrency, the reference of the threaded run), and its wrong twins.
+struct GrpoHooks {
+  bool async_threaded = true;
+  AsyncFault async_fault = AsyncFault::kNone;
+};
+std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks = {});
 
 }  // namespace rlt

@@ -213,7 +213,9 @@ int64_t parameter_count(const ModelConfig& m) {
   return shape_of(c, m).P;
 }
 
-int64_t MemoryPlan::device_total() const { return persistent() + std::max(rollout_phase(), update_phase()); }
+int64_t MemoryPlan::device_total() const {
+  return persistent() + (phases_overlap ? rollout_phase() + update_phase() : std::max(rollout_phase(), update_phase()));
+}
 
 std::string MemoryPlan::table() const {
   std::ostringstream o;
@@ -237,8 +239,8 @@ std::string MemoryPlan::table() const {
   line("kv cache", kv_cache);
   line("activations", activations);
   line("device total", device_total(),
-       "(weights to reference, plus the larger of the rollout's " + gib(rollout_phase()) + " and the update's " +
-           gib(update_phase()) + ")");
+       std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") + " of the rollout's " +
+           gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
   if (host_optimizer > 0) line("host optimizer", host_optimizer, "(pinned host memory, train.offload optimizer)");
   return o.str();
 }
@@ -319,6 +321,10 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
   const int64_t gathered = gathers && !lora ? s * sh.P : 0;
   p.rollout_weights = packed + (lora ? s * sh.targeted : 0) + gathered;
+  // train.async: the rollout's own copy of the weights (with LoRA the merged copy above; under shard
+  // parameters it takes the place of the gathered weights), held through the update.
+  p.phases_overlap = c.train.async != AsyncMode::kOff;
+  if (p.phases_overlap && !lora) p.rollout_weights += s * sh.P - gathered;
   // KvCache::allocate: k and v per layer (rows, Hkv, slots, hd) in the model dtype, int64 positions, and
   // ModelPolicy's bool slot mask. The training rollout's rows (one rank's share), or an evaluation's
   // (train.eval_prompts x eval_samples over the ranks), whichever is more.

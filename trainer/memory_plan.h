@@ -37,6 +37,8 @@ struct MemoryPlan {
   // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).
   int64_t held_through_update = 0;
+  // train.async: the rollout runs beside the update, so the two phases add up instead of taking turns.
+  bool phases_overlap = false;
 
   // The model's parameters, the ones the optimizer updates, and the ranks the plan is for.
   int64_t parameters = 0, trainable = 0;

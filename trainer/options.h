@@ -108,6 +108,15 @@ inline const EnumNames<LrSchedule>& enum_names(LrSchedule) {
 // trainer's on the same weights up to rounding (GRPO then spends no scoring forward on the policy), or a
 // scoring forward of the policy before the update. An on-policy GRPO update needs neither: its old
 // log-probs are its own, detached.
+// train.async: off runs each step's rollout, then its update. one_step runs step t+1's rollout, from the
+// weights published after step t-1, on its own thread (and CUDA stream) while step t's update runs
+// (trainer/async_rollout.h): every update trains on trajectories one step stale.
+enum class AsyncMode { kOff, kOneStep };
+inline const EnumNames<AsyncMode>& enum_names(AsyncMode) {
+  static const EnumNames<AsyncMode> names{{"off", AsyncMode::kOff}, {"one_step", AsyncMode::kOneStep}};
+  return names;
+}
+
 enum class OldLogprobs { kRollout, kRecompute };
 inline const EnumNames<OldLogprobs>& enum_names(OldLogprobs) {
   static const EnumNames<OldLogprobs> names{{"rollout", OldLogprobs::kRollout}, {"recompute", OldLogprobs::kRecompute}};
@@ -170,6 +179,9 @@ struct TrainOptions {
   // max_sampling_rounds rounds are spent (then the step trains on what was kept, with a warning once).
   bool dynamic_sampling = false;
   int64_t max_sampling_rounds = 3;
+  // Rollout and update overlapped (AsyncMode). one_step's update takes the rollout's log-probs as the old
+  // ones (or scores them, train.old_logprobs: recompute), and policy.tis / icepop apply as configured.
+  AsyncMode async = AsyncMode::kOff;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
   // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
@@ -223,6 +235,9 @@ struct TrainOptions {
       "prompts_per_step groups are kept");
     v("max_sampling_rounds", max_sampling_rounds,
       "dynamic_sampling: rounds of prompts_per_step prompts a step samples at most", FieldRange{1, 1e6});
+    v("async", async,
+      "off | one_step: step t+1's rollout runs from the weights after step t-1 while step t's update runs "
+      "(grpo_train)");
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

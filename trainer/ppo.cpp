@@ -113,6 +113,9 @@ std::map<std::string, double> train_ppo(Run& run) {
   }
   if (T.mask_truncated) throw RunError("train.mask_truncated: ppo_train does not mask truncated trajectories");
   if (T.dynamic_sampling) throw RunError("train.dynamic_sampling: ppo_train samples no groups; it is grpo_train's");
+  if (T.async != AsyncMode::kOff) {
+    throw RunError("train.async: ppo_train runs its rollout and update in turn; one_step is grpo_train's");
+  }
   const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;

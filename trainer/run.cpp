@@ -385,12 +385,24 @@ at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs,
   return table;
 }
 
+namespace {
+thread_local const RolloutSource* rollout_source = nullptr;
+}  // namespace
+
+RolloutSourceScope::RolloutSourceScope(const RolloutSource& source) : previous_(rollout_source) {
+  rollout_source = &source;
+}
+RolloutSourceScope::~RolloutSourceScope() { rollout_source = previous_; }
+
 RolloutBatch collect_rollouts(Run& run) {
   const ToolRunner tools = tool_runner(run);
   const Config& cfg = run.config;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
-  const int world = run.dist->world();
+  const RolloutSource* source = rollout_source;
+  Collectives& dist = source ? *source->dist : *run.dist;
+  const int64_t step = source ? source->step : run.step;
+  const int world = dist.world();
   RolloutBatch out;
   // Every rank draws the step's P prompts; each samples its share (rank_prompts), with the noise stream of
   // the prompt's draw index, as one process would.
@@ -398,7 +410,7 @@ RolloutBatch collect_rollouts(Run& run) {
   const std::vector<PromptExample> drawn = run.prompts->next(P);
   std::vector<int64_t> mine(P);
   std::iota(mine.begin(), mine.end(), 0);
-  if (world > 1) mine = rank_prompts(P, step_shape(cfg).mini / G, world, run.dist->rank());
+  if (world > 1) mine = rank_prompts(P, step_shape(cfg).mini / G, world, dist.rank());
   std::vector<int64_t> streams;
   for (int64_t p : mine) {
     out.examples.push_back(drawn[p]);
@@ -406,31 +418,34 @@ RolloutBatch collect_rollouts(Run& run) {
     for (int64_t g = 0; g < G; ++g) out.index.push_back(p * G + g);
   }
   SamplingOptions sampling = cfg.sampling;
-  sampling.seed = cfg.train.seed * 1000003 + run.step;
+  sampling.seed = cfg.train.seed * 1000003 + step;
   RolloutOptions ro = cfg.rollout;
   if (!run.lead()) ro.progress_s = 0;  // one live line: rank 0's
   {
     at::NoGradGuard no_grad;
-    const GatheredWeights whole(run.sharded);  // train.shard parameters: decoded from whole weights
+    // train.shard parameters: decoded from whole weights (a source's copy is whole already).
+    const GatheredWeights whole(source ? std::shared_ptr<ShardedState>() : run.sharded);
     // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
     std::unique_ptr<ModelPolicy> own;
-    const Transformer& model = rollout_model(run);
+    const Transformer& model = source ? *source->model : rollout_model(run);
+    std::unique_ptr<ModelPolicy>& kept = source ? *source->policy : run.rollout_policy;
     if (!cfg.rollout.keep_cache) {
       own = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
-    } else if (!run.rollout_policy || &run.rollout_policy->model() != &model) {
-      run.rollout_policy = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
+    } else if (!kept || &kept->model() != &model) {
+      kept = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
     }
-    ModelPolicy& policy = own ? *own : *run.rollout_policy;
+    ModelPolicy& policy = own ? *own : *kept;
     out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
                         run.tools, &out.stats);
   }
+  for (Trajectory& t : out.trajs) t.weights_version = source ? source->version : run.step;
   score_rewards(run, out.trajs, out.examples);
   // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
   if (cfg.reward.overlong_buffer > 0) {
     for (Trajectory& t : out.trajs) t.reward += overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
   }
   out.seconds = seconds_since(t0);
-  out.table = gather_table(*run.dist, out.trajs, out.index, P * G);
+  out.table = gather_table(dist, out.trajs, out.index, P * G);
   if (world > 1) {  // the step waits for the slowest rank; counts (and the calls' summed latencies) add up
     RolloutStats& st = out.stats;
     at::Tensor times = at::tensor(
@@ -441,8 +456,8 @@ RolloutBatch collect_rollouts(Run& run) {
                     double(st.forced_tokens), double(st.refills), st.tool_latency_s, st.tool_run_s,
                     double(st.tool_wait_row_steps), double(st.feed_wait_row_steps)},
                    at::kDouble);
-    run.dist->all_reduce({times}, ReduceOp::kMax);
-    run.dist->all_reduce({counts}, ReduceOp::kSum);
+    dist.all_reduce({times}, ReduceOp::kMax);
+    dist.all_reduce({counts}, ReduceOp::kSum);
     const double* t = times.data_ptr<double>();
     const double* n = counts.data_ptr<double>();
     out.seconds = t[0];

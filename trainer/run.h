@@ -30,6 +30,7 @@ namespace rlt {
 
 class MetricsLog;
 class ShardedState;
+class AsyncRollouts;
 struct ScriptRewards;
 
 // Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
@@ -98,6 +99,9 @@ struct Run {
   int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
   int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
   int64_t stop_after = 0;       // > 0: checkpoint and return once `step` reaches it (--stop-after)
+  std::string resumed_from;     // the checkpoint folder a resumed run loaded (load_checkpoint)
+  // train.async: the rollout running beside the update, whose pending state a checkpoint keeps.
+  AsyncRollouts* async = nullptr;
   // The old log-probs in force: train.old_logprobs, switched to recompute for good once a step's
   // logprob_mismatch_mean exceeds train.old_logprobs_tol (check_old_logprobs, trainer/metrics.h).
   // Checkpointed, so a resumed run keeps the switch.
@@ -175,6 +179,28 @@ enum TableColumn : int64_t {
 at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs, const std::vector<int64_t>& index,
                         int64_t S_step);
 RolloutBatch collect_rollouts(Run& run);
+
+// What collect_rollouts decodes from, for a rollout that runs beside the update (train.async): a copy of
+// the weights published for it, its own kept policy (rollout.keep_cache), its own collectives (the update's
+// run on the other thread), and the step it samples for. Installed for the calling thread only, for the
+// scope's life; without one, collect_rollouts reads the run's own (rollout_model, run.dist, run.step).
+struct RolloutSource {
+  const Transformer* model = nullptr;
+  std::unique_ptr<ModelPolicy>* policy = nullptr;  // where the kept ModelPolicy lives
+  Collectives* dist = nullptr;
+  int64_t step = 0;     // run.step as the batch's step begins: seeds the sampling noise
+  int64_t version = 0;  // the weights' version (Trajectory::weights_version)
+};
+class RolloutSourceScope {
+ public:
+  explicit RolloutSourceScope(const RolloutSource& source);
+  ~RolloutSourceScope();
+  RolloutSourceScope(const RolloutSourceScope&) = delete;
+  RolloutSourceScope& operator=(const RolloutSourceScope&) = delete;
+
+ private:
+  const RolloutSource* previous_;
+};
 
 // Runs code on the run's interpreter pool (sandbox.workers processes), made on first use and kept.
 ToolRunner tool_runner(Run& run);

@@ -467,5 +467,20 @@ TEST(MemoryPlan, TablePrintsEachItemInGiB) {
   EXPECT_EQ(gib_text(plan.weights), "14.19");
 }
 
+// train.async: the rollout's copy of the weights is held, and the rollout and the update hold their memory
+// at once. Twin: a plan that still takes the larger of the two phases.
+TEST(MemoryPlan, AsyncAddsTheRolloutsCopyAndBothPhases) {
+  auto overrides = seven_b_run();
+  const MemoryPlan in_turn = plan_memory(load_config("", overrides), qwen25_7b(), 1);
+  overrides.push_back("train.async=one_step");
+  const MemoryPlan async = plan_memory(load_config("", overrides), qwen25_7b(), 1);
+  EXPECT_EQ(async.rollout_weights - in_turn.rollout_weights, 2 * parameter_count(qwen25_7b()));
+  const int64_t expected = async.persistent() + async.rollout_phase() + async.update_phase();
+  EXPECT_EQ(async.device_total(), expected);
+  MemoryPlan twin = async;
+  twin.phases_overlap = false;
+  EXPECT_NE(twin.device_total(), expected);
+}
+
 }  // namespace
 }  // namespace rlt

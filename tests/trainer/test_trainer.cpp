@@ -14,6 +14,7 @@
 
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
+#include "tests/trainer/tiny_run.h"
 #include "trainer/config.h"
 #include "trainer/grpo.h"
 #include "trainer/metrics.h"
@@ -25,7 +26,9 @@
 namespace rlt {
 namespace {
 
+using rlt::testing::read_metrics;
 using rlt::testing::TempDir;
+using rlt::testing::tiny_config;
 
 // Advantages are exact arithmetic on small numbers; float64 leaves only rounding.
 constexpr double kExact = 1e-12;
@@ -277,59 +280,6 @@ TEST(UpdateMetrics, SequenceLevelClipFractionWeighsBySequences) {
 // A tiny run: a trained tokenizer, a 2-layer model, a short warm-up, 2 prompts x 4 samples per step with
 // real sandboxed tool calls, two iterations over two mini-batches (off-policy ratios), a KL penalty (so
 // the reference model is built, saved and restored).
-Config tiny_config() {
-  Config c = load_config("", {});
-  c.model.tokenizer_vocab = 320;
-  c.model.init_hidden = 32;
-  c.model.init_layers = 2;
-  c.model.init_heads = 2;
-  c.model.init_kv_heads = 1;
-  c.model.init_intermediate = 64;
-  c.chat.prompt = "{question}\n";
-  c.synthetic.digits_a = 1;
-  c.synthetic.digits_b = 1;
-  c.synthetic.count = 200;
-  c.sampling.max_new_tokens = 24;
-  c.sampling.samples_per_prompt = 4;
-  c.rollout.max_turns = 3;
-  c.rollout.max_tool_calls = 2;
-  c.rollout.max_context = 96;
-  c.rollout.max_tool_output_tokens = 16;
-  c.sandbox.timeout_s = 5;
-  c.sandbox.workers = 2;
-  c.reward.kind = RewardKind::kBoxedToolShaping;
-  c.loss.entropy = EntropyMode::kValue;
-  c.loss.loss_mask_only = true;
-  c.policy.kl_coef = 0.01;
-  c.policy.agg = LossAgg::kSeqMeanTokenMean;
-  c.train.steps = 4;
-  c.train.prompts_per_step = 2;
-  c.train.num_iterations = 2;
-  c.train.mini_batch_size = 4;
-  c.train.micro_batch_size = 2;
-  c.train.lr = 3e-3;
-  c.train.weight_decay = 0.01;
-  c.train.lr_schedule = LrSchedule::kCosine;
-  c.train.warmup_steps = 2;
-  c.train.checkpoint_every = 2;
-  // Enough warm-up that completions are in format and some are right, so rewards (and advantages) vary.
-  c.sft.steps = 40;
-  c.sft.batch_size = 16;
-  c.sft.lr = 1e-2;
-  c.sft.warmup_steps = 4;
-  c.sft.tool_fraction = 0.5;
-  c.ppo.value_lr = 1e-2;
-  return c;
-}
-
-std::vector<nlohmann::json> read_metrics(const std::string& dir) {
-  std::ifstream f(dir + "/metrics.jsonl");
-  std::vector<nlohmann::json> rows;
-  std::string line;
-  while (std::getline(f, line)) rows.push_back(nlohmann::json::parse(line));
-  return rows;
-}
-
 using TrainFn = std::map<std::string, double> (*)(Run&);
 
 void run_to(const Config& c, const std::string& dir, bool resume, TrainFn train, const ExtraParams& extra) {
@@ -339,7 +289,9 @@ void run_to(const Config& c, const std::string& dir, bool resume, TrainFn train,
 
 class Trainers : public ::testing::TestWithParam<bool> {  // true = PPO
  protected:
-  TrainFn train() const { return GetParam() ? &train_ppo : &train_grpo; }
+  TrainFn train() const {
+    return GetParam() ? TrainFn(&train_ppo) : TrainFn([](rlt::Run& r) { return train_grpo(r); });
+  }
   ExtraParams extra() const { return GetParam() ? value_head_params() : ExtraParams{}; }
 };
 

@@ -1,0 +1,96 @@
+// train.async: one_step. Step t+1's rollout runs on its own thread while step t's update runs, from a copy of
+// the weights published after step t-1:
+//
+//   main thread:     [update t-1] publish w(t-1) [update t           ] publish w(t) [update t+1 ...
+//   rollout thread:                [rollout t+1 from w(t-1)]  (waits)  [rollout t+2 from w(t) ...
+//
+// so every update trains on trajectories sampled by the weights one step behind its own (the first two
+// steps both by the initial weights). The rollout decodes its own copy of the weights (LoRA: the merged
+// copy), which a publish rewrites in place on the main thread's CUDA stream once the rollout that read it
+// has ended; the rollout thread runs on a CUDA stream of its own, which waits on the publish by an event,
+// and its collectives are a fork of the run's (Collectives::fork), so that the update's all-reduces and the
+// rollout's reward gathering never interleave on one communicator.
+//
+// Checkpoints: a save first waits for the pending rollout, then writes the published copy
+// (rollout_weights.safetensors) and where the pending rollout's prompts began. A resumed run loads that
+// copy and samples the pending rollout again, with the same prompts and noise: it reproduces the
+// uninterrupted run.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "trainer/run.h"
+
+namespace rlt {
+
+// Wrong schedules the tests must reject: the rollout decodes the trained weights themselves while the
+// update changes them (kLiveWeights), or the copy is published once and never again (kNoPublish).
+enum class AsyncFault { kNone, kLiveWeights, kNoPublish };
+
+class AsyncRollouts {
+ public:
+  // collect samples one step's batch (collect_rollouts, or dynamic sampling's rounds of it). threaded =
+  // false runs the same schedule on the calling thread (each rollout right after its publish): the
+  // reference the threaded run must equal.
+  AsyncRollouts(Run& run, std::function<RolloutBatch(Run&)> collect, bool threaded = true,
+                AsyncFault fault = AsyncFault::kNone);
+  ~AsyncRollouts();
+  AsyncRollouts(const AsyncRollouts&) = delete;
+  AsyncRollouts& operator=(const AsyncRollouts&) = delete;
+
+  // Step run.step + 1's batch: waits for its rollout (the first step, or a resumed run's first, samples
+  // it here), publishes the weights as they are now, and starts step run.step + 2's rollout from them.
+  RolloutBatch next();
+
+  // The step's figures, for the batch next() returned last: staleness_mean (the update's version, run.step
+  // before the step, less the weights_version of its trajectories, averaged), and of that batch's rollout:
+  // overlap_s (how long it ran while the previous update ran), wait_rollout_s (how long the update side
+  // waited for it) and wait_update_s (how long, finished, it waited for the update).
+  std::map<std::string, double> metrics(const RolloutBatch& batch) const;
+
+  // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a
+  // resume needs into state["async"].
+  void save(const std::string& dir, nlohmann::json& state);
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void publish();
+  void launch(int64_t batch_step);  // the rollout of step batch_step (1-based), from the copy
+  RolloutBatch wait();
+
+  Run& run_;
+  std::function<RolloutBatch(Run&)> collect_;
+  bool threaded_;
+  AsyncFault fault_;
+  std::unique_ptr<Transformer> copy_;    // the published weights the rollout decodes
+  std::unique_ptr<ModelPolicy> policy_;  // rollout.keep_cache: the rollout thread's kept policy
+  std::shared_ptr<Collectives> dist_;    // the rollout thread's collectives
+  int64_t version_ = -1;                 // the copy's version: run.step when it was published
+  bool published_once_ = false;
+  struct CudaOrder;  // the publish's event and the rollout's stream (CUDA builds)
+  std::shared_ptr<CudaOrder> cuda_;
+
+  // The pending rollout.
+  std::thread thread_;
+  bool pending_ = false;
+  RolloutSource source_;
+  int64_t pending_prompts_ = 0;  // run.prompts->consumed() when it began
+  RolloutBatch result_;
+  std::exception_ptr error_;
+  Clock::time_point started_, ended_;
+
+  // The last batch's timing.
+  Clock::time_point update_began_;  // when next() last returned
+  bool update_running_ = false;
+  double overlap_s_ = 0, wait_rollout_s_ = 0, wait_update_s_ = 0;
+};
+
+}  // namespace rlt
