@@ -95,6 +95,7 @@ void write_group(Writer& w, int64_t slot, const PromptExample& ex, const Traject
     w.put_str(t.response_text);
     w.put<double>(t.reward);
     w.put<uint8_t>(t.correct);
+    w.put<int64_t>(t.weights_version);
   }
 }
 
@@ -133,6 +134,7 @@ GroupData read_group(Reader& r, int64_t G, int64_t& slot) {
     t.response_text = r.get_str();
     t.reward = r.get<double>();
     t.correct = r.get<uint8_t>() != 0;
+    t.weights_version = r.get<int64_t>();
     d.trajs.push_back(std::move(t));
   }
   return d;
