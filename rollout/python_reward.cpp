@@ -162,6 +162,16 @@ void RewardTally::add(const std::vector<ScriptScore>& scores) {
   }
 }
 
+void RewardTally::add(const RewardTally& other) {
+  scored += other.scored;
+  failed += other.failed;
+  for (const auto& [name, sc] : other.fields) {
+    auto& [sum, count] = fields[name];
+    sum += sc.first;
+    count += sc.second;
+  }
+}
+
 std::string read_reward_script(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) throw RewardScriptError(path + ": cannot read the reward script");

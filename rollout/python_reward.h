@@ -66,6 +66,7 @@ struct RewardTally {
   int64_t scored = 0, failed = 0;
   std::map<std::string, std::pair<double, int64_t>> fields;  // name -> (sum, trajectories that returned it)
   void add(const std::vector<ScriptScore>& scores);
+  void add(const RewardTally& other);
 };
 
 // The script's source; RewardScriptError naming the path when it cannot be read.

@@ -204,7 +204,7 @@ DynamicSampling::DynamicSampling(const Config& config)
 
 RolloutBatch DynamicSampling::collect(Run& run) {
   if (!enabled_) return collect_rollouts(run);
-  return collect([&run] { return collect_rollouts(run); }, *run.dist);
+  return collect([&run] { return collect_rollouts(run); }, rollout_collectives(run));  // train.async: its fork
 }
 
 RolloutBatch DynamicSampling::collect(const std::function<RolloutBatch()>& next_round, Collectives& dist,
@@ -340,6 +340,7 @@ RolloutBatch DynamicSampling::collect(const std::function<RolloutBatch()>& next_
   for (const auto& b : rounds) {
     out.seconds += b.seconds;
     add_stats(out.stats, b.stats);
+    out.rewards.add(b.rewards);  // every round's scoring, dropped groups included
   }
   return out;
 }

@@ -239,8 +239,8 @@ std::string MemoryPlan::table() const {
   line("kv cache", kv_cache);
   line("activations", activations);
   line("device total", device_total(),
-       std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") + " of the rollout's " +
-           gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
+       std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
+           " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
   if (host_optimizer > 0) line("host optimizer", host_optimizer, "(pinned host memory, train.offload optimizer)");
   return o.str();
 }

@@ -146,7 +146,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   const TrainOptions& T = run.config.train;
   std::map<std::string, double> m = rollout_metrics(run, rb);
   // reward.kind python: reward_errors, reward/<field>
-  m.merge(reward_metrics(run));
+  m.merge(reward_metrics(run, rb.rewards));
   if (run.lead()) log_samples(run, rb.trajs);  // rank 0's first trajectories
   ++run.step;
   m.merge(um.read(run.dist.get()));

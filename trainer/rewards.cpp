@@ -58,14 +58,13 @@ std::shared_ptr<ScriptRewards> script_rewards(Run& run, bool make) {
 
 }  // namespace
 
-void score_rewards(Run& run, std::vector<Trajectory>& trajectories, const std::vector<PromptExample>& examples,
-                   bool training) {
+RewardTally score_rewards(Run& run, std::vector<Trajectory>& trajectories, const std::vector<PromptExample>& examples) {
   const RewardOptions& options = run.config.reward;
   if (options.kind != RewardKind::kPython) {
     std::vector<std::string> answers;
     for (const PromptExample& ex : examples) answers.push_back(ex.answer);
     assign_rewards(trajectories, answers, options);
-    return;
+    return {};
   }
   const std::shared_ptr<ScriptRewards> rewards = script_rewards(run, /*make=*/true);
   std::vector<RewardQuery> queries;
@@ -80,19 +79,13 @@ void score_rewards(Run& run, std::vector<Trajectory>& trajectories, const std::v
     trajectories[i].reward = scores[i].reward;
     trajectories[i].correct = scores[i].correct;
   }
-  if (training) {
-    std::lock_guard<std::mutex> lock(rewards->mutex);
-    rewards->pending.add(scores);
-  }
+  RewardTally tally;
+  tally.add(scores);
+  return tally;
 }
 
-std::map<std::string, double> reward_metrics(Run& run) {
+std::map<std::string, double> reward_metrics(Run& run, const RewardTally& tally) {
   if (run.config.reward.kind != RewardKind::kPython) return {};
-  RewardTally tally;
-  if (const std::shared_ptr<ScriptRewards> rewards = script_rewards(run, /*make=*/false)) {
-    std::lock_guard<std::mutex> lock(rewards->mutex);
-    std::swap(tally, rewards->pending);
-  }
   const std::vector<std::string> names = all_field_names(*run.dist, tally.fields);
   // (1 + 2 F): the failures, then each field's sum and count, summed over the ranks.
   at::Tensor sums = at::zeros({1 + 2 * static_cast<int64_t>(names.size())}, at::kDouble);

@@ -16,26 +16,22 @@ namespace rlt {
 
 struct Run;
 
-// reward.kind python: the script and its interpreter pool, made at the run's first scoring and kept, and
-// the totals of the training scorings since the step's metrics last read them.
+// reward.kind python: the script and its interpreter pool, made at the run's first scoring and kept.
 struct ScriptRewards {
   ScriptRewards(const RewardOptions& reward, const SandboxOptions& sandbox) : script(reward, sandbox) {}
   PythonReward script;
-  std::mutex mutex;  // guards pending: with train.async the rollout scores on its own thread while a step reads
-  RewardTally pending;
 };
 
-// Fills reward and correct of each trajectory; examples[t.prompt_index] is its prompt and answer. training:
-// the step's rollouts, whose script failures and fields the step's metrics report (an evaluation's are only
-// shown, the first of the run on stderr).
-void score_rewards(Run& run, std::vector<Trajectory>& trajectories, const std::vector<PromptExample>& examples,
-                   bool training = true);
+// Fills reward and correct of each trajectory; examples[t.prompt_index] is its prompt and answer. Returns
+// the script's tally of these trajectories (reward.kind python; empty for the other kinds): a training
+// rollout keeps it with its batch (RolloutBatch::rewards), so the step that trains on the batch reports it,
+// even when the batch was scored on train.async's rollout thread beside another step. The first failure
+// of the run is shown on stderr with the script's traceback.
+RewardTally score_rewards(Run& run, std::vector<Trajectory>& trajectories, const std::vector<PromptExample>& examples);
 
-// reward.kind python: over every rank, reward_errors (the training scorings' failed calls since the last
-// read) and reward/<field> (each field's mean over the trajectories that returned it); then starts the next
-// count. Empty for the other kinds. Every rank calls it, at the end of every step. With train.async
-// one_step a step's figures may include the scoring of the rollout that ran beside it (the next step's);
-// summed over the run they count every training trajectory once.
-std::map<std::string, double> reward_metrics(Run& run);
+// reward.kind python: over every rank, reward_errors (the failed calls of `tally`, the step's batch) and
+// reward/<field> (each field's mean over the trajectories that returned it). Empty for the other kinds.
+// Every rank calls it, at the end of every step.
+std::map<std::string, double> reward_metrics(Run& run, const RewardTally& tally);
 
 }  // namespace rlt

@@ -394,6 +394,8 @@ RolloutSourceScope::RolloutSourceScope(const RolloutSource& source) : previous_(
 }
 RolloutSourceScope::~RolloutSourceScope() { rollout_source = previous_; }
 
+Collectives& rollout_collectives(Run& run) { return rollout_source ? *rollout_source->dist : *run.dist; }
+
 RolloutBatch collect_rollouts(Run& run) {
   const ToolRunner tools = tool_runner(run);
   const Config& cfg = run.config;
@@ -439,7 +441,7 @@ RolloutBatch collect_rollouts(Run& run) {
                         run.tools, &out.stats);
   }
   for (Trajectory& t : out.trajs) t.weights_version = source ? source->version : run.step;
-  score_rewards(run, out.trajs, out.examples);
+  out.rewards = score_rewards(run, out.trajs, out.examples);
   // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
   if (cfg.reward.overlong_buffer > 0) {
     for (Trajectory& t : out.trajs) t.reward += overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
@@ -531,7 +533,7 @@ EvalResult evaluate(Run& run) {
     if (!run.lead()) ro.progress_s = 0;
     ModelPolicy policy(rollout_model(run), policy_options(run.config.rollout));
     trajs = rollout(policy, *run.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams, run.tools);
-    score_rewards(run, trajs, problems, /*training=*/false);
+    score_rewards(run, trajs, problems);  // an evaluation's script failures count in no metric
   }
   return summarize_evaluation(trajs, k, run.dist.get());
 }

@@ -20,6 +20,7 @@
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "rollout/policy.h"
+#include "rollout/python_reward.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "rollout/tools.h"
@@ -162,8 +163,9 @@ struct RolloutBatch {
   // (P * G, kTableColumns) float64 on the CPU: every trajectory of the step, gathered from every rank, one
   // row each (TableColumn); what the step's advantages and metrics read.
   at::Tensor table;
-  double seconds = 0;  // wall time of the generation (tool calls included); the slowest rank's
-  RolloutStats stats;  // where the generation's time went: times the slowest rank's, counts summed
+  double seconds = 0;   // wall time of the generation (tool calls included); the slowest rank's
+  RolloutStats stats;   // where the generation's time went: times the slowest rank's, counts summed
+  RewardTally rewards;  // reward.kind python: the script's failures and fields over this rank's trajectories
 };
 enum TableColumn : int64_t {
   kReward,
@@ -191,6 +193,8 @@ struct RolloutSource {
   int64_t step = 0;     // run.step as the batch's step begins: seeds the sampling noise
   int64_t version = 0;  // the weights' version (Trajectory::weights_version)
 };
+// The collectives a rollout on this thread gathers with: its RolloutSource's, else the run's.
+Collectives& rollout_collectives(Run& run);
 class RolloutSourceScope {
  public:
   explicit RolloutSourceScope(const RolloutSource& source);

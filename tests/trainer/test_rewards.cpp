@@ -56,7 +56,7 @@ TEST(ScoreRewards, EachTrajectoryGetsItsPromptsAnswerAndOnlyTrainingIsCounted) {
     trajs[i].response_text = rows[i].second;
   }
   ::testing::internal::CaptureStderr();
-  score_rewards(run, trajs, examples);
+  const RewardTally step = score_rewards(run, trajs, examples);
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("ValueError: bad response"), std::string::npos) << err;
   // "42" for "42": 2 + 10 + 0.04; "x": 1 + 0.04; "7 7" for "7": 3 + 10 + 0.02; "bad": reward.wrong; "42" for
@@ -68,7 +68,7 @@ TEST(ScoreRewards, EachTrajectoryGetsItsPromptsAnswerAndOnlyTrainingIsCounted) {
     EXPECT_EQ(trajs[i].correct, correct[i]) << i;
   }
   std::vector<Trajectory> eval = trajs;
-  score_rewards(run, eval, examples, /*training=*/false);  // shown nowhere, counted nowhere
+  score_rewards(run, eval, examples);  // an evaluation: its tally joins no step's
 
   const auto check = [](const std::map<std::string, double>& m) -> std::string {
     if (!m.count("reward_errors") || m.at("reward_errors") != 1) return "reward_errors";
@@ -76,8 +76,7 @@ TEST(ScoreRewards, EachTrajectoryGetsItsPromptsAnswerAndOnlyTrainingIsCounted) {
     if (!m.count("reward/hit") || m.at("reward/hit") != 0.5) return "reward/hit";
     return "";
   };
-  EXPECT_EQ(check(reward_metrics(run)), "");
-  EXPECT_EQ(reward_metrics(run).at("reward_errors"), 0);  // the read started the next count
+  EXPECT_EQ(check(reward_metrics(run, step)), "");
   // Twin: the evaluation's scoring counted too (its failure makes 2; the mean of hit stays 0.5).
   EXPECT_NE(check({{"reward_errors", 2}, {"reward/hit", 0.5}}), "");
 }
@@ -93,10 +92,10 @@ TEST(ScoreRewards, OtherKindsAreTheBuiltInMatcherAndHaveNoScriptMetrics) {
   EXPECT_TRUE(trajs[0].correct);
   EXPECT_EQ(trajs[1].reward, -1.0);
   EXPECT_FALSE(run.rewards);
-  EXPECT_TRUE(reward_metrics(run).empty());
+  EXPECT_TRUE(reward_metrics(run, {}).empty());
 }
 
-// What each rank's pending totals are before the step's read: rank 1 has a field rank 0 never saw.
+// Each rank's tally of the step's batch: rank 1 has a field rank 0 never saw.
 RewardTally rank_tally(int rank) {
   RewardTally t;
   if (rank == 0) {
@@ -126,9 +125,7 @@ TEST(ScoreRewards, MetricsAreSummedOverRanksWithDifferentFields) {
     rlt::Run run = python_run(script);
     run.config.sandbox.prestart = false;
     run.dist = c;
-    run.rewards = std::make_shared<ScriptRewards>(run.config.reward, run.config.sandbox);
-    run.rewards->pending = rank_tally(r);
-    got[r] = reward_metrics(run);
+    got[r] = reward_metrics(run, rank_tally(r));
   });
   EXPECT_EQ(check_two_ranks(got[0]), "");
   EXPECT_EQ(check_two_ranks(got[1]), "");
