@@ -36,6 +36,9 @@ py=${PYTHON:-python3}
 wheels=(nvidia-cutlass==4.2.0.0)
 [ "${NO_PEERS:-0}" = 1 ] || wheels+=(cut-cross-entropy liger-kernel)
 "$py" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "${wheels[@]}"
+# The end-to-end peer (e2e_peer.sh): TRL and what of its needs the host's Python (3.12) lacks.
+[ "${NO_PEERS:-0}" = 1 ] || "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  -d .gpu/wheels trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 echo "fetch_deps: wheels in .gpu/wheels: $(ls .gpu/wheels | tr '\n' ' ')"
 
 if [ -n "${RLT_FIXTURES_DIR:-}" ]; then
