@@ -155,6 +155,7 @@ RolloutBatch AsyncRollouts::next() {
     batch = wait();
     overlap_s_ = 0;
     wait_rollout_s_ = seconds(ended_ - started_);
+    rollout_wall_s_ = wait_rollout_s_;
     wait_update_s_ = 0;
   } else {
     batch = wait();
@@ -162,6 +163,7 @@ RolloutBatch AsyncRollouts::next() {
     overlap_s_ = update_running_ && to > from ? seconds(to - from) : 0;
     wait_rollout_s_ = ended_ > asked ? seconds(ended_ - asked) : 0;
     wait_update_s_ = asked > ended_ ? seconds(asked - ended_) : 0;
+    rollout_wall_s_ = seconds(ended_ - started_);
   }
   // The next step's rollout, from the weights as they are now, unless the run ends (or stops) first.
   const int64_t after = run_.step + 2;
@@ -178,6 +180,7 @@ std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) 
   for (const Trajectory& t : batch.trajs) stale += static_cast<double>(run_.step - t.weights_version);
   return {{"staleness_mean", batch.trajs.empty() ? 0.0 : stale / static_cast<double>(batch.trajs.size())},
           {"overlap_s", overlap_s_},
+          {"time_rollout_wall_s", rollout_wall_s_},
           {"wait_rollout_s", wait_rollout_s_},
           {"wait_update_s", wait_update_s_}};
 }

@@ -53,7 +53,8 @@ class AsyncRollouts {
   // The step's figures, for the batch next() returned last: staleness_mean (the update's version, run.step
   // before the step, less the weights_version of its trajectories, averaged), and of that batch's rollout:
   // overlap_s (how long it ran while the previous update ran), wait_rollout_s (how long the update side
-  // waited for it) and wait_update_s (how long, finished, it waited for the update).
+  // waited for it) and wait_update_s (how long, finished, it waited for the update), and its thread's own
+  // span, gathering included: time_rollout_wall_s (time_rollout_s is the generation alone).
   std::map<std::string, double> metrics(const RolloutBatch& batch) const;
 
   // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a
@@ -90,7 +91,7 @@ class AsyncRollouts {
   // The last batch's timing.
   Clock::time_point update_began_;  // when next() last returned
   bool update_running_ = false;
-  double overlap_s_ = 0, wait_rollout_s_ = 0, wait_update_s_ = 0;
+  double overlap_s_ = 0, wait_rollout_s_ = 0, wait_update_s_ = 0, rollout_wall_s_ = 0;
 };
 
 }  // namespace rlt

@@ -402,7 +402,7 @@ RolloutBatch collect_rollouts(Run& run) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
   const RolloutSource* source = rollout_source;
-  Collectives& dist = source ? *source->dist : *run.dist;
+  Collectives& dist = rollout_collectives(run);
   const int64_t step = source ? source->step : run.step;
   const int world = dist.world();
   RolloutBatch out;
