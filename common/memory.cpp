@@ -109,6 +109,18 @@ int64_t PeakMemory::peak_extra_bytes() const {
   return g_cpu_peak.load() - baseline_;
 }
 
+int64_t PeakMemory::peak_bytes() const { return peak_extra_bytes() + baseline_; }
+
+int64_t PeakMemory::peak_reserved_bytes() const {
+#ifdef RLT_HAVE_CUDA
+  if (device_.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index() < 0 ? 0 : device_.index());
+    return stats.reserved_bytes[0].peak;
+  }
+#endif
+  return peak_bytes();
+}
+
 void device_synchronize(const at::Device& device) {
 #ifdef RLT_HAVE_CUDA
   if (device.is_cuda()) c10::cuda::device_synchronize();

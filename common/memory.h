@@ -18,6 +18,10 @@ class PeakMemory {
  public:
   explicit PeakMemory(const at::Device& device);  // resets the device's peak counter
   int64_t peak_extra_bytes() const;               // max(allocated) since construction - baseline
+  int64_t peak_bytes() const;                     // max(allocated) since construction
+  // The most the allocator held since construction, cached blocks included: what the device saw (CUDA's
+  // reserved bytes; on the CPU, where nothing is cached, peak_bytes()).
+  int64_t peak_reserved_bytes() const;
   static int64_t allocated_bytes(const at::Device& device);
 
  private:

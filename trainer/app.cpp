@@ -19,6 +19,10 @@ namespace rlt {
 
 int train_main(int argc, char** argv, const std::string& name, const std::string& about, const TrainFn& train,
                const ExtraParams& extra) {
+  // The caching allocator grows its segments in place (PyTorch's expandable segments) unless the
+  // environment configures it: a step's tensors change size from phase to phase, and fixed-size segments
+  // fragment into a reserve far above what is allocated (docs/training.md, "Memory").
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
   CLI::App app{name + ": " + about};
   ConfigCli cc;
   add_config_flags(app, cc);

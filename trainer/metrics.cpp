@@ -181,6 +181,8 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
 
 void PhasePeaks::end(const std::string& name) {
   mib_["peak_memory_" + name + "_mib"] = current_->peak_extra_bytes() / 1048576.0;
+  allocated_mib_ = std::max(allocated_mib_, current_->peak_bytes() / 1048576.0);
+  reserved_mib_ = std::max(reserved_mib_, current_->peak_reserved_bytes() / 1048576.0);
   current_.emplace(device_);
 }
 
@@ -189,6 +191,8 @@ std::map<std::string, double> PhasePeaks::metrics() const {
   double top = 0;
   for (const auto& [name, mib] : mib_) top = std::max(top, mib);
   out["peak_memory_mib"] = top;
+  out["memory_allocated_peak_mib"] = allocated_mib_;
+  out["memory_reserved_peak_mib"] = reserved_mib_;
   return out;
 }
 

@@ -26,13 +26,17 @@ class PhasePeaks {
   explicit PhasePeaks(const at::Device& device) : device_(device), current_(std::in_place, device) {}
   // Ends the current phase as peak_memory_<name>_mib and starts the next one.
   void end(const std::string& name);
-  // peak_memory_<name>_mib of every ended phase, and peak_memory_mib, their maximum.
+  // peak_memory_<name>_mib of every ended phase, and peak_memory_mib, their maximum; over the whole step,
+  // memory_allocated_peak_mib (the most allocated at once, everything counted: what a plan must cover)
+  // and memory_reserved_peak_mib (the most the caching allocator held from the device, its cache
+  // included: what nvidia-smi shows).
   std::map<std::string, double> metrics() const;
 
  private:
   at::Device device_;
   std::optional<PeakMemory> current_;
   std::map<std::string, double> mib_;
+  double allocated_mib_ = 0, reserved_mib_ = 0;
 };
 
 // The update's metrics of one step, summed on the device as the micro-batches go and copied to the host

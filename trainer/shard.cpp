@@ -263,7 +263,27 @@ void ShardedState::start_ready_units() {
 void ShardedState::start_reduce(Unit& u) {
   at::NoGradGuard no_grad;
   const at::Device device = groups_[u.group].grad.device();
-  u.reduce_in = at::zeros({shard_world_ * u.chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const bool bounded = fault_ != ShardFault::kReducesUnbounded;
+  if (bounded && in_flight_.size() == kReduceSlots) finish_oldest_reduce();
+  if (slot_in_.empty()) {
+    int64_t whole = 0, chunk = 0;
+    for (const Unit& v : units_) {
+      whole = std::max(whole, shard_world_ * v.chunk);
+      chunk = std::max(chunk, v.chunk);
+    }
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+    for (size_t s = 0; s < kReduceSlots; ++s) {
+      slot_in_.push_back(at::empty({whole}, f32));
+      if (shard_world_ > 1) slot_out_.push_back(at::empty({chunk}, f32));
+    }
+  }
+  // Slots are taken in turn and released oldest first, so this one's previous reduce has finished.
+  const size_t slot = next_slot_;
+  next_slot_ = (next_slot_ + 1) % kReduceSlots;
+  in_flight_.push_back(static_cast<size_t>(&u - units_.data()));
+  u.reduce_in = bounded ? slot_in_[slot].narrow(0, 0, shard_world_ * u.chunk)
+                        : at::empty({shard_world_ * u.chunk}, slot_in_[slot].options());
+  u.reduce_in.zero_();  // the padding, and tensors the backward did not reach
   for (size_t i : u.params) {
     if (accum_[i].defined()) {
       u.reduce_in.narrow(0, params_[i].offset, params_[i].numel).copy_(accum_[i].reshape(-1));
@@ -280,12 +300,24 @@ void ShardedState::start_reduce(Unit& u) {
     u.reduce_out = u.reduce_in;
     u.reduce_pending = run_.dist->all_reduce_start({u.reduce_in});
   } else {
-    u.reduce_out = at::empty({u.chunk}, u.reduce_in.options());
+    u.reduce_out = bounded ? slot_out_[slot].narrow(0, 0, u.chunk) : at::empty({u.chunk}, u.reduce_in.options());
     u.reduce_pending = run_.dist->reduce_scatter_start(u.reduce_out, u.reduce_in);
-    // Released now: NCCL keeps its input alive until the collective is done (the caching allocator
-    // records it on NCCL's stream), so a rank holds only the units in flight, not the whole gradient.
-    u.reduce_in = at::Tensor();
   }
+}
+
+void ShardedState::finish_oldest_reduce() {
+  Unit& u = units_[in_flight_.front()];
+  in_flight_.pop_front();
+  const auto t0 = Clock::now();
+  if (u.reduce_pending) u.reduce_pending->wait();
+  u.reduce_pending.reset();
+  comm_s_ += seconds_since(t0);
+  at::NoGradGuard no_grad;
+  at::Tensor out = u.reduce_out;
+  if (fault_ == ShardFault::kAverage) out = out / double(shard_world_);
+  unit_chunk(groups_[u.group].grad, u).add_(out);
+  u.reduce_in = at::Tensor();
+  u.reduce_out = at::Tensor();
 }
 
 void ShardedState::finish_backward() {
@@ -296,19 +328,8 @@ void ShardedState::finish_backward() {
     --units_[params_[i].unit].remaining;
   }
   start_ready_units();
-  const auto t0 = Clock::now();
-  at::NoGradGuard no_grad;
-  for (Unit& u : units_) {
-    if (u.reduce_pending) u.reduce_pending->wait();
-    u.reduce_pending.reset();
-    at::Tensor out = u.reduce_out;
-    if (fault_ == ShardFault::kAverage) out = out / double(shard_world_);
-    unit_chunk(groups_[u.group].grad, u).add_(out);
-    u.reduce_in = at::Tensor();
-    u.reduce_out = at::Tensor();
-    u.remaining = u.params.size();
-  }
-  comm_s_ += seconds_since(t0);
+  while (!in_flight_.empty()) finish_oldest_reduce();
+  for (Unit& u : units_) u.remaining = u.params.size();
   next_unit_ = 0;
   done_.assign(params_.size(), false);
 }
@@ -335,6 +356,9 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
       reducing_ = false;
     }
   }
+  slot_in_.clear();  // the backwards are over: the optimizer step and the rollout reuse their memory
+  slot_out_.clear();
+  next_slot_ = 0;
   at::NoGradGuard no_grad;
   const TrainOptions& t = run_.config.train;
   const at::Device device = groups_.front().grad.device();
@@ -416,12 +440,21 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
 void ShardedState::write_whole_weights(bool extra_only) {
   at::NoGradGuard no_grad;
   const auto t0 = Clock::now();
+  // One unit's whole at a time, in one buffer: each all-gather starts after the copies out of the last one
+  // (NCCL's stream waits for the device's), and a buffer per unit would stay allocated until NCCL's stream
+  // was done with it: with the host ahead, most of the model.
+  at::Tensor buffer;
   for (Unit& u : units_) {
     if (extra_only && u.layer != -2) continue;
     const at::Tensor chunk = unit_chunk(groups_[u.group].weights, u);
     at::Tensor whole = chunk;
     if (shard_world_ > 1) {
-      whole = at::empty({shard_world_ * u.chunk}, chunk.options());
+      if (!buffer.defined()) {
+        int64_t most = 0;
+        for (const Unit& v : units_) most = std::max(most, shard_world_ * v.chunk);
+        buffer = at::empty({most}, chunk.options());
+      }
+      whole = buffer.narrow(0, 0, shard_world_ * u.chunk);
       run_.dist->all_gather_start(whole, chunk)->wait();
     }
     for (size_t i : u.params) {

@@ -36,6 +36,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -89,7 +90,17 @@ class GatheredWeights {
 };
 
 // Deliberate mistakes, for the tests: each equivalence test runs one and must see the result differ.
-enum class ShardFault { kNone, kReduceTwice, kNeverReduce, kSliceOffByOne, kAverage, kMomentWrongSlice };
+// kReducesUnbounded gives each reduce buffers of its own and waits for none until the backward ends: the
+// results are right and the memory is not (a test of the reduces in flight must see it).
+enum class ShardFault {
+  kNone,
+  kReduceTwice,
+  kNeverReduce,
+  kSliceOffByOne,
+  kAverage,
+  kMomentWrongSlice,
+  kReducesUnbounded
+};
 
 class ShardedState : public WeightResidency {
  public:
@@ -158,7 +169,8 @@ class ShardedState : public WeightResidency {
     int64_t flat = 0;              // offset of this rank's chunk in its group's flat tensors
     size_t remaining = 0;          // gradients not yet complete in this backward
     bool started = false, resident = true;
-    at::Tensor reduce_in, reduce_out;  // fp32 (world x chunk, chunk) while its reduce-scatter runs
+    at::Tensor reduce_in, reduce_out;  // fp32 (world x chunk, chunk), views of a reduce slot, while its
+                                       // reduce-scatter runs
     std::unique_ptr<Pending> reduce_pending;
     at::Tensor gather_buf;  // the parameters stage: (world x chunk) while gathered or gathering
     std::unique_ptr<Pending> gather_pending;
@@ -173,6 +185,9 @@ class ShardedState : public WeightResidency {
   void start_ready_units();
   void start_reduce(Unit& u);
   void finish_backward();
+  // Waits (the device's stream waits, not the host) for the oldest reduce in flight and adds its result
+  // into the rank's fp32 gradient chunk, which frees its slot.
+  void finish_oldest_reduce();
   at::Tensor unit_chunk(const at::Tensor& flat, const Unit& u) const { return flat.narrow(0, u.flat, u.chunk); }
   // Every unit's rounded chunk all-gathered into the leaves (extra_only: run.extra's units only).
   void write_whole_weights(bool extra_only = false);
@@ -194,6 +209,16 @@ class ShardedState : public WeightResidency {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   size_t next_unit_ = 0;
+  // The reduces in flight (unit indices, oldest first) and the buffers they use: kReduceSlots pairs of an
+  // fp32 whole (world x chunk) and its reduced chunk, taken in turn. A reduce waits for the oldest once
+  // every slot is busy, so a backward holds kReduceSlots unit-sized buffers however far the host runs
+  // ahead of the device: buffers freed as each reduce starts stay allocated until NCCL's stream is done
+  // with them, and with the host ahead that was most of a gradient. They live from a step's first backward
+  // to its optimizer step.
+  static constexpr size_t kReduceSlots = 2;
+  std::deque<size_t> in_flight_;
+  std::vector<at::Tensor> slot_in_, slot_out_;
+  size_t next_slot_ = 0;
   bool collecting_ = false;  // a backward of this object's is running: the hooks take its gradients
   bool reducing_ = false;    // the running backward reduces its gradients
   int pinned_ = 0;           // gather_weights() depth

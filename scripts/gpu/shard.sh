@@ -63,7 +63,7 @@ for name in sys.argv[2:]:
     path = f"{raw}/metrics_{name}.jsonl"
     rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
     steady = rows[1:] or rows  # the first step warms up (graphs, plans)
-    keys = ["time_step_s", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
+    keys = ["time_step_s", "memory_allocated_peak_mib", "memory_reserved_peak_mib", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
             "optimizer_memory_mib", "optimizer_host_memory_mib", "peak_memory_rollout_mib", "peak_memory_update_mib",
             "grad_norm", "loss"]
     for k in keys:
@@ -100,17 +100,27 @@ fi
 
 if [ "$part" = large ]; then
   RANDOM_QWEN=7b source scripts/gpu/random_qwen.sh
-  # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning.
+  # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning. The
+  # reward (the share of ASCII letters in a response) differs within a group, so the update has a gradient.
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
-          --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4)
-  # LARGE_RUNS: which of none_1gpu lora64_1gpu parameters gradients_offload parameters_offload (all).
+          --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4
+          --set reward.kind=python --set reward.script=$PWD/scripts/gpu/letter_reward.py)
+  # LARGE_RUNS: which of none_1gpu lora64_1gpu parameters gradients gradients_offload parameters_offload
+  # parameters_fixed gradients_fixed (default: the 1-GPU runs and the three for 2 GPUs).
   runs=${LARGE_RUNS:-none_1gpu lora64_1gpu parameters gradients_offload parameters_offload}
   for r in $runs; do
     case $r in
       none_1gpu) run s7_none_1gpu 1 "${common[@]}" ;;
       lora64_1gpu) run s7_lora64_1gpu 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128 ;;
       parameters) run "s7_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
+      gradients) run "s7_gradients_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
+      # The trainer's caching allocator grows its segments in place (expandable segments); these runs use
+      # fixed-size segments, PyTorch's default, for the comparison.
+      parameters_fixed) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+                          run "s7_parameters_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
+      gradients_fixed) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+                         run "s7_gradients_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
       gradients_offload) run "s7_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients \
                            --set train.offload=optimizer ;;
       parameters_offload) run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \

@@ -15,6 +15,7 @@
 #include "model/transformer.h"
 #include "tests/common/tiny_model.h"
 #include "trainer/batch.h"
+#include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
 #include "trainer/shard.h"
@@ -63,6 +64,33 @@ int64_t built_count(const ModelConfig& m) {
   int64_t n = 0;
   for (const auto& p : t.parameters()) n += p.numel();
   return n;
+}
+
+// The step's memory metrics against their definitions: each phase's peak over what it began with, and
+// the step's absolute peak, the largest phase's, not the last one's.
+TEST(PhasePeaks, ReportEachPhaseOverItsStartAndTheStepsAbsolutePeak) {
+  install_cpu_memory_tracking();
+  const at::Device cpu(at::kCPU);
+  constexpr double kMiB = 1048576.0;
+  const int64_t base = PeakMemory::allocated_bytes(cpu);
+  PhasePeaks peaks(cpu);
+  at::Tensor held = at::empty({1 << 20}, at::kFloat);  // 4 MiB, kept through both phases
+  {
+    at::Tensor transient = at::empty({2 << 20}, at::kFloat);  // 8 MiB, freed within the phase
+  }
+  peaks.end("rollout");
+  {
+    at::Tensor small = at::empty({1 << 19}, at::kFloat);  // 2 MiB
+  }
+  peaks.end("update");
+  const auto m = peaks.metrics();
+  EXPECT_EQ(m.at("peak_memory_rollout_mib"), 12.0);
+  EXPECT_EQ(m.at("peak_memory_update_mib"), 2.0) << "the held 4 MiB were there when the update began";
+  EXPECT_EQ(m.at("peak_memory_mib"), 12.0);
+  EXPECT_EQ(m.at("memory_allocated_peak_mib"), (base + (int64_t(12) << 20)) / kMiB);
+  // The wrong twin reports the last phase's absolute peak: 4 + 2 MiB over the base.
+  EXPECT_NE(m.at("memory_allocated_peak_mib"), (base + (int64_t(6) << 20)) / kMiB);
+  EXPECT_EQ(m.at("memory_reserved_peak_mib"), m.at("memory_allocated_peak_mib")) << "the CPU caches nothing";
 }
 
 TEST(MemoryPlan, ParameterCountIsTheBuiltModels) {
