@@ -171,6 +171,7 @@ struct Trajectory {
   std::string response_text;  // the model-written text only (rewards read this)
   double reward = 0;
   bool correct = false;
+  double overlong_penalty = 0;  // of reward, the overlong shaping added to it (reward.overlong_buffer)
   // The version of the weights that sampled it: the RL steps they had taken (train.async: one behind the
   // update that trains on it; in turn, the update's own).
   int64_t weights_version = 0;

@@ -215,15 +215,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
       const std::vector<bool> varied = varied_groups(rb.table, G);
       extra["groups_equal_reward"] = static_cast<double>(std::count(varied.begin(), varied.end(), false));
     }
-    if (cfg.reward.overlong_buffer > 0) {  // the step's mean overlong penalty, from every rank's rows
-      const auto t = rb.table.accessor<double, 2>();
-      double sum = 0;
-      for (int64_t s = 0; s < rb.table.size(0); ++s) {
-        const auto prompt = static_cast<int64_t>(t[s][kTokens] - t[s][kResponseTokens]);
-        sum += overlong_shaping(cfg, prompt, static_cast<int64_t>(t[s][kSampledTokens]));
-      }
-      extra["overlong_penalty_mean"] = sum / static_cast<double>(rb.table.size(0));
-    }
+    if (cfg.reward.overlong_buffer > 0)  // the step's mean overlong penalty, as added to every rank's rewards
+      extra["overlong_penalty_mean"] = rb.table.select(1, kOverlongPenalty).mean().item<double>();
     check_old_logprobs(run, use_rollout, extra);
     const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,

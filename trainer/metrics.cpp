@@ -273,8 +273,10 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
                         {"correct", t.correct},
                         {"finish", enum_to_string(t.finish)},
                         {"tool_calls", t.tool_calls},
+                        {"prompt_tokens", t.prompt_ids.size()},
                         {"response_tokens", t.response_ids.size()},
-                        {"sampled_tokens", t.sampled_tokens()}};
+                        {"sampled_tokens", t.sampled_tokens()},
+                        {"overlong_penalty", t.overlong_penalty}};
     f << j.dump() << "\n";
   }
 }

@@ -380,6 +380,7 @@ at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs,
     t[s][kResponseTokens] = static_cast<double>(tr.response_ids.size());
     t[s][kSampledTokens] = static_cast<double>(tr.sampled_tokens());
     t[s][kTokens] = static_cast<double>(tr.window_end());
+    t[s][kOverlongPenalty] = tr.overlong_penalty;
   }
   dist.all_reduce({table}, ReduceOp::kSum);  // every row is one rank's, zero on the others
   return table;
@@ -444,7 +445,10 @@ RolloutBatch collect_rollouts(Run& run) {
   out.rewards = score_rewards(run, out.trajs, out.examples);
   // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
   if (cfg.reward.overlong_buffer > 0) {
-    for (Trajectory& t : out.trajs) t.reward += overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
+    for (Trajectory& t : out.trajs) {
+      t.overlong_penalty = overlong_shaping(cfg, t.window_begin(), t.sampled_tokens());
+      t.reward += t.overlong_penalty;
+    }
   }
   out.seconds = seconds_since(t0);
   out.table = gather_table(dist, out.trajs, out.index, P * G);

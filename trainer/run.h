@@ -174,7 +174,8 @@ enum TableColumn : int64_t {
   kTruncated,
   kResponseTokens,
   kSampledTokens,
-  kTokens,  // prompt + response (window_end)
+  kTokens,           // prompt + response (window_end)
+  kOverlongPenalty,  // of kReward, the overlong shaping
   kTableColumns
 };
 // The table row of each of `trajs`, placed at `index`, summed over the ranks: (S_step, kTableColumns).

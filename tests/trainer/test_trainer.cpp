@@ -453,6 +453,60 @@ Config varied_first_step_config(int64_t steps) {
   return c;
 }
 
+// The step's reward metrics against the trajectories the run logged (train.log_samples: all of them):
+// each trajectory's overlong penalty is the shaping of its own lengths, overlong_penalty_mean their mean,
+// reward_mean the mean of the shaped rewards, and groups_equal_reward the groups whose G shaped rewards
+// are all equal. The twin is the mean of the rewards before shaping, which a step with a penalty must
+// tell apart from reward_mean.
+TEST(RewardMetrics, OverlongPenaltyAndEqualRewardGroupsAreTheLoggedTrajectories) {
+  TempDir tmp("reward_metrics");
+  Config c = varied_first_step_config(/*steps=*/3);
+  const int64_t G = c.sampling.samples_per_prompt, S = c.train.prompts_per_step * G;
+  c.train.log_samples = S;
+  c.reward.overlong_buffer = 48;  // of a budget of 72 sampled tokens: most trajectories pay something
+  c.reward.overlong_penalty = 0.5;
+  const std::string dir = (tmp.path() / "run").string();
+  {
+    rlt::Run run = make_run(c, dir, /*resume=*/false, {});
+    train_grpo(run);
+  }
+  const auto rows = read_metrics(dir);
+  ASSERT_EQ(rows.size(), 3u);
+  std::vector<std::vector<nlohmann::json>> samples(rows.size());
+  std::ifstream f(tmp.path() / "run" / "samples.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const auto j = nlohmann::json::parse(line);
+    samples.at(j["step"].get<size_t>() - 1).push_back(j);
+  }
+  int64_t penalised = 0;
+  for (size_t k = 0; k < rows.size(); ++k) {
+    ASSERT_EQ(static_cast<int64_t>(samples[k].size()), S) << "step " << k + 1;
+    double penalty = 0, reward = 0, unshaped = 0, equal_groups = 0;
+    for (int64_t g = 0; g < S / G; ++g) {
+      double lo = INFINITY, hi = -INFINITY;
+      for (int64_t i = g * G; i < (g + 1) * G; ++i) {
+        const auto& t = samples[k][i];
+        const double p = t["overlong_penalty"].get<double>(), r = t["reward"].get<double>();
+        EXPECT_EQ(p, overlong_shaping(c, t["prompt_tokens"].get<int64_t>(), t["sampled_tokens"].get<int64_t>()))
+            << "step " << k + 1 << ", trajectory " << i;
+        penalised += p < 0;
+        penalty += p;
+        reward += r;
+        unshaped += r - p;
+        lo = std::min(lo, r);
+        hi = std::max(hi, r);
+      }
+      equal_groups += hi - lo <= 1e-9;
+    }
+    const auto& m = rows[k];
+    EXPECT_NEAR(m["overlong_penalty_mean"].get<double>(), penalty / S, kExact) << "step " << k + 1;
+    EXPECT_NEAR(m["reward_mean"].get<double>(), reward / S, kExact) << "step " << k + 1;
+    EXPECT_EQ(m["groups_equal_reward"].get<double>(), equal_groups) << "step " << k + 1;
+    if (penalty < 0) EXPECT_GT(std::abs(m["reward_mean"].get<double>() - unshaped / S), 1e-6) << "step " << k + 1;
+  }
+  EXPECT_GT(penalised, 0) << "no trajectory paid a penalty: the test checks nothing";
+}
+
 // train.old_logprobs: an off-policy GRPO run (two iterations over two mini-batches) that takes the old
 // log-probs from the rollout trains like the same run that recomputes them with a scoring forward: the
 // two differ only by the rollout/trainer mismatch, in fp32 ~2e-7 per token on average and <= 1e-5 at
