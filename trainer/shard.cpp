@@ -336,6 +336,14 @@ void ShardedState::finish_backward() {
 
 void ShardedState::zero_grad() {
   at::NoGradGuard no_grad;
+  // A backward that threw may have left reduces in flight: finished, and their results dropped.
+  for (size_t i : in_flight_) {
+    Unit& u = units_[i];
+    if (u.reduce_pending) u.reduce_pending->wait();
+    u.reduce_pending.reset();
+    u.reduce_in = u.reduce_out = at::Tensor();
+  }
+  in_flight_.clear();
   for (Group& G : groups_) G.grad.zero_();
   for (auto& a : accum_) a = at::Tensor();
   for (Param& p : params_) p.leaf.mutable_grad() = at::Tensor();

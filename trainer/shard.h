@@ -185,8 +185,8 @@ class ShardedState : public WeightResidency {
   void start_ready_units();
   void start_reduce(Unit& u);
   void finish_backward();
-  // Waits (the device's stream waits, not the host) for the oldest reduce in flight and adds its result
-  // into the rank's fp32 gradient chunk, which frees its slot.
+  // Waits for the oldest reduce in flight (NCCL's wait with the run's timeout holds the host until it is
+  // done) and adds its result into the rank's fp32 gradient chunk, which frees its slot.
   void finish_oldest_reduce();
   at::Tensor unit_chunk(const at::Tensor& flat, const Unit& u) const { return flat.narrow(0, u.flat, u.chunk); }
   // Every unit's rounded chunk all-gathered into the leaves (extra_only: run.extra's units only).
