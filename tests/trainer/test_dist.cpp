@@ -235,28 +235,15 @@ TEST(CheckWorld, StepsThatDoNotSplitAreRefusedNamingTheKey) {
 
 // Counts the gradient buckets started, and on which thread: the reducer's hooks start them while the
 // backward runs (on the autograd engine's device thread for CUDA).
-class CountingCollectives : public Collectives {
+class CountingCollectives : public testing::ForwardingCollectives {
  public:
-  explicit CountingCollectives(std::shared_ptr<Collectives> inner)
-      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)) {}
-  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+  using ForwardingCollectives::ForwardingCollectives;
   std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
     ++started;
     tensors += static_cast<int64_t>(t.size());
     return inner_->all_reduce_start(t);
   }
-  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
-    return inner_->reduce_scatter_start(out, in);
-  }
-  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
-    return inner_->all_gather_start(out, in);
-  }
-  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
-  void barrier() override { inner_->barrier(); }
   int64_t started = 0, tensors = 0;
-
- private:
-  std::shared_ptr<Collectives> inner_;
 };
 
 // A bf16 model with fp32 master weights, two micro-batches: the reducer, armed for the second, starts

@@ -241,23 +241,13 @@ TEST(ShardedState, LoraAdaptersEqualTheReplicatedRunWithAndWithoutSharding) {
 }
 
 // Collectives that count the reduce-scatters started and not yet waited for.
-class CountingCollectives : public Collectives {
+class CountingCollectives : public testing::ForwardingCollectives {
  public:
-  explicit CountingCollectives(std::shared_ptr<Collectives> inner)
-      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)) {}
-  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
-  std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
-    return inner_->all_reduce_start(t);
-  }
+  using ForwardingCollectives::ForwardingCollectives;
   std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
     most = std::max(most, ++open);
     return std::make_unique<Counted>(inner_->reduce_scatter_start(out, in), this);
   }
-  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
-    return inner_->all_gather_start(out, in);
-  }
-  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
-  void barrier() override { inner_->barrier(); }
   int open = 0, most = 0;
 
  private:
@@ -270,7 +260,6 @@ class CountingCollectives : public Collectives {
     std::unique_ptr<Pending> inner;
     CountingCollectives* owner;
   };
-  std::shared_ptr<Collectives> inner_;
 };
 
 // A backward holds at most two units' reduce buffers however many units the model has: the host may run

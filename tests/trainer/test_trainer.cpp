@@ -710,11 +710,10 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
 // Wrong data parallelism for the test below: gradients averaged over the ranks (DDP's default, which
 // with denominators already summed over the ranks halves the gradient), or not reduced at all (each rank
 // steps on its own half of the batch).
-class WrongGradients : public Collectives {
+class WrongGradients : public testing::ForwardingCollectives {
  public:
   WrongGradients(std::shared_ptr<Collectives> inner, bool average)
-      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)), average_(average) {}
-  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+      : ForwardingCollectives(std::move(inner)), average_(average) {}
   std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
     if (average_) {
       inner_->all_reduce(t, ReduceOp::kSum);
@@ -725,17 +724,8 @@ class WrongGradients : public Collectives {
     };
     return std::make_unique<Done>();
   }
-  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
-    return inner_->reduce_scatter_start(out, in);
-  }
-  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
-    return inner_->all_gather_start(out, in);
-  }
-  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
-  void barrier() override { inner_->barrier(); }
 
  private:
-  std::shared_ptr<Collectives> inner_;
   bool average_;
 };
 

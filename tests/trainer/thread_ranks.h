@@ -12,6 +12,29 @@
 
 namespace rlt::testing {
 
+// Collectives that pass every call to another rank's: the base of the tests' counting and deliberately
+// wrong ones, which override what they change.
+class ForwardingCollectives : public Collectives {
+ public:
+  explicit ForwardingCollectives(std::shared_ptr<Collectives> inner)
+      : Collectives(inner->rank(), inner->world()), inner_(std::move(inner)) {}
+  void all_reduce(const std::vector<at::Tensor>& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+  std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& t) override {
+    return inner_->all_reduce_start(t);
+  }
+  std::unique_ptr<Pending> reduce_scatter_start(const at::Tensor& out, const at::Tensor& in) override {
+    return inner_->reduce_scatter_start(out, in);
+  }
+  std::unique_ptr<Pending> all_gather_start(const at::Tensor& out, const at::Tensor& in) override {
+    return inner_->all_gather_start(out, in);
+  }
+  void broadcast(const std::vector<at::Tensor>& t, int root) override { inner_->broadcast(t, root); }
+  void barrier() override { inner_->barrier(); }
+
+ protected:
+  std::shared_ptr<Collectives> inner_;
+};
+
 // Runs fn(rank, collectives) for each of `world` ranks on its own thread and waits for them all; the first
 // exception a rank threw is rethrown. `wrap` may replace a rank's collectives (a deliberately wrong one).
 inline void on_thread_ranks(
