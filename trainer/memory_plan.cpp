@@ -288,7 +288,8 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     // rounded masters that are all-gathered into the model). The backward adds each gradient into an
     // fp32 whole as it is produced (no wait for the backward's end); under shard optimizer those wholes
     // live through the step's micro-batches, under gradients and parameters a unit is reduce-scattered
-    // and freed once complete: about two units in flight, each an fp32 whole and its reduce buffer.
+    // and freed once complete: the unit being summed, and two in flight (ShardedState's reduce slots), each
+    // an fp32 whole and its chunk.
     const int64_t Ns = stage == ShardStage::kNone ? 1 : N;
     const int64_t unit = lora ? sh.adapters / std::max<int64_t>(1, m.num_layers) : std::max(sh.layer, sh.largest);
     if (gathers && !lora) {
