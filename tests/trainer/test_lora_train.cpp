@@ -13,6 +13,7 @@
 #include "model/config.h"
 #include "model/peft.h"
 #include "tests/common/tmpdir.h"
+#include "tests/trainer/tiny_run.h"
 #include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/grpo.h"
@@ -24,36 +25,11 @@ namespace {
 namespace fs = std::filesystem;
 using rlt::testing::TempDir;
 
-// The tiny run of tests/trainer/test_trainer.cpp: a trained tokenizer, a 2-layer model, 2 prompts x 4
-// samples a step with real tool calls, off-policy iterations, a KL penalty.
+// The tiny task of the trainer tests, one prompt's samples at a time, and old log-probs recomputed: bit for
+// bit needs them (see test_trainer.cpp).
 Config tiny_config() {
-  Config c = load_config("", {});
-  c.model.tokenizer_vocab = 320;
-  c.model.init_hidden = 32;
-  c.model.init_layers = 2;
-  c.model.init_heads = 2;
-  c.model.init_kv_heads = 1;
-  c.model.init_intermediate = 64;
-  c.chat.prompt = "{question}\n";
-  c.synthetic.digits_a = 1;
-  c.synthetic.digits_b = 1;
-  c.synthetic.count = 200;
-  c.sampling.max_new_tokens = 24;
-  c.sampling.samples_per_prompt = 4;
-  c.rollout.max_turns = 3;
-  c.rollout.max_tool_calls = 2;
-  c.rollout.max_context = 96;
-  c.rollout.max_tool_output_tokens = 16;
+  Config c = testing::tiny_task_config();
   c.rollout.max_batch = 4;
-  c.sandbox.timeout_s = 5;
-  c.sandbox.workers = 2;
-  c.reward.kind = RewardKind::kBoxedToolShaping;
-  c.policy.agg = LossAgg::kSeqMeanTokenMean;
-  c.train.prompts_per_step = 2;
-  c.train.num_iterations = 2;
-  c.train.mini_batch_size = 4;
-  c.train.micro_batch_size = 2;
-  // Bit for bit needs recomputed old log-probs (see test_trainer.cpp).
   c.train.old_logprobs = OldLogprobs::kRecompute;
   return c;
 }

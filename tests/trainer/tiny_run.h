@@ -12,7 +12,10 @@
 
 namespace rlt::testing {
 
-inline Config tiny_config() {
+// The task and its shapes: a trained tokenizer, a 2-layer model, one-digit multiplications with real
+// sandboxed tool calls, 2 prompts x 4 samples a step, two off-policy iterations over mini-batches of 4 in
+// micro-batches of 2. The LoRA tests build on this alone.
+inline Config tiny_task_config() {
   Config c = load_config("", {});
   c.model.tokenizer_vocab = 320;
   c.model.init_hidden = 32;
@@ -33,21 +36,28 @@ inline Config tiny_config() {
   c.sandbox.timeout_s = 5;
   c.sandbox.workers = 2;
   c.reward.kind = RewardKind::kBoxedToolShaping;
-  c.loss.entropy = EntropyMode::kValue;
-  c.loss.loss_mask_only = true;
-  c.policy.kl_coef = 0.01;
   c.policy.agg = LossAgg::kSeqMeanTokenMean;
-  c.train.steps = 4;
   c.train.prompts_per_step = 2;
   c.train.num_iterations = 2;
   c.train.mini_batch_size = 4;
   c.train.micro_batch_size = 2;
+  return c;
+}
+
+// The trainer tests' run of that task: 4 steps with a KL penalty, the entropy as a value, a cosine schedule,
+// checkpoints every 2 steps, and enough warm-up that completions are in format and some are right, so
+// rewards (and advantages) vary.
+inline Config tiny_config() {
+  Config c = tiny_task_config();
+  c.loss.entropy = EntropyMode::kValue;
+  c.loss.loss_mask_only = true;
+  c.policy.kl_coef = 0.01;
+  c.train.steps = 4;
   c.train.lr = 3e-3;
   c.train.weight_decay = 0.01;
   c.train.lr_schedule = LrSchedule::kCosine;
   c.train.warmup_steps = 2;
   c.train.checkpoint_every = 2;
-  // Enough warm-up that completions are in format and some are right, so rewards (and advantages) vary.
   c.sft.steps = 40;
   c.sft.batch_size = 16;
   c.sft.lr = 1e-2;
