@@ -1,6 +1,7 @@
 // Data-parallel pieces on the CPU (trainer/dist.h): torchrun's variables, how a step's prompts split over
 // the ranks, the store's collectives on thread ranks (sums, maxima, broadcast, a late rank named), the
 // loss denominators summed over ranks, the trajectory table, and the shapes a world size refuses.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -266,9 +267,10 @@ struct TinyBf16 {
     make_optimizer(run, {});
     return run;
   }
+  // The ids come from a generator of the seed's own: ranks on threads would race on the global one.
   at::Tensor loss(Run& run, int64_t seed) const {
-    at::manual_seed(seed);
-    const at::Tensor ids = at::randint(97, {2, 9}, at::TensorOptions().dtype(at::kLong)).to(device);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const at::Tensor ids = at::randint(97, {2, 9}, gen, at::TensorOptions().dtype(at::kLong)).to(device);
     const at::Tensor pos = at::arange(9, at::TensorOptions().dtype(at::kLong)).expand({2, 9}).to(device);
     const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
     return run.policy->logits(h).to(at::kFloat).logsumexp(-1).mean();
