@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/timing.h"
 #include "data/dataset.h"
 #include "data/reward.h"
 #include "rollout/python_reward.h"
@@ -24,13 +25,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
-}
+using rlt::ms_since;
+using rlt::percentile;
 
 bool is_integer(const std::string& s) {
   if (s.empty() || s.size() > 17) return false;

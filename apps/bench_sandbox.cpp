@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/timing.h"
 #include "rollout/sandbox.h"
 
 extern char** environ;
@@ -47,13 +48,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
-}
+using rlt::ms_since;
+using rlt::percentile;
 
 double mean(const std::vector<double>& v) {
   double s = 0;
