@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <mutex>
 #include <set>
 
 #include "trainer/run.h"

@@ -143,6 +143,7 @@ ShardedState::ShardedState(Run& run, ShardFault fault)
   for (size_t i : globals) add_unit({i}, -1, 0);
   for (auto it = layers.rbegin(); it != layers.rend(); ++it) add_unit(it->second, it->first, 0);
   for (size_t i : embedding) add_unit({i}, -1, 0);
+  for (const Unit& u : units_) largest_chunk_ = std::max(largest_chunk_, u.chunk);
 
   // This rank's chunks, group by group, end to end.
   const bool offload = run.config.train.offload == Offload::kOptimizer;
@@ -266,15 +267,10 @@ void ShardedState::start_reduce(Unit& u) {
   const bool bounded = fault_ != ShardFault::kReducesUnbounded;
   if (bounded && in_flight_.size() == kReduceSlots) finish_oldest_reduce();
   if (slot_in_.empty()) {
-    int64_t whole = 0, chunk = 0;
-    for (const Unit& v : units_) {
-      whole = std::max(whole, shard_world_ * v.chunk);
-      chunk = std::max(chunk, v.chunk);
-    }
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
     for (size_t s = 0; s < kReduceSlots; ++s) {
-      slot_in_.push_back(at::empty({whole}, f32));
-      if (shard_world_ > 1) slot_out_.push_back(at::empty({chunk}, f32));
+      slot_in_.push_back(at::empty({shard_world_ * largest_chunk_}, f32));
+      if (shard_world_ > 1) slot_out_.push_back(at::empty({largest_chunk_}, f32));
     }
   }
   // Slots are taken in turn and released oldest first, so this one's previous reduce has finished.
@@ -457,11 +453,7 @@ void ShardedState::write_whole_weights(bool extra_only) {
     const at::Tensor chunk = unit_chunk(groups_[u.group].weights, u);
     at::Tensor whole = chunk;
     if (shard_world_ > 1) {
-      if (!buffer.defined()) {
-        int64_t most = 0;
-        for (const Unit& v : units_) most = std::max(most, shard_world_ * v.chunk);
-        buffer = at::empty({most}, chunk.options());
-      }
+      if (!buffer.defined()) buffer = at::empty({shard_world_ * largest_chunk_}, chunk.options());
       whole = buffer.narrow(0, 0, shard_world_ * u.chunk);
       run_.dist->all_gather_start(whole, chunk)->wait();
     }
