@@ -174,10 +174,18 @@ c10::intrusive_ptr<c10d::Store> join_nodes(const LaunchOptions& o) {
     };
     const std::string shape = "--nnodes " + std::to_string(o.nnodes) + " --nproc " + std::to_string(o.nproc);
     if (o.node_rank == 0) {
-      claim();
-      if (!cannot_serve.empty()) {  // a store of someone else's holds the port
+      if (!cannot_serve.empty()) {
+        // The store that holds the port is another node-0 launcher's once it claims node 0 there: claim
+        // after it, so that the clash is named to both. A store that never claims is someone else's.
+        const auto brief = Clock::now() + std::min<milliseconds>(o.timeout, std::chrono::seconds(5));
+        while (!store->check({node_key(0)}) && Clock::now() < brief) {
+          std::this_thread::sleep_for(milliseconds(50));
+        }
+        if (!store->check({node_key(0)})) throw LaunchFailure{2, cannot_serve};
+        claim();  // refuses: node 0 is claimed already
         throw LaunchFailure{2, cannot_serve};
       }
+      claim();
       store->set(kShapeKey, bytes(shape));
     } else {
       wait_for(*store, {kShapeKey}, deadline,

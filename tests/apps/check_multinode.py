@@ -11,7 +11,8 @@ Each "node" is a launcher process; they meet at 127.0.0.1 on a free port, as nod
 3. A rank's GPU is cuda:LOCAL_RANK: with model.device cuda (this host has none), node 1's rank (RANK 1,
    LOCAL_RANK 0) asks for cuda:0, where one node's second rank (--nproc 2) asks for cuda:1.
 4. Launches that must fail, each within seconds (train.dist_timeout_s 3 where a wait is involved): two
-   launchers both --node-rank 0; launchers that disagree on --nnodes; a node whose peer never comes; bad
+   launchers both --node-rank 0 (and, in a fixed order, one whose port a store held here serves: it names the
+   clash once the store's owner claims node 0, the port where nobody does); launchers that disagree on --nnodes; a node whose peer never comes; bad
    flag combinations (exit 2, the flag named); a partial Slurm set (exit 2, the variable named).
 5. A rank killed on node 1 stops node 0's ranks at once (train.dist_timeout_s 600: only the launchers'
    posted failure can end it quickly), both launchers naming the killed rank.
@@ -176,6 +177,31 @@ with tempfile.TemporaryDirectory() as tmp:
         check("--node-rank 0: node 0 is claimed by two launchers" in err,
               f"both launchers --node-rank 0, launcher {i} does not say so:\n{err[-1500:]}")
         check(s < 60, f"both launchers --node-rank 0: launcher {i} took {s:.0f} s")
+    # Which of two node-0 launchers binds the port is a race; a store held open here fixes the order: the
+    # launcher that cannot bind joins it, and must name the clash once the store's owner claims node 0 after
+    # it joined, and name the port (no clash) where the owner never claims.
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        TCPStore = None
+        print("torch.distributed is not importable: the node-0 launcher that loses the port is not checked")
+    if TCPStore is not None:
+        for owner_claims in (True, False):
+            port = free_port()
+            held = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            late = subprocess.Popen(launchers(quick + ["--out", os.path.join(tmp, f"held{owner_claims}")], port)[0],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN)
+            if owner_claims:
+                time.sleep(2.0)  # the launcher joins within a second of its start, and waits up to 5 s for a claim
+                held.add("rlt/launch/node/0", 1)
+            _, err = late.communicate(timeout=120)
+            want = ("node 0 is claimed by two launchers" if owner_claims else
+                    "node 0's launcher cannot serve the rendezvous store on this machine")
+            check(late.returncode == 2 and want in err and
+                  (owner_claims or "claimed by two" not in err),
+                  f"a node-0 launcher whose port another store holds (owner claims node 0: {owner_claims}): "
+                  f"exit {late.returncode}\n{err[-1500:]}")
+            del held
     r = run_nodes(launchers(quick + ["--out", os.path.join(tmp, "shape")], free_port(), nnodes=(2, 4)), timeout=120)
     for i, (rc, err, _) in enumerate(r):
         check(rc == 2 and "every node's launcher takes the same --nnodes and --nproc" in err,
