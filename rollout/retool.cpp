@@ -7,8 +7,13 @@
 // Continuous batching (rollout.max_batch): the loop starts with as many whole prompts as fit in max_batch
 // rows, and once finished trajectories have released an eighth of the rows (at least a prompt's G; or the
 // rows the last prompts need, or any when nothing else is left to decode), admits the next prompts into
-// them (TokenPolicy::admit), while the others go on decoding or wait on their tools. Sequence n of the policy is
-// trajectory n: prompts are admitted in order, G rows each.
+// them (TokenPolicy::admit), while the others go on decoding or wait on their tools. Prompts are admitted in
+// order, G rows each; the policy numbers its sequences in the order they start (pid_).
+//
+// A carry (rollout.partial, RolloutCarry): the carried groups' sequences come first. Their unfinished ones
+// start the policy, each prefilled with all its tokens, and the new prompts are admitted after them. Once
+// enough groups are complete (and none must finish here), the loop stops at the top of a pass, where every
+// row has sampled; a row waiting on its tool gets the reply first.
 #include "rollout/retool.h"
 
 #include <algorithm>
@@ -181,28 +186,84 @@ class Loop {
 
   // max_rows: sequences held at once (rollout.max_batch; 0 = every prompt at once); at least one prompt's G.
   std::vector<Trajectory> run(const std::vector<std::vector<int64_t>>& prompts, const std::vector<int64_t>& streams,
-                              int64_t max_rows, RolloutStats& stats) {
-    const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts.size());
-    prompts_ = &prompts;
-    rows_ = max_rows > 0 ? std::max(max_rows, G) : P * G;
-    // Admits to come: the policy keeps rows through a reallocation for them (whole prompts' worth).
-    policy_.reserve_rows(rows_ < P * G ? rows_ / G * G : 0);
-    seqs_ = std::vector<Seq>(P * G);
+                              int64_t max_rows, RolloutStats& stats, RolloutCarry* carry) {
+    const int64_t G = sampling_.samples_per_prompt;
+    carry_ = carry;
+    version_ = carry ? carry->version : 0;
+    // The groups: the carried ones begun (their sequences first), then the prompts to admit: the carried
+    // ones never begun, then the new ones.
+    std::vector<CarriedGroup> begun;
+    if (carry) {
+      carry->keys.clear();
+      carry->resumed = carry->cut = 0;
+      for (CarriedGroup& c : carry->carry) {
+        TORCH_CHECK(static_cast<int64_t>(c.trajs.size()) == G && static_cast<int64_t>(c.started.size()) == G &&
+                        static_cast<int64_t>(c.done.size()) == G,
+                    "rollout: a carried group of ", c.trajs.size(), " trajectories, sampling.samples_per_prompt ", G);
+        if (std::find(c.started.begin(), c.started.end(), 1) != c.started.end()) {
+          begun.push_back(std::move(c));
+        } else {
+          prompts_.push_back(c.prompt_ids);
+          keys_.push_back(c.key);
+        }
+      }
+      carry->carry.clear();
+    }
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      prompts_.push_back(prompts[p]);
+      keys_.push_back(streams[p]);
+    }
+    const int64_t B = static_cast<int64_t>(begun.size()), P = static_cast<int64_t>(prompts_.size());
+    base_ = B * G;
+    seqs_ = std::vector<Seq>(base_ + P * G);
     released_.assign(seqs_.size(), false);
+    pid_.assign(seqs_.size(), -1);
+    std::vector<int64_t> live;  // the carried sequences to continue
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t g = 0; g < G; ++g) {
+        Seq& s = seqs_[b * G + g];
+        s.traj = std::move(begun[b].trajs[g]);
+        s.traj.prompt_ids = begun[b].prompt_ids;
+        s.stream = begun[b].key * G + g;
+        restore(s);
+        if (begun[b].done[g]) {
+          s.state = SeqState::kDone;
+          released_[b * G + g] = true;  // never in this rollout's cache
+        } else {
+          s.state = SeqState::kGenerating;
+          live.push_back(b * G + g);
+        }
+      }
+      group_keys_.push_back(begun[b].key);
+    }
     for (int64_t p = 0; p < P; ++p) {
       for (int64_t g = 0; g < G; ++g) {
-        Seq& s = seqs_[p * G + g];
-        s.traj.prompt_index = p;
+        Seq& s = seqs_[base_ + p * G + g];
         s.traj.sample_index = g;
-        s.traj.prompt_ids = prompts[p];
-        s.stream = streams[p] * G + g;
+        s.traj.prompt_ids = prompts_[p];
+        s.stream = keys_[p] * G + g;
       }
+      group_keys_.push_back(keys_[p]);
     }
+    const int64_t L = static_cast<int64_t>(live.size());
+    rows_ = max_rows > 0 ? std::max(max_rows, G) : L + P * G;
+    // Admits to come: the policy keeps rows through a reallocation for them (whole prompts' worth).
+    policy_.reserve_rows(rows_ < L + P * G ? rows_ / G * G : 0);
     auto t = Clock::now();
     start_ = t;
     next_progress_ = options_.progress_s;
     std::vector<int64_t> to_sample;
-    at::Tensor logits = admit(to_sample, stats, t, /*first=*/true);  // (N, V)
+    at::Tensor logits;  // (to_sample, V)
+    if (L > 0) logits = resume(live, to_sample, stats, t);
+    {
+      std::vector<int64_t> admitted;
+      at::Tensor a = admit(admitted, stats, t, /*first=*/L == 0, /*idle=*/true, /*initial=*/true);
+      if (!admitted.empty()) {
+        logits = to_sample.empty() ? a : at::cat({logits, a});
+        to_sample.insert(to_sample.end(), admitted.begin(), admitted.end());
+      }
+    }
+    bool cut = false;
     for (;;) {
       report_progress();
       if (!to_sample.empty()) {
@@ -210,6 +271,10 @@ class Loop {
         stats.sample_s += lap(t);
       }
       collect_tools(/*block=*/false);
+      if (enough_groups()) {  // every row has sampled: the unfinished ones stop here
+        cut = true;
+        break;
+      }
       // A sequence with one token to feed (its last sample) joins the decode step; one with several (its
       // last sample, then a tool's reply or feedback) is fed all of them at once, in one forward over the
       // rows that have such runs.
@@ -271,7 +336,7 @@ class Loop {
         rows.clear();
       }
       if (!rows.empty()) {
-        parts.push_back(policy_.step(rows, tokens));  // (rows, V)
+        parts.push_back(policy_.step(pids(rows), tokens));  // (rows, V)
         stream_synchronize(parts.back().device());
         stats.decode_s += lap(t);
         stats.decode_steps += 1;
@@ -279,8 +344,8 @@ class Loop {
       }
       if (!run_rows.empty()) {
         // (run_rows, V); rollout.multi_token_feed off: TokenPolicy's one-token-per-step feed.
-        parts.push_back(options_.multi_token_feed ? policy_.extend(run_rows, runs)
-                                                  : policy_.TokenPolicy::extend(run_rows, runs));
+        parts.push_back(options_.multi_token_feed ? policy_.extend(pids(run_rows), runs)
+                                                  : policy_.TokenPolicy::extend(pids(run_rows), runs));
         stream_synchronize(parts.back().device());
         stats.feed_s += lap(t);
         stats.feed_steps += 1;
@@ -303,15 +368,18 @@ class Loop {
         to_sample.insert(to_sample.end(), admitted.begin(), admitted.end());
       }
     }
-    TORCH_CHECK(next_prompt_ == P, "rollout: the loop ended with prompts never admitted");
+    TORCH_CHECK(cut || next_prompt_ == P, "rollout: the loop ended with prompts never admitted");
     if (printed_) std::cerr << "\n";
+    if (cut) {
+      for (auto& s : seqs_) {
+        if (s.state != SeqState::kWaiting) continue;
+        take_tool_reply(s);  // the carried row holds its reply, not a call in flight
+      }
+    }
     stats.forced_tokens += forced_tokens_;
     stats.tool_latency_s += tool_latency_s_;
     stats.tool_run_s += tool_run_s_;
-    std::vector<Trajectory> out;
-    out.reserve(seqs_.size());
-    for (auto& s : seqs_) out.push_back(std::move(s.traj));
-    return out;
+    return results(G);
   }
 
  private:
@@ -321,11 +389,11 @@ class Loop {
   // sequences to `started` and returns their first-token logits (started, V), or an undefined tensor when none fit or
   // none are left.
   at::Tensor admit(std::vector<int64_t>& started, RolloutStats& stats, Clock::time_point& t, bool first,
-                   bool idle = false) {
-    const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts_->size());
+                   bool idle = false, bool initial = false) {
+    const int64_t G = sampling_.samples_per_prompt, P = static_cast<int64_t>(prompts_.size());
     if (next_prompt_ == P) return at::Tensor();
     int64_t held = 0;  // rows of sequences started and not released
-    for (int64_t n = 0; n < next_prompt_ * G; ++n) held += !released_[n];
+    for (size_t n = 0; n < seqs_.size(); ++n) held += pid_[n] >= 0 && !released_[n];
     const int64_t count = std::min(P - next_prompt_, (rows_ - held) / G);
     if (count <= 0) return at::Tensor();
     // While others decode, wait until an eighth of the rows (or the last prompts) can start together: each
@@ -337,17 +405,128 @@ class Loop {
     const int64_t begin = next_prompt_;
     next_prompt_ += count;
     if (next_prompt_ == P) policy_.reserve_rows(0);  // the last admit: released rows may go
-    for (int64_t n = begin * G; n < next_prompt_ * G; ++n) {
+    for (int64_t n = base_ + begin * G; n < base_ + next_prompt_ * G; ++n) {
       seqs_[n].state = SeqState::kGenerating;
+      seqs_[n].traj.weights_version = version_;
+      pid_[n] = next_pid_++;
       started.push_back(n);
     }
-    const std::vector<std::vector<int64_t>> prompts(prompts_->begin() + begin, prompts_->begin() + next_prompt_);
+    const std::vector<std::vector<int64_t>> prompts(prompts_.begin() + begin, prompts_.begin() + next_prompt_);
     lap(t);
     at::Tensor logits = first ? policy_.start(prompts, G) : policy_.admit(prompts, G);  // (count G, V)
     stream_synchronize(logits.device());
     stats.prefill_s += lap(t);
-    if (!first) stats.refills += count;
+    if (!initial) stats.refills += count;
     return logits;
+  }
+
+  // The carried unfinished sequences `live` start the policy, each prefilled with all its tokens under the
+  // weights in use now (feeding the tokens it had not fed yet, then sampling, would give the same logits),
+  // and sample next: they are appended to to_sample; returns their logits (live, V).
+  at::Tensor resume(const std::vector<int64_t>& live, std::vector<int64_t>& to_sample, RolloutStats& stats,
+                    Clock::time_point& t) {
+    std::vector<std::vector<int64_t>> contexts;
+    for (int64_t n : live) {
+      contexts.push_back(seqs_[n].traj.ids());
+      pid_[n] = next_pid_++;
+      to_sample.push_back(n);
+    }
+    lap(t);
+    at::Tensor logits = policy_.start(contexts, 1);  // (live, V)
+    stream_synchronize(logits.device());
+    stats.prefill_s += lap(t);
+    if (carry_) carry_->resumed = static_cast<int64_t>(live.size());
+    return logits;
+  }
+
+  // A carried sequence's loop state from its trajectory: the current turn is its sampled tokens after the
+  // last appended one (next_turn cleared it there).
+  void restore(Seq& s) {
+    const std::vector<int64_t>& r = s.traj.response_ids;
+    TORCH_CHECK(
+        r.size() == s.traj.loss_mask.size() && r.size() == s.traj.logprobs.size() && r.size() == s.traj.versions.size(),
+        "rollout: a carried trajectory's fields disagree in length");
+    s.traj.response_text.clear();
+    s.turn_text.clear();
+    s.turn_tokens = 0;
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (s.traj.loss_mask[i]) {
+        const std::string& piece = tok_.piece_text(r[i]);
+        s.traj.response_text += piece;
+        s.turn_text += piece;
+        s.turn_tokens += 1;
+      } else {
+        s.turn_text.clear();
+        s.turn_tokens = 0;
+      }
+    }
+  }
+
+  // The policy's sequence ids of loop sequences.
+  std::vector<int64_t> pids(const std::vector<int64_t>& seqs) const {
+    std::vector<int64_t> out;
+    out.reserve(seqs.size());
+    for (int64_t n : seqs) out.push_back(pid_[n]);
+    return out;
+  }
+
+  bool group_done(int64_t q) const {
+    const int64_t G = sampling_.samples_per_prompt;
+    for (int64_t g = 0; g < G; ++g) {
+      if (seqs_[group_seq(q, g)].state != SeqState::kDone) return false;
+    }
+    return true;
+  }
+  // Group q's sample g: the begun carried groups' sequences come first.
+  int64_t group_seq(int64_t q, int64_t g) const { return q * sampling_.samples_per_prompt + g; }
+
+  // A partial rollout's end (RolloutCarry): enough complete groups, and no unfinished trajectory that the
+  // next rollout could not continue within max_staleness versions.
+  bool enough_groups() const {
+    if (!carry_ || carry_->groups <= 0) return false;
+    int64_t complete = 0;
+    for (size_t q = 0; q < group_keys_.size(); ++q) complete += group_done(static_cast<int64_t>(q));
+    if (complete < carry_->groups) return false;
+    for (const Seq& s : seqs_) {
+      const bool unfinished = s.state == SeqState::kGenerating || s.state == SeqState::kWaiting;
+      if (unfinished && (version_ + 1) - s.traj.weights_version + 1 > carry_->max_staleness) return false;
+    }
+    return true;
+  }
+
+  // The returned trajectories (prompt_index: the group's place among them), and the carry the rest form.
+  std::vector<Trajectory> results(int64_t G) {
+    const int64_t groups = static_cast<int64_t>(group_keys_.size());
+    const int64_t want = carry_ && carry_->groups > 0 ? carry_->groups : groups;
+    std::vector<Trajectory> out;
+    int64_t taken = 0;
+    for (int64_t q = 0; q < groups; ++q) {
+      if (taken < want && group_done(q)) {
+        for (int64_t g = 0; g < G; ++g) {
+          Trajectory& tr = seqs_[group_seq(q, g)].traj;
+          tr.prompt_index = taken;
+          out.push_back(std::move(tr));
+        }
+        if (carry_) carry_->keys.push_back(group_keys_[q]);
+        ++taken;
+        continue;
+      }
+      TORCH_CHECK(carry_, "rollout: a group was left unfinished");
+      CarriedGroup c;
+      c.key = group_keys_[q];
+      for (int64_t g = 0; g < G; ++g) {
+        Seq& s = seqs_[group_seq(q, g)];
+        const bool started = s.state != SeqState::kQueued;
+        c.prompt_ids = s.traj.prompt_ids;
+        c.started.push_back(started);
+        c.done.push_back(s.state == SeqState::kDone);
+        if (carry_ && started && s.state != SeqState::kDone) carry_->cut += 1;
+        c.trajs.push_back(std::move(s.traj));
+      }
+      carry_->carry.push_back(std::move(c));
+    }
+    TORCH_CHECK(taken == want, "rollout: ", taken, " groups complete, ", want, " wanted");
+    return out;
   }
 
   int64_t total_tokens(const Seq& s) const {
@@ -371,6 +550,7 @@ class Loop {
       s.traj.response_ids.push_back(ids[i]);
       s.traj.loss_mask.push_back(0);
       s.traj.logprobs.push_back(0.0f);
+      s.traj.versions.push_back(version_);
       s.pending.push_back(ids[i]);
     }
     if (n < static_cast<int64_t>(ids.size()) || total_tokens(s) >= options_.max_context) {
@@ -437,6 +617,7 @@ class Loop {
     s.traj.response_ids.push_back(id);
     s.traj.loss_mask.push_back(1);
     s.traj.logprobs.push_back(logprob);
+    s.traj.versions.push_back(version_);
     s.turn_tokens += 1;
     const std::string& piece = tok_.piece_text(id);
     s.turn_text += piece;
@@ -524,16 +705,21 @@ class Loop {
       for (auto& s : seqs_) {
         if (s.state != SeqState::kWaiting) continue;
         if (s.tool.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
-        SandboxResult r = s.tool.get();
+        take_tool_reply(s);
         got = true;
-        tool_latency_s_ += seconds_since(s.tool_sent);
-        tool_run_s_ += r.wall_ms / 1e3;
-        s.traj.tool_timeouts += r.timed_out;
-        if (append_forced(s, reply_turn(format_tool_output(r)))) next_turn(s);
       }
       if (got || !block) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+  }
+
+  // The result of s's tool call (waiting for it) appended as its reply turn.
+  void take_tool_reply(Seq& s) {
+    SandboxResult r = s.tool.get();
+    tool_latency_s_ += seconds_since(s.tool_sent);
+    tool_run_s_ += r.wall_ms / 1e3;
+    s.traj.tool_timeouts += r.timed_out;
+    if (append_forced(s, reply_turn(format_tool_output(r)))) next_turn(s);
   }
 
   void release_finished() {
@@ -544,7 +730,7 @@ class Loop {
         done.push_back(static_cast<int64_t>(n));
       }
     }
-    if (!done.empty()) policy_.release(done);
+    if (!done.empty()) policy_.release(pids(done));
   }
 
  private:
@@ -554,13 +740,20 @@ class Loop {
   const RolloutOptions& options_;
   const ToolRunner& tools_;
   const ToolProtocol& protocol_;
-  const std::vector<int64_t> reply_open_, reply_close_;         // the reply framing's tokens
-  const TurnEndFilter turn_filter_;                             // when a sampled piece can end a turn
-  const std::vector<std::vector<int64_t>>* prompts_ = nullptr;  // the step's, all of them
-  int64_t rows_ = 0;                                            // sequences held at once, at most
-  int64_t next_prompt_ = 0;                                     // prompts [0, next_prompt_) were admitted
+  const std::vector<int64_t> reply_open_, reply_close_;  // the reply framing's tokens
+  const TurnEndFilter turn_filter_;                      // when a sampled piece can end a turn
+  std::vector<std::vector<int64_t>> prompts_;            // to admit: a carry's never begun, then the step's
+  std::vector<int64_t> keys_;                            // prompts_' noise streams
+  int64_t base_ = 0;                                     // the sequences of carried groups begun come first
+  std::vector<int64_t> group_keys_;                      // each group's key: the begun carried ones, then prompts_'
+  RolloutCarry* carry_ = nullptr;
+  int64_t version_ = 0;      // RolloutCarry::version: each new token's
+  int64_t rows_ = 0;         // sequences held at once, at most
+  int64_t next_prompt_ = 0;  // prompts_ [0, next_prompt_) were admitted
   std::vector<Seq> seqs_;
   std::vector<bool> released_;
+  std::vector<int64_t> pid_;  // each sequence's id in the policy (-1: not started in this rollout)
+  int64_t next_pid_ = 0;
   int64_t forced_tokens_ = 0;
   double tool_latency_s_ = 0;  // RolloutStats::tool_latency_s
   double tool_run_s_ = 0;      // RolloutStats::tool_run_s
@@ -598,8 +791,8 @@ TurnEndFilter::TurnEndFilter(const ToolProtocol& p) : triggers_("`}") {
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
-                                const std::vector<int64_t>& streams, const ToolProtocol& protocol,
-                                RolloutStats* stats) {
+                                const std::vector<int64_t>& streams, const ToolProtocol& protocol, RolloutStats* stats,
+                                RolloutCarry* carry) {
   const auto t0 = Clock::now();
   RolloutStats local;
   TORCH_CHECK(streams.empty() || streams.size() == prompts.size(), "rollout: one stream per prompt");
@@ -617,7 +810,7 @@ std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
     TokenPolicy& policy;
     ~ClearReserve() { policy.reserve_rows(0); }
   } clear_reserve{policy};
-  std::vector<Trajectory> out = loop.run(prompts, prompt_streams, options.max_batch, local);
+  std::vector<Trajectory> out = loop.run(prompts, prompt_streams, options.max_batch, local, carry);
   if (stats) {
     local.total_s = seconds_since(t0);
     *stats = local;

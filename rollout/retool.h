@@ -120,6 +120,14 @@ struct RolloutOptions {
   // train.shard parameters: keep the whole bf16 weights the rollout gathers through the update (2 bytes a
   // parameter more), instead of freeing them before it and gathering a layer at a time.
   bool keep_weights = false;
+  // train.async one_step: a rollout ends once a step's groups are complete, and the unfinished groups
+  // continue in the next rollout, under the weights published by then (RolloutCarry). partial_extra_prompts
+  // groups are in play beyond a step's (0 = a quarter of train.prompts_per_step; with several ranks, rounded
+  // up to a multiple of them): the longest of them wait for the next step instead of holding this one.
+  bool partial = false;
+  int64_t partial_extra_prompts = 0;
+  // rollout.partial: the most weights versions one trajectory's tokens may span (newest - oldest + 1).
+  int64_t max_staleness = 2;
   // A rollout still running after this many seconds prints a live line to stderr, and again every as many
   // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
@@ -151,6 +159,12 @@ struct RolloutOptions {
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
     v("keep_weights", keep_weights,
       "train.shard parameters: keep the gathered bf16 weights through the update (2 bytes a parameter)");
+    v("partial", partial,
+      "train.async one_step: a rollout ends once a step's groups are complete; the others continue in the next");
+    v("partial_extra_prompts", partial_extra_prompts,
+      "rollout.partial: groups in play beyond a step's; 0 = a quarter of train.prompts_per_step", FieldRange{0, 1e6});
+    v("max_staleness", max_staleness, "rollout.partial: the most weights versions one trajectory's tokens span",
+      FieldRange{2, 1e6});
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {
@@ -172,9 +186,12 @@ struct Trajectory {
   double reward = 0;
   bool correct = false;
   double overlong_penalty = 0;  // of reward, the overlong shaping added to it (reward.overlong_buffer)
-  // The version of the weights that sampled it: the RL steps they had taken (train.async: one behind the
+  // The version of the weights that began it: the RL steps they had taken (train.async: one behind the
   // update that trains on it; in turn, the update's own).
   int64_t weights_version = 0;
+  // (R) the version of the weights in use when each response token was sampled or appended: all
+  // weights_version, unless rollout.partial continued it under newer weights.
+  std::vector<int64_t> versions;
 
   // The response window in ids(): [begin, end).
   int64_t window_begin() const { return static_cast<int64_t>(prompt_ids.size()); }
@@ -240,14 +257,45 @@ struct RolloutStats {
   double total_s = 0;  // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
 };
 
+// rollout.partial: a group whose trajectories were not all finished when its rollout ended. What the loop
+// needs to continue them is in the trajectories themselves: a cut trajectory re-enters a cache with all its
+// tokens (the last sampled one and a tool's reply included) and samples next, and its current turn's text
+// is its sampled tokens after the last appended one.
+struct CarriedGroup {
+  int64_t key = 0;                  // the prompt's noise stream: sample g draws from stream key * G + g
+  std::vector<int64_t> prompt_ids;  // (P)
+  std::vector<Trajectory> trajs;    // (G) in sample order, finished or cut
+  std::vector<uint8_t> started;     // (G) 0: the group's prompt was never admitted (no token yet)
+  std::vector<uint8_t> done;        // (G)
+};
+
+// A rollout that ends once `groups` groups are complete (rollout.partial), leaving the others for the next:
+//   in:  carry, groups to continue before the new prompts (their trajectories re-enter a cache in one
+//        prefill each, under the weights in use now);
+//   out: carry, the groups this rollout did not return, oldest first; keys, each returned group's key.
+// The rollout returns the first `groups` complete groups in order (the carried ones, then the new prompts),
+// once that many are complete and no unfinished trajectory must finish here: one whose tokens would span
+// more than max_staleness versions if the next rollout (at version + 1 at most) continued it. groups = 0:
+// every group, as a rollout without a carry.
+struct RolloutCarry {
+  int64_t groups = 0;
+  int64_t version = 0;  // the weights' version: each new token's (Trajectory::versions)
+  int64_t max_staleness = 2;
+  std::vector<CarriedGroup> carry;
+  std::vector<int64_t> keys;
+  int64_t resumed = 0;  // out: trajectories continued from the carry (re-prefilled)
+  int64_t cut = 0;      // out: unfinished trajectories left in the carry
+};
+
 // One rollout: samples_per_prompt trajectories per prompt, in prompt-major order
 // (prompt_index * G + sample_index). Sequence n's sampling noise stream is streams[prompt] * G + g, so a
-// prompt's completions do not depend on its batch (streams empty = the prompt's index).
+// prompt's completions do not depend on its batch (streams empty = the prompt's index). With a carry: its
+// groups first, then the prompts', the first carry->groups complete ones (see RolloutCarry).
 std::vector<Trajectory> rollout(TokenPolicy& policy, const Tokenizer& tokenizer,
                                 const std::vector<std::vector<int64_t>>& prompts, const SamplingOptions& sampling,
                                 const RolloutOptions& options, const ToolRunner& tools,
                                 const std::vector<int64_t>& streams = {}, const ToolProtocol& protocol = {},
-                                RolloutStats* stats = nullptr);
+                                RolloutStats* stats = nullptr, RolloutCarry* carry = nullptr);
 
 // Fills reward and correct from each trajectory's response_text and tool_calls; answers[i] is prompt i's.
 void assign_rewards(std::vector<Trajectory>& trajectories, const std::vector<std::string>& answers,

@@ -1,7 +1,9 @@
 // The ReTool loop with a scripted stand-in policy (turn ends, windows, loss masks, truncation, feedback,
 // token counts, tool concurrency, refills), and rollouts of a tiny model steered into tool calls: real
 // sandboxed calls, replies fed in one forward or merged with decode steps, refills. ModelPolicy's own
-// tests: test_model_policy.cpp.
+// tests: test_model_policy.cpp. Partial rollouts (RolloutCarry): a cut rollout continued under the same
+// weights is the uncut one, and one continued under newer weights carries each token's version and the
+// log-prob of the weights that sampled it.
 #include "rollout/retool.h"
 
 #include <gtest/gtest.h>
@@ -1002,6 +1004,188 @@ TEST_F(ReToolTest, RefillOfATinyModelGivesTheTrajectoriesOfOneBatch) {
       EXPECT_TRUE(r.fed_around_an_admit) << "a tool's reply fed to an older row after a refill";
     }
   }
+}
+
+// ---- Partial rollouts (rollout.partial) ----
+
+// A tiny float64 model's rollout without tools, whose lengths vary: 40 of the 400 ids end a trajectory.
+class PartialRolloutTest : public ReToolTest {
+ protected:
+  SamplingOptions partial_sampling() const {
+    SamplingOptions s = sampling(2);
+    s.seed = 6;
+    s.max_new_tokens = 24;
+    return s;
+  }
+  RolloutOptions partial_options() const {
+    RolloutOptions o;
+    o.tools = false;
+    o.max_context = 120;
+    o.progress_s = 0;
+    for (int64_t id = 100; id < 140; ++id) o.stop_ids.push_back(id);
+    return o;
+  }
+  std::vector<std::vector<int64_t>> prompts(int64_t first, int64_t n) const {
+    std::vector<std::vector<int64_t>> out;
+    for (int64_t i = first; i < first + n; ++i) out.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
+    return out;
+  }
+  static std::vector<int64_t> streams(int64_t first, int64_t n) {
+    std::vector<int64_t> out(n);
+    for (int64_t i = 0; i < n; ++i) out[i] = first + i;
+    return out;
+  }
+  std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n) const {
+    ModelPolicy policy(m);
+    return rollout(policy, *tok_, prompts(first, n), partial_sampling(), partial_options(), {}, streams(first, n), {},
+                   nullptr, carry);
+  }
+  // Sampled token k's log-prob under m, from a full forward over the tokens before it (float64).
+  static double reference_logprob(const Transformer& m, const Trajectory& t, size_t k) {
+    at::NoGradGuard no_grad;
+    std::vector<int64_t> ids = t.prompt_ids;
+    ids.insert(ids.end(), t.response_ids.begin(), t.response_ids.begin() + static_cast<int64_t>(k));
+    const int64_t L = static_cast<int64_t>(ids.size());
+    at::Tensor h =
+        m.forward(at::tensor(ids, at::kLong).view({1, L}), at::arange(L, at::kLong).view({1, L}), at::Tensor());
+    return at::log_softmax(m.logits(h.select(1, L - 1))[0], -1)[t.response_ids[k]].item<double>();
+  }
+};
+
+TEST_F(PartialRolloutTest, ACutRolloutContinuedUnderTheSameWeightsIsTheUncutRollout) {
+  // Six prompts x 2 on one model: a rollout returning the first 2 complete groups, then one continuing the
+  // other 4 (re-prefilled from their tokens), give every trajectory of one uncut rollout: tokens, masks,
+  // finish reasons, log-probs within float32 storage. A carry whose cut trajectories re-enter the cache with
+  // another first token must change what they sample after it.
+  const Transformer m = tiny_model("llama", 21);
+  const std::vector<Trajectory> uncut = go(m, nullptr, 0, 6);
+  ASSERT_EQ(uncut.size(), 12u);
+  auto continued = [&](bool corrupt) {
+    RolloutCarry c;
+    c.groups = 2;
+    std::vector<Trajectory> a = go(m, &c, 0, 6);
+    EXPECT_EQ(a.size(), 4u);
+    EXPECT_EQ(c.carry.size(), 4u);
+    EXPECT_GT(c.cut, 0) << "no trajectory was unfinished at the cut";
+    std::map<int64_t, std::vector<Trajectory>> by_key;
+    for (size_t q = 0; q < c.keys.size(); ++q) {
+      by_key[c.keys[q]] = {a[2 * q], a[2 * q + 1]};
+      EXPECT_EQ(a[2 * q].prompt_index, static_cast<int64_t>(q));
+    }
+    for (size_t q = 1; q < c.keys.size(); ++q) EXPECT_LT(c.keys[q - 1], c.keys[q]) << "complete groups in order";
+    if (corrupt) {  // each cut trajectory re-enters its cache with another first response token
+      for (CarriedGroup& g : c.carry) {
+        for (size_t i = 0; i < g.trajs.size(); ++i) {
+          Trajectory& t = g.trajs[i];
+          if (g.started[i] && !g.done[i] && !t.response_ids.empty()) t.response_ids[0] = (t.response_ids[0] + 1) % 100;
+        }
+      }
+    }
+    const int64_t cut = c.cut;
+    c.groups = 4;
+    std::vector<Trajectory> b = go(m, &c, 6, 0);
+    EXPECT_EQ(c.resumed, cut);
+    EXPECT_TRUE(c.carry.empty());
+    for (size_t q = 0; q < c.keys.size(); ++q) by_key[c.keys[q]] = {b[2 * q], b[2 * q + 1]};
+    return by_key;
+  };
+  const auto good = continued(false), bad = continued(true);
+  ASSERT_EQ(good.size(), 6u);
+  ASSERT_EQ(bad.size(), 6u);
+  double worst_bad = 0;
+  bool bad_tokens = false;
+  for (int64_t key = 0; key < 6; ++key) {
+    for (int64_t g = 0; g < 2; ++g) {
+      const Trajectory &u = uncut[2 * key + g], &t = good.at(key)[g], &w = bad.at(key)[g];
+      EXPECT_EQ(t.sample_index, g);
+      EXPECT_EQ(t.response_ids, u.response_ids) << key << "/" << g;
+      EXPECT_EQ(t.loss_mask, u.loss_mask);
+      EXPECT_EQ(t.finish, u.finish);
+      EXPECT_EQ(t.response_text, u.response_text);
+      EXPECT_EQ(t.versions, std::vector<int64_t>(t.response_ids.size(), 0));
+      ASSERT_EQ(t.logprobs.size(), u.logprobs.size());
+      for (size_t k = 0; k < t.logprobs.size(); ++k) EXPECT_NEAR(t.logprobs[k], u.logprobs[k], 1e-6) << key;
+      // What the corrupted carry sampled after its first token.
+      const std::vector<int64_t> w_after(w.response_ids.begin() + (w.response_ids.empty() ? 0 : 1),
+                                         w.response_ids.end());
+      const std::vector<int64_t> u_after(u.response_ids.begin() + (u.response_ids.empty() ? 0 : 1),
+                                         u.response_ids.end());
+      bad_tokens |= w_after != u_after;
+      for (size_t k = 1; w_after == u_after && k < w.logprobs.size(); ++k) {
+        worst_bad = std::max(worst_bad, double(std::abs(w.logprobs[k] - u.logprobs[k])));
+      }
+    }
+  }
+  EXPECT_TRUE(bad_tokens || worst_bad > 1e-3) << "a carry whose context is wrong must change the continued tokens";
+}
+
+TEST_F(PartialRolloutTest, ContinuedTrajectoriesCarryTheLogprobsOfTheWeightsThatSampledEachToken) {
+  // Rollout A (version 0, model m0) returns 3 of 6 groups; rollout B (version 1, m1) continues the other 3
+  // and returns 1 group. Every sampled token's log-prob is, within float32 storage, that of the full float64
+  // forward of the weights its version names; the trajectories that span both versions fail the same check
+  // against their first version's weights alone. max_staleness 2: B finishes every trajectory begun at
+  // version 0 (continuing it at version 2 would span 3), so B's carry holds only version-1 trajectories,
+  // while with max_staleness 3 it carries a version-0 one.
+  const Transformer m0 = tiny_model("llama", 21), m1 = tiny_model("llama", 22);
+  RolloutCarry c;
+  c.groups = 3;
+  c.version = 0;
+  const std::vector<Trajectory> a = go(m0, &c, 0, 6);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_GT(c.cut, 0);
+  const std::vector<CarriedGroup> after_a = c.carry;
+  c.groups = 1;
+  c.version = 1;
+  const std::vector<Trajectory> b = go(m1, &c, 6, 3);
+  ASSERT_EQ(b.size(), 2u);
+  for (const CarriedGroup& g : c.carry) {
+    for (size_t i = 0; i < g.trajs.size(); ++i) {
+      if (g.started[i] && !g.done[i]) EXPECT_EQ(g.trajs[i].weights_version, 1) << "a version-0 trajectory was cut";
+    }
+  }
+  // Every trajectory finished so far: A's, B's returned and B's carried finished ones.
+  std::vector<Trajectory> finished(a.begin(), a.end());
+  finished.insert(finished.end(), b.begin(), b.end());
+  for (const CarriedGroup& g : c.carry) {
+    for (size_t i = 0; i < g.trajs.size(); ++i) {
+      if (g.done[i]) finished.push_back(g.trajs[i]);
+    }
+  }
+  int64_t spanning = 0;
+  double worst_first_version = 0;
+  for (const Trajectory& t : finished) {
+    ASSERT_EQ(t.versions.size(), t.response_ids.size());
+    const int64_t lo = *std::min_element(t.versions.begin(), t.versions.end());
+    const int64_t hi = *std::max_element(t.versions.begin(), t.versions.end());
+    EXPECT_EQ(lo, t.weights_version);
+    EXPECT_LE(hi - lo + 1, 2) << "a trajectory spans more than max_staleness versions";
+    spanning += hi > lo;
+    for (size_t k = 0; k < t.response_ids.size(); ++k) {
+      if (!t.loss_mask[k]) continue;
+      const double want = reference_logprob(t.versions[k] == 0 ? m0 : m1, t, k);
+      EXPECT_NEAR(t.logprobs[k], want, 1e-5) << "token " << k << " of version " << t.versions[k];
+      if (hi > lo) {
+        worst_first_version = std::max(
+            worst_first_version, std::abs(t.logprobs[k] - reference_logprob(t.weights_version == 0 ? m0 : m1, t, k)));
+      }
+    }
+  }
+  EXPECT_GT(spanning, 0) << "no trajectory was continued under the newer weights";
+  EXPECT_GT(worst_first_version, 1e-2) << "the check must reject the first version's weights for every token";
+
+  // max_staleness 3: B may cut a trajectory begun at version 0.
+  RolloutCarry loose;
+  loose.carry = after_a;
+  loose.groups = 1;
+  loose.version = 1;
+  loose.max_staleness = 3;
+  go(m1, &loose, 6, 3);
+  bool old_cut = false;
+  for (const CarriedGroup& g : loose.carry) {
+    for (size_t i = 0; i < g.trajs.size(); ++i)
+      old_cut |= g.started[i] && !g.done[i] && g.trajs[i].weights_version == 0;
+  }
+  EXPECT_TRUE(old_cut) << "with max_staleness 3 a version-0 trajectory is left for version 2";
 }
 
 }  // namespace
