@@ -195,7 +195,6 @@ class Loop {
     std::vector<CarriedGroup> begun;
     if (carry) {
       carry->keys.clear();
-      carry->resumed = carry->cut = 0;
       for (CarriedGroup& c : carry->carry) {
         TORCH_CHECK(static_cast<int64_t>(c.trajs.size()) == G && static_cast<int64_t>(c.started.size()) == G &&
                         static_cast<int64_t>(c.done.size()) == G,
@@ -379,7 +378,7 @@ class Loop {
     stats.forced_tokens += forced_tokens_;
     stats.tool_latency_s += tool_latency_s_;
     stats.tool_run_s += tool_run_s_;
-    return results(G);
+    return results(G, stats);
   }
 
  private:
@@ -435,7 +434,7 @@ class Loop {
     at::Tensor logits = policy_.start(contexts, 1);  // (live, V)
     stream_synchronize(logits.device());
     stats.prefill_s += lap(t);
-    if (carry_) carry_->resumed = static_cast<int64_t>(live.size());
+    stats.resumed += static_cast<int64_t>(live.size());
     return logits;
   }
 
@@ -495,7 +494,7 @@ class Loop {
   }
 
   // The returned trajectories (prompt_index: the group's place among them), and the carry the rest form.
-  std::vector<Trajectory> results(int64_t G) {
+  std::vector<Trajectory> results(int64_t G, RolloutStats& stats) {
     const int64_t groups = static_cast<int64_t>(group_keys_.size());
     const int64_t want = carry_ && carry_->groups > 0 ? carry_->groups : groups;
     std::vector<Trajectory> out;
@@ -520,7 +519,7 @@ class Loop {
         c.prompt_ids = s.traj.prompt_ids;
         c.started.push_back(started);
         c.done.push_back(s.state == SeqState::kDone);
-        if (carry_ && started && s.state != SeqState::kDone) carry_->cut += 1;
+        stats.cut += started && s.state != SeqState::kDone;
         c.trajs.push_back(std::move(s.traj));
       }
       carry_->carry.push_back(std::move(c));

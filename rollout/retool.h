@@ -255,6 +255,10 @@ struct RolloutStats {
   int64_t tool_wait_row_steps = 0;
   int64_t feed_wait_row_steps = 0;
   double total_s = 0;  // the whole rollout; the rest is host bookkeeping (turn parsing, batching)
+  // rollout.partial (RolloutCarry): trajectories continued from the carry (one prefill each), and unfinished
+  // ones left in it.
+  int64_t resumed = 0;
+  int64_t cut = 0;
 };
 
 // rollout.partial: a group whose trajectories were not all finished when its rollout ended. What the loop
@@ -283,8 +287,6 @@ struct RolloutCarry {
   int64_t max_staleness = 2;
   std::vector<CarriedGroup> carry;
   std::vector<int64_t> keys;
-  int64_t resumed = 0;  // out: trajectories continued from the carry (re-prefilled)
-  int64_t cut = 0;      // out: unfinished trajectories left in the carry
 };
 
 // One rollout: samples_per_prompt trajectories per prompt, in prompt-major order

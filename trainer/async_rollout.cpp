@@ -27,6 +27,86 @@ double seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 // Where the published copy is kept in a checkpoint (a Hugging Face folder, as the model's).
 constexpr const char* kWeightsDir = "rollout_weights";
 
+std::string carry_path(const std::string& dir, int rank) {
+  return (fs::path(dir) / ("partial_rank" + std::to_string(rank) + ".json")).string();
+}
+
+// A carry as JSON: every field the loop continues a trajectory from (the texts it rebuilds from the tokens).
+nlohmann::json carry_to_json(const PartialCarry& c) {
+  nlohmann::json groups = nlohmann::json::array();
+  for (const CarriedGroup& g : c.groups) {
+    const PromptExample& ex = c.examples.at(g.key);
+    nlohmann::json messages = nlohmann::json::array();
+    for (const ChatMessage& m : ex.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+    nlohmann::json trajs = nlohmann::json::array();
+    for (size_t i = 0; i < g.trajs.size(); ++i) {
+      const Trajectory& t = g.trajs[i];
+      trajs.push_back({{"sample_index", t.sample_index},
+                       {"started", g.started[i] != 0},
+                       {"done", g.done[i] != 0},
+                       {"response_ids", t.response_ids},
+                       {"loss_mask", t.loss_mask},
+                       {"logprobs", t.logprobs},
+                       {"versions", t.versions},
+                       {"finish", enum_to_string(t.finish)},
+                       {"truncated", t.truncated},
+                       {"turns", t.turns},
+                       {"tool_calls", t.tool_calls},
+                       {"feedback_turns", t.feedback_turns},
+                       {"tool_timeouts", t.tool_timeouts},
+                       {"weights_version", t.weights_version}});
+    }
+    groups.push_back(
+        {{"key", g.key},
+         {"prompt_ids", g.prompt_ids},
+         {"example", {{"prompt", ex.prompt}, {"answer", ex.answer}, {"source", ex.source}, {"messages", messages}}},
+         {"trajectories", trajs}});
+  }
+  return {{"groups", groups}};
+}
+
+PartialCarry carry_from_json(const nlohmann::json& j) {
+  PartialCarry c;
+  for (const nlohmann::json& g : j.at("groups")) {
+    CarriedGroup group;
+    group.key = g.at("key").get<int64_t>();
+    group.prompt_ids = g.at("prompt_ids").get<std::vector<int64_t>>();
+    PromptExample ex;
+    const nlohmann::json& e = g.at("example");
+    ex.prompt = e.at("prompt").get<std::string>();
+    ex.answer = e.at("answer").get<std::string>();
+    ex.source = e.at("source").get<std::string>();
+    for (const nlohmann::json& m : e.at("messages")) {
+      ChatMessage msg;
+      msg.role = m.at("role").get<std::string>();
+      msg.content = m.at("content").get<std::string>();
+      ex.messages.push_back(std::move(msg));
+    }
+    for (const nlohmann::json& tj : g.at("trajectories")) {
+      Trajectory t;
+      t.sample_index = tj.at("sample_index").get<int64_t>();
+      t.prompt_ids = group.prompt_ids;
+      t.response_ids = tj.at("response_ids").get<std::vector<int64_t>>();
+      t.loss_mask = tj.at("loss_mask").get<std::vector<uint8_t>>();
+      t.logprobs = tj.at("logprobs").get<std::vector<float>>();
+      t.versions = tj.at("versions").get<std::vector<int64_t>>();
+      parse_field(tj.at("finish").get<std::string>(), t.finish, "a carried trajectory", "finish");
+      t.truncated = tj.at("truncated").get<bool>();
+      t.turns = tj.at("turns").get<int64_t>();
+      t.tool_calls = tj.at("tool_calls").get<int64_t>();
+      t.feedback_turns = tj.at("feedback_turns").get<int64_t>();
+      t.tool_timeouts = tj.at("tool_timeouts").get<int64_t>();
+      t.weights_version = tj.at("weights_version").get<int64_t>();
+      group.started.push_back(tj.at("started").get<bool>());
+      group.done.push_back(tj.at("done").get<bool>());
+      group.trajs.push_back(std::move(t));
+    }
+    c.examples[group.key] = std::move(ex);
+    c.groups.push_back(std::move(group));
+  }
+  return c;
+}
+
 }  // namespace
 
 struct AsyncRollouts::CudaOrder {
@@ -38,7 +118,11 @@ struct AsyncRollouts::CudaOrder {
 };
 
 AsyncRollouts::AsyncRollouts(Run& run, std::function<RolloutBatch(Run&)> collect, bool threaded, AsyncFault fault)
-    : run_(run), collect_(std::move(collect)), threaded_(threaded), fault_(fault) {
+    : run_(run),
+      collect_(std::move(collect)),
+      threaded_(threaded),
+      fault_(fault),
+      partial_(run.config.rollout.partial) {
   dist_ = run.dist->fork("rollout");
 #ifdef RLT_HAVE_CUDA
   if (run.device.is_cuda()) {
@@ -62,6 +146,21 @@ AsyncRollouts::AsyncRollouts(Run& run, std::function<RolloutBatch(Run&)> collect
   version_ = a.at("version").get<int64_t>();
   run.prompts->seek(a.at("prompts_begin").get<int64_t>());
   published_once_ = true;
+  const std::string carried = carry_path(run.resumed_from, run.dist->rank());
+  if (a.value("partial", false) && !partial_) {
+    throw RunError(run.resumed_from +
+                   ": the checkpoint holds the unfinished groups of rollout.partial; resume with "
+                   "rollout.partial: true");
+  }
+  if (partial_ && a.value("partial", false)) {
+    std::ifstream cf(carried);
+    if (!cf) throw RunError(carried + ": missing; the checkpoint of rollout.partial lost this rank's carried groups");
+    try {
+      carry_ = carry_from_json(nlohmann::json::parse(cf));
+    } catch (const std::exception& e) {
+      throw RunError(carried + ": " + e.what());
+    }
+  }
 }
 
 AsyncRollouts::~AsyncRollouts() {
@@ -103,6 +202,8 @@ void AsyncRollouts::launch(int64_t batch_step) {
   source_.dist = dist_.get();
   source_.step = batch_step - 1;  // as collect_rollouts sees run.step when it samples that step in turn
   source_.version = version_;
+  source_.carry = partial_ ? &carry_ : nullptr;
+  if (partial_) carry_in_ = carry_;
   pending_prompts_ = run_.prompts->consumed();
   pending_ = true;
   error_ = nullptr;
@@ -176,13 +277,32 @@ RolloutBatch AsyncRollouts::next() {
 }
 
 std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) const {
-  double stale = 0;
-  for (const Trajectory& t : batch.trajs) stale += static_cast<double>(run_.step - t.weights_version);
-  return {{"staleness_mean", batch.trajs.empty() ? 0.0 : stale / static_cast<double>(batch.trajs.size())},
-          {"overlap_s", overlap_s_},
-          {"time_rollout_wall_s", rollout_wall_s_},
-          {"wait_rollout_s", wait_rollout_s_},
-          {"wait_update_s", wait_update_s_}};
+  double stale = 0, most = 0, tokens = 0, spanning = 0;
+  for (const Trajectory& t : batch.trajs) {
+    int64_t lo = t.weights_version, hi = t.weights_version;
+    for (size_t k = 0; k < t.versions.size(); ++k) {
+      lo = std::min(lo, t.versions[k]);
+      hi = std::max(hi, t.versions[k]);
+      if (!t.loss_mask[k]) continue;
+      const double s = static_cast<double>(run_.step - t.versions[k]);
+      stale += s;
+      most = std::max(most, s);
+      tokens += 1;
+    }
+    spanning += hi > lo;
+  }
+  std::map<std::string, double> m = {{"staleness_mean", tokens > 0 ? stale / tokens : 0.0},
+                                     {"staleness_max", most},
+                                     {"overlap_s", overlap_s_},
+                                     {"time_rollout_wall_s", rollout_wall_s_},
+                                     {"wait_rollout_s", wait_rollout_s_},
+                                     {"wait_update_s", wait_update_s_}};
+  if (partial_) {
+    m["partial_resumed"] = static_cast<double>(batch.stats.resumed);
+    m["partial_cut"] = static_cast<double>(batch.stats.cut);
+    m["partial_spanning"] = spanning;
+  }
+  return m;
 }
 
 void AsyncRollouts::save(const std::string& dir, nlohmann::json& state) {
@@ -193,7 +313,16 @@ void AsyncRollouts::save(const std::string& dir, nlohmann::json& state) {
     begin = pending_prompts_;
   }
   copy_->save((fs::path(dir) / kWeightsDir).string());
-  state["async"] = {{"version", version_}, {"prompts_begin", begin}};
+  state["async"] = {{"version", version_}, {"prompts_begin", begin}, {"partial", partial_}};
+  if (run_.dist->world() == 1) save_carry(dir);  // several ranks: each wrote its own (save_checkpoint)
+}
+
+void AsyncRollouts::save_carry(const std::string& dir) const {
+  if (!partial_) return;
+  const std::string path = carry_path(dir, run_.dist->rank());
+  std::ofstream f(path);
+  f << carry_to_json(pending_ ? carry_in_ : carry_).dump() << "\n";
+  if (!f) throw RunError(path + ": cannot write");
 }
 
 }  // namespace rlt

@@ -11,10 +11,15 @@
 // and its collectives are a fork of the run's (Collectives::fork), so that the update's all-reduces and the
 // rollout's reward gathering never interleave on one communicator.
 //
+// rollout.partial: a rollout returns once the step's groups are complete, and the groups it leaves continue
+// in the next rollout, from the copy published by then (PartialCarry, RolloutCarry). The carry passes from
+// one rollout to the next on the rollout thread; the pending rollout's carry as it began is kept for a
+// checkpoint.
+//
 // Checkpoints: a save first waits for the pending rollout, then writes the published copy
-// (rollout_weights.safetensors) and where the pending rollout's prompts began. A resumed run loads that
-// copy and samples the pending rollout again, with the same prompts and noise: it reproduces the
-// uninterrupted run.
+// (rollout_weights.safetensors), where the pending rollout's prompts began, and with rollout.partial the
+// groups it began with (each rank its own, partial_rank<R>.json). A resumed run loads them and samples the
+// pending rollout again, with the same prompts and noise: it reproduces the uninterrupted run.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -50,8 +55,11 @@ class AsyncRollouts {
   // it here), publishes the weights as they are now, and starts step run.step + 2's rollout from them.
   RolloutBatch next();
 
-  // The step's figures, for the batch next() returned last: staleness_mean (the update's version, run.step
-  // before the step, less the weights_version of its trajectories, averaged), and of that batch's rollout:
+  // The step's figures, for the batch next() returned last: staleness_mean and staleness_max (the update's
+  // version, run.step before the step, less the version of each sampled token, averaged and at most), with
+  // rollout.partial partial_resumed (trajectories the rollout continued from the one before), partial_cut
+  // (unfinished ones it left for the next) and partial_spanning (the batch's trajectories sampled by more
+  // than one version); and of that batch's rollout:
   // overlap_s (how long it ran while the previous update ran), wait_rollout_s (how long the update side
   // waited for it) and wait_update_s (how long, finished, it waited for the update), and its thread's own
   // span, gathering included: time_rollout_wall_s (time_rollout_s is the generation alone).
@@ -60,6 +68,10 @@ class AsyncRollouts {
   // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a
   // resume needs into state["async"].
   void save(const std::string& dir, nlohmann::json& state);
+  // rollout.partial, on every rank: the groups the pending rollout began with (none pending: the next
+  // one's), into dir/partial_rank<R>.json.
+  void save_carry(const std::string& dir) const;
+  bool partial() const { return partial_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -84,6 +96,9 @@ class AsyncRollouts {
   bool pending_ = false;
   RolloutSource source_;
   int64_t pending_prompts_ = 0;  // run.prompts->consumed() when it began
+  bool partial_ = false;         // rollout.partial
+  PartialCarry carry_;           // what the next rollout continues (the pending one's, while it runs)
+  PartialCarry carry_in_;        // the pending rollout's carry as it began
   RolloutBatch result_;
   std::exception_ptr error_;
   Clock::time_point started_, ended_;

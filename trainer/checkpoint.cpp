@@ -121,12 +121,16 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
 
 }  // namespace
 
+bool checkpoint_on_every_rank(const Run& run) {
+  return (run.sharded || (run.async && run.async->partial())) && run.dist->world() > 1;
+}
+
 void save_checkpoint(Run& run) {
   const auto& extra = run.extra;
   const std::string dir = checkpoint_dir(run), tmp = dir + ".tmp", old = dir + ".old";
-  // A sharded state: every rank writes its pieces into the folder rank 0 made, and rank 0 renames it once
-  // all have (the barriers). Otherwise rank 0 alone writes.
-  const bool every_rank = run.sharded && run.dist->world() > 1;
+  // A sharded state (its pieces) or rollout.partial (each rank's carried groups): every rank writes into the
+  // folder rank 0 made, and rank 0 renames it once all have (the barriers). Otherwise rank 0 alone writes.
+  const bool every_rank = checkpoint_on_every_rank(run);
   if (!run.lead() && !every_rank) return;
   if (run.lead()) {
     remove_tree(tmp);
@@ -150,9 +154,10 @@ void save_checkpoint(Run& run) {
   if (run.sharded) {
     run.sharded->release_weights();
     run.sharded->save(tmp);
-  } else {
+  } else if (run.lead()) {
     save_adamw_pieces(run, tmp);  // masters (or the weights AdamW updates) and moments
   }
+  if (every_rank && run.async) run.async->save_carry(tmp);
   if (every_rank) run.dist->barrier();
   if (!run.lead()) return;
   if (!extra.empty()) {

@@ -17,6 +17,10 @@ namespace rlt {
 // out_dir/checkpoint.
 std::string checkpoint_dir(const Run& run);
 
+// Whether every rank writes into the checkpoint (save_checkpoint then runs on every rank): with several
+// ranks, a sharded state's pieces, and rollout.partial's carried groups.
+bool checkpoint_on_every_rank(const Run& run);
+
 // Checkpoint out_dir/checkpoint: model folder (HF), optimizer-<rank>.safetensors, extra.pt (run.extra),
 // state.json,
 // written under a temporary name and renamed; the previous checkpoint stays until the new one is complete.

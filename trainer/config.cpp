@@ -50,6 +50,14 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.train.dynamic_sampling && c.sampling.samples_per_prompt < 2) {
     r.fail("train.dynamic_sampling", "drops groups of equal rewards: it needs sampling.samples_per_prompt >= 2");
   }
+  // A partial rollout's unfinished groups wait for the next step's rollout: only a rollout running beside
+  // the update has one that overlaps. Dynamic sampling draws its rounds whole, with no carry between them.
+  if (c.rollout.partial && c.train.async != AsyncMode::kOneStep) {
+    r.fail("rollout.partial", "continues unfinished groups in the next step's rollout: set train.async: one_step");
+  }
+  if (c.rollout.partial && c.train.dynamic_sampling) {
+    r.fail("rollout.partial", "is not built with train.dynamic_sampling (its rounds draw whole groups)");
+  }
   if (c.train.shard == ShardStage::kParameters && c.lora.enabled()) {
     r.fail("train.shard",
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "

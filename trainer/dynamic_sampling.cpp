@@ -179,6 +179,8 @@ void add_stats(RolloutStats& into, const RolloutStats& s) {
   into.tool_wait_row_steps += s.tool_wait_row_steps;
   into.feed_wait_row_steps += s.feed_wait_row_steps;
   into.total_s += s.total_s;
+  into.resumed += s.resumed;
+  into.cut += s.cut;
 }
 
 }  // namespace

@@ -168,7 +168,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
     m["optimizer_host_memory_mib"] = run.sharded->host_bytes() / 1048576.0;
   }
   if (!run.lead()) {
-    if (run.checkpoint_due() && run.sharded) save_checkpoint(run);  // each rank writes its pieces
+    if (run.checkpoint_due() && checkpoint_on_every_rank(run)) save_checkpoint(run);  // each rank writes its part
     return m;
   }
   TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
@@ -266,6 +266,7 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
   std::ofstream f((fs::path(run.out_dir) / "samples.jsonl").string(), run.step == 0 ? std::ios::trunc : std::ios::app);
   for (int64_t i = 0; i < n; ++i) {
     const Trajectory& t = trajs[i];
+    const int64_t last = t.versions.empty() ? t.weights_version : t.versions.back();
     nlohmann::json j = {{"step", run.step + 1},
                         {"prompt", run.tokenizer->decode(t.prompt_ids)},
                         {"response", run.tokenizer->decode(t.response_ids)},
@@ -276,7 +277,9 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
                         {"prompt_tokens", t.prompt_ids.size()},
                         {"response_tokens", t.response_ids.size()},
                         {"sampled_tokens", t.sampled_tokens()},
-                        {"overlong_penalty", t.overlong_penalty}};
+                        {"overlong_penalty", t.overlong_penalty},
+                        {"weights_version", t.weights_version},
+                        {"weights_version_last", last}};
     f << j.dump() << "\n";
   }
 }

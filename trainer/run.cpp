@@ -397,6 +397,13 @@ RolloutSourceScope::~RolloutSourceScope() { rollout_source = previous_; }
 
 Collectives& rollout_collectives(Run& run) { return rollout_source ? *rollout_source->dist : *run.dist; }
 
+int64_t partial_extra_prompts(const Config& config, int world) {
+  const int64_t P = config.train.prompts_per_step;
+  const int64_t e = config.rollout.partial_extra_prompts > 0 ? config.rollout.partial_extra_prompts
+                                                             : std::max<int64_t>(1, (P + 3) / 4);
+  return (e + world - 1) / world * world;
+}
+
 RolloutBatch collect_rollouts(Run& run) {
   const ToolRunner tools = tool_runner(run);
   const Config& cfg = run.config;
@@ -407,18 +414,39 @@ RolloutBatch collect_rollouts(Run& run) {
   const int64_t step = source ? source->step : run.step;
   const int world = dist.world();
   RolloutBatch out;
+  PartialCarry* carry = source ? source->carry : nullptr;
+  // rollout.partial: each rank keeps extra / world groups in play beyond its share of the step's; the draw
+  // tops the carried ones up. Every rank carries as many (it returns its share and keeps the rest), so
+  // every rank draws the same.
+  const int64_t extra = carry ? partial_extra_prompts(cfg, world) : 0;
+  const int64_t top_up = extra - world * (carry ? static_cast<int64_t>(carry->groups.size()) : 0);
+  TORCH_CHECK(top_up >= 0 && top_up % world == 0, "collect_rollouts: ", carry ? carry->groups.size() : 0,
+              " carried groups on a rank, more than rollout.partial_extra_prompts ", extra, " over ", world, " ranks");
   // Every rank draws the step's P prompts; each samples its share (rank_prompts), with the noise stream of
   // the prompt's draw index, as one process would.
   const int64_t first_draw = run.prompts->consumed();
-  const std::vector<PromptExample> drawn = run.prompts->next(P);
+  const std::vector<PromptExample> drawn = run.prompts->next(P + top_up);
   std::vector<int64_t> mine(P);
   std::iota(mine.begin(), mine.end(), 0);
   if (world > 1) mine = rank_prompts(P, step_shape(cfg).mini / G, world, dist.rank());
   std::vector<int64_t> streams;
+  std::vector<PromptExample> examples;  // the new prompts this rank samples
   for (int64_t p : mine) {
-    out.examples.push_back(drawn[p]);
+    examples.push_back(drawn[p]);
     streams.push_back(first_draw + p);
     for (int64_t g = 0; g < G; ++g) out.index.push_back(p * G + g);
+  }
+  for (int64_t i = 0; i < top_up / world; ++i) {  // the extra ones in play: a block each
+    const int64_t p = P + dist.rank() * (top_up / world) + i;
+    examples.push_back(drawn[p]);
+    streams.push_back(first_draw + p);
+  }
+  RolloutCarry rc;
+  rc.version = source ? source->version : run.step;
+  if (carry) {
+    rc.groups = static_cast<int64_t>(mine.size());
+    rc.max_staleness = cfg.rollout.max_staleness;
+    rc.carry = std::move(carry->groups);
   }
   SamplingOptions sampling = cfg.sampling;
   sampling.seed = cfg.train.seed * 1000003 + step;
@@ -438,10 +466,19 @@ RolloutBatch collect_rollouts(Run& run) {
       kept = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
     }
     ModelPolicy& policy = own ? *own : *kept;
-    out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, out.examples), sampling, ro, tools, streams,
-                        run.tools, &out.stats);
+    out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, examples), sampling, ro, tools, streams, run.tools,
+                        &out.stats, &rc);
   }
-  for (Trajectory& t : out.trajs) t.weights_version = source ? source->version : run.step;
+  if (carry) {  // the returned groups' examples, and the carried ones' kept for their turn
+    std::map<int64_t, PromptExample> known = std::move(carry->examples);
+    for (size_t i = 0; i < examples.size(); ++i) known[streams[i]] = std::move(examples[i]);
+    for (int64_t key : rc.keys) out.examples.push_back(known.at(key));
+    carry->groups = std::move(rc.carry);
+    carry->examples.clear();
+    for (const CarriedGroup& g : carry->groups) carry->examples[g.key] = known.at(g.key);
+  } else {
+    out.examples = std::move(examples);
+  }
   out.rewards = score_rewards(run, out.trajs, out.examples);
   // DAPO's overlong shaping (reward.overlong_buffer > 0), on the training rollouts' rewards.
   if (cfg.reward.overlong_buffer > 0) {
@@ -460,7 +497,7 @@ RolloutBatch collect_rollouts(Run& run) {
     at::Tensor counts =
         at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps), double(st.feed_tokens),
                     double(st.forced_tokens), double(st.refills), st.tool_latency_s, st.tool_run_s,
-                    double(st.tool_wait_row_steps), double(st.feed_wait_row_steps)},
+                    double(st.tool_wait_row_steps), double(st.feed_wait_row_steps), double(st.resumed), double(st.cut)},
                    at::kDouble);
     dist.all_reduce({times}, ReduceOp::kMax);
     dist.all_reduce({counts}, ReduceOp::kSum);
@@ -473,6 +510,7 @@ RolloutBatch collect_rollouts(Run& run) {
     st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]), st.refills = int64_t(n[5]);
     st.tool_latency_s = n[6], st.tool_run_s = n[7];
     st.tool_wait_row_steps = int64_t(n[8]), st.feed_wait_row_steps = int64_t(n[9]);
+    st.resumed = int64_t(n[10]), st.cut = int64_t(n[11]);
   }
   return out;
 }

@@ -183,6 +183,16 @@ at::Tensor gather_table(Collectives& dist, const std::vector<Trajectory>& trajs,
                         int64_t S_step);
 RolloutBatch collect_rollouts(Run& run);
 
+// rollout.partial: the groups one rollout leaves for the next (rollout/retool.h's RolloutCarry), with their
+// prompts' examples, which the rewards read once a group is returned.
+struct PartialCarry {
+  std::vector<CarriedGroup> groups;
+  std::map<int64_t, PromptExample> examples;  // by CarriedGroup::key
+};
+// rollout.partial_extra_prompts as a run keeps them in play: 0 = a quarter of train.prompts_per_step (at
+// least 1), rounded up to a multiple of the ranks (each keeps as many).
+int64_t partial_extra_prompts(const Config& config, int world);
+
 // What collect_rollouts decodes from, for a rollout that runs beside the update (train.async): a copy of
 // the weights published for it, its own kept policy (rollout.keep_cache), its own collectives (the update's
 // run on the other thread), and the step it samples for. Installed for the calling thread only, for the
@@ -193,6 +203,9 @@ struct RolloutSource {
   Collectives* dist = nullptr;
   int64_t step = 0;     // run.step as the batch's step begins: seeds the sampling noise
   int64_t version = 0;  // the weights' version (Trajectory::weights_version)
+  // rollout.partial: the groups it continues, and where it leaves those it does not return. The draw tops
+  // them up to partial_extra_prompts / world beyond the rank's share of the step's prompts.
+  PartialCarry* carry = nullptr;
 };
 // The collectives a rollout on this thread gathers with: its RolloutSource's, else the run's.
 Collectives& rollout_collectives(Run& run);

@@ -17,6 +17,7 @@
 #   DATA=data/dapo-math-17k-200.jsonl ANSWER_KEY=label    the prompts and their answer key
 #   CKPT=dir       a checkpoint folder instead of the random one (a Qwen/Llama HF folder with its tokenizer)
 #   ASYNC=1        also ours with --set train.async=one_step
+#   PARTIAL=1      also ours with train.async one_step and --set rollout.partial=true
 #   OURS_SET="--set k=v ..."   extra settings for every run of ours; PEER_ARGS="..." extra bench_grpo_peer.py
 #                  arguments for every TRL run
 #   TRL=0          skip TRL; TRL_BF16=1 also runs TRL with bf16 weights and AdamW states (--dtype bfloat16)
@@ -106,7 +107,12 @@ if [ "${ASYNC:-0}" = 1 ]; then
   measure ours_async "${OURS_TIMEOUT:-300}" "${ours[@]}" "${extra[@]}" --set train.async=one_step \
     --out "$out/ours_async"
 fi
-for r in ours_sync ours_async; do
+if [ "${PARTIAL:-0}" = 1 ]; then
+  runs+=(ours_partial)
+  measure ours_partial "${OURS_TIMEOUT:-300}" "${ours[@]}" "${extra[@]}" --set train.async=one_step \
+    --set rollout.partial=true --out "$out/ours_partial"
+fi
+for r in ours_sync ours_async ours_partial; do
   cp "$out/$r/metrics.jsonl" "$out/raw/metrics_$r.jsonl" 2>/dev/null
   rm -rf "${out:?}/$r"  # its end-of-run checkpoint
 done

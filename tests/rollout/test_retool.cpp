@@ -1035,10 +1035,11 @@ class PartialRolloutTest : public ReToolTest {
     for (int64_t i = 0; i < n; ++i) out[i] = first + i;
     return out;
   }
-  std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n) const {
+  std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n,
+                             RolloutStats* stats = nullptr) const {
     ModelPolicy policy(m);
     return rollout(policy, *tok_, prompts(first, n), partial_sampling(), partial_options(), {}, streams(first, n), {},
-                   nullptr, carry);
+                   stats, carry);
   }
   // Sampled token k's log-prob under m, from a full forward over the tokens before it (float64).
   static double reference_logprob(const Transformer& m, const Trajectory& t, size_t k) {
@@ -1063,10 +1064,11 @@ TEST_F(PartialRolloutTest, ACutRolloutContinuedUnderTheSameWeightsIsTheUncutRoll
   auto continued = [&](bool corrupt) {
     RolloutCarry c;
     c.groups = 2;
-    std::vector<Trajectory> a = go(m, &c, 0, 6);
+    RolloutStats first, second;
+    std::vector<Trajectory> a = go(m, &c, 0, 6, &first);
     EXPECT_EQ(a.size(), 4u);
     EXPECT_EQ(c.carry.size(), 4u);
-    EXPECT_GT(c.cut, 0) << "no trajectory was unfinished at the cut";
+    EXPECT_GT(first.cut, 0) << "no trajectory was unfinished at the cut";
     std::map<int64_t, std::vector<Trajectory>> by_key;
     for (size_t q = 0; q < c.keys.size(); ++q) {
       by_key[c.keys[q]] = {a[2 * q], a[2 * q + 1]};
@@ -1081,10 +1083,10 @@ TEST_F(PartialRolloutTest, ACutRolloutContinuedUnderTheSameWeightsIsTheUncutRoll
         }
       }
     }
-    const int64_t cut = c.cut;
     c.groups = 4;
-    std::vector<Trajectory> b = go(m, &c, 6, 0);
-    EXPECT_EQ(c.resumed, cut);
+    std::vector<Trajectory> b = go(m, &c, 6, 0, &second);
+    EXPECT_EQ(second.resumed, first.cut);
+    EXPECT_EQ(second.cut, 0);
     EXPECT_TRUE(c.carry.empty());
     for (size_t q = 0; q < c.keys.size(); ++q) by_key[c.keys[q]] = {b[2 * q], b[2 * q + 1]};
     return by_key;
@@ -1130,9 +1132,10 @@ TEST_F(PartialRolloutTest, ContinuedTrajectoriesCarryTheLogprobsOfTheWeightsThat
   RolloutCarry c;
   c.groups = 3;
   c.version = 0;
-  const std::vector<Trajectory> a = go(m0, &c, 0, 6);
+  RolloutStats stats;
+  const std::vector<Trajectory> a = go(m0, &c, 0, 6, &stats);
   ASSERT_EQ(a.size(), 6u);
-  ASSERT_GT(c.cut, 0);
+  ASSERT_GT(stats.cut, 0);
   const std::vector<CarriedGroup> after_a = c.carry;
   c.groups = 1;
   c.version = 1;

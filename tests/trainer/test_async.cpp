@@ -1,8 +1,10 @@
 // train.async one_step (trainer/async_rollout.h): which weights sample which step, the threaded run against
-// the same schedule on one thread, resume, and data parallelism.
+// the same schedule on one thread, resume, and data parallelism; with rollout.partial, each token's version
+// and log-prob, the step's figures against their definitions, and resume on one and two ranks.
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -230,6 +232,179 @@ TEST(AsyncOneStep, TwoRanksMatchOneProcess) {
       EXPECT_NEAR(x, y, 1e-5 * std::max(1.0, std::abs(x))) << k << " at step " << i + 1;
     }
   }
+}
+
+// ---- rollout.partial ----
+
+// The async run with partial rollouts, without tools: which groups complete first then depends on the
+// tokens alone, not on when a sandbox replies, so reruns and resumes cut at the same places.
+Config partial_config() {
+  Config c = async_config();
+  c.rollout.partial = true;
+  c.rollout.tools = false;
+  c.rollout.stop = "*";     // lengths vary: a multiplication sign ends a trajectory
+  c.rollout.max_batch = 0;  // every group in play at once: the last ones are cut
+  c.rollout.partial_extra_prompts = 2;
+  c.sampling.max_new_tokens = 64;
+  c.train.steps = 6;
+  return c;
+}
+
+// Every sampled token's log-prob under each snapshot (the loss module's scoring): [snapshot] -> (S, R).
+std::vector<at::Tensor> scored(Run& run, const std::vector<Trajectory>& trajs,
+                               const std::vector<std::vector<at::Tensor>>& weights) {
+  at::NoGradGuard no_grad;
+  Transformer model = run.policy->clone();
+  const auto params = model.named_parameters();
+  const PackedBatch b = pack(trajs, 0, static_cast<int64_t>(trajs.size()), run.device);
+  std::vector<at::Tensor> out;
+  for (const auto& w : weights) {
+    for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(w[i]);
+    out.push_back(response_logprobs(model, b, run.config.loss).logprobs);
+  }
+  return out;
+}
+
+TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
+  // Six steps of the schedule with a stand-in update (noise on every weight), each rollout held until the
+  // update beside it has moved the weights. Every batch holds the step's P groups; every sampled token's
+  // log-prob is that of the snapshot its version names (fp32 scoring: 1e-4, where a moved weight is off by
+  // more), and the trajectories that span two versions fail that check against their first version alone.
+  // The step's figures are their definitions over the batch's tokens.
+  TempDir tmp("async_partial");
+  const Config c = partial_config();
+  rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {});
+  begin_training(run);  // the warm-up: completions of varied lengths
+  const int64_t P = c.train.prompts_per_step, G = c.sampling.samples_per_prompt;
+  std::vector<std::promise<void>> moved(7);
+  std::vector<std::vector<at::Tensor>> weights{snapshot(*run.policy)};
+  std::atomic<int64_t> calls{0};
+  AsyncRollouts async(run, [&](rlt::Run& r) {
+    const int64_t step = ++calls;  // the rollout of step `step` starts after step - 1's update moved the weights
+    if (step >= 2) moved[step - 1].get_future().wait();
+    return collect_rollouts(r);
+  });
+  at::manual_seed(7);
+  int64_t spanning = 0, resumed = 0;
+  double worst_first = 0;
+  for (int64_t t = 1; t <= 6; ++t) {
+    RolloutBatch rb = async.next();
+    ASSERT_EQ(static_cast<int64_t>(rb.trajs.size()), P * G) << "step " << t;
+    ASSERT_EQ(static_cast<int64_t>(rb.examples.size()), P);
+    const std::vector<at::Tensor> lp = scored(run, rb.trajs, weights);
+    double stale = 0, most = 0, tokens = 0, span = 0;
+    for (size_t i = 0; i < rb.trajs.size(); ++i) {
+      const Trajectory& tr = rb.trajs[i];
+      ASSERT_EQ(tr.versions.size(), tr.response_ids.size());
+      EXPECT_EQ(tr.prompt_index, static_cast<int64_t>(i) / G);
+      const int64_t lo = *std::min_element(tr.versions.begin(), tr.versions.end());
+      const int64_t hi = *std::max_element(tr.versions.begin(), tr.versions.end());
+      EXPECT_EQ(lo, tr.weights_version);
+      EXPECT_LE(hi - lo + 1, c.rollout.max_staleness);
+      span += hi > lo;
+      for (size_t k = 0; k < tr.response_ids.size(); ++k) {
+        if (!tr.loss_mask[k]) continue;
+        const int64_t v = tr.versions[k];
+        ASSERT_LT(v, static_cast<int64_t>(weights.size()));
+        EXPECT_NEAR(lp[v][i][k].item<double>(), tr.logprobs[k], 1e-4) << "step " << t << " token " << k << " v" << v;
+        if (hi > lo) worst_first = std::max(worst_first, std::abs(lp[lo][i][k].item<double>() - tr.logprobs[k]));
+        stale += static_cast<double>(run.step - v);
+        most = std::max(most, static_cast<double>(run.step - v));
+        tokens += 1;
+      }
+    }
+    const auto m = async.metrics(rb);
+    EXPECT_DOUBLE_EQ(m.at("staleness_mean"), stale / tokens) << "step " << t;
+    EXPECT_EQ(m.at("staleness_max"), most);
+    EXPECT_EQ(m.at("partial_spanning"), span);
+    EXPECT_EQ(m.at("partial_resumed"), static_cast<double>(rb.stats.resumed));
+    EXPECT_EQ(m.at("partial_cut"), static_cast<double>(rb.stats.cut));
+    spanning += static_cast<int64_t>(span);
+    resumed += rb.stats.resumed;
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& [name, p] : run.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
+    }
+    weights.push_back(snapshot(*run.policy));
+    run.step = t;
+    if (t < 6) moved[t].set_value();
+  }
+  EXPECT_GT(resumed, 0) << "no rollout continued a trajectory";
+  EXPECT_GT(spanning, 0) << "no trajectory spans two versions";
+  EXPECT_GT(worst_first, 1e-3) << "the check must reject the first version's weights for every token";
+}
+
+TEST(AsyncPartial, AResumedRunContinuesTheCarriedGroupsAndReproducesTheRun) {
+  // Stopped after step 2 and resumed: the pending rollout is sampled again from the groups it began with
+  // (partial_rank0.json), and every step's figures are the uninterrupted run's. The twin: a checkpoint whose
+  // carry is emptied draws other prompts and trains on other trajectories.
+  TempDir tmp("async_partial_resume");
+  const Config c = partial_config();
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string(),
+                    lost = (tmp.path() / "lost").string();
+  train(c, full);
+  train(c, part, false, {}, /*stop_after=*/2);
+  const std::string carry = part + "/checkpoint/partial_rank0.json";
+  ASSERT_TRUE(std::filesystem::exists(carry));
+  EXPECT_FALSE(nlohmann::json::parse(std::ifstream(carry)).at("groups").empty());
+  std::filesystem::copy(part, lost, std::filesystem::copy_options::recursive);
+  train(c, part, /*resume=*/true);
+  const auto f = read_metrics(full), p = read_metrics(part);
+  expect_same_rows(f, p, 0);
+  for (size_t i = 0; i < f.size(); ++i) {
+    for (const char* k : {"staleness_mean", "partial_resumed", "partial_cut", "partial_spanning"}) {
+      EXPECT_EQ(f[i][k].get<double>(), p[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+  }
+  // samples.jsonl names the versions that sampled each logged trajectory's first and last tokens.
+  std::ifstream samples(full + "/samples.jsonl");
+  int64_t lines = 0, continued = 0;
+  for (std::string line; std::getline(samples, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const int64_t first = j.at("weights_version").get<int64_t>(), last = j.at("weights_version_last").get<int64_t>();
+    EXPECT_GE(last, first);
+    EXPECT_LE(last - first + 1, c.rollout.max_staleness);
+    EXPECT_LE(last, j.at("step").get<int64_t>() - 1) << "a version the update had not reached";
+    continued += last > first;
+    ++lines;
+  }
+  EXPECT_GT(lines, 0);
+  EXPECT_GT(continued, 0) << "no logged trajectory was continued under newer weights";
+  std::ofstream(lost + "/checkpoint/partial_rank0.json") << R"({"groups": []})";
+  train(c, lost, /*resume=*/true);
+  const auto l = read_metrics(lost);
+  ASSERT_EQ(l.size(), f.size());
+  bool differs = false;
+  for (size_t i = 2; i < l.size(); ++i) differs |= l[i]["loss"].get<double>() != f[i]["loss"].get<double>();
+  EXPECT_TRUE(differs) << "a resume that lost the carried groups must train on other trajectories";
+}
+
+TEST(AsyncPartial, TwoRanksResumeEachRanksCarry) {
+  // Two thread ranks, each carrying its own groups: a run stopped after step 2 and resumed (each rank reads
+  // its partial_rank<R>.json) gives the uninterrupted two-rank run's figures.
+  TempDir tmp("async_partial_dp");
+  Config c = partial_config();
+  c.train.prompts_per_step = 4;
+  c.train.mini_batch_size = 8;
+  auto two = [&](const std::string& dir, bool resume, int64_t stop_after) {
+    rlt::testing::on_thread_ranks(2, [&](int, std::shared_ptr<Collectives> dist) {
+      rlt::Run run = make_run(c, dir, resume, {}, dist);
+      run.stop_after = stop_after;
+      train_grpo(run);
+    });
+  };
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
+  two(full, false, 0);
+  two(part, false, 2);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(std::filesystem::exists(part + "/checkpoint/partial_rank" + std::to_string(r) + ".json")) << r;
+  }
+  two(part, true, 0);
+  const auto f = read_metrics(full), p = read_metrics(part);
+  expect_same_rows(f, p, 0);
+  double cut = 0;
+  for (const auto& row : f) cut += row["partial_cut"].get<double>();
+  EXPECT_GT(cut, 0) << "no rank carried a group";
 }
 
 }  // namespace

@@ -151,6 +151,14 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   EXPECT_NO_THROW(load_config("", {"train.shard=parameters", "model.activation_checkpointing=true"}));
   EXPECT_NO_THROW(load_config("", {"train.shard=gradients", "sft.steps=5"})) << "an fp32 warm-up under sharding";
   EXPECT_NO_THROW(load_config("", {"train.offload=optimizer", "lora.rank=8"}));
+  // Partial rollouts carry groups into the next step's rollout, which runs beside the update; dynamic
+  // sampling's rounds draw whole groups. A trajectory spans at least its own version and the next.
+  expect_error("", {"rollout.partial=true"}, {"rollout.partial", "train.async: one_step"});
+  expect_error("", {"rollout.partial=true", "train.async=one_step", "train.dynamic_sampling=true"},
+               {"rollout.partial", "train.dynamic_sampling"});
+  expect_error("", {"rollout.partial=true", "train.async=one_step", "rollout.max_staleness=1"},
+               {"rollout.max_staleness"});
+  EXPECT_NO_THROW(load_config("", {"rollout.partial=true", "train.async=one_step"}));
 }
 
 TEST(Config, MissingFileAndBadSyntax) {
