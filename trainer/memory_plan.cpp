@@ -199,6 +199,13 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   return saved + std::max(head, layer);
 }
 
+// The sequences one rank's training rollout has in play: its share of the step's, and with rollout.partial
+// its share of the extra groups.
+int64_t rollout_sequences(const Config& c, int world) {
+  const int64_t prompts = c.train.prompts_per_step + (c.rollout.partial ? partial_extra_prompts(c, world) : 0);
+  return prompts * c.sampling.samples_per_prompt / world;
+}
+
 // Cache rows of a rollout of `samples` sequences (G per prompt) under rollout.max_batch: the rollout
 // starts at least one whole prompt.
 int64_t cache_rows(const RolloutOptions& r, int64_t samples, int64_t G) {
@@ -331,7 +338,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   // (train.eval_prompts x eval_samples over the ranks), whichever is more.
   const int64_t G = c.sampling.samples_per_prompt;
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
-  const int64_t train_rows = cache_rows(c.rollout, c.train.prompts_per_step * G / N, G);
+  const int64_t train_rows = cache_rows(c.rollout, rollout_sequences(c, N), G);
   const int64_t k = c.train.eval_samples;
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
@@ -403,8 +410,7 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
   }
   // Fewer rows: the rollout's cache rows, the update's micro-batch.
   const int64_t G = c.sampling.samples_per_prompt;
-  const int64_t rows =
-      c.rollout.max_batch > 0 ? c.rollout.max_batch : c.train.prompts_per_step * G / std::max(1, world);
+  const int64_t rows = c.rollout.max_batch > 0 ? c.rollout.max_batch : rollout_sequences(c, std::max(1, world));
   const int64_t mb =
       most_rows_that_fit(c, m, world, device_bytes, rows, [](Config& x, int64_t n) { x.rollout.max_batch = n; });
   if (mb > 0) {

@@ -510,5 +510,24 @@ TEST(MemoryPlan, AsyncAddsTheRolloutsCopyAndBothPhases) {
   EXPECT_NE(twin.device_total(), expected);
 }
 
+TEST(MemoryPlan, PartialRolloutsHoldTheExtraGroupsRows) {
+  // rollout.partial keeps partial_extra_prompts groups in play beyond the step's: with every row at once,
+  // the cache grows by their share; rollout.max_batch caps the rows either way.
+  auto overrides = seven_b_run();
+  overrides.insert(overrides.end(),
+                   {"train.async=one_step", "rollout.max_batch=0", "train.prompts_per_step=8", "train.eval_prompts=0"});
+  const MemoryPlan one_step = plan_memory(load_config("", overrides), qwen25_7b(), 1);
+  auto partial = overrides;
+  partial.push_back("rollout.partial=true");
+  const MemoryPlan carried = plan_memory(load_config("", partial), qwen25_7b(), 1);
+  EXPECT_EQ(carried.kv_cache * 8, one_step.kv_cache * 10) << "8 prompts and a quarter of them more";
+  partial.push_back("rollout.partial_extra_prompts=4");
+  EXPECT_EQ(plan_memory(load_config("", partial), qwen25_7b(), 1).kv_cache * 8, one_step.kv_cache * 12);
+  partial.push_back("rollout.max_batch=16");
+  overrides.push_back("rollout.max_batch=16");
+  EXPECT_EQ(plan_memory(load_config("", partial), qwen25_7b(), 1).kv_cache,
+            plan_memory(load_config("", overrides), qwen25_7b(), 1).kv_cache);
+}
+
 }  // namespace
 }  // namespace rlt
