@@ -95,7 +95,9 @@ void write_group(Writer& w, int64_t slot, const PromptExample& ex, const Traject
     w.put_str(t.response_text);
     w.put<double>(t.reward);
     w.put<uint8_t>(t.correct);
+    w.put<double>(t.overlong_penalty);
     w.put<int64_t>(t.weights_version);
+    w.put_vec(t.versions);
   }
 }
 
@@ -134,7 +136,9 @@ GroupData read_group(Reader& r, int64_t G, int64_t& slot) {
     t.response_text = r.get_str();
     t.reward = r.get<double>();
     t.correct = r.get<uint8_t>() != 0;
+    t.overlong_penalty = r.get<double>();
     t.weights_version = r.get<int64_t>();
+    t.versions = r.get_vec<int64_t>();
     d.trajs.push_back(std::move(t));
   }
   return d;

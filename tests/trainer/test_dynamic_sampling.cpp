@@ -56,7 +56,9 @@ RolloutBatch fake_round(int64_t r, const Rewards& rewards, int64_t prompts_per_m
       t.response_text = "r" + std::to_string(r) + "p" + std::to_string(p) + "g" + std::to_string(g);
       t.reward = rewards[p][g];
       t.correct = rewards[p][g] >= 1;
+      t.overlong_penalty = -0.125 * g;
       t.weights_version = 40 + r;
+      t.versions = {40 + r, 40 + r, 41 + r, 41 + r};
       b.trajs.push_back(t);
       b.index.push_back(p * G + g);
     }
@@ -326,7 +328,8 @@ std::vector<std::string> two_rank_problems(bool gather) {
                           t.truncated == w.truncated && t.turns == w.turns && t.tool_calls == w.tool_calls &&
                           t.feedback_turns == w.feedback_turns && t.tool_timeouts == w.tool_timeouts &&
                           t.response_text == w.response_text && t.reward == w.reward && t.correct == w.correct &&
-                          t.weights_version == w.weights_version && t.sample_index == w.sample_index &&
+                          t.overlong_penalty == w.overlong_penalty && t.weights_version == w.weights_version &&
+                          t.versions == w.versions && t.sample_index == w.sample_index &&
                           t.prompt_index == static_cast<int64_t>(i) / 2;
         if (!same) problems.push_back(rank + "trajectory " + std::to_string(i) + " differs");
         const PromptExample& e = b.examples[i / 2];
