@@ -162,7 +162,8 @@ struct RolloutOptions {
     v("partial", partial,
       "train.async one_step: a rollout ends once a step's groups are complete; the others continue in the next");
     v("partial_extra_prompts", partial_extra_prompts,
-      "rollout.partial: groups in play beyond a step's; 0 = a quarter of train.prompts_per_step", FieldRange{0, 1e6});
+      "rollout.partial: groups in play beyond a step's, at most train.prompts_per_step; 0 = a quarter of it",
+      FieldRange{0, 1e6});
     v("max_staleness", max_staleness, "rollout.partial: the most weights versions one trajectory's tokens span",
       FieldRange{2, 1e6});
     v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});

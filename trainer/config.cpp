@@ -55,6 +55,13 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.rollout.partial && c.train.async != AsyncMode::kOneStep) {
     r.fail("rollout.partial", "continues unfinished groups in the next step's rollout: set train.async: one_step");
   }
+  // Carried groups come first in the next rollout's batch: with no more of them than a step takes, each is
+  // returned by the next rollout, and no token trains more than max_staleness versions behind the update.
+  if (c.rollout.partial && c.rollout.partial_extra_prompts > c.train.prompts_per_step) {
+    r.fail("rollout.partial_extra_prompts", "at most train.prompts_per_step (" +
+                                                std::to_string(c.train.prompts_per_step) +
+                                                "): a carried group must fit the next step's batch");
+  }
   if (c.rollout.partial && c.train.dynamic_sampling) {
     r.fail("rollout.partial", "is not built with train.dynamic_sampling (its rounds draw whole groups)");
   }

@@ -316,6 +316,7 @@ TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
     const auto m = async.metrics(rb);
     EXPECT_DOUBLE_EQ(m.at("staleness_mean"), stale / tokens) << "step " << t;
     EXPECT_EQ(m.at("staleness_max"), most);
+    EXPECT_LE(most, c.rollout.max_staleness) << "a token trained more than max_staleness versions behind";
     EXPECT_EQ(m.at("partial_spanning"), span);
     EXPECT_EQ(m.at("partial_resumed"), static_cast<double>(rb.stats.resumed));
     EXPECT_EQ(m.at("partial_cut"), static_cast<double>(rb.stats.cut));

@@ -158,7 +158,11 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
                {"rollout.partial", "train.dynamic_sampling"});
   expect_error("", {"rollout.partial=true", "train.async=one_step", "rollout.max_staleness=1"},
                {"rollout.max_staleness"});
+  expect_error("", {"rollout.partial=true", "train.async=one_step", "rollout.partial_extra_prompts=17"},
+               {"rollout.partial_extra_prompts", "train.prompts_per_step (16)"});
   EXPECT_NO_THROW(load_config("", {"rollout.partial=true", "train.async=one_step"}));
+  EXPECT_NO_THROW(
+      load_config("", {"rollout.partial=true", "train.async=one_step", "rollout.partial_extra_prompts=16"}));
 }
 
 TEST(Config, MissingFileAndBadSyntax) {
