@@ -291,6 +291,14 @@ std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) 
     }
     spanning += hi > lo;
   }
+  if (run_.dist->world() > 1) {  // every rank's batch: each samples its own share (and carries its own groups)
+    at::Tensor sums = at::tensor({stale, tokens, spanning}, at::kDouble);
+    at::Tensor highest = at::tensor({most}, at::kDouble);
+    run_.dist->all_reduce({sums}, ReduceOp::kSum);
+    run_.dist->all_reduce({highest}, ReduceOp::kMax);
+    stale = sums[0].item<double>(), tokens = sums[1].item<double>(), spanning = sums[2].item<double>();
+    most = highest[0].item<double>();
+  }
   std::map<std::string, double> m = {{"staleness_mean", tokens > 0 ? stale / tokens : 0.0},
                                      {"staleness_max", most},
                                      {"overlap_s", overlap_s_},

@@ -62,7 +62,9 @@ class AsyncRollouts {
   // than one version); and of that batch's rollout:
   // overlap_s (how long it ran while the previous update ran), wait_rollout_s (how long the update side
   // waited for it) and wait_update_s (how long, finished, it waited for the update), and its thread's own
-  // span, gathering included: time_rollout_wall_s (time_rollout_s is the generation alone).
+  // span, gathering included: time_rollout_wall_s (time_rollout_s is the generation alone). The token and
+  // trajectory figures cover every rank's batch: with several ranks, every rank calls it (two all_reduces
+  // on the run's collectives).
   std::map<std::string, double> metrics(const RolloutBatch& batch) const;
 
   // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a

@@ -408,5 +408,35 @@ TEST(AsyncPartial, TwoRanksResumeEachRanksCarry) {
   EXPECT_GT(cut, 0) << "no rank carried a group";
 }
 
+TEST(AsyncPartial, TheStepsFiguresCoverEveryRanksBatch) {
+  // Rank 0's batch: one trajectory of versions 1, 1 (sampled, sampled); rank 1's: one of versions 0, 1, 1
+  // (sampled, tool, sampled), so it spans two. At update version 2 both ranks log staleness_mean (1 + 1 + 2
+  // + 1) / 4 = 1.25, staleness_max 2 and partial_spanning 1; rank 0's own batch alone would give 1, 1, 0.
+  TempDir tmp("async_partial_figures");
+  Config c = partial_config();
+  c.train.mini_batch_size = 8;
+  std::vector<std::map<std::string, double>> got(2);
+  rlt::testing::on_thread_ranks(2, [&](int rank, std::shared_ptr<Collectives> dist) {
+    rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {}, dist);
+    run.step = 2;
+    AsyncRollouts async(
+        run, [](rlt::Run&) { return RolloutBatch(); }, /*threaded=*/false);
+    RolloutBatch rb;
+    Trajectory t;
+    t.weights_version = rank == 0 ? 1 : 0;
+    t.response_ids = rank == 0 ? std::vector<int64_t>{5, 6} : std::vector<int64_t>{5, 6, 7};
+    t.loss_mask = rank == 0 ? std::vector<uint8_t>{1, 1} : std::vector<uint8_t>{1, 0, 1};
+    t.versions = rank == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{0, 1, 1};
+    t.logprobs.assign(t.response_ids.size(), -1.0f);
+    rb.trajs.push_back(t);
+    got[rank] = async.metrics(rb);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(got[r].at("staleness_mean"), 1.25) << "rank " << r;
+    EXPECT_EQ(got[r].at("staleness_max"), 2.0) << "rank " << r;
+    EXPECT_EQ(got[r].at("partial_spanning"), 1.0) << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace rlt
