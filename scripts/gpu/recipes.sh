@@ -25,6 +25,7 @@ declare -A recipe=(
   [dapo]="--set train.dynamic_sampling=true --set train.max_sampling_rounds=3 --set reward.overlong_buffer=64
           --set reward.overlong_penalty=1.0"
   [grpo_async]="--set train.async=one_step"
+  [grpo_partial]="--set train.async=one_step --set rollout.partial=true"
 )
 names=${RECIPES:-grpo drgrpo rloo reinforce_pp gspo cispo dapo grpo_async}
 for name in $names; do
