@@ -488,7 +488,7 @@ class Loop {
     if (complete < carry_->groups) return false;
     for (const Seq& s : seqs_) {
       const bool unfinished = s.state == SeqState::kGenerating || s.state == SeqState::kWaiting;
-      if (unfinished && (version_ + 1) - s.traj.weights_version + 1 > carry_->max_staleness) return false;
+      if (unfinished && (version_ + 1) - s.traj.weights_version + 1 > options_.max_staleness) return false;
     }
     return true;
   }

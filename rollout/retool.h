@@ -280,12 +280,11 @@ struct CarriedGroup {
 //   out: carry, the groups this rollout did not return, oldest first; keys, each returned group's key.
 // The rollout returns the first `groups` complete groups in order (the carried ones, then the new prompts),
 // once that many are complete and no unfinished trajectory must finish here: one whose tokens would span
-// more than max_staleness versions if the next rollout (at version + 1 at most) continued it. groups = 0:
-// every group, as a rollout without a carry.
+// more than rollout.max_staleness versions if the next rollout (at version + 1 at most) continued it.
+// groups = 0: every group, as a rollout without a carry.
 struct RolloutCarry {
   int64_t groups = 0;
   int64_t version = 0;  // the weights' version: each new token's (Trajectory::versions)
-  int64_t max_staleness = 2;
   std::vector<CarriedGroup> carry;
   std::vector<int64_t> keys;
 };

@@ -322,7 +322,6 @@ void AsyncRollouts::save(const std::string& dir, nlohmann::json& state) {
   }
   copy_->save((fs::path(dir) / kWeightsDir).string());
   state["async"] = {{"version", version_}, {"prompts_begin", begin}, {"partial", partial_}};
-  if (run_.dist->world() == 1) save_carry(dir);  // several ranks: each wrote its own (save_checkpoint)
 }
 
 void AsyncRollouts::save_carry(const std::string& dir) const {

@@ -70,8 +70,8 @@ class AsyncRollouts {
   // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a
   // resume needs into state["async"].
   void save(const std::string& dir, nlohmann::json& state);
-  // rollout.partial, on every rank: the groups the pending rollout began with (none pending: the next
-  // one's), into dir/partial_rank<R>.json.
+  // rollout.partial, on every rank that writes the checkpoint (save_checkpoint): the groups the pending
+  // rollout began with (none pending: the next one's), into dir/partial_rank<R>.json.
   void save_carry(const std::string& dir) const;
   bool partial() const { return partial_; }
 

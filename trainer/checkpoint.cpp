@@ -157,7 +157,7 @@ void save_checkpoint(Run& run) {
   } else if (run.lead()) {
     save_adamw_pieces(run, tmp);  // masters (or the weights AdamW updates) and moments
   }
-  if (every_rank && run.async) run.async->save_carry(tmp);
+  if (run.async) run.async->save_carry(tmp);  // rollout.partial: each writing rank's carried groups
   if (every_rank) run.dist->barrier();
   if (!run.lead()) return;
   if (!extra.empty()) {

@@ -445,7 +445,6 @@ RolloutBatch collect_rollouts(Run& run) {
   rc.version = source ? source->version : run.step;
   if (carry) {
     rc.groups = static_cast<int64_t>(mine.size());
-    rc.max_staleness = cfg.rollout.max_staleness;
     rc.carry = std::move(carry->groups);
   }
   SamplingOptions sampling = cfg.sampling;

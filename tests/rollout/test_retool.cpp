@@ -1036,10 +1036,11 @@ class PartialRolloutTest : public ReToolTest {
     return out;
   }
   std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n,
-                             RolloutStats* stats = nullptr) const {
+                             RolloutStats* stats = nullptr, int64_t max_staleness = 2) const {
     ModelPolicy policy(m);
-    return rollout(policy, *tok_, prompts(first, n), partial_sampling(), partial_options(), {}, streams(first, n), {},
-                   stats, carry);
+    RolloutOptions o = partial_options();
+    o.max_staleness = max_staleness;
+    return rollout(policy, *tok_, prompts(first, n), partial_sampling(), o, {}, streams(first, n), {}, stats, carry);
   }
   // Sampled token k's log-prob under m, from a full forward over the tokens before it (float64).
   static double reference_logprob(const Transformer& m, const Trajectory& t, size_t k) {
@@ -1069,6 +1070,11 @@ TEST_F(PartialRolloutTest, ACutRolloutContinuedUnderTheSameWeightsIsTheUncutRoll
     EXPECT_EQ(a.size(), 4u);
     EXPECT_EQ(c.carry.size(), 4u);
     EXPECT_GT(first.cut, 0) << "no trajectory was unfinished at the cut";
+    int64_t unfinished = 0;  // RolloutStats::cut: the begun, unfinished trajectories left in the carry
+    for (const CarriedGroup& g : c.carry) {
+      for (size_t i = 0; i < g.trajs.size(); ++i) unfinished += g.started[i] && !g.done[i];
+    }
+    EXPECT_EQ(first.cut, unfinished);
     std::map<int64_t, std::vector<Trajectory>> by_key;
     for (size_t q = 0; q < c.keys.size(); ++q) {
       by_key[c.keys[q]] = {a[2 * q], a[2 * q + 1]};
@@ -1181,8 +1187,7 @@ TEST_F(PartialRolloutTest, ContinuedTrajectoriesCarryTheLogprobsOfTheWeightsThat
   loose.carry = after_a;
   loose.groups = 1;
   loose.version = 1;
-  loose.max_staleness = 3;
-  go(m1, &loose, 6, 3);
+  go(m1, &loose, 6, 3, nullptr, /*max_staleness=*/3);
   bool old_cut = false;
   for (const CarriedGroup& g : loose.carry) {
     for (size_t i = 0; i < g.trajs.size(); ++i)
