@@ -3,6 +3,7 @@
 # caller exits), then exports what the binaries and the Python peers need. GPU_REBUILD=0 keeps an
 # existing build-gpu/. RLT_FIXTURES_DIR (default .gpu/fixtures) is the HF fixtures folder.
 export PYTHONUNBUFFERED=1
+mkdir -p "$out"
 export RLT_FIXTURES_DIR=${RLT_FIXTURES_DIR:-$PWD/.gpu/fixtures}
 if [ ! -x build-gpu/bin/grpo_train ] || [ "${GPU_REBUILD:-1}" = 1 ]; then
   if ! bash scripts/gpu/deps_build.sh > "$out/build.log" 2>&1; then
