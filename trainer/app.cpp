@@ -14,6 +14,7 @@
 #include "rollout/sandbox.h"
 #include "trainer/checkpoint.h"
 #include "trainer/launch.h"
+#include "trainer/placement.h"
 
 namespace rlt {
 
@@ -78,7 +79,11 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       return 2;
     }
     try {
-      check_world(cfg, launch.world());  // before any rank starts
+      // Before any rank starts: the step splits over the ranks (over the training ranks, with rollout ranks).
+      if (cfg.train.rollout_ranks > 0)
+        check_placement(cfg, launch.world());
+      else
+        check_world(cfg, launch.world());
     } catch (const RunError& e) {
       std::cerr << name << ": --nproc " << launch.nproc
                 << (launch.nnodes > 1 ? " x --nnodes " + std::to_string(launch.nnodes) : "") << ": " << e.what()
@@ -90,8 +95,14 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   }
   // Several ranks: messages say whose; rank 0 alone reports progress.
   const std::string who = env.launched && env.world > 1 ? name + " rank " + std::to_string(env.rank) : name;
+  if (cfg.train.rollout_ranks > 0 && merge.empty() && !(env.launched && env.world > 1)) {
+    std::cerr << name << ": train.rollout_ranks = " << cfg.train.rollout_ranks
+              << " needs several ranks: launch with --nproc or torchrun\n";
+    return 2;
+  }
   try {
     std::shared_ptr<Collectives> dist;
+    std::shared_ptr<Placement> placement;
     if (env.launched) {
       // One GPU per rank: model.device cuda means cuda:LOCAL_RANK.
       if (cfg.model.device.rfind("cuda", 0) == 0) {
@@ -104,10 +115,16 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       }
       dist = connect(env, at::Device(cfg.model.device),
                      std::chrono::milliseconds(static_cast<int64_t>(1000 * cfg.train.dist_timeout_s)));
+      placement = place(cfg, dist);  // train.rollout_ranks: the two sides and their groups
       if (env.rank == 0) {
+        const int64_t k = cfg.train.rollout_ranks;
         std::cerr << name << ": rank 0 of " << env.world << " ("
-                  << (at::Device(cfg.model.device).is_cuda() ? "NCCL" : "store collectives, CPU")
-                  << "); every rank samples train.prompts_per_step / " << env.world << " prompts a step\n";
+                  << (at::Device(cfg.model.device).is_cuda() ? "NCCL" : "store collectives, CPU") << "); "
+                  << (k > 0 ? "ranks " + std::to_string(env.world - k) + ".." + std::to_string(env.world - 1) +
+                                  " sample train.prompts_per_step / " + std::to_string(k) +
+                                  " prompts a step, ranks 0.." + std::to_string(env.world - k - 1) + " train on them\n"
+                            : "every rank samples train.prompts_per_step / " + std::to_string(env.world) +
+                                  " prompts a step\n");
       }
     }
     if (!merge.empty()) {
@@ -116,11 +133,11 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       std::cerr << name << ": wrote " << merge << ", the policy of " << out << " at step " << run.step << "\n";
       return 0;
     }
-    Run run = make_run(cfg, out, resume, extra, dist);
+    Run run = make_run(cfg, out, resume, extra, placement ? placement->side : dist, placement);
     run.stop_after = stop_after;
     if (resume && run.lead()) std::cerr << name << ": resuming " << out << " at step " << run.step << "\n";
     train(run);
-    run.dist->close();  // rank 0 keeps the store until every rank is done with it
+    (run.placement ? run.placement->all : run.dist)->close();  // rank 0 keeps the store until every rank is done
     if (run.lead()) {
       std::cerr << name << ": done; metrics in " << out << "/metrics.jsonl, plot in " << out << "/plot.svg\n";
     }

@@ -276,7 +276,7 @@ RolloutBatch AsyncRollouts::next() {
   return batch;
 }
 
-std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) const {
+Staleness batch_staleness(const Run& run, Collectives& dist, const RolloutBatch& batch) {
   double stale = 0, most = 0, tokens = 0, spanning = 0;
   for (const Trajectory& t : batch.trajs) {
     int64_t lo = t.weights_version, hi = t.weights_version;
@@ -284,31 +284,33 @@ std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) 
       lo = std::min(lo, t.versions[k]);
       hi = std::max(hi, t.versions[k]);
       if (!t.loss_mask[k]) continue;
-      const double s = static_cast<double>(run_.step - t.versions[k]);
+      const double s = static_cast<double>(run.step - t.versions[k]);
       stale += s;
       most = std::max(most, s);
       tokens += 1;
     }
     spanning += hi > lo;
   }
-  if (run_.dist->world() > 1) {  // every rank's batch: each samples its own share (and carries its own groups)
+  if (dist.world() > 1) {  // every rank's batch: each samples its own share (and carries its own groups)
     at::Tensor sums = at::tensor({stale, tokens, spanning}, at::kDouble);
     at::Tensor highest = at::tensor({most}, at::kDouble);
-    run_.dist->all_reduce({sums}, ReduceOp::kSum);
-    run_.dist->all_reduce({highest}, ReduceOp::kMax);
+    dist.all_reduce({sums}, ReduceOp::kSum);
+    dist.all_reduce({highest}, ReduceOp::kMax);
     stale = sums[0].item<double>(), tokens = sums[1].item<double>(), spanning = sums[2].item<double>();
     most = highest[0].item<double>();
   }
-  std::map<std::string, double> m = {{"staleness_mean", tokens > 0 ? stale / tokens : 0.0},
-                                     {"staleness_max", most},
-                                     {"overlap_s", overlap_s_},
-                                     {"time_rollout_wall_s", rollout_wall_s_},
-                                     {"wait_rollout_s", wait_rollout_s_},
-                                     {"wait_update_s", wait_update_s_}};
+  return {tokens > 0 ? stale / tokens : 0.0, most, spanning};
+}
+
+std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) const {
+  const Staleness st = batch_staleness(run_, *run_.dist, batch);
+  std::map<std::string, double> m = {{"staleness_mean", st.mean},         {"staleness_max", st.max},
+                                     {"overlap_s", overlap_s_},           {"time_rollout_wall_s", rollout_wall_s_},
+                                     {"wait_rollout_s", wait_rollout_s_}, {"wait_update_s", wait_update_s_}};
   if (partial_) {
     m["partial_resumed"] = static_cast<double>(batch.stats.resumed);
     m["partial_cut"] = static_cast<double>(batch.stats.cut);
-    m["partial_spanning"] = spanning;
+    m["partial_spanning"] = st.spanning;
   }
   return m;
 }

@@ -40,7 +40,15 @@ namespace rlt {
 // update changes them (kLiveWeights), or the copy is published once and never again (kNoPublish).
 enum class AsyncFault { kNone, kLiveWeights, kNoPublish };
 
-class AsyncRollouts {
+// How stale a batch's sampled tokens are for the update about to train on it (run.step before the step): per
+// sampled token, run.step less its version, averaged (mean) and at most (max), over every rank's batch of
+// `dist`; and the batch's trajectories sampled by more than one version (spanning). Every rank calls it.
+struct Staleness {
+  double mean = 0, max = 0, spanning = 0;
+};
+Staleness batch_staleness(const Run& run, Collectives& dist, const RolloutBatch& batch);
+
+class AsyncRollouts : public PendingRollouts {
  public:
   // collect samples one step's batch (collect_rollouts, or dynamic sampling's rounds of it). threaded =
   // false runs the same schedule on the calling thread (each rollout right after its publish): the
@@ -69,11 +77,11 @@ class AsyncRollouts {
 
   // A checkpoint's part: waits for the pending rollout; writes the published copy into dir and what a
   // resume needs into state["async"].
-  void save(const std::string& dir, nlohmann::json& state);
+  void save(const std::string& dir, nlohmann::json& state) override;
   // rollout.partial, on every rank that writes the checkpoint (save_checkpoint): the groups the pending
   // rollout began with (none pending: the next one's), into dir/partial_rank<R>.json.
-  void save_carry(const std::string& dir) const;
-  bool partial() const { return partial_; }
+  void save_carry(const std::string& dir) const override;
+  bool partial() const override { return partial_; }
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -222,6 +222,7 @@ void load_checkpoint(Run& run) {
       run.policy->set_lora_rng_state(v);
     }
   }
+  if (run.rollout_rank) return;  // train.rollout_ranks: it keeps no optimizer
   try {
     if (!run.extra.empty()) {
       torch::serialize::InputArchive a;

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +77,11 @@ class SingleProcess : public Collectives {
   void broadcast(const std::vector<at::Tensor>&, int) override {}
   void barrier() override {}
   std::shared_ptr<Collectives> fork(const std::string&) override { return std::make_shared<SingleProcess>(); }
+
+ protected:
+  std::shared_ptr<Collectives> make_group(const std::string&, int, int) override {
+    return std::make_shared<SingleProcess>();
+  }
 };
 
 // Every call posts one value per rank under "rlt/c/<call>/<rank>" and waits for all of them, so having
@@ -136,6 +142,12 @@ class StoreCollectives : public Collectives {
   void mark(const std::string& where) override { store_mark(*store_, rank(), where); }
 
   void close() override { store_farewell(*store_, rank(), world(), timeout_); }
+
+ protected:
+  std::shared_ptr<Collectives> make_group(const std::string& name, int rank, int world) override {
+    return std::make_shared<StoreCollectives>(c10::make_intrusive<c10d::PrefixStore>("rlt/group/" + name, store_), rank,
+                                              world, timeout_);
+  }
 
  private:
   std::string key(int64_t call, int r) const { return "rlt/c/" + std::to_string(call) + "/" + std::to_string(r); }
@@ -258,6 +270,20 @@ DistEnv dist_env() {
 
 std::shared_ptr<Collectives> Collectives::fork(const std::string& name) {
   throw DistError("these collectives cannot fork a second set (" + name + ")");
+}
+
+std::shared_ptr<Collectives> Collectives::group(const std::string& name, const std::vector<int>& members) {
+  TORCH_CHECK(!members.empty() && std::is_sorted(members.begin(), members.end()) &&
+                  std::adjacent_find(members.begin(), members.end()) == members.end() && members.front() >= 0 &&
+                  members.back() < world_,
+              "Collectives::group ", name, ": members must be distinct ranks of 0..", world_ - 1, ", ascending");
+  const auto at = std::find(members.begin(), members.end(), rank_);
+  if (at == members.end()) return nullptr;
+  return make_group(name, static_cast<int>(at - members.begin()), static_cast<int>(members.size()));
+}
+
+std::shared_ptr<Collectives> Collectives::make_group(const std::string& name, int, int) {
+  throw DistError("these collectives cannot make a group of ranks (" + name + ")");
 }
 
 std::unique_ptr<Pending> Collectives::all_reduce_start(const std::vector<at::Tensor>& tensors) {

@@ -96,11 +96,19 @@ class Collectives {
   // run at once from two threads (train.async's rollout thread has its own). Every rank forks in the same
   // order with the same name.
   virtual std::shared_ptr<Collectives> fork(const std::string& name);
+  // The collectives among `members` (ranks of this set, ascending), ranked by their place in it; nullptr on
+  // a rank that is not a member. Every rank calls it in the same order with the same name and members; the
+  // group's collectives involve its members alone.
+  std::shared_ptr<Collectives> group(const std::string& name, const std::vector<int>& members);
   // Where this rank is ("step 3: update"): read when a collective times out, to name the late rank.
   virtual void mark(const std::string& where) {}
   // The end of a clean run, on every rank: rank 0 (which may serve the store) waits until every rank has
   // said goodbye, so none loses the store while it still reads it.
   virtual void close() {}
+
+ protected:
+  // group()'s backend part, on a member: a set of `world` ranks in which this one is `rank`.
+  virtual std::shared_ptr<Collectives> make_group(const std::string& name, int rank, int world);
 
  private:
   int rank_, world_;

@@ -121,6 +121,14 @@ class NcclCollectives : public Collectives {
 
   void close() override { store_farewell(*store_, rank(), world(), timeout_); }
 
+ protected:
+  // A communicator of the members alone, rendezvous under the group's prefix.
+  std::shared_ptr<Collectives> make_group(const std::string& name, int rank, int world) override {
+    return std::make_shared<NcclCollectives>(c10::make_intrusive<c10d::PrefixStore>("rlt/group/" + name, store_), rank,
+                                             world, device_, timeout_);
+  }
+
+ public:
   // Waits for a collective; past train.dist_timeout_s, names the ranks whose last mark differs from ours.
   void wait(const c10::intrusive_ptr<c10d::Work>& work) const {
     try {

@@ -3,167 +3,15 @@
 #include "trainer/dynamic_sampling.h"
 
 #include <algorithm>
-#include <cstring>
 #include <iostream>
 #include <numeric>
-#include <type_traits>
 
 #include "trainer/optim.h"
+#include "trainer/transfer.h"
 
 namespace rlt {
 
 namespace {
-
-// ---- A group's example and trajectories as bytes, for the rank that trains its slot ----
-
-class Writer {
- public:
-  template <class T>
-  void put(T v) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    bytes.insert(bytes.end(), p, p + sizeof(T));
-  }
-  template <class T>
-  void put_vec(const std::vector<T>& v) {
-    put<int64_t>(static_cast<int64_t>(v.size()));
-    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-    bytes.insert(bytes.end(), p, p + v.size() * sizeof(T));
-  }
-  void put_str(const std::string& s) { put_vec(std::vector<char>(s.begin(), s.end())); }
-  std::vector<uint8_t> bytes;
-};
-
-class Reader {
- public:
-  Reader(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
-  bool done() const { return p_ == end_; }
-  template <class T>
-  T get() {
-    T v;
-    take(&v, sizeof(T));
-    return v;
-  }
-  template <class T>
-  std::vector<T> get_vec() {
-    const auto n = get<int64_t>();
-    TORCH_CHECK(n >= 0, "dynamic sampling: a corrupt group record");
-    std::vector<T> v(static_cast<size_t>(n));
-    take(v.data(), v.size() * sizeof(T));
-    return v;
-  }
-  std::string get_str() {
-    const std::vector<char> c = get_vec<char>();
-    return std::string(c.begin(), c.end());
-  }
-
- private:
-  void take(void* out, size_t n) {
-    TORCH_CHECK(static_cast<size_t>(end_ - p_) >= n, "dynamic sampling: a group record runs past its buffer");
-    if (n) std::memcpy(out, p_, n);
-    p_ += n;
-  }
-  const uint8_t* p_;
-  const uint8_t* end_;
-};
-
-// Every field of the example and of each trajectory (rollout/retool.h's Trajectory).
-void write_group(Writer& w, int64_t slot, const PromptExample& ex, const Trajectory* trajs, int64_t G) {
-  w.put<int64_t>(slot);
-  w.put_str(ex.prompt);
-  w.put_str(ex.answer);
-  w.put_str(ex.source);
-  w.put<int64_t>(static_cast<int64_t>(ex.messages.size()));
-  for (const ChatMessage& m : ex.messages) {
-    w.put_str(m.role);
-    w.put_str(m.content);
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const Trajectory& t = trajs[g];
-    w.put<int64_t>(t.prompt_index);
-    w.put<int64_t>(t.sample_index);
-    w.put_vec(t.prompt_ids);
-    w.put_vec(t.response_ids);
-    w.put_vec(t.loss_mask);
-    w.put_vec(t.logprobs);
-    w.put<int64_t>(static_cast<int64_t>(t.finish));
-    w.put<uint8_t>(t.truncated);
-    w.put<int64_t>(t.turns);
-    w.put<int64_t>(t.tool_calls);
-    w.put<int64_t>(t.feedback_turns);
-    w.put<int64_t>(t.tool_timeouts);
-    w.put_str(t.response_text);
-    w.put<double>(t.reward);
-    w.put<uint8_t>(t.correct);
-    w.put<double>(t.overlong_penalty);
-    w.put<int64_t>(t.weights_version);
-    w.put_vec(t.versions);
-  }
-}
-
-struct GroupData {
-  PromptExample example;
-  std::vector<Trajectory> trajs;  // (G)
-};
-
-GroupData read_group(Reader& r, int64_t G, int64_t& slot) {
-  GroupData d;
-  slot = r.get<int64_t>();
-  d.example.prompt = r.get_str();
-  d.example.answer = r.get_str();
-  d.example.source = r.get_str();
-  const auto n_messages = r.get<int64_t>();
-  for (int64_t i = 0; i < n_messages; ++i) {
-    ChatMessage m;
-    m.role = r.get_str();
-    m.content = r.get_str();
-    d.example.messages.push_back(std::move(m));
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    Trajectory t;
-    t.prompt_index = r.get<int64_t>();
-    t.sample_index = r.get<int64_t>();
-    t.prompt_ids = r.get_vec<int64_t>();
-    t.response_ids = r.get_vec<int64_t>();
-    t.loss_mask = r.get_vec<uint8_t>();
-    t.logprobs = r.get_vec<float>();
-    t.finish = static_cast<FinishReason>(r.get<int64_t>());
-    t.truncated = r.get<uint8_t>() != 0;
-    t.turns = r.get<int64_t>();
-    t.tool_calls = r.get<int64_t>();
-    t.feedback_turns = r.get<int64_t>();
-    t.tool_timeouts = r.get<int64_t>();
-    t.response_text = r.get_str();
-    t.reward = r.get<double>();
-    t.correct = r.get<uint8_t>() != 0;
-    t.overlong_penalty = r.get<double>();
-    t.weights_version = r.get<int64_t>();
-    t.versions = r.get_vec<int64_t>();
-    d.trajs.push_back(std::move(t));
-  }
-  return d;
-}
-
-// Every rank's `mine` bytes, concatenated in rank order, on every rank: the sizes, then the bytes, each
-// all_reduce a sum in which every other rank adds zeros. Every rank makes the same calls.
-std::vector<uint8_t> exchange_bytes(Collectives& dist, const std::vector<uint8_t>& mine) {
-  const int world = dist.world(), rank = dist.rank();
-  at::Tensor sizes = at::zeros({world}, at::kDouble);
-  sizes[rank] = static_cast<double>(mine.size());
-  dist.all_reduce({sizes}, ReduceOp::kSum);
-  const auto s = sizes.accessor<double, 1>();
-  int64_t total = 0, offset = 0;
-  for (int r = 0; r < world; ++r) {
-    if (r < rank) offset += static_cast<int64_t>(s[r]);
-    total += static_cast<int64_t>(s[r]);
-  }
-  if (total == 0) return {};
-  at::Tensor buf = at::zeros({total}, at::kByte);
-  if (!mine.empty()) std::memcpy(buf.data_ptr<uint8_t>() + offset, mine.data(), mine.size());
-  dist.all_reduce({buf}, ReduceOp::kSum);
-  const uint8_t* b = buf.data_ptr<uint8_t>();
-  return std::vector<uint8_t>(b, b + total);
-}
 
 void add_stats(RolloutStats& into, const RolloutStats& s) {
   into.decode_steps += s.decode_steps;
@@ -288,9 +136,9 @@ RolloutBatch DynamicSampling::collect(const std::function<RolloutBatch()>& next_
   }
 
   // Groups that train on another rank than the one that sampled them: sent.
-  std::map<int64_t, GroupData> received;  // slot -> the group
+  std::map<int64_t, GroupRecord> received;  // slot -> the group
   if (world > 1) {
-    Writer w;
+    ByteWriter w;
     for (int64_t q = 0; q < P; ++q) {
       const Group& gr = slot[q];
       if (owner[gr.p] != rank || owner[q] == rank) continue;
@@ -299,10 +147,10 @@ RolloutBatch DynamicSampling::collect(const std::function<RolloutBatch()>& next_
       write_group(w, q, rounds[gr.round].examples[i], &rounds[gr.round].trajs[i * G], G);
     }
     const std::vector<uint8_t> all = exchange_bytes(dist, w.bytes);
-    Reader rd(all.data(), all.size());
+    ByteReader rd(all.data(), all.size());
     while (!rd.done()) {
-      int64_t q = -1;
-      GroupData d = read_group(rd, G, q);
+      GroupRecord d = read_group(rd, G);
+      const int64_t q = d.slot;
       TORCH_CHECK(q >= 0 && q < P, "dynamic sampling: a group record for slot ", q);
       if (owner[q] == rank) received[q] = std::move(d);
     }

@@ -96,6 +96,11 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   const Config& cfg = run.config;
   const TrainOptions& T = cfg.train;
   const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
+  // train.rollout_ranks: a rollout rank samples every step's batch for the training ranks, and nothing else.
+  if (run.rollout_rank) {
+    serve_rollouts(run, hooks.placement_fault);
+    return {};
+  }
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
   const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
   // Several ranks: gradients summed over them as the backward produces them (trajectories are not).
@@ -107,7 +112,12 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     Run& run;
     ~Detach() { run.async = nullptr; }
   } detach{run};
-  if (T.async == AsyncMode::kOneStep) {
+  // train.rollout_ranks: the batches come from the rollout ranks, the weights go to them (trainer/placement.h).
+  std::unique_ptr<RemoteRollouts> remote;
+  if (run.placement) {
+    remote = std::make_unique<RemoteRollouts>(run, hooks.placement_fault);
+    run.async = remote.get();
+  } else if (T.async == AsyncMode::kOneStep) {
     async = std::make_unique<AsyncRollouts>(
         run, [&sampling](Run& r) { return sampling.collect(r); }, hooks.async_threaded, hooks.async_fault);
     run.async = async.get();
@@ -121,7 +131,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
-    RolloutBatch rb = async ? async->next() : sampling.collect(run);
+    RolloutBatch rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
     if (T.mask_truncated) mask_truncated(rb.trajs);   // before packing and the denominators
     const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
 
@@ -146,7 +156,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // or a scoring forward (recompute, or since the mismatch exceeded train.old_logprobs_tol).
     peaks.end("rollout");
     const auto t_score = Clock::now();
-    const bool on_policy = !async && T.num_iterations == 1 && mini == S;  // async: sampled a step behind
+    const bool stale = T.async == AsyncMode::kOneStep;  // sampled a step behind
+    const bool on_policy = !stale && T.num_iterations == 1 && mini == S;
     const bool use_rollout = !on_policy && run.old_logprobs == OldLogprobs::kRollout;
     const bool score_old = !on_policy && !use_rollout;
     std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
@@ -191,7 +202,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
           // mini-batch (on-policy, the only one). With the rollout's old log-probs, later mini-batches are
           // scored on moved weights and are left out: the figure then covers the first mini-batch only.
           // Async, no pass runs on the rollout's weights (they are a step behind): no mismatch is measured.
-          if (!async && it == 0 && (score_old || mb_begin == 0)) {
+          if (!stale && it == 0 && (score_old || mb_begin == 0)) {
             mismatch.add(score_old ? logprobs_old[k] : r.logprobs, b.logprobs_rollout, b.loss_mask);
           }
           PolicyLossOutput out = policy_loss(in, cfg.policy);
@@ -211,6 +222,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     std::map<std::string, double> extra = mismatch.read(run.dist.get());
     extra.merge(sampling.metrics());
     if (async) extra.merge(async->metrics(rb));
+    if (remote) extra.merge(remote->metrics(rb));
     {  // groups trained on whose rewards are all equal: zero advantage under a group baseline
       const std::vector<bool> varied = varied_groups(rb.table, G);
       extra["groups_equal_reward"] = static_cast<double>(std::count(varied.begin(), varied.end(), false));

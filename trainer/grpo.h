@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "trainer/async_rollout.h"
+#include "trainer/placement.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -39,6 +40,7 @@ double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sam
 struct GrpoHooks {
   bool async_threaded = true;
   AsyncFault async_fault = AsyncFault::kNone;
+  PlacementFault placement_fault = PlacementFault::kNone;
 };
 std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks = {});
 

@@ -331,21 +331,42 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   p.rollout_weights = packed + (lora ? s * sh.targeted : 0) + gathered;
   // train.async: the rollout's own copy of the weights (with LoRA the merged copy above; under shard
   // parameters it takes the place of the gathered weights), held through the update.
-  p.phases_overlap = c.train.async != AsyncMode::kOff;
+  // With train.rollout_ranks the training ranks decode the evaluation alone, in turn with the update.
+  const bool samples = c.train.rollout_ranks == 0;
+  p.phases_overlap = samples && c.train.async != AsyncMode::kOff;
   if (p.phases_overlap && !lora) p.rollout_weights += s * sh.P - gathered;
   // KvCache::allocate: k and v per layer (rows, Hkv, slots, hd) in the model dtype, int64 positions, and
   // ModelPolicy's bool slot mask. The training rollout's rows (one rank's share), or an evaluation's
   // (train.eval_prompts x eval_samples over the ranks), whichever is more.
   const int64_t G = c.sampling.samples_per_prompt;
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
-  const int64_t train_rows = cache_rows(c.rollout, rollout_sequences(c, N), G);
+  const int64_t train_rows = samples ? cache_rows(c.rollout, rollout_sequences(c, N), G) : 0;
   const int64_t k = c.train.eval_samples;
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
-  if (c.rollout.keep_cache) p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
+  if (c.rollout.keep_cache && samples) p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
+  return p;
+}
+
+MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_ranks) {
+  MemoryPlan p;
+  const Shape sh = shape_of(c, m);
+  const int64_t s = c.model.dtype == DType::kBFloat16 ? 2 : 4;
+  const bool cuda = c.model.device.rfind("cuda", 0) == 0;
+  p.parameters = sh.P;
+  p.world = rollout_ranks;
+  // The model as loaded (with LoRA its adapters too, in fp32, and the merged projections it decodes), the
+  // packed weights of the fused kernels, and the cache of its share of the step's rows.
+  p.weights = s * sh.P + (c.lora.enabled() ? 4 * sh.adapters : 0);
+  const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
+  p.rollout_weights = packed + (c.lora.enabled() ? s * sh.targeted : 0);
+  const int64_t G = c.sampling.samples_per_prompt;
+  const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
+  const int64_t rows = cache_rows(c.rollout, c.train.prompts_per_step * G / std::max(1, rollout_ranks), G);
+  p.kv_cache = rows * c.rollout.max_context * slot;
   return p;
 }
 
@@ -409,7 +430,6 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
     if (need <= device_bytes) fits.push_back(ch.what + " (" + gib(need) + " GiB)");
   }
   // Fewer rows: the rollout's cache rows, the update's micro-batch.
-  const int64_t G = c.sampling.samples_per_prompt;
   const int64_t rows = c.rollout.max_batch > 0 ? c.rollout.max_batch : rollout_sequences(c, std::max(1, world));
   const int64_t mb =
       most_rows_that_fit(c, m, world, device_bytes, rows, [](Config& x, int64_t n) { x.rollout.max_batch = n; });

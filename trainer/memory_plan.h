@@ -67,6 +67,9 @@ int64_t parameter_count(const ModelConfig& m);
 // The plan of a run of config `c` over model `m` on each of `world` ranks. `c.model.dtype` is the dtype
 // the run computes in (m.dtype, the checkpoint's, is not read).
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world);
+// A rollout rank's plan (train.rollout_ranks, `rollout_ranks` of them): the weights it decodes and the cache
+// of its share of the step's rows; no gradient, optimizer state or activation.
+MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_ranks);
 
 // Throws RunError (trainer/run.h) when plan.device_total() > device_bytes, with the plan's figures and the
 // changes that would fit, each re-planned: the train.shard stage (at this world), train.offload

@@ -182,6 +182,10 @@ struct TrainOptions {
   // Rollout and update overlapped (AsyncMode). one_step's update takes the rollout's log-probs as the old
   // ones (or scores them, train.old_logprobs: recompute), and policy.tis / icepop apply as configured.
   AsyncMode async = AsyncMode::kOff;
+  // Disaggregated placement (trainer/placement.h): of a run's N ranks, the last rollout_ranks only decode and
+  // the others only train; the weights go to the rollout ranks by broadcast after each update. 0: every
+  // rank does both.
+  int64_t rollout_ranks = 0;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
   // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
@@ -238,6 +242,10 @@ struct TrainOptions {
     v("async", async,
       "off | one_step: step t+1's rollout runs from the weights after step t-1 while step t's update runs "
       "(grpo_train)");
+    v("rollout_ranks", rollout_ranks,
+      "several ranks: the last N only sample (and score) trajectories, the others only train; weights are "
+      "broadcast to them after each update; 0 = every rank does both (grpo_train)",
+      FieldRange{0, 1023});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

@@ -116,6 +116,9 @@ std::map<std::string, double> train_ppo(Run& run) {
   if (T.async != AsyncMode::kOff) {
     throw RunError("train.async: ppo_train runs its rollout and update in turn; one_step is grpo_train's");
   }
+  if (T.rollout_ranks > 0) {
+    throw RunError("train.rollout_ranks: ppo_train samples on its training ranks; the placement is grpo_train's");
+  }
   const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;

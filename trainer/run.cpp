@@ -27,6 +27,7 @@
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/placement.h"
 #include "trainer/rewards.h"
 #include "trainer/shard.h"
 #include "trainer/warmup.h"
@@ -65,11 +66,18 @@ std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Devic
 // cannot fit the smallest device of its ranks is refused (RunError) with the numbers and what would fit.
 void check_memory(const Run& run, const ModelConfig& mc) {
   const int world = run.dist->world();
-  const MemoryPlan plan = plan_memory(run.config, mc, world);
-  if (run.lead()) std::cerr << plan.table() << std::flush;
+  const MemoryPlan plan =
+      run.rollout_rank ? plan_rollout_rank(run.config, mc, world) : plan_memory(run.config, mc, world);
+  if (run.lead() || (run.rollout_rank && run.dist->lead())) std::cerr << plan.table() << std::flush;
   at::Tensor low = at::tensor({-double(device_memory_bytes(run.device))}, at::kDouble);
   run.dist->all_reduce({low}, ReduceOp::kMax);  // the smallest device: every rank refuses alike
-  check_memory_plan(plan, run.config, mc, world, int64_t(-low.item<double>()));
+  const int64_t device_bytes = int64_t(-low.item<double>());
+  if (run.rollout_rank && device_bytes > 0 && plan.device_total() > device_bytes) {
+    throw RunError("a rollout rank's memory plan needs " + std::to_string(plan.device_total() >> 20) +
+                   " MiB and its device has " + std::to_string(device_bytes >> 20) + " MiB:\n" + plan.table() +
+                   "fewer rows fit: lower rollout.max_batch, or add rollout ranks (train.rollout_ranks)");
+  }
+  if (!run.rollout_rank) check_memory_plan(plan, run.config, mc, world, device_bytes);
 }
 
 // The rollout's model-side settings.
@@ -120,10 +128,17 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
 }  // namespace
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra,
-             std::shared_ptr<Collectives> dist) {
+             std::shared_ptr<Collectives> dist, std::shared_ptr<Placement> placement) {
   Run run;
   if (dist) run.dist = std::move(dist);
-  check_world(config, run.dist->world());
+  if (placement) {
+    TORCH_CHECK(placement->side == run.dist, "make_run: with a placement, dist is its side");
+    check_placement(config, placement->all->world());
+    run.rollout_rank = placement->rollout;
+    run.placement = std::move(placement);
+  } else {
+    check_world(config, run.dist->world());
+  }
   run.config = config;
   // One temperature: the trainer scores the distribution it samples from (greedy decoding scores at 1,
   // as the sampler reports its log-probs).
@@ -161,7 +176,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
       o.user_symbols = run.tools.symbols();
       Tokenizer::train(tokenizer_corpus(config, run.tools), path, o);
     }
-    run.dist->barrier();
+    (run.placement ? *run.placement->all : *run.dist).barrier();  // rank 0 of the job trains it
     run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
   }
   // Model: the checkpoint's when resuming, else the configured checkpoint, else a new one. With LoRA the
@@ -240,6 +255,10 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   }
   run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.extra = extra.make(*run.policy, config);
+  if (run.rollout_rank) {  // it samples from the weights the training ranks send: nothing to optimise
+    if (resume) load_checkpoint(run);
+    return run;
+  }
   make_optimizer(run, extra);
   if (run.lead() && run.sharded) {
     const TrainOptions& t = config.train;
@@ -428,7 +447,8 @@ RolloutBatch collect_rollouts(Run& run) {
   const std::vector<PromptExample> drawn = run.prompts->next(P + top_up);
   std::vector<int64_t> mine(P);
   std::iota(mine.begin(), mine.end(), 0);
-  if (world > 1) mine = rank_prompts(P, step_shape(cfg).mini / G, world, dist.rank());
+  // A rollout rank (train.rollout_ranks) takes a contiguous 1/world of the step; the training ranks re-split.
+  if (world > 1) mine = rank_prompts(P, run.rollout_rank ? P : step_shape(cfg).mini / G, world, dist.rank());
   std::vector<int64_t> streams;
   std::vector<PromptExample> examples;  // the new prompts this rank samples
   for (int64_t p : mine) {
@@ -450,7 +470,7 @@ RolloutBatch collect_rollouts(Run& run) {
   SamplingOptions sampling = cfg.sampling;
   sampling.seed = cfg.train.seed * 1000003 + step;
   RolloutOptions ro = cfg.rollout;
-  if (!run.lead()) ro.progress_s = 0;  // one live line: rank 0's
+  if (!(run.rollout_rank ? dist.lead() : run.lead())) ro.progress_s = 0;  // one live line: the first sampler's
   {
     at::NoGradGuard no_grad;
     // train.shard parameters: decoded from whole weights (a source's copy is whole already).

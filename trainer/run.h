@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -31,8 +33,20 @@ namespace rlt {
 
 class MetricsLog;
 class ShardedState;
-class AsyncRollouts;
 struct ScriptRewards;
+struct Placement;
+
+// A rollout that is not the step's own (train.async's, beside the update; train.rollout_ranks', on other
+// ranks): what a checkpoint keeps of it so that a resumed run samples it again.
+class PendingRollouts {
+ public:
+  virtual ~PendingRollouts() = default;
+  // On rank 0: writes into dir what a resume needs, and state["async"].
+  virtual void save(const std::string& dir, nlohmann::json& state) = 0;
+  // rollout.partial, on every rank that writes the checkpoint: the rank's carried groups.
+  virtual void save_carry(const std::string& dir) const {}
+  virtual bool partial() const { return false; }
+};
 
 // Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
 // print it and exit with code 2.
@@ -45,19 +59,24 @@ struct Run {
   // True while the loop should go on: steps remain and --stop-after is not reached.
   bool more_steps() const { return step < config.train.steps && !(stop_after > 0 && step >= stop_after); }
   // True when the step just done must be checkpointed: the last, a --stop-after, or every checkpoint_every.
-  bool checkpoint_due() const {
+  bool checkpoint_due() const { return checkpoint_due_at(step); }
+  bool checkpoint_due_at(int64_t s) const {
     const int64_t every = config.train.checkpoint_every;
-    return step == config.train.steps || step == stop_after || (every > 0 && step % every == 0);
+    return s == config.train.steps || s == stop_after || (every > 0 && s % every == 0);
   }
 
   // Rank 0 writes the run folder (checkpoints, metrics.jsonl, samples.jsonl, the plot) and the console.
-  bool lead() const { return dist->lead(); }
+  bool lead() const { return dist->lead() && !rollout_rank; }
 
   Config config;
   std::string out_dir;
   at::Device device = at::kCPU;
-  // The ranks of a data-parallel run (trainer/dist.h); one process: collectives that do nothing.
+  // The ranks of a data-parallel run (trainer/dist.h); one process: collectives that do nothing. With
+  // train.rollout_ranks, this rank's side of the placement: the training ranks, or the rollout ranks.
   std::shared_ptr<Collectives> dist = single_process();
+  // train.rollout_ranks (trainer/placement.h): the job's ranks, the broadcast group, and this rank's role.
+  std::shared_ptr<Placement> placement;
+  bool rollout_rank = false;  // this rank only samples: it has no optimizer and writes no run files
   std::unique_ptr<Tokenizer> tokenizer;
   ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
   // The run's interpreter pool (made on first use: tool_runner) and its metrics.jsonl / console / plot
@@ -101,8 +120,8 @@ struct Run {
   int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
   int64_t stop_after = 0;       // > 0: checkpoint and return once `step` reaches it (--stop-after)
   std::string resumed_from;     // the checkpoint folder a resumed run loaded (load_checkpoint)
-  // train.async: the rollout running beside the update, whose pending state a checkpoint keeps.
-  AsyncRollouts* async = nullptr;
+  // train.async, train.rollout_ranks: the rollout running beside the update, whose state a checkpoint keeps.
+  PendingRollouts* async = nullptr;
   // The old log-probs in force: train.old_logprobs, switched to recompute for good once a step's
   // logprob_mismatch_mean exceeds train.old_logprobs_tol (check_old_logprobs, trainer/metrics.h).
   // Checkpointed, so a resumed run keeps the switch.
@@ -122,8 +141,9 @@ struct ExtraParams {
 // checkpoint. Throws RunError / ConfigError / DataError / ModelConfigError for bad input. With `dist` (several
 // ranks) the step's shapes must split over the ranks (check_world), rank 0 alone trains a tokenizer, and
 // every rank builds the same run.
+// With `placement` (train.rollout_ranks), `dist` is this rank's side (Placement::side).
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra = {},
-             std::shared_ptr<Collectives> dist = nullptr);
+             std::shared_ptr<Collectives> dist = nullptr, std::shared_ptr<Placement> placement = nullptr);
 
 // A step's trajectories (train.prompts_per_step x samples_per_prompt) and its mini-batches must split
 // evenly over `world` ranks, whole prompts each: RunError naming the keys otherwise.

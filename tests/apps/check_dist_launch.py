@@ -3,12 +3,14 @@
 1. --nproc 2 trains: rank 0 alone writes metrics.jsonl (one row per step, world_size 2), and every step
    samples what one process samples (the same rewards and token counts: prompts keep their noise streams);
    torchrun --nproc-per-node 2 (whose agent serves the rendezvous store) trains the same run; a 2-rank run
-   stopped (--stop-after) and resumed on 2 ranks repeats the uninterrupted one; ppo_train --nproc 2 trains.
+   stopped (--stop-after) and resumed on 2 ranks repeats the uninterrupted one; ppo_train --nproc 2 trains;
+   with train.rollout_ranks 1 (rank 1 samples, rank 0 trains), in turn and one_step, the steps are one
+   process's, and a one_step run stopped and resumed repeats the uninterrupted one.
 2. A rank killed mid-run ends the job at once with a message naming it; the checkpoint folder holds the
    last complete checkpoint, and --resume continues it on one process, as the uninterrupted run went on.
 3. A rank that hangs (SIGSTOP) ends the job within train.dist_timeout_s, the message naming the late rank.
 4. Bad launches exit with code 2 and say why: a partial set of torchrun variables, a step that does not
-   split over the ranks.
+   split over the ranks, rollout ranks in one process or with no training rank left.
 
 usage: check_dist_launch.py GRPO_TRAIN SOURCE_DIR [PPO_TRAIN]
 """
@@ -135,6 +137,42 @@ with tempfile.TemporaryDirectory() as tmp:
         check(p2.returncode == 0 and len(rows(os.path.join(tmp, "ppo2"))) == 4,
               f"ppo_train --nproc 2: exit {p2.returncode}\n{p2.stderr[-2000:]}")
 
+    # train.rollout_ranks 1 of --nproc 2, in turn and one_step: rank 1 samples, rank 0 trains, and the steps
+    # are one process's (the same samples and losses); one_step stopped and resumed goes on alike.
+    for mode in ("off", "one_step"):
+        mode_set = ["--set", f"train.async={mode}"]
+        ref = os.path.join(tmp, f"ref_{mode}")
+        placed = os.path.join(tmp, f"placed_{mode}")
+        r = subprocess.run([grpo] + base + mode_set + ["--out", ref], capture_output=True, text=True, timeout=600)
+        p = subprocess.run([grpo] + base + mode_set + ["--set", "train.rollout_ranks=1", "--out", placed,
+                                                       "--nproc", "2"], capture_output=True, text=True, timeout=600)
+        check(r.returncode == 0 and p.returncode == 0, f"rollout_ranks, async {mode}: exit {r.returncode}, "
+                                                        f"{p.returncode}\n{(r.stderr + p.stderr)[-2000:]}")
+        if r.returncode != 0 or p.returncode != 0:
+            continue
+        check("ranks 1..1 sample" in p.stderr, f"the placement is not announced:\n{p.stderr[-800:]}")
+        check(len(rows(placed)) == 4, f"rollout_ranks, async {mode}: {len(rows(placed))} rows")
+        for x, y in zip(rows(ref), rows(placed)):
+            keys = ("reward_mean", "sampled_tokens", "loss", "grad_norm") + (("staleness_mean",) if mode == "one_step"
+                                                                            else ())
+            for k in keys:
+                check(x.get(k) == y.get(k), f"rollout_ranks, async {mode}, step {x['step']}: {k} {y.get(k)} != "
+                                            f"{x.get(k)} (one process)")
+            check(y["transfer_mb"] > 0, "no trajectories were received")
+        if mode == "one_step":
+            part = os.path.join(tmp, "placed_part")
+            flags = ["--set", "train.rollout_ranks=1", "--out", part, "--nproc", "2"]
+            a = subprocess.run([grpo] + base + mode_set + flags + ["--stop-after", "2"], capture_output=True,
+                               text=True, timeout=600)
+            b = subprocess.run([grpo] + base + mode_set + flags + ["--resume"], capture_output=True, text=True,
+                               timeout=600)
+            check(a.returncode == 0 and b.returncode == 0, f"rollout_ranks stop/resume: exit {a.returncode}, "
+                                                            f"{b.returncode}\n{(a.stderr + b.stderr)[-2000:]}")
+            if a.returncode == 0 and b.returncode == 0:
+                for x, y in zip(rows(placed), rows(part)):
+                    for k in ("reward_mean", "sampled_tokens", "loss", "grad_norm"):
+                        check(x[k] == y[k], f"resumed placed run, step {x['step']}: {k} {y[k]} != {x[k]}")
+
     # 2. Kill rank 1 after the first checkpoint: the job ends naming it; the checkpoint resumes.
     killed = os.path.join(tmp, "killed")
     long = ["--config", tiny] + SMALL + ["--set", "train.steps=60", "--out", killed, "--nproc", "2"]
@@ -179,6 +217,14 @@ with tempfile.TemporaryDirectory() as tmp:
                                           "--nproc", "2"], capture_output=True, text=True, timeout=300)
     check(odd.returncode == 2 and "train.prompts_per_step = 3" in odd.stderr,
           f"a step that does not split: {odd.returncode} {odd.stderr[-800:]}")
+    alone = subprocess.run([grpo] + base + ["--set", "train.rollout_ranks=1", "--out", os.path.join(tmp, "alone")],
+                           capture_output=True, text=True, timeout=120)
+    check(alone.returncode == 2 and "needs several ranks" in alone.stderr,
+          f"rollout ranks without ranks: {alone.returncode} {alone.stderr[-500:]}")
+    none = subprocess.run([grpo] + base + ["--set", "train.rollout_ranks=2", "--out", os.path.join(tmp, "none"),
+                                           "--nproc", "2"], capture_output=True, text=True, timeout=120)
+    check(none.returncode == 2 and "leaves no training rank" in none.stderr,
+          f"no training rank: {none.returncode} {none.stderr[-500:]}")
 
 for f in failures:
     print("FAIL:", f)

@@ -1,0 +1,238 @@
+// train.rollout_ranks (trainer/placement.h): thread ranks over the in-memory store, where the last ranks only
+// sample and the others only train. The placed run against the colocated run of as many training ranks, in
+// turn and one_step; the version each batch was sampled by; resume, across placements; the groups of
+// ranks; the plans of each side; and the refusals.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "tests/common/tmpdir.h"
+#include "tests/trainer/thread_ranks.h"
+#include "tests/trainer/tiny_run.h"
+#include "trainer/grpo.h"
+#include "trainer/memory_plan.h"
+#include "trainer/placement.h"
+#include "trainer/run.h"
+
+namespace rlt {
+namespace {
+
+using rlt::testing::read_metrics;
+using rlt::testing::TempDir;
+using rlt::testing::tiny_config;
+
+// As test_async's: scored old log-probs and one prompt's samples at a time, so that a batch's tokens and
+// updates are fixed by its weights and noise, not by which rows share a decode step.
+Config placed_config(AsyncMode mode) {
+  Config c = tiny_config();
+  c.train.async = mode;
+  c.train.old_logprobs = OldLogprobs::kRecompute;
+  c.rollout.max_batch = 4;
+  return c;
+}
+
+// One process, or `world` colocated thread ranks.
+void train_colocated(const Config& c, const std::string& dir, int world = 1, bool resume = false,
+                     int64_t stop_after = 0) {
+  auto body = [&](std::shared_ptr<Collectives> dist) {
+    Run run = make_run(c, dir, resume, {}, dist);
+    run.stop_after = stop_after;
+    train_grpo(run);
+  };
+  if (world == 1) return body(nullptr);
+  rlt::testing::on_thread_ranks(world, [&](int, std::shared_ptr<Collectives> dist) { body(dist); });
+}
+
+// `world` thread ranks, the last c.train.rollout_ranks of them rollout ranks; all share the run folder.
+void train_placed(const Config& c, const std::string& dir, int world, bool resume = false, int64_t stop_after = 0,
+                  PlacementFault fault = PlacementFault::kNone) {
+  rlt::testing::on_thread_ranks(world, [&](int, std::shared_ptr<Collectives> all) {
+    const std::shared_ptr<Placement> p = place(c, all);
+    Run run = make_run(c, dir, resume, {}, p->side, p);
+    run.stop_after = stop_after;
+    GrpoHooks hooks;
+    hooks.placement_fault = fault;
+    train_grpo(run, hooks);
+  });
+}
+
+void expect_same_rows(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (const char* k :
+         {"loss", "pg_loss", "kl", "grad_norm", "reward_mean", "accuracy", "entropy", "response_length_mean"}) {
+      const double x = a[i][k].get<double>(), y = b[i][k].get<double>();
+      EXPECT_NEAR(x, y, tol * std::max(1.0, std::abs(x))) << k << " at step " << i + 1;
+    }
+  }
+}
+
+TEST(Placement, OneStepOnARolloutRankEqualsTheColocatedRun) {
+  TempDir tmp("placement_async");
+  Config c = placed_config(AsyncMode::kOneStep);
+  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string(),
+                    stale = (tmp.path() / "stale").string();
+  train_colocated(c, colocated);
+  c.train.rollout_ranks = 1;
+  train_placed(c, placed, 2);
+  const auto a = read_metrics(colocated), b = read_metrics(placed);
+  ASSERT_EQ(b.size(), 4u);
+  // The same batches from the same weights (the rollout rank's are the broadcast bits), the same updates.
+  expect_same_rows(a, b, 0);
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_EQ(b[i]["staleness_mean"].get<double>(), i == 0 ? 0.0 : 1.0) << "step " << i + 1;
+    EXPECT_GT(b[i]["transfer_mb"].get<double>(), 0);
+    EXPECT_GE(b[i]["time_weight_sync_s"].get<double>(), 0);
+    EXPECT_GE(b[i]["wait_rollout_s"].get<double>(), 0);
+    EXPECT_GE(b[i]["wait_update_s"].get<double>(), 0);
+    EXPECT_GE(b[i]["time_rollout_wall_s"].get<double>(), b[i]["time_rollout_s"].get<double>());
+  }
+  // The twin: a rollout rank that keeps the first weights samples steps 3 and 4 from w0, not w1 and w2.
+  train_placed(c, stale, 2, false, 0, PlacementFault::kStaleWeights);
+  const auto s = read_metrics(stale);
+  ASSERT_EQ(s.size(), 4u);
+  EXPECT_EQ(s[1]["loss"].get<double>(), b[1]["loss"].get<double>()) << "steps 1-2 sample w0 either way";
+  EXPECT_NE(s[2]["loss"].get<double>(), b[2]["loss"].get<double>());
+}
+
+// Two training ranks beside one rollout rank against two colocated ranks: the rollout rank samples the
+// step's four prompts where each colocated rank samples two, one prompt's samples at a time either way.
+TEST(Placement, InTurnTwoTrainingRanksBesideARolloutRankEqualTwoColocatedRanks) {
+  TempDir tmp("placement_sync");
+  Config c = placed_config(AsyncMode::kOff);
+  c.train.checkpoint_every = 0;
+  c.train.prompts_per_step = 4;
+  c.train.mini_batch_size = 8;  // two prompts: one per training rank
+  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string(),
+                    one_share = (tmp.path() / "one_share").string();
+  train_colocated(c, colocated, 2);
+  c.train.rollout_ranks = 1;
+  train_placed(c, placed, 3);
+  const auto a = read_metrics(colocated), b = read_metrics(placed);
+  ASSERT_EQ(b.size(), 4u);
+  expect_same_rows(a, b, 0);
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i]["staleness_mean"].get<double>(), 0.0) << "step " << i + 1;
+  // The twin: each training rank trains on the first share of the batch.
+  train_placed(c, one_share, 3, false, 0, PlacementFault::kOneShare);
+  const auto o = read_metrics(one_share);
+  ASSERT_EQ(o.size(), 4u);
+  double most = 0;  // step 1's rewards are all equal (no gradient): the later updates tell
+  for (size_t i = 0; i < o.size(); ++i) {
+    most = std::max(most, std::abs(o[i]["grad_norm"].get<double>() - b[i]["grad_norm"].get<double>()));
+  }
+  EXPECT_GT(most, 1e-3);
+}
+
+// Two rollout ranks split the step's prompts; one training rank trains on both shares.
+TEST(Placement, TwoRolloutRanksSplitTheStepForOneTrainingRank) {
+  TempDir tmp("placement_two_samplers");
+  Config c = placed_config(AsyncMode::kOneStep);
+  c.train.checkpoint_every = 0;
+  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string();
+  train_colocated(c, colocated);
+  c.train.rollout_ranks = 2;
+  train_placed(c, placed, 3);
+  expect_same_rows(read_metrics(colocated), read_metrics(placed), 0);
+}
+
+TEST(Placement, AResumedRunReproducesTheRunWithEitherPlacement) {
+  TempDir tmp("placement_resume");
+  Config c = placed_config(AsyncMode::kOneStep);
+  c.train.rollout_ranks = 1;
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string(),
+                    moved = (tmp.path() / "moved").string();
+  train_placed(c, full, 2);
+  train_placed(c, part, 2, false, /*stop_after=*/2);
+  ASSERT_TRUE(std::filesystem::exists(part + "/checkpoint/rollout_weights/config.json"));
+  EXPECT_FALSE(std::filesystem::exists(part + "/rollout_weights.next")) << "moved into the checkpoint";
+  std::filesystem::copy(part, moved, std::filesystem::copy_options::recursive);
+  train_placed(c, part, 2, /*resume=*/true);
+  expect_same_rows(read_metrics(full), read_metrics(part), 0);
+  // The checkpoint is a colocated one_step run's: one process resumes it and continues alike.
+  Config colocated = c;
+  colocated.train.rollout_ranks = 0;
+  train_colocated(colocated, moved, 1, /*resume=*/true);
+  expect_same_rows(read_metrics(full), read_metrics(moved), 0);
+}
+
+TEST(Placement, GroupsReduceOverTheirMembersAlone) {
+  rlt::testing::on_thread_ranks(3, [](int rank, std::shared_ptr<Collectives> all) {
+    const std::shared_ptr<Collectives> outer = all->group("outer", {0, 2});
+    const std::shared_ptr<Collectives> inner = all->group("inner", {1});
+    at::Tensor v = at::tensor({double(rank + 1)}, at::kDouble);
+    if (outer) outer->all_reduce({v}, ReduceOp::kSum);
+    EXPECT_EQ(v.item<double>(), rank == 1 ? 2.0 : 4.0) << "ranks 0 and 2 add 1 + 3; rank 1 is not a member";
+    ASSERT_EQ(outer == nullptr, rank == 1);
+    ASSERT_EQ(inner == nullptr, rank != 1);
+    if (outer) {
+      EXPECT_EQ(outer->world(), 2);
+      EXPECT_EQ(outer->rank(), rank / 2);
+    }
+    EXPECT_THROW(all->group("bad", {2, 0}), c10::Error);
+  });
+}
+
+TEST(Placement, RefusesWhatCannotSplit) {
+  Config c = placed_config(AsyncMode::kOneStep);
+  c.train.rollout_ranks = 2;
+  EXPECT_THROW(check_placement(c, 2), RunError);  // no training rank
+  c.train.rollout_ranks = 1;
+  c.train.prompts_per_step = 3;
+  c.train.mini_batch_size = 0;
+  EXPECT_NO_THROW(check_placement(c, 2));
+  c.train.rollout_ranks = 2;
+  try {
+    check_placement(c, 3);
+    ADD_FAILURE() << "3 prompts over 2 rollout ranks";
+  } catch (const RunError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.rollout_ranks = 2"), std::string::npos) << e.what();
+  }
+  c.train.prompts_per_step = 4;
+  c.train.rollout_ranks = 1;
+  try {
+    check_placement(c, 4);  // 3 training ranks cannot split 4 prompts
+    ADD_FAILURE() << "4 prompts over 3 training ranks";
+  } catch (const RunError& e) {
+    EXPECT_NE(std::string(e.what()).find("3 training ranks"), std::string::npos) << e.what();
+  }
+  for (const char* key : {"train.dynamic_sampling=true", "rollout.partial=true"}) {
+    EXPECT_THROW(load_config("", {"train.rollout_ranks=1", "train.async=one_step", key}), ConfigError) << key;
+  }
+}
+
+// A rollout rank holds the weights it decodes and its share's cache; the training ranks hold no training
+// rollout's cache and no copy beside the update.
+TEST(Placement, EachSidePlansWhatItHolds) {
+  Config c = placed_config(AsyncMode::kOneStep);
+  c.train.prompts_per_step = 8;
+  c.rollout.max_batch = 0;
+  c.train.eval_prompts = 0;
+  const ModelConfig m = model_config_from_json(nlohmann::json{{"model_type", "llama"},
+                                                              {"vocab_size", 320},
+                                                              {"hidden_size", 64},
+                                                              {"intermediate_size", 128},
+                                                              {"num_hidden_layers", 2},
+                                                              {"num_attention_heads", 2},
+                                                              {"num_key_value_heads", 1},
+                                                              {"tie_word_embeddings", true}},
+                                               "test");
+  const MemoryPlan colocated = plan_memory(c, m, 1);
+  c.train.rollout_ranks = 2;
+  const MemoryPlan trainer = plan_memory(c, m, 1), sampler = plan_rollout_rank(c, m, 2);
+  const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4 + 8 + 1;
+  const int64_t rows = c.train.prompts_per_step * c.sampling.samples_per_prompt;
+  EXPECT_TRUE(colocated.phases_overlap);
+  EXPECT_FALSE(trainer.phases_overlap);
+  EXPECT_EQ(colocated.kv_cache, rows * c.rollout.max_context * slot);
+  EXPECT_EQ(trainer.kv_cache, 0);
+  EXPECT_EQ(sampler.kv_cache, rows / 2 * c.rollout.max_context * slot) << "half the step's rows each";
+  EXPECT_EQ(sampler.weights, 4 * parameter_count(m));
+  EXPECT_EQ(sampler.gradients + sampler.masters + sampler.moments + sampler.activations, 0);
+  EXPECT_EQ(trainer.moments, colocated.moments);
+  EXPECT_LT(trainer.device_total(), colocated.device_total());
+}
+
+}  // namespace
+}  // namespace rlt

@@ -1,0 +1,359 @@
+// Disaggregated placement; see placement.h.
+#include "trainer/placement.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <optional>
+
+#include "common/files.h"
+#include "common/memory.h"
+#include "common/timing.h"
+#include "trainer/async_rollout.h"
+#include "trainer/batch.h"
+#include "trainer/optim.h"
+#include "trainer/shard.h"
+#include "trainer/transfer.h"
+
+namespace fs = std::filesystem;
+
+namespace rlt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The checkpoint's pending rollout (a one_step run's state["async"]), or null: where its prompts begin and
+// the version of the weights it samples from (saved beside it as rollout_weights).
+struct PendingState {
+  int64_t prompts_begin = 0;
+  int64_t version = 0;
+};
+std::optional<PendingState> pending_state(const Run& run) {
+  if (run.resumed_from.empty()) return std::nullopt;
+  std::ifstream f((fs::path(run.resumed_from) / "state.json").string());
+  const nlohmann::json state = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (!state.is_object() || !state.contains("async")) return std::nullopt;
+  const nlohmann::json& a = state.at("async");
+  if (a.value("partial", false)) {
+    throw RunError(run.resumed_from +
+                   ": the checkpoint holds the unfinished groups of rollout.partial, which train.rollout_ranks "
+                   "does not continue; resume it with train.rollout_ranks: 0");
+  }
+  return PendingState{a.at("prompts_begin").get<int64_t>(), a.at("version").get<int64_t>()};
+}
+
+// The tensors the rollout decodes, in one order on both sides: the policy's, or with LoRA the merged model's.
+std::vector<at::Tensor> rollout_tensors(const Transformer& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, t] : model.named_parameters()) out.push_back(t.detach());
+  return out;
+}
+
+// Training rank 0 (root of `group`) sends `tensors` to every other member, which receive into theirs, in
+// buckets of up to bucket_bytes of one dtype; first a scalar with `version` (where both sides meet: its
+// broadcast returns once every member has arrived). Returns the version; `seconds` is the buckets' time
+// alone, `bytes` their size.
+int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
+                             int64_t bucket_bytes, at::Device device, double& seconds, double& bytes) {
+  at::Tensor v = at::tensor({static_cast<double>(version)}, at::kDouble);
+  group.broadcast({v}, 0);
+  const bool root = group.rank() == 0;
+  const auto t0 = Clock::now();
+  bytes = 0;
+  for (size_t i = 0; i < tensors.size();) {
+    size_t j = i;
+    int64_t size = 0;
+    while (j < tensors.size() && tensors[j].scalar_type() == tensors[i].scalar_type() &&
+           (j == i || size + tensors[j].nbytes() <= static_cast<size_t>(bucket_bytes))) {
+      size += static_cast<int64_t>(tensors[j].nbytes());
+      ++j;
+    }
+    std::vector<at::Tensor> flat;
+    for (size_t k = i; k < j; ++k) flat.push_back(tensors[k].reshape({-1}));
+    at::Tensor bucket = root ? at::cat(flat) : at::empty({size / tensors[i].element_size()}, tensors[i].options());
+    group.broadcast({bucket}, 0);
+    if (!root) {
+      int64_t offset = 0;
+      for (size_t k = i; k < j; ++k) {
+        tensors[k].copy_(bucket.narrow(0, offset, tensors[k].numel()).view(tensors[k].sizes()));
+        offset += tensors[k].numel();
+      }
+    }
+    bytes += static_cast<double>(size);
+    i = j;
+  }
+  stream_synchronize(device);
+  seconds = seconds_since(t0);
+  return static_cast<int64_t>(v.item<double>());
+}
+
+int64_t bucket_bytes(const Config& c) { return c.train.dist_bucket_mb << 20; }
+
+// The last step the run takes: train.steps, or --stop-after.
+int64_t last_step(const Run& run) {
+  return run.stop_after > 0 ? std::min(run.config.train.steps, run.stop_after) : run.config.train.steps;
+}
+
+}  // namespace
+
+void check_placement(const Config& c, int world) {
+  const int64_t k = c.train.rollout_ranks;
+  if (k == 0) return;
+  const std::string n = std::to_string(world), ks = std::to_string(k);
+  if (k >= world) {
+    throw RunError("train.rollout_ranks = " + ks + " leaves no training rank among the job's " + n +
+                   " ranks: use fewer rollout ranks (at most " + std::to_string(world - 1) + ") or more ranks");
+  }
+  try {
+    check_world(c, world - static_cast<int>(k));
+  } catch (const RunError& e) {
+    throw RunError("the " + std::to_string(world - k) + " training ranks (" + n + " less train.rollout_ranks = " + ks +
+                   "): " + e.what());
+  }
+  if (c.train.prompts_per_step % k != 0) {
+    throw RunError("train.prompts_per_step = " + std::to_string(c.train.prompts_per_step) +
+                   " does not split over train.rollout_ranks = " + ks +
+                   ": each rollout rank samples whole prompts; use a multiple of " + ks);
+  }
+}
+
+std::shared_ptr<Placement> place(const Config& c, const std::shared_ptr<Collectives>& all) {
+  const int k = static_cast<int>(c.train.rollout_ranks);
+  if (k == 0) return nullptr;
+  const int world = all->world();
+  check_placement(c, world);
+  std::vector<int> trainers(world - k), rollouts(k), publish{0};
+  std::iota(trainers.begin(), trainers.end(), 0);
+  std::iota(rollouts.begin(), rollouts.end(), world - k);
+  publish.insert(publish.end(), rollouts.begin(), rollouts.end());
+  auto p = std::make_shared<Placement>();
+  p->all = all;
+  p->rollout_ranks = k;
+  p->rollout = all->rank() >= world - k;
+  std::shared_ptr<Collectives> train = all->group("train", trainers);
+  std::shared_ptr<Collectives> rollout = all->group("rollout", rollouts);
+  p->publish = all->group("publish", publish);
+  p->side = p->rollout ? rollout : train;
+  return p;
+}
+
+std::string staged_rollout_weights(const Run& run) { return (fs::path(run.out_dir) / "rollout_weights.next").string(); }
+
+// ---- The training ranks ----
+
+RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault)
+    : run_(run), fault_(fault), async_(run.config.train.async == AsyncMode::kOneStep) {
+  TORCH_CHECK(run.placement && !run.placement->rollout, "RemoteRollouts: a training rank of train.rollout_ranks");
+  const std::optional<PendingState> pending = pending_state(run);
+  if (pending && async_) {
+    run.prompts->seek(pending->prompts_begin);  // the rollout ranks sample the pending batch again
+    published_ = true;                          // and take its weights from the checkpoint
+  }
+}
+
+void RemoteRollouts::publish() {
+  at::NoGradGuard no_grad;
+  const GatheredWeights whole(run_.sharded);  // train.shard parameters: every training rank gathers
+  sync_s_ = sync_bytes_ = 0;
+  if (!run_.placement->publish) return;  // training ranks other than 0
+  broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.step,
+                       bucket_bytes(run_.config), run_.device, sync_s_, sync_bytes_);
+}
+
+RolloutBatch RemoteRollouts::next() {
+  const Config& cfg = run_.config;
+  const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
+  const auto t0 = Clock::now();
+  double first_sync = 0;
+  if (async_ && !published_) {  // a fresh one_step run: the first two batches both sample these weights
+    publish();
+    first_sync = sync_s_;
+  }
+  published_ = true;
+  publish();
+  sync_s_ += first_sync;
+
+  // Every rank's records; the training ranks send none.
+  const std::vector<uint8_t> all = exchange_bytes(*run_.placement->all, {});
+  transfer_bytes_ = static_cast<double>(all.size());
+  RolloutBatch out;
+  std::vector<GroupRecord> groups(P);
+  ByteReader rd(all.data(), all.size());
+  bool header = false;
+  while (!rd.done()) {
+    if (rd.get<uint8_t>()) {  // the first rollout rank's: the rollout's figures, over every rollout rank
+      header = true;
+      out.seconds = rd.get<double>();
+      out.stats = rd.get<RolloutStats>();
+      rollout_wall_s_ = rd.get<double>();
+      wait_update_s_ = rd.get<double>();
+    }
+    RewardTally tally;
+    tally.scored = rd.get<int64_t>();
+    tally.failed = rd.get<int64_t>();
+    for (int64_t n = rd.get<int64_t>(); n > 0; --n) {
+      const std::string name = rd.get_str();
+      const double sum = rd.get<double>();
+      tally.fields[name] = {sum, rd.get<int64_t>()};
+    }
+    if (run_.dist->lead()) out.rewards.add(tally);  // reward_metrics sums the training ranks' tallies
+    for (int64_t n = rd.get<int64_t>(); n > 0; --n) {
+      GroupRecord g = read_group(rd, G);
+      TORCH_CHECK(g.slot >= 0 && g.slot < P && groups[g.slot].trajs.empty(), "train.rollout_ranks: a group for slot ",
+                  g.slot, " of the step's ", P, " prompts, or twice");
+      groups[g.slot] = std::move(g);
+    }
+  }
+  TORCH_CHECK(header, "train.rollout_ranks: the rollout ranks sent no figures");
+  // The training ranks draw the same prompts: the stream's position is theirs to checkpoint.
+  const std::vector<PromptExample> drawn = run_.prompts->next(P);
+  std::vector<Trajectory> every;
+  std::vector<int64_t> places;
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(static_cast<int64_t>(groups[p].trajs.size()) == G, "train.rollout_ranks: prompt ", p, " has ",
+                groups[p].trajs.size(), " trajectories, not ", G);
+    TORCH_CHECK(groups[p].example.prompt == drawn[p].prompt, "train.rollout_ranks: the rollout ranks sampled prompt ",
+                p, " from another place in the prompt stream than the training ranks drew");
+    for (int64_t g = 0; g < G; ++g) {
+      every.push_back(groups[p].trajs[g]);
+      places.push_back(p * G + g);
+    }
+  }
+  const auto single = single_process();
+  out.table = gather_table(*single, every, places, P * G);  // every training rank holds every row
+  const int world = run_.dist->world();
+  std::vector<int64_t> mine(P);
+  std::iota(mine.begin(), mine.end(), 0);
+  if (world > 1) {
+    const int rank = fault_ == PlacementFault::kOneShare ? 0 : run_.dist->rank();
+    mine = rank_prompts(P, step_shape(cfg).mini / G, world, rank);
+  }
+  for (int64_t p : mine) {
+    out.examples.push_back(std::move(groups[p].example));
+    for (int64_t g = 0; g < G; ++g) {
+      out.trajs.push_back(std::move(groups[p].trajs[g]));
+      out.index.push_back(p * G + g);
+    }
+  }
+  wait_s_ = seconds_since(t0) - sync_s_;
+  return out;
+}
+
+std::map<std::string, double> RemoteRollouts::metrics(const RolloutBatch& batch) const {
+  const Staleness st = batch_staleness(run_, *run_.dist, batch);
+  return {{"staleness_mean", st.mean},
+          {"staleness_max", st.max},
+          {"time_weight_sync_s", sync_s_},
+          {"weight_sync_gbps", sync_s_ > 0 ? sync_bytes_ / sync_s_ / 1e9 : 0.0},
+          {"wait_rollout_s", wait_s_},
+          {"transfer_mb", transfer_bytes_ / (1 << 20)},
+          {"time_rollout_wall_s", rollout_wall_s_},
+          {"wait_update_s", wait_update_s_}};
+}
+
+void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
+  if (!async_) return;  // no rollout is pending: the next one samples the weights as they are
+  // The first rollout rank staged the weights of the pending rollout before it sent this step's batch.
+  const std::string staged = staged_rollout_weights(run_);
+  if (!fs::exists(fs::path(staged) / "config.json")) {
+    throw RunError(staged + ": missing; the first rollout rank stages the weights of the pending rollout there");
+  }
+  fs::rename(staged, fs::path(dir) / "rollout_weights");
+  state["async"] = {{"version", run_.step - 1}, {"prompts_begin", run_.prompts->consumed()}, {"partial", false}};
+}
+
+// ---- The rollout ranks ----
+
+void serve_rollouts(Run& run, PlacementFault fault) {
+  TORCH_CHECK(run.placement && run.placement->rollout, "serve_rollouts: a rollout rank of train.rollout_ranks");
+  const Config& cfg = run.config;
+  const Placement& pl = *run.placement;
+  const bool async = cfg.train.async == AsyncMode::kOneStep;
+  // What it decodes: the policy's weights, or with LoRA a merged copy, overwritten by every publish.
+  at::NoGradGuard no_grad;
+  const Transformer& target = rollout_model(run);
+  const std::vector<at::Tensor> tensors = rollout_tensors(target);
+  std::vector<at::Tensor> scratch;  // kStaleWeights: where the weights after the first go instead
+  int64_t version = -1;
+  double wait_s = 0;
+  auto receive = [&] {
+    const auto t0 = Clock::now();
+    double seconds = 0, bytes = 0;
+    const bool ignore = fault == PlacementFault::kStaleWeights && version >= 0;
+    if (ignore && scratch.empty()) {
+      for (const auto& t : tensors) scratch.push_back(at::empty_like(t));
+    }
+    version = broadcast_in_buckets(*pl.publish, ignore ? scratch : tensors, -1, bucket_bytes(cfg), run.device, seconds,
+                                   bytes);
+    wait_s = seconds_since(t0) - seconds;
+  };
+  const std::optional<PendingState> pending = pending_state(run);
+  if (pending && async) {  // the checkpoint's pending rollout: its prompts and its weights, from the checkpoint
+    run.prompts->seek(pending->prompts_begin);
+    const Transformer saved = Transformer::load((fs::path(run.resumed_from) / "rollout_weights").string(),
+                                                tensors.front().scalar_type(), run.device);
+    const std::vector<at::Tensor> from = rollout_tensors(saved);
+    TORCH_CHECK(from.size() == tensors.size(), run.resumed_from, "/rollout_weights: ", from.size(),
+                " tensors, the rollout decodes ", tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(from[i]);
+    version = pending->version;
+  } else if (async) {
+    receive();  // the weights the first two batches sample
+  }
+  for (int64_t t = run.step + 1; t <= last_step(run); ++t) {
+    if (!async) receive();
+    const auto t0 = Clock::now();
+    RolloutSource source;
+    source.model = &target;
+    source.policy = &run.rollout_policy;
+    source.dist = run.dist.get();
+    source.step = t - 1;
+    source.version = version;
+    RolloutBatch b;
+    {
+      const RolloutSourceScope scope(source);
+      b = collect_rollouts(run);
+    }
+    const double wall_s = seconds_since(t0);
+    if (async) {
+      receive();                                           // w(t - 1): the next batch samples it
+      if (run.checkpoint_due_at(t) && run.dist->lead()) {  // what step t's checkpoint resumes the rollout from
+        const std::string staged = staged_rollout_weights(run);
+        remove_tree(staged + ".tmp");
+        target.save(staged + ".tmp");
+        remove_tree(staged);
+        fs::rename(staged + ".tmp", staged);
+      }
+    }
+    ByteWriter w;
+    w.put<uint8_t>(run.dist->lead());
+    if (run.dist->lead()) {
+      w.put<double>(b.seconds);
+      w.put(b.stats);
+      w.put<double>(wall_s);
+      w.put<double>(wait_s);
+    }
+    w.put<int64_t>(b.rewards.scored);
+    w.put<int64_t>(b.rewards.failed);
+    w.put<int64_t>(static_cast<int64_t>(b.rewards.fields.size()));
+    for (const auto& [name, v] : b.rewards.fields) {
+      w.put_str(name);
+      w.put<double>(v.first);
+      w.put<int64_t>(v.second);
+    }
+    const int64_t G = cfg.sampling.samples_per_prompt;
+    w.put<int64_t>(static_cast<int64_t>(b.examples.size()));
+    for (size_t i = 0; i < b.examples.size(); ++i) {
+      write_group(w, b.index[i * G] / G, b.examples[i], &b.trajs[i * G], G);
+    }
+    exchange_bytes(*pl.all, w.bytes);
+    run.step = t;
+  }
+}
+
+}  // namespace rlt

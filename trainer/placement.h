@@ -1,0 +1,89 @@
+// train.rollout_ranks: disaggregated placement. Of a job's N ranks, the last k (the rollout ranks) only
+// sample and score trajectories, and the first N - k (the training ranks) only train, as a data-parallel
+// run of N - k ranks whose rank 0 writes the run folder:
+//
+//   training ranks:  publish w(t) | receive batch t+1 | update t+1 ............ | publish w(t+1) | ...
+//   rollout ranks:   receive w(t) | send batch t+1    | sample batch t+2 ...   | receive w(t+1) | ...
+//
+// With train.async one_step, a rollout rank samples batch t+2 from w(t) while the training ranks update on
+// batch t+1, as the colocated one_step does (trainer/async_rollout.h): every update trains on trajectories
+// one version behind it. With train.async off, it receives w(t) before sampling batch t+1, and the update is
+// on-policy; the two sides then take turns. Either way the batches, their noise and the updates are those
+// of the colocated run of N - k ranks.
+//
+// After each update, training rank 0 broadcasts the weights the rollout decodes (LoRA: merged; under
+// train.shard parameters, gathered first by every training rank) in buckets of train.dist_bucket_mb, over a
+// group of itself and the rollout ranks; a scalar broadcast first carries the weights' version and is where
+// the two sides meet, so the buckets' time is the transfer alone. The rollout ranks split a step's
+// prompts evenly, each sampling its share with the noise streams one process would use, and send their
+// groups to every training rank in one byte exchange over all N ranks; each training rank keeps its share
+// (rank_prompts), as if it had sampled it.
+//
+// Checkpoints: the training ranks' files as in a colocated run. With one_step, the weights the pending
+// rollout samples from are written by the first rollout rank beside the run folder before it sends the
+// batch of a step that checkpoints, and rank 0 moves them into the checkpoint as rollout_weights: the
+// checkpoint is a colocated one_step run's, and a run resumes with either placement.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "trainer/run.h"
+
+namespace rlt {
+
+struct Placement {
+  std::shared_ptr<Collectives> all;      // every rank of the job
+  std::shared_ptr<Collectives> side;     // this rank's side: the training ranks, or the rollout ranks
+  std::shared_ptr<Collectives> publish;  // training rank 0 and the rollout ranks; nullptr on the other trainers
+  int rollout_ranks = 0;
+  bool rollout = false;  // this rank is a rollout rank
+};
+
+// train.rollout_ranks = k over `world` ranks: at least one rank each side, the training ranks' shapes split
+// as a data-parallel run's (check_world at N - k), and the step's prompts evenly over the rollout ranks.
+// RunError naming the keys otherwise. Nothing for k = 0.
+void check_placement(const Config& config, int world);
+
+// The placement of a job over `all` (every rank calls it, in the same order); nullptr when
+// train.rollout_ranks is 0.
+std::shared_ptr<Placement> place(const Config& config, const std::shared_ptr<Collectives>& all);
+
+// Wrong placements the tests must reject: the rollout ranks keep sampling from the first weights they get
+// (kStaleWeights), or each training rank trains on the first share of the batch (kOneShare).
+enum class PlacementFault { kNone, kStaleWeights, kOneShare };
+
+// The training ranks' side: next() publishes the weights and returns this rank's share of the batch.
+class RemoteRollouts : public PendingRollouts {
+ public:
+  explicit RemoteRollouts(Run& run, PlacementFault fault = PlacementFault::kNone);
+  // Step run.step + 1's batch: publishes the weights as they are now (the first call of a fresh one_step run
+  // publishes them twice: for the first two batches), then receives the batch.
+  RolloutBatch next();
+  // The step's figures: staleness_mean / staleness_max as train.async defines them; time_weight_sync_s (the
+  // buckets' broadcast, rank 0's), weight_sync_gbps (their bytes over it), wait_rollout_s (the update side
+  // idle in next(), the sync aside), transfer_mb (the step's trajectory records); of the rollout ranks'
+  // batch: time_rollout_wall_s (their slowest sampling, scoring and gathering) and wait_update_s (how long
+  // they waited for the weights, the transfer aside).
+  std::map<std::string, double> metrics(const RolloutBatch& batch) const;
+  void save(const std::string& dir, nlohmann::json& state) override;
+
+ private:
+  void publish();
+  Run& run_;
+  PlacementFault fault_;
+  bool async_;
+  bool published_ = false;
+  double sync_s_ = 0, sync_bytes_ = 0, wait_s_ = 0, transfer_bytes_ = 0, rollout_wall_s_ = 0, wait_update_s_ = 0;
+};
+
+// The rollout ranks' side: samples, scores and sends every remaining step's batch (run.step + 1 to the last
+// step, or --stop-after), from the weights the training ranks publish.
+void serve_rollouts(Run& run, PlacementFault fault = PlacementFault::kNone);
+
+// Where the first rollout rank leaves the weights a checkpoint's pending rollout samples from.
+std::string staged_rollout_weights(const Run& run);
+
+}  // namespace rlt
