@@ -54,22 +54,20 @@ std::vector<at::Tensor> rollout_tensors(const Transformer& model) {
   return out;
 }
 
-// Training rank 0 (root of `group`) sends `tensors` to every other member, which receive into theirs, in
-// buckets of up to bucket_bytes of one dtype; first a scalar with `version` (where both sides meet: its
-// broadcast returns once every member has arrived). Returns the version; `seconds` is the buckets' time
-// alone, `bytes` their size.
+}  // namespace
+
 int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
-                             int64_t bucket_bytes, at::Device device, double& seconds, double& bytes) {
+                             int64_t bucket_bytes, at::Device device, SyncTiming& timing) {
   at::Tensor v = at::tensor({static_cast<double>(version)}, at::kDouble);
   group.broadcast({v}, 0);
   const bool root = group.rank() == 0;
   const auto t0 = Clock::now();
-  bytes = 0;
+  timing = SyncTiming{};
   for (size_t i = 0; i < tensors.size();) {
     size_t j = i;
     int64_t size = 0;
     while (j < tensors.size() && tensors[j].scalar_type() == tensors[i].scalar_type() &&
-           (j == i || size + tensors[j].nbytes() <= static_cast<size_t>(bucket_bytes))) {
+           (j == i || size + static_cast<int64_t>(tensors[j].nbytes()) <= bucket_bytes)) {
       size += static_cast<int64_t>(tensors[j].nbytes());
       ++j;
     }
@@ -84,13 +82,16 @@ int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& 
         offset += tensors[k].numel();
       }
     }
-    bytes += static_cast<double>(size);
+    timing.bytes += static_cast<double>(size);
+    timing.buckets += 1;
     i = j;
   }
   stream_synchronize(device);
-  seconds = seconds_since(t0);
+  timing.seconds = seconds_since(t0);
   return static_cast<int64_t>(v.item<double>());
 }
+
+namespace {
 
 int64_t bucket_bytes(const Config& c) { return c.train.dist_bucket_mb << 20; }
 
@@ -161,8 +162,11 @@ void RemoteRollouts::publish() {
   const GatheredWeights whole(run_.sharded);  // train.shard parameters: every training rank gathers
   sync_s_ = sync_bytes_ = 0;
   if (!run_.placement->publish) return;  // training ranks other than 0
+  SyncTiming timing;
   broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.step,
-                       bucket_bytes(run_.config), run_.device, sync_s_, sync_bytes_);
+                       bucket_bytes(run_.config), run_.device, timing);
+  sync_s_ = timing.seconds;
+  sync_bytes_ = timing.bytes;
 }
 
 RolloutBatch RemoteRollouts::next() {
@@ -283,14 +287,13 @@ void serve_rollouts(Run& run, PlacementFault fault) {
   double wait_s = 0;
   auto receive = [&] {
     const auto t0 = Clock::now();
-    double seconds = 0, bytes = 0;
+    SyncTiming timing;
     const bool ignore = fault == PlacementFault::kStaleWeights && version >= 0;
     if (ignore && scratch.empty()) {
       for (const auto& t : tensors) scratch.push_back(at::empty_like(t));
     }
-    version = broadcast_in_buckets(*pl.publish, ignore ? scratch : tensors, -1, bucket_bytes(cfg), run.device, seconds,
-                                   bytes);
-    wait_s = seconds_since(t0) - seconds;
+    version = broadcast_in_buckets(*pl.publish, ignore ? scratch : tensors, -1, bucket_bytes(cfg), run.device, timing);
+    wait_s = seconds_since(t0) - timing.seconds;
   };
   const std::optional<PendingState> pending = pending_state(run);
   if (pending && async) {  // the checkpoint's pending rollout: its prompts and its weights, from the checkpoint

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "trainer/run.h"
 
@@ -82,6 +83,18 @@ class RemoteRollouts : public PendingRollouts {
 // The rollout ranks' side: samples, scores and sends every remaining step's batch (run.step + 1 to the last
 // step, or --stop-after), from the weights the training ranks publish.
 void serve_rollouts(Run& run, PlacementFault fault = PlacementFault::kNone);
+
+// The weights' broadcast: the root of `group` (training rank 0) sends `tensors` to every other member, which
+// receive into theirs (the same shapes and dtypes, in the same order), in buckets of up to bucket_bytes of
+// one dtype; first a scalar with `version`, where both sides meet (its broadcast returns once every member
+// has arrived). Returns the version; `timing` holds the buckets' time alone (the device synchronized),
+// their bytes and their number.
+struct SyncTiming {
+  double seconds = 0, bytes = 0;
+  int64_t buckets = 0;
+};
+int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
+                             int64_t bucket_bytes, at::Device device, SyncTiming& timing);
 
 // Where the first rollout rank leaves the weights a checkpoint's pending rollout samples from.
 std::string staged_rollout_weights(const Run& run);

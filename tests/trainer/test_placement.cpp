@@ -174,6 +174,27 @@ TEST(Placement, GroupsReduceOverTheirMembersAlone) {
   });
 }
 
+// Buckets of one dtype up to the size, a tensor larger than the size alone in its bucket: every receiver ends
+// with the root's tensors, and the version with them.
+TEST(Placement, TheWeightsBroadcastFillsEveryTensorBucketByBucket) {
+  rlt::testing::on_thread_ranks(3, [](int rank, std::shared_ptr<Collectives> all) {
+    at::manual_seed(rank);  // each rank its own values: the receivers' must become rank 0's
+    std::vector<at::Tensor> t = {at::randn({5, 3}), at::randn({40}), at::randn({2}), at::randn({4}, at::kDouble),
+                                 at::randn({3, 2})};
+    std::vector<at::Tensor> root;
+    at::manual_seed(0);
+    for (const auto& x : t) root.push_back(at::randn(x.sizes(), x.options()));
+    SyncTiming timing;
+    // 64 bytes: {5x3}, {40} (160 bytes, alone), {2}, {4} (another dtype), {3x2} in five buckets.
+    const int64_t version = broadcast_in_buckets(*all, t, rank == 0 ? 7 : -1, 64, at::kCPU, timing);
+    EXPECT_EQ(version, 7);
+    EXPECT_EQ(timing.buckets, 5);
+    EXPECT_EQ(timing.bytes, (15 + 40 + 2 + 6) * 4 + 4 * 8);
+    for (size_t i = 0; i < t.size(); ++i)
+      EXPECT_TRUE(at::equal(t[i], root[i])) << "tensor " << i << " on rank " << rank;
+  });
+}
+
 TEST(Placement, RefusesWhatCannotSplit) {
   Config c = placed_config(AsyncMode::kOneStep);
   c.train.rollout_ranks = 2;
