@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> bucket_mb = {25, 100, 400};
   int reps = 5;
   app.add_option("--model", model_dir, "folder with config.json (the weights are random)")->required();
-  app.add_option("--bucket-mb", bucket_mb, "bucket sizes in MiB (train.dist_bucket_mb)")
+  app.add_option("--bucket-mb", bucket_mb, "bucket sizes in MiB (train.rollout_sync_mb)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
   app.add_option("--reps", reps, "timed broadcasts per bucket size, after one warm-up")->check(CLI::Range(1, 1000));
   CLI11_PARSE(app, argc, argv);

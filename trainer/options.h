@@ -186,6 +186,9 @@ struct TrainOptions {
   // the others only train; the weights go to the rollout ranks by broadcast after each update. 0: every
   // rank does both.
   int64_t rollout_ranks = 0;
+  // The bucket of that broadcast: each bucket's broadcast waits for the last, so a few large ones keep the
+  // link busy (2 x H200, 7B shape: 25 MiB buckets 64 GB/s, 400 MiB 209 GB/s).
+  int64_t rollout_sync_mb = 400;
   int64_t checkpoint_every = 0;  // RL steps between checkpoints; 0 = only at the end
   // The root of the run's randomness: the prompt order and each step's sampling noise derive from it
   // (synthetic.seed defines the built-in task's problems, like a dataset file; model.init_seed a new
@@ -246,6 +249,8 @@ struct TrainOptions {
       "several ranks: the last N only sample (and score) trajectories, the others only train; weights are "
       "broadcast to them after each update; 0 = every rank does both (grpo_train)",
       FieldRange{0, 1023});
+    v("rollout_sync_mb", rollout_sync_mb, "rollout_ranks: MiB per bucket of the weights' broadcast to them",
+      FieldRange{1, 1e5});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

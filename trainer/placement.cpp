@@ -93,7 +93,7 @@ int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& 
 
 namespace {
 
-int64_t bucket_bytes(const Config& c) { return c.train.dist_bucket_mb << 20; }
+int64_t bucket_bytes(const Config& c) { return c.train.rollout_sync_mb << 20; }
 
 // The last step the run takes: train.steps, or --stop-after.
 int64_t last_step(const Run& run) {

@@ -12,7 +12,7 @@
 // of the colocated run of N - k ranks.
 //
 // After each update, training rank 0 broadcasts the weights the rollout decodes (LoRA: merged; under
-// train.shard parameters, gathered first by every training rank) in buckets of train.dist_bucket_mb, over a
+// train.shard parameters, gathered first by every training rank) in buckets of train.rollout_sync_mb, over a
 // group of itself and the rollout ranks; a scalar broadcast first carries the weights' version and is where
 // the two sides meet, so the buckets' time is the transfer alone. The rollout ranks split a step's
 // prompts evenly, each sampling its share with the noise streams one process would use, and send their

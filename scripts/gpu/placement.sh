@@ -2,7 +2,7 @@
 # train.rollout_ranks on two GPUs of one host, one command; results in $OUT (or runs/gpu_placement):
 #   1. the placement tests (thread ranks on the CPU, and the launched CPU runs of check_dist_launch.py);
 #   2. the weights' broadcast alone (bench_weight_sync, GPU 0 to GPU 1) for the Qwen2.5-0.5B and 7B shapes,
-#      in buckets of 25 (train.dist_bucket_mb's default), 100 and 400 MiB;
+#      in buckets of 25, 100 and 400 MiB (train.rollout_sync_mb; 400 by default);
 #   3. configs/retool.yaml on a random Qwen2.5-0.5B-shaped checkpoint (scripts/gpu/random_qwen.sh), tools off
 #      and the boxed reward as in e2e_peer.sh, STEPS steps on both GPUs: colocated one_step (each GPU samples
 #      and trains half the step), rollout_ranks 1 one_step (GPU 1 samples, GPU 0 trains), and rollout_ranks 1

@@ -2,6 +2,7 @@
 // sample and the others only train. The placed run against the colocated run of as many training ranks, in
 // turn and one_step; the version each batch was sampled by; resume, across placements; the groups of
 // ranks; the plans of each side; and the refusals.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -178,12 +179,14 @@ TEST(Placement, GroupsReduceOverTheirMembersAlone) {
 // with the root's tensors, and the version with them.
 TEST(Placement, TheWeightsBroadcastFillsEveryTensorBucketByBucket) {
   rlt::testing::on_thread_ranks(3, [](int rank, std::shared_ptr<Collectives> all) {
-    at::manual_seed(rank);  // each rank its own values: the receivers' must become rank 0's
-    std::vector<at::Tensor> t = {at::randn({5, 3}), at::randn({40}), at::randn({2}), at::randn({4}, at::kDouble),
-                                 at::randn({3, 2})};
-    std::vector<at::Tensor> root;
-    at::manual_seed(0);
-    for (const auto& x : t) root.push_back(at::randn(x.sizes(), x.options()));
+    // Each rank its own values (its own generator: the ranks are threads), which the receivers' must become
+    // rank 0's.
+    auto draw = [](uint64_t seed) {
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+      return std::vector<at::Tensor>{at::randn({5, 3}, g), at::randn({40}, g), at::randn({2}, g),
+                                     at::randn({4}, g, at::kDouble), at::randn({3, 2}, g)};
+    };
+    std::vector<at::Tensor> t = draw(rank), root = draw(0);
     SyncTiming timing;
     // 64 bytes: {5x3}, {40} (160 bytes, alone), {2}, {4} (another dtype), {3x2} in five buckets.
     const int64_t version = broadcast_in_buckets(*all, t, rank == 0 ? 7 : -1, 64, at::kCPU, timing);
