@@ -213,6 +213,12 @@ int64_t cache_rows(const RolloutOptions& r, int64_t samples, int64_t G) {
   return std::min(samples, std::max(r.max_batch, G));
 }
 
+// train.rollout_ranks: a bucket of the weights' broadcast, up to train.rollout_sync_mb or the largest tensor,
+// and at most the whole model.
+int64_t sync_bucket_bytes(const Config& c, const Shape& sh, int64_t s) {
+  return std::min(s * sh.P, std::max<int64_t>(c.train.rollout_sync_mb << 20, s * sh.largest));
+}
+
 }  // namespace
 
 int64_t parameter_count(const ModelConfig& m) {
@@ -329,10 +335,12 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
   const int64_t gathered = gathers && !lora ? s * sh.P : 0;
   p.rollout_weights = packed + (lora ? s * sh.targeted : 0) + gathered;
+  // With train.rollout_ranks the training ranks decode the evaluation alone, in turn with the update, and
+  // rank 0 makes a bucket of the weights' broadcast before the update.
+  const bool samples = c.train.rollout_ranks == 0;
+  if (!samples) p.rollout_weights += sync_bucket_bytes(c, sh, s);
   // train.async: the rollout's own copy of the weights (with LoRA the merged copy above; under shard
   // parameters it takes the place of the gathered weights), held through the update.
-  // With train.rollout_ranks the training ranks decode the evaluation alone, in turn with the update.
-  const bool samples = c.train.rollout_ranks == 0;
   p.phases_overlap = samples && c.train.async != AsyncMode::kOff;
   if (p.phases_overlap && !lora) p.rollout_weights += s * sh.P - gathered;
   // KvCache::allocate: k and v per layer (rows, Hkv, slots, hd) in the model dtype, int64 positions, and
@@ -361,8 +369,9 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
   // The model as loaded (with LoRA its adapters too, in fp32, and the merged projections it decodes), the
   // packed weights of the fused kernels, and the cache of its share of the step's rows.
   p.weights = s * sh.P + (c.lora.enabled() ? 4 * sh.adapters : 0);
+  // With them, one bucket of the weights' broadcast (train.rollout_sync_mb, or a larger tensor alone).
   const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
-  p.rollout_weights = packed + (c.lora.enabled() ? s * sh.targeted : 0);
+  p.rollout_weights = packed + (c.lora.enabled() ? s * sh.targeted : 0) + sync_bucket_bytes(c, sh, s);
   const int64_t G = c.sampling.samples_per_prompt;
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
   const int64_t rows = cache_rows(c.rollout, c.train.prompts_per_step * G / std::max(1, rollout_ranks), G);

@@ -58,9 +58,11 @@ std::vector<at::Tensor> rollout_tensors(const Transformer& model) {
 
 int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
                              int64_t bucket_bytes, at::Device device, SyncTiming& timing) {
-  at::Tensor v = at::tensor({static_cast<double>(version)}, at::kDouble);
-  group.broadcast({v}, 0);
+  // The version, as a maximum in which the receivers add nothing: an all-reduce returns on no member before
+  // every member has joined it (a broadcast's root may return once its bytes are sent).
   const bool root = group.rank() == 0;
+  at::Tensor v = at::tensor({root ? static_cast<double>(version) : -1e300}, at::kDouble);
+  group.all_reduce({v}, ReduceOp::kMax);
   const auto t0 = Clock::now();
   timing = SyncTiming{};
   for (size_t i = 0; i < tensors.size();) {
@@ -172,18 +174,21 @@ void RemoteRollouts::publish() {
 RolloutBatch RemoteRollouts::next() {
   const Config& cfg = run_.config;
   const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
-  const auto t0 = Clock::now();
-  double first_sync = 0;
+  double first_s = 0, first_bytes = 0;
   if (async_ && !published_) {  // a fresh one_step run: the first two batches both sample these weights
     publish();
-    first_sync = sync_s_;
+    first_s = sync_s_;
+    first_bytes = sync_bytes_;
   }
   published_ = true;
   publish();
-  sync_s_ += first_sync;
+  sync_s_ += first_s;
+  sync_bytes_ += first_bytes;
 
   // Every rank's records; the training ranks send none.
+  const auto t0 = Clock::now();
   const std::vector<uint8_t> all = exchange_bytes(*run_.placement->all, {});
+  wait_s_ = seconds_since(t0);
   transfer_bytes_ = static_cast<double>(all.size());
   RolloutBatch out;
   std::vector<GroupRecord> groups(P);
@@ -244,7 +249,6 @@ RolloutBatch RemoteRollouts::next() {
       out.index.push_back(p * G + g);
     }
   }
-  wait_s_ = seconds_since(t0) - sync_s_;
   return out;
 }
 
@@ -268,7 +272,10 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
     throw RunError(staged + ": missing; the first rollout rank stages the weights of the pending rollout there");
   }
   fs::rename(staged, fs::path(dir) / "rollout_weights");
-  state["async"] = {{"version", run_.step - 1}, {"prompts_begin", run_.prompts->consumed()}, {"partial", false}};
+  const int64_t begin = run_.prompts->consumed();
+  state["async"] = {{"version", run_.step - 1}, {"prompts_begin", begin}, {"partial", false}};
+  // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw.
+  if (run_.step < last_step(run_)) state["prompts_consumed"] = begin + run_.config.train.prompts_per_step;
 }
 
 // ---- The rollout ranks ----
@@ -305,7 +312,7 @@ void serve_rollouts(Run& run, PlacementFault fault) {
                 " tensors, the rollout decodes ", tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(from[i]);
     version = pending->version;
-  } else if (async) {
+  } else if (async && run.step < last_step(run)) {
     receive();  // the weights the first two batches sample
   }
   for (int64_t t = run.step + 1; t <= last_step(run); ++t) {

@@ -11,18 +11,24 @@
 // on-policy; the two sides then take turns. Either way the batches, their noise and the updates are those
 // of the colocated run of N - k ranks.
 //
-// After each update, training rank 0 broadcasts the weights the rollout decodes (LoRA: merged; under
-// train.shard parameters, gathered first by every training rank) in buckets of train.rollout_sync_mb, over a
-// group of itself and the rollout ranks; a scalar broadcast first carries the weights' version and is where
-// the two sides meet, so the buckets' time is the transfer alone. The rollout ranks split a step's
+// At the start of each step (after the previous update, its evaluation and checkpoint), training rank 0
+// broadcasts the weights the rollout decodes (LoRA: merged; under train.shard parameters, gathered first by
+// every training rank) in buckets of train.rollout_sync_mb, over a group of itself and the rollout ranks;
+// an all-reduce of the weights' version first is where the two sides meet, so the buckets' time is the
+// transfer alone. The rollout ranks split a step's
 // prompts evenly, each sampling its share with the noise streams one process would use, and send their
 // groups to every training rank in one byte exchange over all N ranks; each training rank keeps its share
 // (rank_prompts), as if it had sampled it.
 //
 // Checkpoints: the training ranks' files as in a colocated run. With one_step, the weights the pending
 // rollout samples from are written by the first rollout rank beside the run folder before it sends the
-// batch of a step that checkpoints, and rank 0 moves them into the checkpoint as rollout_weights: the
+// batch of a step that checkpoints, and rank 0 moves them into the checkpoint as rollout_weights, with the
+// prompt stream's positions a colocated run records (its pending rollout has drawn its prompts): the
 // checkpoint is a colocated one_step run's, and a run resumes with either placement.
+//
+// Every wait is bounded by train.dist_timeout_s, and here one side waits through the other's whole phase:
+// the rollout ranks through the training ranks' warm-up, evaluations, updates and checkpoints, the training
+// ranks (in turn) through a rollout. train.dist_timeout_s must exceed the longest of them.
 #pragma once
 
 #include <cstdint>
@@ -64,10 +70,11 @@ class RemoteRollouts : public PendingRollouts {
   // publishes them twice: for the first two batches), then receives the batch.
   RolloutBatch next();
   // The step's figures: staleness_mean / staleness_max as train.async defines them; time_weight_sync_s (the
-  // buckets' broadcast, rank 0's), weight_sync_gbps (their bytes over it), wait_rollout_s (the update side
-  // idle in next(), the sync aside), transfer_mb (the step's trajectory records); of the rollout ranks'
-  // batch: time_rollout_wall_s (their slowest sampling, scoring and gathering) and wait_update_s (how long
-  // they waited for the weights, the transfer aside).
+  // step's publishes' buckets, rank 0's), weight_sync_gbps (their bytes over that time), wait_rollout_s (the
+  // update side waiting for the batch: the trajectory exchange, its transfer included), transfer_mb (the
+  // step's trajectory records); of the rollout ranks' batch: time_rollout_wall_s (the first rollout rank's
+  // sampling, scoring and gathering) and wait_update_s (how long it waited for the weights, the transfer
+  // aside).
   std::map<std::string, double> metrics(const RolloutBatch& batch) const;
   void save(const std::string& dir, nlohmann::json& state) override;
 

@@ -169,9 +169,42 @@ with tempfile.TemporaryDirectory() as tmp:
             check(a.returncode == 0 and b.returncode == 0, f"rollout_ranks stop/resume: exit {a.returncode}, "
                                                             f"{b.returncode}\n{(a.stderr + b.stderr)[-2000:]}")
             if a.returncode == 0 and b.returncode == 0:
+                check(len(rows(part)) == 4, f"resumed placed run: {len(rows(part))} rows, want 4")
                 for x, y in zip(rows(placed), rows(part)):
-                    for k in ("reward_mean", "sampled_tokens", "loss", "grad_norm"):
+                    for k in ("reward_mean", "sampled_tokens", "loss", "grad_norm", "staleness_mean"):
                         check(x[k] == y[k], f"resumed placed run, step {x['step']}: {k} {y[k]} != {x[k]}")
+            # Killed after a checkpoint whose rollout is pending: the checkpoint records what a colocated
+            # one_step run's does (the pending rollout's prompts drawn, its weights one version behind),
+            # and the run resumed from it goes on as the uninterrupted one.
+            cut = os.path.join(tmp, "placed_killed")
+            args = ["--config", tiny] + SMALL + mode_set + ["--set", "train.steps=60", "--set", "train.rollout_ranks=1",
+                                                            "--out", cut, "--nproc", "2"]
+            rc, err, _ = run_until_checkpoint_then(args, cut, lambda ranks: os.kill(ranks[1], signal.SIGKILL))
+            check(rc != 0, f"killed rollout rank: exit {rc}, want non-zero")
+            try:
+                with open(os.path.join(cut, "checkpoint", "state.json")) as f:
+                    state = json.load(f)
+            except (OSError, ValueError) as e:
+                state = {}
+                failures.append(f"killed placed run: no checkpoint state ({e})")
+            if state:
+                step = state["step"]
+                check(state["async"]["version"] == step - 1 and
+                      state["async"]["prompts_begin"] == 4 * step and state["prompts_consumed"] == 4 * (step + 1),
+                      f"killed placed run's checkpoint at step {step}: {state}")
+                check(os.path.exists(os.path.join(cut, "checkpoint", "rollout_weights", "config.json")),
+                      "the pending rollout's weights are not in the checkpoint")
+                if step + 2 <= 4:
+                    r = subprocess.run([grpo, "--config", tiny] + SMALL + mode_set +
+                                       ["--set", f"train.steps={step + 2}", "--set", "train.rollout_ranks=1", "--out",
+                                        cut, "--nproc", "2", "--resume"], capture_output=True, text=True, timeout=600)
+                    check(r.returncode == 0, f"resume after the kill: exit {r.returncode}\n{r.stderr[-2000:]}")
+                    got = {x["step"]: x for x in rows(cut)}
+                    for x in rows(placed)[step:step + 2]:
+                        y = got.get(x["step"], {})
+                        for k in ("reward_mean", "sampled_tokens", "loss", "staleness_mean"):
+                            check(y.get(k) == x[k], f"resumed after the kill, step {x['step']}: {k} {y.get(k)} != "
+                                                    f"{x[k]}")
 
     # 2. Kill rank 1 after the first checkpoint: the job ends naming it; the checkpoint resumes.
     killed = os.path.join(tmp, "killed")

@@ -502,7 +502,9 @@ TEST(RewardMetrics, OverlongPenaltyAndEqualRewardGroupsAreTheLoggedTrajectories)
     EXPECT_NEAR(m["overlong_penalty_mean"].get<double>(), penalty / S, kExact) << "step " << k + 1;
     EXPECT_NEAR(m["reward_mean"].get<double>(), reward / S, kExact) << "step " << k + 1;
     EXPECT_EQ(m["groups_equal_reward"].get<double>(), equal_groups) << "step " << k + 1;
-    if (penalty < 0) EXPECT_GT(std::abs(m["reward_mean"].get<double>() - unshaped / S), 1e-6) << "step " << k + 1;
+    if (penalty < 0) {
+      EXPECT_GT(std::abs(m["reward_mean"].get<double>() - unshaped / S), 1e-6) << "step " << k + 1;
+    }
   }
   EXPECT_GT(penalised, 0) << "no trajectory paid a penalty: the test checks nothing";
 }
