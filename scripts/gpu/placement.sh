@@ -8,7 +8,7 @@
 #      and trains half the step), rollout_ranks 1 one_step (GPU 1 samples, GPU 0 trains), and rollout_ranks 1
 #      in turn. Per run the steady-state means (the steps after the second: the first two sample the initial
 #      weights) and each GPU's peak memory.used (nvidia-smi every 200 ms); summary.json holds them.
-# Usage: OUT=... [STEPS=6] [NEW_TOKENS=1024] bash scripts/gpu/placement.sh
+# Usage: OUT=... [STEPS=6] [NEW_TOKENS=1024] [RUNS=...] [BENCH=0] bash scripts/gpu/placement.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 out=${OUT:-runs/gpu_placement}
@@ -28,12 +28,11 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
 fi
 rc=0
 
-# 1. The tests.
-build-gpu/bin/test_placement > "$out/raw/test_placement.log" 2>&1 || rc=1
-grep -E "PASSED|FAILED" "$out/raw/test_placement.log"
-
-# 2. The broadcast alone.
-for shape in 0.5b 7b; do
+# 1. The tests. 2. The broadcast alone. (BENCH=0: neither.)
+[ "${BENCH:-1}" = 1 ] || shapes=""
+[ "${BENCH:-1}" = 0 ] || build-gpu/bin/test_placement > "$out/raw/test_placement.log" 2>&1 || rc=1
+grep -E "PASSED|FAILED" "$out/raw/test_placement.log" 2>/dev/null
+for shape in ${shapes-0.5b 7b}; do
   python3 -m torch.distributed.run --nproc-per-node 2 --no-python build-gpu/bin/bench_weight_sync \
     --model configs/models/qwen2.5-$shape > "$out/raw/sync_$shape.json" 2> "$out/raw/sync_$shape.log" || rc=1
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], [(r['bucket_mb'], round(r['seconds_median'], 4), round(r['gbps'], 1), r['receivers_hold_rank0_weights']) for r in d['runs']])" \
@@ -58,9 +57,14 @@ measure() {
   cp "$out/$name/metrics.jsonl" "$out/raw/metrics_$name.jsonl" 2>/dev/null
   rm -rf "${out:?}/$name"
 }
-measure colocated_async "${common[@]}" --set train.async=one_step
-measure placed_async "${common[@]}" --set train.async=one_step --set train.rollout_ranks=1
-measure placed_in_turn "${common[@]}" --set train.async=off --set train.rollout_ranks=1
+# RUNS: which of colocated_async placed_async placed_in_turn (default: all).
+for r in ${RUNS:-colocated_async placed_async placed_in_turn}; do
+  case $r in
+    colocated_async) measure colocated_async "${common[@]}" --set train.async=one_step ;;
+    placed_async) measure placed_async "${common[@]}" --set train.async=one_step --set train.rollout_ranks=1 ;;
+    placed_in_turn) measure placed_in_turn "${common[@]}" --set train.async=off --set train.rollout_ranks=1 ;;
+  esac
+done
 python3 - "$out" <<'PY' | tee "$out/summary.txt"
 import json, os, sys
 out = sys.argv[1]

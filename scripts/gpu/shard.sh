@@ -7,7 +7,7 @@
 #   bash scripts/gpu/shard.sh large   a random Qwen2.5-7B-shaped checkpoint (bf16, saved by transformers):
 #                                     shard none on one GPU (the memory plan must refuse it before step 1),
 #                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU
-# Usage: [SHARD_TESTS=0] bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
+# Usage: [SHARD_TESTS=0] [STAGES=...] bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_shard}
@@ -95,10 +95,14 @@ if [ "$part" = small ]; then
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
           --set data.eval_path= --set train.eval_prompts=0)
-  for stage in none optimizer gradients parameters; do
-    run "s05_${stage}_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=$stage
+  # STAGES: which of none optimizer gradients parameters gradients_offload (default: all).
+  for stage in ${STAGES:-none optimizer gradients parameters gradients_offload}; do
+    if [ "$stage" = gradients_offload ]; then
+      run "s05_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients --set train.offload=optimizer
+    else
+      run "s05_${stage}_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=$stage
+    fi
   done
-  run "s05_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients --set train.offload=optimizer
 fi
 
 if [ "$part" = large ]; then
