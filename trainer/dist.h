@@ -68,12 +68,7 @@ enum class ReduceOp { kSum, kMax };
 class Pending {
  public:
   virtual ~Pending() = default;
-  // The host waits for the collective (up to train.dist_timeout_s; past it a DistError names the late rank).
   virtual void wait() = 0;
-  // What the device runs next waits for it, and the host goes on (NCCL: the current stream waits on the
-  // collective's end). A peer that never joins surfaces at the run's next host wait, or at NCCL's watchdog
-  // a minute after train.dist_timeout_s. The default waits on the host.
-  virtual void wait_on_device() { wait(); }
 };
 
 // The collectives of a data-parallel run. Every rank calls them in the same order. Tensors are reduced in

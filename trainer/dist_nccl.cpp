@@ -21,7 +21,6 @@ class NcclPending : public Pending {
   NcclPending(const NcclCollectives* owner, c10::intrusive_ptr<c10d::Work> work)
       : owner_(owner), work_(std::move(work)) {}
   void wait() override;
-  void wait_on_device() override { work_->wait(); }  // no timeout: a stream wait, the host goes on
 
  private:
   const NcclCollectives* owner_;

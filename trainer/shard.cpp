@@ -475,9 +475,7 @@ void ShardedState::start_gather(Unit& u) {
 
 void ShardedState::install(Unit& u) {
   const auto t0 = Clock::now();
-  // The layer's kernels wait for its gather on the device; the host goes on queueing them (a host wait here
-  // left the device idle between a gather's end and the next layer's first kernel).
-  u.gather_pending->wait_on_device();
+  u.gather_pending->wait();
   u.gather_pending.reset();
   comm_s_ += seconds_since(t0);
   at::NoGradGuard no_grad;
