@@ -143,6 +143,8 @@ class StoreCollectives : public Collectives {
 
   void close() override { store_farewell(*store_, rank(), world(), timeout_); }
 
+  c10::intrusive_ptr<c10d::Store> store() const override { return store_; }
+
  protected:
   std::shared_ptr<Collectives> make_group(const std::string& name, int rank, int world) override {
     return std::make_shared<StoreCollectives>(c10::make_intrusive<c10d::PrefixStore>("rlt/group/" + name, store_), rank,

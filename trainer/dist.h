@@ -105,6 +105,9 @@ class Collectives {
   // The end of a clean run, on every rank: rank 0 (which may serve the store) waits until every rank has
   // said goodbye, so none loses the store while it still reads it.
   virtual void close() {}
+  // The key-value store the collectives meet through (nullptr: one process), for what a run keeps beside
+  // them (trainer/placement.h's signs of life).
+  virtual c10::intrusive_ptr<c10d::Store> store() const { return {}; }
 
  protected:
   // group()'s backend part, on a member: a set of `world` ranks in which this one is `rank`.

@@ -121,6 +121,8 @@ class NcclCollectives : public Collectives {
 
   void close() override { store_farewell(*store_, rank(), world(), timeout_); }
 
+  c10::intrusive_ptr<c10d::Store> store() const override { return store_; }
+
  protected:
   // A communicator of the members alone, rendezvous under the group's prefix.
   std::shared_ptr<Collectives> make_group(const std::string& name, int rank, int world) override {

@@ -115,7 +115,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   // train.rollout_ranks: the batches come from the rollout ranks, the weights go to them (trainer/placement.h).
   std::unique_ptr<RemoteRollouts> remote;
   if (run.placement) {
-    remote = std::make_unique<RemoteRollouts>(run, hooks.placement_fault);
+    remote = std::make_unique<RemoteRollouts>(run, hooks.placement_fault, hooks.before_publish);
     run.async = remote.get();
   } else if (T.async == AsyncMode::kOneStep) {
     async = std::make_unique<AsyncRollouts>(

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -41,6 +42,7 @@ struct GrpoHooks {
   bool async_threaded = true;
   AsyncFault async_fault = AsyncFault::kNone;
   PlacementFault placement_fault = PlacementFault::kNone;
+  std::function<void()> before_publish;  // train.rollout_ranks: run on the training ranks before each publish
 };
 std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks = {});
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <numeric>
 #include <optional>
+#include <thread>
 
 #include "common/files.h"
 #include "common/memory.h"
@@ -142,15 +143,100 @@ std::shared_ptr<Placement> place(const Config& c, const std::shared_ptr<Collecti
   std::shared_ptr<Collectives> rollout = all->group("rollout", rollouts);
   p->publish = all->group("publish", publish);
   p->side = p->rollout ? rollout : train;
+  if (const auto store = all->store()) {
+    p->handover = std::make_shared<Handover>(
+        store, all->rank(), std::chrono::milliseconds(static_cast<int64_t>(1000 * c.train.dist_timeout_s)));
+  }
   return p;
 }
 
 std::string staged_rollout_weights(const Run& run) { return (fs::path(run.out_dir) / "rollout_weights.next").string(); }
 
+// ---- Handovers ----
+
+namespace {
+std::string alive_key(int rank) { return "rlt/placement/alive/" + std::to_string(rank); }
+std::string said_key(const std::string& key, int rank) {
+  return "rlt/placement/said/" + key + "/" + std::to_string(rank);
+}
+}  // namespace
+
+Handover::Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), timeout_(timeout) {
+  store_->add(alive_key(rank_), 1);
+  beat_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+      try {
+        store_->add(alive_key(rank_), 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone: the job is ending, and a wait on it reports that
+      }
+    }
+  });
+}
+
+Handover::~Handover() { fall_silent(); }
+
+void Handover::fall_silent() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (beat_.joinable()) beat_.join();
+}
+
+void Handover::announce(const std::string& key) { store_->set(said_key(key, rank_), std::vector<uint8_t>{1}); }
+
+void Handover::await(const std::string& key, const std::vector<int>& ranks, const std::string& what) {
+  using Clock = std::chrono::steady_clock;
+  struct Seen {
+    int64_t count = -1;
+    Clock::time_point since;
+  };
+  std::map<int, Seen> seen;
+  for (;;) {
+    bool all = true;
+    const Clock::time_point now = Clock::now();
+    for (int r : ranks) {
+      if (store_->check({said_key(key, r)})) continue;
+      all = false;
+      const int64_t count = store_->add(alive_key(r), 0);
+      Seen& s = seen[r];
+      if (count != s.count) {
+        s.count = count;
+        s.since = now;
+      } else if (now - s.since > timeout_) {
+        throw DistError("rank " + std::to_string(rank_) + " waited for " + what + ": rank " + std::to_string(r) +
+                        " showed no sign of life for " + std::to_string(timeout_.count() / 1000) +
+                        " s (train.dist_timeout_s)");
+      }
+    }
+    if (all) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::vector<int> Placement::training_ranks() const {
+  std::vector<int> r(all->world() - rollout_ranks);
+  std::iota(r.begin(), r.end(), 0);
+  return r;
+}
+
+std::vector<int> Placement::sampling_ranks() const {
+  std::vector<int> r(rollout_ranks);
+  std::iota(r.begin(), r.end(), all->world() - rollout_ranks);
+  return r;
+}
+
 // ---- The training ranks ----
 
-RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault)
-    : run_(run), fault_(fault), async_(run.config.train.async == AsyncMode::kOneStep) {
+RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault, std::function<void()> before_publish)
+    : run_(run),
+      fault_(fault),
+      before_publish_(std::move(before_publish)),
+      async_(run.config.train.async == AsyncMode::kOneStep) {
   TORCH_CHECK(run.placement && !run.placement->rollout, "RemoteRollouts: a training rank of train.rollout_ranks");
   const std::optional<PendingState> pending = pending_state(run);
   if (pending && async_) {
@@ -160,10 +246,13 @@ RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault)
 }
 
 void RemoteRollouts::publish() {
+  if (before_publish_) before_publish_();
   at::NoGradGuard no_grad;
   const GatheredWeights whole(run_.sharded);  // train.shard parameters: every training rank gathers
   sync_s_ = sync_bytes_ = 0;
+  const int64_t n = publishes_++;
   if (!run_.placement->publish) return;  // training ranks other than 0
+  if (run_.placement->handover) run_.placement->handover->announce("publish" + std::to_string(n));
   SyncTiming timing;
   broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.step,
                        bucket_bytes(run_.config), run_.device, timing);
@@ -185,9 +274,14 @@ RolloutBatch RemoteRollouts::next() {
   sync_s_ += first_s;
   sync_bytes_ += first_bytes;
 
-  // Every rank's records; the training ranks send none.
+  // Every rank's records; the training ranks send none. The rollout ranks say when theirs are ready.
   const auto t0 = Clock::now();
-  const std::vector<uint8_t> all = exchange_bytes(*run_.placement->all, {});
+  const Placement& pl = *run_.placement;
+  if (pl.handover) {
+    pl.handover->await("batch" + std::to_string(run_.step + 1), pl.sampling_ranks(),
+                       "the batch of step " + std::to_string(run_.step + 1));
+  }
+  const std::vector<uint8_t> all = exchange_bytes(*pl.all, {});
   wait_s_ = seconds_since(t0);
   transfer_bytes_ = static_cast<double>(all.size());
   RolloutBatch out;
@@ -290,10 +384,12 @@ void serve_rollouts(Run& run, PlacementFault fault) {
   const Transformer& target = rollout_model(run);
   const std::vector<at::Tensor> tensors = rollout_tensors(target);
   std::vector<at::Tensor> scratch;  // kStaleWeights: where the weights after the first go instead
-  int64_t version = -1;
+  int64_t version = -1, received = 0;
   double wait_s = 0;
   auto receive = [&] {
     const auto t0 = Clock::now();
+    const int64_t n = received++;
+    if (pl.handover) pl.handover->await("publish" + std::to_string(n), {0}, "weights " + std::to_string(n));
     SyncTiming timing;
     const bool ignore = fault == PlacementFault::kStaleWeights && version >= 0;
     if (ignore && scratch.empty()) {
@@ -315,7 +411,8 @@ void serve_rollouts(Run& run, PlacementFault fault) {
   } else if (async && run.step < last_step(run)) {
     receive();  // the weights the first two batches sample
   }
-  for (int64_t t = run.step + 1; t <= last_step(run); ++t) {
+  const int64_t first_step = run.step + 1;
+  for (int64_t t = first_step; t <= last_step(run); ++t) {
     if (!async) receive();
     const auto t0 = Clock::now();
     RolloutSource source;
@@ -361,6 +458,11 @@ void serve_rollouts(Run& run, PlacementFault fault) {
     for (size_t i = 0; i < b.examples.size(); ++i) {
       write_group(w, b.index[i * G] / G, b.examples[i], &b.trajs[i * G], G);
     }
+    if (fault == PlacementFault::kSilent && t == first_step && pl.handover) {
+      pl.handover->fall_silent();
+      std::this_thread::sleep_for(3 * std::chrono::milliseconds(static_cast<int64_t>(1000 * cfg.train.dist_timeout_s)));
+    }
+    if (pl.handover) pl.handover->announce("batch" + std::to_string(t));
     exchange_bytes(*pl.all, w.bytes);
     run.step = t;
   }

@@ -26,27 +26,62 @@
 // prompt stream's positions a colocated run records (its pending rollout has drawn its prompts): the
 // checkpoint is a colocated one_step run's, and a run resumes with either placement.
 //
-// Every wait is bounded by train.dist_timeout_s, and here one side waits through the other's whole phase:
-// the rollout ranks through the training ranks' warm-up, evaluations, updates and checkpoints, the training
-// ranks (in turn) through a rollout. train.dist_timeout_s must exceed the longest of them.
+// Handovers: one side waits through the other's whole phase (the rollout ranks through the training ranks'
+// warm-up, evaluations, updates and checkpoints; the training ranks, in turn, through a rollout), longer
+// than train.dist_timeout_s may be. So a side first waits in the store for the other's word that it is
+// ready (Handover), for as long as the ranks it waits for show signs of life, and only then joins the
+// collective, which the other side has joined too: a collective's wait stays bounded by the timeout, and a
+// rank that hangs is named once it has been silent that long.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "trainer/run.h"
 
 namespace rlt {
 
+// Signs of life and handovers in the job's store: every rank adds to its own counter every second, from a
+// thread of its own (thread ranks share the store under their own ranks). await() waits until each of
+// `ranks` has announced `key`, for as long as each of them that has not shows signs of life; one whose
+// counter stands still for `timeout` ends the wait with a DistError naming it and what was awaited.
+class Handover {
+ public:
+  Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout);
+  ~Handover();
+  Handover(const Handover&) = delete;
+  Handover& operator=(const Handover&) = delete;
+  void announce(const std::string& key);
+  void await(const std::string& key, const std::vector<int>& ranks, const std::string& what);
+  void fall_silent();  // PlacementFault::kSilent: the counter stops
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread beat_;
+};
+
 struct Placement {
   std::shared_ptr<Collectives> all;      // every rank of the job
   std::shared_ptr<Collectives> side;     // this rank's side: the training ranks, or the rollout ranks
   std::shared_ptr<Collectives> publish;  // training rank 0 and the rollout ranks; nullptr on the other trainers
   int rollout_ranks = 0;
-  bool rollout = false;  // this rank is a rollout rank
+  bool rollout = false;                // this rank is a rollout rank
+  std::shared_ptr<Handover> handover;  // nullptr only for collectives without a store
+  std::vector<int> training_ranks() const;
+  std::vector<int> sampling_ranks() const;
 };
 
 // train.rollout_ranks = k over `world` ranks: at least one rank each side, the training ranks' shapes split
@@ -59,13 +94,17 @@ void check_placement(const Config& config, int world);
 std::shared_ptr<Placement> place(const Config& config, const std::shared_ptr<Collectives>& all);
 
 // Wrong placements the tests must reject: the rollout ranks keep sampling from the first weights they get
-// (kStaleWeights), or each training rank trains on the first share of the batch (kOneShare).
-enum class PlacementFault { kNone, kStaleWeights, kOneShare };
+// (kStaleWeights), or each training rank trains on the first share of the batch (kOneShare); and a rollout
+// rank that stops showing signs of life before its first batch, then goes on after 3 x train.dist_timeout_s
+// (kSilent: the training ranks must name it).
+enum class PlacementFault { kNone, kStaleWeights, kOneShare, kSilent };
 
 // The training ranks' side: next() publishes the weights and returns this rank's share of the batch.
 class RemoteRollouts : public PendingRollouts {
  public:
-  explicit RemoteRollouts(Run& run, PlacementFault fault = PlacementFault::kNone);
+  // before_publish: a test's stand-in for a long phase on the training side (run before every publish).
+  explicit RemoteRollouts(Run& run, PlacementFault fault = PlacementFault::kNone,
+                          std::function<void()> before_publish = nullptr);
   // Step run.step + 1's batch: publishes the weights as they are now (the first call of a fresh one_step run
   // publishes them twice: for the first two batches), then receives the batch.
   RolloutBatch next();
@@ -82,6 +121,8 @@ class RemoteRollouts : public PendingRollouts {
   void publish();
   Run& run_;
   PlacementFault fault_;
+  std::function<void()> before_publish_;
+  int64_t publishes_ = 0;
   bool async_;
   bool published_ = false;
   double sync_s_ = 0, sync_bytes_ = 0, wait_s_ = 0, transfer_bytes_ = 0, rollout_wall_s_ = 0, wait_update_s_ = 0;

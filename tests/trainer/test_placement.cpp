@@ -7,7 +7,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "model/config.h"
 #include "tests/common/tmpdir.h"
@@ -48,16 +50,24 @@ void train_colocated(const Config& c, const std::string& dir, int world = 1, boo
 }
 
 // `world` thread ranks, the last c.train.rollout_ranks of them rollout ranks; all share the run folder.
+// `timeout`: the store's collectives'.
 void train_placed(const Config& c, const std::string& dir, int world, bool resume = false, int64_t stop_after = 0,
-                  PlacementFault fault = PlacementFault::kNone) {
-  rlt::testing::on_thread_ranks(world, [&](int, std::shared_ptr<Collectives> all) {
-    const std::shared_ptr<Placement> p = place(c, all);
-    Run run = make_run(c, dir, resume, {}, p->side, p);
-    run.stop_after = stop_after;
-    GrpoHooks hooks;
-    hooks.placement_fault = fault;
-    train_grpo(run, hooks);
-  });
+                  const GrpoHooks& hooks = {}, std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+  rlt::testing::on_thread_ranks(
+      world,
+      [&](int, std::shared_ptr<Collectives> all) {
+        const std::shared_ptr<Placement> p = place(c, all);
+        Run run = make_run(c, dir, resume, {}, p->side, p);
+        run.stop_after = stop_after;
+        train_grpo(run, hooks);
+      },
+      timeout);
+}
+
+GrpoHooks with_fault(PlacementFault fault) {
+  GrpoHooks hooks;
+  hooks.placement_fault = fault;
+  return hooks;
 }
 
 // The steps' figures, and where both runs log them the staleness and the evaluations.
@@ -101,7 +111,7 @@ TEST(Placement, OneStepOnARolloutRankEqualsTheColocatedRun) {
     EXPECT_GE(b[i]["time_rollout_wall_s"].get<double>(), b[i]["time_rollout_s"].get<double>());
   }
   // The twin: a rollout rank that keeps the first weights samples steps 3 and 4 from w0, not w1 and w2.
-  train_placed(c, stale, 2, false, 0, PlacementFault::kStaleWeights);
+  train_placed(c, stale, 2, false, 0, with_fault(PlacementFault::kStaleWeights));
   const auto s = read_metrics(stale);
   ASSERT_EQ(s.size(), 4u);
   EXPECT_EQ(s[1]["loss"].get<double>(), b[1]["loss"].get<double>()) << "steps 1-2 sample w0 either way";
@@ -126,7 +136,7 @@ TEST(Placement, InTurnTwoTrainingRanksBesideARolloutRankEqualTwoColocatedRanks) 
   expect_same_rows(a, b, 0);
   for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i]["staleness_mean"].get<double>(), 0.0) << "step " << i + 1;
   // The twin: each training rank trains on the first share of the batch.
-  train_placed(c, one_share, 3, false, 0, PlacementFault::kOneShare);
+  train_placed(c, one_share, 3, false, 0, with_fault(PlacementFault::kOneShare));
   const auto o = read_metrics(one_share);
   ASSERT_EQ(o.size(), 4u);
   double most = 0;  // step 1's rewards are all equal (no gradient): the later updates tell
@@ -204,6 +214,31 @@ TEST(Placement, ResumesAColocatedCheckpointWithARolloutPending) {
   c.train.rollout_ranks = 1;
   train_placed(c, part, 2, /*resume=*/true);
   expect_same_rows(read_metrics(full), read_metrics(part), 0);
+}
+
+// A phase on one side longer than train.dist_timeout_s (here each publish waits 3 s against a 1.5 s timeout,
+// for the store's collectives too) is waited through while the other side shows signs of life; a rollout
+// rank that falls silent is named once the timeout has passed.
+TEST(Placement, ASideWaitsThroughTheOthersLongPhaseAndNamesASilentRank) {
+  TempDir tmp("placement_handover");
+  Config c = placed_config(AsyncMode::kOneStep);
+  c.train.rollout_ranks = 1;
+  c.train.steps = 2;
+  c.train.checkpoint_every = 0;
+  c.train.dist_timeout_s = 1.5;
+  const auto timeout = std::chrono::milliseconds(1500);
+  const std::string slow = (tmp.path() / "slow").string(), silent = (tmp.path() / "silent").string();
+  GrpoHooks delayed;
+  delayed.before_publish = [] { std::this_thread::sleep_for(std::chrono::seconds(3)); };
+  train_placed(c, slow, 2, false, 0, delayed, timeout);
+  EXPECT_EQ(read_metrics(slow).size(), 2u);
+  try {
+    train_placed(c, silent, 2, false, 0, with_fault(PlacementFault::kSilent), timeout);
+    ADD_FAILURE() << "a silent rollout rank went unnoticed";
+  } catch (const DistError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 showed no sign of life"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the batch of step 1"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Placement, GroupsReduceOverTheirMembersAlone) {
