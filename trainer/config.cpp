@@ -65,11 +65,7 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.rollout.partial && c.train.dynamic_sampling) {
     r.fail("rollout.partial", "is not built with train.dynamic_sampling (its rounds draw whole groups)");
   }
-  // Rollout ranks sample whole steps from broadcast weights: dynamic sampling's extra rounds and a carry
-  // kept between rollouts would need the training ranks' say mid-rollout.
-  if (c.train.rollout_ranks > 0 && c.train.dynamic_sampling) {
-    r.fail("train.rollout_ranks", "is not built with train.dynamic_sampling (its rounds depend on the filter)");
-  }
+  // A partial rollout's carry lives beside the update, on the ranks that train.
   if (c.train.rollout_ranks > 0 && c.rollout.partial) {
     r.fail("train.rollout_ranks", "is not built with rollout.partial (the carry lives beside the update)");
   }

@@ -49,12 +49,19 @@ std::vector<bool> varied_groups(const at::Tensor& table, int64_t G) {
   return out;
 }
 
-DynamicSampling::DynamicSampling(const Config& config)
+DynamicSampling::DynamicSampling(const Config& config, int64_t prompts_per_mini)
     : enabled_(config.train.dynamic_sampling),
       P_(config.train.prompts_per_step),
       G_(config.sampling.samples_per_prompt),
       max_rounds_(config.train.max_sampling_rounds),
-      prompts_per_mini_(step_shape(config).mini / config.sampling.samples_per_prompt) {}
+      prompts_per_mini_(prompts_per_mini > 0 ? prompts_per_mini
+                                             : step_shape(config).mini / config.sampling.samples_per_prompt) {}
+
+void DynamicSampling::record(const SamplingRounds& rounds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_ = rounds;
+  unreported_.push_back(rounds);
+}
 
 RolloutBatch DynamicSampling::collect(Run& run) {
   if (!enabled_) return collect_rollouts(run);

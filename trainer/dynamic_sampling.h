@@ -55,8 +55,12 @@ struct SamplingRounds {
 class DynamicSampling {
  public:
   // From train.dynamic_sampling, max_sampling_rounds, prompts_per_step, mini_batch_size and
-  // sampling.samples_per_prompt.
-  explicit DynamicSampling(const Config& config);
+  // sampling.samples_per_prompt. prompts_per_mini: rank_prompts' unit, the prompts of a mini-batch (0), or
+  // the step's (a rollout rank of train.rollout_ranks, whose ranks split the step contiguously).
+  explicit DynamicSampling(const Config& config, int64_t prompts_per_mini = 0);
+
+  // train.rollout_ranks: the figures of a batch the rollout ranks collected, as if collected here.
+  void record(const SamplingRounds& rounds);
 
   // The step's rollout. train.dynamic_sampling off: collect_rollouts(run). On: rounds of
   // collect_rollouts(run), each drawing the stream's next P prompts (run.prompts->consumed() advances by P a

@@ -132,8 +132,9 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
-    if (T.mask_truncated) mask_truncated(rb.trajs);   // before packing and the denominators
-    const std::vector<Trajectory>& trajs = rb.trajs;  // (S), prompt-major
+    if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
+    if (T.mask_truncated) mask_truncated(rb.trajs);                       // before packing and the denominators
+    const std::vector<Trajectory>& trajs = rb.trajs;                      // (S), prompt-major
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
     // reward (rb.table, all ranks'), then this rank's rows.

@@ -288,6 +288,7 @@ RolloutBatch RemoteRollouts::next() {
   std::vector<GroupRecord> groups(P);
   ByteReader rd(all.data(), all.size());
   bool header = false;
+  int64_t consumed_after = 0;  // the prompt stream's position after the rollout ranks' draws
   while (!rd.done()) {
     if (rd.get<uint8_t>()) {  // the first rollout rank's: the rollout's figures, over every rollout rank
       header = true;
@@ -295,6 +296,8 @@ RolloutBatch RemoteRollouts::next() {
       out.stats = rd.get<RolloutStats>();
       rollout_wall_s_ = rd.get<double>();
       wait_update_s_ = rd.get<double>();
+      rounds_ = rd.get<SamplingRounds>();
+      consumed_after = rd.get<int64_t>();
     }
     RewardTally tally;
     tally.scored = rd.get<int64_t>();
@@ -313,15 +316,25 @@ RolloutBatch RemoteRollouts::next() {
     }
   }
   TORCH_CHECK(header, "train.rollout_ranks: the rollout ranks sent no figures");
-  // The training ranks draw the same prompts: the stream's position is theirs to checkpoint.
-  const std::vector<PromptExample> drawn = run_.prompts->next(P);
+  // The training ranks draw the same prompts (with dynamic sampling, as many rounds as the rollout ranks
+  // drew): the stream's position is theirs to checkpoint.
+  std::vector<PromptExample> drawn;
+  if (cfg.train.dynamic_sampling) {
+    run_.prompts->seek(consumed_after);
+  } else {
+    drawn = run_.prompts->next(P);
+    TORCH_CHECK(run_.prompts->consumed() == consumed_after,
+                "train.rollout_ranks: the rollout ranks' prompt stream is at ", consumed_after,
+                ", the training ranks' at ", run_.prompts->consumed());
+  }
   std::vector<Trajectory> every;
   std::vector<int64_t> places;
   for (int64_t p = 0; p < P; ++p) {
     TORCH_CHECK(static_cast<int64_t>(groups[p].trajs.size()) == G, "train.rollout_ranks: prompt ", p, " has ",
                 groups[p].trajs.size(), " trajectories, not ", G);
-    TORCH_CHECK(groups[p].example.prompt == drawn[p].prompt, "train.rollout_ranks: the rollout ranks sampled prompt ",
-                p, " from another place in the prompt stream than the training ranks drew");
+    TORCH_CHECK(drawn.empty() || groups[p].example.prompt == drawn[p].prompt,
+                "train.rollout_ranks: the rollout ranks sampled prompt ", p,
+                " from another place in the prompt stream than the training ranks drew");
     for (int64_t g = 0; g < G; ++g) {
       every.push_back(groups[p].trajs[g]);
       places.push_back(p * G + g);
@@ -340,6 +353,7 @@ RolloutBatch RemoteRollouts::next() {
     out.examples.push_back(std::move(groups[p].example));
     for (int64_t g = 0; g < G; ++g) {
       out.trajs.push_back(std::move(groups[p].trajs[g]));
+      out.trajs.back().prompt_index = static_cast<int64_t>(out.examples.size()) - 1;  // its example here
       out.index.push_back(p * G + g);
     }
   }
@@ -368,8 +382,11 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
   fs::rename(staged, fs::path(dir) / "rollout_weights");
   const int64_t begin = run_.prompts->consumed();
   state["async"] = {{"version", run_.step - 1}, {"prompts_begin", begin}, {"partial", false}};
-  // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw.
-  if (run_.step < last_step(run_)) state["prompts_consumed"] = begin + run_.config.train.prompts_per_step;
+  // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw
+  // (with dynamic sampling its rounds are not known yet: the position where it begins).
+  if (run_.step < last_step(run_) && !run_.config.train.dynamic_sampling) {
+    state["prompts_consumed"] = begin + run_.config.train.prompts_per_step;
+  }
 }
 
 // ---- The rollout ranks ----
@@ -411,6 +428,8 @@ void serve_rollouts(Run& run, PlacementFault fault) {
   } else if (async && run.step < last_step(run)) {
     receive();  // the weights the first two batches sample
   }
+  // Dynamic sampling's rounds over the rollout ranks, which split each round's prompts contiguously.
+  DynamicSampling sampling(cfg, cfg.train.prompts_per_step);
   const int64_t first_step = run.step + 1;
   for (int64_t t = first_step; t <= last_step(run); ++t) {
     if (!async) receive();
@@ -424,8 +443,10 @@ void serve_rollouts(Run& run, PlacementFault fault) {
     RolloutBatch b;
     {
       const RolloutSourceScope scope(source);
-      b = collect_rollouts(run);
+      b = sampling.collect(run);  // train.dynamic_sampling: its rounds; else one collect_rollouts
     }
+    const SamplingRounds rounds = sampling.last();
+    sampling.metrics();  // reported by the training ranks, which receive them
     const double wall_s = seconds_since(t0);
     if (async) {
       receive();                                           // w(t - 1): the next batch samples it
@@ -444,6 +465,8 @@ void serve_rollouts(Run& run, PlacementFault fault) {
       w.put(b.stats);
       w.put<double>(wall_s);
       w.put<double>(wait_s);
+      w.put(rounds);
+      w.put<int64_t>(run.prompts->consumed());
     }
     w.put<int64_t>(b.rewards.scored);
     w.put<int64_t>(b.rewards.failed);

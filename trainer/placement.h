@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "trainer/dynamic_sampling.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -116,6 +117,8 @@ class RemoteRollouts : public PendingRollouts {
   // aside).
   std::map<std::string, double> metrics(const RolloutBatch& batch) const;
   void save(const std::string& dir, nlohmann::json& state) override;
+  // train.dynamic_sampling: the rounds the rollout ranks sampled for the batch next() returned last.
+  const SamplingRounds& rounds() const { return rounds_; }
 
  private:
   void publish();
@@ -123,6 +126,7 @@ class RemoteRollouts : public PendingRollouts {
   PlacementFault fault_;
   std::function<void()> before_publish_;
   int64_t publishes_ = 0;
+  SamplingRounds rounds_;
   bool async_;
   bool published_ = false;
   double sync_s_ = 0, sync_bytes_ = 0, wait_s_ = 0, transfer_bytes_ = 0, rollout_wall_s_ = 0, wait_update_s_ = 0;

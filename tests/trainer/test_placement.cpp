@@ -165,6 +165,36 @@ TEST(Placement, WithLoraAndEvaluationsOnTheTrainingRankEqualsTheColocatedRun) {
   expect_same_rows(a, b, 0);
 }
 
+// DAPO's dynamic sampling on two rollout ranks: their rounds, the equal-reward filter and the groups they
+// pass between them give the training rank the colocated run's batches, stream position and figures.
+TEST(Placement, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
+  TempDir tmp("placement_dapo");
+  Config c = placed_config(AsyncMode::kOff);
+  c.train.dynamic_sampling = true;
+  c.train.max_sampling_rounds = 3;
+  c.train.checkpoint_every = 2;
+  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string();
+  train_colocated(c, colocated);
+  c.train.rollout_ranks = 2;
+  train_placed(c, placed, 3);
+  const auto a = read_metrics(colocated), b = read_metrics(placed);
+  ASSERT_EQ(b.size(), 4u);
+  expect_same_rows(a, b, 0);
+  double rounds = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (const char* k : {"groups_kept", "groups_filtered", "groups_surplus", "sampling_rounds", "prompts_sampled",
+                          "sampled_accuracy", "update_skipped"}) {
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+    rounds += b[i]["sampling_rounds"].get<double>();
+  }
+  EXPECT_GT(rounds, 4) << "no step sampled a second round: the test checks one round only";
+  const auto state = [](const std::string& dir) {
+    return nlohmann::json::parse(std::ifstream(dir + "/checkpoint/state.json"))["prompts_consumed"].get<int64_t>();
+  };
+  EXPECT_EQ(state(colocated), state(placed));
+}
+
 // Two rollout ranks split the step's prompts; one training rank trains on both shares.
 TEST(Placement, TwoRolloutRanksSplitTheStepForOneTrainingRank) {
   TempDir tmp("placement_two_samplers");
@@ -304,9 +334,7 @@ TEST(Placement, RefusesWhatCannotSplit) {
   } catch (const RunError& e) {
     EXPECT_NE(std::string(e.what()).find("3 training ranks"), std::string::npos) << e.what();
   }
-  for (const char* key : {"train.dynamic_sampling=true", "rollout.partial=true"}) {
-    EXPECT_THROW(load_config("", {"train.rollout_ranks=1", "train.async=one_step", key}), ConfigError) << key;
-  }
+  EXPECT_THROW(load_config("", {"train.rollout_ranks=1", "train.async=one_step", "rollout.partial=true"}), ConfigError);
 }
 
 // A rollout rank holds the weights it decodes and its share's cache; the training ranks hold no training
