@@ -98,7 +98,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
   // train.rollout_ranks: a rollout rank samples every step's batch for the training ranks, and nothing else.
   if (run.rollout_rank) {
-    serve_rollouts(run, hooks.placement_fault);
+    serve_rollouts(run, hooks.placement_fault, hooks.before_sample);
     return {};
   }
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share

@@ -42,7 +42,9 @@ struct GrpoHooks {
   bool async_threaded = true;
   AsyncFault async_fault = AsyncFault::kNone;
   PlacementFault placement_fault = PlacementFault::kNone;
-  std::function<void()> before_publish;  // train.rollout_ranks: run on the training ranks before each publish
+  // train.rollout_ranks: run on the training ranks before each publish, and on the rollout ranks before each
+  // batch's sampling (a long phase's stand-ins).
+  std::function<void()> before_publish, before_sample;
 };
 std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks = {});
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -155,20 +156,34 @@ std::string staged_rollout_weights(const Run& run) { return (fs::path(run.out_di
 // ---- Handovers ----
 
 namespace {
-std::string alive_key(int rank) { return "rlt/placement/alive/" + std::to_string(rank); }
+// Keys of this attempt of the job: torchrun's agent keeps its store across a restart of the workers.
+std::string placement_key(const std::string& what) {
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return "rlt/placement/" + std::string(attempt ? attempt : "0") + "/" + what;
+}
+std::string alive_key(int rank) { return placement_key("alive/" + std::to_string(rank)); }
 std::string said_key(const std::string& key, int rank) {
-  return "rlt/placement/said/" + key + "/" + std::to_string(rank);
+  return placement_key("said/" + key + "/" + std::to_string(rank));
 }
 }  // namespace
 
 Handover::Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout)
     : store_(std::move(store)), rank_(rank), timeout_(timeout) {
   store_->add(alive_key(rank_), 1);
-  beat_ = std::thread([this] {
+  // Its own connection: a TCPStore client holds its lock through a blocking wait (a collective's), which
+  // would hold the beats back on a shared one. Four beats a timeout, at most one a second.
+  c10::intrusive_ptr<c10d::Store> own;
+  try {
+    own = store_->clone();
+  } catch (const std::exception&) {
+    own = store_;
+  }
+  const auto every = std::clamp(timeout_ / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  beat_ = std::thread([this, own, every] {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+    while (!wake_.wait_for(lock, every, [this] { return stop_; })) {
       try {
-        store_->add(alive_key(rank_), 1);
+        own->add(alive_key(rank_), 1);
       } catch (const std::exception&) {
         return;  // the store is gone: the job is ending, and a wait on it reports that
       }
@@ -187,9 +202,25 @@ void Handover::fall_silent() {
   if (beat_.joinable()) beat_.join();
 }
 
-void Handover::announce(const std::string& key) { store_->set(said_key(key, rank_), std::vector<uint8_t>{1}); }
+void Handover::announce(const std::string& key) {
+  try {
+    store_->set(said_key(key, rank_), std::vector<uint8_t>{1});
+  } catch (const c10::Error& e) {
+    throw DistError("rank " + std::to_string(rank_) +
+                    ": the rendezvous store is gone (rank 0 serves it): " + e.what_without_backtrace());
+  }
+}
 
 void Handover::await(const std::string& key, const std::vector<int>& ranks, const std::string& what) {
+  try {
+    poll(key, ranks, what);
+  } catch (const c10::Error& e) {
+    throw DistError("rank " + std::to_string(rank_) + " waited for " + what +
+                    ": the rendezvous store is gone (rank 0 serves it): " + e.what_without_backtrace());
+  }
+}
+
+void Handover::poll(const std::string& key, const std::vector<int>& ranks, const std::string& what) {
   using Clock = std::chrono::steady_clock;
   struct Seen {
     int64_t count = -1;
@@ -251,8 +282,12 @@ void RemoteRollouts::publish() {
   const GatheredWeights whole(run_.sharded);  // train.shard parameters: every training rank gathers
   sync_s_ = sync_bytes_ = 0;
   const int64_t n = publishes_++;
-  if (!run_.placement->publish) return;  // training ranks other than 0
-  if (run_.placement->handover) run_.placement->handover->announce("publish" + std::to_string(n));
+  if (!run_.placement->publish) return;            // training ranks other than 0
+  if (const auto& h = run_.placement->handover) {  // both sides ready before the broadcast's collectives
+    h->announce("publish" + std::to_string(n));
+    h->await("ready" + std::to_string(n), run_.placement->sampling_ranks(),
+             "the rollout ranks to take weights " + std::to_string(n));
+  }
   SyncTiming timing;
   broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.step,
                        bucket_bytes(run_.config), run_.device, timing);
@@ -391,7 +426,7 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
 
 // ---- The rollout ranks ----
 
-void serve_rollouts(Run& run, PlacementFault fault) {
+void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>& before_sample) {
   TORCH_CHECK(run.placement && run.placement->rollout, "serve_rollouts: a rollout rank of train.rollout_ranks");
   const Config& cfg = run.config;
   const Placement& pl = *run.placement;
@@ -406,7 +441,10 @@ void serve_rollouts(Run& run, PlacementFault fault) {
   auto receive = [&] {
     const auto t0 = Clock::now();
     const int64_t n = received++;
-    if (pl.handover) pl.handover->await("publish" + std::to_string(n), {0}, "weights " + std::to_string(n));
+    if (pl.handover) {
+      pl.handover->announce("ready" + std::to_string(n));
+      pl.handover->await("publish" + std::to_string(n), {0}, "weights " + std::to_string(n));
+    }
     SyncTiming timing;
     const bool ignore = fault == PlacementFault::kStaleWeights && version >= 0;
     if (ignore && scratch.empty()) {
@@ -441,6 +479,7 @@ void serve_rollouts(Run& run, PlacementFault fault) {
     source.step = t - 1;
     source.version = version;
     RolloutBatch b;
+    if (before_sample) before_sample();
     {
       const RolloutSourceScope scope(source);
       b = sampling.collect(run);  // train.dynamic_sampling: its rounds; else one collect_rollouts

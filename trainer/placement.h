@@ -28,7 +28,8 @@
 //
 // Handovers: one side waits through the other's whole phase (the rollout ranks through the training ranks'
 // warm-up, evaluations, updates and checkpoints; the training ranks, in turn, through a rollout), longer
-// than train.dist_timeout_s may be. So a side first waits in the store for the other's word that it is
+// than train.dist_timeout_s may be (with one_step, rank 0 publishing while the rollout ranks still sample,
+// too). So a side first waits in the store for the other's word that it is
 // ready (Handover), for as long as the ranks it waits for show signs of life, and only then joins the
 // collective, which the other side has joined too: a collective's wait stays bounded by the timeout, and a
 // rank that hangs is named once it has been silent that long.
@@ -50,10 +51,13 @@
 
 namespace rlt {
 
-// Signs of life and handovers in the job's store: every rank adds to its own counter every second, from a
-// thread of its own (thread ranks share the store under their own ranks). await() waits until each of
-// `ranks` has announced `key`, for as long as each of them that has not shows signs of life; one whose
-// counter stands still for `timeout` ends the wait with a DistError naming it and what was awaited.
+// Signs of life and handovers in the job's store: every rank adds to its own counter four times a timeout
+// (at most once a second), from a thread of its own on a connection of its own (thread ranks share the
+// store under their own ranks). Before a broadcast of the weights, rank 0 says it publishes and the rollout
+// ranks that they are ready for it; before a batch, each rollout rank says it is ready. await() waits until
+// each of `ranks` has announced `key`, for as long as each of them that has not shows signs of life; one
+// whose counter stands still for `timeout` ends the wait with a DistError naming it and what was awaited
+// (so does a store that is gone). Keys are per attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT).
 class Handover {
  public:
   Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout);
@@ -65,6 +69,7 @@ class Handover {
   void fall_silent();  // PlacementFault::kSilent: the counter stops
 
  private:
+  void poll(const std::string& key, const std::vector<int>& ranks, const std::string& what);
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   std::chrono::milliseconds timeout_;
@@ -134,7 +139,9 @@ class RemoteRollouts : public PendingRollouts {
 
 // The rollout ranks' side: samples, scores and sends every remaining step's batch (run.step + 1 to the last
 // step, or --stop-after), from the weights the training ranks publish.
-void serve_rollouts(Run& run, PlacementFault fault = PlacementFault::kNone);
+// before_sample: a test's stand-in for a long rollout (run before every batch's sampling).
+void serve_rollouts(Run& run, PlacementFault fault = PlacementFault::kNone,
+                    const std::function<void()>& before_sample = nullptr);
 
 // The weights' broadcast: the root of `group` (training rank 0) sends `tensors` to every other member, which
 // receive into theirs (the same shapes and dtypes, in the same order), in buckets of up to bucket_bytes of

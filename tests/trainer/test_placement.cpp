@@ -167,9 +167,11 @@ TEST(Placement, WithLoraAndEvaluationsOnTheTrainingRankEqualsTheColocatedRun) {
 
 // DAPO's dynamic sampling on two rollout ranks: their rounds, the equal-reward filter and the groups they
 // pass between them give the training rank the colocated run's batches, stream position and figures.
-TEST(Placement, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
+class PlacementDapo : public ::testing::TestWithParam<AsyncMode> {};
+
+TEST_P(PlacementDapo, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
   TempDir tmp("placement_dapo");
-  Config c = placed_config(AsyncMode::kOff);
+  Config c = placed_config(GetParam());
   c.train.dynamic_sampling = true;
   c.train.max_sampling_rounds = 3;
   c.train.checkpoint_every = 2;
@@ -192,8 +194,11 @@ TEST(Placement, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
   const auto state = [](const std::string& dir) {
     return nlohmann::json::parse(std::ifstream(dir + "/checkpoint/state.json"))["prompts_consumed"].get<int64_t>();
   };
-  EXPECT_EQ(state(colocated), state(placed));
+  EXPECT_EQ(state(colocated), state(placed)) << "the last step's checkpoint: no rollout pending";
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, PlacementDapo, ::testing::Values(AsyncMode::kOff, AsyncMode::kOneStep),
+                         [](const auto& info) { return std::string(enum_to_string(info.param)); });
 
 // Two rollout ranks split the step's prompts; one training rank trains on both shares.
 TEST(Placement, TwoRolloutRanksSplitTheStepForOneTrainingRank) {
@@ -246,9 +251,9 @@ TEST(Placement, ResumesAColocatedCheckpointWithARolloutPending) {
   expect_same_rows(read_metrics(full), read_metrics(part), 0);
 }
 
-// A phase on one side longer than train.dist_timeout_s (here each publish waits 3 s against a 1.5 s timeout,
-// for the store's collectives too) is waited through while the other side shows signs of life; a rollout
-// rank that falls silent is named once the timeout has passed.
+// A phase on one side longer than train.dist_timeout_s (here each publish, then each sampling, waits 3 s
+// against a 1.5 s timeout, the store's collectives' too) is waited through while the other side shows signs
+// of life; a rollout rank that falls silent is named once the timeout has passed.
 TEST(Placement, ASideWaitsThroughTheOthersLongPhaseAndNamesASilentRank) {
   TempDir tmp("placement_handover");
   Config c = placed_config(AsyncMode::kOneStep);
@@ -261,6 +266,10 @@ TEST(Placement, ASideWaitsThroughTheOthersLongPhaseAndNamesASilentRank) {
   GrpoHooks delayed;
   delayed.before_publish = [] { std::this_thread::sleep_for(std::chrono::seconds(3)); };
   train_placed(c, slow, 2, false, 0, delayed, timeout);
+  // One_step with the rollout longer than the update: rank 0 waits for the rollout ranks before it publishes.
+  GrpoHooks long_rollout;
+  long_rollout.before_sample = [] { std::this_thread::sleep_for(std::chrono::seconds(3)); };
+  train_placed(c, slow, 2, false, 0, long_rollout, timeout);
   EXPECT_EQ(read_metrics(slow).size(), 2u);
   try {
     train_placed(c, silent, 2, false, 0, with_fault(PlacementFault::kSilent), timeout);
