@@ -18,7 +18,8 @@
 // transfer alone. The rollout ranks split a step's
 // prompts evenly, each sampling its share with the noise streams one process would use, and send their
 // groups to every training rank in one byte exchange over all N ranks; each training rank keeps its share
-// (rank_prompts), as if it had sampled it.
+// (rank_prompts), as if it had sampled it. With train.dynamic_sampling the rollout ranks sample its rounds
+// and filter the groups; the batch carries the rounds' figures and the prompt stream's position.
 //
 // Checkpoints: the training ranks' files as in a colocated run. With one_step, the weights the pending
 // rollout samples from are written by the first rollout rank beside the run folder before it sends the
