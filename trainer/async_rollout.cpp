@@ -24,9 +24,6 @@ namespace {
 
 double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// Where the published copy is kept in a checkpoint (a Hugging Face folder, as the model's).
-constexpr const char* kWeightsDir = "rollout_weights";
-
 std::string carry_path(const std::string& dir, int rank) {
   return (fs::path(dir) / ("partial_rank" + std::to_string(rank) + ".json")).string();
 }
@@ -109,6 +106,24 @@ PartialCarry carry_from_json(const nlohmann::json& j) {
 
 }  // namespace
 
+std::optional<PendingRollout> pending_rollout(const Run& run) {
+  if (run.resumed_from.empty()) return std::nullopt;
+  std::ifstream f((fs::path(run.resumed_from) / "state.json").string());
+  const nlohmann::json state = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (!state.is_object() || !state.contains("async")) return std::nullopt;
+  const nlohmann::json& a = state.at("async");
+  PendingRollout p;
+  p.prompts_begin = a.at("prompts_begin").get<int64_t>();
+  p.version = a.at("version").get<int64_t>();
+  p.partial = a.value("partial", false);
+  p.weights = (fs::path(run.resumed_from) / kRolloutWeightsDir).string();
+  if (!fs::exists(fs::path(p.weights) / "config.json")) {
+    throw RunError(p.weights +
+                   ": missing; the checkpoint of train.async lost the weights its next rollout samples from");
+  }
+  return p;
+}
+
 struct AsyncRollouts::CudaOrder {
 #ifdef RLT_HAVE_CUDA
   at::cuda::CUDAEvent published;  // on the main stream, after a publish's copies
@@ -132,27 +147,20 @@ AsyncRollouts::AsyncRollouts(Run& run, std::function<RolloutBatch(Run&)> collect
 #endif
   // A resumed run: the checkpoint's published copy and where its pending rollout's prompts began (a
   // checkpoint of a run in turn has neither: the first step then publishes the weights as they are).
-  if (run.resumed_from.empty()) return;
-  std::ifstream f((fs::path(run.resumed_from) / "state.json").string());
-  const nlohmann::json state = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (!state.is_object() || !state.contains("async")) return;
-  const nlohmann::json& a = state.at("async");
-  const std::string weights = (fs::path(run.resumed_from) / kWeightsDir).string();
-  if (!fs::exists(fs::path(weights) / "config.json")) {
-    throw RunError(weights + ": missing; the checkpoint of train.async lost the weights its next rollout samples from");
-  }
+  const std::optional<PendingRollout> pending = pending_rollout(run);
+  if (!pending) return;
   copy_ = std::make_unique<Transformer>(
-      Transformer::load(weights, run.policy->named_parameters().front().second.scalar_type(), run.device));
-  version_ = a.at("version").get<int64_t>();
-  run.prompts->seek(a.at("prompts_begin").get<int64_t>());
+      Transformer::load(pending->weights, run.policy->named_parameters().front().second.scalar_type(), run.device));
+  version_ = pending->version;
+  run.prompts->seek(pending->prompts_begin);
   published_once_ = true;
   const std::string carried = carry_path(run.resumed_from, run.dist->rank());
-  if (a.value("partial", false) && !partial_) {
+  if (pending->partial && !partial_) {
     throw RunError(run.resumed_from +
                    ": the checkpoint holds the unfinished groups of rollout.partial; resume with "
                    "rollout.partial: true");
   }
-  if (partial_ && a.value("partial", false)) {
+  if (partial_ && pending->partial) {
     std::ifstream cf(carried);
     if (!cf) throw RunError(carried + ": missing; the checkpoint of rollout.partial lost this rank's carried groups");
     try {
@@ -268,7 +276,7 @@ RolloutBatch AsyncRollouts::next() {
   }
   // The next step's rollout, from the weights as they are now, unless the run ends (or stops) first.
   const int64_t after = run_.step + 2;
-  const bool needed = after <= run_.config.train.steps && !(run_.stop_after > 0 && after > run_.stop_after);
+  const bool needed = after <= run_.last_step();
   publish();
   if (needed) launch(after);
   update_began_ = Clock::now();
@@ -322,7 +330,7 @@ void AsyncRollouts::save(const std::string& dir, nlohmann::json& state) {
     if (thread_.joinable()) thread_.join();
     begin = pending_prompts_;
   }
-  copy_->save((fs::path(dir) / kWeightsDir).string());
+  copy_->save((fs::path(dir) / kRolloutWeightsDir).string());
   state["async"] = {{"version", version_}, {"prompts_begin", begin}, {"partial", partial_}};
 }
 

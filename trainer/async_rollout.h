@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -39,6 +40,21 @@ namespace rlt {
 // Wrong schedules the tests must reject: the rollout decodes the trained weights themselves while the
 // update changes them (kLiveWeights), or the copy is published once and never again (kNoPublish).
 enum class AsyncFault { kNone, kLiveWeights, kNoPublish };
+
+// Where a checkpoint keeps the weights its pending rollout samples (a Hugging Face folder, as the model's).
+inline constexpr const char* kRolloutWeightsDir = "rollout_weights";
+
+// A resumed run's pending rollout of train.async one_step (its checkpoint's state["async"]), or nullopt
+// when the checkpoint has none (a fresh run, a run in turn): where its prompts begin, the version of the
+// weights it samples and their folder (a missing one is a RunError), and whether rollout.partial's carried
+// groups are saved beside it.
+struct PendingRollout {
+  int64_t prompts_begin = 0;
+  int64_t version = 0;
+  bool partial = false;
+  std::string weights;  // checkpoint/rollout_weights
+};
+std::optional<PendingRollout> pending_rollout(const Run& run);
 
 // How stale a batch's sampled tokens are for the update about to train on it (run.step before the step): per
 // sampled token, run.step less its version, averaged (mean) and at most (max), over every rank's batch of

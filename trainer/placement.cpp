@@ -29,24 +29,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The checkpoint's pending rollout (a one_step run's state["async"]), or null: where its prompts begin and
-// the version of the weights it samples from (saved beside it as rollout_weights).
-struct PendingState {
-  int64_t prompts_begin = 0;
-  int64_t version = 0;
-};
-std::optional<PendingState> pending_state(const Run& run) {
-  if (run.resumed_from.empty()) return std::nullopt;
-  std::ifstream f((fs::path(run.resumed_from) / "state.json").string());
-  const nlohmann::json state = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (!state.is_object() || !state.contains("async")) return std::nullopt;
-  const nlohmann::json& a = state.at("async");
-  if (a.value("partial", false)) {
+// The checkpoint's pending rollout (pending_rollout), which the rollout ranks sample again: without
+// rollout.partial's carried groups, which they do not continue.
+std::optional<PendingRollout> pending_state(const Run& run) {
+  std::optional<PendingRollout> p = pending_rollout(run);
+  if (p && p->partial) {
     throw RunError(run.resumed_from +
                    ": the checkpoint holds the unfinished groups of rollout.partial, which train.rollout_ranks "
                    "does not continue; resume it with train.rollout_ranks: 0");
   }
-  return PendingState{a.at("prompts_begin").get<int64_t>(), a.at("version").get<int64_t>()};
+  return p;
 }
 
 // The tensors the rollout decodes, in one order on both sides: the policy's, or with LoRA the merged model's.
@@ -98,11 +90,6 @@ int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& 
 namespace {
 
 int64_t bucket_bytes(const Config& c) { return c.train.rollout_sync_mb << 20; }
-
-// The last step the run takes: train.steps, or --stop-after.
-int64_t last_step(const Run& run) {
-  return run.stop_after > 0 ? std::min(run.config.train.steps, run.stop_after) : run.config.train.steps;
-}
 
 }  // namespace
 
@@ -269,7 +256,7 @@ RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault, std::function<voi
       before_publish_(std::move(before_publish)),
       async_(run.config.train.async == AsyncMode::kOneStep) {
   TORCH_CHECK(run.placement && !run.placement->rollout, "RemoteRollouts: a training rank of train.rollout_ranks");
-  const std::optional<PendingState> pending = pending_state(run);
+  const std::optional<PendingRollout> pending = pending_state(run);
   if (pending && async_) {
     run.prompts->seek(pending->prompts_begin);  // the rollout ranks sample the pending batch again
     published_ = true;                          // and take its weights from the checkpoint
@@ -414,12 +401,12 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
   if (!fs::exists(fs::path(staged) / "config.json")) {
     throw RunError(staged + ": missing; the first rollout rank stages the weights of the pending rollout there");
   }
-  fs::rename(staged, fs::path(dir) / "rollout_weights");
+  fs::rename(staged, fs::path(dir) / kRolloutWeightsDir);
   const int64_t begin = run_.prompts->consumed();
   state["async"] = {{"version", run_.step - 1}, {"prompts_begin", begin}, {"partial", false}};
   // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw
   // (with dynamic sampling its rounds are not known yet: the position where it begins).
-  if (run_.step < last_step(run_) && !run_.config.train.dynamic_sampling) {
+  if (run_.step < run_.last_step() && !run_.config.train.dynamic_sampling) {
     state["prompts_consumed"] = begin + run_.config.train.prompts_per_step;
   }
 }
@@ -453,23 +440,22 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
     version = broadcast_in_buckets(*pl.publish, ignore ? scratch : tensors, -1, bucket_bytes(cfg), run.device, timing);
     wait_s = seconds_since(t0) - timing.seconds;
   };
-  const std::optional<PendingState> pending = pending_state(run);
+  const std::optional<PendingRollout> pending = pending_state(run);
   if (pending && async) {  // the checkpoint's pending rollout: its prompts and its weights, from the checkpoint
     run.prompts->seek(pending->prompts_begin);
-    const Transformer saved = Transformer::load((fs::path(run.resumed_from) / "rollout_weights").string(),
-                                                tensors.front().scalar_type(), run.device);
+    const Transformer saved = Transformer::load(pending->weights, tensors.front().scalar_type(), run.device);
     const std::vector<at::Tensor> from = rollout_tensors(saved);
     TORCH_CHECK(from.size() == tensors.size(), run.resumed_from, "/rollout_weights: ", from.size(),
                 " tensors, the rollout decodes ", tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(from[i]);
     version = pending->version;
-  } else if (async && run.step < last_step(run)) {
+  } else if (async && run.step < run.last_step()) {
     receive();  // the weights the first two batches sample
   }
   // Dynamic sampling's rounds over the rollout ranks, which split each round's prompts contiguously.
   DynamicSampling sampling(cfg, cfg.train.prompts_per_step);
   const int64_t first_step = run.step + 1;
-  for (int64_t t = first_step; t <= last_step(run); ++t) {
+  for (int64_t t = first_step; t <= run.last_step(); ++t) {
     if (!async) receive();
     const auto t0 = Clock::now();
     RolloutSource source;

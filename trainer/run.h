@@ -9,6 +9,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -57,7 +58,9 @@ class RunError : public std::runtime_error {
 
 struct Run {
   // True while the loop should go on: steps remain and --stop-after is not reached.
-  bool more_steps() const { return step < config.train.steps && !(stop_after > 0 && step >= stop_after); }
+  bool more_steps() const { return step < last_step(); }
+  // The last step the run takes: train.steps, or --stop-after's.
+  int64_t last_step() const { return stop_after > 0 ? std::min(config.train.steps, stop_after) : config.train.steps; }
   // True when the step just done must be checkpointed: the last, a --stop-after, or every checkpoint_every.
   bool checkpoint_due() const { return checkpoint_due_at(step); }
   bool checkpoint_due_at(int64_t s) const {
