@@ -64,6 +64,18 @@ void train_placed(const Config& c, const std::string& dir, int world, bool resum
       timeout);
 }
 
+// `c` colocated on `colocated_world` ranks, then placed with `rollout_ranks` of `world` ranks, each in its
+// own folder under `dir` ("colocated", "placed"); their metrics rows.
+struct TwoRuns {
+  std::vector<nlohmann::json> colocated, placed;
+};
+TwoRuns train_both(Config c, int rollout_ranks, int world, const std::filesystem::path& dir, int colocated_world = 1) {
+  train_colocated(c, (dir / "colocated").string(), colocated_world);
+  c.train.rollout_ranks = rollout_ranks;
+  train_placed(c, (dir / "placed").string(), world);
+  return {read_metrics((dir / "colocated").string()), read_metrics((dir / "placed").string())};
+}
+
 GrpoHooks with_fault(PlacementFault fault) {
   GrpoHooks hooks;
   hooks.placement_fault = fault;
@@ -90,12 +102,9 @@ void expect_same_rows(const std::vector<nlohmann::json>& a, const std::vector<nl
 TEST(Placement, OneStepOnARolloutRankEqualsTheColocatedRun) {
   TempDir tmp("placement_async");
   Config c = placed_config(AsyncMode::kOneStep);
-  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string(),
-                    stale = (tmp.path() / "stale").string();
-  train_colocated(c, colocated);
+  const std::string stale = (tmp.path() / "stale").string();
+  const auto [a, b] = train_both(c, 1, 2, tmp.path());
   c.train.rollout_ranks = 1;
-  train_placed(c, placed, 2);
-  const auto a = read_metrics(colocated), b = read_metrics(placed);
   ASSERT_EQ(b.size(), 4u);
   // The same batches from the same weights (the rollout rank's are the broadcast bits), the same updates.
   expect_same_rows(a, b, 0);
@@ -126,12 +135,9 @@ TEST(Placement, InTurnTwoTrainingRanksBesideARolloutRankEqualTwoColocatedRanks) 
   c.train.checkpoint_every = 0;
   c.train.prompts_per_step = 4;
   c.train.mini_batch_size = 8;  // two prompts: one per training rank
-  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string(),
-                    one_share = (tmp.path() / "one_share").string();
-  train_colocated(c, colocated, 2);
+  const std::string one_share = (tmp.path() / "one_share").string();
+  const auto [a, b] = train_both(c, 1, 3, tmp.path(), /*colocated_world=*/2);
   c.train.rollout_ranks = 1;
-  train_placed(c, placed, 3);
-  const auto a = read_metrics(colocated), b = read_metrics(placed);
   ASSERT_EQ(b.size(), 4u);
   expect_same_rows(a, b, 0);
   for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i]["staleness_mean"].get<double>(), 0.0) << "step " << i + 1;
@@ -155,11 +161,7 @@ TEST(Placement, WithLoraAndEvaluationsOnTheTrainingRankEqualsTheColocatedRun) {
   c.lora.alpha = 8;
   c.train.eval_prompts = 4;
   c.train.eval_every = 2;
-  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string();
-  train_colocated(c, colocated);
-  c.train.rollout_ranks = 1;
-  train_placed(c, placed, 2);
-  const auto a = read_metrics(colocated), b = read_metrics(placed);
+  const auto [a, b] = train_both(c, 1, 2, tmp.path());
   ASSERT_EQ(b.size(), 4u);
   ASSERT_TRUE(b[1].contains("eval_pass@1"));
   expect_same_rows(a, b, 0);
@@ -175,11 +177,7 @@ TEST_P(PlacementDapo, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
   c.train.dynamic_sampling = true;
   c.train.max_sampling_rounds = 3;
   c.train.checkpoint_every = 2;
-  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string();
-  train_colocated(c, colocated);
-  c.train.rollout_ranks = 2;
-  train_placed(c, placed, 3);
-  const auto a = read_metrics(colocated), b = read_metrics(placed);
+  const auto [a, b] = train_both(c, 2, 3, tmp.path());
   ASSERT_EQ(b.size(), 4u);
   expect_same_rows(a, b, 0);
   double rounds = 0;
@@ -191,10 +189,11 @@ TEST_P(PlacementDapo, DynamicSamplingOnTheRolloutRanksEqualsTheColocatedRun) {
     rounds += b[i]["sampling_rounds"].get<double>();
   }
   EXPECT_GT(rounds, 4) << "no step sampled a second round: the test checks one round only";
-  const auto state = [](const std::string& dir) {
-    return nlohmann::json::parse(std::ifstream(dir + "/checkpoint/state.json"))["prompts_consumed"].get<int64_t>();
+  const auto state = [&](const char* run) {
+    return nlohmann::json::parse(std::ifstream(tmp.path() / run / "checkpoint/state.json"))["prompts_consumed"]
+        .get<int64_t>();
   };
-  EXPECT_EQ(state(colocated), state(placed)) << "the last step's checkpoint: no rollout pending";
+  EXPECT_EQ(state("colocated"), state("placed")) << "the last step's checkpoint: no rollout pending";
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PlacementDapo, ::testing::Values(AsyncMode::kOff, AsyncMode::kOneStep),
@@ -205,11 +204,8 @@ TEST(Placement, TwoRolloutRanksSplitTheStepForOneTrainingRank) {
   TempDir tmp("placement_two_samplers");
   Config c = placed_config(AsyncMode::kOneStep);
   c.train.checkpoint_every = 0;
-  const std::string colocated = (tmp.path() / "colocated").string(), placed = (tmp.path() / "placed").string();
-  train_colocated(c, colocated);
-  c.train.rollout_ranks = 2;
-  train_placed(c, placed, 3);
-  expect_same_rows(read_metrics(colocated), read_metrics(placed), 0);
+  const auto [a, b] = train_both(c, 2, 3, tmp.path());
+  expect_same_rows(a, b, 0);
 }
 
 TEST(Placement, AResumedRunReproducesTheRunWithEitherPlacement) {
