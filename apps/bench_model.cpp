@@ -7,7 +7,9 @@
 //                                   graph per decode step (rollout_graph on CUDA only);
 //   rollout_graph_aten              rollout_graph with the fused decode and sampling kernels off (their
 //                                   ATen forms): the before and after of those kernels in one command;
-//   rollout_graph_unpacked          rollout_graph without packed q/k/v and gate/up weights.
+//   rollout_graph_unpacked          rollout_graph without packed q/k/v and gate/up weights;
+//   rollout_graph_sdpa              rollout_graph with each step's attention through SDPA (cuDNN) over its
+//                                   span instead of cuda::cache_attention in place.
 // Every cache forward here (prefill included) runs the fused kernels unless said otherwise.
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
 // seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
@@ -85,7 +87,8 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
 // fused = false: the ATen forms of the decoder's and the sampler's fused kernels (the before of
 // rollout_graph).
 Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
-                    SamplingOptions so, uint64_t seed, bool fused = true, bool packed = true) {
+                    SamplingOptions so, uint64_t seed, bool fused = true, bool packed = true,
+                    bool cache_attention = true) {
   at::NoGradGuard ng;
   m.set_fused_kernels(fused);
   at::manual_seed(seed);
@@ -101,6 +104,7 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   ModelPolicyOptions po;
   po.cuda_graphs = graphs;
   po.packed_weights = packed;
+  po.cache_attention = cache_attention;
   ModelPolicy policy(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();
@@ -264,7 +268,7 @@ int main(int argc, char** argv) {
   app.add_option("--modes", only, "run only these modes (prefill comes with decode_greedy); default: all")
       ->delimiter(',')
       ->check(CLI::IsMember({"decode_greedy", "decode_sample", "rollout_eager", "rollout_graph", "rollout_graph_aten",
-                             "rollout_graph_unpacked"}));
+                             "rollout_graph_unpacked", "rollout_graph_sdpa"}));
   app.add_option("--trace", trace_path,
                  "also profile a short run of each mode into this Chrome trace (scripts/dev/trace_summary.py "
                  "reads it)");
@@ -296,13 +300,15 @@ int main(int argc, char** argv) {
   // allocator drift over the run does not favour whichever mode would otherwise go last.
   // Modes 0, 1: the bare decoder, greedy and sampled; 2, 3: the rollout's path, eager and graphed.
   // Modes 4, 5 (CUDA): rollout_graph with the decoder's and the sampler's fused kernels off (their ATen
-  // forms), and with the kernels but without packed projection weights.
-  const char* names[] = {"decode_greedy", "decode_sample",      "rollout_eager",
-                         "rollout_graph", "rollout_graph_aten", "rollout_graph_unpacked"};
+  // forms), and with the kernels but without packed projection weights. Mode 6 (CUDA): rollout_graph with
+  // the steps' attention through SDPA.
+  constexpr int kModes = 7;
+  const char* names[kModes] = {"decode_greedy",      "decode_sample",          "rollout_eager",     "rollout_graph",
+                               "rollout_graph_aten", "rollout_graph_unpacked", "rollout_graph_sdpa"};
   auto wanted = [&](int kind) {
     return only.empty() || std::find(only.begin(), only.end(), names[kind]) != only.end();
   };
-  std::vector<Run> all_runs[6];
+  std::vector<Run> all_runs[kModes];
   for (int i = 0; i < reps; ++i) {
     for (bool sample : {false, true}) {
       if (wanted(sample)) all_runs[sample].push_back(run_once(*model, dev, B, P, N, sample, 100 + i));
@@ -317,12 +323,15 @@ int main(int argc, char** argv) {
       if (wanted(5))
         all_runs[5].push_back(
             run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
+      if (wanted(6))
+        all_runs[6].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true,
+                                              /*packed=*/true, /*cache_attention=*/false));
     }
-    std::cerr << "rep " << i << ": decode s greedy/sample/eager/graph/graph_aten/graph_unpacked";
+    std::cerr << "rep " << i << ": decode s greedy/sample/eager/graph/graph_aten/graph_unpacked/graph_sdpa";
     for (auto& r : all_runs) std::cerr << " " << (r.empty() ? 0.0 : r.back().decode_s);
     std::cerr << "\n";
   }
-  for (int kind = 0; kind < 6; ++kind) {
+  for (int kind = 0; kind < kModes; ++kind) {
     const std::vector<Run>& runs = all_runs[kind];
     if (runs.empty()) continue;
     auto median = [&](auto get) {
@@ -354,7 +363,8 @@ int main(int argc, char** argv) {
                          {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
                                   : kind < 4 ? "ModelPolicy + sample_tokens; peak covers prefill + decode"
                                   : kind < 5 ? "rollout_graph with the fused decode and sampling kernels off"
-                                             : "rollout_graph without packed q/k/v and gate/up weights"}});
+                                  : kind < 6 ? "rollout_graph without packed q/k/v and gate/up weights"
+                                             : "rollout_graph with the steps' attention through SDPA over the span"}});
     }
   }
   if (!json_path.empty()) {

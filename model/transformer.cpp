@@ -213,6 +213,7 @@ KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t
   KvCache out;
   out.packed = packed;
   out.fused_kernels = fused_kernels;
+  out.in_place_steps = in_place_steps;
   out.max_len = new_max_len;
   out.length = S;
   for (size_t i = 0; i < k.size(); ++i) {
@@ -496,10 +497,12 @@ const at::Tensor& Transformer::lm_head() const { return lm_head_; }
 namespace {
 std::atomic<int64_t> fused_forwards{0};
 std::atomic<int64_t> in_place_feeds{0};
+std::atomic<int64_t> in_place_steps{0};
 }  // namespace
 
 int64_t Transformer::fused_forward_count() { return fused_forwards.load(); }
 int64_t Transformer::in_place_feed_count() { return in_place_feeds.load(); }
+int64_t Transformer::in_place_step_count() { return in_place_steps.load(); }
 
 bool Transformer::fused_kernels_apply() const {
 #ifdef RLT_HAVE_CUDA
@@ -555,8 +558,9 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
   at::Tensor attn;                                                 // (B, L, H hd)
 #ifdef RLT_HAVE_CUDA
   if (keep.defined()) {
-    // A feed of some cache rows (forward() chose it): RoPE and the cache write in one kernel, then attention
-    // over those rows' cache where it lies; the mask is `keep` and the slots, read in the kernel.
+    // A feed of some cache rows, or a step over every row (forward() chose it): RoPE and the cache write in
+    // one kernel, then attention over the rows' cache where it lies; the mask is `keep` and the slots, read
+    // in the kernel.
     cuda::rope_write_cache(q, k, v_new, cos, sin, cache->k[i], cache->v[i], slots, cache->step_rows);
     attn = cuda::cache_attention(q, cache->k[i], cache->v[i], cache->step_rows, keep, slots, keep.size(1), c.attn_scale)
                .view({B, L, H * hd});
@@ -772,10 +776,17 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
   at::Tensor cos = emb.cos().to(dt), sin = emb.sin().to(dt);  // (T, hd)
   at::Tensor cos_s = cos.narrow(0, 0, Bc).view({Bc, 1, 1, hd}), sin_s = sin.narrow(0, 0, Bc).view({Bc, 1, 1, hd});
   at::Tensor cos_f = cos.narrow(0, Bc, E * K).view({E, 1, K, hd}), sin_f = sin.narrow(0, Bc, E * K).view({E, 1, K, hd});
-  // The step's mask, additive (SDPA would convert a boolean one in every layer); the feed's, as kept slots.
-  at::Tensor step_add = at::zeros({Bc, 1, 1, span}, h.options())
-                            .masked_fill_(step_mask.to(at::kBool).logical_not().view({Bc, 1, 1, span}),
-                                          -std::numeric_limits<double>::infinity());
+  // The step's mask: kept slots for the in-place attention, else additive (SDPA would convert a boolean
+  // one in every layer); the feed's, as kept slots.
+  at::Tensor step_keep = step_mask.to(at::kBool), step_add;
+  if (step_keep.stride(1) != 1) step_keep = step_keep.contiguous();
+  if (cache.in_place_steps) {
+    ++in_place_steps;
+  } else {
+    step_add =
+        at::zeros({Bc, 1, 1, span}, h.options())
+            .masked_fill_(step_keep.logical_not().view({Bc, 1, 1, span}), -std::numeric_limits<double>::infinity());
+  }
   at::Tensor keep = feed_keep.to(at::kBool).contiguous();
   const PackedWeights* packed = cache.packed;
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -783,13 +794,18 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
     auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
     auto feed_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, Bc, E * K).view({E, K, heads, hd}); };
     // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
-    // then masked attention over the span (the group's G query heads as G positions of one KV head).
+    // then attention over the rows' cache in place, or masked attention over the span (the group's G query
+    // heads as G positions of one KV head).
     at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv);
     cuda::rope_write_cache(qs, ks, step_part(v, Hkv), cos_s, sin_s, cache.k[i], cache.v[i], cache.step_slot);
-    at::Tensor a_s = at::scaled_dot_product_attention(qs.transpose(1, 2).reshape({Bc, Hkv, G, hd}),
-                                                      cache.k[i].narrow(2, 0, span), cache.v[i].narrow(2, 0, span),
-                                                      step_add, /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale)
-                         .reshape({Bc, H * hd});
+    at::Tensor a_s = cache.in_place_steps ? cuda::cache_attention(qs, cache.k[i], cache.v[i], at::Tensor(), step_keep,
+                                                                  cache.step_slot, span, c.attn_scale)
+                                                .view({Bc, H * hd})
+                                          : at::scaled_dot_product_attention(
+                                                qs.transpose(1, 2).reshape({Bc, Hkv, G, hd}),
+                                                cache.k[i].narrow(2, 0, span), cache.v[i].narrow(2, 0, span), step_add,
+                                                /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale)
+                                                .reshape({Bc, H * hd});
     // The feed, as a fused feed runs it: into its rows' slots, then attention over their cache in place.
     at::Tensor qf = feed_part(q, H), kf = feed_part(k, Hkv);
     cuda::rope_write_cache(qf, kf, feed_part(v, Hkv), cos_f, sin_f, cache.k[i], cache.v[i], feed_slots, feed_rows);
@@ -896,14 +912,18 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   if (fused) ++fused_forwards;
   bool any_sliding = false;  // a layer whose window restricts this forward (the loop below reads its mask)
   for (int64_t i = 0; i < c.num_layers; ++i) any_sliding |= c.sliding_layers[i] && S > c.sliding_window;
-  // A feed of some rows (KvCache::step_rows) with the fused kernels: attention reads those rows' cache in
-  // place (cuda::cache_attention), under the mask that `keep` (their rows of attention_mask) and the new
-  // positions' slots make; no mask tensor is built, no row of the cache gathered. Not for soft-capped
-  // scores, sliding windows that restrict this forward, or dtypes and head sizes the kernel lacks.
-  if (fused && some_rows && c.attn_softcap == 0 && !any_sliding && cuda::cache_attention_supports(dt, c.head_dim)) {
-    keep = attention_mask.to(dev, at::kBool).contiguous();  // (B, S)
+  // A feed of some rows (KvCache::step_rows), or a step at step_slot over every row, with the fused kernels:
+  // attention reads the rows' cache in place (cuda::cache_attention), under the mask that `keep` (their
+  // rows of attention_mask) and the new positions' slots make; no mask tensor is built, no row of the cache
+  // gathered, and no key past the last slot a query sees is read. Not for soft-capped scores, sliding
+  // windows that restrict this forward, or dtypes and head sizes the kernel lacks.
+  const bool in_place_step = fixed && !some_rows && cache->in_place_steps;
+  if (fused && (some_rows || in_place_step) && c.attn_softcap == 0 && !any_sliding &&
+      cuda::cache_attention_supports(dt, c.head_dim)) {
+    keep = attention_mask.to(dev, at::kBool);  // (B, S): a step's valid-slot view serves as it is
+    if (keep.stride(1) != 1) keep = keep.contiguous();
     slots = fixed ? cache->step_slot : at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev));
-    ++in_place_feeds;
+    ++(some_rows ? in_place_feeds : in_place_steps);
   }
   if (fused && c.attn_softcap == 0 && !keep.defined()) {
     // SDPA turns a boolean mask into an additive one at every call (two kernels per layer): once here.

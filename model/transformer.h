@@ -81,6 +81,10 @@ struct KvCache {
   const PackedWeights* packed = nullptr;
   // This cache's forwards may run the fused kernels (with Transformer::fused_kernels); gather() passes it on.
   bool fused_kernels = true;
+  // With the fused kernels: a step at step_slot over every row attends through cuda::cache_attention, as a
+  // feed does (keys read where they lie up to the step's own slot, split between blocks); false: SDPA
+  // (cuDNN in a captured step) over the whole span. gather() passes it on.
+  bool in_place_steps = true;
   static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
   // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]
   // (j < slots.size(1)); length becomes slots.size(1). One primitive for dropping finished rows,
@@ -220,8 +224,9 @@ class Transformer {
   // float32 its results can equal the ATen forms' bit for bit).
   static int64_t fused_forward_count();
   // Of them, the feeds over some cache rows whose attention read those rows' cache in place
-  // (cuda::cache_attention).
+  // (cuda::cache_attention), and the steps over every row that did (KvCache::in_place_steps).
   static int64_t in_place_feed_count();
+  static int64_t in_place_step_count();
 
  private:
   struct Layer {
@@ -236,9 +241,10 @@ class Transformer {
   void bind_names();
   // mask (B, 1, L, S), bool or additive, or undefined: then causal (is_causal) or no restriction (a decode
   // step). forward() passes a grouped-query mask already laid out as (B, 1, G L, S). keep (B, S) bool and
-  // slots (L) int64, both on the device, set only for a fused feed over KvCache::step_rows: the new keys go
-  // to `slots` of those rows, and the attention (cuda::cache_attention) reads their cache in place under
-  // the causal mask that keep and slots make (mask is then unused).
+  // slots (L) int64, both on the device, set only for a fused feed over KvCache::step_rows or a fused step
+  // over every row (KvCache::in_place_steps): the new keys go to `slots` of those rows, and the attention
+  // (cuda::cache_attention) reads their cache in place under the causal mask that keep and slots make
+  // (mask is then unused).
   at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
                            const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor(),

@@ -236,7 +236,8 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
   const auto dev = head.device();
   auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).view({U, P}).to(dev); };
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
-  prefill.fused_kernels = options_.fused_kernels;  // gather() passes both on to the decode cache
+  prefill.fused_kernels = options_.fused_kernels;  // gather() passes these on to the decode cache
+  prefill.in_place_steps = options_.cache_attention;
   prefill.packed = packed_.gate_up_w.empty() ? nullptr : &packed_;
   at::Tensor mask_d = to_dev(mask);
   at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)

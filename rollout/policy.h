@@ -82,6 +82,10 @@ struct ModelPolicyOptions {
   // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
   // graphs (on the CPU: the tests check that form against the full forward).
   bool fixed_shape_step = false;
+  // With fused_kernels on a GPU (bf16/fp16, head size 64 or 128): a step's attention reads each row's
+  // cache in place up to the step's slot, split over the keys (cuda::cache_attention, as feeds do), so its
+  // cost follows the rows' contexts. Off: SDPA over the step's whole span (cuDNN in a captured step).
+  bool cache_attention = true;
   // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
   // Captured steps keep cuDNN: their plan is built once per capture.

@@ -91,6 +91,8 @@ struct RolloutOptions {
   // ModelPolicyOptions: packing costs those weights' size again during the rollout).
   bool fused_kernels = true;
   bool packed_weights = true;
+  // A decode step's attention reads the cache in place up to each row's slot (see ModelPolicyOptions).
+  bool cache_attention = true;
   // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
   // false: one token per decode step; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
@@ -150,6 +152,8 @@ struct RolloutOptions {
     v("fused_kernels", fused_kernels, "fused CUDA kernels in the rollout's forwards (false: ATen forms; GPU only)");
     v("packed_weights", packed_weights,
       "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
+    v("cache_attention", cache_attention,
+      "a decode step attends over each row's cache in place, split over the keys (false: SDPA over the span; GPU)");
     v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
     v("feed_wait", feed_wait, "decode steps a ready tool reply may wait to share its forward with others; 0 = none",
       FieldRange{0, 1e6});

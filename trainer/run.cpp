@@ -86,6 +86,7 @@ ModelPolicyOptions policy_options(const RolloutOptions& r) {
   o.cuda_graphs = r.cuda_graphs;
   o.fused_kernels = r.fused_kernels;
   o.packed_weights = r.packed_weights;
+  o.cache_attention = r.cache_attention;
   o.feed_graphs = r.feed_graphs;
   o.keep_cache = r.keep_cache;
   return o;

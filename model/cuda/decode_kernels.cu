@@ -13,6 +13,7 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <type_traits>
 #include <vector>
 
 #include "common/cuda/dtypes.cuh"
@@ -279,6 +280,10 @@ namespace {
 // probabilities (rounded to T) times the values on tensor cores again, which the two lanes add into their
 // halves (even and odd columns) of the row's output, kept in float32 registers. Shared rows are padded
 // (kPad) so that the lanes of a warp reading a column hit different banks.
+// SPLIT (a tile's query rows fit one warp's 16, as in a decode step: G L <= 16): the warps share one tile
+// and split each key block instead, warp w taking its keys [16 w, 16 w + 16) with an online softmax of its
+// own; at the end the warps' shares are added up as the splits' are. Otherwise three warps of four would
+// multiply zero rows, each reading the whole block from shared memory.
 constexpr int kAttnWarps = 4;
 constexpr int kAttnRows = 16 * kAttnWarps;
 
@@ -308,7 +313,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool SPLIT>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     cache_attention_kernel(const T* __restrict__ q, int64_t q_row, const T* __restrict__ kc, const T* __restrict__ vc,
                            const int64_t* __restrict__ rows, const bool* __restrict__ keep, int64_t keep_row,
@@ -328,7 +333,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t e = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z % splits;
   const int64_t first = int64_t(blockIdx.z / splits) * kAttnRows, GL = G * L;
-  const int64_t H = G * Hkv, cache_row = rows[e];
+  const int64_t H = G * Hkv, cache_row = rows ? rows[e] : e;
 
   // The query tile (kAttnRows, HD), rows past G L zero, through the first stage's buffers.
   // The block's keys end at the largest slot of its queries (none sees a slot past its own), found by one
@@ -347,13 +352,19 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const int64_t t = first / G + threadIdx.x;
     if (t <= (first + kAttnRows - 1) / G && t < L) atomicMax(&last_s, static_cast<unsigned long long>(slots[t] + 1));
   }
+  // The warp's query rows: its 16 of the tile, or with SPLIT the tile's first 16, shared by every warp.
+  const int tile_row = SPLIT ? 0 : warp * 16;
   wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[HD / 16];
 #pragma unroll
-  for (int d = 0; d < HD / 16; ++d) wmma::load_matrix_sync(qf[d], qs + warp * 16 * KLD + d * 16, KLD);
+  for (int d = 0; d < HD / 16; ++d) wmma::load_matrix_sync(qf[d], qs + tile_row * KLD + d * 16, KLD);
 
   // This lane's query row (of the warp's 16) and its parity: the keys, then the output columns, it owns.
   const int r = lane / 2, half = lane % 2;
-  const int64_t qi = first + warp * 16 + r;
+  const int64_t qi = first + tile_row + r;
+  // The keys of each block this warp takes: [kofs, kofs + NK) (with SPLIT, none for warps past BK / 16).
+  constexpr int NK = SPLIT ? 16 : BK;
+  const int kofs = SPLIT ? warp * 16 : 0;
+  const bool has_keys = kofs < BK;
   const bool live = qi < GL;
   const int64_t own = live ? slots[qi / G] : -1;
   const bool* keep_e = keep + e * keep_row;
@@ -405,69 +416,104 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
-    // Scores (16, BK) = Q K^T: K stored (BK, HD) row-major is K^T column-major.
+    if (has_keys) {
+      // Scores (16, NK) = Q K^T: K stored (BK, HD) row-major is K^T column-major.
 #pragma unroll
-    for (int n = 0; n < BK / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
-      wmma::fill_fragment(sf, 0.f);
+      for (int n = 0; n < NK / 16; ++n) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
+        wmma::fill_fragment(sf, 0.f);
 #pragma unroll
-      for (int d = 0; d < HD / 16; ++d) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-        wmma::load_matrix_sync(kf, ks + n * 16 * KLD + d * 16, KLD);
-        wmma::mma_sync(sf, qf[d], kf, sf);
+        for (int d = 0; d < HD / 16; ++d) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+          wmma::load_matrix_sync(kf, ks + (kofs + n * 16) * KLD + d * 16, KLD);
+          wmma::mma_sync(sf, qf[d], kf, sf);
+        }
+        wmma::store_matrix_sync(sc + n * 16, sf, SLD, wmma::mem_row_major);
       }
-      wmma::store_matrix_sync(sc + n * 16, sf, SLD, wmma::mem_row_major);
-    }
-    __syncwarp();
-    // Online softmax over this block's visible keys: key 2c + half of the block.
-    // The row sees the block's keys before its own slot where kept, and its own slot (own - j0: `mine`,
-    // clamped to [-1, BK]; a padding row's own is -1, so it sees none). own < end, so no key past the end
-    // passes.
-    constexpr int C = BK / 2;
-    const int64_t rel = own - b * BK;
-    const int mine = rel < -1 ? -1 : rel > BK ? BK : static_cast<int>(rel);
-    float s[C], top = -INFINITY;
+      __syncwarp();
+      // Online softmax over this warp's visible keys of the block: key kofs + 2c + half.
+      // The row sees the keys before its own slot where kept, and its own slot (own - first key: `mine`,
+      // clamped to [-1, NK]; a padding row's own is -1, so it sees none). own < end, so no key past the end
+      // passes.
+      constexpr int C = NK / 2;
+      const int64_t rel = own - b * BK - kofs;
+      const int mine = rel < -1 ? -1 : rel > NK ? NK : static_cast<int>(rel);
+      float s[C], top = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int jj = 2 * c + half;
-      const bool seen = jj < mine ? kb[jj] : jj == mine;
-      s[c] = seen ? sc[r * SLD + jj] * scale : -INFINITY;  // scale: the softmax scale times log2(e)
-      top = fmaxf(top, s[c]);
-    }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-    const float m_new = fmaxf(m, top);
-    const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
-    const float shift = m_new == -INFINITY ? 0.f : m_new;  // 2^(-inf - shift) = 0 for the keys not seen
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const float p = exp2f(s[c] - shift);
-      sum += p;
-      pw[r * PLD + 2 * c + half] = from_f<T>(p);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l = l * corr + sum;
-    m = m_new;
-    __syncwarp();
-    // (16, HD) = P V, added into the lanes' columns of the output rows.
-#pragma unroll
-    for (int n = 0; n < HD / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
-      wmma::fill_fragment(of, 0.f);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-        wmma::load_matrix_sync(pf, pw + kk * 16, PLD);
-        wmma::load_matrix_sync(vf, vs + kk * 16 * KLD + n * 16, KLD);
-        wmma::mma_sync(of, pf, vf, of);
+      for (int c = 0; c < C; ++c) {
+        const int jj = 2 * c + half;
+        const bool seen = jj < mine ? kb[kofs + jj] : jj == mine;
+        s[c] = seen ? sc[r * SLD + jj] * scale : -INFINITY;  // scale: the softmax scale times log2(e)
+        top = fmaxf(top, s[c]);
       }
-      wmma::store_matrix_sync(sc + n * 16, of, SLD, wmma::mem_row_major);
-    }
-    __syncwarp();
+      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+      const float m_new = fmaxf(m, top);
+      const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
+      const float shift = m_new == -INFINITY ? 0.f : m_new;  // 2^(-inf - shift) = 0 for the keys not seen
+      float sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < HD / 2; ++c) o[c] = o[c] * corr + sc[r * SLD + 2 * c + half];
+      for (int c = 0; c < C; ++c) {
+        const float p = exp2f(s[c] - shift);
+        sum += p;
+        pw[r * PLD + 2 * c + half] = from_f<T>(p);
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      l = l * corr + sum;
+      m = m_new;
+      __syncwarp();
+      // (16, HD) = P V over this warp's keys, added into the lanes' columns of the output rows.
+#pragma unroll
+      for (int n = 0; n < HD / 16; ++n) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+        wmma::fill_fragment(of, 0.f);
+#pragma unroll
+        for (int kk = 0; kk < NK / 16; ++kk) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+          wmma::load_matrix_sync(pf, pw + kk * 16, PLD);
+          wmma::load_matrix_sync(vf, vs + (kofs + kk * 16) * KLD + n * 16, KLD);
+          wmma::mma_sync(of, pf, vf, of);
+        }
+        wmma::store_matrix_sync(sc + n * 16, of, SLD, wmma::mem_row_major);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < HD / 2; ++c) o[c] = o[c] * corr + sc[r * SLD + 2 * c + half];
+    }
     __syncthreads();  // the stage is loaded again two blocks on
+  }
+  if constexpr (SPLIT) {
+    static_assert(kAttnWarps * 16 * (HD + 2) * sizeof(float) <= 4 * A::STAGE * sizeof(T), "the shares' buffer");
+    // The warps' shares of the tile's rows, added up in warp 0 through the (now free) key buffers: each
+    // weighted by 2^(its maximum - the row's maximum), as cache_attention_combine adds the splits'.
+    float* share = reinterpret_cast<float*>(smem);  // per warp: 16 rows of (HD outputs, maximum, sum)
+    constexpr int RS = HD + 2;
+    float* mine_s = share + (warp * 16 + r) * RS;
+#pragma unroll
+    for (int c = 0; c < HD / 2; ++c) mine_s[2 * c + half] = o[c];
+    if (half == 0) {
+      mine_s[HD] = m;
+      mine_s[HD + 1] = l;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) top = fmaxf(top, share[(w * 16 + r) * RS + HD]);
+    float lsum = 0.f;
+#pragma unroll
+    for (int c = 0; c < HD / 2; ++c) o[c] = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float* ws = share + (w * 16 + r) * RS;
+      if (ws[HD] == -INFINITY) continue;  // a warp that saw no key of this row
+      const float wt = exp2f(ws[HD] - top);
+      lsum += wt * ws[HD + 1];
+#pragma unroll
+      for (int c = 0; c < HD / 2; ++c) o[c] += wt * ws[2 * c + half];
+    }
+    m = top;
+    l = lsum;
   }
   if (!live) return;
   const int64_t row = (e * L + qi / G) * H + kvh * G + qi % G;  // the output row, (e, t, h)
@@ -510,21 +556,35 @@ __global__ void cache_attention_combine(const float* __restrict__ part_o, const 
   out[row * HD + threadIdx.x] = from_f<T>(acc / l);
 }
 
+template <typename T, int HD, bool SPLIT>
+void launch_one_cache_attention(const dim3& grid, size_t smem, cudaStream_t stream, const T* q, int64_t q_row,
+                                const T* kc, const T* vc, const int64_t* rows, const bool* keep, int64_t keep_row,
+                                const int64_t* slots, int64_t L, int64_t G, int64_t Hkv, int64_t S, int64_t span,
+                                float scale, int splits, int64_t per_split, T* out, float* part_o, float* part_ml) {
+  if (smem > 48 * 1024) {  // more than the default 48 KiB of dynamic shared memory, once per device
+    static std::mutex mu;
+    static std::set<int> done;
+    const std::lock_guard<std::mutex> lock(mu);
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    if (done.insert(dev).second) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD, SPLIT>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+  }
+  cache_attention_kernel<T, HD, SPLIT>
+      <<<grid, kAttnWarps * 32, smem, stream>>>(q, q_row, kc, vc, rows, keep, keep_row, slots, L, G, Hkv, S, span,
+                                                scale, splits, per_split, out, part_o, part_ml);
+}
+
 template <typename T, int HD>
 void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                             float scale, const at::Tensor& out) {
   constexpr size_t smem = AttnShape<HD>::template smem<T>();
-  if (smem > 48 * 1024) {  // more than the default 48 KiB of dynamic shared memory, once per device
-    static std::mutex mu;
-    static std::set<int> done;
-    const std::lock_guard<std::mutex> lock(mu);
-    if (done.insert(q.get_device()).second) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-    }
-  }
   const int64_t E = q.size(0), L = q.size(1), H = q.size(2), Hkv = kc.size(1), G = H / Hkv;
+  // One warp's 16 query rows hold the tile (a decode step's G L <= 16): the warps split each key block.
+  const bool split_keys = G * L <= 16;
   const int64_t tiles = (G * L + kAttnRows - 1) / kAttnRows,
                 blocks = (span + AttnShape<HD>::BK - 1) / AttnShape<HD>::BK;
   // A block of 4 warps walks its keys one block after another, each step a chain of dependent instructions:
@@ -544,11 +604,19 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(unsigned(E), unsigned(Hkv), unsigned(tiles * splits));
-  cache_attention_kernel<T, HD><<<grid, kAttnWarps * 32, smem, stream>>>(
-      ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc), rows.data_ptr<int64_t>(), keep.data_ptr<bool>(), keep.stride(0),
-      slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E), int(splits),
-      per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
-      splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+  auto launch = [&](auto split_tag) {
+    launch_one_cache_attention<T, HD, decltype(split_tag)::value>(
+        grid, smem, stream, ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc),
+        rows.defined() ? rows.data_ptr<int64_t>() : nullptr, keep.data_ptr<bool>(), keep.stride(0),
+        slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E), int(splits),
+        per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
+        splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+  };
+  if (split_keys) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     constexpr int kRowsPerBlock = 4;
@@ -579,9 +647,11 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "cache_attention: the caches must be contiguous (Bc, Hkv, S, hd) in q's dtype, H a multiple of Hkv");
   TORCH_CHECK(span >= 1 && span <= k_cache.size(2), "cache_attention: span ", span, " outside [1, ", k_cache.size(2),
               "]");
-  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
-                  rows.device() == q.device(),
-              "cache_attention: one int64 cache row per input row, on the device");
+  TORCH_CHECK(rows.defined() ? rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong &&
+                                   rows.is_contiguous() && rows.device() == q.device()
+                             : E == k_cache.size(0),
+              "cache_attention: one int64 cache row per input row, on the device (or none: one input row per "
+              "cache row)");
   TORCH_CHECK(keep.dim() == 2 && keep.size(0) == E && keep.size(1) >= span && keep.scalar_type() == at::kBool &&
                   keep.stride(1) == 1 && keep.device() == q.device(),
               "cache_attention: keep must be (E, >= span) bool with contiguous rows");

@@ -39,16 +39,18 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                       const at::Tensor& rows = at::Tensor());
 // Attention of some cache rows' new queries over those rows' cached keys and values, read where they lie
-// (no gathered copy of the rows' cache, no mask tensor per layer): a feed's forward (KvCache::step_rows).
+// (no gathered copy of the rows' cache, no mask tensor per layer): a feed's forward (KvCache::step_rows)
+// and a decode step's. The keys end at the largest slot a query sees, not at the span, and are split
+// between blocks until three run per SM (flash-decoding), so a step's cost follows its rows' contexts.
 // q (E, L, H, hd), each (e, l) row's heads packed, rows evenly spaced (a packed projection's view serves);
 // k_cache, v_cache (Bc, Hkv, S, hd) contiguous, already holding the new keys and values; rows (E) int64:
-// input row e's cache row; keep (E, >= span) bool, rows contiguous: the slots input row e's queries may see;
-// slots (L) int64: query l's own slot. Query l of row e attends to slot j < span iff j == slots[l], or j <=
-// slots[l] and keep[e, j]: the causal, padded mask of Transformer::forward. Grouped-query heads share their
-// KV head (H a multiple of Hkv). Softmax in float32 on tensor-core products (the probabilities rounded to
-// the dtype for the value product, as flash attention does). Returns (E, L, H, hd) contiguous in q's dtype.
-// bfloat16 and float16 with hd 64 or 128 only (cache_attention_supports); slots and rows are not checked
-// on the device.
+// input row e's cache row (undefined: row e itself, E == Bc, as in a step over every row); keep (E, >= span)
+// bool, rows contiguous: the slots input row e's queries may see; slots (L) int64: query l's own slot. Query
+// l of row e attends to slot j < span iff j == slots[l], or j <= slots[l] and keep[e, j]: the causal, padded
+// mask of Transformer::forward. Grouped-query heads share their KV head (H a multiple of Hkv). Softmax in
+// float32 on tensor-core products (the probabilities rounded to the dtype for the value product, as flash
+// attention does). Returns (E, L, H, hd) contiguous in q's dtype. bfloat16 and float16 with hd 64 or 128
+// only (cache_attention_supports); slots and rows are not checked on the device.
 bool cache_attention_supports(at::ScalarType dtype, int64_t head_dim);
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,

@@ -218,22 +218,26 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
     at::ScalarType dt;
     int64_t H, Hkv, hd, L, E;
     bool packed, shuffled;  // q a view of a packed projection; slots out of order (a step's form)
+    bool all_rows = false;  // a decode step: one query per cache row, no rows tensor (row e is cache row e)
   };
   // Qwen2.5-0.5B's heads (14 over 2, hd 64) and Llama-3's shape of group (hd 128); G L of 140 and 84 query
   // rows take several blocks of 64, and a span of 200 several blocks of keys (64 at hd 64, 32 at hd 128).
   // Three rows leave the GPU idle: the kernel splits the keys between blocks and adds their shares; 70 rows
-  // fill it, one block per query tile (on an H200's 132 SMs).
-  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 20, 3, true, false},
-                        {at::kHalf, 14, 2, 64, 20, 3, false, true},
-                        {at::kBFloat16, 8, 2, 128, 21, 3, false, false},
-                        {at::kHalf, 8, 2, 128, 7, 3, true, true},
-                        {at::kBFloat16, 14, 2, 64, 20, 70, false, false}};
+  // fill it, one block per query tile (on an H200's 132 SMs). Decode steps over every cache row, as the
+  // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so.
+  const Case cases[] = {
+      {at::kBFloat16, 14, 2, 64, 20, 3, true, false},   {at::kHalf, 14, 2, 64, 20, 3, false, true},
+      {at::kBFloat16, 8, 2, 128, 21, 3, false, false},  {at::kHalf, 8, 2, 128, 7, 3, true, true},
+      {at::kBFloat16, 14, 2, 64, 20, 70, false, false}, {at::kBFloat16, 14, 2, 64, 1, 47, true, false, true},
+      {at::kHalf, 8, 2, 128, 1, 5, false, false, true}};
   for (const Case& cs : cases) {
     auto o = at::TensorOptions().device(at::kCUDA).dtype(cs.dt);
-    const int64_t Bc = cs.E + 3, S = 224, span = 200, E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv, hd = cs.hd;
+    const int64_t Bc = cs.E + (cs.all_rows ? 0 : 3), S = 224, span = 200, E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv,
+                  hd = cs.hd;
     const double scale = 1.0 / std::sqrt(double(hd));
-    at::Tensor rows = at::randperm(Bc, o.dtype(at::kLong)).narrow(0, 0, E);
-    at::Tensor slots = at::arange(170, 170 + L, o.dtype(at::kLong));  // a feed's slots
+    at::Tensor rows =
+        cs.all_rows ? at::arange(Bc, o.dtype(at::kLong)) : at::randperm(Bc, o.dtype(at::kLong)).narrow(0, 0, E);
+    at::Tensor slots = at::arange(170, 170 + L, o.dtype(at::kLong));  // a feed's slots, or a step's slot
     if (cs.shuffled) slots = at::randperm(span, o.dtype(at::kLong)).narrow(0, 0, L);
     // Scores of a few units, values in [-1, 1], a tenth of the slots kept: each query sees about 20 keys, so
     // one key more or less moves some outputs well past the tolerance.
@@ -245,7 +249,8 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
       qkv.narrow(-1, 0, H * hd).copy_(q.view({E, L, H * hd}));
       q = qkv.narrow(-1, 0, H * hd).view({E, L, H, hd});
     }
-    at::Tensor got = cuda::cache_attention(q, kc, vc, rows, keep, slots, span, scale).to(at::kCPU, at::kDouble);
+    at::Tensor got = cuda::cache_attention(q, kc, vc, cs.all_rows ? at::Tensor() : rows, keep, slots, span, scale)
+                         .to(at::kCPU, at::kDouble);
     ASSERT_EQ(got.sizes(), at::IntArrayRef({E, L, H, hd}));
     // The output's rounding (u |out|) and the probabilities' (u each, times values of at most 1): u the
     // dtype's unit roundoff; twice that bound, against float32 sums' noise.
@@ -259,6 +264,7 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
     std::cout << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound; wrong variants";
     for (Variant w : {Variant::kSeesNextSlot, Variant::kInputRowIsCacheRow, Variant::kNoScale, Variant::kNoKeep,
                       Variant::kKvHeadModulo}) {
+      if (cs.all_rows && w == Variant::kInputRowIsCacheRow) continue;  // the same thing there
       const double x = excess(w);
       std::cout << " " << x;
       EXPECT_GT(x, 3.0) << cs.dt << " hd " << hd << " E " << E << ": wrong variant " << int(w) << " must be rejected";

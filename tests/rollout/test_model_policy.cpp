@@ -11,6 +11,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -344,6 +345,74 @@ TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
   const double other =
       (merged_got[0].first.to(at::kDouble) - full_logits(ref, merged_got[1].second)).abs().max().item<double>();
   EXPECT_GT(other, 10 * separate_err) << "another sequence's logits must be rejected";
+}
+
+// Decode steps whose attention reads every row's cache in place (ModelPolicyOptions::cache_attention:
+// cuda::cache_attention over all rows) in bf16 on the model above, eager at the graphs' fixed shape and as
+// replayed graphs. Prompts of 40-230 tokens put the keys in several of the kernel's blocks, which it splits
+// between blocks; a row waits every fourth step (holes). Every step's logits are measured against the
+// float64 full forward and must stay within twice the error of the same steps through SDPA over the span.
+// The in-place kernel must have run in the in-place runs only. Known-bad checks: another sequence's
+// logits, and the logits of the sequence one token short (a step that misses its own slot), fail that
+// same tolerance. (At these lengths bf16 rounding alone moves a logit by several units, so the margin of
+// the shorter tests, ten times the error, does not hold here.)
+TEST(ModelPolicyCuda, StepsReadTheCacheInPlaceAsSdpaDoes) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  std::unique_ptr<Transformer> ref_model;
+  const Transformer m = bf16_hd64_model(ref_model);
+  const Transformer& ref = *ref_model;
+  for (bool graphs : {false, true}) {
+    using Got = std::vector<std::pair<at::Tensor, std::vector<int64_t>>>;
+    auto run = [&](bool in_place, Got& got) {
+      ModelPolicyOptions po;
+      po.cuda_graphs = graphs;
+      po.fixed_shape_step = true;
+      po.cache_attention = in_place;
+      ModelPolicy policy(m, po);
+      std::vector<std::vector<int64_t>> seqs;
+      for (int64_t n : {230, 40, 151, 97, 64}) {
+        seqs.emplace_back();
+        for (int64_t j = 0; j < n; ++j) seqs.back().push_back((n * 7 + j * 13) % 399 + 1);
+      }
+      policy.start(seqs, 1);
+      for (int64_t t = 0; t < 10; ++t) {
+        std::vector<int64_t> rows, tokens;
+        for (int64_t r = 0; r < 5; ++r) {
+          if ((r + t) % 4 == 0) continue;  // this row waits: a hole in its slots
+          rows.push_back(r);
+          tokens.push_back((r * 31 + t * 17) % 400);
+        }
+        const at::Tensor logits = policy.step(rows, tokens).cpu();
+        for (size_t i = 0; i < rows.size(); ++i) {
+          seqs[rows[i]].push_back(tokens[i]);
+          got.emplace_back(logits[static_cast<int64_t>(i)], seqs[rows[i]]);
+        }
+      }
+    };
+    Got in_place_got, sdpa_got;
+    const int64_t before = Transformer::in_place_step_count();
+    run(true, in_place_got);
+    const int64_t ran = Transformer::in_place_step_count() - before;
+    // Eager, every step is a forward; graphed, only the captures' forwards run (a warm-up and the capture).
+    if (graphs) {
+      EXPECT_GE(ran, 2) << "graphed steps missed the kernel";
+    } else {
+      EXPECT_EQ(ran, 10) << "an eager step missed the kernel";
+    }
+    run(false, sdpa_got);
+    EXPECT_EQ(Transformer::in_place_step_count() - before, ran) << "the SDPA run took the in-place kernel";
+    const double in_place_err = max_error(ref, in_place_got), sdpa_err = max_error(ref, sdpa_got);
+    EXPECT_LE(in_place_err, 2 * sdpa_err)
+        << "graphs " << graphs << ": in place " << in_place_err << ", SDPA " << sdpa_err;
+    const auto& [logits, seq] = in_place_got.back();
+    const double other = (logits.to(at::kDouble) - full_logits(ref, in_place_got[0].second)).abs().max().item<double>();
+    EXPECT_GT(other, 2 * sdpa_err) << "another sequence's logits must be rejected";
+    const std::vector<int64_t> short_seq(seq.begin(), seq.end() - 1);
+    const double short_by_one = (logits.to(at::kDouble) - full_logits(ref, short_seq)).abs().max().item<double>();
+    EXPECT_GT(short_by_one, 2 * sdpa_err) << "the sequence one token short must be rejected";
+    std::cout << "graphs " << graphs << ": max |logit error| in place " << in_place_err << ", SDPA " << sdpa_err
+              << "; another sequence " << other << ", one token short " << short_by_one << "\n";
+  }
 }
 
 // Rows fed in turn (one row per step, a two-row feed every third step) leave three holes in four slots:
