@@ -301,13 +301,16 @@ void OffloadedAdamW::step_on_host(const at::Tensor& grad, const AdamWStep& s, at
     d2h = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
     h2d = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
   }
-  if (stage_grad) {
-    if (!grad_stage_.defined() || grad_stage_.size(1) != C) grad_stage_ = at::empty({2, C}, host_options(at::kFloat));
-    // The gradient is complete once the caller's stream reaches this point.
+  if (stage_grad || stage_out) {
+    // The gradient is complete, and `out` free to overwrite (the caller's kernels that write or read it
+    // are done), once the caller's stream reaches this point.
     at::cuda::CUDAEvent ready;
     ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
-    ready.block(*d2h);
+    if (stage_grad) ready.block(*d2h);
+    if (stage_out) ready.block(*h2d);
   }
+  if (stage_grad && (!grad_stage_.defined() || grad_stage_.size(1) != C))
+    grad_stage_ = at::empty({2, C}, host_options(at::kFloat));
   if (stage_out && (!out_stage_.defined() || out_stage_.size(1) != C || out_stage_.scalar_type() != out.scalar_type()))
     out_stage_ = at::empty({2, C}, host_options(out.scalar_type()));
   auto fetch = [&](int64_t k) {

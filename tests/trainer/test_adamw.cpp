@@ -3,6 +3,9 @@
 // the same comparisons must reject; OffloadedAdamW's drivers against adamw_step, bit for bit, and the
 // weights they write against the masters' rounding. CUDA cases skip without a GPU.
 #include <ATen/Parallel.h>
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
@@ -375,6 +378,24 @@ TEST(OffloadedAdamWCuda, HostStepEqualsAdamwStepOnCpu) {
   // Gradient on the device, weights on the host, and the reverse.
   check_offload({OffloadMode::kHostStep, 1000}, at::kCUDA, at::kCPU, at::kBFloat16, 11007, at::kCPU);
   check_offload({OffloadMode::kHostStep, 1000}, at::kCPU, at::kCUDA, at::kBFloat16, 11007, at::kCPU);
+}
+
+// The weights reach the device on a side stream, which must wait for the caller's stream: its kernels may
+// still write or read them. Here a fill of `out` waits behind a ~25 ms sleep on the caller's stream when the
+// step starts, with the gradient on the host (no gradient copy to order the upload). Without that wait the
+// step's weights land first and the fill overwrites them with 7s.
+TEST(OffloadedAdamWCuda, WeightsWaitForTheCallersStream) {
+  if (!has_cuda()) GTEST_SKIP() << "no CUDA device";
+#ifdef RLT_HAVE_CUDA
+  const int64_t n = 4096;
+  const Problem pr = make_problem(n, 77);
+  OffloadedAdamW off(pr.p0, {OffloadMode::kHostStep, 1000});
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
+  at::cuda::sleep(int64_t(50) * 1000 * 1000);  // clock cycles on the caller's stream
+  out.fill_(7.0);
+  off.step(pr.grads[0], hyper(1), out);
+  EXPECT_TRUE(at::equal(out.cpu(), off.master().to(at::kBFloat16)));
+#endif
 }
 
 TEST(OffloadedAdamWCuda, StreamThroughDeviceEqualsAdamwStepOnCuda) {
