@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Data-parallel training on the GPU host, one command; results in $OUT (or runs/gpu_dist):
-#   1. the data-parallel tests (NCCL from the autograd engine's device thread, the CPU launch tests);
-#   2. one rank through the launched path (--nproc 1: TCPStore, NCCL, every collective staged through the
-#      GPU) against the plain single process: the same metrics, bit for bit (times aside);
+#   1. tests: the data-parallel tests (NCCL from the autograd engine's device thread, the CPU launch tests);
+#   2. nproc1: one rank through the launched path (--nproc 1: TCPStore, NCCL, every collective staged
+#      through the GPU) against the plain single process: the same metrics, bit for bit (times aside);
 # with two GPUs or more on the host, also
-#   3. equivalence: configs/retool_gpu.yaml in fp32, 2 ranks (torchrun --nproc-per-node 2) against 1, same
-#      seed: first-step loss and gradient norm within 1e-5, the weights after 3 steps within 1e-4 relative;
-#   4. scaling: configs/retool.yaml steps (random Qwen2.5-0.5B-shaped checkpoint saved by transformers) on
-#      1 and 2 GPUs, the step time split into rollout / scoring / update / gradient communication.
-# Usage: bash scripts/gpu/dist.sh [scaling_steps] [max_new_tokens]; CTEST_ALL=1 also runs every test.
+#   3. eq: equivalence in fp32, configs/retool_gpu.yaml on N ranks (torchrun --nproc-per-node N; EQ_NPROC,
+#      default 2 and every GPU of the host) against 1, same seed, for each train.shard stage in EQ_STAGES
+#      (default none): first-step loss and gradient norm within 1e-5, the weights after 3 steps within 1e-4
+#      relative;
+#   4. scale: configs/retool.yaml steps (random Qwen2.5-0.5B-shaped checkpoint saved by transformers) on 1
+#      GPU and on SCALE_NPROC (default every GPU of the host), the step time split into rollout / scoring /
+#      update / gradient communication; SCALE_SET adds --set arguments to both runs.
+# Usage: [PARTS="tests nproc1 eq scale"] bash scripts/gpu/dist.sh [scaling_steps] [max_new_tokens];
+# CTEST_ALL=1 also runs every test.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_dist}
@@ -22,10 +26,14 @@ GPU_REBUILD=${GPU_REBUILD:-0} source scripts/gpu/build.sh
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
+parts=" ${PARTS:-tests nproc1 eq scale} "
+want() { [[ "$parts" == *" $1 "* ]]; }
 rc=0
 # The runs' metrics stay as $out/metrics_<run>.jsonl; their folders (checkpoints) go.
 tidy() {
-  for d in warm plain plain2 nproc1 eq1 eq2 scale1 scale2; do
+  for d in "$out"/*/; do
+    [ -d "$d" ] || continue
+    d=$(basename "$d")
     cp "$out/$d/metrics.jsonl" "$out/metrics_$d.jsonl" 2>/dev/null
     rm -rf "${out:?}/$d"
   done
@@ -36,10 +44,12 @@ tidy() {
 }
 
 # 1. The tests.
-(cd build-gpu && ctest --output-on-failure -R "GradReducer|DistEnv|RankPrompts|StoreCollectives|MiniBatchDenominators|GatherTable|CheckWorld|TwoRanks|dist_launch") \
-  > "$out/ctest.log" 2>&1 || rc=1
-grep -E "tests passed|tests failed|Failed|Skipped" "$out/ctest.log"
-if grep -qE "Skipped.*Cuda" "$out/ctest.log"; then echo "a CUDA test skipped on a GPU host"; rc=1; fi
+if want tests; then
+  (cd build-gpu && ctest --output-on-failure -R "GradReducer|DistEnv|RankPrompts|StoreCollectives|MiniBatchDenominators|GatherTable|CheckWorld|TwoRanks|dist_launch") \
+    > "$out/ctest.log" 2>&1 || rc=1
+  grep -E "tests passed|tests failed|Failed|Skipped" "$out/ctest.log"
+  if grep -qE "Skipped.*Cuda" "$out/ctest.log"; then echo "a CUDA test skipped on a GPU host"; rc=1; fi
+fi
 
 # compare A B TOL: the metrics of two runs, step by step.
 compare() {
@@ -68,25 +78,29 @@ PY
 # Training on the GPU is not bit-reproducible from run to run (attention and CCE backward accumulate with
 # atomics), so the runs compared start from one warmed-up checkpoint (sft.steps=0 then): their first
 # rollouts and first losses are forward passes of the same weights.
-build-gpu/bin/grpo_train --config configs/retool_gpu.yaml --set sft.steps=300 --set train.steps=1 \
-  --set train.eval_prompts=0 --out "$out/warm" > "$out/warm.log" 2>&1 || rc=1
+if want nproc1 || want eq; then
+  build-gpu/bin/grpo_train --config configs/retool_gpu.yaml --set sft.steps=300 --set train.steps=1 \
+    --set train.eval_prompts=0 --out "$out/warm" > "$out/warm.log" 2>&1 || rc=1
+fi
 start=(--config configs/retool_gpu.yaml --set model.path=$out/warm/checkpoint/model --set sft.steps=0
        --set train.eval_prompts=0 --set train.checkpoint_every=0)
 
 # 2. One rank through the launched path (TCPStore, NCCL) against the plain process, fp32, with a second
 # plain run as the control: step 1 alike (the rollout and the loss exactly, the gradient norm within 1e-5,
 # the noise of the backward's atomics; in bf16 that noise alone measured 1.5e-5).
-one=("${start[@]}" --set model.dtype=float32 --set train.steps=2)
-build-gpu/bin/grpo_train "${one[@]}" --out "$out/plain" > "$out/plain.log" 2>&1 || rc=1
-build-gpu/bin/grpo_train "${one[@]}" --out "$out/plain2" > "$out/plain2.log" 2>&1 || rc=1
-build-gpu/bin/grpo_train "${one[@]}" --out "$out/nproc1" --nproc 1 > "$out/nproc1.log" 2>&1 || rc=1
-{
-  echo "== control: two plain runs"
-  compare "$out/plain/metrics.jsonl" "$out/plain2/metrics.jsonl" 1e-5
-  echo "== --nproc 1 (NCCL, one rank) against one process"
-  compare "$out/plain/metrics.jsonl" "$out/nproc1/metrics.jsonl" 1e-5
-} 2>&1 | tee "$out/nproc1_compare.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+if want nproc1; then
+  one=("${start[@]}" --set model.dtype=float32 --set train.steps=2)
+  build-gpu/bin/grpo_train "${one[@]}" --out "$out/plain" > "$out/plain.log" 2>&1 || rc=1
+  build-gpu/bin/grpo_train "${one[@]}" --out "$out/plain2" > "$out/plain2.log" 2>&1 || rc=1
+  build-gpu/bin/grpo_train "${one[@]}" --out "$out/nproc1" --nproc 1 > "$out/nproc1.log" 2>&1 || rc=1
+  {
+    echo "== control: two plain runs"
+    compare "$out/plain/metrics.jsonl" "$out/plain2/metrics.jsonl" 1e-5
+    echo "== --nproc 1 (NCCL, one rank) against one process"
+    compare "$out/plain/metrics.jsonl" "$out/nproc1/metrics.jsonl" 1e-5
+  } 2>&1 | tee "$out/nproc1_compare.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
 
 # CTEST_ALL=1: every test of the tree too (run_gpu_ctest: a skipped CUDA test fails it).
 if [ "${CTEST_ALL:-0}" = 1 ]; then
@@ -100,48 +114,59 @@ if [ "$ngpu" -lt 2 ]; then
   exit $rc
 fi
 
-# 3. Equivalence in fp32: 2 ranks x 16 prompts against 1 x 32, same seed and start, 3 steps.
-eq=("${start[@]}" --set model.dtype=float32 --set train.steps=3)
-build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq1" > "$out/eq1.log" 2>&1 || rc=1
-python3 -m torch.distributed.run --nproc-per-node 2 --no-python build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq2" \
-  > "$out/eq2.log" 2>&1 || rc=1
-echo "== equivalence (fp32): torchrun --nproc-per-node 2 against one GPU"
-compare "$out/eq1/metrics.jsonl" "$out/eq2/metrics.jsonl" 1e-5 | tee "$out/eq_compare.txt" || rc=1
-python3 - "$out/eq1/checkpoint/model" "$out/eq2/checkpoint/model" <<'PY' | tee -a "$out/eq_compare.txt" || rc=1
+# 3. Equivalence in fp32: N ranks x 32/N prompts against 1 x 32, same seed and start, 3 steps, per shard stage.
+if want eq; then
+  eq=("${start[@]}" --set model.dtype=float32 --set train.steps=3)
+  build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq1" > "$out/eq1.log" 2>&1 || rc=1
+  nprocs=${EQ_NPROC:-$( [ "$ngpu" -gt 2 ] && echo "2 $ngpu" || echo 2 )}
+  for n in $nprocs; do
+    for stage in ${EQ_STAGES:-none}; do
+      name=eq${n}_$stage
+      python3 -m torch.distributed.run --nproc-per-node "$n" --no-python build-gpu/bin/grpo_train "${eq[@]}" \
+        --set train.shard=$stage --out "$out/$name" > "$out/$name.log" 2>&1 || rc=1
+      echo "== equivalence (fp32): torchrun --nproc-per-node $n, train.shard $stage, against one GPU" \
+        | tee -a "$out/eq_compare.txt"
+      compare "$out/eq1/metrics.jsonl" "$out/$name/metrics.jsonl" 1e-5 | tee -a "$out/eq_compare.txt" || rc=1
+      python3 - "$out/eq1/checkpoint/model" "$out/$name/checkpoint/model" <<'PY' | tee -a "$out/eq_compare.txt" || rc=1
 import sys, torch
 from safetensors.torch import load_file
 a, b = load_file(sys.argv[1] + "/model.safetensors"), load_file(sys.argv[2] + "/model.safetensors")
 num = sum((a[k].double() - b[k].double()).square().sum().item() for k in a)
 den = sum(a[k].double().square().sum().item() for k in a)
 rel = (num / den) ** 0.5
-print(f"weights after 3 steps: ||W_2gpu - W_1gpu|| / ||W_1gpu|| = {rel:.3g} (target <= 1e-4)")
+print(f"weights after 3 steps: ||W_N - W_1|| / ||W_1|| = {rel:.3g} (target <= 1e-4)")
 sys.exit(0 if rel <= 1e-4 else 1)
 PY
+    done
+  done
+fi
 
-# 4. Scaling: configs/retool.yaml on 1 and 2 GPUs, same prompts.
+# 4. Scaling: configs/retool.yaml on 1 and N GPUs, same prompts.
+want scale || { tidy; exit $rc; }
 source scripts/gpu/random_qwen.sh
+n=${SCALE_NPROC:-$ngpu}
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
-        --set data.eval_path= --set train.eval_prompts=0)
+        --set data.eval_path= --set train.eval_prompts=0 ${SCALE_SET:-})
 build-gpu/bin/grpo_train "${common[@]}" --out "$out/scale1" > "$out/scale1.log" 2>&1 || rc=1
-python3 -m torch.distributed.run --nproc-per-node 2 --no-python build-gpu/bin/grpo_train "${common[@]}" --out "$out/scale2" \
-  > "$out/scale2.log" 2>&1 || rc=1
-python3 - "$out" <<'PY' | tee "$out/scaling.txt"
+python3 -m torch.distributed.run --nproc-per-node "$n" --no-python build-gpu/bin/grpo_train "${common[@]}" \
+  --out "$out/scale$n" > "$out/scale$n.log" 2>&1 || rc=1
+python3 - "$out" "$n" <<'PY' | tee "$out/scaling.txt"
 import json, sys
-out = sys.argv[1]
+out, n = sys.argv[1], int(sys.argv[2])
 def rows(n):
     return [json.loads(l) for l in open(f"{out}/scale{n}/metrics.jsonl")]
 keys = ["time_step_s", "time_rollout_s", "time_scoring_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens"]
 summary = {}
-for n in (1, 2):
+for n in (1, n):
     r = rows(n)[1:] or rows(n)  # the first step warms up (graphs, cuDNN plans)
     summary[n] = {k: sum(x.get(k, 0.0) for x in r) / len(r) for k in keys}
     s = summary[n]
     print(f"{n} GPU: step {s['time_step_s']:.2f} s = rollout {s['time_rollout_s']:.2f} + scoring {s['time_scoring_s']:.2f}"
           f" + update {s['time_update_s']:.2f} (gradient wait {s['time_update_comm_wait_s']:.3f}); "
           f"{s['sampled_tokens'] / s['time_step_s']:.0f} sampled tokens/s")
-speed = summary[1]["time_step_s"] / summary[2]["time_step_s"]
-print(f"step throughput, 2 GPUs over 1: {speed:.2f}x (target >= 1.85x)")
+for k in ("time_step_s", "time_rollout_s", "time_update_s"):
+    print(f"{k}: {n} GPUs over 1: {summary[1][k] / summary[n][k]:.2f}x")
 json.dump(summary, open(f"{out}/scaling.json", "w"), indent=1)
 PY
 tidy
