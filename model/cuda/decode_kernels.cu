@@ -11,8 +11,9 @@
 #include <mma.h>
 
 #include <cmath>
+#include <limits>
+#include <map>
 #include <mutex>
-#include <set>
 #include <type_traits>
 #include <vector>
 
@@ -556,26 +557,46 @@ __global__ void cache_attention_combine(const float* __restrict__ part_o, const 
   out[row * HD + threadIdx.x] = from_f<T>(acc / l);
 }
 
+// The kernel's resident blocks per SM (as many as its shared memory lets fit), once per device; its
+// dynamic shared memory limit is raised there first when it needs more than the default 48 KiB.
 template <typename T, int HD, bool SPLIT>
-void launch_one_cache_attention(const dim3& grid, size_t smem, cudaStream_t stream, const T* q, int64_t q_row,
-                                const T* kc, const T* vc, const int64_t* rows, const bool* keep, int64_t keep_row,
-                                const int64_t* slots, int64_t L, int64_t G, int64_t Hkv, int64_t S, int64_t span,
-                                float scale, int splits, int64_t per_split, T* out, float* part_o, float* part_ml) {
-  if (smem > 48 * 1024) {  // more than the default 48 KiB of dynamic shared memory, once per device
-    static std::mutex mu;
-    static std::set<int> done;
-    const std::lock_guard<std::mutex> lock(mu);
-    int dev = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    if (done.insert(dev).second) {
+int64_t cache_attention_blocks_per_sm(size_t smem) {
+  static std::mutex mu;
+  static std::map<int, int> per_device;
+  const std::lock_guard<std::mutex> lock(mu);
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  auto it = per_device.find(dev);
+  if (it == per_device.end()) {
+    if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD, SPLIT>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
+    int n = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cache_attention_kernel<T, HD, SPLIT>, kAttnWarps * 32, smem));
+    it = per_device.emplace(dev, std::max(n, 1)).first;
   }
-  cache_attention_kernel<T, HD, SPLIT>
-      <<<grid, kAttnWarps * 32, smem, stream>>>(q, q_row, kc, vc, rows, keep, keep_row, slots, L, G, Hkv, S, span,
-                                                scale, splits, per_split, out, part_o, part_ml);
+  return it->second;
 }
+
+}  // namespace
+
+int64_t cache_attention_splits(int64_t units, int64_t key_blocks, int64_t resident) {
+  int64_t best = 1, best_cost = std::numeric_limits<int64_t>::max();
+  for (int64_t s = 1; s <= key_blocks; ++s) {
+    const int64_t per = (key_blocks + s - 1) / s;
+    if ((s - 1) * per >= key_blocks) continue;  // s - 1 splits of `per` blocks cover them: one would be empty
+    const int64_t cost = (units * s + resident - 1) / resident * (per + 1);
+    if (cost < best_cost) {
+      best = s;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+namespace {
 
 template <typename T, int HD>
 void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor& kc, const at::Tensor& vc,
@@ -587,14 +608,13 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   const bool split_keys = G * L <= 16;
   const int64_t tiles = (G * L + kAttnRows - 1) / kAttnRows,
                 blocks = (span + AttnShape<HD>::BK - 1) / AttnShape<HD>::BK;
-  // A block of 4 warps walks its keys one block after another, each step a chain of dependent instructions:
-  // with one block per SM the warps wait on each other's latencies (48 us a layer for a 16 x 24 feed over 352
-  // slots on an H200, against 7 for cuDNN's decode over 640). The span's key blocks are split between
-  // blocks until three per SM run (as many as fit its shared memory; flash-decoding), and a second kernel
-  // adds the splits' shares.
+  // A block of 4 warps walks its keys one block after another, each step a chain of dependent instructions,
+  // so the span's key blocks are split between blocks (flash-decoding), and a second kernel adds the
+  // splits' shares: cache_attention_splits picks how many.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = (3 * sms + E * Hkv * tiles - 1) / (E * Hkv * tiles);
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, blocks));
+  const int64_t per_sm =
+      split_keys ? cache_attention_blocks_per_sm<T, HD, true>(smem) : cache_attention_blocks_per_sm<T, HD, false>(smem);
+  const int64_t splits = cache_attention_splits(E * Hkv * tiles, blocks, per_sm * sms);
   const int64_t per_split = (blocks + splits - 1) / splits;
   const int64_t rows_all = E * L * H;
   at::Tensor part_o, part_ml;
@@ -605,12 +625,11 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(unsigned(E), unsigned(Hkv), unsigned(tiles * splits));
   auto launch = [&](auto split_tag) {
-    launch_one_cache_attention<T, HD, decltype(split_tag)::value>(
-        grid, smem, stream, ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc),
-        rows.defined() ? rows.data_ptr<int64_t>() : nullptr, keep.data_ptr<bool>(), keep.stride(0),
-        slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E), int(splits),
-        per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
-        splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+    cache_attention_kernel<T, HD, decltype(split_tag)::value><<<grid, kAttnWarps * 32, smem, stream>>>(
+        ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr,
+        keep.data_ptr<bool>(), keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span,
+        scale * static_cast<float>(M_LOG2E), int(splits), per_split, ptr<T>(out),
+        splits > 1 ? part_o.data_ptr<float>() : nullptr, splits > 1 ? part_ml.data_ptr<float>() : nullptr);
   };
   if (split_keys) {
     launch(std::true_type{});

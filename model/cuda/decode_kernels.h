@@ -52,6 +52,14 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
 // attention does). Returns (E, L, H, hd) contiguous in q's dtype. bfloat16 and float16 with hd 64 or 128
 // only (cache_attention_supports); slots and rows are not checked on the device.
 bool cache_attention_supports(at::ScalarType dtype, int64_t head_dim);
+// How many blocks cache_attention splits each query tile's key blocks between (flash-decoding; a second
+// kernel adds the splits' shares): units query tiles (input rows x KV heads x tiles), key_blocks blocks of
+// keys in the span, `resident` blocks running at once on the device (per SM, as many as the kernel's
+// shared memory lets fit, times the SMs). The blocks run in waves of `resident`, each walking its split's
+// key blocks one after another after a setup of about one key block's time (the query tile, the partial
+// output), so the count minimises waves x (key blocks per split + 1); the smallest of equals, and none
+// left empty.
+int64_t cache_attention_splits(int64_t units, int64_t key_blocks, int64_t resident);
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                            double scale);

@@ -274,6 +274,31 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
 #endif
 }
 
+// The split count of cache_attention (host arithmetic: runs without a GPU in a CUDA build), on an H200's
+// 132 SMs x 3 resident blocks. 48 decode rows over 2 KV heads (96 tiles) at 33 key blocks: 4 splits fill
+// one wave of 384 blocks of 9 key blocks each (cost 10); 5 (enough for three blocks per SM, rounding up)
+// spill 84 blocks into a second wave (2 x 8). 64 rows: 3 splits (one wave of 11 blocks). 256 rows over 8
+// key blocks: 512 tiles already take more than a wave, and 2 splits (3 waves of 4 + 1) beat 1 (2 waves of
+// 8 + 1). Few tiles take one key block per split; one key block is never split.
+TEST(DecodeKernels, CacheAttentionSplitsFillWholeWaves) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  const int64_t resident = 132 * 3;
+  EXPECT_EQ(cuda::cache_attention_splits(96, 33, resident), 4);
+  EXPECT_EQ(cuda::cache_attention_splits(128, 33, resident), 3);
+  EXPECT_EQ(cuda::cache_attention_splits(512, 8, resident), 2);
+  EXPECT_EQ(cuda::cache_attention_splits(10, 4, resident), 4);
+  EXPECT_EQ(cuda::cache_attention_splits(1000, 1, resident), 1);
+  // The rule of three blocks per SM rounded up (splits = ceil(resident / units), at most the key blocks)
+  // would give 5, 4 and 1 for the first three: a second wave, or a wave two thirds idle.
+  for (int64_t units : {96, 128}) {
+    const int64_t rounded_up = std::min<int64_t>((resident + units - 1) / units, 33);
+    EXPECT_NE(cuda::cache_attention_splits(units, 33, resident), rounded_up) << units << " tiles";
+  }
+#endif
+}
+
 // The squeeze of a kept cache (KvCache::squeeze_, as ModelPolicy::compact calls it): every layer's kept
 // slots moved down in place by one kernel must equal ATen's gather of them, bit for bit, in three dtypes
 // and three slot sizes, with rows of no hole, of no kept slot, and of long moves across several of the
