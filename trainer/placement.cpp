@@ -321,14 +321,7 @@ RolloutBatch RemoteRollouts::next() {
       rounds_ = rd.get<SamplingRounds>();
       consumed_after = rd.get<int64_t>();
     }
-    RewardTally tally;
-    tally.scored = rd.get<int64_t>();
-    tally.failed = rd.get<int64_t>();
-    for (int64_t n = rd.get<int64_t>(); n > 0; --n) {
-      const std::string name = rd.get_str();
-      const double sum = rd.get<double>();
-      tally.fields[name] = {sum, rd.get<int64_t>()};
-    }
+    const RewardTally tally = read_tally(rd);
     if (run_.dist->lead()) out.rewards.add(tally);  // reward_metrics sums the training ranks' tallies
     for (int64_t n = rd.get<int64_t>(); n > 0; --n) {
       GroupRecord g = read_group(rd, G);
@@ -493,14 +486,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
       w.put(rounds);
       w.put<int64_t>(run.prompts->consumed());
     }
-    w.put<int64_t>(b.rewards.scored);
-    w.put<int64_t>(b.rewards.failed);
-    w.put<int64_t>(static_cast<int64_t>(b.rewards.fields.size()));
-    for (const auto& [name, v] : b.rewards.fields) {
-      w.put_str(name);
-      w.put<double>(v.first);
-      w.put<int64_t>(v.second);
-    }
+    write_tally(w, b.rewards);
     const int64_t G = cfg.sampling.samples_per_prompt;
     w.put<int64_t>(static_cast<int64_t>(b.examples.size()));
     for (size_t i = 0; i < b.examples.size(); ++i) {

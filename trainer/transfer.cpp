@@ -74,6 +74,31 @@ GroupRecord read_group(ByteReader& r, int64_t G) {
   return d;
 }
 
+void write_tally(ByteWriter& w, const RewardTally& t) {
+  w.put<int64_t>(t.scored);
+  w.put<int64_t>(t.failed);
+  w.put<int64_t>(static_cast<int64_t>(t.fields.size()));
+  for (const auto& [name, v] : t.fields) {
+    w.put_str(name);
+    w.put<double>(v.first);
+    w.put<int64_t>(v.second);
+  }
+}
+
+RewardTally read_tally(ByteReader& r) {
+  RewardTally t;
+  t.scored = r.get<int64_t>();
+  t.failed = r.get<int64_t>();
+  const auto n = r.get<int64_t>();
+  TORCH_CHECK(n >= 0, "a corrupt reward tally: ", n, " fields");
+  for (int64_t i = 0; i < n; ++i) {
+    std::string name = r.get_str();
+    const auto sum = r.get<double>();
+    t.fields[std::move(name)] = {sum, r.get<int64_t>()};
+  }
+  return t;
+}
+
 std::vector<uint8_t> exchange_bytes(Collectives& dist, const std::vector<uint8_t>& mine) {
   const int world = dist.world(), rank = dist.rank();
   at::Tensor sizes = at::zeros({world}, at::kDouble);

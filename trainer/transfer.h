@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "rollout/python_reward.h"
 #include "rollout/retool.h"
 #include "trainer/dist.h"
 
@@ -79,6 +80,11 @@ struct GroupRecord {
   std::vector<Trajectory> trajs;  // (G)
 };
 GroupRecord read_group(ByteReader& r, int64_t G);
+
+// A batch's reward tally (rollout/python_reward.h): the trajectories scored and failed, and each field's
+// sum and count.
+void write_tally(ByteWriter& w, const RewardTally& t);
+RewardTally read_tally(ByteReader& r);
 
 // Every rank's `mine` bytes, concatenated in rank order, on every rank: the sizes, then the bytes, each an
 // all_reduce sum in which every other rank adds zeros. Every rank makes the same calls.

@@ -19,6 +19,7 @@
 #include "trainer/memory_plan.h"
 #include "trainer/placement.h"
 #include "trainer/run.h"
+#include "trainer/transfer.h"
 
 namespace rlt {
 namespace {
@@ -314,6 +315,29 @@ TEST(Placement, TheWeightsBroadcastFillsEveryTensorBucketByBucket) {
     for (size_t i = 0; i < t.size(); ++i)
       EXPECT_TRUE(at::equal(t[i], root[i])) << "tensor " << i << " on rank " << rank;
   });
+}
+
+// A rollout rank's reward tally crosses to the training ranks as bytes beside its groups: read back, it
+// is the tally written (counts, and each field's sum and count), and the record after it starts where the
+// tally ends. A tally cut short is an error, not a tally of zeros.
+TEST(Placement, TheRewardTallyCrossesAsWritten) {
+  RewardTally t;
+  t.scored = 96;
+  t.failed = 3;
+  t.fields["format"] = {41.5, 90};
+  t.fields["length"] = {-2.25, 93};
+  ByteWriter w;
+  write_tally(w, t);
+  w.put<int64_t>(7);  // what follows the tally in a batch's record
+  ByteReader r(w.bytes.data(), w.bytes.size());
+  const RewardTally got = read_tally(r);
+  EXPECT_EQ(got.scored, 96);
+  EXPECT_EQ(got.failed, 3);
+  EXPECT_EQ(got.fields, t.fields);
+  EXPECT_EQ(r.get<int64_t>(), 7);
+  EXPECT_TRUE(r.done());
+  ByteReader cut(w.bytes.data(), w.bytes.size() - sizeof(int64_t) - 1);
+  EXPECT_THROW(read_tally(cut), c10::Error);
 }
 
 TEST(Placement, RefusesWhatCannotSplit) {
