@@ -548,14 +548,15 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
   return z;
 }
 
-at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
-                                      const at::Tensor& keep, const at::Tensor& slots, bool dropout) const {
+                                      const at::Tensor& keep, const at::Tensor& slots, bool dropout,
+                                      at::Tensor* carry) const {
   const ModelConfig& c = config_;
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
   const PackedWeights* packed = fused && cache ? cache->packed : nullptr;
-  auto [q, k, v_new] = project_qkv(i, h, packed, fused, dropout);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
-  at::Tensor attn;                                                 // (B, L, H hd)
+  auto [q, k, v_new] = project_qkv(i, h, packed, fused, dropout, carry);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
+  at::Tensor attn;                                                        // (B, L, H hd)
 #ifdef RLT_HAVE_CUDA
   if (keep.defined()) {
     // A feed of some cache rows, or a step over every row (forward() chose it): RoPE and the cache write in
@@ -650,7 +651,7 @@ at::Tensor Transformer::layer_forward(int64_t i, const at::Tensor& h, const at::
     }
     attn = a.transpose(1, 2).reshape({B, L, H * hd});
   }
-  return output_and_mlp(i, h, attn, packed, fused, dropout);
+  return output_and_mlp(i, h, attn, packed, fused, dropout, carry);
 }
 
 at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const {
@@ -661,13 +662,23 @@ at::Tensor Transformer::norm(const at::Tensor& x, const at::Tensor& w, bool gemm
   return rms_norm(x, w, config_.rms_norm_eps, gemma);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, const at::Tensor& h,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, at::Tensor& h,
                                                                         const PackedWeights* packed, bool fused,
-                                                                        bool dropout) const {
+                                                                        bool dropout, at::Tensor* carry) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
-  at::Tensor x = norm(h, l.input_norm, c.gemma_norms, fused);  // (B, L, D)
+  at::Tensor x;  // (B, L, D)
+#ifdef RLT_HAVE_CUDA
+  if (carry && carry->defined()) {
+    std::tie(h, x) = cuda::add_rms_norm(h, *carry, l.input_norm, c.rms_norm_eps, c.gemma_norms);
+    *carry = at::Tensor();
+  } else
+#endif
+  {
+    TORCH_CHECK(!carry || !carry->defined(), "project_qkv: a residual to carry needs the fused kernels");
+    x = norm(h, l.input_norm, c.gemma_norms, fused);
+  }
   at::Tensor q, k, v;
   if (packed && !packed->qkv_w.empty()) {
     // One GEMM, then views of its three column blocks (rows strided by (H + 2 Hkv) hd).
@@ -688,7 +699,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t 
 }
 
 at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn,
-                                       const PackedWeights* packed, bool fused, bool dropout) const {
+                                       const PackedWeights* packed, bool fused, bool dropout, at::Tensor* carry) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const bool gemma = c.gemma_norms;
@@ -727,7 +738,20 @@ at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at:
     m = project(l, 6, g * u, at::Tensor(), dropout);
   }
   if (gemma) m = norm(m, l.post_ff_norm, true, fused);
+  if (carry) {
+    *carry = m;
+    return h2;
+  }
   return h2 + m;
+}
+
+at::Tensor Transformer::final_norm(const at::Tensor& h, const at::Tensor& carry, bool fused) const {
+  const ModelConfig& c = config_;
+#ifdef RLT_HAVE_CUDA
+  if (carry.defined()) return cuda::add_rms_norm(h, carry, final_norm_, c.rms_norm_eps, c.gemma_norms).second;
+#endif
+  TORCH_CHECK(!carry.defined(), "final_norm: a residual to carry needs the fused kernels");
+  return norm(h, final_norm_, c.gemma_norms, fused);
 }
 
 bool Transformer::mixed_forward_applies() const {
@@ -789,8 +813,9 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
   }
   at::Tensor keep = feed_keep.to(at::kBool).contiguous();
   const PackedWeights* packed = cache.packed;
+  at::Tensor carry;  // a layer's MLP output, added to the residual by the next norm's kernel
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    auto [q, k, v] = project_qkv(i, h, packed, true);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
+    auto [q, k, v] = project_qkv(i, h, packed, true, false, &carry);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
     auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
     auto feed_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, Bc, E * K).view({E, K, heads, hd}); };
     // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
@@ -811,9 +836,9 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
     cuda::rope_write_cache(qf, kf, feed_part(v, Hkv), cos_f, sin_f, cache.k[i], cache.v[i], feed_slots, feed_rows);
     at::Tensor a_f = cuda::cache_attention(qf, cache.k[i], cache.v[i], feed_rows, keep, feed_slots, span, c.attn_scale)
                          .view({E * K, H * hd});
-    h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), packed, true);
+    h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), packed, true, false, &carry);
   }
-  return cuda::rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms).view({T, c.hidden_size});
+  return final_norm(h, carry, true).view({T, c.hidden_size});
 #else
   return at::Tensor();
 #endif
@@ -948,6 +973,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   if (checkpointing_ && !cache && at::GradMode::is_enabled() && !h.requires_grad()) {
     h = h.detach().requires_grad_(true);
   }
+  // Fused: a layer's MLP output, added to the residual by the next norm's kernel rather than on its own.
+  at::Tensor carry;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     // The window restricts nothing while all S slots fit in it.
     const bool sliding = c.sliding_layers[i] && S > c.sliding_window;
@@ -1001,15 +1028,12 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
       TORCH_CHECK(!residency_ || !at::GradMode::is_enabled(),
                   "a forward with gradients over sharded weights needs activation checkpointing");
       if (residency_) residency_->acquire(i, false);
-      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots, dropout);
+      h = layer_forward(i, h, cos, sin, mask, is_causal, cache, fused, keep, slots, dropout, fused ? &carry : nullptr);
       if (residency_) residency_->release(i);
     }
   }
   if (cache && !fixed) cache->length = S;
-#ifdef RLT_HAVE_CUDA
-  if (fused) return cuda::rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
-#endif
-  return rms_norm(h, final_norm_, c.rms_norm_eps, c.gemma_norms);
+  return final_norm(h, carry, fused);
 }
 
 }  // namespace rlt

@@ -244,22 +244,27 @@ class Transformer {
   // slots (L) int64, both on the device, set only for a fused feed over KvCache::step_rows or a fused step
   // over every row (KvCache::in_place_steps): the new keys go to `slots` of those rows, and the attention
   // (cuda::cache_attention) reads their cache in place under the causal mask that keep and slots make
-  // (mask is then unused).
-  at::Tensor layer_forward(int64_t i, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+  // (mask is then unused). carry: see project_qkv and output_and_mlp.
+  at::Tensor layer_forward(int64_t i, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
                            const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor(),
-                           bool dropout = false) const;
+                           bool dropout = false, at::Tensor* carry = nullptr) const;
   // The pieces of a layer that every forward shares. RMSNorm, fused or the ATen form.
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const;
   // Layer i's input norm and q/k/v projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k
-  // normed where the model does: q (B, L, H, hd), k and v (B, L, Hkv, hd).
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, const at::Tensor& h,
-                                                             const PackedWeights* packed, bool fused,
-                                                             bool dropout = false) const;
+  // normed where the model does: q (B, L, H, hd), k and v (B, L, Hkv, hd). With *carry defined (a fused
+  // forward: the previous layer's MLP output, not yet added), h becomes h + *carry in the input norm's
+  // kernel (cuda::add_rms_norm) and *carry is emptied.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, at::Tensor& h, const PackedWeights* packed,
+                                                             bool fused, bool dropout = false,
+                                                             at::Tensor* carry = nullptr) const;
   // Layer i after its attention: output projection of attn (B, L, H hd), residual, the MLP block and its
-  // residual. Returns the layer's output (B, L, D).
+  // residual. Returns the layer's output (B, L, D); with carry, the output less the MLP's, which is left in
+  // *carry for the next norm to add (one kernel fewer a layer).
   at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, const PackedWeights* packed,
-                            bool fused, bool dropout = false) const;
+                            bool fused, bool dropout = false, at::Tensor* carry = nullptr) const;
+  // The final norm of h (B, L, D), or with carry defined of h + carry (fused forwards).
+  at::Tensor final_norm(const at::Tensor& h, const at::Tensor& carry, bool fused) const;
   // x (…, in) through layer l's projection `target` (weight, bias b): x W^T (+ b), plus its LoRA adapter's
   // term when it has one (with dropout: the adapters' dropout, in training forwards).
   at::Tensor project(const Layer& l, int target, const at::Tensor& x, const at::Tensor& b, bool dropout) const;

@@ -197,11 +197,11 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
 // far outside that tolerance.
 // A bf16 model on CUDA at a head size cache_attention takes (64; four query heads over two KV heads), and
 // `ref`, the same weights in float64 on the CPU: the reference of the fused feeds' tests.
-Transformer bf16_hd64_model(std::unique_ptr<Transformer>& ref) {
-  nlohmann::json j = tiny_family_config("qwen2");
+Transformer bf16_hd64_model(std::unique_ptr<Transformer>& ref, const std::string& family = "qwen2") {
+  nlohmann::json j = tiny_family_config(family);
   j["hidden_size"] = 256;
   j["intermediate_size"] = 512;
-  const ModelConfig cfg = model_config_from_json(j, "tiny qwen2, head size 64");
+  const ModelConfig cfg = model_config_from_json(j, "tiny " + family + ", head size 64");
   Transformer m(cfg, at::kBFloat16, at::Device(at::kCUDA, 0), 11);
   ref = std::make_unique<Transformer>(cfg, at::kDouble, at::kCPU, 11);
   at::NoGradGuard ng;
@@ -348,18 +348,20 @@ TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
 }
 
 // Decode steps whose attention reads every row's cache in place (ModelPolicyOptions::cache_attention:
-// cuda::cache_attention over all rows) in bf16 on the model above, eager at the graphs' fixed shape and as
-// replayed graphs. Prompts of 40-230 tokens put the keys in several of the kernel's blocks, which it splits
-// between blocks; a row waits every fourth step (holes). Every step's logits are measured against the
+// cuda::cache_attention over all rows) in bf16 on the model above (of each family below), eager at the
+// graphs' fixed shape and as replayed graphs. Prompts of 40-230 tokens put the keys in several of the kernel's blocks,
+// which it splits between blocks; a row waits every fourth step (holes). Every step's logits are measured against the
 // float64 full forward and must stay within twice the error of the same steps through SDPA over the span.
 // The in-place kernel must have run in the in-place runs only. Known-bad checks: another sequence's
 // logits, and the logits of the sequence one token short (a step that misses its own slot), fail that
 // same tolerance. (At these lengths bf16 rounding alone moves a logit by several units, so the margin of
 // the shorter tests, ten times the error, does not hold here.)
-TEST(ModelPolicyCuda, StepsReadTheCacheInPlaceAsSdpaDoes) {
+class StepsInPlace : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepsInPlace, ReadTheCacheAsSdpaDoes) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Transformer> ref_model;
-  const Transformer m = bf16_hd64_model(ref_model);
+  const Transformer m = bf16_hd64_model(ref_model, GetParam());
   const Transformer& ref = *ref_model;
   for (bool graphs : {false, true}) {
     using Got = std::vector<std::pair<at::Tensor, std::vector<int64_t>>>;
@@ -414,6 +416,10 @@ TEST(ModelPolicyCuda, StepsReadTheCacheInPlaceAsSdpaDoes) {
               << "; another sequence " << other << ", one token short " << short_by_one << "\n";
   }
 }
+
+// qwen2 (q/k/v biases, packed q/k/v), qwen3 (q/k norms: q and k unpacked, normed before RoPE) and llama.
+INSTANTIATE_TEST_SUITE_P(CudaFamilies, StepsInPlace, ::testing::Values("qwen2", "qwen3", "llama"),
+                         [](const auto& info) { return info.param; });
 
 // Rows fed in turn (one row per step, a two-row feed every third step) leave three holes in four slots:
 // each compaction squeezes them out in place, keeping the cache's tensors and shape (and on CUDA the
