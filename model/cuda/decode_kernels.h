@@ -41,7 +41,8 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
 // Attention of some cache rows' new queries over those rows' cached keys and values, read where they lie
 // (no gathered copy of the rows' cache, no mask tensor per layer): a feed's forward (KvCache::step_rows)
 // and a decode step's. The keys end at the largest slot a query sees, not at the span, and are split
-// between blocks until three run per SM (flash-decoding), so a step's cost follows its rows' contexts.
+// between blocks in whole waves (cache_attention_splits; flash-decoding), so a step's cost follows its
+// rows' contexts.
 // q (E, L, H, hd), each (e, l) row's heads packed, rows evenly spaced (a packed projection's view serves);
 // k_cache, v_cache (Bc, Hkv, S, hd) contiguous, already holding the new keys and values; rows (E) int64:
 // input row e's cache row (undefined: row e itself, E == Bc, as in a step over every row); keep (E, >= span)

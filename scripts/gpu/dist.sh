@@ -31,9 +31,9 @@ want() { [[ "$parts" == *" $1 "* ]]; }
 rc=0
 # The runs' metrics stay as $out/metrics_<run>.jsonl; their folders (checkpoints) go.
 tidy() {
-  for d in "$out"/*/; do
-    [ -d "$d" ] || continue
-    d=$(basename "$d")
+  local d
+  for d in warm plain plain2 nproc1 eq1 $(cd "$out" && ls -d eq[0-9]*_* scale[0-9]* 2>/dev/null); do
+    [ -d "$out/$d" ] || continue
     cp "$out/$d/metrics.jsonl" "$out/metrics_$d.jsonl" 2>/dev/null
     rm -rf "${out:?}/$d"
   done
@@ -104,7 +104,7 @@ fi
 
 # CTEST_ALL=1: every test of the tree too (run_gpu_ctest: a skipped CUDA test fails it).
 if [ "${CTEST_ALL:-0}" = 1 ]; then
-  mv "$out/ctest.log" "$out/ctest_dist.log"
+  [ -f "$out/ctest.log" ] && mv "$out/ctest.log" "$out/ctest_dist.log"
   run_gpu_ctest || rc=1
 fi
 
@@ -118,6 +118,7 @@ fi
 if want eq; then
   eq=("${start[@]}" --set model.dtype=float32 --set train.steps=3)
   build-gpu/bin/grpo_train "${eq[@]}" --out "$out/eq1" > "$out/eq1.log" 2>&1 || rc=1
+  rm -f "$out/eq_compare.txt"
   nprocs=${EQ_NPROC:-$( [ "$ngpu" -gt 2 ] && echo "2 $ngpu" || echo 2 )}
   for n in $nprocs; do
     for stage in ${EQ_STAGES:-none}; do
@@ -145,6 +146,11 @@ fi
 want scale || { tidy; exit $rc; }
 source scripts/gpu/random_qwen.sh
 n=${SCALE_NPROC:-$ngpu}
+if [ "$n" -lt 2 ]; then
+  echo "SCALE_NPROC=$n: scaling compares 1 GPU with 2 or more"
+  tidy
+  exit 1
+fi
 common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
         --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
         --set data.eval_path= --set train.eval_prompts=0 ${SCALE_SET:-})
@@ -153,12 +159,12 @@ python3 -m torch.distributed.run --nproc-per-node "$n" --no-python build-gpu/bin
   --out "$out/scale$n" > "$out/scale$n.log" 2>&1 || rc=1
 python3 - "$out" "$n" <<'PY' | tee "$out/scaling.txt"
 import json, sys
-out, n = sys.argv[1], int(sys.argv[2])
+out, gpus = sys.argv[1], int(sys.argv[2])
 def rows(n):
     return [json.loads(l) for l in open(f"{out}/scale{n}/metrics.jsonl")]
 keys = ["time_step_s", "time_rollout_s", "time_scoring_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens"]
 summary = {}
-for n in (1, n):
+for n in (1, gpus):
     r = rows(n)[1:] or rows(n)  # the first step warms up (graphs, cuDNN plans)
     summary[n] = {k: sum(x.get(k, 0.0) for x in r) / len(r) for k in keys}
     s = summary[n]
@@ -166,7 +172,7 @@ for n in (1, n):
           f" + update {s['time_update_s']:.2f} (gradient wait {s['time_update_comm_wait_s']:.3f}); "
           f"{s['sampled_tokens'] / s['time_step_s']:.0f} sampled tokens/s")
 for k in ("time_step_s", "time_rollout_s", "time_update_s"):
-    print(f"{k}: {n} GPUs over 1: {summary[1][k] / summary[n][k]:.2f}x")
+    print(f"{k}: {gpus} GPUs over 1: {summary[1][k] / summary[gpus][k]:.2f}x")
 json.dump(summary, open(f"{out}/scaling.json", "w"), indent=1)
 PY
 tidy

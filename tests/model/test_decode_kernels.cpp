@@ -224,15 +224,21 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
   // rows take several blocks of 64, and a span of 200 several blocks of keys (64 at hd 64, 32 at hd 128).
   // Three rows leave the GPU idle: the kernel splits the keys between blocks and adds their shares; 70 rows
   // fill it, one block per query tile (on an H200's 132 SMs). Decode steps over every cache row, as the
-  // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so. Short
+  // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so, and 300
+  // rows (600 tiles, two waves already) take one split, the warps' shares written out directly. Short
   // feeds whose G L query rows fit one warp's 16 (2 x 7, 4 x 4, and 16 positions of one head each), where
   // the warps split each key block between them as a step's do.
-  const Case cases[] = {
-      {at::kBFloat16, 14, 2, 64, 20, 3, true, false},   {at::kHalf, 14, 2, 64, 20, 3, false, true},
-      {at::kBFloat16, 8, 2, 128, 21, 3, false, false},  {at::kHalf, 8, 2, 128, 7, 3, true, true},
-      {at::kBFloat16, 14, 2, 64, 20, 70, false, false}, {at::kBFloat16, 14, 2, 64, 1, 47, true, false, true},
-      {at::kHalf, 8, 2, 128, 1, 5, false, false, true}, {at::kBFloat16, 14, 2, 64, 2, 3, true, true},
-      {at::kHalf, 8, 2, 128, 4, 3, false, false},       {at::kBFloat16, 4, 4, 64, 16, 3, false, true}};
+  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 20, 3, true, false},
+                        {at::kHalf, 14, 2, 64, 20, 3, false, true},
+                        {at::kBFloat16, 8, 2, 128, 21, 3, false, false},
+                        {at::kHalf, 8, 2, 128, 7, 3, true, true},
+                        {at::kBFloat16, 14, 2, 64, 20, 70, false, false},
+                        {at::kBFloat16, 14, 2, 64, 1, 47, true, false, true},
+                        {at::kHalf, 8, 2, 128, 1, 5, false, false, true},
+                        {at::kBFloat16, 14, 2, 64, 2, 3, true, true},
+                        {at::kHalf, 8, 2, 128, 4, 3, false, false},
+                        {at::kBFloat16, 4, 4, 64, 16, 3, false, true},
+                        {at::kBFloat16, 14, 2, 64, 1, 300, false, false, true}};
   for (const Case& cs : cases) {
     auto o = at::TensorOptions().device(at::kCUDA).dtype(cs.dt);
     const int64_t Bc = cs.E + (cs.all_rows ? 0 : 3), S = 224, span = 200, E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv,

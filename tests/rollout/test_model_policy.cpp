@@ -353,8 +353,8 @@ TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
 // which it splits between blocks; a row waits every fourth step (holes). Every step's logits are measured against the
 // float64 full forward and must stay within twice the error of the same steps through SDPA over the span.
 // The in-place kernel must have run in the in-place runs only. Known-bad checks: another sequence's
-// logits, and the logits of the sequence one token short (a step that misses its own slot), fail that
-// same tolerance. (At these lengths bf16 rounding alone moves a logit by several units, so the margin of
+// logits, and the logits of the sequence one token short (the tolerance tells a sequence from its prefix),
+// fail that same tolerance. (At these lengths bf16 rounding alone moves a logit by several units, so the margin of
 // the shorter tests, ten times the error, does not hold here.)
 class StepsInPlace : public ::testing::TestWithParam<std::string> {};
 

@@ -382,7 +382,8 @@ TEST(OffloadedAdamWCuda, HostStepEqualsAdamwStepOnCpu) {
 
 // The weights reach the device on a side stream, which must wait for the caller's stream: its kernels may
 // still write or read them. Here a fill of `out` waits behind a ~25 ms sleep on the caller's stream when the
-// step starts, with the gradient on the host (no gradient copy to order the upload). Without that wait the
+// second step starts, with the gradient on the host (no gradient copy to order the upload) and the pinned
+// staging made by the first step (pinning memory would synchronise the device). Without that wait the
 // step's weights land first and the fill overwrites them with 7s.
 TEST(OffloadedAdamWCuda, WeightsWaitForTheCallersStream) {
   if (!has_cuda()) GTEST_SKIP() << "no CUDA device";
@@ -391,9 +392,10 @@ TEST(OffloadedAdamWCuda, WeightsWaitForTheCallersStream) {
   const Problem pr = make_problem(n, 77);
   OffloadedAdamW off(pr.p0, {OffloadMode::kHostStep, 1000});
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
+  off.step(pr.grads[0], hyper(1), out);
   at::cuda::sleep(int64_t(50) * 1000 * 1000);  // clock cycles on the caller's stream
   out.fill_(7.0);
-  off.step(pr.grads[0], hyper(1), out);
+  off.step(pr.grads[1], hyper(2), out);
   EXPECT_TRUE(at::equal(out.cpu(), off.master().to(at::kBFloat16)));
 #endif
 }
