@@ -498,6 +498,15 @@ namespace {
 std::atomic<int64_t> fused_forwards{0};
 std::atomic<int64_t> in_place_feeds{0};
 std::atomic<int64_t> in_place_steps{0};
+
+#ifdef RLT_HAVE_CUDA
+// A mask (rows, slots) as cuda::cache_attention reads its `keep`: bool on `dev`, each row's flags
+// contiguous; the mask itself where it already is so (a step's view of the cache's valid-slot flags).
+at::Tensor kept_slots(const at::Tensor& mask, const at::Device& dev) {
+  at::Tensor keep = mask.to(dev, at::kBool);
+  return keep.stride(1) == 1 ? keep : keep.contiguous();
+}
+#endif
 }  // namespace
 
 int64_t Transformer::fused_forward_count() { return fused_forwards.load(); }
@@ -802,8 +811,7 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
   at::Tensor cos_f = cos.narrow(0, Bc, E * K).view({E, 1, K, hd}), sin_f = sin.narrow(0, Bc, E * K).view({E, 1, K, hd});
   // The step's mask: kept slots for the in-place attention, else additive (SDPA would convert a boolean
   // one in every layer); the feed's, as kept slots.
-  at::Tensor step_keep = step_mask.to(at::kBool), step_add;
-  if (step_keep.stride(1) != 1) step_keep = step_keep.contiguous();
+  at::Tensor step_keep = kept_slots(step_mask, dev), step_add;
   if (cache.in_place_steps) {
     ++in_place_steps;
   } else {
@@ -811,7 +819,7 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
         at::zeros({Bc, 1, 1, span}, h.options())
             .masked_fill_(step_keep.logical_not().view({Bc, 1, 1, span}), -std::numeric_limits<double>::infinity());
   }
-  at::Tensor keep = feed_keep.to(at::kBool).contiguous();
+  at::Tensor keep = kept_slots(feed_keep, dev);
   const PackedWeights* packed = cache.packed;
   at::Tensor carry;  // a layer's MLP output, added to the residual by the next norm's kernel
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -945,8 +953,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   const bool in_place_step = fixed && !some_rows && cache->in_place_steps;
   if (fused && (some_rows || in_place_step) && c.attn_softcap == 0 && !any_sliding &&
       cuda::cache_attention_supports(dt, c.head_dim)) {
-    keep = attention_mask.to(dev, at::kBool);  // (B, S): a step's valid-slot view serves as it is
-    if (keep.stride(1) != 1) keep = keep.contiguous();
+    keep = kept_slots(attention_mask, dev);  // (B, S)
     slots = fixed ? cache->step_slot : at::arange(past, S, at::TensorOptions().dtype(at::kLong).device(dev));
     ++(some_rows ? in_place_feeds : in_place_steps);
   }
