@@ -442,7 +442,6 @@ struct HfTokenizer::Impl {
   // them, as the library's added vocabulary does.
   std::array<std::array<std::vector<uint32_t>, 256>, 2> added_by_byte;
   bool has_added[2] = {false, false};
-  std::vector<uint8_t> special;  // (V) 1 = a special added token
 
   // --- post-processor (single sequences)
   std::vector<int64_t> prefix, suffix;
@@ -778,8 +777,6 @@ struct HfTokenizer::Impl {
       added_by_byte[added[k].normalized][static_cast<unsigned char>(added[k].content[0])].push_back(k);
       has_added[added[k].normalized] = true;
     }
-    special.assign(id_to_token.size(), 0);
-    for (const auto& t : added) special[t.id] = t.special;
   }
 
   // ---------------------------------------------------------------- encode
@@ -1236,12 +1233,5 @@ int64_t HfTokenizer::token_to_id(const std::string& token) const {
 }
 
 int64_t HfTokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
-
-bool HfTokenizer::is_special(int64_t id) const {
-  return id >= 0 && id < static_cast<int64_t>(impl_->special.size()) && impl_->special[id];
-}
-
-const std::vector<int64_t>& HfTokenizer::prefix_ids() const { return impl_->prefix; }
-const std::vector<int64_t>& HfTokenizer::suffix_ids() const { return impl_->suffix; }
 
 }  // namespace rlt

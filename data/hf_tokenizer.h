@@ -58,10 +58,6 @@ class HfTokenizer {
   int64_t token_to_id(const std::string& token) const;
   // One past the largest id (base vocabulary and added tokens).
   int64_t vocab_size() const;
-  bool is_special(int64_t id) const;
-  // Ids of the special tokens the post-processor puts around a sequence (add_special_tokens).
-  const std::vector<int64_t>& prefix_ids() const;
-  const std::vector<int64_t>& suffix_ids() const;
 
   struct Impl;
 

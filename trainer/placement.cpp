@@ -236,12 +236,6 @@ void Handover::poll(const std::string& key, const std::vector<int>& ranks, const
   }
 }
 
-std::vector<int> Placement::training_ranks() const {
-  std::vector<int> r(all->world() - rollout_ranks);
-  std::iota(r.begin(), r.end(), 0);
-  return r;
-}
-
 std::vector<int> Placement::sampling_ranks() const {
   std::vector<int> r(rollout_ranks);
   std::iota(r.begin(), r.end(), all->world() - rollout_ranks);

@@ -87,7 +87,6 @@ struct Placement {
   int rollout_ranks = 0;
   bool rollout = false;                // this rank is a rollout rank
   std::shared_ptr<Handover> handover;  // nullptr only for collectives without a store
-  std::vector<int> training_ranks() const;
   std::vector<int> sampling_ranks() const;
 };
 
