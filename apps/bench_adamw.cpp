@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "common/memory.h"
-#include "trainer/adamw.h"
+#include "parallel/adamw.h"
 
 using json = nlohmann::json;
 

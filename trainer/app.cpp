@@ -11,10 +11,10 @@
 
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "parallel/launch.h"
 #include "rollout/sandbox.h"
 #include "trainer/checkpoint.h"
-#include "trainer/launch.h"
-#include "trainer/placement.h"
+#include "trainer/rollout_ranks.h"
 
 namespace rlt {
 
@@ -130,12 +130,12 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
     if (!merge.empty()) {
       Run run = make_run(cfg, out, /*resume=*/true, extra);
       save_merged_model(run, merge);
-      std::cerr << name << ": wrote " << merge << ", the policy of " << out << " at step " << run.step << "\n";
+      std::cerr << name << ": wrote " << merge << ", the policy of " << out << " at step " << run.counters.step << "\n";
       return 0;
     }
     Run run = make_run(cfg, out, resume, extra, placement ? placement->side : dist, placement);
     run.stop_after = stop_after;
-    if (resume && run.lead()) std::cerr << name << ": resuming " << out << " at step " << run.step << "\n";
+    if (resume && run.lead()) std::cerr << name << ": resuming " << out << " at step " << run.counters.step << "\n";
     train(run);
     (run.placement ? run.placement->all : run.dist)->close();  // rank 0 keeps the store until every rank is done
     if (run.lead()) {

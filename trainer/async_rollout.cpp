@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include "trainer/shard.h"
+#include "parallel/shard.h"
 
 namespace fs = std::filesystem;
 
@@ -177,10 +177,10 @@ AsyncRollouts::~AsyncRollouts() {
 
 void AsyncRollouts::publish() {
   if (fault_ == AsyncFault::kNoPublish && published_once_) {
-    version_ = run_.step;  // the bookkeeping of a publish, without its copy
+    version_ = run_.counters.step;  // the bookkeeping of a publish, without its copy
     return;
   }
-  if (copy_ && version_ == run_.step) return;  // nothing trained since the last publish
+  if (copy_ && version_ == run_.counters.step) return;  // nothing trained since the last publish
   at::NoGradGuard no_grad;
   const GatheredWeights whole(run_.sharded);  // train.shard parameters: the layers gathered for the copy
   if (run_.policy->has_lora()) {
@@ -200,7 +200,7 @@ void AsyncRollouts::publish() {
 #ifdef RLT_HAVE_CUDA
   if (cuda_) cuda_->published.record(c10::cuda::getCurrentCUDAStream(run_.device.index()));
 #endif
-  version_ = run_.step;
+  version_ = run_.counters.step;
   published_once_ = true;
 }
 
@@ -208,7 +208,7 @@ void AsyncRollouts::launch(int64_t batch_step) {
   source_.model = fault_ == AsyncFault::kLiveWeights ? run_.policy.get() : copy_.get();
   source_.policy = &policy_;
   source_.dist = dist_.get();
-  source_.step = batch_step - 1;  // as collect_rollouts sees run.step when it samples that step in turn
+  source_.step = batch_step - 1;  // as collect_rollouts sees run.counters.step when it samples that step in turn
   source_.version = version_;
   source_.carry = partial_ ? &carry_ : nullptr;
   if (partial_) carry_in_ = carry_;
@@ -260,7 +260,7 @@ RolloutBatch AsyncRollouts::next() {
   RolloutBatch batch;
   if (!pending_) {  // the run's first step, or a resumed run's: sampled here, from the copy
     if (!copy_) publish();
-    launch(run_.step + 1);
+    launch(run_.counters.step + 1);
     batch = wait();
     overlap_s_ = 0;
     wait_rollout_s_ = seconds(ended_ - started_);
@@ -275,7 +275,7 @@ RolloutBatch AsyncRollouts::next() {
     rollout_wall_s_ = seconds(ended_ - started_);
   }
   // The next step's rollout, from the weights as they are now, unless the run ends (or stops) first.
-  const int64_t after = run_.step + 2;
+  const int64_t after = run_.counters.step + 2;
   const bool needed = after <= run_.last_step();
   publish();
   if (needed) launch(after);
@@ -292,7 +292,7 @@ Staleness batch_staleness(const Run& run, Collectives& dist, const RolloutBatch&
       lo = std::min(lo, t.versions[k]);
       hi = std::max(hi, t.versions[k]);
       if (!t.loss_mask[k]) continue;
-      const double s = static_cast<double>(run.step - t.versions[k]);
+      const double s = static_cast<double>(run.counters.step - t.versions[k]);
       stale += s;
       most = std::max(most, s);
       tokens += 1;

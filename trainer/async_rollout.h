@@ -56,8 +56,8 @@ struct PendingRollout {
 };
 std::optional<PendingRollout> pending_rollout(const Run& run);
 
-// How stale a batch's sampled tokens are for the update about to train on it (run.step before the step): per
-// sampled token, run.step less its version, averaged (mean) and at most (max), over every rank's batch of
+// How stale a batch's sampled tokens are for the update about to train on it (run.counters.step before the step): per
+// sampled token, run.counters.step less its version, averaged (mean) and at most (max), over every rank's batch of
 // `dist`; and the batch's trajectories sampled by more than one version (spanning). Every rank calls it.
 struct Staleness {
   double mean = 0, max = 0, spanning = 0;
@@ -75,12 +75,12 @@ class AsyncRollouts : public PendingRollouts {
   AsyncRollouts(const AsyncRollouts&) = delete;
   AsyncRollouts& operator=(const AsyncRollouts&) = delete;
 
-  // Step run.step + 1's batch: waits for its rollout (the first step, or a resumed run's first, samples
-  // it here), publishes the weights as they are now, and starts step run.step + 2's rollout from them.
+  // Step run.counters.step + 1's batch: waits for its rollout (the first step, or a resumed run's first, samples
+  // it here), publishes the weights as they are now, and starts step run.counters.step + 2's rollout from them.
   RolloutBatch next();
 
   // The step's figures, for the batch next() returned last: staleness_mean and staleness_max (the update's
-  // version, run.step before the step, less the version of each sampled token, averaged and at most), with
+  // version, run.counters.step before the step, less the version of each sampled token, averaged and at most), with
   // rollout.partial partial_resumed (trajectories the rollout continued from the one before), partial_cut
   // (unfinished ones it left for the next) and partial_spanning (the batch's trajectories sampled by more
   // than one version); and of that batch's rollout:
@@ -112,7 +112,7 @@ class AsyncRollouts : public PendingRollouts {
   std::unique_ptr<Transformer> copy_;    // the published weights the rollout decodes
   std::unique_ptr<ModelPolicy> policy_;  // rollout.keep_cache: the rollout thread's kept policy
   std::shared_ptr<Collectives> dist_;    // the rollout thread's collectives
-  int64_t version_ = -1;                 // the copy's version: run.step when it was published
+  int64_t version_ = -1;                 // the copy's version: run.counters.step when it was published
   bool published_once_ = false;
   struct CudaOrder;  // the publish's event and the rollout's stream (CUDA builds)
   std::shared_ptr<CudaOrder> cuda_;

@@ -11,9 +11,9 @@
 #include "common/files.h"
 #include "model/peft.h"
 #include "model/safetensors.h"
+#include "parallel/shard.h"
 #include "trainer/async_rollout.h"
 #include "trainer/optim.h"
-#include "trainer/shard.h"
 
 namespace rlt {
 
@@ -70,7 +70,7 @@ std::vector<std::string> optimizer_param_names(const Run& run) {
   return names;
 }
 
-// The replicated AdamW's state as whole-parameter pieces (trainer/shard.h, OptimizerPieces), so a run
+// The replicated AdamW's state as whole-parameter pieces (parallel/shard.h, OptimizerPieces), so a run
 // resumes with another number of ranks or a shard stage.
 void save_adamw_pieces(const Run& run, const std::string& dir) {
   const std::vector<at::Tensor> params = optimizer_params(run);
@@ -105,14 +105,14 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
     if (!run.master.empty() && i < policy.size()) policy[i].detach().copy_(p);  // rounded to nearest
     at::Tensor m = at::empty_like(master), v = at::empty_like(master);
     if (!stored.read("exp_avg", names[i], 0, m) || !stored.read("exp_avg_sq", names[i], 0, v)) {
-      if (run.optimizer_steps > 0) {
+      if (run.counters.optimizer_steps > 0) {
         throw RunError(dir + ": the optimizer state has no AdamW moments for " + names[i] + " after " +
-                       std::to_string(run.optimizer_steps) + " optimizer steps");
+                       std::to_string(run.counters.optimizer_steps) + " optimizer steps");
       }
       continue;
     }
     auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(run.optimizer_steps);
+    s->step(run.counters.optimizer_steps);
     s->exp_avg(m.view(p.sizes()).to(p.device(), p.scalar_type()));
     s->exp_avg_sq(v.view(p.sizes()).to(p.device(), p.scalar_type()));
     run.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
@@ -165,9 +165,9 @@ void save_checkpoint(Run& run) {
     for (const auto& [name, t] : extra) a.write(name, t.detach().cpu());
     a.save_to((fs::path(tmp) / "extra.pt").string());
   }
-  nlohmann::json state = {{"step", run.step},
-                          {"optimizer_steps", run.optimizer_steps},
-                          {"skipped_steps", run.skipped_steps},
+  nlohmann::json state = {{"step", run.counters.step},
+                          {"optimizer_steps", run.counters.optimizer_steps},
+                          {"skipped_steps", run.counters.skipped_steps},
                           {"prompts_consumed", run.prompts->consumed()},
                           {"old_logprobs", enum_to_string(run.old_logprobs)}};
   if (run.async) run.async->save(tmp, state);  // train.async: the copy the next rollout samples from
@@ -199,9 +199,9 @@ void load_checkpoint(Run& run) {
   try {
     state = nlohmann::json::parse(f);
     run.resumed_from = dir;
-    run.step = state.at("step").get<int64_t>();
-    run.optimizer_steps = state.at("optimizer_steps").get<int64_t>();
-    run.skipped_steps = state.at("skipped_steps").get<int64_t>();
+    run.counters.step = state.at("step").get<int64_t>();
+    run.counters.optimizer_steps = state.at("optimizer_steps").get<int64_t>();
+    run.counters.skipped_steps = state.at("skipped_steps").get<int64_t>();
     run.prompts->seek(state.at("prompts_consumed").get<int64_t>());
     // A switch to recompute (the rollout's log-probs missed train.old_logprobs_tol) holds for the rest of
     // the run; a checkpoint without the key keeps the config's setting.

@@ -1,5 +1,5 @@
 // Atomic checkpoints of a run: the model as a Hugging Face folder, the optimizer state (per parameter, as
-// trainer/shard.h's pieces, whatever the ranks and shard stage), run.extra and the step counters (and the
+// parallel/shard.h's pieces, whatever the ranks and shard stage), run.extra and the step counters (and the
 // old log-probs in force, train.old_logprobs), written under a temporary name and renamed into place.
 #pragma once
 

@@ -6,8 +6,8 @@
 #include <iostream>
 #include <numeric>
 
+#include "parallel/transfer.h"
 #include "trainer/optim.h"
-#include "trainer/transfer.h"
 
 namespace rlt {
 

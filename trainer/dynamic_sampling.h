@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel/dist.h"
 #include "trainer/config.h"
-#include "trainer/dist.h"
 #include "trainer/run.h"
 
 namespace rlt {

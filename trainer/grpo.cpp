@@ -112,7 +112,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     Run& run;
     ~Detach() { run.async = nullptr; }
   } detach{run};
-  // train.rollout_ranks: the batches come from the rollout ranks, the weights go to them (trainer/placement.h).
+  // train.rollout_ranks: the batches come from the rollout ranks, the weights go to them (trainer/rollout_ranks.h).
   std::unique_ptr<RemoteRollouts> remote;
   if (run.placement) {
     remote = std::make_unique<RemoteRollouts>(run, hooks.placement_fault, hooks.before_publish);
@@ -128,7 +128,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     const auto t_step = Clock::now();
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
-    run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
+    run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
@@ -174,7 +174,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
 
     // 5. Updates.
     peaks.end("scoring");
-    run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
+    run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": update");
     const auto t_update = Clock::now();
     const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "trainer/async_rollout.h"
-#include "trainer/placement.h"
+#include "trainer/rollout_ranks.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -34,7 +34,7 @@ void mask_truncated(std::vector<Trajectory>& trajs);
 // sampled_tokens sampled ones, against the budget overlong_budget() sets from the rollout's limits.
 double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sampled_tokens);
 
-// Trains run.config.train.steps - run.step RL steps (after the warm-up when sft.steps > 0 and the run is
+// Trains run.config.train.steps - run.counters.step RL steps (after the warm-up when sft.steps > 0 and the run is
 // new). Writes metrics.jsonl, plot.svg and checkpoints into run.out_dir. Returns the last step's metrics.
 // What the tests change in train_grpo: train.async's rollout on the calling thread (the schedule without
 // the concurrency, the reference of the threaded run), and its wrong twins.

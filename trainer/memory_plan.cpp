@@ -294,7 +294,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     // the tensor it steps.
     p.optimizer_step = 2 * stepped * (lora ? sh.adapter_max : sh.largest);
   } else {
-    // ShardedState (trainer/shard.h): the trainable tensors in units (a decoder layer's, or one other
+    // ShardedState (parallel/shard.h): the trainable tensors in units (a decoder layer's, or one other
     // tensor), each split into Ns chunks (Ns = 1 for train.offload alone). A rank holds the fp32 chunks
     // of the masters, the moments and the summed gradient (G.master, G.exp_avg/_sq, G.grad) and a chunk of
     // the weights in their dtype (G.weights: the weights themselves under shard parameters, else the
@@ -323,7 +323,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.optimizer_step = 12 * T / Ns;
   }
   if (c.train.offload == Offload::kOptimizer) {
-    // OffloadedAdamW: masters and moments in pinned host memory, stepped there (trainer/adamw.h).
+    // OffloadedAdamW: masters and moments in pinned host memory, stepped there (parallel/adamw.h).
     p.host_optimizer = p.masters + p.moments;
     p.masters = p.moments = 0;
   }
@@ -352,7 +352,8 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t k = c.train.eval_samples;
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
-  if (c.rollout.keep_cache && samples) p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
+  if (c.rollout.keep_cache && samples)
+    p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
   p.activations = activation_bytes(c, m, world, s, !cuda);

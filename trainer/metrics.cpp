@@ -9,10 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "parallel/shard.h"
 #include "trainer/checkpoint.h"
 #include "trainer/optim.h"
 #include "trainer/rewards.h"
-#include "trainer/shard.h"
 
 namespace rlt {
 
@@ -81,7 +81,7 @@ void check_old_logprobs(Run& run, bool used_rollout, std::map<std::string, doubl
     return;
   }
   if (run.lead())
-    std::cerr << "warning: step " << run.step + 1 << ": logprob_mismatch_mean " << it->second
+    std::cerr << "warning: step " << run.counters.step + 1 << ": logprob_mismatch_mean " << it->second
               << " exceeds train.old_logprobs_tol " << tol
               << ": the rollout's log-probs no longer stand in for the trainer's; the old log-probs are recomputed "
                  "(one scoring forward) from the next step on\n";
@@ -148,15 +148,15 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   // reward.kind python: reward_errors, reward/<field>
   m.merge(reward_metrics(run, rb.rewards));
   if (run.lead()) log_samples(run, rb.trajs);  // rank 0's first trajectories
-  ++run.step;
+  ++run.counters.step;
   m.merge(um.read(run.dist.get()));
   m.merge(extra);
   m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
-  m.insert({{"step", double(run.step)},
+  m.insert({{"step", double(run.counters.step)},
             {"steps", double(T.steps)},
-            {"lr", learning_rate(T, std::max<int64_t>(0, run.optimizer_steps - 1), total_optimizer_steps)},
-            {"skipped_steps", double(run.skipped_steps)},
+            {"lr", learning_rate(T, std::max<int64_t>(0, run.counters.optimizer_steps - 1), total_optimizer_steps)},
+            {"skipped_steps", double(run.counters.skipped_steps)},
             {"optimizer_memory_mib", optimizer_memory_bytes(run) / 1048576.0},
             {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, times.update)},
             {"time_scoring_s", times.scoring},
@@ -220,7 +220,7 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
   double r_var = 0;
   for (int64_t s = 0; s < n; ++s) r_var += (t[s][kReward] - r_mean) * (t[s][kReward] - r_mean);
   const double r_std = S > 1 ? std::sqrt(r_var / (S - 1)) : 0.0;
-  const int64_t step = run.step + 1;
+  const int64_t step = run.counters.step + 1;
   if (r_std == 0 && run.lead()) {
     std::cerr << "warning: step " << step << ": every reward is " << r_mean << ": zero advantage, zero gradient\n";
   }
@@ -263,11 +263,12 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
   const int64_t n = std::min<int64_t>(run.config.train.log_samples, static_cast<int64_t>(trajs.size()));
   if (n == 0) return;
-  std::ofstream f((fs::path(run.out_dir) / "samples.jsonl").string(), run.step == 0 ? std::ios::trunc : std::ios::app);
+  std::ofstream f((fs::path(run.out_dir) / "samples.jsonl").string(),
+                  run.counters.step == 0 ? std::ios::trunc : std::ios::app);
   for (int64_t i = 0; i < n; ++i) {
     const Trajectory& t = trajs[i];
     const int64_t last = t.versions.empty() ? t.weights_version : t.versions.back();
-    nlohmann::json j = {{"step", run.step + 1},
+    nlohmann::json j = {{"step", run.counters.step + 1},
                         {"prompt", run.tokenizer->decode(t.prompt_ids)},
                         {"response", run.tokenizer->decode(t.response_ids)},
                         {"reward", t.reward},

@@ -117,7 +117,7 @@ struct StepTimes {
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
 // metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the progress line on stderr,
 // and the plot;
-// samples.jsonl; run.step advanced; the checkpoint when one is due. Returns the step's metrics. Every rank
+// samples.jsonl; run.counters.step advanced; the checkpoint when one is due. Returns the step's metrics. Every rank
 // calls it (the metrics are reduced over the ranks); rank 0 writes.
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,

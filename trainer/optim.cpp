@@ -1,7 +1,7 @@
 // AdamW, the schedule and gradient accumulation; see optim.h.
 #include "trainer/optim.h"
 
-#include "trainer/shard.h"
+#include "parallel/shard.h"
 
 #include <torch/nn/utils/clip_grad.h>
 
@@ -10,6 +10,12 @@
 
 namespace rlt {
 
+std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault) {
+  const ShardOptions o{run.config.train.shard, run.config.train.offload, run.config.rollout.keep_weights, run.lead()};
+  const std::vector<std::pair<std::string, at::Tensor>> extra(run.extra.begin(), run.extra.end());
+  return std::make_shared<ShardedState>(o, *run.dist, *run.policy, extra, run.counters, fault);
+}
+
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
   if (!run.extra.empty() && extra.lr && extra.lr(run.config) > 0 && t.lr > 0)
@@ -17,7 +23,7 @@ void make_optimizer(Run& run, const ExtraParams& extra) {
   if (t.shard != ShardStage::kNone || t.offload != Offload::kNone) {
     run.master.clear();
     run.optimizer.reset();
-    run.sharded = std::make_shared<ShardedState>(run);
+    run.sharded = make_sharded_state(run);
     return;
   }
   auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
@@ -149,22 +155,17 @@ std::vector<at::Tensor> optimizer_params(const Run& run) {
   return params;
 }
 
-void accumulate_gradient(const at::Tensor& param, const at::Tensor& master) {
-  at::Tensor& g = param.mutable_grad();
-  if (!g.defined()) return;
-  at::NoGradGuard no_grad;
-  at::Tensor& mg = master.mutable_grad();
-  if (mg.defined())
-    mg.add_(g);  // bf16 + fp32 -> fp32: the sum is never rounded to bf16
-  else
-    mg = g.to(at::kFloat);
-  g = at::Tensor();  // released: the next backward starts a fresh bf16 gradient
-}
-
 void accumulate_gradients(Run& run) {
   if (run.master.empty()) return;
   const std::vector<at::Tensor> params = run.policy->trainable_parameters();  // handles sharing the parameters' storage
   for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], run.master[i]);
+}
+
+std::unique_ptr<GradReducer> make_reducer(Run& run) {
+  if (run.dist->world() == 1 || run.sharded) return nullptr;  // the sharded state reduces its own
+  std::vector<at::Tensor> params = run.policy->trainable_parameters();
+  for (const auto& [name, p] : run.extra) params.push_back(p);
+  return std::make_unique<GradReducer>(*run.dist, std::move(params), run.master, run.config.train.dist_bucket_mb << 20);
 }
 
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
@@ -198,7 +199,12 @@ int64_t optimizer_memory_bytes(const Run& run) {
 }
 
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
-  if (run.sharded) return run.sharded->step(loss, total_optimizer_steps);
+  if (run.sharded) {
+    const TrainOptions& t = run.config.train;
+    const double lr = learning_rate(t, run.counters.optimizer_steps, total_optimizer_steps);
+    return run.sharded->step(loss,
+                             {lr, lr * run.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
+  }
   accumulate_gradients(run);
   const std::vector<at::Tensor> params = optimizer_params(run);
   const double clip = run.config.train.grad_clip;
@@ -208,15 +214,17 @@ double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
   if (!loss_finite || !std::isfinite(norm)) {
     run.optimizer->zero_grad();  // never applied
-    ++run.skipped_steps;
-    if (run.lead()) std::cerr << "warning: step " << run.step + 1 << ": non-finite loss or gradient, update skipped\n";
+    ++run.counters.skipped_steps;
+    if (run.lead())
+      std::cerr << "warning: step " << run.counters.step + 1 << ": non-finite loss or gradient, update skipped\n";
     return norm;
   }
-  set_learning_rate(*run.optimizer, learning_rate(run.config.train, run.optimizer_steps, total_optimizer_steps),
+  set_learning_rate(*run.optimizer,
+                    learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps),
                     run.extra_lr_scale);
   run.optimizer->step();
   copy_master_weights_to_model(run);
-  ++run.optimizer_steps;
+  ++run.counters.optimizer_steps;
   return norm;
 }
 

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel/grad_reducer.h"
+#include "parallel/shard.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -17,6 +19,10 @@ namespace rlt {
 // One AdamW: the policy's parameters (or, for a bf16 model with train.master_weights fp32, their fp32
 // master copies in run.master), then run.extra's (a second group at its own learning rate).
 void make_optimizer(Run& run, const ExtraParams& extra);
+
+// The run's sharded state (train.shard, train.offload) over its policy and extra tensors, reporting into
+// its counters. `fault`: a deliberate mistake, for the tests only (parallel/shard.h).
+std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault = ShardFault::kNone);
 
 // Clears the gradients an optimizer step accumulates (the sharded state's, or AdamW's).
 void zero_gradients(Run& run);
@@ -28,8 +34,10 @@ std::vector<at::Tensor> optimizer_params(const Run& run);
 // Call after each backward: with master weights, adds the policy's bf16 gradients into the fp32 master
 // gradients and releases the bf16 ones, so micro-batches accumulate in fp32. Nothing otherwise.
 void accumulate_gradients(Run& run);
-// The same for one parameter and its master (GradReducer does it as each gradient becomes ready).
-void accumulate_gradient(const at::Tensor& param, const at::Tensor& master);
+
+// The run's reducer (train.dist_bucket_mb) when it has several ranks and no sharded state (which reduces
+// its own); none for one process.
+std::unique_ptr<GradReducer> make_reducer(Run& run);
 
 // One micro-batch's backward. `ends_step`: the last before an optimizer step; with a reducer (several
 // ranks) its gradients are summed over the ranks as the backward produces them. Then
@@ -76,7 +84,7 @@ std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs
 
 // Ends one optimizer step whose gradients have been accumulated: clips the global norm (train.grad_clip),
 // and applies AdamW at the schedule's learning rate only when `loss` () and the norm are finite; otherwise
-// zeroes the gradients and counts the step in run.skipped_steps (never applied). With master weights it
+// zeroes the gradients and counts the step in run.counters.skipped_steps (never applied). With master weights it
 // first takes any bf16 gradients still pending (accumulate_gradients), and after the step rounds the
 // masters into the bf16 parameters. Returns the norm. The one host sync of an optimizer step: clipping
 // needs the norm on the host, and the finite check rides on it. Over several ranks the gradients are

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/fields.h"
+#include "parallel/options.h"
 
 namespace rlt {
 
@@ -123,26 +124,6 @@ inline const EnumNames<OldLogprobs>& enum_names(OldLogprobs) {
   return names;
 }
 
-// How the training state (bf16 weights, gradients, fp32 masters, AdamW moments) is split over the ranks:
-// ZeRO's stages (trainer/shard.h). none: every rank holds all of it (16 bytes a parameter); optimizer:
-// masters and moments split (4 + 12/N); gradients: gradients too, reduce-scattered during the backward
-// (2 + 14/N); parameters: the weights too, gathered a layer at a time (16/N).
-enum class ShardStage { kNone, kOptimizer, kGradients, kParameters };
-inline const EnumNames<ShardStage>& enum_names(ShardStage) {
-  static const EnumNames<ShardStage> names{{"none", ShardStage::kNone},
-                                           {"optimizer", ShardStage::kOptimizer},
-                                           {"gradients", ShardStage::kGradients},
-                                           {"parameters", ShardStage::kParameters}};
-  return names;
-}
-
-// Where the optimizer's masters and moments live: on the device, or in pinned host memory, stepped there.
-enum class Offload { kNone, kOptimizer };
-inline const EnumNames<Offload>& enum_names(Offload) {
-  static const EnumNames<Offload> names{{"none", Offload::kNone}, {"optimizer", Offload::kOptimizer}};
-  return names;
-}
-
 struct TrainOptions {
   PromptSource prompts = PromptSource::kSynthetic;   // data.path (jsonl) or the synthetic task
   int64_t steps = 40;                                // RL steps (rollout + update)
@@ -182,7 +163,7 @@ struct TrainOptions {
   // Rollout and update overlapped (AsyncMode). one_step's update takes the rollout's log-probs as the old
   // ones (or scores them, train.old_logprobs: recompute), and policy.tis / icepop apply as configured.
   AsyncMode async = AsyncMode::kOff;
-  // Disaggregated placement (trainer/placement.h): of a run's N ranks, the last rollout_ranks only decode and
+  // Disaggregated placement (trainer/rollout_ranks.h): of a run's N ranks, the last rollout_ranks only decode and
   // the others only train; the weights go to the rollout ranks by broadcast after each update. 0: every
   // rank does both.
   int64_t rollout_ranks = 0;
@@ -207,7 +188,7 @@ struct TrainOptions {
   // naming it (a rollout's length is the usual wait), and the size of a gradient bucket.
   double dist_timeout_s = 1800;
   int64_t dist_bucket_mb = 25;
-  ShardStage shard = ShardStage::kNone;  // ZeRO stage over the ranks (trainer/shard.h)
+  ShardStage shard = ShardStage::kNone;  // ZeRO stage over the ranks (parallel/shard.h)
   Offload offload = Offload::kNone;      // masters and moments in pinned host memory
 
   template <class V>

@@ -127,7 +127,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     const auto t_step = Clock::now();
     PhasePeaks peaks(run.device);  // rollout, scoring, update
 
-    run.dist->mark("step " + std::to_string(run.step + 1) + ": rollout");
+    run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
     // 1. Rollout and rewards (this rank's prompts).
     RolloutBatch rb = collect_rollouts(run);
@@ -183,7 +183,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     // 4. Updates.
     peaks.end("scoring");
     const auto t_update = Clock::now();
-    run.dist->mark("step " + std::to_string(run.step + 1) + ": update");
+    run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": update");
     const double comm_before = update_comm_seconds(run, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
     UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence

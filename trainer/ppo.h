@@ -32,7 +32,7 @@ ExtraParams value_head_params();
 // from hidden (S, L, D), read at the batch's row index; 0 on every other slot.
 at::Tensor value_head(const Run& run, const at::Tensor& hidden, const PackedBatch& batch);
 
-// Trains run.config.train.steps - run.step PPO steps, like train_grpo, with GAE advantages from the
+// Trains run.config.train.steps - run.counters.step PPO steps, like train_grpo, with GAE advantages from the
 // value head instead of group-relative ones.
 std::map<std::string, double> train_ppo(Run& run);
 

@@ -18,6 +18,7 @@
 #include "data/synthetic.h"
 #include "model/config.h"
 #include "model/peft.h"
+#include "parallel/shard.h"
 #include "rollout/policy.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
@@ -27,9 +28,8 @@
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
-#include "trainer/placement.h"
 #include "trainer/rewards.h"
-#include "trainer/shard.h"
+#include "trainer/rollout_ranks.h"
 #include "trainer/warmup.h"
 
 namespace rlt {
@@ -290,7 +290,7 @@ void ensure_reference(Run& run) {
     // LoRA: the base weights shared with the policy, and a frozen copy of the adapters as RL starts (B = 0,
     // i.e. the base itself, unless a warm-up trained them), kept as a PEFT adapter folder for a resume.
     run.reference = std::make_unique<Transformer>(run.policy->adapter_snapshot());
-    if (run.step > 0) {
+    if (run.counters.step > 0) {
       if (!fs::exists(fs::path(dir) / "adapter_config.json")) {
         throw RunError(dir + ": missing; a resumed LoRA run with policy.kl_coef > 0 needs its reference adapters");
       }
@@ -304,12 +304,13 @@ void ensure_reference(Run& run) {
     fs::rename(dir + ".tmp", dir);
     return;
   }
-  if (run.step > 0 && fs::exists(fs::path(dir) / "config.json")) {
+  if (run.counters.step > 0 && fs::exists(fs::path(dir) / "config.json")) {
     run.reference =
         std::make_unique<Transformer>(Transformer::load(dir, scalar_type(run.config.model.dtype), run.device));
     return;
   }
-  if (run.step > 0) throw RunError(dir + ": missing; a resumed run with policy.kl_coef > 0 needs its reference");
+  if (run.counters.step > 0)
+    throw RunError(dir + ": missing; a resumed run with policy.kl_coef > 0 needs its reference");
   {
     const GatheredWeights whole(run.sharded);
     run.reference = std::make_unique<Transformer>(run.policy->clone());
@@ -431,7 +432,7 @@ RolloutBatch collect_rollouts(Run& run) {
   const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
   const RolloutSource* source = rollout_source;
   Collectives& dist = rollout_collectives(run);
-  const int64_t step = source ? source->step : run.step;
+  const int64_t step = source ? source->step : run.counters.step;
   const int world = dist.world();
   RolloutBatch out;
   PartialCarry* carry = source ? source->carry : nullptr;
@@ -463,7 +464,7 @@ RolloutBatch collect_rollouts(Run& run) {
     streams.push_back(first_draw + p);
   }
   RolloutCarry rc;
-  rc.version = source ? source->version : run.step;
+  rc.version = source ? source->version : run.counters.step;
   if (carry) {
     rc.groups = static_cast<int64_t>(mine.size());
     rc.carry = std::move(carry->groups);
@@ -537,8 +538,8 @@ RolloutBatch collect_rollouts(Run& run) {
 
 double begin_training(Run& run) {
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  if (run.lead()) run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.step > 0);
-  const bool fresh = run.step == 0;
+  if (run.lead()) run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0);
+  const bool fresh = run.counters.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
   broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
   // The sharded state took its masters from the weights before the warm-up trained them.
@@ -548,22 +549,25 @@ double begin_training(Run& run) {
 }
 
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m) {
-  if (run.eval_set.empty() || run.step != run.config.train.steps) return;
-  const double pass1 = run.last_eval_step == run.step ? run.last_eval_pass1 : report_evaluation(run, "after RL").pass1;
+  if (run.eval_set.empty() || run.counters.step != run.config.train.steps) return;
+  const double pass1 =
+      run.last_eval_step == run.counters.step ? run.last_eval_pass1 : report_evaluation(run, "after RL").pass1;
   if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
   m["eval_accuracy_end"] = pass1;
 }
 
 std::map<std::string, double> periodic_evaluation(Run& run) {
   const int64_t every = run.config.train.eval_every;
-  if (run.eval_set.empty() || every <= 0 || !(run.step % every == 0 || run.step == run.config.train.steps)) return {};
-  const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.step));
+  if (run.eval_set.empty() || every <= 0 ||
+      !(run.counters.step % every == 0 || run.counters.step == run.config.train.steps))
+    return {};
+  const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.counters.step));
   return {{"eval_pass@1", r.pass1}, {"eval_pass@k", r.pass_k}, {"eval_tool_use", r.tool_use}};
 }
 
 EvalResult report_evaluation(Run& run, const std::string& when) {
   const EvalResult r = evaluate(run);
-  run.last_eval_step = static_cast<double>(run.step);
+  run.last_eval_step = static_cast<double>(run.counters.step);
   run.last_eval_pass1 = r.pass1;
   if (!run.lead()) return r;
   std::cerr << "eval " << when << ": pass@1 " << 100 * r.pass1 << "%";
@@ -581,7 +585,7 @@ EvalResult evaluate(Run& run) {
   if (k == 1) s.temperature = 0;  // greedy
   s.samples_per_prompt = k;
   // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
-  s.seed = run.config.train.seed * 1000003 + run.step + (int64_t{1} << 40);
+  s.seed = run.config.train.seed * 1000003 + run.counters.step + (int64_t{1} << 40);
   // Rank r evaluates problems r, r + world, ...; each with the noise stream of its index, as one process.
   std::vector<PromptExample> problems;
   std::vector<int64_t> streams;

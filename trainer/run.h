@@ -18,17 +18,18 @@
 #include <string>
 #include <vector>
 
+#include "common/errors.h"
 #include "data/dataset.h"
 #include "data/hf_chat.h"
 #include "data/tokenizer.h"
 #include "model/transformer.h"
+#include "parallel/dist.h"
 #include "rollout/policy.h"
 #include "rollout/python_reward.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "rollout/tools.h"
 #include "trainer/config.h"
-#include "trainer/dist.h"
 
 namespace rlt {
 
@@ -49,20 +50,13 @@ class PendingRollouts {
   virtual bool partial() const { return false; }
 };
 
-// Bad input found while setting a run up (missing checkpoint, tokenizer/model mismatch...): the apps
-// print it and exit with code 2.
-class RunError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 struct Run {
   // True while the loop should go on: steps remain and --stop-after is not reached.
-  bool more_steps() const { return step < last_step(); }
+  bool more_steps() const { return counters.step < last_step(); }
   // The last step the run takes: train.steps, or --stop-after's.
   int64_t last_step() const { return stop_after > 0 ? std::min(config.train.steps, stop_after) : config.train.steps; }
   // True when the step just done must be checkpointed: the last, a --stop-after, or every checkpoint_every.
-  bool checkpoint_due() const { return checkpoint_due_at(step); }
+  bool checkpoint_due() const { return checkpoint_due_at(counters.step); }
   bool checkpoint_due_at(int64_t s) const {
     const int64_t every = config.train.checkpoint_every;
     return s == config.train.steps || s == stop_after || (every > 0 && s % every == 0);
@@ -74,10 +68,10 @@ struct Run {
   Config config;
   std::string out_dir;
   at::Device device = at::kCPU;
-  // The ranks of a data-parallel run (trainer/dist.h); one process: collectives that do nothing. With
+  // The ranks of a data-parallel run (parallel/dist.h); one process: collectives that do nothing. With
   // train.rollout_ranks, this rank's side of the placement: the training ranks, or the rollout ranks.
   std::shared_ptr<Collectives> dist = single_process();
-  // train.rollout_ranks (trainer/placement.h): the job's ranks, the broadcast group, and this rank's role.
+  // train.rollout_ranks (trainer/rollout_ranks.h): the job's ranks, the broadcast group, and this rank's role.
   std::shared_ptr<Placement> placement;
   bool rollout_rank = false;  // this rank only samples: it has no optimizer and writes no run files
   std::unique_ptr<Tokenizer> tokenizer;
@@ -115,14 +109,12 @@ struct Run {
   // parameters, in the order of policy->parameters(). AdamW steps these (its moments are fp32 too); the
   // bf16 parameters are their rounding, refreshed after every step. Empty otherwise.
   std::vector<at::Tensor> master;
-  // train.shard / train.offload set: the sharded state (trainer/shard.h) trains in place of `optimizer`
-  // and `master` (both empty then). Shared: ShardedState is complete in trainer/shard.h only.
+  // train.shard / train.offload set: the sharded state (parallel/shard.h) trains in place of `optimizer`
+  // and `master` (both empty then). Shared: ShardedState is complete in parallel/shard.h only.
   std::shared_ptr<ShardedState> sharded;
-  int64_t step = 0;             // RL steps done
-  int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
-  int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
-  int64_t stop_after = 0;       // > 0: checkpoint and return once `step` reaches it (--stop-after)
-  std::string resumed_from;     // the checkpoint folder a resumed run loaded (load_checkpoint)
+  StepCounters counters;     // RL steps, optimizer steps and skipped ones (parallel/options.h)
+  int64_t stop_after = 0;    // > 0: checkpoint and return once `step` reaches it (--stop-after)
+  std::string resumed_from;  // the checkpoint folder a resumed run loaded (load_checkpoint)
   // train.async, train.rollout_ranks: the rollout running beside the update, whose state a checkpoint keeps.
   PendingRollouts* async = nullptr;
   // The old log-probs in force: train.old_logprobs, switched to recompute for good once a step's
@@ -219,12 +211,12 @@ int64_t partial_extra_prompts(const Config& config, int world);
 // What collect_rollouts decodes from, for a rollout that runs beside the update (train.async): a copy of
 // the weights published for it, its own kept policy (rollout.keep_cache), its own collectives (the update's
 // run on the other thread), and the step it samples for. Installed for the calling thread only, for the
-// scope's life; without one, collect_rollouts reads the run's own (rollout_model, run.dist, run.step).
+// scope's life; without one, collect_rollouts reads the run's own (rollout_model, run.dist, run.counters.step).
 struct RolloutSource {
   const Transformer* model = nullptr;
   std::unique_ptr<ModelPolicy>* policy = nullptr;  // where the kept ModelPolicy lives
   Collectives* dist = nullptr;
-  int64_t step = 0;     // run.step as the batch's step begins: seeds the sampling noise
+  int64_t step = 0;     // run.counters.step as the batch's step begins: seeds the sampling noise
   int64_t version = 0;  // the weights' version (Trajectory::weights_version)
   // rollout.partial: the groups it continues, and where it leaves those it does not return. The draw tops
   // them up to partial_extra_prompts / world beyond the rank's share of the step's prompts.
@@ -259,7 +251,7 @@ EvalResult evaluate(Run& run);
 EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist = nullptr);
 // evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.
 EvalResult report_evaluation(Run& run, const std::string& when);
-// After RL step run.step: when train.eval_every says so (and at the last step), an evaluation, as the
+// After RL step run.counters.step: when train.eval_every says so (and at the last step), an evaluation, as the
 // metrics eval_pass@1, eval_pass@k, eval_tool_use; else nothing.
 std::map<std::string, double> periodic_evaluation(Run& run);
 

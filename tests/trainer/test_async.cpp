@@ -71,7 +71,7 @@ Observed run_schedule(AsyncFault fault, const std::string& dir) {
   AsyncRollouts async(
       run,
       [&](Run& r) {
-        // The rollout of step s (its run.step + 1) starts after step s - 1's update moved the weights.
+        // The rollout of step s (its run.counters.step + 1) starts after step s - 1's update moved the weights.
         const int64_t step = r.prompts->consumed() / r.config.train.prompts_per_step + 1;
         if (step >= 2) moved[step - 1].get_future().wait();
         return collect_rollouts(r);
@@ -91,7 +91,7 @@ Observed run_schedule(AsyncFault fault, const std::string& dir) {
       for (const auto& [name, p] : run.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
     }
     weights.push_back(snapshot(*run.policy));
-    run.step = t;
+    run.counters.step = t;
     if (t < 4) moved[t].set_value();
   }
   return o;
@@ -308,8 +308,8 @@ TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
         ASSERT_LT(v, static_cast<int64_t>(weights.size()));
         EXPECT_NEAR(lp[v][i][k].item<double>(), tr.logprobs[k], 1e-4) << "step " << t << " token " << k << " v" << v;
         if (hi > lo) worst_first = std::max(worst_first, std::abs(lp[lo][i][k].item<double>() - tr.logprobs[k]));
-        stale += static_cast<double>(run.step - v);
-        most = std::max(most, static_cast<double>(run.step - v));
+        stale += static_cast<double>(run.counters.step - v);
+        most = std::max(most, static_cast<double>(run.counters.step - v));
         tokens += 1;
       }
     }
@@ -327,7 +327,7 @@ TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
       for (const auto& [name, p] : run.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
     }
     weights.push_back(snapshot(*run.policy));
-    run.step = t;
+    run.counters.step = t;
     if (t < 6) moved[t].set_value();
   }
   EXPECT_GT(resumed, 0) << "no rollout continued a trajectory";
@@ -418,7 +418,7 @@ TEST(AsyncPartial, TheStepsFiguresCoverEveryRanksBatch) {
   std::vector<std::map<std::string, double>> got(2);
   rlt::testing::on_thread_ranks(2, [&](int rank, std::shared_ptr<Collectives> dist) {
     rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {}, dist);
-    run.step = 2;
+    run.counters.step = 2;
     AsyncRollouts async(
         run, [](rlt::Run&) { return RolloutBatch(); }, /*threaded=*/false);
     RolloutBatch rb;

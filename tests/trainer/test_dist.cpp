@@ -1,4 +1,4 @@
-// Data-parallel pieces on the CPU (trainer/dist.h): torchrun's variables, how a step's prompts split over
+// Data-parallel pieces on the CPU (parallel/dist.h): torchrun's variables, how a step's prompts split over
 // the ranks, the store's collectives on thread ranks (sums, maxima, broadcast, a late rank named), the
 // loss denominators summed over ranks, the trajectory table, and the shapes a world size refuses.
 #include <ATen/CPUGeneratorImpl.h>
@@ -288,7 +288,8 @@ void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectiv
   auto counting = std::make_shared<CountingCollectives>(inner);
   Run run = make(counting);
   ASSERT_EQ(run.master.size(), run.policy->parameters().size()) << "bf16 with fp32 masters";
-  GradReducer reducer(run, 4096);  // small buckets: several of them
+  GradReducer reducer(*run.dist, run.policy->trainable_parameters(), run.master,
+                      4096);  // small buckets: several of them
   ASSERT_GT(reducer.buckets(), 2);
   backward(run, loss_of(run, 1), &reducer, false);
   EXPECT_EQ(counting->started, 0) << "the first micro-batch accumulates locally";
@@ -341,7 +342,7 @@ TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
   rlt::testing::on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
     at::set_num_threads(1);
     rlt::Run run = tiny.make(c);
-    GradReducer reducer(run, 4096);
+    GradReducer reducer(*run.dist, run.policy->trainable_parameters(), run.master, 4096);
     backward(run, tiny.loss(run, 10 + r), &reducer, true);
     for (const auto& m : run.master) reduced[r].push_back(m.grad().clone());
   });

@@ -138,7 +138,7 @@ TEST(LoraRun, TrainsTheAdaptersAloneAndAResumedRunReproducesIt) {
     rlt::Run r = make_run(c, part, /*resume=*/false);
     r.stop_after = 2;
     train_grpo(r);
-    EXPECT_EQ(r.step, 2);
+    EXPECT_EQ(r.counters.step, 2);
   }
   {
     rlt::Run r = make_run(c, part, /*resume=*/true);

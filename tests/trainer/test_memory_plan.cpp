@@ -13,12 +13,12 @@
 
 #include "common/memory.h"
 #include "model/transformer.h"
+#include "parallel/shard.h"
 #include "tests/common/tiny_model.h"
 #include "trainer/batch.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
-#include "trainer/shard.h"
 
 namespace rlt {
 namespace {

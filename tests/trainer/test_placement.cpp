@@ -1,4 +1,4 @@
-// train.rollout_ranks (trainer/placement.h): thread ranks over the in-memory store, where the last ranks only
+// train.rollout_ranks (trainer/rollout_ranks.h): thread ranks over the in-memory store, where the last ranks only
 // sample and the others only train. The placed run against the colocated run of as many training ranks, in
 // turn and one_step; the version each batch was sampled by; resume, across placements; the groups of
 // ranks; the plans of each side; and the refusals.
@@ -12,14 +12,14 @@
 #include <thread>
 
 #include "model/config.h"
+#include "parallel/transfer.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "tests/trainer/tiny_run.h"
 #include "trainer/grpo.h"
 #include "trainer/memory_plan.h"
-#include "trainer/placement.h"
+#include "trainer/rollout_ranks.h"
 #include "trainer/run.h"
-#include "trainer/transfer.h"
 
 namespace rlt {
 namespace {

@@ -1,4 +1,4 @@
-// The sharded training state (trainer/shard.h) against the replicated one-process optimizer: thread ranks
+// The sharded training state (parallel/shard.h) against the replicated one-process optimizer: thread ranks
 // over the in-memory store, fp32, 2 and 3 ranks (3 leaves uneven chunks: a tensor straddles two ranks),
 // every stage, offload. Each run takes 3 optimizer steps over the same six micro-batches a step, dealt
 // round-robin to the ranks, with a value-head-like extra tensor (its own learning rate, no decay); the
@@ -14,13 +14,13 @@
 #include <set>
 
 #include "model/safetensors.h"
+#include "parallel/shard.h"
 #include "tests/common/tiny_model.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "trainer/config.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
-#include "trainer/shard.h"
 
 namespace rlt {
 namespace {
@@ -68,7 +68,7 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
     t.offload = s.offload;
     run.config.rollout.keep_weights = s.keep;
     run.optimizer.reset();
-    run.sharded = std::make_shared<ShardedState>(run, s.fault);
+    run.sharded = make_sharded_state(run, s.fault);
   }
   return run;
 }
@@ -358,9 +358,9 @@ TEST(ShardedState, ResumesOnOtherRanksAndStage) {
     testing::on_thread_ranks(3, [&](int r, std::shared_ptr<Collectives> c) {
       at::set_num_threads(1);
       rlt::Run run = make_run(three, c);
-      run.optimizer_steps = steps_done;
+      run.counters.optimizer_steps = steps_done;
       run.sharded->load(from);
-      run.optimizer_steps = 2;
+      run.counters.optimizer_steps = 2;
       train(run, 2, 3);
       out[r] = weights(run);
     });

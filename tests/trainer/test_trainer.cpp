@@ -357,7 +357,7 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
     rlt::Run run = make_run(c, part, /*resume=*/false, extra());
     run.stop_after = 2;
     train()(run);
-    EXPECT_EQ(run.step, 2);
+    EXPECT_EQ(run.counters.step, 2);
   }
   EXPECT_EQ(read_metrics(part).size(), 2u);
   run_to(c, part, /*resume=*/true, train(), extra());
@@ -731,7 +731,7 @@ class WrongGradients : public testing::ForwardingCollectives {
   bool average_;
 };
 
-// Data parallelism on two thread ranks (trainer/dist.h, the store's collectives) against one process, fp32,
+// Data parallelism on two thread ranks (parallel/dist.h, the store's collectives) against one process, fp32,
 // same seed and config: 4 prompts x 4 samples a step, off-policy (two iterations over two mini-batches, so
 // the loss depends on the log-probs), 2 ranks x 2 prompts against 1 x 4. The same trajectories, the same
 // first-step loss (1e-5) and gradient norm (1e-5 relative), after 3 steps the same weights (within 1e-4 of

@@ -1,5 +1,5 @@
 // Ranks of a data-parallel run on threads of the test process, their collectives through one in-memory
-// store (trainer/dist.h): the multi-process arithmetic without processes.
+// store (parallel/dist.h): the multi-process arithmetic without processes.
 #pragma once
 
 #include <exception>
@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "trainer/dist.h"
+#include "parallel/dist.h"
 
 namespace rlt::testing {
 

@@ -1,6 +1,6 @@
-// The NCCL backend of trainer/dist.h: c10d's ProcessGroupNCCL, built when the torch wheel's nccl.h is
+// The NCCL backend of parallel/dist.h: c10d's ProcessGroupNCCL, built when the torch wheel's nccl.h is
 // found (RLT_HAVE_NCCL, with USE_C10D_NCCL for c10d's headers).
-#include "trainer/dist.h"
+#include "parallel/dist.h"
 
 #ifdef RLT_HAVE_NCCL
 #include <c10/cuda/CUDAFunctions.h>

@@ -1,5 +1,5 @@
 // The sharded training state; see shard.h.
-#include "trainer/shard.h"
+#include "parallel/shard.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -10,10 +10,10 @@
 #include <filesystem>
 #include <iostream>
 
+#include "common/errors.h"
 #include "common/timing.h"
-#include "trainer/adamw.h"
-#include "trainer/optim.h"
-#include "trainer/run.h"
+#include "parallel/adamw.h"
+#include "parallel/grad_reducer.h"
 
 namespace rlt {
 
@@ -91,24 +91,29 @@ bool OptimizerPieces::read(const std::string& kind, const std::string& name, int
 
 // ---- ShardedState ----
 
-ShardedState::ShardedState(Run& run, ShardFault fault)
-    : run_(run),
-      stage_(run.config.train.shard),
-      world_(run.dist->world()),
-      rank_(run.dist->rank()),
-      keep_(run.config.rollout.keep_weights),
+ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Transformer& model,
+                           const std::vector<std::pair<std::string, at::Tensor>>& extra, StepCounters& counters,
+                           ShardFault fault)
+    : dist_(dist),
+      model_(options.stage == ShardStage::kParameters ? &model : nullptr),
+      counters_(counters),
+      lead_(options.lead),
+      stage_(options.stage),
+      world_(dist.world()),
+      rank_(dist.rank()),
+      keep_(options.keep_weights),
       fault_(fault) {
   shard_world_ = stage_ == ShardStage::kNone ? 1 : world_;
-  for (const auto& [name, t] : run.policy->named_trainable_parameters()) {
+  for (const auto& [name, t] : model.named_trainable_parameters()) {
     params_.push_back({name, t, t.sizes().vec(), t.numel()});
   }
   const size_t n_policy = params_.size();
-  for (const auto& [name, t] : run.extra) params_.push_back({name, t, t.sizes().vec(), t.numel()});
+  for (const auto& [name, t] : extra) params_.push_back({name, t, t.sizes().vec(), t.numel()});
   TORCH_CHECK(!params_.empty(), "ShardedState: nothing to train");
   weight_dtype_ = params_.front().leaf.scalar_type();
   const at::Device device = params_.front().leaf.device();
 
-  // Units in the order the backward completes them: run.extra (after the final norm), the head and final
+  // Units in the order the backward completes them: the extra tensors (after the final norm), the head and final
   // norm, the layers from the last, the embedding.
   std::map<int64_t, std::vector<size_t>> layers;
   std::vector<size_t> globals, extras, embedding;
@@ -146,7 +151,7 @@ ShardedState::ShardedState(Run& run, ShardFault fault)
   for (const Unit& u : units_) largest_chunk_ = std::max(largest_chunk_, u.chunk);
 
   // This rank's chunks, group by group, end to end.
-  const bool offload = run.config.train.offload == Offload::kOptimizer;
+  const bool offload = options.offload == Offload::kOptimizer;
   groups_.resize(extras.empty() ? 1 : 2);
   std::vector<int64_t> sizes(groups_.size(), 0);
   for (Unit& u : units_) {
@@ -189,13 +194,13 @@ ShardedState::ShardedState(Run& run, ShardFault fault)
     for (Unit& u : units_) {
       if (u.layer != -2) free_weights(u);
     }
-    run.policy->set_residency(this);
+    model.set_residency(this);
   }
 }
 
 ShardedState::~ShardedState() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
-  if (stage_ == ShardStage::kParameters && run_.policy) run_.policy->set_residency(nullptr);
+  if (model_) model_->set_residency(nullptr);
 }
 
 std::vector<ShardedState::Piece> ShardedState::pieces() const {
@@ -294,10 +299,10 @@ void ShardedState::start_reduce(Unit& u) {
   }
   if (shard_world_ == 1) {  // offload alone: every rank steps the whole state, so the sum is all-reduced
     u.reduce_out = u.reduce_in;
-    u.reduce_pending = run_.dist->all_reduce_start({u.reduce_in});
+    u.reduce_pending = dist_.all_reduce_start({u.reduce_in});
   } else {
     u.reduce_out = bounded ? slot_out_[slot].narrow(0, 0, u.chunk) : at::empty({u.chunk}, u.reduce_in.options());
-    u.reduce_pending = run_.dist->reduce_scatter_start(u.reduce_out, u.reduce_in);
+    u.reduce_pending = dist_.reduce_scatter_start(u.reduce_out, u.reduce_in);
   }
 }
 
@@ -348,7 +353,7 @@ void ShardedState::zero_grad() {
 
 // ---- The optimizer step ----
 
-double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps) {
+double ShardedState::step(const at::Tensor& loss, const StepSettings& t) {
   if (stage_ == ShardStage::kOptimizer || stage_ == ShardStage::kNone) {
     // The optimizer stage reduces in the last micro-batch's backward; a step whose backward ran without
     // it (apply_gradients alone, as the warm-up's callers never do) reduces here.
@@ -364,7 +369,6 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
   slot_out_.clear();
   next_slot_ = 0;
   at::NoGradGuard no_grad;
-  const TrainOptions& t = run_.config.train;
   const at::Device device = groups_.front().grad.device();
   // The sum of squares of this rank's gradient chunks, and the loss: summed over the ranks at once (the
   // chunks of a replicated state, shard none, are whole: only the loss is summed then).
@@ -378,18 +382,17 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
   if (loss.defined()) sums.narrow(0, 1, 1).add_(loss.detach().to(at::kDouble).sum());
   if (shard_world_ == 1) {
     at::Tensor l = sums.narrow(0, 1, 1).clone();
-    run_.dist->all_reduce({l}, ReduceOp::kSum);
+    dist_.all_reduce({l}, ReduceOp::kSum);
     sums.narrow(0, 1, 1).copy_(l);
   } else {
-    run_.dist->all_reduce({sums}, ReduceOp::kSum);
+    dist_.all_reduce({sums}, ReduceOp::kSum);
   }
   const at::Tensor host = sums.cpu();
   const double norm = std::sqrt(host[0].item<double>()), loss_sum = host[1].item<double>();
   if (!std::isfinite(norm) || !std::isfinite(loss_sum)) {
     zero_grad();
-    ++run_.skipped_steps;
-    if (run_.lead())
-      std::cerr << "warning: step " << run_.step + 1 << ": non-finite loss or gradient, update skipped\n";
+    ++counters_.skipped_steps;
+    if (lead_) std::cerr << "warning: step " << counters_.step + 1 << ": non-finite loss or gradient, update skipped\n";
     return norm;
   }
   // As torch::nn::utils::clip_grad_norm_: scaled by clip / (norm + 1e-6), at most 1.
@@ -397,15 +400,10 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
     const double coef = std::min(1.0, t.grad_clip / (norm + 1e-6));
     for (Group& G : groups_) G.grad.mul_(coef);
   }
-  const double lr = learning_rate(t, run_.optimizer_steps, total_optimizer_steps);
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& G = groups_[g];
-    AdamWStep s{g == 0 ? lr : lr * run_.extra_lr_scale,
-                t.beta1,
-                t.beta2,
-                t.adam_eps,
-                g == 0 ? t.weight_decay : 0.0,
-                run_.optimizer_steps + 1};
+    AdamWStep s{g == 0 ? t.lr : t.extra_lr,   t.beta1, t.beta2, t.eps, g == 0 ? t.weight_decay : 0.0,
+                counters_.optimizer_steps + 1};
     if (G.offload) {
       G.offload->step(G.grad, s, G.weights);
     } else if (fault_ == ShardFault::kMomentWrongSlice && G.master.numel() > 1) {
@@ -418,7 +416,7 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
       G.weights.copy_(G.master);  // rounded to nearest
     }
   }
-  ++run_.optimizer_steps;
+  ++counters_.optimizer_steps;
   zero_grad();
   if (stage_ != ShardStage::kParameters) {
     write_whole_weights();
@@ -436,7 +434,7 @@ double ShardedState::step(const at::Tensor& loss, int64_t total_optimizer_steps)
     for (Unit& u : units_) {
       if (u.gather_pending) install(u);
     }
-    write_whole_weights(/*extra_only=*/true);  // run.extra is never sharded as weights
+    write_whole_weights(/*extra_only=*/true);  // the extra tensors are never sharded as weights
   }
   return norm;
 }
@@ -455,7 +453,7 @@ void ShardedState::write_whole_weights(bool extra_only) {
     if (shard_world_ > 1) {
       if (!buffer.defined()) buffer = at::empty({shard_world_ * largest_chunk_}, chunk.options());
       whole = buffer.narrow(0, 0, shard_world_ * u.chunk);
-      run_.dist->all_gather_start(whole, chunk)->wait();
+      dist_.all_gather_start(whole, chunk)->wait();
     }
     for (size_t i : u.params) {
       Param& p = params_[i];
@@ -470,7 +468,7 @@ void ShardedState::write_whole_weights(bool extra_only) {
 void ShardedState::start_gather(Unit& u) {
   const at::Tensor chunk = unit_chunk(groups_[u.group].weights, u);
   u.gather_buf = at::empty({shard_world_ * u.chunk}, chunk.options());
-  u.gather_pending = run_.dist->all_gather_start(u.gather_buf, chunk);
+  u.gather_pending = dist_.all_gather_start(u.gather_buf, chunk);
 }
 
 void ShardedState::install(Unit& u) {
@@ -593,9 +591,9 @@ void ShardedState::load(const std::string& dir) {
     }
     const bool moments = stored.read("exp_avg", p.name, pc.begin, m.narrow(0, pc.flat, pc.count)) &&
                          stored.read("exp_avg_sq", p.name, pc.begin, v.narrow(0, pc.flat, pc.count));
-    if (!moments && run_.optimizer_steps > 0) {
+    if (!moments && counters_.optimizer_steps > 0) {
       throw RunError(dir + ": the optimizer state has no AdamW moments for " + p.name + " after " +
-                     std::to_string(run_.optimizer_steps) + " optimizer steps");
+                     std::to_string(counters_.optimizer_steps) + " optimizer steps");
     }
   }
   for (Group& G : groups_) G.weights.copy_(G.offload ? G.offload->master() : G.master);

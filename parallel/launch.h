@@ -1,6 +1,6 @@
 // `--nproc N [--nnodes M --node-rank R --master-addr HOST --master-port P]`: the ranks of a data-parallel
 // run started by the trainer itself, for users without torchrun: one launcher per node, each starting its
-// node's N ranks. Slurm and torchrun launches read the environment instead (dist_env, trainer/dist.h).
+// node's N ranks. Slurm and torchrun launches read the environment instead (dist_env, parallel/dist.h).
 #pragma once
 
 #include <chrono>

@@ -1,5 +1,5 @@
 // Launch environment, the store's collectives, the step's shares and the gradient reducer; see dist.h.
-#include "trainer/dist.h"
+#include "parallel/dist.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -17,10 +17,9 @@
 #include <mutex>
 #include <thread>
 
+#include "common/errors.h"
 #include "common/memory.h"
 #include "common/timing.h"
-#include "trainer/optim.h"
-#include "trainer/run.h"
 
 namespace rlt {
 
@@ -367,100 +366,6 @@ std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world
     for (int64_t j = 0; j < share; ++j) mine.push_back(b + rank * share + j);
   }
   return mine;
-}
-
-// ---- GradReducer ----
-
-GradReducer::GradReducer(Run& run, int64_t bucket_bytes) : run_(run) {
-  params_ = run.policy->trainable_parameters();
-  for (const auto& [name, p] : run.extra) params_.push_back(p);
-  const size_t n = params_.size();
-  bucket_of_.assign(n, 0);
-  done_.assign(n, false);
-  // Buckets in reverse parameter order, one dtype each, up to bucket_bytes.
-  int64_t bytes = 0;
-  for (size_t k = n; k-- > 0;) {
-    const at::Tensor& t = target(k);
-    if (buckets_.empty() || bytes + static_cast<int64_t>(t.nbytes()) > bucket_bytes ||
-        t.scalar_type() != target(buckets_.back().front()).scalar_type()) {
-      buckets_.emplace_back();
-      bytes = 0;
-    }
-    buckets_.back().push_back(k);
-    bucket_of_[k] = buckets_.size() - 1;
-    bytes += static_cast<int64_t>(t.nbytes());
-  }
-  remaining_.resize(buckets_.size());
-  for (size_t b = 0; b < buckets_.size(); ++b) remaining_[b] = buckets_[b].size();
-  for (size_t i = 0; i < n; ++i) {
-    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(acc, "GradReducer: parameter ", i, " is not a leaf that requires grad");
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          ready(i);
-          return outputs;
-        })));
-    accumulators_.push_back(acc);
-  }
-}
-
-GradReducer::~GradReducer() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
-}
-
-const at::Tensor& GradReducer::target(size_t i) const { return i < run_.master.size() ? run_.master[i] : params_[i]; }
-
-at::Tensor& GradReducer::grad(size_t i) { return target(i).mutable_grad(); }
-
-void GradReducer::arm() {
-  TORCH_CHECK(!armed_ && pending_.empty(), "GradReducer::arm: the previous reduction did not finish");
-  armed_ = true;
-}
-
-void GradReducer::ready(size_t i) {
-  if (!armed_ || done_[i]) return;
-  done_[i] = true;
-  if (i < run_.master.size()) accumulate_gradient(params_[i], run_.master[i]);
-  at::Tensor& g = grad(i);
-  if (!g.defined()) g = at::zeros_like(target(i));  // the hook ran for an undefined incoming gradient
-  if (--remaining_[bucket_of_[i]] == 0) start_ready_buckets();
-}
-
-void GradReducer::start_ready_buckets() {
-  for (; next_bucket_ < buckets_.size() && remaining_[next_bucket_] == 0; ++next_bucket_) {
-    std::vector<at::Tensor> grads;
-    for (size_t i : buckets_[next_bucket_]) grads.push_back(grad(i));
-    pending_.push_back(run_.dist->all_reduce_start(grads));
-  }
-}
-
-void GradReducer::finish() {
-  TORCH_CHECK(armed_, "GradReducer::finish without arm()");
-  // Parameters the backward did not reach: their gradient is what earlier micro-batches left, or zero.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (done_[i]) continue;
-    done_[i] = true;
-    if (i < run_.master.size()) accumulate_gradient(params_[i], run_.master[i]);
-    at::Tensor& g = grad(i);
-    if (!g.defined()) g = at::zeros_like(target(i));
-    --remaining_[bucket_of_[i]];
-  }
-  start_ready_buckets();
-  const auto t0 = Clock::now();
-  for (auto& p : pending_) p->wait();
-  wait_s_ += seconds_since(t0);
-  pending_.clear();
-  next_bucket_ = 0;
-  for (size_t b = 0; b < buckets_.size(); ++b) remaining_[b] = buckets_[b].size();
-  done_.assign(params_.size(), false);
-  armed_ = false;
-}
-
-std::unique_ptr<GradReducer> make_reducer(Run& run) {
-  if (run.dist->world() == 1 || run.sharded) return nullptr;  // the sharded state reduces its own
-  return std::make_unique<GradReducer>(run, run.config.train.dist_bucket_mb << 20);
 }
 
 }  // namespace rlt

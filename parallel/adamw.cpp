@@ -2,7 +2,7 @@
 // optimizer offload's two drivers, the host step and the stream through the GPU. This file is compiled
 // with -ffp-contract=off (trainer/CMakeLists.txt): the only fused multiply-adds are the explicit std::fma
 // that mirror ATen's, so the roundings are torch::optim::AdamW's whatever the compiler or target.
-#include "trainer/adamw.h"
+#include "parallel/adamw.h"
 
 #include <ATen/TensorIterator.h>
 #include <ATen/core/grad_mode.h>

@@ -1,12 +1,13 @@
-// How a rank learns its place (trainer/dist.h dist_env: torchrun's variables, else Slurm's) and the
-// launcher's flags (trainer/launch.h: --nproc, --nnodes, --node-rank, --master-addr, --master-port). The
+// How a rank learns its place (parallel/dist.h dist_env: torchrun's variables, else Slurm's) and the
+// launcher's flags (parallel/launch.h: --nproc, --nnodes, --node-rank, --master-addr, --master-port). The
 // launches themselves run as processes in tests/apps/check_multinode.py.
 #include <gtest/gtest.h>
 
 #include <map>
 
-#include "trainer/launch.h"
-#include "trainer/run.h"
+#include "common/errors.h"
+#include "parallel/dist.h"
+#include "parallel/launch.h"
 
 namespace rlt {
 namespace {

@@ -1,5 +1,5 @@
-// Disaggregated placement; see placement.h.
-#include "trainer/placement.h"
+// The rollout ranks' protocol; see rollout_ranks.h.
+#include "trainer/rollout_ranks.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -15,11 +15,11 @@
 #include "common/files.h"
 #include "common/memory.h"
 #include "common/timing.h"
+#include "parallel/shard.h"
+#include "parallel/transfer.h"
 #include "trainer/async_rollout.h"
 #include "trainer/batch.h"
 #include "trainer/optim.h"
-#include "trainer/shard.h"
-#include "trainer/transfer.h"
 
 namespace fs = std::filesystem;
 
@@ -50,43 +50,6 @@ std::vector<at::Tensor> rollout_tensors(const Transformer& model) {
 
 }  // namespace
 
-int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
-                             int64_t bucket_bytes, at::Device device, SyncTiming& timing) {
-  // The version, as a maximum in which the receivers add nothing: an all-reduce returns on no member before
-  // every member has joined it (a broadcast's root may return once its bytes are sent).
-  const bool root = group.rank() == 0;
-  at::Tensor v = at::tensor({root ? static_cast<double>(version) : -1e300}, at::kDouble);
-  group.all_reduce({v}, ReduceOp::kMax);
-  const auto t0 = Clock::now();
-  timing = SyncTiming{};
-  for (size_t i = 0; i < tensors.size();) {
-    size_t j = i;
-    int64_t size = 0;
-    while (j < tensors.size() && tensors[j].scalar_type() == tensors[i].scalar_type() &&
-           (j == i || size + static_cast<int64_t>(tensors[j].nbytes()) <= bucket_bytes)) {
-      size += static_cast<int64_t>(tensors[j].nbytes());
-      ++j;
-    }
-    std::vector<at::Tensor> flat;
-    for (size_t k = i; k < j; ++k) flat.push_back(tensors[k].reshape({-1}));
-    at::Tensor bucket = root ? at::cat(flat) : at::empty({size / tensors[i].element_size()}, tensors[i].options());
-    group.broadcast({bucket}, 0);
-    if (!root) {
-      int64_t offset = 0;
-      for (size_t k = i; k < j; ++k) {
-        tensors[k].copy_(bucket.narrow(0, offset, tensors[k].numel()).view(tensors[k].sizes()));
-        offset += tensors[k].numel();
-      }
-    }
-    timing.bytes += static_cast<double>(size);
-    timing.buckets += 1;
-    i = j;
-  }
-  stream_synchronize(device);
-  timing.seconds = seconds_since(t0);
-  return static_cast<int64_t>(v.item<double>());
-}
-
 namespace {
 
 int64_t bucket_bytes(const Config& c) { return c.train.rollout_sync_mb << 20; }
@@ -115,132 +78,13 @@ void check_placement(const Config& c, int world) {
 }
 
 std::shared_ptr<Placement> place(const Config& c, const std::shared_ptr<Collectives>& all) {
-  const int k = static_cast<int>(c.train.rollout_ranks);
-  if (k == 0) return nullptr;
-  const int world = all->world();
-  check_placement(c, world);
-  std::vector<int> trainers(world - k), rollouts(k), publish{0};
-  std::iota(trainers.begin(), trainers.end(), 0);
-  std::iota(rollouts.begin(), rollouts.end(), world - k);
-  publish.insert(publish.end(), rollouts.begin(), rollouts.end());
-  auto p = std::make_shared<Placement>();
-  p->all = all;
-  p->rollout_ranks = k;
-  p->rollout = all->rank() >= world - k;
-  std::shared_ptr<Collectives> train = all->group("train", trainers);
-  std::shared_ptr<Collectives> rollout = all->group("rollout", rollouts);
-  p->publish = all->group("publish", publish);
-  p->side = p->rollout ? rollout : train;
-  if (const auto store = all->store()) {
-    p->handover = std::make_shared<Handover>(
-        store, all->rank(), std::chrono::milliseconds(static_cast<int64_t>(1000 * c.train.dist_timeout_s)));
-  }
-  return p;
+  if (c.train.rollout_ranks == 0) return nullptr;
+  check_placement(c, all->world());
+  return place_ranks(static_cast<int>(c.train.rollout_ranks),
+                     std::chrono::milliseconds(static_cast<int64_t>(1000 * c.train.dist_timeout_s)), all);
 }
 
 std::string staged_rollout_weights(const Run& run) { return (fs::path(run.out_dir) / "rollout_weights.next").string(); }
-
-// ---- Handovers ----
-
-namespace {
-// Keys of this attempt of the job: torchrun's agent keeps its store across a restart of the workers.
-std::string placement_key(const std::string& what) {
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return "rlt/placement/" + std::string(attempt ? attempt : "0") + "/" + what;
-}
-std::string alive_key(int rank) { return placement_key("alive/" + std::to_string(rank)); }
-std::string said_key(const std::string& key, int rank) {
-  return placement_key("said/" + key + "/" + std::to_string(rank));
-}
-}  // namespace
-
-Handover::Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout)
-    : store_(std::move(store)), rank_(rank), timeout_(timeout) {
-  store_->add(alive_key(rank_), 1);
-  // Its own connection: a TCPStore client holds its lock through a blocking wait (a collective's), which
-  // would hold the beats back on a shared one. Four beats a timeout, at most one a second.
-  c10::intrusive_ptr<c10d::Store> own;
-  try {
-    own = store_->clone();
-  } catch (const std::exception&) {
-    own = store_;
-  }
-  const auto every = std::clamp(timeout_ / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
-  beat_ = std::thread([this, own, every] {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, every, [this] { return stop_; })) {
-      try {
-        own->add(alive_key(rank_), 1);
-      } catch (const std::exception&) {
-        return;  // the store is gone: the job is ending, and a wait on it reports that
-      }
-    }
-  });
-}
-
-Handover::~Handover() { fall_silent(); }
-
-void Handover::fall_silent() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (beat_.joinable()) beat_.join();
-}
-
-void Handover::announce(const std::string& key) {
-  try {
-    store_->set(said_key(key, rank_), std::vector<uint8_t>{1});
-  } catch (const c10::Error& e) {
-    throw DistError("rank " + std::to_string(rank_) +
-                    ": the rendezvous store is gone (rank 0 serves it): " + e.what_without_backtrace());
-  }
-}
-
-void Handover::await(const std::string& key, const std::vector<int>& ranks, const std::string& what) {
-  try {
-    poll(key, ranks, what);
-  } catch (const c10::Error& e) {
-    throw DistError("rank " + std::to_string(rank_) + " waited for " + what +
-                    ": the rendezvous store is gone (rank 0 serves it): " + e.what_without_backtrace());
-  }
-}
-
-void Handover::poll(const std::string& key, const std::vector<int>& ranks, const std::string& what) {
-  using Clock = std::chrono::steady_clock;
-  struct Seen {
-    int64_t count = -1;
-    Clock::time_point since;
-  };
-  std::map<int, Seen> seen;
-  for (;;) {
-    bool all = true;
-    const Clock::time_point now = Clock::now();
-    for (int r : ranks) {
-      if (store_->check({said_key(key, r)})) continue;
-      all = false;
-      const int64_t count = store_->add(alive_key(r), 0);
-      Seen& s = seen[r];
-      if (count != s.count) {
-        s.count = count;
-        s.since = now;
-      } else if (now - s.since > timeout_) {
-        throw DistError("rank " + std::to_string(rank_) + " waited for " + what + ": rank " + std::to_string(r) +
-                        " showed no sign of life for " + std::to_string(timeout_.count() / 1000) +
-                        " s (train.dist_timeout_s)");
-      }
-    }
-    if (all) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
-std::vector<int> Placement::sampling_ranks() const {
-  std::vector<int> r(rollout_ranks);
-  std::iota(r.begin(), r.end(), all->world() - rollout_ranks);
-  return r;
-}
 
 // ---- The training ranks ----
 
@@ -270,7 +114,7 @@ void RemoteRollouts::publish() {
              "the rollout ranks to take weights " + std::to_string(n));
   }
   SyncTiming timing;
-  broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.step,
+  broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.counters.step,
                        bucket_bytes(run_.config), run_.device, timing);
   sync_s_ = timing.seconds;
   sync_bytes_ = timing.bytes;
@@ -294,8 +138,8 @@ RolloutBatch RemoteRollouts::next() {
   const auto t0 = Clock::now();
   const Placement& pl = *run_.placement;
   if (pl.handover) {
-    pl.handover->await("batch" + std::to_string(run_.step + 1), pl.sampling_ranks(),
-                       "the batch of step " + std::to_string(run_.step + 1));
+    pl.handover->await("batch" + std::to_string(run_.counters.step + 1), pl.sampling_ranks(),
+                       "the batch of step " + std::to_string(run_.counters.step + 1));
   }
   const std::vector<uint8_t> all = exchange_bytes(*pl.all, {});
   wait_s_ = seconds_since(t0);
@@ -390,10 +234,10 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
   }
   fs::rename(staged, fs::path(dir) / kRolloutWeightsDir);
   const int64_t begin = run_.prompts->consumed();
-  state["async"] = {{"version", run_.step - 1}, {"prompts_begin", begin}, {"partial", false}};
+  state["async"] = {{"version", run_.counters.step - 1}, {"prompts_begin", begin}, {"partial", false}};
   // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw
   // (with dynamic sampling its rounds are not known yet: the position where it begins).
-  if (run_.step < run_.last_step() && !run_.config.train.dynamic_sampling) {
+  if (run_.counters.step < run_.last_step() && !run_.config.train.dynamic_sampling) {
     state["prompts_consumed"] = begin + run_.config.train.prompts_per_step;
   }
 }
@@ -436,12 +280,12 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
                 " tensors, the rollout decodes ", tensors.size());
     for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(from[i]);
     version = pending->version;
-  } else if (async && run.step < run.last_step()) {
+  } else if (async && run.counters.step < run.last_step()) {
     receive();  // the weights the first two batches sample
   }
   // Dynamic sampling's rounds over the rollout ranks, which split each round's prompts contiguously.
   DynamicSampling sampling(cfg, cfg.train.prompts_per_step);
-  const int64_t first_step = run.step + 1;
+  const int64_t first_step = run.counters.step + 1;
   for (int64_t t = first_step; t <= run.last_step(); ++t) {
     if (!async) receive();
     const auto t0 = Clock::now();
@@ -492,7 +336,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
     }
     if (pl.handover) pl.handover->announce("batch" + std::to_string(t));
     exchange_bytes(*pl.all, w.bytes);
-    run.step = t;
+    run.counters.step = t;
   }
 }
 

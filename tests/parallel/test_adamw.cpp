@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/adamw.h"
+#include "parallel/adamw.h"
 
 namespace rlt {
 namespace {

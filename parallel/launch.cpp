@@ -1,5 +1,5 @@
 // check_launch, launch_ranks; see launch.h.
-#include "trainer/launch.h"
+#include "parallel/launch.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -20,7 +20,7 @@
 #include <set>
 #include <thread>
 
-#include "trainer/run.h"
+#include "common/errors.h"
 
 extern char** environ;
 
@@ -90,7 +90,7 @@ c10::intrusive_ptr<c10d::Store> open_store(const LaunchOptions& o, bool server, 
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(o.master_port);
   so.isServer = server;
-  so.waitWorkers = false;  // the ranks count themselves in (connect, trainer/dist.cpp); launchers do not
+  so.waitWorkers = false;  // the ranks count themselves in (connect, parallel/dist.cpp); launchers do not
   so.timeout = timeout;
   sigset_t block, old;
   sigemptyset(&block);

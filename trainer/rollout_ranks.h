@@ -47,56 +47,19 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/placement.h"
 #include "trainer/dynamic_sampling.h"
 #include "trainer/run.h"
 
 namespace rlt {
-
-// Signs of life and handovers in the job's store: every rank adds to its own counter four times a timeout
-// (at most once a second), from a thread of its own on a connection of its own (thread ranks share the
-// store under their own ranks). Before a broadcast of the weights, rank 0 says it publishes and the rollout
-// ranks that they are ready for it; before a batch, each rollout rank says it is ready. await() waits until
-// each of `ranks` has announced `key`, for as long as each of them that has not shows signs of life; one
-// whose counter stands still for `timeout` ends the wait with a DistError naming it and what was awaited
-// (so does a store that is gone). Keys are per attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT).
-class Handover {
- public:
-  Handover(c10::intrusive_ptr<c10d::Store> store, int rank, std::chrono::milliseconds timeout);
-  ~Handover();
-  Handover(const Handover&) = delete;
-  Handover& operator=(const Handover&) = delete;
-  void announce(const std::string& key);
-  void await(const std::string& key, const std::vector<int>& ranks, const std::string& what);
-  void fall_silent();  // PlacementFault::kSilent: the counter stops
-
- private:
-  void poll(const std::string& key, const std::vector<int>& ranks, const std::string& what);
-  c10::intrusive_ptr<c10d::Store> store_;
-  int rank_;
-  std::chrono::milliseconds timeout_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  std::thread beat_;
-};
-
-struct Placement {
-  std::shared_ptr<Collectives> all;      // every rank of the job
-  std::shared_ptr<Collectives> side;     // this rank's side: the training ranks, or the rollout ranks
-  std::shared_ptr<Collectives> publish;  // training rank 0 and the rollout ranks; nullptr on the other trainers
-  int rollout_ranks = 0;
-  bool rollout = false;                // this rank is a rollout rank
-  std::shared_ptr<Handover> handover;  // nullptr only for collectives without a store
-  std::vector<int> sampling_ranks() const;
-};
 
 // train.rollout_ranks = k over `world` ranks: at least one rank each side, the training ranks' shapes split
 // as a data-parallel run's (check_world at N - k), and the step's prompts evenly over the rollout ranks.
 // RunError naming the keys otherwise. Nothing for k = 0.
 void check_placement(const Config& config, int world);
 
-// The placement of a job over `all` (every rank calls it, in the same order); nullptr when
-// train.rollout_ranks is 0.
+// The placement of a job over `all` (every rank calls it, in the same order): check_placement, then
+// place_ranks (parallel/placement.h); nullptr when train.rollout_ranks is 0.
 std::shared_ptr<Placement> place(const Config& config, const std::shared_ptr<Collectives>& all);
 
 // Wrong placements the tests must reject: the rollout ranks keep sampling from the first weights they get
@@ -111,7 +74,7 @@ class RemoteRollouts : public PendingRollouts {
   // before_publish: a test's stand-in for a long phase on the training side (run before every publish).
   explicit RemoteRollouts(Run& run, PlacementFault fault = PlacementFault::kNone,
                           std::function<void()> before_publish = nullptr);
-  // Step run.step + 1's batch: publishes the weights as they are now (the first call of a fresh one_step run
+  // Step run.counters.step + 1's batch: publishes the weights as they are now (the first call of a fresh one_step run
   // publishes them twice: for the first two batches), then receives the batch.
   RolloutBatch next();
   // The step's figures: staleness_mean / staleness_max as train.async defines them; time_weight_sync_s (the
@@ -137,23 +100,11 @@ class RemoteRollouts : public PendingRollouts {
   double sync_s_ = 0, sync_bytes_ = 0, wait_s_ = 0, transfer_bytes_ = 0, rollout_wall_s_ = 0, wait_update_s_ = 0;
 };
 
-// The rollout ranks' side: samples, scores and sends every remaining step's batch (run.step + 1 to the last
+// The rollout ranks' side: samples, scores and sends every remaining step's batch (run.counters.step + 1 to the last
 // step, or --stop-after), from the weights the training ranks publish.
 // before_sample: a test's stand-in for a long rollout (run before every batch's sampling).
 void serve_rollouts(Run& run, PlacementFault fault = PlacementFault::kNone,
                     const std::function<void()>& before_sample = nullptr);
-
-// The weights' broadcast: the root of `group` (training rank 0) sends `tensors` to every other member, which
-// receive into theirs (the same shapes and dtypes, in the same order), in buckets of up to bucket_bytes of
-// one dtype; first a scalar with `version`, where both sides meet (its broadcast returns once every member
-// has arrived). Returns the version; `timing` holds the buckets' time alone (the device synchronized),
-// their bytes and their number.
-struct SyncTiming {
-  double seconds = 0, bytes = 0;
-  int64_t buckets = 0;
-};
-int64_t broadcast_in_buckets(Collectives& group, const std::vector<at::Tensor>& tensors, int64_t version,
-                             int64_t bucket_bytes, at::Device device, SyncTiming& timing);
 
 // Where the first rollout rank leaves the weights a checkpoint's pending rollout samples from.
 std::string staged_rollout_weights(const Run& run);

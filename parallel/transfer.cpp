@@ -1,5 +1,5 @@
 // Trajectory records and the byte exchange; see transfer.h.
-#include "trainer/transfer.h"
+#include "parallel/transfer.h"
 
 namespace rlt {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "parallel/dist.h"
 #include "rollout/python_reward.h"
 #include "rollout/retool.h"
-#include "trainer/dist.h"
 
 namespace rlt {
 

@@ -1,8 +1,8 @@
 // The training state split over a run's ranks: ZeRO's stages (Rajbhandari et al. 2020) on the c10d
-// collectives of trainer/dist.h (train.shard), and the optimizer state in host memory (train.offload).
+// collectives of parallel/dist.h (train.shard), and the optimizer state in host memory (train.offload).
 //
-// The trainable tensors (the policy's, or its LoRA adapters, then run.extra's) are grouped into units: one
-// per decoder layer, one per other tensor. A unit's elements, laid end to end and padded with zeros to a
+// The trainable tensors (the policy's, or its LoRA adapters, then the extra ones: PPO's value head) are grouped into
+// units: one per decoder layer, one per other tensor. A unit's elements, laid end to end and padded with zeros to a
 // multiple of the world size, split into N equal chunks; rank r owns chunk r of every unit. What a rank
 // holds per parameter, with P parameters over N ranks (bf16 model, fp32 masters):
 //   optimizer:  the whole bf16 weights (2), a whole fp32 gradient accumulated over the micro-batches (4),
@@ -22,11 +22,11 @@
 // all-gathered into the whole weights (the parameters stage keeps its chunk only).
 //
 // The global gradient norm is the square root of the sum over ranks of each chunk's sum of squares; the
-// loss denominators are the replicated run's (trainer/optim.h), so the update equals it up to the order of
-// floating-point sums (the CPU tests: within 1e-6 relative over 3 steps, 2 and 3 ranks).
+// loss denominators are the replicated run's (trainer/optim.h, which calls step()), so the update equals it up to the
+// order of floating-point sums (the CPU tests: within 1e-6 relative over 3 steps, 2 and 3 ranks).
 //
 // train.offload: optimizer keeps the master chunks and moments in pinned host memory and steps them there
-// (trainer/adamw.h); the device holds the gradient chunk and the weights.
+// (parallel/adamw.h); the device holds the gradient chunk and the weights.
 //
 // Checkpoints hold the state per parameter, not per rank: each rank writes its pieces of every parameter
 // (optimizer-<rank>.safetensors: "master/<name>/<first element>", "exp_avg/...", "exp_avg_sq/..."), so a
@@ -44,12 +44,11 @@
 
 #include "model/safetensors.h"
 #include "model/transformer.h"
-#include "trainer/dist.h"
-#include "trainer/options.h"
+#include "parallel/dist.h"
+#include "parallel/options.h"
 
 namespace rlt {
 
-struct Run;
 class OffloadedAdamW;
 class ShardedState;
 
@@ -102,13 +101,31 @@ enum class ShardFault {
   kReducesUnbounded
 };
 
+// What a sharded state is told once: its stage and offload (train.shard, train.offload), whether the
+// parameters stage keeps the gathered weights through the update (rollout.keep_weights), and whether this
+// rank prints the run's warnings.
+struct ShardOptions {
+  ShardStage stage = ShardStage::kNone;
+  Offload offload = Offload::kNone;
+  bool keep_weights = false;
+  bool lead = true;
+};
+
+// One optimizer step's settings: AdamW's for the policy's group (its step count is the counters'), the
+// extra group's learning rate (no weight decay there), and the global-norm clip (0: none).
+struct StepSettings {
+  double lr = 0, extra_lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, grad_clip = 0;
+};
+
 class ShardedState : public WeightResidency {
  public:
-  // Takes the run's trainable tensors and their values as they are now; with the parameters stage the
-  // policy's weights are freed to their chunks (run.policy asks this object for them). Holds `run` by
-  // reference, as GradReducer does: the Run stays where it is (make_run returns its own, elided).
-  // `fault`: a deliberate mistake, for the tests only.
-  explicit ShardedState(Run& run, ShardFault fault = ShardFault::kNone);
+  // Takes `params` (the model's trainable tensors by name, then `extra`, a second parameter group) and
+  // their values as they are now; with the parameters stage the model's weights are freed to their chunks
+  // (`model` asks this object for them, until this object is gone). `dist` and `counters` are held by
+  // reference: step() reports into the counters. `fault`: a deliberate mistake, for the tests only.
+  ShardedState(const ShardOptions& options, Collectives& dist, Transformer& model,
+               const std::vector<std::pair<std::string, at::Tensor>>& extra, StepCounters& counters,
+               ShardFault fault = ShardFault::kNone);
   ~ShardedState() override;
   ShardedState(const ShardedState&) = delete;
   ShardedState& operator=(const ShardedState&) = delete;
@@ -117,8 +134,9 @@ class ShardedState : public WeightResidency {
   // reduces then only).
   void backward(const at::Tensor& loss, bool ends_step);
   // Ends an optimizer step as apply_gradients does (trainer/optim.h): global norm, clip, the finite check
-  // on the norm and the ranks' summed `loss`, AdamW on every chunk, the weights rebuilt. Returns the norm.
-  double step(const at::Tensor& loss, int64_t total_optimizer_steps);
+  // on the norm and the ranks' summed `loss`, AdamW on every chunk, the weights rebuilt. Counts the step in
+  // counters.optimizer_steps, or a non-finite one in counters.skipped_steps. Returns the norm.
+  double step(const at::Tensor& loss, const StepSettings& settings);
   void zero_grad();
 
   // The parameters stage: every layer's weights gathered and kept until release_weights() (the rollout,
@@ -164,8 +182,8 @@ class ShardedState : public WeightResidency {
   struct Unit {
     std::vector<size_t> params;
     int64_t numel = 0, chunk = 0;  // chunk: elements per rank (numel padded to world x chunk)
-    int group = 0;                 // 0: the policy; 1: run.extra (its own learning rate, no decay)
-    int64_t layer = -1;            // decoder layer, -1: the embedding / final norm / head, -2: run.extra
+    int group = 0;                 // 0: the model's; 1: the extra ones (its own learning rate, no decay)
+    int64_t layer = -1;            // decoder layer, -1: the embedding / final norm / head, -2: an extra tensor
     int64_t flat = 0;              // offset of this rank's chunk in its group's flat tensors
     size_t remaining = 0;          // gradients not yet complete in this backward
     bool started = false, resident = true;
@@ -189,7 +207,7 @@ class ShardedState : public WeightResidency {
   // done) and adds its result into the rank's fp32 gradient chunk, which frees its slot.
   void finish_oldest_reduce();
   at::Tensor unit_chunk(const at::Tensor& flat, const Unit& u) const { return flat.narrow(0, u.flat, u.chunk); }
-  // Every unit's rounded chunk all-gathered into the leaves (extra_only: run.extra's units only).
+  // Every unit's rounded chunk all-gathered into the leaves (extra_only: the extra tensors' units only).
   void write_whole_weights(bool extra_only = false);
   void start_gather(Unit& u);
   void install(Unit& u);  // waits for its gather; the leaves become views of it
@@ -197,7 +215,10 @@ class ShardedState : public WeightResidency {
   void acquire_unit(Unit& u);
   std::vector<size_t> units_of_layer(int64_t layer) const;
 
-  Run& run_;
+  Collectives& dist_;
+  Transformer* model_;  // the parameters stage: the model whose residency this is
+  StepCounters& counters_;
+  bool lead_ = true;
   ShardStage stage_;
   int world_ = 1, rank_ = 0;
   at::ScalarType weight_dtype_ = at::kFloat;

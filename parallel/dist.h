@@ -1,7 +1,7 @@
 // Data-parallel training: the launch environment, the collectives a run uses, how a step's prompts are
 // shared among the ranks, and the gradient reduction that overlaps the backward.
 //
-// Every rank holds the whole model and optimizer, unless train.shard splits them (trainer/shard.h). A
+// Every rank holds the whole model and optimizer, unless train.shard splits them (parallel/shard.h). A
 // step's P prompts are drawn by every rank in the same order (the prompt stream and its noise streams are
 // the single-process ones); each rank samples its share, with a prompt's G samples on one rank, so group
 // advantages need no communication. Per optimizer step:
@@ -30,13 +30,7 @@
 #include <string>
 #include <vector>
 
-namespace torch::autograd {
-struct Node;
-}
-
 namespace rlt {
-
-struct Run;
 
 // A peer rank that died, hung past train.dist_timeout_s, or could not be reached. The apps exit with
 // code 1 (not bad input) and the message names the rank.
@@ -84,7 +78,7 @@ class Collectives {
   // An in-place sum over the ranks of tensors of one dtype (a gradient bucket), started now; the default
   // runs it at once.
   virtual std::unique_ptr<Pending> all_reduce_start(const std::vector<at::Tensor>& tensors);
-  // The sharded state's two collectives (trainer/shard.h), started now, on contiguous tensors of one dtype.
+  // The sharded state's two collectives (parallel/shard.h), started now, on contiguous tensors of one dtype.
   // reduce_scatter: `in` (world x n elements) summed element-wise over the ranks; `out` (n) receives
   // elements [rank n, (rank + 1) n) of the sum. all_gather: `out` (world x n) receives every rank's `in`
   // (n), in rank order.
@@ -106,7 +100,7 @@ class Collectives {
   // said goodbye, so none loses the store while it still reads it.
   virtual void close() {}
   // The key-value store the collectives meet through (nullptr: one process), for what a run keeps beside
-  // them (trainer/placement.h's signs of life).
+  // them (trainer/rollout_ranks.h's signs of life).
   virtual c10::intrusive_ptr<c10d::Store> store() const { return {}; }
 
  protected:
@@ -152,51 +146,5 @@ std::shared_ptr<Collectives> connect(const DistEnv& env, at::Device device, std:
 // (prompts_per_mini of them) a rank takes a contiguous 1/world share, so the ranks' k-th local mini-batches
 // together are the single-process k-th mini-batch and a mini-batch's update is the single-process one.
 std::vector<int64_t> rank_prompts(int64_t P, int64_t prompts_per_mini, int world, int rank);
-
-// ---- Gradient reduction ----
-
-// Sums the optimizer's gradients over the ranks, bucket by bucket, while the backward still runs: a hook
-// on each parameter's gradient accumulator marks it ready (with fp32 master weights it first adds the bf16
-// gradient into the master's); a bucket is started once all of its gradients are ready and every earlier
-// bucket has started, so the ranks start the same buckets in the same order. Buckets hold up to
-// bucket_bytes of one dtype, in reverse parameter order (the order the backward produces them).
-//   arm()     before the backward that ends an optimizer step (earlier micro-batches accumulate locally)
-//   finish()  after it: starts what is left, waits; then every gradient the optimizer reads is the sum
-// A parameter the backward does not reach gets a zero gradient (so AdamW still decays it, unlike one
-// process, where it would have none); every parameter of the decoder and the value head is reached.
-class GradReducer {
- public:
-  // bucket_bytes: train.dist_bucket_mb.
-  GradReducer(Run& run, int64_t bucket_bytes);
-  ~GradReducer();
-  GradReducer(const GradReducer&) = delete;
-  GradReducer& operator=(const GradReducer&) = delete;
-  void arm();
-  void finish();
-  double wait_seconds() const { return wait_s_; }  // spent in finish() waiting for the collectives
-  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
-
- private:
-  void ready(size_t i);
-  void start_ready_buckets();
-  const at::Tensor& target(size_t i) const;  // what the optimizer updates for parameter i (its master, or it)
-  at::Tensor& grad(size_t i);                // and the gradient it reads
-
-  Run& run_;
-  std::vector<at::Tensor> params_;  // autograd leaves: the policy's parameters, then run.extra's
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive: the tensors hold them weakly
-  std::vector<uintptr_t> hook_keys_;
-  std::vector<std::vector<size_t>> buckets_;
-  std::vector<size_t> bucket_of_;
-  std::vector<size_t> remaining_;  // per bucket: gradients not yet ready in the armed backward
-  std::vector<bool> done_;         // per parameter, in the armed backward
-  std::vector<std::unique_ptr<Pending>> pending_;
-  size_t next_bucket_ = 0;
-  bool armed_ = false;
-  double wait_s_ = 0;
-};
-
-// The run's reducer (train.dist_bucket_mb) when it has several ranks; none for one process.
-std::unique_ptr<GradReducer> make_reducer(Run& run);
 
 }  // namespace rlt

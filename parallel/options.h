@@ -1,0 +1,39 @@
+// What the parallel floor's classes take instead of a run: the training state's split (train.shard) and
+// offload (train.offload), and the counters an optimizer step reports into.
+#pragma once
+
+#include <cstdint>
+
+#include "common/fields.h"
+
+namespace rlt {
+
+// How the training state (bf16 weights, gradients, fp32 masters, AdamW moments) is split over the ranks:
+// ZeRO's stages (parallel/shard.h). none: every rank holds all of it (16 bytes a parameter); optimizer:
+// masters and moments split (4 + 12/N); gradients: gradients too, reduce-scattered during the backward
+// (2 + 14/N); parameters: the weights too, gathered a layer at a time (16/N).
+enum class ShardStage { kNone, kOptimizer, kGradients, kParameters };
+inline const EnumNames<ShardStage>& enum_names(ShardStage) {
+  static const EnumNames<ShardStage> names{{"none", ShardStage::kNone},
+                                           {"optimizer", ShardStage::kOptimizer},
+                                           {"gradients", ShardStage::kGradients},
+                                           {"parameters", ShardStage::kParameters}};
+  return names;
+}
+
+// Where the optimizer's masters and moments live: on the device, or in pinned host memory, stepped there.
+enum class Offload { kNone, kOptimizer };
+inline const EnumNames<Offload>& enum_names(Offload) {
+  static const EnumNames<Offload> names{{"none", Offload::kNone}, {"optimizer", Offload::kOptimizer}};
+  return names;
+}
+
+// The optimizer's clock and its misses, owned by the run and reported into by whatever steps the
+// optimizer (trainer/optim.h's apply_gradients, ShardedState::step); a checkpoint keeps them.
+struct StepCounters {
+  int64_t step = 0;             // RL steps done
+  int64_t optimizer_steps = 0;  // optimizer steps done (the schedule's clock)
+  int64_t skipped_steps = 0;    // optimizer steps skipped for a non-finite loss or gradient
+};
+
+}  // namespace rlt
