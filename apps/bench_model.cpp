@@ -102,9 +102,9 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   device_synchronize(dev);
   PeakMemory mem(dev);
   ModelPolicyOptions po;
-  po.cuda_graphs = graphs;
-  po.packed_weights = packed;
-  po.cache_attention = cache_attention;
+  po.engine.cuda_graphs = graphs;
+  po.engine.packed_weights = packed;
+  po.engine.cache_attention = cache_attention;
   ModelPolicy policy(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();

@@ -219,7 +219,7 @@ std::unique_ptr<Setup> build_setup(const Options& o) {
   }
   s->sampling.samples_per_prompt = 1;
   s->sampling.seed = o.seed;
-  s->po.cuda_graphs = o.graphs;
+  s->po.engine.cuda_graphs = o.graphs;
   s->po.squeeze_holes = o.squeeze;
   return s;
 }
@@ -240,8 +240,8 @@ std::optional<std::vector<Mode>> select_modes(const Options& o) {
   const RolloutOptions defaults;
   const int64_t wait = o.feed_wait;  // --feed-wait: the modes that hold replies back
   std::vector<Mode> modes = {
-      {"plain", false, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
-      {"tools", true, true, defaults.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
+      {"plain", false, true, defaults.engine.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
+      {"tools", true, true, defaults.engine.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false},
       {"tools_eager", true, true, false, wait, false, false},
       {"tools_graphs", true, true, true, wait, false, false},
       {"tools_feednow", true, true, false, 0, false, false},
@@ -291,8 +291,8 @@ class ModeRunner {
     ro.multi_token_feed = mode.multi_token;
     ro.feed_wait = mode.feed_wait;
     ro.merge_feeds = mode.merge_feeds;
-    ro.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
-    ro.cuda_graphs = o_.graphs;
+    ro.engine.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
+    ro.engine.cuda_graphs = o_.graphs;
     ro.max_context = o_.P + o_.N;
     ro.max_turns = 1 << 20;
     ro.max_tool_calls = 1 << 20;
@@ -300,8 +300,8 @@ class ModeRunner {
     SamplingOptions smp = s_.sampling;
     smp.max_new_tokens = o_.N;
     ModelPolicyOptions mpo = s_.po;
-    mpo.feed_graphs = mode.feed_graphs;
-    mpo.keep_cache = mode.keep;
+    mpo.engine.feed_graphs = mode.feed_graphs;
+    mpo.engine.keep_cache = mode.keep;
     std::unique_ptr<SteeredPolicy>& policy = kept_[mode.name];
     if (!policy || !mode.keep) {
       SteerOptions steer;
@@ -467,7 +467,7 @@ void measure_refill(const Options& o, const Setup& s, json& records) {
                          RolloutStats& stats) {
     RolloutOptions ro;
     ro.tools = false;
-    ro.cuda_graphs = o.graphs;
+    ro.engine.cuda_graphs = o.graphs;
     ro.max_context = o.P + N;
     ro.max_batch = max_batch;
     ro.progress_s = 0;

@@ -132,7 +132,7 @@ at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t)
 ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
   TORCH_CHECK(options_.slot_align >= 1, "slot_align must be >= 1");
-  if (options_.fused_kernels && options_.packed_weights && model_.fused_kernels_apply()) {
+  if (options_.engine.fused_kernels && options_.engine.packed_weights && model_.fused_kernels_apply()) {
     packed_ = model_.pack_weights();
     packed_fresh_ = true;
   }
@@ -189,7 +189,7 @@ bool ModelPolicy::reuse_cache(int64_t N, int64_t P) {
 at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   if (!packed_.gate_up_w.empty() && !packed_fresh_) model_.pack_weights_into(packed_);  // in place: graphs read it
   packed_fresh_ = false;
-  if (options_.keep_cache) {
+  if (options_.engine.keep_cache) {
     int64_t P = 0;
     for (const auto& p : prompts) P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
     const int64_t N = static_cast<int64_t>(prompts.size()) * repeats;
@@ -236,8 +236,8 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
   const auto dev = head.device();
   auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).view({U, P}).to(dev); };
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
-  prefill.fused_kernels = options_.fused_kernels;  // gather() passes these on to the decode cache
-  prefill.in_place_steps = options_.cache_attention;
+  prefill.fused_kernels = options_.engine.fused_kernels;  // gather() passes these on to the decode cache
+  prefill.in_place_steps = options_.engine.cache_attention;
   prefill.packed = packed_.gate_up_w.empty() ? nullptr : &packed_;
   at::Tensor mask_d = to_dev(mask);
   at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)
@@ -296,7 +296,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
-  graphs = options_.cuda_graphs && dev.is_cuda();
+  graphs = options_.engine.cuda_graphs && dev.is_cuda();
 #endif
   // A graphed step builds its attention plan once per capture, and cuDNN's decode kernel is the faster
   // one there (rollout_graph 13.3k tokens/s with it, 11.3k without, H200): only eager steps avoid it.
@@ -373,7 +373,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
-  graphs = options_.cuda_graphs && options_.feed_graphs && dev.is_cuda();
+  graphs = options_.engine.cuda_graphs && options_.engine.feed_graphs && dev.is_cuda();
   // Runs of one token beside longer ones (rollout.merge_feeds): one merged pass, a step and a feed sharing
   // their weight reads, where the model can run it.
   bool ones = false;
@@ -676,7 +676,7 @@ at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t
 
 bool ModelPolicy::graphed() const {
 #ifdef RLT_HAVE_CUDA
-  return options_.cuda_graphs && valid_.defined() && valid_.is_cuda();
+  return options_.engine.cuda_graphs && valid_.defined() && valid_.is_cuda();
 #else
   return false;
 #endif

@@ -58,17 +58,60 @@ class TokenPolicy {
   virtual int64_t vocab_size() const = 0;
 };
 
-struct ModelPolicyOptions {
-  int64_t slot_chunk = 256;  // cache slots added at least when it grows
-  // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
-  // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
-  // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span).
-  int64_t slot_align = 64;
+// The engine's switches, shared by the rollout's options (rollout.<name>, RolloutOptions::engine) and the
+// engine's own (ModelPolicyOptions::engine): each default and description is written here once.
+struct EngineSwitches {
   // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
   // cache tensors: again after each growth (a reallocation), not after an in-place squeeze. Ignored on
   // the CPU.
   bool cuda_graphs = true;
+  // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
+  // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
+  bool fused_kernels = true;
+  // With fused_kernels on a GPU: the q/k/v and gate/up weights packed into one matrix each for the
+  // policy's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
+  // while the policy lives (0.47 GB for Qwen2.5-0.5B in bf16).
+  bool packed_weights = true;
+  // With fused_kernels on a GPU (bf16/fp16, head size 64 or 128): a step's attention reads each row's
+  // cache in place up to the step's slot, split over the keys (cuda::cache_attention, as feeds do), so its
+  // cost follows the rows' contexts. Off: SDPA over the step's whole span (cuDNN in a captured step).
+  bool cache_attention = true;
+  // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
+  // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
+  // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
+  // loop the captures cost about what the replays save (docs/benchmarks.md, the tools loop: spread_graphs).
+  // Worth it once caches outlive a rollout.
+  bool feed_graphs = false;
+  // Keep the cache's tensors and the captured CUDA graphs from one start() to the next (one rollout to the
+  // next), when the new prompts need no more rows or slots than the cache has and the model's parameters
+  // are the same tensors (updated in place, as the trainer's optimizer does): start() then places them
+  // into its free rows in place (the admit() path) and every graph replays at once, with no capture.
+  // Costs holding the cache and the graphs' memory pools between rollouts (through a policy update, in the
+  // trainer). The packed weights are packed again, in place, at every start(). Off: start() drops them.
+  bool keep_cache = false;
+
+  template <class V>
+  void visit(V&& v) {
+    v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
+    v("fused_kernels", fused_kernels, "fused CUDA kernels in the rollout's forwards (false: ATen forms; GPU only)");
+    v("packed_weights", packed_weights,
+      "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
+    v("cache_attention", cache_attention,
+      "a decode step attends over each row's cache in place, split over the keys (false: SDPA over the span; GPU)");
+    v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
+    v("keep_cache", keep_cache,
+      "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
+  }
+};
+
+struct ModelPolicyOptions {
+  EngineSwitches engine;
+  int64_t slot_chunk = 256;  // cache slots added at least when it grows
+  // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
+  // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
+  // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span).
+  int64_t slot_align = 64;
   // A graphed step attends over the slots in use (the filled ones and the one it writes) rounded up to a
   // multiple of this, not over every slot of the cache: one step graph per such span and cache tensors.
   // A cache kept from an earlier rollout (keep_cache), or grown ahead, is then read only as far as it
@@ -82,10 +125,6 @@ struct ModelPolicyOptions {
   // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
   // graphs (on the CPU: the tests check that form against the full forward).
   bool fixed_shape_step = false;
-  // With fused_kernels on a GPU (bf16/fp16, head size 64 or 128): a step's attention reads each row's
-  // cache in place up to the step's slot, split over the keys (cuda::cache_attention, as feeds do), so its
-  // cost follows the rows' contexts. Off: SDPA over the step's whole span (cuDNN in a captured step).
-  bool cache_attention = true;
   // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
   // Captured steps keep cuDNN: their plan is built once per capture.
@@ -94,26 +133,6 @@ struct ModelPolicyOptions {
   // the tests check that form against the full forward). With feed_graphs (and cuda_graphs) on a GPU it
   // is always used.
   bool fixed_shape_extend = false;
-  // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
-  // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
-  // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
-  // loop the captures cost about what the replays save (docs/benchmarks.md, the tools loop: spread_graphs).
-  // Worth it once caches outlive a rollout.
-  bool feed_graphs = false;
-  // The cache forwards' fused CUDA kernels (model/cuda/decode_kernels.h, with the model's own switch,
-  // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
-  bool fused_kernels = true;
-  // Keep the cache's tensors and the captured CUDA graphs from one start() to the next (one rollout to the
-  // next), when the new prompts need no more rows or slots than the cache has and the model's parameters
-  // are the same tensors (updated in place, as the trainer's optimizer does): start() then places them
-  // into its free rows in place (the admit() path) and every graph replays at once, with no capture.
-  // Costs holding the cache and the graphs' memory pools between rollouts (through a policy update, in the
-  // trainer). The packed weights are packed again, in place, at every start(). Off: start() drops them.
-  bool keep_cache = false;
-  // With fused_kernels on a GPU: the q/k/v and gate/up weights packed into one matrix each for the
-  // policy's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
-  // while the policy lives (0.47 GB for Qwen2.5-0.5B in bf16).
-  bool packed_weights = true;
 };
 
 class ModelPolicy : public TokenPolicy {
@@ -244,7 +263,7 @@ class ModelPolicy : public TokenPolicy {
 
   const Transformer& model_;
   ModelPolicyOptions options_;
-  PackedWeights packed_;                   // when options_.packed_weights applies: the cache's forwards read it
+  PackedWeights packed_;                   // when options_.engine.packed_weights applies: the cache's forwards read it
   bool packed_fresh_ = false;              // packed_ holds the weights as they are (just packed)
   std::vector<const void*> cache_params_;  // parameter_storage() when the cache was made (keep_cache)
   KvCache cache_;

@@ -85,14 +85,10 @@ struct RolloutOptions {
   // others run on (TokenPolicy::admit). A prompt's samples always start together, on one shared prefill. The
   // trajectories are those of max_batch = 0: sampling noise depends on the sequence, not its batch.
   int64_t max_batch = 0;
-  // Replay each decode step from a CUDA graph (on a GPU; no effect on the CPU). See ModelPolicyOptions.
-  bool cuda_graphs = true;
-  // The decode's fused CUDA kernels, and its packed q/k/v and gate/up weights (on a GPU; see
-  // ModelPolicyOptions: packing costs those weights' size again during the rollout).
-  bool fused_kernels = true;
-  bool packed_weights = true;
-  // A decode step's attention reads the cache in place up to each row's slot (see ModelPolicyOptions).
-  bool cache_attention = true;
+  // The decode engine's switches (rollout.cuda_graphs, fused_kernels, packed_weights, cache_attention,
+  // feed_graphs, keep_cache), as the engine takes them. Evaluation rollouts make their engine each time,
+  // whatever keep_cache says.
+  EngineSwitches engine;
   // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
   // false: one token per decode step; the trajectories are the same up to rounding.
   bool multi_token_feed = true;
@@ -110,15 +106,6 @@ struct RolloutOptions {
   // squeeze"). Elsewhere it pads every row to the feed's length, which costs about what it saves in decode
   // steps (docs/benchmarks.md, design notes): off by default, as feed_graphs is.
   bool merge_feeds = false;
-  // With cuda_graphs, on a GPU: each multi-token feed replays a CUDA graph captured per (rows, tokens)
-  // bucket, span and cache tensors (ModelPolicyOptions::feed_graphs), not an eager forward. Off by default: the
-  // captures cost about what the replays save within one rollout (see ModelPolicyOptions::feed_graphs).
-  bool feed_graphs = false;
-  // Keep the rollout's KV cache and CUDA graphs from one training step's rollout to the next
-  // (ModelPolicyOptions::keep_cache): no graph is captured again while the rows and slots suffice. Costs
-  // holding the cache through the policy update. Off by default. Evaluation rollouts keep their own
-  // policy, made each time.
-  bool keep_cache = false;
   // train.shard parameters: keep the whole bf16 weights the rollout gathers through the update (2 bytes a
   // parameter more), instead of freeing them before it and gathering a layer at a time.
   bool keep_weights = false;
@@ -148,19 +135,11 @@ struct RolloutOptions {
     v("feedback", feedback, "message for an unparseable turn");
     v("max_batch", max_batch, "sequences held at once, finished ones refilled from the next prompts; 0 = all",
       FieldRange{0, 1e9});
-    v("cuda_graphs", cuda_graphs, "replay each decode step from a CUDA graph (GPU only)");
-    v("fused_kernels", fused_kernels, "fused CUDA kernels in the rollout's forwards (false: ATen forms; GPU only)");
-    v("packed_weights", packed_weights,
-      "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
-    v("cache_attention", cache_attention,
-      "a decode step attends over each row's cache in place, split over the keys (false: SDPA over the span; GPU)");
+    engine.visit(v);
     v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
     v("feed_wait", feed_wait, "decode steps a ready tool reply may wait to share its forward with others; 0 = none",
       FieldRange{0, 1e6});
     v("merge_feeds", merge_feeds, "a pass that feeds tool replies takes its one-token rows in the same forward");
-    v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
-    v("keep_cache", keep_cache,
-      "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
     v("keep_weights", keep_weights,
       "train.shard parameters: keep the gathered bf16 weights through the update (2 bytes a parameter)");
     v("partial", partial,

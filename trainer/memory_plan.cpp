@@ -332,7 +332,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
 
   // The rollout: ModelPolicy's packed weights (fused kernels on CUDA), the merged LoRA projections, and
   // under shard parameters the whole weights gathered.
-  const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
+  const int64_t packed = cuda && c.rollout.engine.fused_kernels && c.rollout.engine.packed_weights ? s * sh.packed : 0;
   const int64_t gathered = gathers && !lora ? s * sh.P : 0;
   p.rollout_weights = packed + (lora ? s * sh.targeted : 0) + gathered;
   // With train.rollout_ranks the training ranks decode the evaluation alone, in turn with the update, and
@@ -352,7 +352,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t k = c.train.eval_samples;
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
-  if (c.rollout.keep_cache && samples)
+  if (c.rollout.engine.keep_cache && samples)
     p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
@@ -371,7 +371,7 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
   // packed weights of the fused kernels, and the cache of its share of the step's rows.
   p.weights = s * sh.P + (c.lora.enabled() ? 4 * sh.adapters : 0);
   // With them, one bucket of the weights' broadcast (train.rollout_sync_mb, or a larger tensor alone).
-  const int64_t packed = cuda && c.rollout.fused_kernels && c.rollout.packed_weights ? s * sh.packed : 0;
+  const int64_t packed = cuda && c.rollout.engine.fused_kernels && c.rollout.engine.packed_weights ? s * sh.packed : 0;
   p.rollout_weights = packed + (c.lora.enabled() ? s * sh.targeted : 0) + sync_bucket_bytes(c, sh, s);
   const int64_t G = c.sampling.samples_per_prompt;
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;

@@ -83,12 +83,7 @@ void check_memory(const Run& run, const ModelConfig& mc) {
 // The rollout's model-side settings.
 ModelPolicyOptions policy_options(const RolloutOptions& r) {
   ModelPolicyOptions o;
-  o.cuda_graphs = r.cuda_graphs;
-  o.fused_kernels = r.fused_kernels;
-  o.packed_weights = r.packed_weights;
-  o.cache_attention = r.cache_attention;
-  o.feed_graphs = r.feed_graphs;
-  o.keep_cache = r.keep_cache;
+  o.engine = r.engine;
   return o;
 }
 
@@ -481,7 +476,7 @@ RolloutBatch collect_rollouts(Run& run) {
     std::unique_ptr<ModelPolicy> own;
     const Transformer& model = source ? *source->model : rollout_model(run);
     std::unique_ptr<ModelPolicy>& kept = source ? *source->policy : run.rollout_policy;
-    if (!cfg.rollout.keep_cache) {
+    if (!cfg.rollout.engine.keep_cache) {
       own = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
     } else if (!kept || &kept->model() != &model) {
       kept = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));

@@ -59,10 +59,10 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   ModelPolicyOptions po;
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.cuda_graphs = true;
+  po.engine.cuda_graphs = true;
   po.fixed_shape_extend = device == "cpu_fixed";
   po.fixed_shape_step = device == "cpu_fixed";
-  po.feed_graphs = true;
+  po.engine.feed_graphs = true;
   ModelPolicy policy(m, po);
   const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
   const int64_t G = 2, N = 6;
@@ -155,7 +155,7 @@ TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
       ModelPolicyOptions po;
       po.slot_chunk = 3;
       po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-      po.packed_weights = packed;
+      po.engine.packed_weights = packed;
       ModelPolicy policy(m, po);
       std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
       for (int64_t t = 0; t < 6; ++t) {
@@ -233,7 +233,7 @@ TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
     auto run = [&](bool fused, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
       m.set_fused_kernels(fused);
       ModelPolicyOptions po;
-      po.feed_graphs = graphs;
+      po.engine.feed_graphs = graphs;
       ModelPolicy policy(m, po);
       seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
       policy.start(seqs, 1);
@@ -298,7 +298,7 @@ TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
   const Transformer& ref = *ref_model;
   auto run = [&](bool merged, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
     ModelPolicyOptions po;
-    po.feed_graphs = true;
+    po.engine.feed_graphs = true;
     ModelPolicy policy(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
     policy.start(seqs, 1);
@@ -367,9 +367,9 @@ TEST_P(StepsInPlace, ReadTheCacheAsSdpaDoes) {
     using Got = std::vector<std::pair<at::Tensor, std::vector<int64_t>>>;
     auto run = [&](bool in_place, Got& got) {
       ModelPolicyOptions po;
-      po.cuda_graphs = graphs;
+      po.engine.cuda_graphs = graphs;
       po.fixed_shape_step = true;
-      po.cache_attention = in_place;
+      po.engine.cache_attention = in_place;
       ModelPolicy policy(m, po);
       std::vector<std::vector<int64_t>> seqs;
       for (int64_t n : {230, 40, 151, 97, 64}) {
@@ -435,7 +435,7 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
   ModelPolicyOptions po;
   po.slot_chunk = 80;
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.feed_graphs = true;
+  po.engine.feed_graphs = true;
   po.fixed_shape_extend = true;  // on the CPU too, feeds attend over every slot, as graphed steps do
   ModelPolicy policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}, {250, 8}, {7, 7, 7, 7, 7}};
@@ -481,7 +481,7 @@ TEST(ModelPolicyCuda, FeedsOfUpToEightRowsShareOneGraph) {
   ModelPolicyOptions po;
   po.slot_chunk = 256;  // room for every feed: no reallocation, so the graphs stay
   po.slot_align = 1;    // the cache sizes as slot_chunk sets them
-  po.feed_graphs = true;
+  po.engine.feed_graphs = true;
   ModelPolicy policy(m, po);
   std::vector<std::vector<int64_t>> seqs;
   for (int64_t n = 0; n < 40; ++n) seqs.push_back({1 + n, 2 + n % 7, 3, 4 + n % 3});
@@ -687,7 +687,7 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   po.span_chunk = 8;
   po.fixed_shape_step = true;
   po.fixed_shape_extend = true;
-  po.feed_graphs = true;
+  po.engine.feed_graphs = true;
   po.squeeze_holes = false;
   ModelPolicy policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
@@ -769,8 +769,8 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   ModelPolicyOptions po;
   po.slot_chunk = 8;  // the first rollout grows the cache; the second fits in it
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.feed_graphs = true;
-  po.keep_cache = true;
+  po.engine.feed_graphs = true;
+  po.engine.keep_cache = true;
   // A rollout: two samples of each prompt, 12 passes of one-token steps over the rows not idle, every
   // fourth pass a three-token feed of rows 0 and 2 instead. Returns every logit it got, in order.
   auto roll = [&](ModelPolicy& p, const std::vector<std::vector<int64_t>>& prompts) {
@@ -800,7 +800,7 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   roll(kept, next);
   const int64_t captures = kept.graph_captures();
   ModelPolicyOptions fresh_po = po;
-  fresh_po.keep_cache = false;
+  fresh_po.engine.keep_cache = false;
   const at::Tensor stale = [&] {
     ModelPolicy fresh(m, fresh_po);
     return roll(fresh, next);
@@ -909,7 +909,7 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
   po.slot_chunk = 24;
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.fixed_shape_extend = device == "cpu_fixed";
-  po.feed_graphs = true;
+  po.engine.feed_graphs = true;
   ModelPolicy policy(m, po), fresh(m, po);
   // float64: the cached, masked forward against the plain one (as in ModelPolicyTest), and the same
   // sequence decoded in a refilled row against a fresh policy (only the masked slots differ).

@@ -590,7 +590,7 @@ TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
     Config c = tiny_config();
     c.train.steps = 3;
     c.train.old_logprobs = OldLogprobs::kRecompute;
-    c.rollout.keep_cache = keep;
+    c.rollout.engine.keep_cache = keep;
     rlt::Run run = make_run(c, (tmp.path() / name).string(), /*resume=*/false);
     train_grpo(run);
     EXPECT_EQ(run.rollout_policy != nullptr, keep) << "the kept policy outlives the steps";
