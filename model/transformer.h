@@ -1,8 +1,13 @@
 // A decoder-only transformer (llama, mistral, qwen2, qwen3, gemma2 by config) that returns hidden states
 // before the LM head: the loss module (loss/logprob.h) applies the head, so CCE never builds logits.
 // Parameters are plain tensors under their Hugging Face names, so loading and saving is a name-for-name
-// copy; the forward is functional ATen, readable top to bottom. Leaves out: dropout (RL fine-tuning
-// runs without it), MoE, rope types other than default and llama3.
+// copy; the forward is functional ATen, readable top to bottom beside transformers' modeling_llama in
+// transformer.cpp. Leaves out: dropout (RL fine-tuning runs without it), MoE, rope types other than
+// default and llama3.
+// The members are defined by topic: transformer.cpp (the forward), transformer_io.cpp (names, load,
+// save, copies), transformer_lora.cpp (adapters), transformer_checkpoint.cpp (running a layer: residency
+// and activation checkpointing), transformer_mixed.cpp (the merged step and feed), packed_weights.cpp.
+// The fused CUDA kernels reach the forward through LayerKernels (layer_kernels.h).
 //
 // Shapes: B sequences, L new positions, S cache slots (positions already cached + L), D hidden,
 // H / Hkv query / key-value heads, hd head size, F MLP width, V vocabulary.
@@ -18,105 +23,14 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/kv_cache.h"
 #include "model/lora.h"
+#include "model/packed_weights.h"
+#include "model/residency.h"
 
 namespace rlt {
 
-// Keys and values of every layer for incremental decoding, allocated once for B sequences of up to
-// max_len slots. Every forward writes its L new positions to slots [length, length + L) of all rows; a
-// row with nothing to add writes a slot that its attention mask then hides, so rows may hold holes.
-// Slots carry the RoPE position they were written with, and sliding windows are measured in positions,
-// not slots, so holes never shrink a window.
-// While alive, scaled_dot_product_attention skips cuDNN (flash or memory-efficient attention take the
-// calls); the previous setting comes back at the end of the scope. cuDNN's attention builds an execution
-// plan for every new shape and stride and then caches it: about 40 ms each on an H200 (bench_model
-// --trace), where the whole forward of a tool reply's feed takes 3 ms of GPU time. A rollout's shapes
-// change at every step (rows, context length, the feed's width), so it would pay that cost almost every
-// time. The setting is process-wide: use the guard on the thread that runs the model, around forwards.
-class NoCudnnAttention {
- public:
-  explicit NoCudnnAttention(bool active = true);
-  ~NoCudnnAttention();
-  NoCudnnAttention(const NoCudnnAttention&) = delete;
-  NoCudnnAttention& operator=(const NoCudnnAttention&) = delete;
-
- private:
-  bool active_, previous_ = true;
-};
-
-// Projection weights packed for decoding, per layer: [q; k; v] (with their biases) and [gate; up] as one
-// matrix each, so that a forward runs one GEMM for each group instead of three and two: a decode step's
-// GEMMs are a few microseconds each, set by their launch and tile count rather than their bytes. A
-// snapshot of the parameters when made (ModelPolicy makes one per rollout); it costs their size again
-// (qkv and gate/up: 0.47 GB for Qwen2.5-0.5B in bf16) for as long as it lives. qkv_w is empty for models
-// with q/k norms, whose fused RMSNorm needs q and k contiguous.
-struct PackedWeights {
-  std::vector<at::Tensor> qkv_w, qkv_b;  // per layer: ((H + 2 Hkv) hd, D) and its bias (undefined: none)
-  std::vector<at::Tensor> gate_up_w;     // per layer: (2 F, D)
-};
-
-struct KvCache {
-  std::vector<at::Tensor> k, v;  // per layer: (B, Hkv, max_len, hd)
-  at::Tensor positions;          // (B, max_len) int64: the position each slot was written with
-  int64_t length = 0;            // slots filled so far
-  int64_t max_len = 0;
-  // Set for a step whose work must not depend on `length`, so that a captured CUDA graph can replay it:
-  // (L) int64 on the cache's device, the slots the step's L tokens write, in order. The step then attends
-  // over slots [0, span) (all max_len when span is 0; its attention mask must cover them and hide the
-  // unwritten ones), and forward leaves `length` to the caller. With step_rows too, only those rows are written (a
-  // fixed-shape feed).
-  at::Tensor step_slot;
-  // Set for a forward over some of the cache's rows only (a multi-token feed of a few sequences while
-  // the others wait): (B') int64 on the cache's device, the cache row of each input row. The new keys
-  // and values go to those rows' slots [length, length + L) (or step_slot's); the other rows' slots there
-  // are left as they are (the caller's mask hides them), and length advances for all rows (unless
-  // step_slot is set: then the caller moves it).
-  at::Tensor step_rows;
-  // With step_slot: the step (or the feed, with step_rows) attends over slots [0, span) only (its mask is
-  // (B, span)); 0 = all max_len. Graphed decode steps and feeds are captured per span bucket, so they read
-  // only the cache in use.
-  int64_t span = 0;
-  // Packed projection weights for this cache's fused forwards (Transformer::set_fused_kernels), or none.
-  // Not owned; gather() passes it on.
-  const PackedWeights* packed = nullptr;
-  // This cache's forwards may run the fused kernels (with Transformer::fused_kernels); gather() passes it on.
-  bool fused_kernels = true;
-  // With the fused kernels: a step at step_slot over every row attends through cuda::cache_attention, as a
-  // feed does (keys read where they lie up to the step's own slot, split between blocks); false: SDPA
-  // (cuDNN in a captured step) over the whole span. gather() passes it on.
-  bool in_place_steps = true;
-  static KvCache allocate(const ModelConfig& c, int64_t batch, int64_t max_len, const at::TensorOptions& opts);
-  // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]
-  // (j < slots.size(1)); length becomes slots.size(1). One primitive for dropping finished rows,
-  // squeezing out holes, growing, and copying a prefilled prompt to G rows.
-  // rows (B') int64, slots (B', S') int64, both on the cache's device.
-  KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
-  // gather() into this cache's own tensors, every row kept, squeezing out holes: row r's slot j becomes its
-  // slot slots[r, j] for j below its count of kept slots (slots (B, S) int64 on the cache's device, S <=
-  // max_len: each row's kept slots in increasing order, then zeros); its slots past them hold finite values
-  // of no meaning (the caller's mask hides them). length becomes S. Tensors and shapes stay, so a CUDA
-  // graph captured on them stays valid. On CUDA one kernel moves every layer's slots in place
-  // (cuda::squeeze_slots_).
-  void squeeze_(const at::Tensor& slots);
-  // Row rows[j]'s slots [0, src.length) become src's row src_rows[j]'s, keys, values and positions (a
-  // prompt prefilled apart, placed into a cache row that a finished sequence left); its other slots and
-  // the other rows stay as they are, and so does `length` (the caller's). The tensors stay, so a CUDA
-  // graph captured on them stays valid. rows, src_rows (B') int64 on the cache's device, rows distinct;
-  // src.length <= max_len.
-  void put_rows_(const at::Tensor& rows, const KvCache& src, const at::Tensor& src_rows);
-};
-
-// Where a model's weights are while they are sharded over ranks (train.shard parameters, trainer/shard.h):
-// forward() asks for layer i's weights before running it and hands them back after it (a checkpointed
-// layer asks again in the backward, and hands them back once its backward is done); the embedding, final
-// norm and head (layer -1) are asked for at the start of every forward and handed back by the owner.
-class WeightResidency {
- public:
-  virtual ~WeightResidency() = default;
-  // `backward`: asked by a checkpointed layer's recompute, so the next layer needed is i - 1, not i + 1.
-  virtual void acquire(int64_t layer, bool backward) = 0;
-  virtual void release(int64_t layer) = 0;
-};
+struct ForwardPlan;
 
 class Transformer {
  public:
@@ -239,42 +153,40 @@ class Transformer {
   static at::Tensor Layer::*const kLoraWeights[kLoraTargets];
   Transformer() = default;
   void bind_names();
-  // mask (B, 1, L, S), bool or additive, or undefined: then causal (is_causal) or no restriction (a decode
-  // step). forward() passes a grouped-query mask already laid out as (B, 1, G L, S). keep (B, S) bool and
-  // slots (L) int64, both on the device, set only for a fused feed over KvCache::step_rows or a fused step
-  // over every row (KvCache::in_place_steps): the new keys go to `slots` of those rows, and the attention
-  // (cuda::cache_attention) reads their cache in place under the causal mask that keep and slots make
-  // (mask is then unused). carry: see project_qkv and output_and_mlp.
-  at::Tensor layer_forward(int64_t i, at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& mask, bool is_causal, KvCache* cache, bool fused,
-                           const at::Tensor& keep = at::Tensor(), const at::Tensor& slots = at::Tensor(),
-                           bool dropout = false, at::Tensor* carry = nullptr) const;
-  // The pieces of a layer that every forward shares. RMSNorm, fused or the ATen form.
-  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, bool gemma, bool fused) const;
-  // Layer i's input norm and q/k/v projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k
-  // normed where the model does: q (B, L, H, hd), k and v (B, L, Hkv, hd). With *carry defined (a fused
-  // forward: the previous layer's MLP output, not yet added), h becomes h + *carry in the input norm's
-  // kernel (cuda::add_rms_norm) and *carry is emptied.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, at::Tensor& h, const PackedWeights* packed,
-                                                             bool fused, bool dropout = false,
-                                                             at::Tensor* carry = nullptr) const;
+  // The forward's attention plan (p.S, p.ops, p.cos and p.cache set): in-place attention (p.keep, p.slots)
+  // for a fused feed over KvCache::step_rows or a fused step over every row (KvCache::in_place_steps),
+  // else the masks of every layer (p.full_mask, p.sliding_mask, p.fast). positions (B, L), attention_mask
+  // (B, S) as forward() takes them.
+  void plan_attention(ForwardPlan& p, const at::Tensor& positions, const at::Tensor& attention_mask) const;
+  // Layer i of a forward, with its weights resident (set_residency) and, in a training forward with
+  // checkpointing on, checkpointed (transformer_checkpoint.cpp). carry: see output_and_mlp.
+  at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& carry, const ForwardPlan& p) const;
+  // Decoder layer i of h (B, L, D): project_qkv, RoPE, the cache, attention, output_and_mlp.
+  at::Tensor layer_forward(int64_t i, at::Tensor h, at::Tensor& carry, const ForwardPlan& p) const;
+  // The pieces of a layer that every forward shares (forward_mixed too). Layer i's input norm and q/k/v
+  // projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k normed where the model does:
+  // q (B, L, H, hd), k and v (B, L, Hkv, hd). With carry defined (a fused forward: the previous layer's MLP
+  // output, not yet added), h becomes h + carry in the input norm's kernel and carry is emptied.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, at::Tensor& h, at::Tensor& carry,
+                                                             const ForwardPlan& p) const;
   // Layer i after its attention: output projection of attn (B, L, H hd), residual, the MLP block and its
-  // residual. Returns the layer's output (B, L, D); with carry, the output less the MLP's, which is left in
-  // *carry for the next norm to add (one kernel fewer a layer).
-  at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, const PackedWeights* packed,
-                            bool fused, bool dropout = false, at::Tensor* carry = nullptr) const;
-  // The final norm of h (B, L, D), or with carry defined of h + carry (fused forwards).
-  at::Tensor final_norm(const at::Tensor& h, const at::Tensor& carry, bool fused) const;
+  // residual. Returns the layer's output (B, L, D); in a fused forward, the output less the MLP's, which is
+  // left in carry for the next norm to add (one kernel fewer a layer).
+  at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, at::Tensor& carry,
+                            const ForwardPlan& p) const;
   // x (…, in) through layer l's projection `target` (weight, bias b): x W^T (+ b), plus its LoRA adapter's
-  // term when it has one (with dropout: the adapters' dropout, in training forwards).
+  // term when it has one (lora_term).
   at::Tensor project(const Layer& l, int target, const at::Tensor& x, const at::Tensor& b, bool dropout) const;
+  // The adapter's term of layer l's projection `target` on x (…, in) (lora_update; with dropout: the
+  // adapters' dropout, in training forwards).
+  at::Tensor lora_term(const Layer& l, int target, const at::Tensor& x, bool dropout) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
   std::vector<Layer> layers_;
   std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
   bool checkpointing_ = false;
-  bool fused_kernels_ = true;
+  bool fused_kernels_ = kFusedKernelsByDefault;
   WeightResidency* residency_ = nullptr;
   LoraOptions lora_;        // the adapters' options; rank 0: none
   at::Generator lora_gen_;  // the adapters' dropout draws, on the parameters' device

@@ -1,0 +1,162 @@
+// LayerKernels' two implementations: the ATen forms (the reference, after transformers' modeling_llama
+// and modeling_gemma2) and the fused CUDA kernels, which override the forms they replace.
+#include "model/layer_kernels.h"
+
+#include <cmath>
+#include <limits>
+
+#ifdef RLT_HAVE_CUDA
+#include "model/cuda/decode_kernels.h"
+#endif
+
+namespace rlt {
+
+namespace {
+
+// RMSNorm over the last dim in fp32 (HF): llama-style w * x_hat cast back; gemma-style x_hat * (1 + w).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (gemma) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  return w * xf.to(x.scalar_type());
+}
+
+// [x1, x2] -> [-x2, x1] on the last dim (RoPE's rotate_half).
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+class AtenKernels : public LayerKernels {
+ public:
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) const override {
+    return rms_norm(x, w, eps, gemma);
+  }
+  std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w, double eps,
+                                             bool gemma) const override {
+    const at::Tensor h = b.defined() ? a + b : a;
+    return {h, rms_norm(h, w, eps, gemma)};
+  }
+  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& carry) const override { return h + m; }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v,
+                                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                                KvCache* cache) const override {
+    q = q.transpose(1, 2);  // (B, H, L, hd)
+    k = k.transpose(1, 2);  // (B, Hkv, L, hd)
+    v = v.transpose(1, 2);  // (B, Hkv, L, hd)
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, S, hd)
+    return {q, k, v};
+  }
+  at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const override {
+    return (gelu_tanh ? at::gelu(g, "tanh") : at::silu(g)) * u;
+  }
+  at::Tensor sdpa_mask(const at::Tensor& mask, at::ScalarType dtype) const override { return mask; }
+  bool attends_in_place(at::ScalarType dtype, int64_t head_dim) const override { return false; }
+  at::Tensor attend_in_place(int64_t layer, at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos,
+                             const at::Tensor& sin, KvCache& cache, const at::Tensor& rows, const at::Tensor& keep,
+                             const at::Tensor& slots, double scale) const override {
+    TORCH_CHECK(false, "attend_in_place: needs the fused CUDA kernels");
+  }
+};
+
+#ifdef RLT_HAVE_CUDA
+// Each override launches the kernel of model/cuda/decode_kernels.h that stands in for the ATen chain,
+// value for value.
+class FusedKernels final : public AtenKernels {
+ public:
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) const override {
+    return cuda::rms_norm(x, w, eps, gemma);
+  }
+  std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w, double eps,
+                                             bool gemma) const override {
+    if (!b.defined()) return {a, cuda::rms_norm(a, w, eps, gemma)};
+    return cuda::add_rms_norm(a, b, w, eps, gemma);
+  }
+  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& carry) const override {
+    carry = m;
+    return h;
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v,
+                                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                                KvCache* cache) const override {
+    if (cache && cache->step_slot.defined() && !cache->step_rows.defined()) {
+      // A decode step at the cache's step slot (the graphed step): RoPE writes k and v to the cache.
+      cuda::rope_write_cache(q, k, v, cos, sin, cache->k[layer], cache->v[layer], cache->step_slot);
+      const int64_t span = cache->step_span();
+      return {q.transpose(1, 2), cache->k[layer].narrow(2, 0, span), cache->v[layer].narrow(2, 0, span)};
+    }
+    cuda::rope_(q, k, cos, sin);                             // in place, on the (B, L, heads, hd) layout
+    q = q.transpose(1, 2);                                   // (B, H, L, hd)
+    k = k.transpose(1, 2);                                   // (B, Hkv, L, hd)
+    v = v.transpose(1, 2);                                   // (B, Hkv, L, hd)
+    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, S, hd)
+    return {q, k, v};
+  }
+  at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const override {
+    return gelu_tanh ? AtenKernels::act_mul(g, u, gelu_tanh) : cuda::silu_mul(g, u);
+  }
+  at::Tensor sdpa_mask(const at::Tensor& mask, at::ScalarType dtype) const override {
+    if (!mask.defined()) return mask;
+    return at::zeros(mask.sizes(), mask.options().dtype(dtype))
+        .masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  bool attends_in_place(at::ScalarType dtype, int64_t head_dim) const override {
+    return cuda::cache_attention_supports(dtype, head_dim);
+  }
+  at::Tensor attend_in_place(int64_t layer, at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos,
+                             const at::Tensor& sin, KvCache& cache, const at::Tensor& rows, const at::Tensor& keep,
+                             const at::Tensor& slots, double scale) const override {
+    cuda::rope_write_cache(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots, rows);
+    return cuda::cache_attention(q, cache.k[layer], cache.v[layer], rows, keep, slots, keep.size(1), scale);
+  }
+};
+#endif
+
+}  // namespace
+
+const LayerKernels& aten_layer_kernels() {
+  static const AtenKernels kernels{};
+  return kernels;
+}
+
+const LayerKernels* fused_layer_kernels() {
+#ifdef RLT_HAVE_CUDA
+  static const FusedKernels kernels{};
+  return &kernels;
+#else
+  return nullptr;
+#endif
+}
+
+// Inverse frequencies (hd / 2) in fp32, as transformers computes them (default and llama3 rope types).
+at::Tensor rope_inv_frequencies(const ModelConfig& c, const at::Device& dev) {
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / double(c.head_dim);
+  at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(c.rope_theta, f32), exponent);
+  if (c.rope_type == "llama3") {
+    const double old_ctx = double(c.rope_original_max_positions);
+    const double low_wavelen = old_ctx / c.rope_low_freq_factor, high_wavelen = old_ctx / c.rope_high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / c.rope_factor, inv);
+    at::Tensor smooth =
+        (old_ctx / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / c.rope_factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen);
+    inv = at::where(medium, smoothed, scaled);
+  }
+  return inv;
+}
+
+at::Tensor kept_slots(const at::Tensor& mask, const at::Device& dev) {
+  at::Tensor keep = mask.to(dev, at::kBool);
+  return keep.stride(1) == 1 ? keep : keep.contiguous();
+}
+
+FusedForwardCounts& fused_forward_counts() {
+  static FusedForwardCounts counts;
+  return counts;
+}
+
+}  // namespace rlt
