@@ -1,7 +1,7 @@
 // bench_model: prefill and decode throughput of the decoder through its KV cache. B sequences of P prompt
 // tokens are prefilled in one forward, then N tokens are decoded one step at a time:
 //   decode_greedy / decode_sample   the bare decoder on a preallocated cache (argmax, or multinomial);
-//   rollout_eager / rollout_graph   the rollout's own path: ModelPolicy (compacting cache, masked steps)
+//   rollout_eager / rollout_graph   the rollout's own path: DecodeEngine (compacting cache, masked steps)
 //                                   and sample_tokens (counter-based Gumbel noise, log-probs through the
 //                                   loss module, ids to the host every step), without and with a CUDA
 //                                   graph per decode step (rollout_graph on CUDA only);
@@ -38,7 +38,7 @@
 #include "common/timing.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/sampler.h"
 
 using namespace rlt;
@@ -83,7 +83,7 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
   return r;
 }
 
-// The rollout's path: B prompts x 1 sample through ModelPolicy, N sampled tokens each, every one fed back.
+// The rollout's path: B prompts x 1 sample through DecodeEngine, N sampled tokens each, every one fed back.
 // fused = false: the ATen forms of the decoder's and the sampler's fused kernels (the before of
 // rollout_graph).
 Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
@@ -101,11 +101,11 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   at::Tensor streams = at::arange(B, at::kLong), counters = at::zeros({B}, at::kLong);
   device_synchronize(dev);
   PeakMemory mem(dev);
-  ModelPolicyOptions po;
-  po.engine.cuda_graphs = graphs;
-  po.engine.packed_weights = packed;
-  po.engine.cache_attention = cache_attention;
-  ModelPolicy policy(m, po);
+  EngineOptions po;
+  po.switches.cuda_graphs = graphs;
+  po.switches.packed_weights = packed;
+  po.switches.cache_attention = cache_attention;
+  DecodeEngine policy(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();
   at::Tensor logits = policy.start(prompts, 1);  // (B, V)
@@ -154,7 +154,7 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     // Then the same with the decoder's and the sampler's fused kernels off (their ATen forms).
     at::NoGradGuard ng;
     m.set_fused_kernels(fused);
-    ModelPolicy policy(m, ModelPolicyOptions{});
+    DecodeEngine policy(m, EngineOptions{});
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
     at::Tensor logits = policy.start(prompts, 1);
     std::vector<int64_t> rows(B), tokens(B, 3);
@@ -193,10 +193,10 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
   }
   {
     // A tool reply's feed: 4 of the B rows (spread over the batch) take 24 tokens each in one forward
-    // (ModelPolicy::extend).
+    // (DecodeEngine::extend).
     at::NoGradGuard ng;
-    ModelPolicyOptions po;
-    ModelPolicy policy(m, po);
+    EngineOptions po;
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
     policy.start(prompts, 1);
     device_synchronize(dev);
@@ -218,14 +218,14 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     }
   }
   if (dev.is_cuda() && B >= 16) {
-    // The ReTool loop's feed as its graphs run it (ModelPolicyOptions::fixed_shape_extend, eager here so
+    // The ReTool loop's feed as its graphs run it (EngineOptions::fixed_shape_extend, eager here so
     // that each kernel shows): 12 rows of 17 tokens in their bucket (16 x 24: rows to a power of two, tokens
     // to a multiple of 8), attention over the slots in use. The third such feed is recorded (the first two pay
     // cuBLAS's and SDPA's set-up).
     at::NoGradGuard ng;
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.fixed_shape_extend = true;
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
     policy.start(prompts, 1);
     std::vector<int64_t> rows;
@@ -361,7 +361,7 @@ int main(int argc, char** argv) {
                          {"seconds", secs},
                          {"peak_extra_mb", peak},
                          {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
-                                  : kind < 4 ? "ModelPolicy + sample_tokens; peak covers prefill + decode"
+                                  : kind < 4 ? "DecodeEngine + sample_tokens; peak covers prefill + decode"
                                   : kind < 5 ? "rollout_graph with the fused decode and sampling kernels off"
                                   : kind < 6 ? "rollout_graph without packed q/k/v and gate/up weights"
                                              : "rollout_graph with the steps' attention through SDPA over the span"}});

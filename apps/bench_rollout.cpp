@@ -5,7 +5,7 @@
 // after --tool-every free samples, the logits are pushed (+1e4) to a fixed code block,
 // "<code>\nprint(...)\n</code>", which the loop parses as a tool call and runs in the sandbox; the
 // interpreter's reply comes back in the protocol's framing and the next turn starts free again. Everything
-// else is the trainer's path: rollout() with ModelPolicy
+// else is the trainer's path: rollout() with DecodeEngine
 // (CUDA graphs on a GPU), sample_tokens, a SandboxPool of real interpreters, trajectories ended by
 // rollout.max_context = prompt + new tokens.
 //
@@ -35,7 +35,7 @@
 //                         the graphs the warm-up captured (as a training run's steps after the first);
 //                         their ratio is to plain_kept
 //   spread_merged_kept    spread_kept with rollout.merge_feeds: on a GPU (bf16, hd 64 or 128) a pass's one-token
-//                         rows and replies run as one merged forward (ModelPolicy::merged_extend)
+//                         rows and replies run as one merged forward (DecodeEngine::merged_extend)
 //   spread_merged_now_kept  the same with each reply fed at the next pass (feed_wait 0)
 // With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
 // prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
@@ -83,15 +83,15 @@ using rlt::testing::SteerOptions;
 
 namespace {
 
-// A ModelPolicy's counters: what it has done so far, or (since()) during one rollout.
+// A DecodeEngine's counters: what it has done so far, or (since()) during one rollout.
 struct PolicyCounts {
   int64_t compactions = 0, reallocations = 0, step_graphs = 0, feed_graphs = 0;
   double capture_s = 0, compact_s = 0;
-  int64_t span_slots = 0;  // summed over the graphed steps (ModelPolicy::step_span_slots)
-  // The replayed graphs' device time (ModelPolicy::step_replay_times, feed_replay_time).
-  std::map<int64_t, ModelPolicy::ReplayTime> step_replays;  // span -> graphed steps
-  ModelPolicy::ReplayTime feed_replays;
-  static PolicyCounts of(ModelPolicy& p) {
+  int64_t span_slots = 0;  // summed over the graphed steps (DecodeEngine::step_span_slots)
+  // The replayed graphs' device time (DecodeEngine::step_replay_times, feed_replay_time).
+  std::map<int64_t, DecodeEngine::ReplayTime> step_replays;  // span -> graphed steps
+  DecodeEngine::ReplayTime feed_replays;
+  static PolicyCounts of(DecodeEngine& p) {
     return {p.compactions(),         p.reallocations(),     p.graph_captures() - p.feed_graph_captures(),
             p.feed_graph_captures(), p.capture_seconds(),   p.compact_seconds(),
             p.step_span_slots(),     p.step_replay_times(), p.feed_replay_time()};
@@ -108,13 +108,13 @@ struct PolicyCounts {
                    {feed_replays.count - b.feed_replays.count, feed_replays.seconds - b.feed_replays.seconds}};
     for (const auto& [span, t] : step_replays) {
       const auto it = b.step_replays.find(span);
-      const ModelPolicy::ReplayTime before = it == b.step_replays.end() ? ModelPolicy::ReplayTime{} : it->second;
+      const DecodeEngine::ReplayTime before = it == b.step_replays.end() ? DecodeEngine::ReplayTime{} : it->second;
       if (t.count > before.count) d.step_replays[span] = {t.count - before.count, t.seconds - before.seconds};
     }
     return d;
   }
-  ModelPolicy::ReplayTime step_replay_total() const {
-    ModelPolicy::ReplayTime all;
+  DecodeEngine::ReplayTime step_replay_total() const {
+    DecodeEngine::ReplayTime all;
     for (const auto& [span, t] : step_replays) all.count += t.count, all.seconds += t.seconds;
     return all;
   }
@@ -126,7 +126,7 @@ struct Options {
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice, feed_wait = 4;
   bool site_packages = true, graphs = true, prestart = SandboxOptions{}.prestart,
-       squeeze = ModelPolicyOptions{}.squeeze_holes;
+       squeeze = EngineOptions{}.squeeze_holes;
   uint64_t seed = 1;
   std::vector<std::string> only;  // --modes
   int64_t refill = 0;
@@ -152,7 +152,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
                  "sandbox.prestart: each worker's next interpreter started ahead of its call");
   app.add_option("--cuda-graphs", o.graphs, "rollout.cuda_graphs");
   app.add_option("--squeeze-holes", o.squeeze,
-                 "ModelPolicyOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
+                 "EngineOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
   app.add_option("--seed", o.seed, "sampling seed");
   app.add_option("--json", o.json_path, "write the records to this JSON file");
   app.add_option("--modes", o.only, "run only these modes (comma-separated; plain always runs)")->delimiter(',');
@@ -180,7 +180,7 @@ struct Setup {
   ToolRunner tools;
   std::vector<std::vector<int64_t>> prompts;
   SamplingOptions sampling;
-  ModelPolicyOptions po;
+  EngineOptions po;
   const Transformer& model() const { return *bench->model; }
 };
 
@@ -219,7 +219,7 @@ std::unique_ptr<Setup> build_setup(const Options& o) {
   }
   s->sampling.samples_per_prompt = 1;
   s->sampling.seed = o.seed;
-  s->po.engine.cuda_graphs = o.graphs;
+  s->po.switches.cuda_graphs = o.graphs;
   s->po.squeeze_holes = o.squeeze;
   return s;
 }
@@ -291,7 +291,7 @@ class ModeRunner {
     ro.multi_token_feed = mode.multi_token;
     ro.feed_wait = mode.feed_wait;
     ro.merge_feeds = mode.merge_feeds;
-    ro.engine.feed_graphs = mode.feed_graphs;  // what the trainer passes on (policy_options); set below directly
+    ro.engine.feed_graphs = mode.feed_graphs;  // what the trainer passes on (engine_options); set below directly
     ro.engine.cuda_graphs = o_.graphs;
     ro.max_context = o_.P + o_.N;
     ro.max_turns = 1 << 20;
@@ -299,9 +299,9 @@ class ModeRunner {
     ro.progress_s = 0;
     SamplingOptions smp = s_.sampling;
     smp.max_new_tokens = o_.N;
-    ModelPolicyOptions mpo = s_.po;
-    mpo.engine.feed_graphs = mode.feed_graphs;
-    mpo.engine.keep_cache = mode.keep;
+    EngineOptions mpo = s_.po;
+    mpo.switches.feed_graphs = mode.feed_graphs;
+    mpo.switches.keep_cache = mode.keep;
     std::unique_ptr<SteeredPolicy>& policy = kept_[mode.name];
     if (!policy || !mode.keep) {
       SteerOptions steer;
@@ -311,7 +311,7 @@ class ModeRunner {
       steer.spread = mode.spread;
       policy = std::make_unique<SteeredPolicy>(s_.model(), steer, mpo);
     }
-    ModelPolicy& inner = policy->inner();
+    DecodeEngine& inner = policy->inner();
     const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
     const double steer_before = policy->steer_seconds();
     ModeRun r;
@@ -349,7 +349,7 @@ json report_mode(const Options& o, const Mode& m, const ModeRun& r, int64_t samp
   const RolloutStats& st = r.stats;
   const PolicyCounts& counts = r.counts;
   const double mean_span = st.decode_steps > 0 ? double(counts.span_slots) / double(st.decode_steps) : 0;
-  const ModelPolicy::ReplayTime step_gpu = counts.step_replay_total();
+  const DecodeEngine::ReplayTime step_gpu = counts.step_replay_total();
   auto per = [](double s, int64_t n) { return n > 0 ? 1e3 * s / double(n) : 0.0; };  // ms each
   std::cout << std::left << std::setw(26) << m.name << std::right << std::setw(10) << sampled << std::setw(8) << calls
             << std::setw(10) << std::fixed << std::setprecision(3) << st.total_s << std::setw(12)

@@ -1,4 +1,4 @@
-// bench_weight_sync: train.rollout_ranks' weight broadcast alone (trainer/rollout_ranks.h's
+// bench_weight_sync: train.rollout_ranks' weight broadcast alone (parallel/placement.h's
 // broadcast_in_buckets), between the ranks of a launched job (torchrun, or Slurm's variables): rank 0 sends
 // a model's weights (random, of the --model folder's config.json, in bf16) to every other rank, for each
 // --bucket-mb size, --reps times after one warm-up. Every rank checks that it holds rank 0's weights

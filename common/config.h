@@ -93,7 +93,19 @@ class ConfigReader {
  public:
   C config;
 
-  void apply(const ConfigEntry& e) {
+  // An entry of a section that C::renamed_sections() lists under its old name is read as the new one,
+  // with a warning on stderr naming the new key (also kept in warnings()).
+  void apply(ConfigEntry e) {
+    if constexpr (has_renamed_sections<C>::value) {
+      for (const auto& [old_name, new_name] : C::renamed_sections()) {
+        if (e.section != old_name) continue;
+        e.section = new_name;
+        if (e.key.empty()) continue;  // the section's own line: its keys warn
+        warnings_.push_back(e.where + ": " + old_name + "." + e.key + " is " + new_name + "." + e.key + " (" +
+                            old_name + ".* is read for one release)");
+        std::cerr << "warning: " << warnings_.back() << "\n";
+      }
+    }
     bool section_found = false;
     std::string sections;
     config.visit_sections([&](const char* name, auto& opts, const char*) {
@@ -124,6 +136,9 @@ class ConfigReader {
     }
   }
 
+  // The renamed keys read so far, one line each.
+  const std::vector<std::string>& warnings() const { return warnings_; }
+
   // Where `section.key` was set, for messages about it.
   std::string origin(const std::string& key) const {
     auto it = origin_.find(key);
@@ -142,7 +157,13 @@ class ConfigReader {
   }
 
  private:
+  template <class T, class = void>
+  struct has_renamed_sections : std::false_type {};
+  template <class T>
+  struct has_renamed_sections<T, std::void_t<decltype(T::renamed_sections())>> : std::true_type {};
+
   std::map<std::string, std::string> origin_;  // "section.key" -> where its value was last set
+  std::vector<std::string> warnings_;
 };
 
 // The files apply in order, then the overrides; later ones win. No files: defaults + overrides only.

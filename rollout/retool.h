@@ -11,7 +11,7 @@
 // scores exactly the tokens that were sampled.
 //
 // Tool calls run concurrently on a pool and never stall the batch: a sequence waiting for its tool is
-// just not fed, and the others keep decoding (rollout/policy.h). A reply enters the cache in one
+// just not fed, and the others keep decoding (rollout/engine.h). A reply enters the cache in one
 // multi-token forward (TokenPolicy::extend), not one decode step per token. Under rollout.max_batch, the
 // rows that finished trajectories release are refilled from the remaining prompts, an eighth of the rows
 // at a time (TokenPolicy::admit): continuous batching, with the trajectories of one batch.
@@ -25,7 +25,7 @@
 
 #include "common/fields.h"
 #include "data/reward.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"
 #include "rollout/tools.h"
@@ -101,7 +101,7 @@ struct RolloutOptions {
   int64_t feed_wait = 4;
   // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
   // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. With
-  // feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is ModelPolicy's merged
+  // feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is DecodeEngine's merged
   // pass: the step and the feed share their weight reads (docs/benchmarks.md, "A feed, a merged pass, a
   // squeeze"). Elsewhere it pads every row to the feed's length, which costs about what it saves in decode
   // steps (docs/benchmarks.md, design notes): off by default, as feed_graphs is.

@@ -3,7 +3,7 @@
 timed step by step, with the settings of configs/retool.yaml with tools off.
 
 Generation uses TRL's transformers `generate` backend (no vLLM); one device; no reference model (beta 0,
-like policy.kl_coef 0). Each optimizer step samples prompts_per_step x samples completions, scores them
+like objective.kl_coef 0). Each optimizer step samples prompts_per_step x samples completions, scores them
 with a boxed-answer reward and takes one AdamW step over them in micro-batches: one RL step of ours.
 
 Per step it records: the step time (a TrainerCallback, from on_step_begin to on_step_end, the device
@@ -25,9 +25,9 @@ Settings, TRL name = our config key (configs/retool.yaml with rollout.tools fals
   num_iterations                = train.num_iterations 1 (TRL takes the current log-probs, detached, as
                                   the old ones: no scoring forward; ours takes the rollout's, and scores
                                   once a step when they differ by more than train.old_logprobs_tol)
-  beta                          = policy.kl_coef 0 (no reference model)
-  epsilon, epsilon_high         = policy.clip_eps_low 0.2, policy.clip_eps_high 0.28
-  loss_type grpo                = policy.agg seq-mean-token-mean (each sequence's token mean, averaged)
+  beta                          = objective.kl_coef 0 (no reference model)
+  epsilon, epsilon_high         = objective.clip_eps_low 0.2, objective.clip_eps_high 0.28
+  loss_type grpo                = objective.agg seq-mean-token-mean (each sequence's token mean, averaged)
   scale_rewards group           = train.scale_rewards group
   mask_truncated_completions    = train.mask_truncated false
   learning_rate, adam_beta1/2,  = train.lr 1e-6, beta1 0.9, beta2 0.98, adam_eps 1e-8, weight_decay 0.1
@@ -306,8 +306,8 @@ def main():
     ap.add_argument("--adam-eps", type=float, default=1e-8, help="train.adam_eps")
     ap.add_argument("--weight-decay", type=float, default=0.1, help="train.weight_decay")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="train.grad_clip")
-    ap.add_argument("--clip-low", type=float, default=0.2, help="policy.clip_eps_low")
-    ap.add_argument("--clip-high", type=float, default=0.28, help="policy.clip_eps_high")
+    ap.add_argument("--clip-low", type=float, default=0.2, help="objective.clip_eps_low")
+    ap.add_argument("--clip-high", type=float, default=0.28, help="objective.clip_eps_high")
     ap.add_argument("--no-checkpointing", action="store_true", help="model.activation_checkpointing false")
     ap.add_argument(
         "--dtype",

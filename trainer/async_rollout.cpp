@@ -149,10 +149,10 @@ AsyncRollouts::AsyncRollouts(Run& run, std::function<RolloutBatch(Run&)> collect
   // checkpoint of a run in turn has neither: the first step then publishes the weights as they are).
   const std::optional<PendingRollout> pending = pending_rollout(run);
   if (!pending) return;
-  copy_ = std::make_unique<Transformer>(
-      Transformer::load(pending->weights, run.policy->named_parameters().front().second.scalar_type(), run.device));
+  copy_ = std::make_unique<Transformer>(Transformer::load(
+      pending->weights, run.model.policy->named_parameters().front().second.scalar_type(), run.device));
   version_ = pending->version;
-  run.prompts->seek(pending->prompts_begin);
+  run.data.prompts->seek(pending->prompts_begin);
   published_once_ = true;
   const std::string carried = carry_path(run.resumed_from, run.dist->rank());
   if (pending->partial && !partial_) {
@@ -182,16 +182,16 @@ void AsyncRollouts::publish() {
   }
   if (copy_ && version_ == run_.counters.step) return;  // nothing trained since the last publish
   at::NoGradGuard no_grad;
-  const GatheredWeights whole(run_.sharded);  // train.shard parameters: the layers gathered for the copy
-  if (run_.policy->has_lora()) {
+  const GatheredWeights whole(run_.model.sharded);  // train.shard parameters: the layers gathered for the copy
+  if (run_.model.policy->has_lora()) {
     if (!copy_)
-      copy_ = std::make_unique<Transformer>(run_.policy->merged());
+      copy_ = std::make_unique<Transformer>(run_.model.policy->merged());
     else
-      run_.policy->merge_into(*copy_);  // in place: the rollout's kept policy and graphs stay valid
+      run_.model.policy->merge_into(*copy_);  // in place: the rollout's kept policy and graphs stay valid
   } else if (!copy_) {
-    copy_ = std::make_unique<Transformer>(run_.policy->clone());
+    copy_ = std::make_unique<Transformer>(run_.model.policy->clone());
   } else {
-    const auto src = run_.policy->named_parameters();
+    const auto src = run_.model.policy->named_parameters();
     const auto dst = copy_->named_parameters();
     TORCH_CHECK(src.size() == dst.size(), "AsyncRollouts: the copy has ", dst.size(), " tensors, the policy ",
                 src.size());
@@ -205,14 +205,14 @@ void AsyncRollouts::publish() {
 }
 
 void AsyncRollouts::launch(int64_t batch_step) {
-  source_.model = fault_ == AsyncFault::kLiveWeights ? run_.policy.get() : copy_.get();
+  source_.model = fault_ == AsyncFault::kLiveWeights ? run_.model.policy.get() : copy_.get();
   source_.policy = &policy_;
   source_.dist = dist_.get();
   source_.step = batch_step - 1;  // as collect_rollouts sees run.counters.step when it samples that step in turn
   source_.version = version_;
   source_.carry = partial_ ? &carry_ : nullptr;
   if (partial_) carry_in_ = carry_;
-  pending_prompts_ = run_.prompts->consumed();
+  pending_prompts_ = run_.data.prompts->consumed();
   pending_ = true;
   error_ = nullptr;
   started_ = Clock::now();
@@ -324,7 +324,7 @@ std::map<std::string, double> AsyncRollouts::metrics(const RolloutBatch& batch) 
 }
 
 void AsyncRollouts::save(const std::string& dir, nlohmann::json& state) {
-  int64_t begin = run_.prompts->consumed();  // no rollout pending (the run ends or stops here)
+  int64_t begin = run_.data.prompts->consumed();  // no rollout pending (the run ends or stops here)
   if (pending_) {
     // Its batch stays for the next step; the checkpoint keeps what samples it again.
     if (thread_.joinable()) thread_.join();

@@ -109,10 +109,10 @@ class AsyncRollouts : public PendingRollouts {
   std::function<RolloutBatch(Run&)> collect_;
   bool threaded_;
   AsyncFault fault_;
-  std::unique_ptr<Transformer> copy_;    // the published weights the rollout decodes
-  std::unique_ptr<ModelPolicy> policy_;  // rollout.keep_cache: the rollout thread's kept policy
-  std::shared_ptr<Collectives> dist_;    // the rollout thread's collectives
-  int64_t version_ = -1;                 // the copy's version: run.counters.step when it was published
+  std::unique_ptr<Transformer> copy_;     // the published weights the rollout decodes
+  std::unique_ptr<DecodeEngine> policy_;  // rollout.keep_cache: the rollout thread's kept policy
+  std::shared_ptr<Collectives> dist_;     // the rollout thread's collectives
+  int64_t version_ = -1;                  // the copy's version: run.counters.step when it was published
   bool published_once_ = false;
   struct CudaOrder;  // the publish's event and the rollout's stream (CUDA builds)
   std::shared_ptr<CudaOrder> cuda_;
@@ -121,7 +121,7 @@ class AsyncRollouts : public PendingRollouts {
   std::thread thread_;
   bool pending_ = false;
   RolloutSource source_;
-  int64_t pending_prompts_ = 0;  // run.prompts->consumed() when it began
+  int64_t pending_prompts_ = 0;  // run.data.prompts->consumed() when it began
   bool partial_ = false;         // rollout.partial
   PartialCarry carry_;           // what the next rollout continues (the pending one's, while it runs)
   PartialCarry carry_in_;        // the pending rollout's carry as it began

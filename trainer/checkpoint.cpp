@@ -42,7 +42,7 @@ void copy_side_files(const Run& run, const fs::path& model_dir) {
     for (const char* name : kSideFiles) sources.push_back(fs::path(run.config.model.path) / name);
   }
   // A tokenizer from elsewhere (model.tokenizer, or the demo's trained one) wins over the checkpoint's.
-  const fs::path tok = run.tokenizer->path();
+  const fs::path tok = run.data.tokenizer->path();
   if (!tok.empty()) {
     if (fs::is_directory(tok)) {
       for (const char* name :
@@ -62,24 +62,24 @@ void copy_side_files(const Run& run, const fs::path& model_dir) {
   }
 }
 
-// The names of optimizer_params(run), in its order: the policy's trainable tensors, then run.extra's.
+// The names of optimizer_params(run.model), in its order: the policy's trainable tensors, then run.model.extra's.
 std::vector<std::string> optimizer_param_names(const Run& run) {
   std::vector<std::string> names;
-  for (const auto& [name, t] : run.policy->named_trainable_parameters()) names.push_back(name);
-  for (const auto& [name, t] : run.extra) names.push_back(name);
+  for (const auto& [name, t] : run.model.policy->named_trainable_parameters()) names.push_back(name);
+  for (const auto& [name, t] : run.model.extra) names.push_back(name);
   return names;
 }
 
 // The replicated AdamW's state as whole-parameter pieces (parallel/shard.h, OptimizerPieces), so a run
 // resumes with another number of ranks or a shard stage.
 void save_adamw_pieces(const Run& run, const std::string& dir) {
-  const std::vector<at::Tensor> params = optimizer_params(run);
+  const std::vector<at::Tensor> params = optimizer_params(run.model);
   const std::vector<std::string> names = optimizer_param_names(run);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (size_t i = 0; i < params.size(); ++i) {
     tensors.push_back({OptimizerPieces::key("master", names[i], 0), params[i].detach().reshape(-1)});
-    auto it = run.optimizer->state().find(params[i].unsafeGetTensorImpl());
-    if (it == run.optimizer->state().end()) continue;  // not stepped yet: zero moments
+    auto it = run.model.optimizer->state().find(params[i].unsafeGetTensorImpl());
+    if (it == run.model.optimizer->state().end()) continue;  // not stepped yet: zero moments
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
     tensors.push_back({OptimizerPieces::key("exp_avg", names[i], 0), s.exp_avg().reshape(-1)});
     tensors.push_back({OptimizerPieces::key("exp_avg_sq", names[i], 0), s.exp_avg_sq().reshape(-1)});
@@ -91,9 +91,9 @@ void save_adamw_pieces(const Run& run, const std::string& dir) {
 void load_adamw_pieces(Run& run, const std::string& dir) {
   const OptimizerPieces stored(dir);
   if (stored.empty()) throw RunError(dir + ": no optimizer-*.safetensors (the optimizer state)");
-  const std::vector<at::Tensor> params = optimizer_params(run);
+  const std::vector<at::Tensor> params = optimizer_params(run.model);
   const std::vector<std::string> names = optimizer_param_names(run);
-  const std::vector<at::Tensor> policy = run.policy->trainable_parameters();
+  const std::vector<at::Tensor> policy = run.model.policy->trainable_parameters();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor p = params[i].detach();  // its values; AdamW keys its state by params[i] itself
@@ -102,7 +102,7 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
       throw RunError(dir + ": the optimizer state does not cover " + names[i]);
     }
     p.copy_(master.view(p.sizes()));
-    if (!run.master.empty() && i < policy.size()) policy[i].detach().copy_(p);  // rounded to nearest
+    if (!run.model.master.empty() && i < policy.size()) policy[i].detach().copy_(p);  // rounded to nearest
     at::Tensor m = at::empty_like(master), v = at::empty_like(master);
     if (!stored.read("exp_avg", names[i], 0, m) || !stored.read("exp_avg_sq", names[i], 0, v)) {
       if (run.counters.optimizer_steps > 0) {
@@ -115,18 +115,18 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
     s->step(run.counters.optimizer_steps);
     s->exp_avg(m.view(p.sizes()).to(p.device(), p.scalar_type()));
     s->exp_avg_sq(v.view(p.sizes()).to(p.device(), p.scalar_type()));
-    run.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
+    run.model.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
   }
 }
 
 }  // namespace
 
 bool checkpoint_on_every_rank(const Run& run) {
-  return (run.sharded || (run.async && run.async->partial())) && run.dist->world() > 1;
+  return (run.model.sharded || (run.rollout.pending && run.rollout.pending->partial())) && run.dist->world() > 1;
 }
 
 void save_checkpoint(Run& run) {
-  const auto& extra = run.extra;
+  const auto& extra = run.model.extra;
   const std::string dir = checkpoint_dir(run), tmp = dir + ".tmp", old = dir + ".old";
   // A sharded state (its pieces) or rollout.partial (each rank's carried groups): every rank writes into the
   // folder rank 0 made, and rank 0 renames it once all have (the barriers). Otherwise rank 0 alone writes.
@@ -137,27 +137,27 @@ void save_checkpoint(Run& run) {
     fs::create_directories(tmp);
   }
   if (every_rank) run.dist->barrier();
-  if (run.sharded) run.sharded->gather_weights();  // the parameters stage: a collective
-  if (run.lead() && run.policy->has_lora()) {
+  if (run.model.sharded) run.model.sharded->gather_weights();  // the parameters stage: a collective
+  if (run.lead() && run.model.policy->has_lora()) {
     // LoRA: the adapters as a PEFT folder (the base is model.path), and the dropout masks' generator.
-    save_peft_adapter(*run.policy, (fs::path(tmp) / "adapter").string(), run.config.model.path);
+    save_peft_adapter(*run.model.policy, (fs::path(tmp) / "adapter").string(), run.config.model.path);
     copy_side_files(run, fs::path(tmp) / "adapter");
     if (run.config.lora.dropout > 0) {
       torch::serialize::OutputArchive a;
-      a.write("state", run.policy->lora_rng_state().cpu());
+      a.write("state", run.model.policy->lora_rng_state().cpu());
       a.save_to((fs::path(tmp) / "lora_rng.pt").string());
     }
   } else if (run.lead()) {
-    run.policy->save((fs::path(tmp) / "model").string());  // in the model's dtype
+    run.model.policy->save((fs::path(tmp) / "model").string());  // in the model's dtype
     copy_side_files(run, fs::path(tmp) / "model");
   }
-  if (run.sharded) {
-    run.sharded->release_weights();
-    run.sharded->save(tmp);
+  if (run.model.sharded) {
+    run.model.sharded->release_weights();
+    run.model.sharded->save(tmp);
   } else if (run.lead()) {
     save_adamw_pieces(run, tmp);  // masters (or the weights AdamW updates) and moments
   }
-  if (run.async) run.async->save_carry(tmp);  // rollout.partial: each writing rank's carried groups
+  if (run.rollout.pending) run.rollout.pending->save_carry(tmp);  // rollout.partial: each writing rank's carried groups
   if (every_rank) run.dist->barrier();
   if (!run.lead()) return;
   if (!extra.empty()) {
@@ -168,9 +168,10 @@ void save_checkpoint(Run& run) {
   nlohmann::json state = {{"step", run.counters.step},
                           {"optimizer_steps", run.counters.optimizer_steps},
                           {"skipped_steps", run.counters.skipped_steps},
-                          {"prompts_consumed", run.prompts->consumed()},
+                          {"prompts_consumed", run.data.prompts->consumed()},
                           {"old_logprobs", enum_to_string(run.old_logprobs)}};
-  if (run.async) run.async->save(tmp, state);  // train.async: the copy the next rollout samples from
+  if (run.rollout.pending)
+    run.rollout.pending->save(tmp, state);  // train.async: the copy the next rollout samples from
   {
     std::ofstream f((fs::path(tmp) / "state.json").string());
     f << state.dump(2) << "\n";
@@ -202,7 +203,7 @@ void load_checkpoint(Run& run) {
     run.counters.step = state.at("step").get<int64_t>();
     run.counters.optimizer_steps = state.at("optimizer_steps").get<int64_t>();
     run.counters.skipped_steps = state.at("skipped_steps").get<int64_t>();
-    run.prompts->seek(state.at("prompts_consumed").get<int64_t>());
+    run.data.prompts->seek(state.at("prompts_consumed").get<int64_t>());
     // A switch to recompute (the rollout's log-probs missed train.old_logprobs_tol) holds for the rest of
     // the run; a checkpoint without the key keeps the config's setting.
     if (state.value("old_logprobs", std::string()) == enum_to_string(OldLogprobs::kRecompute)) {
@@ -211,32 +212,32 @@ void load_checkpoint(Run& run) {
   } catch (const nlohmann::json::exception& e) {
     throw RunError(state_path + ": " + e.what());
   }
-  if (run.policy->has_lora()) {  // the adapters in place: the optimizer holds these tensors
-    load_peft_adapter(*run.policy, (fs::path(dir) / "adapter").string());
+  if (run.model.policy->has_lora()) {  // the adapters in place: the optimizer holds these tensors
+    load_peft_adapter(*run.model.policy, (fs::path(dir) / "adapter").string());
     const std::string rng = (fs::path(dir) / "lora_rng.pt").string();
     if (run.config.lora.dropout > 0 && fs::exists(rng)) {
       torch::serialize::InputArchive a;
       a.load_from(rng);
       at::Tensor v;
       a.read("state", v);
-      run.policy->set_lora_rng_state(v);
+      run.model.policy->set_lora_rng_state(v);
     }
   }
   if (run.rollout_rank) return;  // train.rollout_ranks: it keeps no optimizer
   try {
-    if (!run.extra.empty()) {
+    if (!run.model.extra.empty()) {
       torch::serialize::InputArchive a;
       a.load_from((fs::path(dir) / "extra.pt").string());
-      for (auto& [name, t] : run.extra) {
+      for (auto& [name, t] : run.model.extra) {
         at::Tensor v;
         a.read(name, v);
         at::NoGradGuard no_grad;
         t.copy_(v);
       }
     }
-    // After extra.pt: the optimizer's masters of run.extra are the same values.
-    if (run.sharded)
-      run.sharded->load(dir);
+    // After extra.pt: the optimizer's masters of run.model.extra are the same values.
+    if (run.model.sharded)
+      run.model.sharded->load(dir);
     else
       load_adamw_pieces(run, dir);
   } catch (const safetensors::Error& e) {

@@ -1,5 +1,5 @@
 // Atomic checkpoints of a run: the model as a Hugging Face folder, the optimizer state (per parameter, as
-// parallel/shard.h's pieces, whatever the ranks and shard stage), run.extra and the step counters (and the
+// parallel/shard.h's pieces, whatever the ranks and shard stage), run.model.extra and the step counters (and the
 // old log-probs in force, train.old_logprobs), written under a temporary name and renamed into place.
 #pragma once
 
@@ -21,7 +21,7 @@ std::string checkpoint_dir(const Run& run);
 // ranks, a sharded state's pieces, and rollout.partial's carried groups.
 bool checkpoint_on_every_rank(const Run& run);
 
-// Checkpoint out_dir/checkpoint: model folder (HF), optimizer-<rank>.safetensors, extra.pt (run.extra),
+// Checkpoint out_dir/checkpoint: model folder (HF), optimizer-<rank>.safetensors, extra.pt (run.model.extra),
 // state.json,
 // written under a temporary name and renamed; the previous checkpoint stays until the new one is complete.
 void save_checkpoint(Run& run);

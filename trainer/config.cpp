@@ -14,15 +14,15 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.train.prompts == PromptSource::kJsonl && c.data.path.empty()) {
     r.fail("data.path", "train.prompts is jsonl, so a JSONL file is needed");
   }
-  if (c.policy.entropy_coef > 0 && c.loss.entropy != EntropyMode::kGrad) {
-    r.fail("loss.entropy", "policy.entropy_coef > 0 needs loss.entropy: grad (the bonus is differentiated)");
+  if (c.objective.entropy_coef > 0 && c.loss.entropy != EntropyMode::kGrad) {
+    r.fail("loss.entropy", "objective.entropy_coef > 0 needs loss.entropy: grad (the bonus is differentiated)");
   }
   // TIS and IcePop weigh each token by rho = exp(logprobs_old - logprobs_rollout): with the rollout's own
   // log-probs as the old ones, rho is 1 and the correction would silently do nothing.
-  const bool corrects = c.policy.tis != 0 || c.policy.icepop_low != 0 || c.policy.icepop_high != 0;
+  const bool corrects = c.objective.tis != 0 || c.objective.icepop_low != 0 || c.objective.icepop_high != 0;
   if (corrects && c.train.old_logprobs == OldLogprobs::kRollout) {
     r.fail("train.old_logprobs",
-           "policy.tis / policy.icepop_* correct the rollout's log-probs against recomputed ones: set "
+           "objective.tis / objective.icepop_* correct the rollout's log-probs against recomputed ones: set "
            "train.old_logprobs: recompute (with rollout, rho = 1)");
   }
   // A layer's weights are gathered for its forward and freed after it, and gathered again for its backward:

@@ -22,20 +22,26 @@
 namespace rlt {
 
 struct Config {
-  ModelOptions model;          // `model:`     checkpoint or new model, tokenizer, device, dtype
-  LoraOptions lora;            // `lora:`      low-rank adapters instead of full fine-tuning
-  DatasetOptions data;         // `data:`      JSONL prompts (train.prompts: jsonl)
-  SyntheticOptions synthetic;  // `synthetic:` the built-in task (train.prompts: synthetic)
-  ChatTemplateOptions chat;    // `chat:`      prompt framing
-  SamplingOptions sampling;    // `sampling:`  temperature, top-k/p, tokens per turn, G
-  RolloutOptions rollout;      // `rollout:`   the ReTool loop's limits
-  SandboxOptions sandbox;      // `sandbox:`   the interpreter's limits
-  RewardOptions reward;        // `reward:`    reward function
-  LossOptions loss;            // `loss:`      the log-prob module (loss/logprob.h)
-  PolicyLossOptions policy;    // `policy:`    the PPO/GRPO policy loss (loss/policy_loss.h)
-  TrainOptions train;          // `train:`     the RL loop and its optimizer
-  SftOptions sft;              // `sft:`       supervised warm-up
-  PpoOptions ppo;              // `ppo:`       critic, GAE
+  ModelOptions model;           // `model:`     checkpoint or new model, tokenizer, device, dtype
+  LoraOptions lora;             // `lora:`      low-rank adapters instead of full fine-tuning
+  DatasetOptions data;          // `data:`      JSONL prompts (train.prompts: jsonl)
+  SyntheticOptions synthetic;   // `synthetic:` the built-in task (train.prompts: synthetic)
+  ChatTemplateOptions chat;     // `chat:`      prompt framing
+  SamplingOptions sampling;     // `sampling:`  temperature, top-k/p, tokens per turn, G
+  RolloutOptions rollout;       // `rollout:`   the ReTool loop's limits
+  SandboxOptions sandbox;       // `sandbox:`   the interpreter's limits
+  RewardOptions reward;         // `reward:`    reward function
+  LossOptions loss;             // `loss:`      the log-prob module (loss/logprob.h)
+  PolicyLossOptions objective;  // `objective:` the PPO/GRPO objective: ratio, clipping, KL (loss/policy_loss.h)
+  TrainOptions train;           // `train:`     the RL loop and its optimizer
+  SftOptions sft;               // `sft:`       supervised warm-up
+  PpoOptions ppo;               // `ppo:`       critic, GAE
+
+  // Sections read under an older name for one release, each with a one-line warning naming the new key.
+  static const std::vector<std::pair<const char*, const char*>>& renamed_sections() {
+    static const std::vector<std::pair<const char*, const char*>> renamed{{"policy", "objective"}};
+    return renamed;
+  }
 
   template <class V>
   void visit_sections(V&& v) {
@@ -51,7 +57,7 @@ struct Config {
     // loss.temperature is sampling.temperature (make_run copies it): one value for both.
     FieldsWithout<LossOptions> loss_fields{loss, {"temperature"}};
     v("loss", loss_fields, "log-prob module: paths, row selection, chunking, entropy");
-    v("policy", policy, "policy loss: clipping, KL, entropy bonus, aggregation");
+    v("objective", objective, "the objective: ratio, clipping, KL, entropy bonus, aggregation");
     v("train", train, "RL loop, optimizer, schedule, checkpoints");
     v("sft", sft, "supervised warm-up on synthetic tool-use traces");
     v("ppo", ppo, "PPO critic and GAE");

@@ -63,7 +63,7 @@ class DynamicSampling {
   void record(const SamplingRounds& rounds);
 
   // The step's rollout. train.dynamic_sampling off: collect_rollouts(run). On: rounds of
-  // collect_rollouts(run), each drawing the stream's next P prompts (run.prompts->consumed() advances by P a
+  // collect_rollouts(run), each drawing the stream's next P prompts (run.data.prompts->consumed() advances by P a
   // round, so a resumed run draws what the uninterrupted one did), then the selection below.
   RolloutBatch collect(Run& run);
 

@@ -4,7 +4,7 @@
 //   3. advantages: per train.advantage (group-relative scaled per train.scale_rewards, leave-one-out, or
 //      normalised over the batch); train.mask_truncated zeroes truncated trajectories' loss masks
 //   4. old log-probs (only when an update is off-policy, and then the rollout's own unless
-//      train.old_logprobs is recompute) and reference log-probs (only when policy.kl_coef > 0: no
+//      train.old_logprobs is recompute) and reference log-probs (only when objective.kl_coef > 0: no
 //      reference model exists otherwise), all through the loss module
 //   5. num_iterations x mini-batches x micro-batches: policy loss (loss/policy_loss.h), backward with
 //      the mini-batch's global denominator, gradient clipping, AdamW, the learning-rate schedule
@@ -24,7 +24,7 @@
 #include "common/timing.h"
 #include "data/reward.h"
 #include "loss/policy_loss.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "trainer/async_rollout.h"
@@ -94,8 +94,8 @@ double overlong_shaping(const Config& config, int64_t prompt_tokens, int64_t sam
 
 std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   const Config& cfg = run.config;
-  const TrainOptions& T = cfg.train;
-  const int64_t P = T.prompts_per_step, G = cfg.sampling.samples_per_prompt;
+  const TrainOptions& train = cfg.train;
+  const int64_t P = train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
   // train.rollout_ranks: a rollout rank samples every step's batch for the training ranks, and nothing else.
   if (run.rollout_rank) {
     serve_rollouts(run, hooks.placement_fault, hooks.before_sample);
@@ -108,19 +108,19 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
   DynamicSampling sampling(cfg);  // train.dynamic_sampling: rounds of prompts, equal-reward groups dropped
   // train.async one_step: the next step's rollout runs beside this step's update (trainer/async_rollout.h).
   std::unique_ptr<AsyncRollouts> async;
-  struct Detach {  // a checkpoint reads run.async: never past the object's life
+  struct Detach {  // a checkpoint reads run.rollout.pending: never past the object's life
     Run& run;
-    ~Detach() { run.async = nullptr; }
+    ~Detach() { run.rollout.pending = nullptr; }
   } detach{run};
   // train.rollout_ranks: the batches come from the rollout ranks, the weights go to them (trainer/rollout_ranks.h).
   std::unique_ptr<RemoteRollouts> remote;
   if (run.placement) {
     remote = std::make_unique<RemoteRollouts>(run, hooks.placement_fault, hooks.before_publish);
-    run.async = remote.get();
-  } else if (T.async == AsyncMode::kOneStep) {
+    run.rollout.pending = remote.get();
+  } else if (train.async == AsyncMode::kOneStep) {
     async = std::make_unique<AsyncRollouts>(
         run, [&sampling](Run& r) { return sampling.collect(r); }, hooks.async_threaded, hooks.async_fault);
-    run.async = async.get();
+    run.rollout.pending = async.get();
   }
   std::map<std::string, double> m;
 
@@ -133,13 +133,13 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
-    if (T.mask_truncated) mask_truncated(rb.trajs);                       // before packing and the denominators
+    if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
     const std::vector<Trajectory>& trajs = rb.trajs;                      // (S), prompt-major
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
     // reward (rb.table, all ranks'), then this rank's rows.
     const at::Tensor rewards = rb.table.select(1, kReward).view({P, G});
-    at::Tensor advantages = estimate_advantages(rewards, T.advantage, T.scale_rewards)
+    at::Tensor advantages = estimate_advantages(rewards, train.advantage, train.scale_rewards)
                                 .view({P * G})
                                 .index_select(0, at::tensor(rb.index, at::kLong))
                                 .to(at::kFloat)
@@ -157,8 +157,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // or a scoring forward (recompute, or since the mismatch exceeded train.old_logprobs_tol).
     peaks.end("rollout");
     const auto t_score = Clock::now();
-    const bool stale = T.async == AsyncMode::kOneStep;  // sampled a step behind
-    const bool on_policy = !stale && T.num_iterations == 1 && mini == S;
+    const bool stale = train.async == AsyncMode::kOneStep;  // sampled a step behind
+    const bool on_policy = !stale && train.num_iterations == 1 && mini == S;
     const bool use_rollout = !on_policy && run.old_logprobs == OldLogprobs::kRollout;
     const bool score_old = !on_policy && !use_rollout;
     std::vector<at::Tensor> logprobs_old(batches.size()), logprobs_ref(batches.size());
@@ -166,8 +166,9 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
       at::NoGradGuard no_grad;
       for (size_t k = 0; k < batches.size(); ++k) {
         if (use_rollout) logprobs_old[k] = batches[k].logprobs_rollout;  // (S_m, R)
-        if (score_old) logprobs_old[k] = response_logprobs(*run.policy, batches[k], cfg.loss).logprobs;
-        if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
+        if (score_old) logprobs_old[k] = response_logprobs(*run.model.policy, batches[k], cfg.loss).logprobs;
+        if (run.model.reference)
+          logprobs_ref[k] = response_logprobs(*run.model.reference, batches[k], cfg.loss).logprobs;
       }
     }
     const double t_scoring = seconds_since(t_score);
@@ -176,19 +177,19 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     peaks.end("scoring");
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": update");
     const auto t_update = Clock::now();
-    const double comm_before = update_comm_seconds(run, reducer.get());
-    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
-    UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
+    const double comm_before = update_comm_seconds(run.model, reducer.get());
+    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.objective.agg, *run.dist);
+    UpdateMetrics um(run.device, cfg.objective.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
     LogprobMismatch mismatch;  // rollout vs trainer log-probs on the rollout's weights
-    for (int64_t it = 0; it < sampling.iterations(T.num_iterations); ++it) {  // 0: no group kept
+    for (int64_t it = 0; it < sampling.iterations(train.num_iterations); ++it) {  // 0: no group kept
       for (size_t k = 0; k < batches.size();) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
-        zero_gradients(run);
+        zero_gradients(run.model);
         for (; k < batches.size() && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           const auto [begin, end] = micro_ranges[k];
-          ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
+          ResponseLogprobs r = response_logprobs(*run.model.policy, b, cfg.loss);  // (S_m, R)
           PolicyLossInputs in;
           in.logprobs = r.logprobs;
           in.logprobs_old = on_policy ? r.logprobs.detach() : logprobs_old[k];
@@ -196,7 +197,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
           in.advantages = advantages.narrow(0, begin, end - begin);  // (S_m)
           in.loss_mask = b.loss_mask;
           in.entropy = r.entropy;
-          in.logprobs_rollout = b.logprobs_rollout;  // policy.tis / icepop
+          in.logprobs_rollout = b.logprobs_rollout;  // objective.tis / icepop
           in.global_denominator = denom;
           // The mismatch needs the trainer's log-probs on the rollout's weights: the scored old ones, or this
           // pass's own while no optimizer step has moved the weights, i.e. in the first iteration's first
@@ -206,7 +207,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
           if (!stale && it == 0 && (score_old || mb_begin == 0)) {
             mismatch.add(score_old ? logprobs_old[k] : r.logprobs, b.logprobs_rollout, b.loss_mask);
           }
-          PolicyLossOutput out = policy_loss(in, cfg.policy);
+          PolicyLossOutput out = policy_loss(in, cfg.objective);
           const bool ends_step = k + 1 == batches.size() || micro_ranges[k + 1].first >= mb_end;
           backward(run, out.loss, reducer.get(), ends_step);           // master weights: into the fp32 gradients
           um.add_micro_batch(out.loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
@@ -214,7 +215,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
-    zero_gradients(run);
+    zero_gradients(run.model);
     stream_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
@@ -231,7 +232,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     if (cfg.reward.overlong_buffer > 0)  // the step's mean overlong penalty, as added to every rank's rewards
       extra["overlong_penalty_mean"] = rb.table.select(1, kOverlongPenalty).mean().item<double>();
     check_old_logprobs(run, use_rollout, extra);
-    const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
+    const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
                     extra);
   }

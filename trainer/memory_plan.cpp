@@ -328,9 +328,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.masters = p.moments = 0;
   }
   // ensure_reference: a clone of the whole model.
-  if (c.policy.kl_coef > 0) p.reference = s * sh.P;
+  if (c.objective.kl_coef > 0) p.reference = s * sh.P;
 
-  // The rollout: ModelPolicy's packed weights (fused kernels on CUDA), the merged LoRA projections, and
+  // The rollout: DecodeEngine's packed weights (fused kernels on CUDA), the merged LoRA projections, and
   // under shard parameters the whole weights gathered.
   const int64_t packed = cuda && c.rollout.engine.fused_kernels && c.rollout.engine.packed_weights ? s * sh.packed : 0;
   const int64_t gathered = gathers && !lora ? s * sh.P : 0;
@@ -344,7 +344,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   p.phases_overlap = samples && c.train.async != AsyncMode::kOff;
   if (p.phases_overlap && !lora) p.rollout_weights += s * sh.P - gathered;
   // KvCache::allocate: k and v per layer (rows, Hkv, slots, hd) in the model dtype, int64 positions, and
-  // ModelPolicy's bool slot mask. The training rollout's rows (one rank's share), or an evaluation's
+  // DecodeEngine's bool slot mask. The training rollout's rows (one rank's share), or an evaluation's
   // (train.eval_prompts x eval_samples over the ranks), whichever is more.
   const int64_t G = c.sampling.samples_per_prompt;
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;

@@ -143,7 +143,7 @@ std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra) {
-  const TrainOptions& T = run.config.train;
+  const TrainOptions& train = run.config.train;
   std::map<std::string, double> m = rollout_metrics(run, rb);
   // reward.kind python: reward_errors, reward/<field>
   m.merge(reward_metrics(run, rb.rewards));
@@ -154,27 +154,27 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
   m.insert({{"step", double(run.counters.step)},
-            {"steps", double(T.steps)},
-            {"lr", learning_rate(T, std::max<int64_t>(0, run.counters.optimizer_steps - 1), total_optimizer_steps)},
+            {"steps", double(train.steps)},
+            {"lr", learning_rate(train, std::max<int64_t>(0, run.counters.optimizer_steps - 1), total_optimizer_steps)},
             {"skipped_steps", double(run.counters.skipped_steps)},
-            {"optimizer_memory_mib", optimizer_memory_bytes(run) / 1048576.0},
-            {"update_tokens_per_s", m.at("tokens") * T.num_iterations / std::max(1e-9, times.update)},
+            {"optimizer_memory_mib", optimizer_memory_bytes(run.model) / 1048576.0},
+            {"update_tokens_per_s", m.at("tokens") * train.num_iterations / std::max(1e-9, times.update)},
             {"time_scoring_s", times.scoring},
             {"time_update_s", times.update},
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
   if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
-  if (run.sharded && run.config.train.offload == Offload::kOptimizer) {
-    m["optimizer_host_memory_mib"] = run.sharded->host_bytes() / 1048576.0;
+  if (run.model.sharded && run.config.train.offload == Offload::kOptimizer) {
+    m["optimizer_host_memory_mib"] = run.model.sharded->host_bytes() / 1048576.0;
   }
   if (!run.lead()) {
     if (run.checkpoint_due() && checkpoint_on_every_rank(run)) save_checkpoint(run);  // each rank writes its part
     return m;
   }
-  TORCH_CHECK(run.log, "finish_step: begin_training made no metrics log");
-  run.log->write(m);
+  TORCH_CHECK(run.metrics.log, "finish_step: begin_training made no metrics log");
+  run.metrics.log->write(m);
   std::cerr << progress_line(m, progress_fields(run, m)) << "\n";
-  run.log->plot();
+  run.metrics.log->plot();
   if (run.checkpoint_due()) save_checkpoint(run);
   return m;
 }
@@ -269,8 +269,8 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
     const Trajectory& t = trajs[i];
     const int64_t last = t.versions.empty() ? t.weights_version : t.versions.back();
     nlohmann::json j = {{"step", run.counters.step + 1},
-                        {"prompt", run.tokenizer->decode(t.prompt_ids)},
-                        {"response", run.tokenizer->decode(t.response_ids)},
+                        {"prompt", run.data.tokenizer->decode(t.prompt_ids)},
+                        {"response", run.data.tokenizer->decode(t.response_ids)},
                         {"reward", t.reward},
                         {"correct", t.correct},
                         {"finish", enum_to_string(t.finish)},
@@ -319,7 +319,7 @@ ProgressFields progress_fields(const Run& run, const std::map<std::string, doubl
   const bool off_policy = run.config.train.num_iterations > 1 || shape.mini < shape.S;
   ProgressFields f;
   f.loss = off_policy || metrics.count("value_loss") > 0;
-  f.kl = run.reference != nullptr;
+  f.kl = run.model.reference != nullptr;
   f.entropy = run.config.loss.entropy != EntropyMode::kNone;
   return f;
 }

@@ -49,7 +49,7 @@ class PhasePeaks {
 //   * per loss-mask token, averaged over every micro-batch's loss-mask tokens: kl, entropy, clip_frac,
 //     approx_kl, dual_clip_frac, logprob_mean, and the sums given to add_token_sum (PPO's
 //     value_clip_frac). A micro-batch's token mean is weighted by its own token count.
-//   * clip_frac with policy.ratio_level sequence (GSPO): a share of sequences, so a micro-batch's value
+//   * clip_frac with objective.ratio_level sequence (GSPO): a share of sequences, so a micro-batch's value
 //     is weighted by its sequences with a loss-mask token, and averaged over them.
 class UpdateMetrics {
  public:
@@ -138,7 +138,7 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs);
 // of generation) and time_step_s.
 struct ProgressFields {
   bool loss = false;     // loss: where its value says something (progress_fields)
-  bool kl = false;       // kl: to the reference policy, which exists when policy.kl_coef > 0
+  bool kl = false;       // kl: to the reference policy, which exists when objective.kl_coef > 0
   bool entropy = false;  // entropy: measured when loss.entropy != none
 };
 

@@ -12,40 +12,41 @@ namespace rlt {
 
 std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault) {
   const ShardOptions o{run.config.train.shard, run.config.train.offload, run.config.rollout.keep_weights, run.lead()};
-  const std::vector<std::pair<std::string, at::Tensor>> extra(run.extra.begin(), run.extra.end());
-  return std::make_shared<ShardedState>(o, *run.dist, *run.policy, extra, run.counters, fault);
+  const std::vector<std::pair<std::string, at::Tensor>> extra(run.model.extra.begin(), run.model.extra.end());
+  return std::make_shared<ShardedState>(o, *run.dist, *run.model.policy, extra, run.counters, fault);
 }
 
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
-  if (!run.extra.empty() && extra.lr && extra.lr(run.config) > 0 && t.lr > 0)
-    run.extra_lr_scale = extra.lr(run.config) / t.lr;
+  if (!run.model.extra.empty() && extra.lr && extra.lr(run.config) > 0 && t.lr > 0)
+    run.model.extra_lr_scale = extra.lr(run.config) / t.lr;
   if (t.shard != ShardStage::kNone || t.offload != Offload::kNone) {
-    run.master.clear();
-    run.optimizer.reset();
-    run.sharded = make_sharded_state(run);
+    run.model.master.clear();
+    run.model.optimizer.reset();
+    run.model.sharded = make_sharded_state(run);
     return;
   }
   auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
-  std::vector<at::Tensor> policy_params = run.policy->trainable_parameters();
-  run.master.clear();
+  std::vector<at::Tensor> policy_params = run.model.policy->trainable_parameters();
+  run.model.master.clear();
   if (t.master_weights == MasterWeights::kFp32 && !policy_params.empty() &&
       policy_params.front().scalar_type() == at::kBFloat16) {
-    for (const auto& p : policy_params) run.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
-    policy_params = run.master;
+    for (const auto& p : policy_params)
+      run.model.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
+    policy_params = run.model.master;
   }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(policy_params, std::make_unique<torch::optim::AdamWOptions>(o));
-  if (!run.extra.empty()) {
+  if (!run.model.extra.empty()) {
     std::vector<at::Tensor> params;
-    for (const auto& [name, p] : run.extra) params.push_back(p);
+    for (const auto& [name, p] : run.model.extra) params.push_back(p);
     const double lr = extra.lr && extra.lr(run.config) > 0 ? extra.lr(run.config) : t.lr;
-    run.extra_lr_scale = t.lr > 0 ? lr / t.lr : 1.0;
+    run.model.extra_lr_scale = t.lr > 0 ? lr / t.lr : 1.0;
     auto eo = o;
     eo.lr(lr).weight_decay(0.0);  // a head started at zero: no decay towards it
     groups.emplace_back(params, std::make_unique<torch::optim::AdamWOptions>(eo));
   }
-  run.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+  run.model.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
 }
 
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {
@@ -127,70 +128,72 @@ std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs
 }
 
 StepShape step_shape(const Config& c, int world) {
-  const TrainOptions& T = c.train;
+  const TrainOptions& train = c.train;
   StepShape s;
-  s.S = T.prompts_per_step * c.sampling.samples_per_prompt;
-  s.mini = T.mini_batch_size > 0 ? std::min(T.mini_batch_size, s.S) : s.S;
-  s.total_optimizer_steps = T.steps * T.num_iterations * ((s.S + s.mini - 1) / s.mini);
+  s.S = train.prompts_per_step * c.sampling.samples_per_prompt;
+  s.mini = train.mini_batch_size > 0 ? std::min(train.mini_batch_size, s.S) : s.S;
+  s.total_optimizer_steps = train.steps * train.num_iterations * ((s.S + s.mini - 1) / s.mini);
   s.S /= world;  // one rank's share (check_world)
   s.mini /= world;
-  s.micro = std::min(T.micro_batch_size, s.mini);
+  s.micro = std::min(train.micro_batch_size, s.mini);
   return s;
 }
 
-double update_comm_seconds(const Run& run, const GradReducer* reducer) {
-  return reducer ? reducer->wait_seconds() : run.sharded ? run.sharded->comm_seconds() : 0.0;
+double update_comm_seconds(const ModelState& model, const GradReducer* reducer) {
+  return reducer ? reducer->wait_seconds() : model.sharded ? model.sharded->comm_seconds() : 0.0;
 }
 
-void zero_gradients(Run& run) {
-  if (run.sharded)
-    run.sharded->zero_grad();
+void zero_gradients(ModelState& model) {
+  if (model.sharded)
+    model.sharded->zero_grad();
   else
-    run.optimizer->zero_grad();
+    model.optimizer->zero_grad();
 }
 
-std::vector<at::Tensor> optimizer_params(const Run& run) {
-  std::vector<at::Tensor> params = run.master.empty() ? run.policy->trainable_parameters() : run.master;
-  for (const auto& [name, p] : run.extra) params.push_back(p);
+std::vector<at::Tensor> optimizer_params(const ModelState& model) {
+  std::vector<at::Tensor> params = model.master.empty() ? model.policy->trainable_parameters() : model.master;
+  for (const auto& [name, p] : model.extra) params.push_back(p);
   return params;
 }
 
-void accumulate_gradients(Run& run) {
-  if (run.master.empty()) return;
-  const std::vector<at::Tensor> params = run.policy->trainable_parameters();  // handles sharing the parameters' storage
-  for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], run.master[i]);
+void accumulate_gradients(ModelState& model) {
+  if (model.master.empty()) return;
+  const std::vector<at::Tensor> params =
+      model.policy->trainable_parameters();  // handles sharing the parameters' storage
+  for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], model.master[i]);
 }
 
 std::unique_ptr<GradReducer> make_reducer(Run& run) {
-  if (run.dist->world() == 1 || run.sharded) return nullptr;  // the sharded state reduces its own
-  std::vector<at::Tensor> params = run.policy->trainable_parameters();
-  for (const auto& [name, p] : run.extra) params.push_back(p);
-  return std::make_unique<GradReducer>(*run.dist, std::move(params), run.master, run.config.train.dist_bucket_mb << 20);
+  if (run.dist->world() == 1 || run.model.sharded) return nullptr;  // the sharded state reduces its own
+  std::vector<at::Tensor> params = run.model.policy->trainable_parameters();
+  for (const auto& [name, p] : run.model.extra) params.push_back(p);
+  return std::make_unique<GradReducer>(*run.dist, std::move(params), run.model.master,
+                                       run.config.train.dist_bucket_mb << 20);
 }
 
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
-  if (run.sharded) return run.sharded->backward(loss, ends_step);
+  if (run.model.sharded) return run.model.sharded->backward(loss, ends_step);
   if (reducer && ends_step) reducer->arm();
   loss.backward();
   if (reducer && ends_step) reducer->finish();
-  accumulate_gradients(run);
+  accumulate_gradients(run.model);
 }
 
-void copy_master_weights_to_model(Run& run) {
-  if (run.master.empty()) return;
+void copy_master_weights_to_model(ModelState& model) {
+  if (model.master.empty()) return;
   at::NoGradGuard no_grad;
-  const std::vector<at::Tensor> params = run.policy->trainable_parameters();
-  for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(run.master[i]);  // rounded to nearest
+  const std::vector<at::Tensor> params = model.policy->trainable_parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(model.master[i]);  // rounded to nearest
 }
 
-int64_t optimizer_memory_bytes(const Run& run) {
-  if (run.sharded) return run.sharded->device_bytes();
+int64_t optimizer_memory_bytes(const ModelState& model) {
+  if (model.sharded) return model.sharded->device_bytes();
   int64_t bytes = 0;
-  for (const auto& m : run.master) bytes += m.nbytes() + (m.grad().defined() ? m.grad().nbytes() : 0);
-  for (const auto& group : run.optimizer->param_groups()) {
+  for (const auto& m : model.master) bytes += m.nbytes() + (m.grad().defined() ? m.grad().nbytes() : 0);
+  for (const auto& group : model.optimizer->param_groups()) {
     for (const auto& p : group.params()) {
-      auto it = run.optimizer->state().find(p.unsafeGetTensorImpl());
-      if (it == run.optimizer->state().end()) continue;
+      auto it = model.optimizer->state().find(p.unsafeGetTensorImpl());
+      if (it == model.optimizer->state().end()) continue;
       const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
       bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
     }
@@ -199,31 +202,31 @@ int64_t optimizer_memory_bytes(const Run& run) {
 }
 
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
-  if (run.sharded) {
+  if (run.model.sharded) {
     const TrainOptions& t = run.config.train;
     const double lr = learning_rate(t, run.counters.optimizer_steps, total_optimizer_steps);
-    return run.sharded->step(loss,
-                             {lr, lr * run.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
+    return run.model.sharded->step(
+        loss, {lr, lr * run.model.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
   }
-  accumulate_gradients(run);
-  const std::vector<at::Tensor> params = optimizer_params(run);
+  accumulate_gradients(run.model);
+  const std::vector<at::Tensor> params = optimizer_params(run.model);
   const double clip = run.config.train.grad_clip;
   const double norm = torch::nn::utils::clip_grad_norm_(params, clip > 0 ? clip : INFINITY);
   at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
   if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
   if (!loss_finite || !std::isfinite(norm)) {
-    run.optimizer->zero_grad();  // never applied
+    run.model.optimizer->zero_grad();  // never applied
     ++run.counters.skipped_steps;
     if (run.lead())
       std::cerr << "warning: step " << run.counters.step + 1 << ": non-finite loss or gradient, update skipped\n";
     return norm;
   }
-  set_learning_rate(*run.optimizer,
+  set_learning_rate(*run.model.optimizer,
                     learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps),
-                    run.extra_lr_scale);
-  run.optimizer->step();
-  copy_master_weights_to_model(run);
+                    run.model.extra_lr_scale);
+  run.model.optimizer->step();
+  copy_master_weights_to_model(run.model);
   ++run.counters.optimizer_steps;
   return norm;
 }

@@ -1,5 +1,5 @@
 // The optimizer side of a step, shared by GRPO, PPO and the warm-up: AdamW over the policy (and a second
-// parameter group for run.extra), its learning-rate schedule, the micro-batch ranges of gradient
+// parameter group for run.model.extra), its learning-rate schedule, the micro-batch ranges of gradient
 // accumulation and their loss denominator, and the end of an optimizer step (clip, finite check, step).
 #pragma once
 
@@ -17,7 +17,7 @@
 namespace rlt {
 
 // One AdamW: the policy's parameters (or, for a bf16 model with train.master_weights fp32, their fp32
-// master copies in run.master), then run.extra's (a second group at its own learning rate).
+// master copies in run.model.master), then run.model.extra's (a second group at its own learning rate).
 void make_optimizer(Run& run, const ExtraParams& extra);
 
 // The run's sharded state (train.shard, train.offload) over its policy and extra tensors, reporting into
@@ -25,15 +25,15 @@ void make_optimizer(Run& run, const ExtraParams& extra);
 std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault = ShardFault::kNone);
 
 // Clears the gradients an optimizer step accumulates (the sharded state's, or AdamW's).
-void zero_gradients(Run& run);
+void zero_gradients(ModelState& model);
 
-// The tensors AdamW updates, in its order: run.master (or the policy's parameters), then run.extra's.
+// The tensors AdamW updates, in its order: model.master (or the policy's parameters), then model.extra's.
 // Gradient clipping reads their gradients.
-std::vector<at::Tensor> optimizer_params(const Run& run);
+std::vector<at::Tensor> optimizer_params(const ModelState& model);
 
 // Call after each backward: with master weights, adds the policy's bf16 gradients into the fp32 master
 // gradients and releases the bf16 ones, so micro-batches accumulate in fp32. Nothing otherwise.
-void accumulate_gradients(Run& run);
+void accumulate_gradients(ModelState& model);
 
 // The run's reducer (train.dist_bucket_mb) when it has several ranks and no sharded state (which reduces
 // its own); none for one process.
@@ -45,15 +45,15 @@ std::unique_ptr<GradReducer> make_reducer(Run& run);
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step);
 
 // Seconds the update has waited for its collectives so far: the reducer's, or the sharded state's.
-double update_comm_seconds(const Run& run, const GradReducer* reducer);
+double update_comm_seconds(const ModelState& model, const GradReducer* reducer);
 
 // With master weights: the bf16 weights the model computes with become the masters, rounded to nearest.
-// Whatever trains run.master (the RL optimizer, the warm-up) calls it after each step.
-void copy_master_weights_to_model(Run& run);
+// Whatever trains model.master (the RL optimizer, the warm-up) calls it after each step.
+void copy_master_weights_to_model(ModelState& model);
 
 // Bytes the optimizer holds beside the model: master weights, their gradients and AdamW's two moments
-// (for every parameter it updates, run.extra included); with run.sharded, what it holds on the device.
-int64_t optimizer_memory_bytes(const Run& run);
+// (for every parameter it updates, model.extra included); with model.sharded, what it holds on the device.
+int64_t optimizer_memory_bytes(const ModelState& model);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);

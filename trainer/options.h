@@ -161,7 +161,7 @@ struct TrainOptions {
   bool dynamic_sampling = false;
   int64_t max_sampling_rounds = 3;
   // Rollout and update overlapped (AsyncMode). one_step's update takes the rollout's log-probs as the old
-  // ones (or scores them, train.old_logprobs: recompute), and policy.tis / icepop apply as configured.
+  // ones (or scores them, train.old_logprobs: recompute), and objective.tis / icepop apply as configured.
   AsyncMode async = AsyncMode::kOff;
   // Disaggregated placement (trainer/rollout_ranks.h): of a run's N ranks, the last rollout_ranks only decode and
   // the others only train; the weights go to the rollout ranks by broadcast after each update. 0: every

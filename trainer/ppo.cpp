@@ -3,7 +3,7 @@
 //   2. scoring (no grad): one forward of the policy per micro-batch gives the old values (value head on
 //      its hidden states) and its log-probs (loss module), which are the old ones with
 //      train.old_logprobs: recompute, else measure the rollout's; reference log-probs only when
-//      policy.kl_coef > 0
+//      objective.kl_coef > 0
 //   3. advantages: the sequence's reward on its last sampled token, GAE(gamma, lambda) over the sampled
 //      tokens only (tool output is the environment's part of a step), whitened over the batch
 //   4. num_iterations x mini-batches x micro-batches: clipped surrogate (loss/policy_loss.h) +
@@ -95,28 +95,29 @@ ExtraParams value_head_params() {
 
 at::Tensor value_head(const Run& run, const at::Tensor& hidden, const PackedBatch& batch) {
   const int64_t D = hidden.size(2);
-  at::Tensor h = hidden.reshape({-1, D}).index_select(0, batch.sampled.rows).to(at::kFloat);            // (N, D)
-  at::Tensor v = at::addmm(run.extra.at("value_head.bias"), h, run.extra.at("value_head.weight").t());  // (N, 1)
-  return to_response_layout(v.squeeze(1), batch.sampled, batch);                                        // (S, R)
+  at::Tensor h = hidden.reshape({-1, D}).index_select(0, batch.sampled.rows).to(at::kFloat);  // (N, D)
+  at::Tensor v =
+      at::addmm(run.model.extra.at("value_head.bias"), h, run.model.extra.at("value_head.weight").t());  // (N, 1)
+  return to_response_layout(v.squeeze(1), batch.sampled, batch);                                         // (S, R)
 }
 
 std::map<std::string, double> train_ppo(Run& run) {
   const Config& cfg = run.config;
-  const TrainOptions& T = cfg.train;
+  const TrainOptions& train = cfg.train;
   const PpoOptions& ppo = cfg.ppo;
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
-  TORCH_CHECK(run.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
+  TORCH_CHECK(run.model.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
   // PPO's advantages are GAE on the value head; the truncation mask would move the reward's token.
-  if (T.advantage != Advantage::kGrpo) {
-    throw RunError(std::string("train.advantage = ") + enum_to_string(T.advantage) +
+  if (train.advantage != Advantage::kGrpo) {
+    throw RunError(std::string("train.advantage = ") + enum_to_string(train.advantage) +
                    ": ppo_train estimates advantages with GAE (ppo.gamma, ppo.lam); leave it grpo");
   }
-  if (T.mask_truncated) throw RunError("train.mask_truncated: ppo_train does not mask truncated trajectories");
-  if (T.dynamic_sampling) throw RunError("train.dynamic_sampling: ppo_train samples no groups; it is grpo_train's");
-  if (T.async != AsyncMode::kOff) {
+  if (train.mask_truncated) throw RunError("train.mask_truncated: ppo_train does not mask truncated trajectories");
+  if (train.dynamic_sampling) throw RunError("train.dynamic_sampling: ppo_train samples no groups; it is grpo_train's");
+  if (train.async != AsyncMode::kOff) {
     throw RunError("train.async: ppo_train runs its rollout and update in turn; one_step is grpo_train's");
   }
-  if (T.rollout_ranks > 0) {
+  if (train.rollout_ranks > 0) {
     throw RunError("train.rollout_ranks: ppo_train samples on its training ranks; the placement is grpo_train's");
   }
   const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
@@ -148,11 +149,12 @@ std::map<std::string, double> train_ppo(Run& run) {
     {
       at::NoGradGuard no_grad;
       for (size_t k = 0; k < K; ++k) {
-        ResponseLogprobs r = response_logprobs(*run.policy, batches[k], cfg.loss);
+        ResponseLogprobs r = response_logprobs(*run.model.policy, batches[k], cfg.loss);
         mismatch.add(r.logprobs, batches[k].logprobs_rollout, batches[k].loss_mask);
         logprobs_old[k] = use_rollout ? batches[k].logprobs_rollout : r.logprobs;  // (S_m, R)
         values_old[k] = value_head(run, r.hidden, batches[k]);                     // (S_m, R), 0 off the mask
-        if (run.reference) logprobs_ref[k] = response_logprobs(*run.reference, batches[k], cfg.loss).logprobs;
+        if (run.model.reference)
+          logprobs_ref[k] = response_logprobs(*run.model.reference, batches[k], cfg.loss).logprobs;
       }
     }
     const double t_scoring = seconds_since(t_score);
@@ -184,17 +186,17 @@ std::map<std::string, double> train_ppo(Run& run) {
     peaks.end("scoring");
     const auto t_update = Clock::now();
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": update");
-    const double comm_before = update_comm_seconds(run, reducer.get());
-    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.policy.agg, *run.dist);
-    UpdateMetrics um(run.device, cfg.policy.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
-    for (int64_t it = 0; it < T.num_iterations; ++it) {
+    const double comm_before = update_comm_seconds(run.model, reducer.get());
+    const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.objective.agg, *run.dist);
+    UpdateMetrics um(run.device, cfg.objective.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
+    for (int64_t it = 0; it < train.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
-        zero_gradients(run);
+        zero_gradients(run.model);
         for (; k < K && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
-          ResponseLogprobs r = response_logprobs(*run.policy, b, cfg.loss);  // (S_m, R)
+          ResponseLogprobs r = response_logprobs(*run.model.policy, b, cfg.loss);  // (S_m, R)
           PolicyLossInputs in;
           in.logprobs = r.logprobs;
           in.logprobs_old = logprobs_old[k];
@@ -202,9 +204,9 @@ std::map<std::string, double> train_ppo(Run& run) {
           in.advantages = advantages[k];  // (S_m, R) per token
           in.loss_mask = b.loss_mask;
           in.entropy = r.entropy;
-          in.logprobs_rollout = b.logprobs_rollout;  // policy.tis / icepop
+          in.logprobs_rollout = b.logprobs_rollout;  // objective.tis / icepop
           in.global_denominator = denom;
-          PolicyLossOutput out = policy_loss(in, cfg.policy);
+          PolicyLossOutput out = policy_loss(in, cfg.objective);
           // Clipped value loss: 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2).
           at::Tensor values = value_head(run, r.hidden, b);  // (S_m, R)
           at::Tensor vf_tok = (values - returns[k]).square();
@@ -216,7 +218,7 @@ std::map<std::string, double> train_ppo(Run& run) {
             vf_tok = at::maximum(vf_tok, vf_tok_clip);
           }
           at::Tensor vf_loss =
-              aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.policy.agg, cfg.policy.agg_norm, denom);  // ()
+              aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.objective.agg, cfg.objective.agg_norm, denom);  // ()
           at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
           const bool ends_step = k + 1 == K || micro_ranges[k + 1].first >= mb_end;
           backward(run, loss, reducer.get(), ends_step);           // master weights: into the fp32 gradients
@@ -227,7 +229,7 @@ std::map<std::string, double> train_ppo(Run& run) {
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
       }
     }
-    zero_gradients(run);
+    zero_gradients(run.model);
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
@@ -240,7 +242,7 @@ std::map<std::string, double> train_ppo(Run& run) {
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},
                   {"advantage_std", adv_std}});
-    const double t_comm = update_comm_seconds(run, reducer.get()) - comm_before;
+    const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
                     extra);
   }

@@ -24,7 +24,7 @@ std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, cons
                                                  const at::Tensor& mask, double gamma, double lam);
 
 // The value head: V(state before response token j) = w . h + b from the decoder's hidden state at the
-// row that predicts token j. Named tensors for Run::extra ("value_head.weight" (1, D), "value_head.bias"
+// row that predicts token j. Named tensors for ModelState::extra ("value_head.weight" (1, D), "value_head.bias"
 // (1)), float32, zero-initialised so every first value is 0.
 ExtraParams value_head_params();
 

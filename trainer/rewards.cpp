@@ -48,13 +48,14 @@ std::vector<std::string> all_field_names(Collectives& dist,
   return {names.begin(), names.end()};
 }
 
-// run.rewards, made first when `make`. The evaluation (on the step's thread) and a train.async rollout (on
+// run.rollout.rewards, made first when `make`. The evaluation (on the step's thread) and a train.async rollout (on
 // its own) may get to it at once.
 std::shared_ptr<ScriptRewards> script_rewards(Run& run, bool make) {
   static std::mutex making;
   std::lock_guard<std::mutex> lock(making);
-  if (!run.rewards && make) run.rewards = std::make_shared<ScriptRewards>(run.config.reward, run.config.sandbox);
-  return run.rewards;
+  if (!run.rollout.rewards && make)
+    run.rollout.rewards = std::make_shared<ScriptRewards>(run.config.reward, run.config.sandbox);
+  return run.rollout.rewards;
 }
 
 }  // namespace

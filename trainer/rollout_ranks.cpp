@@ -96,15 +96,15 @@ RemoteRollouts::RemoteRollouts(Run& run, PlacementFault fault, std::function<voi
   TORCH_CHECK(run.placement && !run.placement->rollout, "RemoteRollouts: a training rank of train.rollout_ranks");
   const std::optional<PendingRollout> pending = pending_state(run);
   if (pending && async_) {
-    run.prompts->seek(pending->prompts_begin);  // the rollout ranks sample the pending batch again
-    published_ = true;                          // and take its weights from the checkpoint
+    run.data.prompts->seek(pending->prompts_begin);  // the rollout ranks sample the pending batch again
+    published_ = true;                               // and take its weights from the checkpoint
   }
 }
 
 void RemoteRollouts::publish() {
   if (before_publish_) before_publish_();
   at::NoGradGuard no_grad;
-  const GatheredWeights whole(run_.sharded);  // train.shard parameters: every training rank gathers
+  const GatheredWeights whole(run_.model.sharded);  // train.shard parameters: every training rank gathers
   sync_s_ = sync_bytes_ = 0;
   const int64_t n = publishes_++;
   if (!run_.placement->publish) return;            // training ranks other than 0
@@ -173,12 +173,12 @@ RolloutBatch RemoteRollouts::next() {
   // drew): the stream's position is theirs to checkpoint.
   std::vector<PromptExample> drawn;
   if (cfg.train.dynamic_sampling) {
-    run_.prompts->seek(consumed_after);
+    run_.data.prompts->seek(consumed_after);
   } else {
-    drawn = run_.prompts->next(P);
-    TORCH_CHECK(run_.prompts->consumed() == consumed_after,
+    drawn = run_.data.prompts->next(P);
+    TORCH_CHECK(run_.data.prompts->consumed() == consumed_after,
                 "train.rollout_ranks: the rollout ranks' prompt stream is at ", consumed_after,
-                ", the training ranks' at ", run_.prompts->consumed());
+                ", the training ranks' at ", run_.data.prompts->consumed());
   }
   std::vector<Trajectory> every;
   std::vector<int64_t> places;
@@ -233,7 +233,7 @@ void RemoteRollouts::save(const std::string& dir, nlohmann::json& state) {
     throw RunError(staged + ": missing; the first rollout rank stages the weights of the pending rollout there");
   }
   fs::rename(staged, fs::path(dir) / kRolloutWeightsDir);
-  const int64_t begin = run_.prompts->consumed();
+  const int64_t begin = run_.data.prompts->consumed();
   state["async"] = {{"version", run_.counters.step - 1}, {"prompts_begin", begin}, {"partial", false}};
   // As a colocated run's: while a rollout is pending (steps remain), the stream's position is after its draw
   // (with dynamic sampling its rounds are not known yet: the position where it begins).
@@ -273,7 +273,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
   };
   const std::optional<PendingRollout> pending = pending_state(run);
   if (pending && async) {  // the checkpoint's pending rollout: its prompts and its weights, from the checkpoint
-    run.prompts->seek(pending->prompts_begin);
+    run.data.prompts->seek(pending->prompts_begin);
     const Transformer saved = Transformer::load(pending->weights, tensors.front().scalar_type(), run.device);
     const std::vector<at::Tensor> from = rollout_tensors(saved);
     TORCH_CHECK(from.size() == tensors.size(), run.resumed_from, "/rollout_weights: ", from.size(),
@@ -291,7 +291,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
     const auto t0 = Clock::now();
     RolloutSource source;
     source.model = &target;
-    source.policy = &run.rollout_policy;
+    source.policy = &run.rollout.engine;
     source.dist = run.dist.get();
     source.step = t - 1;
     source.version = version;
@@ -322,7 +322,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
       w.put<double>(wall_s);
       w.put<double>(wait_s);
       w.put(rounds);
-      w.put<int64_t>(run.prompts->consumed());
+      w.put<int64_t>(run.data.prompts->consumed());
     }
     write_tally(w, b.rewards);
     const int64_t G = cfg.sampling.samples_per_prompt;

@@ -19,7 +19,7 @@
 #include "model/config.h"
 #include "model/peft.h"
 #include "parallel/shard.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
@@ -81,9 +81,9 @@ void check_memory(const Run& run, const ModelConfig& mc) {
 }
 
 // The rollout's model-side settings.
-ModelPolicyOptions policy_options(const RolloutOptions& r) {
-  ModelPolicyOptions o;
-  o.engine = r.engine;
+EngineOptions engine_options(const RolloutOptions& r) {
+  EngineOptions o;
+  o.switches = r.engine;
   return o;
 }
 
@@ -140,8 +140,8 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   // as the sampler reports its log-probs).
   run.config.loss.temperature = config.sampling.temperature > 0 ? config.sampling.temperature : 1.0;
   run.out_dir = out_dir;
-  run.old_logprobs = config.train.old_logprobs;  // a resumed run's switch comes from its checkpoint
-  run.tools = tool_protocol(config, nullptr);    // the model's template, when used, reframes the reply below
+  run.old_logprobs = config.train.old_logprobs;        // a resumed run's switch comes from its checkpoint
+  run.rollout.tools = tool_protocol(config, nullptr);  // the model's template, when used, reframes the reply below
   fs::create_directories(out_dir);
   try {
     run.device = at::Device(config.model.device);
@@ -154,11 +154,11 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   // Tokenizer: model.tokenizer (a file or a folder) when set; else the checkpoint's own (tokenizer.json,
   // then tokenizer.model); only the built-in demo, with no checkpoint, trains one.
   if (!config.model.tokenizer.empty()) {
-    run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(config.model.tokenizer));
+    run.data.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(config.model.tokenizer));
   } else if (!config.model.path.empty()) {
     if (!fs::is_directory(config.model.path)) throw RunError("model.path: " + config.model.path + " is not a folder");
     try {
-      run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_checkpoint(config.model.path));
+      run.data.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_checkpoint(config.model.path));
     } catch (const DataError& e) {
       throw RunError(std::string("model.path: ") + e.what() +
                      " (a checkpoint is trained with its own tokenizer; set model.tokenizer to use another)");
@@ -169,11 +169,11 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     if (run.lead() && !(resume && fs::exists(path))) {
       TokenizerTrainOptions o;
       o.vocab_size = config.model.tokenizer_vocab;
-      o.user_symbols = run.tools.symbols();
-      Tokenizer::train(tokenizer_corpus(config, run.tools), path, o);
+      o.user_symbols = run.rollout.tools.symbols();
+      Tokenizer::train(tokenizer_corpus(config, run.rollout.tools), path, o);
     }
     (run.placement ? *run.placement->all : *run.dist).barrier();  // rank 0 of the job trains it
-    run.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
+    run.data.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path));
   }
   // Model: the checkpoint's when resuming, else the configured checkpoint, else a new one. With LoRA the
   // base is always the configured one (or the new one of model.init_seed); the checkpoint holds adapters.
@@ -192,46 +192,48 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     if (!from.empty() && !fs::exists(fs::path(from) / "config.json")) {
       throw RunError((from == config.model.path ? "model.path: " : "") + from + " holds no config.json");
     }
-    check_memory(run, from.empty() ? new_model_config(config, run.tokenizer->vocab_size()) : load_model_config(from));
+    check_memory(run,
+                 from.empty() ? new_model_config(config, run.data.tokenizer->vocab_size()) : load_model_config(from));
   }
   if (resume && !config.lora.enabled()) {
-    run.policy = std::make_unique<Transformer>(
+    run.model.policy = std::make_unique<Transformer>(
         Transformer::load((fs::path(ckpt_found) / "model").string(), scalar_type(config.model.dtype), run.device));
   } else if (!config.model.path.empty()) {
     if (!fs::exists(fs::path(config.model.path) / "config.json")) {
       throw RunError("model.path: " + config.model.path + " holds no config.json");
     }
-    run.policy = std::make_unique<Transformer>(
+    run.model.policy = std::make_unique<Transformer>(
         Transformer::load(config.model.path, scalar_type(config.model.dtype), run.device));
   } else {
-    run.policy = new_model(config, run.tokenizer->vocab_size(), run.device);
+    run.model.policy = new_model(config, run.data.tokenizer->vocab_size(), run.device);
   }
   // Stop ids: generation_config.json's eos_token_id (one or a list) and the tokenizer's EOS; rollout.stop
   // adds a stop string.
   if (!config.model.path.empty()) {
     for (int64_t id : generation_eos_ids(config.model.path)) run.config.rollout.stop_ids.push_back(id);
   }
-  if (run.tokenizer->eos_id() >= 0) run.config.rollout.stop_ids.push_back(run.tokenizer->eos_id());
+  if (run.data.tokenizer->eos_id() >= 0) run.config.rollout.stop_ids.push_back(run.data.tokenizer->eos_id());
   if (run.config.rollout.stop_ids.empty()) {
     throw RunError("model: neither generation_config.json nor the tokenizer names an end-of-sequence token");
   }
-  if (run.policy->config().vocab_size < run.tokenizer->vocab_size()) {
-    throw RunError("model.tokenizer: " + std::to_string(run.tokenizer->vocab_size()) +
-                   " pieces, more than the model's vocabulary of " + std::to_string(run.policy->config().vocab_size));
+  if (run.model.policy->config().vocab_size < run.data.tokenizer->vocab_size()) {
+    throw RunError("model.tokenizer: " + std::to_string(run.data.tokenizer->vocab_size()) +
+                   " pieces, more than the model's vocabulary of " +
+                   std::to_string(run.model.policy->config().vocab_size));
   }
-  run.policy->set_activation_checkpointing(config.model.activation_checkpointing);
+  run.model.policy->set_activation_checkpointing(config.model.activation_checkpointing);
   // LoRA: adapters on the frozen base (model/lora.h); a resumed run's values come from its checkpoint.
-  if (config.lora.enabled()) run.policy->attach_lora(config.lora, static_cast<uint64_t>(config.train.seed));
+  if (config.lora.enabled()) run.model.policy->attach_lora(config.lora, static_cast<uint64_t>(config.train.seed));
   // The chat template: the model's own (from model.tokenizer when it is a folder, else model.path).
   if (config.chat.template_kind == ChatTemplateKind::kModel) {
     const std::string dir = fs::is_directory(config.model.tokenizer) ? config.model.tokenizer : config.model.path;
     if (dir.empty()) throw RunError("chat.template: model needs a checkpoint folder (model.path) that has one");
     try {
-      run.chat = std::make_shared<HfChatTemplate>(HfChatTemplate::from_folder(dir));
+      run.data.chat = std::make_shared<HfChatTemplate>(HfChatTemplate::from_folder(dir));
     } catch (const DataError& e) {
       throw RunError(std::string("chat.template: model: ") + e.what());
     }
-    run.tools = tool_protocol(config, run.chat);
+    run.rollout.tools = tool_protocol(config, run.data.chat);
   }
   // Prompts: the last eval_prompts are held out.
   std::vector<PromptExample> examples = config.train.prompts == PromptSource::kJsonl
@@ -242,36 +244,37 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     // Its own file (AIME 2024: problem / zero-padded answer): every row, or the first eval_prompts.
     DatasetOptions eo = config.data.eval_options();
     eo.max_examples = config.train.eval_prompts;
-    run.eval_set = load_jsonl(eo).examples;
-    check_prompt_lengths(run, run.eval_set);
+    run.data.eval_set = load_jsonl(eo).examples;
+    check_prompt_lengths(run, run.data.eval_set);
   } else {
     const int64_t n_eval = std::min<int64_t>(config.train.eval_prompts, static_cast<int64_t>(examples.size()) / 2);
-    run.eval_set.assign(examples.end() - n_eval, examples.end());
+    run.data.eval_set.assign(examples.end() - n_eval, examples.end());
     examples.resize(examples.size() - n_eval);
   }
-  run.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
-  if (extra.make) run.extra = extra.make(*run.policy, config);
+  run.data.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
+  if (extra.make) run.model.extra = extra.make(*run.model.policy, config);
   if (run.rollout_rank) {  // it samples from the weights the training ranks send: nothing to optimise
     if (resume) load_checkpoint(run);
     return run;
   }
   make_optimizer(run, extra);
-  if (run.lead() && run.sharded) {
+  if (run.lead() && run.model.sharded) {
     const TrainOptions& t = config.train;
     std::cerr << "optimizer: AdamW on fp32 masters, train.shard " << enum_to_string(t.shard) << " over "
               << run.dist->world() << " rank(s)" << (t.offload == Offload::kOptimizer ? ", offloaded" : "") << ": "
-              << (run.sharded->device_bytes() >> 20) << " MiB on the device, " << (run.sharded->host_bytes() >> 20)
-              << " MiB in host memory, per rank\n";
+              << (run.model.sharded->device_bytes() >> 20) << " MiB on the device, "
+              << (run.model.sharded->host_bytes() >> 20) << " MiB in host memory, per rank\n";
   } else if (run.lead()) {
     int64_t n = 0;
-    const std::vector<at::Tensor> trained = run.policy->trainable_parameters();  // LoRA: the adapters
+    const std::vector<at::Tensor> trained = run.model.policy->trainable_parameters();  // LoRA: the adapters
     for (const auto& p : trained) n += p.numel();
     // AdamW's two moments take its parameters' dtype: fp32 with master weights, else the trained tensors'.
-    const int64_t moments = 2 * n * (run.master.empty() ? trained.front().element_size() : 4);
+    const int64_t moments = 2 * n * (run.model.master.empty() ? trained.front().element_size() : 4);
     std::cerr << "optimizer: AdamW over " << n << " parameters, "
-              << (run.master.empty() ? std::string("in their dtype, ") + c10::toString(trained.front().scalar_type())
-                                     : "on fp32 master weights (" + std::to_string(optimizer_memory_bytes(run) >> 20) +
-                                           " MiB) while the model computes in bf16")
+              << (run.model.master.empty()
+                      ? std::string("in their dtype, ") + c10::toString(trained.front().scalar_type())
+                      : "on fp32 master weights (" + std::to_string(optimizer_memory_bytes(run.model) >> 20) +
+                            " MiB) while the model computes in bf16")
               << "; moments " << (moments >> 20) << " MiB once stepped\n";
   }
   if (resume) load_checkpoint(run);
@@ -279,72 +282,73 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 }
 
 void ensure_reference(Run& run) {
-  if (run.config.policy.kl_coef <= 0 || run.reference) return;
+  if (run.config.objective.kl_coef <= 0 || run.model.reference) return;
   const std::string dir = (fs::path(run.out_dir) / "reference").string();
-  if (run.policy->has_lora()) {
+  if (run.model.policy->has_lora()) {
     // LoRA: the base weights shared with the policy, and a frozen copy of the adapters as RL starts (B = 0,
     // i.e. the base itself, unless a warm-up trained them), kept as a PEFT adapter folder for a resume.
-    run.reference = std::make_unique<Transformer>(run.policy->adapter_snapshot());
+    run.model.reference = std::make_unique<Transformer>(run.model.policy->adapter_snapshot());
     if (run.counters.step > 0) {
       if (!fs::exists(fs::path(dir) / "adapter_config.json")) {
-        throw RunError(dir + ": missing; a resumed LoRA run with policy.kl_coef > 0 needs its reference adapters");
+        throw RunError(dir + ": missing; a resumed LoRA run with objective.kl_coef > 0 needs its reference adapters");
       }
-      load_peft_adapter(*run.reference, dir);
+      load_peft_adapter(*run.model.reference, dir);
       return;
     }
     if (!run.lead()) return;
     remove_tree(dir + ".tmp");
-    save_peft_adapter(*run.reference, dir + ".tmp", run.config.model.path);
+    save_peft_adapter(*run.model.reference, dir + ".tmp", run.config.model.path);
     remove_tree(dir);
     fs::rename(dir + ".tmp", dir);
     return;
   }
   if (run.counters.step > 0 && fs::exists(fs::path(dir) / "config.json")) {
-    run.reference =
+    run.model.reference =
         std::make_unique<Transformer>(Transformer::load(dir, scalar_type(run.config.model.dtype), run.device));
     return;
   }
   if (run.counters.step > 0)
-    throw RunError(dir + ": missing; a resumed run with policy.kl_coef > 0 needs its reference");
+    throw RunError(dir + ": missing; a resumed run with objective.kl_coef > 0 needs its reference");
   {
-    const GatheredWeights whole(run.sharded);
-    run.reference = std::make_unique<Transformer>(run.policy->clone());
-    run.reference->set_residency(nullptr);
+    const GatheredWeights whole(run.model.sharded);
+    run.model.reference = std::make_unique<Transformer>(run.model.policy->clone());
+    run.model.reference->set_residency(nullptr);
   }
   if (!run.lead()) return;  // every rank holds the same policy (broadcast_weights); rank 0 saves it
   remove_tree(dir + ".tmp");
-  run.reference->save(dir + ".tmp");
+  run.model.reference->save(dir + ".tmp");
   remove_tree(dir);
   fs::rename(dir + ".tmp", dir);
 }
 
 const Transformer& rollout_model(Run& run) {
-  if (!run.policy->has_lora()) return *run.policy;
-  if (!run.merged) {
-    run.merged = std::make_unique<Transformer>(run.policy->merged());
+  if (!run.model.policy->has_lora()) return *run.model.policy;
+  if (!run.rollout.merged) {
+    run.rollout.merged = std::make_unique<Transformer>(run.model.policy->merged());
   } else {
-    run.policy->merge_into(*run.merged);  // in place: a kept ModelPolicy's tensors and graphs stay valid
+    run.model.policy->merge_into(*run.rollout.merged);  // in place: a kept DecodeEngine's tensors and graphs stay valid
   }
-  return *run.merged;
+  return *run.rollout.merged;
 }
 
 std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples) {
   // tool_call format through the model's template: the template lists the tool (Qwen's <tools> block).
-  const bool list_tool = run.config.rollout.tools && run.tools.format == ToolFormat::kToolCall;
+  const bool list_tool = run.config.rollout.tools && run.rollout.tools.format == ToolFormat::kToolCall;
   const nlohmann::ordered_json tools =
-      list_tool ? nlohmann::ordered_json::array({run.tools.tool_schema()}) : nlohmann::ordered_json();
+      list_tool ? nlohmann::ordered_json::array({run.rollout.tools.tool_schema()}) : nlohmann::ordered_json();
   std::vector<std::vector<int64_t>> out;
   out.reserve(examples.size());
   for (const auto& ex : examples) {
-    out.push_back(run.chat ? encode_chat(*run.tokenizer, *run.chat, run.config.chat, ex.messages, ex.prompt, tools)
-                           : encode_prompt(*run.tokenizer, run.config.chat, ex.prompt));
+    out.push_back(run.data.chat
+                      ? encode_chat(*run.data.tokenizer, *run.data.chat, run.config.chat, ex.messages, ex.prompt, tools)
+                      : encode_prompt(*run.data.tokenizer, run.config.chat, ex.prompt));
   }
   return out;
 }
 
 ToolRunner tool_runner(Run& run) {
-  if (!run.sandbox) run.sandbox = std::make_shared<SandboxPool>(run.config.sandbox);
-  std::shared_ptr<SandboxPool> pool = run.sandbox;
+  if (!run.rollout.sandbox) run.rollout.sandbox = std::make_shared<SandboxPool>(run.config.sandbox);
+  std::shared_ptr<SandboxPool> pool = run.rollout.sandbox;
   return [pool](const std::string& code) { return pool->submit(code); };
 }
 
@@ -372,11 +376,11 @@ void broadcast_weights(Run& run) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors;
   // The parameters stage holds chunks, not weights: every rank's are its own, made from the same weights.
-  if (!run.sharded || run.sharded->stage() != ShardStage::kParameters) {
-    for (const auto& p : run.policy->parameters()) tensors.push_back(p.detach());
+  if (!run.model.sharded || run.model.sharded->stage() != ShardStage::kParameters) {
+    for (const auto& p : run.model.policy->parameters()) tensors.push_back(p.detach());
   }
-  for (const auto& m : run.master) tensors.push_back(m.detach());
-  for (const auto& [name, t] : run.extra) tensors.push_back(t.detach());
+  for (const auto& m : run.model.master) tensors.push_back(m.detach());
+  for (const auto& [name, t] : run.model.extra) tensors.push_back(t.detach());
   run.dist->broadcast(tensors, 0);
 }
 
@@ -440,8 +444,8 @@ RolloutBatch collect_rollouts(Run& run) {
               " carried groups on a rank, more than rollout.partial_extra_prompts ", extra, " over ", world, " ranks");
   // Every rank draws the step's P prompts; each samples its share (rank_prompts), with the noise stream of
   // the prompt's draw index, as one process would.
-  const int64_t first_draw = run.prompts->consumed();
-  const std::vector<PromptExample> drawn = run.prompts->next(P + top_up);
+  const int64_t first_draw = run.data.prompts->consumed();
+  const std::vector<PromptExample> drawn = run.data.prompts->next(P + top_up);
   std::vector<int64_t> mine(P);
   std::iota(mine.begin(), mine.end(), 0);
   // A rollout rank (train.rollout_ranks) takes a contiguous 1/world of the step; the training ranks re-split.
@@ -471,19 +475,19 @@ RolloutBatch collect_rollouts(Run& run) {
   {
     at::NoGradGuard no_grad;
     // train.shard parameters: decoded from whole weights (a source's copy is whole already).
-    const GatheredWeights whole(source ? std::shared_ptr<ShardedState>() : run.sharded);
+    const GatheredWeights whole(source ? std::shared_ptr<ShardedState>() : run.model.sharded);
     // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
-    std::unique_ptr<ModelPolicy> own;
+    std::unique_ptr<DecodeEngine> own;
     const Transformer& model = source ? *source->model : rollout_model(run);
-    std::unique_ptr<ModelPolicy>& kept = source ? *source->policy : run.rollout_policy;
+    std::unique_ptr<DecodeEngine>& kept = source ? *source->policy : run.rollout.engine;
     if (!cfg.rollout.engine.keep_cache) {
-      own = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
+      own = std::make_unique<DecodeEngine>(model, engine_options(cfg.rollout));
     } else if (!kept || &kept->model() != &model) {
-      kept = std::make_unique<ModelPolicy>(model, policy_options(cfg.rollout));
+      kept = std::make_unique<DecodeEngine>(model, engine_options(cfg.rollout));
     }
-    ModelPolicy& policy = own ? *own : *kept;
-    out.trajs = rollout(policy, *run.tokenizer, encode_prompts(run, examples), sampling, ro, tools, streams, run.tools,
-                        &out.stats, &rc);
+    DecodeEngine& policy = own ? *own : *kept;
+    out.trajs = rollout(policy, *run.data.tokenizer, encode_prompts(run, examples), sampling, ro, tools, streams,
+                        run.rollout.tools, &out.stats, &rc);
   }
   if (carry) {  // the returned groups' examples, and the carried ones' kept for their turn
     std::map<int64_t, PromptExample> known = std::move(carry->examples);
@@ -533,27 +537,27 @@ RolloutBatch collect_rollouts(Run& run) {
 
 double begin_training(Run& run) {
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  if (run.lead()) run.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0);
+  if (run.lead()) run.metrics.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0);
   const bool fresh = run.counters.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
   broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
   // The sharded state took its masters from the weights before the warm-up trained them.
-  if (run.sharded && fresh && run.config.sft.steps > 0) run.sharded->load_from_model();
-  ensure_reference(run);  // only when policy.kl_coef > 0: the policy RL starts from
-  return fresh && !run.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
+  if (run.model.sharded && fresh && run.config.sft.steps > 0) run.model.sharded->load_from_model();
+  ensure_reference(run);  // only when objective.kl_coef > 0: the policy RL starts from
+  return fresh && !run.data.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
 }
 
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m) {
-  if (run.eval_set.empty() || run.counters.step != run.config.train.steps) return;
-  const double pass1 =
-      run.last_eval_step == run.counters.step ? run.last_eval_pass1 : report_evaluation(run, "after RL").pass1;
+  if (run.data.eval_set.empty() || run.counters.step != run.config.train.steps) return;
+  const double pass1 = run.metrics.last_eval_step == run.counters.step ? run.metrics.last_eval_pass1
+                                                                       : report_evaluation(run, "after RL").pass1;
   if (std::isfinite(eval_start)) m["eval_accuracy_start"] = eval_start;
   m["eval_accuracy_end"] = pass1;
 }
 
 std::map<std::string, double> periodic_evaluation(Run& run) {
   const int64_t every = run.config.train.eval_every;
-  if (run.eval_set.empty() || every <= 0 ||
+  if (run.data.eval_set.empty() || every <= 0 ||
       !(run.counters.step % every == 0 || run.counters.step == run.config.train.steps))
     return {};
   const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.counters.step));
@@ -562,8 +566,8 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
 
 EvalResult report_evaluation(Run& run, const std::string& when) {
   const EvalResult r = evaluate(run);
-  run.last_eval_step = static_cast<double>(run.counters.step);
-  run.last_eval_pass1 = r.pass1;
+  run.metrics.last_eval_step = static_cast<double>(run.counters.step);
+  run.metrics.last_eval_pass1 = r.pass1;
   if (!run.lead()) return r;
   std::cerr << "eval " << when << ": pass@1 " << 100 * r.pass1 << "%";
   if (r.k > 1) std::cerr << " (" << r.k << " samples), pass@" << r.k << " " << 100 * r.pass_k << "%";
@@ -572,9 +576,9 @@ EvalResult report_evaluation(Run& run, const std::string& when) {
 }
 
 EvalResult evaluate(Run& run) {
-  if (run.eval_set.empty()) return EvalResult{};
+  if (run.data.eval_set.empty()) return EvalResult{};
   at::NoGradGuard no_grad;
-  const GatheredWeights whole(run.sharded);
+  const GatheredWeights whole(run.model.sharded);
   const int64_t k = run.config.train.eval_samples;
   SamplingOptions s = run.config.sampling;
   if (k == 1) s.temperature = 0;  // greedy
@@ -584,16 +588,17 @@ EvalResult evaluate(Run& run) {
   // Rank r evaluates problems r, r + world, ...; each with the noise stream of its index, as one process.
   std::vector<PromptExample> problems;
   std::vector<int64_t> streams;
-  for (size_t i = run.dist->rank(); i < run.eval_set.size(); i += run.dist->world()) {
-    problems.push_back(run.eval_set[i]);
+  for (size_t i = run.dist->rank(); i < run.data.eval_set.size(); i += run.dist->world()) {
+    problems.push_back(run.data.eval_set[i]);
     streams.push_back(static_cast<int64_t>(i));
   }
   std::vector<Trajectory> trajs;
   if (!problems.empty()) {
     RolloutOptions ro = run.config.rollout;
     if (!run.lead()) ro.progress_s = 0;
-    ModelPolicy policy(rollout_model(run), policy_options(run.config.rollout));
-    trajs = rollout(policy, *run.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams, run.tools);
+    DecodeEngine policy(rollout_model(run), engine_options(run.config.rollout));
+    trajs = rollout(policy, *run.data.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams,
+                    run.rollout.tools);
     score_rewards(run, trajs, problems);  // an evaluation's script failures count in no metric
   }
   return summarize_evaluation(trajs, k, run.dist.get());

@@ -24,7 +24,7 @@
 #include "data/tokenizer.h"
 #include "model/transformer.h"
 #include "parallel/dist.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/python_reward.h"
 #include "rollout/retool.h"
 #include "rollout/sandbox.h"
@@ -50,6 +50,64 @@ class PendingRollouts {
   virtual bool partial() const { return false; }
 };
 
+// The model and its optimizer state: what the update trains and a checkpoint keeps.
+struct ModelState {
+  std::unique_ptr<Transformer> policy;
+  // Only when objective.kl_coef > 0: the policy as RL starts (after the warm-up), saved once to
+  // out_dir/reference so a resumed run keeps it. With LoRA: the base shared with the policy plus a
+  // frozen copy of the adapters, saved as a PEFT adapter folder.
+  std::unique_ptr<Transformer> reference;
+  // Named trainable tensors beside the policy (PPO's value head): optimised in a second parameter group
+  // and checkpointed with the run.
+  std::map<std::string, at::Tensor> extra;
+  double extra_lr_scale = 1.0;  // the second group's learning rate over the policy's
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  // Mixed precision (model.dtype bfloat16, train.master_weights fp32): fp32 copies of the policy's
+  // parameters, in the order of policy->parameters(). AdamW steps these (its moments are fp32 too); the
+  // bf16 parameters are their rounding, refreshed after every step. Empty otherwise.
+  std::vector<at::Tensor> master;
+  // train.shard / train.offload set: the sharded state (parallel/shard.h) trains in place of `optimizer`
+  // and `master` (both empty then). Shared: ShardedState is complete in parallel/shard.h only.
+  std::shared_ptr<ShardedState> sharded;
+};
+
+// What the rollout decodes with and calls: the engine, the merged weights, the tools and the reward script.
+struct RolloutState {
+  ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
+  // The run's interpreter pool, made on first use (tool_runner).
+  std::shared_ptr<SandboxPool> sandbox;
+  // reward.kind python: the script, its own interpreter pool and its pending metrics (trainer/rewards.h),
+  // made at the first scoring.
+  std::shared_ptr<ScriptRewards> rewards;
+  // rollout.keep_cache: the training rollouts' DecodeEngine, made at the first and kept (its KV cache and
+  // CUDA graphs with it) while it is built on the policy.
+  std::unique_ptr<DecodeEngine> engine;
+  // lora.rank > 0: what the rollout and the evaluation decode, the policy with its adapters merged into
+  // the targeted weights (Transformer::merged; its other tensors are the policy's), refreshed in place by
+  // rollout_model(). It costs the targeted weights' size again.
+  std::unique_ptr<Transformer> merged;
+  // train.async's rollout beside the update, or train.rollout_ranks' on other ranks: what a checkpoint
+  // keeps of it.
+  PendingRollouts* pending = nullptr;
+};
+
+// What the run reads: the tokenizer, the chat template, the prompt stream and the held-out set.
+struct RunData {
+  std::unique_ptr<Tokenizer> tokenizer;
+  // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
+  std::shared_ptr<const HfChatTemplate> chat;
+  std::unique_ptr<PromptSampler> prompts;
+  std::vector<PromptExample> eval_set;  // held-out training prompts, or data.eval_path's problems
+};
+
+// Where the run's figures go: metrics.jsonl, the console and the plot (made by begin_training; shared:
+// MetricsLog is complete in trainer/metrics.h only), and the latest evaluation.
+struct RunMetrics {
+  std::shared_ptr<MetricsLog> log;
+  double last_eval_step = -1, last_eval_pass1 = 0;  // the latest evaluation: after which step, its pass@1
+};
+
+// A training run: its config and place among the ranks, then its parts grouped by who owns them.
 struct Run {
   // True while the loop should go on: steps remain and --stop-after is not reached.
   bool more_steps() const { return counters.step < last_step(); }
@@ -71,52 +129,18 @@ struct Run {
   // The ranks of a data-parallel run (parallel/dist.h); one process: collectives that do nothing. With
   // train.rollout_ranks, this rank's side of the placement: the training ranks, or the rollout ranks.
   std::shared_ptr<Collectives> dist = single_process();
-  // train.rollout_ranks (trainer/rollout_ranks.h): the job's ranks, the broadcast group, and this rank's role.
+  // train.rollout_ranks (parallel/placement.h): the job's ranks, the broadcast group, and this rank's role.
   std::shared_ptr<Placement> placement;
   bool rollout_rank = false;  // this rank only samples: it has no optimizer and writes no run files
-  std::unique_ptr<Tokenizer> tokenizer;
-  ToolProtocol tools;  // how the model calls the interpreter and how its output comes back (rollout/tools.h)
-  // The run's interpreter pool (made on first use: tool_runner) and its metrics.jsonl / console / plot
-  // writer (begin_training). Shared pointers: MetricsLog is complete in trainer/metrics.h only.
-  std::shared_ptr<SandboxPool> sandbox;
-  std::shared_ptr<MetricsLog> log;
-  // reward.kind python: the script, its own interpreter pool and its pending metrics (trainer/rewards.h),
-  // made at the first scoring.
-  std::shared_ptr<ScriptRewards> rewards;
-  // chat.template model: the checkpoint's own chat template (else prompts use the fixed chat.prompt).
-  std::shared_ptr<const HfChatTemplate> chat;
-  std::unique_ptr<Transformer> policy;
-  // rollout.keep_cache: the training rollouts' ModelPolicy, made at the first and kept (its KV cache and
-  // CUDA graphs with it) while it is built on `policy`.
-  std::unique_ptr<ModelPolicy> rollout_policy;
-  // lora.rank > 0: what the rollout and the evaluation decode, the policy with its adapters merged into
-  // the targeted weights (Transformer::merged; its other tensors are the policy's), refreshed in place by
-  // rollout_model(). It costs the targeted weights' size again.
-  std::unique_ptr<Transformer> merged;
-  // Only when policy.kl_coef > 0: the policy as RL starts (after the warm-up), saved once to
-  // out_dir/reference so a resumed run keeps it. With LoRA: the base shared with the policy plus a
-  // frozen copy of the adapters, saved as a PEFT adapter folder.
-  std::unique_ptr<Transformer> reference;
-  std::unique_ptr<PromptSampler> prompts;
-  std::vector<PromptExample> eval_set;              // held-out training prompts, or data.eval_path's problems
-  double last_eval_step = -1, last_eval_pass1 = 0;  // the latest evaluation: after which step, its pass@1
-  // Named trainable tensors beside the policy (PPO's value head): optimised in a second parameter group
-  // and checkpointed with the run.
-  std::map<std::string, at::Tensor> extra;
-  double extra_lr_scale = 1.0;  // the second group's learning rate over the policy's
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-  // Mixed precision (model.dtype bfloat16, train.master_weights fp32): fp32 copies of the policy's
-  // parameters, in the order of policy->parameters(). AdamW steps these (its moments are fp32 too); the
-  // bf16 parameters are their rounding, refreshed after every step. Empty otherwise.
-  std::vector<at::Tensor> master;
-  // train.shard / train.offload set: the sharded state (parallel/shard.h) trains in place of `optimizer`
-  // and `master` (both empty then). Shared: ShardedState is complete in parallel/shard.h only.
-  std::shared_ptr<ShardedState> sharded;
+
+  ModelState model;
+  RolloutState rollout;
+  RunData data;
+  RunMetrics metrics;
+
   StepCounters counters;     // RL steps, optimizer steps and skipped ones (parallel/options.h)
   int64_t stop_after = 0;    // > 0: checkpoint and return once `step` reaches it (--stop-after)
   std::string resumed_from;  // the checkpoint folder a resumed run loaded (load_checkpoint)
-  // train.async, train.rollout_ranks: the rollout running beside the update, whose state a checkpoint keeps.
-  PendingRollouts* async = nullptr;
   // The old log-probs in force: train.old_logprobs, switched to recompute for good once a step's
   // logprob_mismatch_mean exceeds train.old_logprobs_tol (check_old_logprobs, trainer/metrics.h).
   // Checkpointed, so a resumed run keeps the switch.
@@ -144,15 +168,15 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 // evenly over `world` ranks, whole prompts each: RunError naming the keys otherwise.
 void check_world(const Config& config, int world);
 
-// Rank 0's parameters (the policy's, its fp32 masters, run.extra) on every rank.
+// Rank 0's parameters (the policy's, its fp32 masters, run.model.extra) on every rank.
 void broadcast_weights(Run& run);
 
-// Makes run.reference when policy.kl_coef > 0 and there is none: loaded from out_dir/reference when a
+// Makes run.model.reference when objective.kl_coef > 0 and there is none: loaded from out_dir/reference when a
 // resumed run saved one, else a copy of the policy, saved there.
 void ensure_reference(Run& run);
 
 // What every trainer does before its first RL step: CPU memory tracking (the peak-memory metrics), the
-// metrics log, the warm-up (a fresh run with sft.steps > 0), the reference policy (policy.kl_coef > 0),
+// metrics log, the warm-up (a fresh run with sft.steps > 0), the reference policy (objective.kl_coef > 0),
 // and the evaluation "before" on a fresh run. Returns that
 // evaluation's pass@1, NaN when there is none.
 double begin_training(Run& run);
@@ -160,7 +184,7 @@ double begin_training(Run& run);
 // adding eval_accuracy_start / eval_accuracy_end (pass@1) to `m`.
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m);
 
-// The model the rollout and the evaluation decode: the policy itself, or with LoRA run.merged, made on
+// The model the rollout and the evaluation decode: the policy itself, or with LoRA run.rollout.merged, made on
 // first use and rewritten in place from the policy's current adapters at every call.
 const Transformer& rollout_model(Run& run);
 
@@ -214,7 +238,7 @@ int64_t partial_extra_prompts(const Config& config, int world);
 // scope's life; without one, collect_rollouts reads the run's own (rollout_model, run.dist, run.counters.step).
 struct RolloutSource {
   const Transformer* model = nullptr;
-  std::unique_ptr<ModelPolicy>* policy = nullptr;  // where the kept ModelPolicy lives
+  std::unique_ptr<DecodeEngine>* policy = nullptr;  // where the kept DecodeEngine lives
   Collectives* dist = nullptr;
   int64_t step = 0;     // run.counters.step as the batch's step begins: seeds the sampling noise
   int64_t version = 0;  // the weights' version (Trajectory::weights_version)
@@ -238,7 +262,7 @@ class RolloutSourceScope {
 // Runs code on the run's interpreter pool (sandbox.workers processes), made on first use and kept.
 ToolRunner tool_runner(Run& run);
 
-// One evaluation on run.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
+// One evaluation on run.data.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
 // else sampled at sampling.temperature / top_p / top_k with a noise stream of its own).
 struct EvalResult {
   double pass1 = 0;     // mean over problems of (correct completions / k)

@@ -68,7 +68,8 @@ double sft_warmup(Run& run) {
   // A bf16 model with master weights trains the run's fp32 masters here too (its own AdamW state): plain
   // bf16 AdamW would round most small updates away, and the RL optimizer then starts from the masters the
   // warm-up left, not from the weights before it.
-  const std::vector<at::Tensor> trained = run.master.empty() ? run.policy->trainable_parameters() : run.master;
+  const std::vector<at::Tensor> trained =
+      run.model.master.empty() ? run.model.policy->trainable_parameters() : run.model.master;
   torch::optim::AdamW opt(
       trained, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.adam_eps).weight_decay(o.weight_decay));
   TrainOptions sched;  // the schedule's fields, read by learning_rate()
@@ -99,12 +100,12 @@ double sft_warmup(Run& run) {
       std::vector<TraceSegment> segs;
       if (tool) {
         const WorkedSolution w = worked_solution(tasks[k]);
-        segs = tool_use_trace(run.tools, w.code, w.output, w.answer);
+        segs = tool_use_trace(run.rollout.tools, w.code, w.output, w.answer);
       } else {
         segs = {{"Answer: \\boxed{" + tasks[k].answer + "}", true}};
       }
       for (const auto& seg : segs) {
-        for (int64_t id : run.tokenizer->encode(seg.text)) {
+        for (int64_t id : run.data.tokenizer->encode(seg.text)) {
           t.response_ids.push_back(id);
           t.loss_mask.push_back(seg.trainable ? 1 : 0);
           t.logprobs.push_back(0.0f);
@@ -115,13 +116,13 @@ double sft_warmup(Run& run) {
     set_learning_rate(opt, learning_rate(sched, step, o.steps));
     opt.zero_grad();
     PackedBatch b = pack(batch, 0, static_cast<int64_t>(batch.size()), run.device);
-    ResponseLogprobs r = response_logprobs(*run.policy, b, lo);
+    ResponseLogprobs r = response_logprobs(*run.model.policy, b, lo);
     at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / b.loss_mask.sum().clamp_min(1);  // token-mean NLL
     loss.backward();
-    accumulate_gradients(run);  // master weights: the bf16 gradients into the fp32 masters' gradients
+    accumulate_gradients(run.model);  // master weights: the bf16 gradients into the fp32 masters' gradients
     if (o.grad_clip > 0) torch::nn::utils::clip_grad_norm_(trained, o.grad_clip);
     opt.step();
-    copy_master_weights_to_model(run);
+    copy_master_weights_to_model(run.model);
     loss_value = loss.item<double>();
     if (run.lead() && (step % 20 == 0 || step + 1 == o.steps)) {
       const double sec = seconds_since(t0);

@@ -17,11 +17,11 @@ mkdir -p "$out"
 # Each recipe's keys on top of retool_gpu.yaml (docs/training.md, "RL recipes").
 declare -A recipe=(
   [grpo]=""
-  [drgrpo]="--set policy.agg=seq-mean-token-sum-norm --set policy.agg_norm=160 --set train.scale_rewards=none"
+  [drgrpo]="--set objective.agg=seq-mean-token-sum-norm --set objective.agg_norm=160 --set train.scale_rewards=none"
   [rloo]="--set train.advantage=rloo"
   [reinforce_pp]="--set train.advantage=reinforce_pp"
-  [gspo]="--set policy.ratio_level=sequence --set policy.clip_eps_low=0.0003 --set policy.clip_eps_high=0.0004"
-  [cispo]="--set policy.loss=cispo --set policy.clip_eps_low=1.0 --set policy.clip_eps_high=2.0"
+  [gspo]="--set objective.ratio_level=sequence --set objective.clip_eps_low=0.0003 --set objective.clip_eps_high=0.0004"
+  [cispo]="--set objective.loss=cispo --set objective.clip_eps_low=1.0 --set objective.clip_eps_high=2.0"
   [dapo]="--set train.dynamic_sampling=true --set train.max_sampling_rounds=3 --set reward.overlong_buffer=64
           --set reward.overlong_penalty=1.0"
   [grpo_async]="--set train.async=one_step"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rollout engine on the GPU host: build; every test (ctest: on CUDA, ModelPolicy replays
+# The rollout engine on the GPU host: build; every test (ctest: on CUDA, DecodeEngine replays
 # CUDA graphs through holes and compaction against float64 full forwards);
 # bench_model (64 x (256 prompt + 512 new), sampling, random Qwen2.5-0.5B shape;
 # 3 reps, the median; plus a Kineto trace of each mode split by phase: trace_summary.txt)

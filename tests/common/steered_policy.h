@@ -20,7 +20,7 @@
 
 #include "common/memory.h"
 #include "common/timing.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 
 namespace rlt::testing {
 
@@ -32,7 +32,7 @@ struct SteerOptions {
   // so the rows do not all call at once.
   bool spread = false;
   std::vector<int64_t> reply_end;  // the tokens that end a tool's reply; empty: one scripted turn
-  // A tool's reply enters in one forward (ModelPolicy::extend); off: one token per step (TokenPolicy's
+  // A tool's reply enters in one forward (DecodeEngine::extend); off: one token per step (TokenPolicy's
   // default extend).
   bool multi_token = true;
   // Broken multi-token feeds, for the checks that must reject them: each run of several tokens loses its
@@ -43,9 +43,9 @@ struct SteerOptions {
 
 class SteeredPolicy : public TokenPolicy {
  public:
-  SteeredPolicy(const Transformer& m, SteerOptions steer, ModelPolicyOptions po = {})
+  SteeredPolicy(const Transformer& m, SteerOptions steer, EngineOptions po = {})
       : inner_(m, po), o_(std::move(steer)) {}
-  ModelPolicy& inner() { return inner_; }
+  DecodeEngine& inner() { return inner_; }
 
   // Ends trajectory n (counted from `first`, the index of this rollout's first prompt in the whole set) with
   // `eos` after budget(first + n) tokens: lengths that differ per trajectory but not between runs.
@@ -173,7 +173,7 @@ class SteeredPolicy : public TokenPolicy {
     return logits;
   }
 
-  ModelPolicy inner_;
+  DecodeEngine inner_;
   SteerOptions o_;
   std::vector<Row> rows_;  // by sequence
   int64_t prompts_ = 0;    // prompts started

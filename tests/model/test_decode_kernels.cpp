@@ -312,7 +312,7 @@ TEST(DecodeKernels, CacheAttentionSplitsFillWholeWaves) {
 #endif
 }
 
-// The squeeze of a kept cache (KvCache::squeeze_, as ModelPolicy::compact calls it): every layer's kept
+// The squeeze of a kept cache (KvCache::squeeze_, as DecodeEngine::compact calls it): every layer's kept
 // slots moved down in place by one kernel must equal ATen's gather of them, bit for bit, in three dtypes
 // and three slot sizes, with rows of no hole, of no kept slot, and of long moves across several of the
 // kernel's chunks. The tensors stay where they were, and the slots past the kept ones are left as they were
@@ -338,7 +338,7 @@ TEST(DecodeKernelsCuda, SqueezeMovesEveryLayersKeptSlotsInPlaceAsAtenGathersThem
     valid[1].fill_(false);
     valid[5].fill_(false);
     valid[5].narrow(0, L - 100, 100).fill_(true);
-    // As ModelPolicy::compact makes it: each row's kept slots in order, then zeros.
+    // As DecodeEngine::compact makes it: each row's kept slots in order, then zeros.
     at::Tensor n = valid.sum(1);
     const int64_t S = n.max().item<int64_t>();
     at::Tensor slot = at::arange(L, lo).view({1, L});

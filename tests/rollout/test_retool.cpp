@@ -1,7 +1,7 @@
 // The ReTool loop with a scripted stand-in policy (turn ends, windows, loss masks, truncation, feedback,
 // token counts, tool concurrency, refills), and rollouts of a tiny model steered into tool calls: real
-// sandboxed calls, replies fed in one forward or merged with decode steps, refills. ModelPolicy's own
-// tests: test_model_policy.cpp. Partial rollouts (RolloutCarry): a cut rollout continued under the same
+// sandboxed calls, replies fed in one forward or merged with decode steps, refills. DecodeEngine's own
+// tests: test_engine.cpp. Partial rollouts (RolloutCarry): a cut rollout continued under the same
 // weights is the uncut one, and one continued under newer weights carries each token's version and the
 // log-prob of the weights that sampled it.
 #include "rollout/retool.h"
@@ -1037,7 +1037,7 @@ class PartialRolloutTest : public ReToolTest {
   }
   std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n,
                              RolloutStats* stats = nullptr, int64_t max_staleness = 2) const {
-    ModelPolicy policy(m);
+    DecodeEngine policy(m);
     RolloutOptions o = partial_options();
     o.max_staleness = max_staleness;
     return rollout(policy, *tok_, prompts(first, n), partial_sampling(), o, {}, streams(first, n), {}, stats, carry);

@@ -47,7 +47,7 @@ std::vector<at::Tensor> snapshot(const Transformer& model) {
 // module's scoring, on a model holding those weights).
 double logprob_gap(Run& run, const std::vector<Trajectory>& trajs, const std::vector<at::Tensor>& weights) {
   at::NoGradGuard no_grad;
-  Transformer model = run.policy->clone();
+  Transformer model = run.model.policy->clone();
   const auto params = model.named_parameters();
   for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(weights[i]);
   const PackedBatch b = pack(trajs, 0, static_cast<int64_t>(trajs.size()), run.device);
@@ -67,12 +67,12 @@ Observed run_schedule(AsyncFault fault, const std::string& dir) {
   c.sft.steps = 10;  // only the sampling matters here
   Run run = make_run(c, dir, /*resume=*/false, {});
   std::vector<std::promise<void>> moved(5);
-  std::vector<std::vector<at::Tensor>> weights{snapshot(*run.policy)};
+  std::vector<std::vector<at::Tensor>> weights{snapshot(*run.model.policy)};
   AsyncRollouts async(
       run,
       [&](Run& r) {
         // The rollout of step s (its run.counters.step + 1) starts after step s - 1's update moved the weights.
-        const int64_t step = r.prompts->consumed() / r.config.train.prompts_per_step + 1;
+        const int64_t step = r.data.prompts->consumed() / r.config.train.prompts_per_step + 1;
         if (step >= 2) moved[step - 1].get_future().wait();
         return collect_rollouts(r);
       },
@@ -88,9 +88,9 @@ Observed run_schedule(AsyncFault fault, const std::string& dir) {
     o.gap.push_back(gaps);
     {
       at::NoGradGuard no_grad;
-      for (const auto& [name, p] : run.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
+      for (const auto& [name, p] : run.model.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
     }
-    weights.push_back(snapshot(*run.policy));
+    weights.push_back(snapshot(*run.model.policy));
     run.counters.step = t;
     if (t < 4) moved[t].set_value();
   }
@@ -254,7 +254,7 @@ Config partial_config() {
 std::vector<at::Tensor> scored(Run& run, const std::vector<Trajectory>& trajs,
                                const std::vector<std::vector<at::Tensor>>& weights) {
   at::NoGradGuard no_grad;
-  Transformer model = run.policy->clone();
+  Transformer model = run.model.policy->clone();
   const auto params = model.named_parameters();
   const PackedBatch b = pack(trajs, 0, static_cast<int64_t>(trajs.size()), run.device);
   std::vector<at::Tensor> out;
@@ -277,7 +277,7 @@ TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
   begin_training(run);  // the warm-up: completions of varied lengths
   const int64_t P = c.train.prompts_per_step, G = c.sampling.samples_per_prompt;
   std::vector<std::promise<void>> moved(7);
-  std::vector<std::vector<at::Tensor>> weights{snapshot(*run.policy)};
+  std::vector<std::vector<at::Tensor>> weights{snapshot(*run.model.policy)};
   std::atomic<int64_t> calls{0};
   AsyncRollouts async(run, [&](rlt::Run& r) {
     const int64_t step = ++calls;  // the rollout of step `step` starts after step - 1's update moved the weights
@@ -324,9 +324,9 @@ TEST(AsyncPartial, EachTokenHasTheLogprobOfTheWeightsItsVersionNames) {
     resumed += rb.stats.resumed;
     {
       at::NoGradGuard no_grad;
-      for (const auto& [name, p] : run.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
+      for (const auto& [name, p] : run.model.policy->named_parameters()) p.add_(at::randn_like(p), 0.05);
     }
-    weights.push_back(snapshot(*run.policy));
+    weights.push_back(snapshot(*run.model.policy));
     run.counters.step = t;
     if (t < 6) moved[t].set_value();
   }

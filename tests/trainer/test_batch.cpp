@@ -12,7 +12,7 @@
 
 #include "data/tokenizer.h"
 #include "model/transformer.h"
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 #include "rollout/retool.h"
 #include "tests/common/check.h"
 #include "tests/common/tiny_model.h"
@@ -144,7 +144,7 @@ TEST(Batch, RolloutLogprobsMatchTheTrainersInFp32) {
   std::vector<Trajectory> trajs;
   {
     at::NoGradGuard no_grad;
-    ModelPolicy policy(model, ModelPolicyOptions{});
+    DecodeEngine policy(model, EngineOptions{});
     trajs = rollout(policy, tok, {tok.encode("What is 12 * 34?"), tok.encode("def f(x):")}, s, ro, ToolRunner());
   }
   const PackedBatch b = pack(trajs, 0, static_cast<int64_t>(trajs.size()), at::kCPU);

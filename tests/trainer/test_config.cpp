@@ -55,7 +55,7 @@ TEST(Config, DefaultsWithoutAFile) {
   EXPECT_TRUE(c.loss.response_only);
   EXPECT_FALSE(c.loss.loss_mask_only);
   EXPECT_EQ(c.loss.chunk_size, 0);
-  EXPECT_EQ(c.policy.agg, LossAgg::kTokenMean);
+  EXPECT_EQ(c.objective.agg, LossAgg::kTokenMean);
 }
 
 // --print-config of the defaults, read back, is the defaults: the printed YAML is a complete config.
@@ -73,19 +73,19 @@ TEST(Config, PrintedDefaultsReadBackAsTheDefaults) {
 TEST(Config, FileThenOverrides) {
   const std::string p = write_yaml("ok.yaml",
                                    "loss:\n  impl: cce\n  chunk_size: 256\n  loss_mask_only: true\n"
-                                   "policy:\n  clip_eps_high: 0.28\n  agg: seq-mean-token-mean\n");
-  Config c = load_config(p, {"loss.chunk_size=512", "sampling.temperature=0.7", "policy.kl_estimator=k1"});
+                                   "objective:\n  clip_eps_high: 0.28\n  agg: seq-mean-token-mean\n");
+  Config c = load_config(p, {"loss.chunk_size=512", "sampling.temperature=0.7", "objective.kl_estimator=k1"});
   EXPECT_EQ(c.loss.impl, LogprobImpl::kCce);
   EXPECT_EQ(c.loss.chunk_size, 512) << "--set wins over the file";
   EXPECT_TRUE(c.loss.loss_mask_only);
   EXPECT_DOUBLE_EQ(c.sampling.temperature, 0.7);
-  EXPECT_DOUBLE_EQ(c.policy.clip_eps_high, 0.28);
-  EXPECT_EQ(c.policy.agg, LossAgg::kSeqMeanTokenMean);
-  EXPECT_EQ(c.policy.kl_estimator, KlEstimator::kK1);
+  EXPECT_DOUBLE_EQ(c.objective.clip_eps_high, 0.28);
+  EXPECT_EQ(c.objective.agg, LossAgg::kSeqMeanTokenMean);
+  EXPECT_EQ(c.objective.kl_estimator, KlEstimator::kK1);
 }
 
 TEST(Config, DescribeRoundTrips) {
-  Config c = load_config("", {"loss.impl=naive", "loss.entropy=grad", "policy.clip_c=3"});
+  Config c = load_config("", {"loss.impl=naive", "loss.entropy=grad", "objective.clip_c=3"});
   const std::string p = write_yaml("roundtrip.yaml", describe_config(c));
   EXPECT_EQ(describe_config(load_config(p, {})), describe_config(c));
 }
@@ -97,7 +97,30 @@ TEST(Config, UnknownKeyNamesFileLineAndKnownKeys) {
 
 TEST(Config, UnknownSection) {
   const std::string p = write_yaml("section.yaml", "los:\n  impl: cce\n");
-  expect_error(p, {}, {p + ":1", "los", "unknown section", "loss, policy"});
+  expect_error(p, {}, {p + ":1", "los", "unknown section", "loss, objective"});
+}
+
+// A section read under its older name (Config::renamed_sections) lands in the new one, with one warning
+// line per key naming the new key and where the old one was written.
+TEST(Config, ARenamedSectionIsReadWithAWarningNamingTheNewKey) {
+  const std::string p = write_yaml("renamed.yaml", "policy:\n  kl_coef: 0.05\n");
+  ::testing::internal::CaptureStderr();
+  const Config c = load_config(p, {"policy.agg=seq-mean-token-mean"});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_DOUBLE_EQ(c.objective.kl_coef, 0.05);
+  EXPECT_EQ(c.objective.agg, LossAgg::kSeqMeanTokenMean);
+  EXPECT_NE(err.find(p + ":2: policy.kl_coef is objective.kl_coef"), std::string::npos) << err;
+  EXPECT_NE(err.find("policy.agg is objective.agg"), std::string::npos) << err;
+  size_t lines = 0;
+  for (size_t at = err.find("warning: "); at != std::string::npos; at = err.find("warning: ", at + 1)) ++lines;
+  EXPECT_EQ(lines, 2u) << err;
+  // The controls: both values differ from the defaults, and a key the section lacks is still refused
+  // under the old name, naming the new section's keys.
+  EXPECT_NE(Config{}.objective.kl_coef, 0.05);
+  EXPECT_NE(Config{}.objective.agg, LossAgg::kSeqMeanTokenMean);
+  ::testing::internal::CaptureStderr();
+  expect_error("", {"policy.kl_coeff=0.1"}, {"objective.kl_coeff", "unknown key", "kl_coef"});
+  ::testing::internal::GetCapturedStderr();
 }
 
 TEST(Config, WrongTypes) {
@@ -115,7 +138,7 @@ TEST(Config, WrongTypes) {
 TEST(Config, OutOfRange) {
   expect_error(write_yaml("r1.yaml", "loss:\n  chunk_size: -1\n"), {}, {":2", "loss.chunk_size", "out of range"});
   expect_error("", {"sampling.temperature=-1"}, {"--set sampling.temperature=-1", "out of range"});
-  expect_error("", {"policy.clip_eps_low=2"}, {"policy.clip_eps_low", "out of range"});
+  expect_error("", {"objective.clip_eps_low=2"}, {"objective.clip_eps_low", "out of range"});
 }
 
 TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
@@ -123,8 +146,8 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   expect_error(p, {}, {p + ":3", "loss.loss_mask_only", "response_only"});
   expect_error("", {"loss.response_only=false", "loss.loss_mask_only=true"},
                {"--set loss.loss_mask_only=true", "loss.loss_mask_only"});
-  expect_error("", {"policy.clip_c=0.5"}, {"policy.clip_c"});
-  expect_error("", {"policy.agg=seq-mean-token-sum-norm"}, {"policy.agg_norm"});
+  expect_error("", {"objective.clip_c=0.5"}, {"objective.clip_c"});
+  expect_error("", {"objective.agg=seq-mean-token-sum-norm"}, {"objective.agg_norm"});
   // Rules across sections: the trainer scores what was sampled, a JSONL source needs a file, an entropy
   // bonus needs the entropy's gradient.
   // One value per setting: the trainer's log-probs use sampling.temperature, so `loss:` has no temperature
@@ -132,12 +155,12 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   expect_error("", {"loss.temperature=0.7"}, {"loss.temperature", "unknown key"});
   expect_error("", {"sampling.seed=3"}, {"sampling.seed", "unknown key"});
   expect_error("", {"train.prompts=jsonl"}, {"data.path", "jsonl"});
-  expect_error("", {"policy.entropy_coef=0.01", "loss.entropy=value"}, {"loss.entropy", "grad"});
+  expect_error("", {"objective.entropy_coef=0.01", "loss.entropy=value"}, {"loss.entropy", "grad"});
   // TIS / IcePop weigh by exp(logprobs_old - logprobs_rollout): 1 when the old log-probs are the rollout's.
-  expect_error("", {"policy.tis=2"}, {"train.old_logprobs", "recompute"});
-  expect_error("", {"policy.icepop_low=0.5", "policy.icepop_high=2"}, {"train.old_logprobs", "recompute"});
-  EXPECT_NO_THROW(load_config("", {"policy.tis=2", "train.old_logprobs=recompute"}));
-  EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "policy.entropy_coef=0.01", "loss.entropy=grad"}))
+  expect_error("", {"objective.tis=2"}, {"train.old_logprobs", "recompute"});
+  expect_error("", {"objective.icepop_low=0.5", "objective.icepop_high=2"}, {"train.old_logprobs", "recompute"});
+  EXPECT_NO_THROW(load_config("", {"objective.tis=2", "train.old_logprobs=recompute"}));
+  EXPECT_NO_THROW(load_config("", {"sampling.temperature=0", "objective.entropy_coef=0.01", "loss.entropy=grad"}))
       << "greedy sampling scores at any temperature";
   // The sharded state: the parameters stage recomputes each layer, keeps the base whole under LoRA, and the
   // state always keeps fp32 masters; the warm-up trains whole fp32 weights.

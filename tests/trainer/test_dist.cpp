@@ -261,7 +261,7 @@ struct TinyBf16 {
     run.config = load_config("", {});
     run.config.train.dist_bucket_mb = 1;
     run.device = device;
-    run.policy =
+    run.model.policy =
         std::make_unique<Transformer>(testing::tiny_llama(97, /*tie_word_embeddings=*/true), at::kBFloat16, device, 7);
     if (dist) run.dist = dist;
     make_optimizer(run, {});
@@ -272,8 +272,8 @@ struct TinyBf16 {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     const at::Tensor ids = at::randint(97, {2, 9}, gen, at::TensorOptions().dtype(at::kLong)).to(device);
     const at::Tensor pos = at::arange(9, at::TensorOptions().dtype(at::kLong)).expand({2, 9}).to(device);
-    const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
-    return run.policy->logits(h).to(at::kFloat).logsumexp(-1).mean();
+    const at::Tensor h = run.model.policy->forward(ids, pos, at::Tensor());
+    return run.model.policy->logits(h).to(at::kFloat).logsumexp(-1).mean();
   }
 };
 
@@ -287,8 +287,8 @@ void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectiv
 
   auto counting = std::make_shared<CountingCollectives>(inner);
   Run run = make(counting);
-  ASSERT_EQ(run.master.size(), run.policy->parameters().size()) << "bf16 with fp32 masters";
-  GradReducer reducer(*run.dist, run.policy->trainable_parameters(), run.master,
+  ASSERT_EQ(run.model.master.size(), run.model.policy->parameters().size()) << "bf16 with fp32 masters";
+  GradReducer reducer(*run.dist, run.model.policy->trainable_parameters(), run.model.master,
                       4096);  // small buckets: several of them
   ASSERT_GT(reducer.buckets(), 2);
   backward(run, loss_of(run, 1), &reducer, false);
@@ -297,19 +297,19 @@ void reducer_matches_plain_backward(at::Device device, std::shared_ptr<Collectiv
   loss_of(run, 2).backward();
   EXPECT_EQ(counting->started, reducer.buckets()) << "every bucket starts during the backward";
   reducer.finish();
-  accumulate_gradients(run);
-  EXPECT_EQ(counting->tensors, static_cast<int64_t>(run.master.size())) << "each gradient in one bucket, once";
-  for (size_t i = 0; i < run.master.size(); ++i) {
-    ASSERT_TRUE(run.master[i].grad().defined()) << i;
-    EXPECT_TRUE(at::equal(run.master[i].grad().cpu(), plain.master[i].grad().cpu())) << "parameter " << i;
-    EXPECT_FALSE(run.policy->parameters()[i].grad().defined()) << "bf16 gradient released, " << i;
+  accumulate_gradients(run.model);
+  EXPECT_EQ(counting->tensors, static_cast<int64_t>(run.model.master.size())) << "each gradient in one bucket, once";
+  for (size_t i = 0; i < run.model.master.size(); ++i) {
+    ASSERT_TRUE(run.model.master[i].grad().defined()) << i;
+    EXPECT_TRUE(at::equal(run.model.master[i].grad().cpu(), plain.model.master[i].grad().cpu())) << "parameter " << i;
+    EXPECT_FALSE(run.model.policy->parameters()[i].grad().defined()) << "bf16 gradient released, " << i;
   }
   // The second micro-batch's gradient alone (the first's lost) is far from the sum.
   Run second = make(nullptr);
   backward(second, loss_of(second, 2), nullptr, true);
   double diff = 0;
-  for (size_t i = 0; i < run.master.size(); ++i) {
-    diff += (second.master[i].grad() - plain.master[i].grad()).abs().sum().item<double>();
+  for (size_t i = 0; i < run.model.master.size(); ++i) {
+    diff += (second.model.master[i].grad() - plain.model.master[i].grad()).abs().sum().item<double>();
   }
   EXPECT_GT(diff, 1e-3);
 }
@@ -337,14 +337,14 @@ TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
   for (int r = 0; r < 2; ++r) {
     rlt::Run run = tiny.make(nullptr);
     backward(run, tiny.loss(run, 10 + r), nullptr, true);
-    for (const auto& m : run.master) own[r].push_back(m.grad().clone());
+    for (const auto& m : run.model.master) own[r].push_back(m.grad().clone());
   }
   rlt::testing::on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
     at::set_num_threads(1);
     rlt::Run run = tiny.make(c);
-    GradReducer reducer(*run.dist, run.policy->trainable_parameters(), run.master, 4096);
+    GradReducer reducer(*run.dist, run.model.policy->trainable_parameters(), run.model.master, 4096);
     backward(run, tiny.loss(run, 10 + r), &reducer, true);
-    for (const auto& m : run.master) reduced[r].push_back(m.grad().clone());
+    for (const auto& m : run.model.master) reduced[r].push_back(m.grad().clone());
   });
   bool bf16_sum_differs = false;
   for (size_t i = 0; i < own[0].size(); ++i) {

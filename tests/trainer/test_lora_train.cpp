@@ -60,7 +60,7 @@ Config lora_config(const std::string& base) {
   c.lora.rank = 4;
   c.lora.alpha = 8;
   c.lora.dropout = 0.1;
-  c.policy.kl_coef = 0.01;
+  c.objective.kl_coef = 0.01;
   c.train.steps = 4;
   c.train.lr = 1e-2;
   c.train.checkpoint_every = 2;
@@ -98,14 +98,14 @@ TEST(LoraRun, TrainsTheAdaptersAloneAndAResumedRunReproducesIt) {
 
   // The base is the one a new run builds from model.init_seed, bit for bit; the adapters moved.
   const rlt::Run fresh = make_run(c, (tmp.path() / "fresh").string(), /*resume=*/false);
-  const auto trained_base = run.policy->named_parameters(), fresh_base = fresh.policy->named_parameters();
+  const auto trained_base = run.model.policy->named_parameters(), fresh_base = fresh.model.policy->named_parameters();
   ASSERT_EQ(trained_base.size(), fresh_base.size());
   for (size_t k = 0; k < trained_base.size(); ++k) {
     EXPECT_FALSE(trained_base[k].second.requires_grad()) << trained_base[k].first;
     EXPECT_TRUE(at::equal(trained_base[k].second, fresh_base[k].second)) << trained_base[k].first << " changed";
   }
-  const auto adapters = run.policy->named_trainable_parameters(),
-             fresh_adapters = fresh.policy->named_trainable_parameters();
+  const auto adapters = run.model.policy->named_trainable_parameters(),
+             fresh_adapters = fresh.model.policy->named_trainable_parameters();
   ASSERT_EQ(adapters.size(), 2u * 7 * 2);
   for (size_t k = 0; k < adapters.size(); ++k) {
     EXPECT_FALSE(at::equal(adapters[k].second, fresh_adapters[k].second)) << adapters[k].first << " did not train";
@@ -123,7 +123,7 @@ TEST(LoraRun, TrainsTheAdaptersAloneAndAResumedRunReproducesIt) {
   const std::string exported = (tmp.path() / "merged").string();
   save_merged_model(run, exported);
   const Transformer loaded = Transformer::load(exported, at::kFloat, at::kCPU);
-  const auto want = run.policy->merged().named_parameters(), got = loaded.named_parameters();
+  const auto want = run.model.policy->merged().named_parameters(), got = loaded.named_parameters();
   ASSERT_EQ(want.size(), got.size());
   int64_t moved = 0;
   for (size_t k = 0; k < want.size(); ++k) {

@@ -137,7 +137,7 @@ std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t voca
 // One micro-batch's forward through the loss module and its backward, as GRPO's update runs it.
 void micro_batch(Run& run, const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, bool ends_step) {
   const PackedBatch b = pack(trajs, begin, end, run.device);
-  const ResponseLogprobs r = response_logprobs(*run.policy, b, run.config.loss);
+  const ResponseLogprobs r = response_logprobs(*run.model.policy, b, run.config.loss);
   const at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / double(b.loss_mask.sum().item<float>());
   backward(run, loss, nullptr, ends_step);
 }
@@ -183,16 +183,17 @@ TEST(MemoryPlan, TrainingStateMatchesTheMeasuredPeak) {
       PeakMemory peak(cpu);
       rlt::Run run;
       run.config = c;
-      run.policy = std::make_unique<Transformer>(m, sc.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, at::kCPU,
-                                                 /*seed=*/0);
+      run.model.policy =
+          std::make_unique<Transformer>(m, sc.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, at::kCPU,
+                                        /*seed=*/0);
       make_optimizer(run, {});
       for (int step = 0; step < 2; ++step) {
-        zero_gradients(run);
+        zero_gradients(run.model);
         for (int64_t b = 0; b < 4; b += sc.micro) micro_batch(run, trajs, b, b + sc.micro, b + sc.micro == 4);
         apply_gradients(run, at::zeros({}), /*total_optimizer_steps=*/10);
       }
       measured = peak.peak_extra_bytes();
-      host_state = run.sharded ? run.sharded->host_bytes() : 0;
+      host_state = run.model.sharded ? run.model.sharded->host_bytes() : 0;
     }
     const MemoryPlan plan = plan_memory(c, m, 1);
     // Without CUDA the offloaded optimizer's host memory comes from the tracked CPU allocator. With CUDA it
@@ -228,9 +229,10 @@ int64_t measured_activations(const Config& c, const ModelConfig& m, int64_t micr
   Run run;
   run.config = c;
   run.device = device;
-  run.policy = std::make_unique<Transformer>(m, c.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, device,
-                                             /*seed=*/0);
-  run.policy->set_activation_checkpointing(c.model.activation_checkpointing);
+  run.model.policy =
+      std::make_unique<Transformer>(m, c.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, device,
+                                    /*seed=*/0);
+  run.model.policy->set_activation_checkpointing(c.model.activation_checkpointing);
   const std::vector<Trajectory> trajs = trajectories(micro, context, m.vocab_size);
   micro_batch(run, trajs, 0, micro, true);  // the parameters' gradients, kept (and cuBLAS's workspace)
   device_synchronize(device);

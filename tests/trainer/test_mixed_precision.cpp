@@ -25,8 +25,8 @@ Run tiny_run(at::ScalarType dtype, MasterWeights master, const std::vector<at::T
   run.config.train.weight_decay = 0;
   run.config.train.grad_clip = 0;
   run.config.train.master_weights = master;
-  run.policy = std::make_unique<Transformer>(testing::tiny_llama(96), dtype, at::kCPU, /*seed=*/0);
-  const auto params = run.policy->parameters();
+  run.model.policy = std::make_unique<Transformer>(testing::tiny_llama(96), dtype, at::kCPU, /*seed=*/0);
+  const auto params = run.model.policy->parameters();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(start[i]);
   make_optimizer(run, {});
@@ -41,23 +41,23 @@ void train_step(Run& run, const at::Tensor& ids /*(B, L)*/) {
     const at::Tensor x = ids.narrow(0, half * ids.size(0) / 2, ids.size(0) / 2);  // (B/2, L)
     const int64_t B = x.size(0), L = x.size(1);
     const at::Tensor positions = at::arange(L, at::kLong).expand({B, L});
-    const at::Tensor hidden = run.policy->forward(x, positions, at::Tensor());  // (B/2, L, D)
+    const at::Tensor hidden = run.model.policy->forward(x, positions, at::Tensor());  // (B/2, L, D)
     LogprobInputs in;
     in.hidden = hidden.narrow(1, 0, L - 1).reshape({-1, hidden.size(2)});  // (B/2 * (L-1), D)
-    in.lm_head = run.policy->lm_head();
+    in.lm_head = run.model.policy->lm_head();
     in.targets = x.narrow(1, 1, L - 1).reshape({-1});
     const at::Tensor loss = -token_logprobs(in, lo).logprobs.mean() / 2;
     loss.backward();
-    accumulate_gradients(run);
+    accumulate_gradients(run.model);
   }
   apply_gradients(run, at::Tensor(), /*total_optimizer_steps=*/10);
-  run.optimizer->zero_grad();
+  run.model.optimizer->zero_grad();
 }
 
 // The flattened weights a run's optimizer updates, in float64: the masters, or the model's own.
 at::Tensor flat_weights(const Run& run) {
   std::vector<at::Tensor> parts;
-  for (const auto& p : run.master.empty() ? run.policy->parameters() : run.master) {
+  for (const auto& p : run.model.master.empty() ? run.model.policy->parameters() : run.model.master) {
     parts.push_back(p.detach().to(at::kDouble).reshape({-1}));
   }
   return at::cat(parts);
@@ -79,9 +79,9 @@ Deltas ten_steps() {
   Run fp32 = tiny_run(at::kFloat, MasterWeights::kFp32, start);
   Run master = tiny_run(at::kBFloat16, MasterWeights::kFp32, start);
   Run plain = tiny_run(at::kBFloat16, MasterWeights::kNone, start);
-  EXPECT_TRUE(fp32.master.empty()) << "an fp32 model needs no master copy";
-  EXPECT_FALSE(master.master.empty());
-  EXPECT_TRUE(plain.master.empty());
+  EXPECT_TRUE(fp32.model.master.empty()) << "an fp32 model needs no master copy";
+  EXPECT_FALSE(master.model.master.empty());
+  EXPECT_TRUE(plain.model.master.empty());
   Deltas d;
   const at::Tensor w0 = flat_weights(fp32);
   for (Run* r : {&fp32, &master, &plain}) {
@@ -91,9 +91,9 @@ Deltas ten_steps() {
   d.master = flat_weights(master) - w0;
   d.plain_bf16 = flat_weights(plain) - w0;
   // The bf16 weights the master run computes with are its masters rounded to nearest.
-  const auto params = master.policy->parameters();
+  const auto params = master.model.policy->parameters();
   for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(at::equal(params[i], master.master[i].to(at::kBFloat16))) << "parameter " << i;
+    EXPECT_TRUE(at::equal(params[i], master.model.master[i].to(at::kBFloat16))) << "parameter " << i;
   }
   return d;
 }
@@ -120,16 +120,16 @@ TEST(MixedPrecision, MicroBatchGradientsAddUpInFp32) {
   std::vector<at::Tensor> start;
   for (const auto& p : init.parameters()) start.push_back(p.detach());
   rlt::Run run = tiny_run(at::kBFloat16, MasterWeights::kFp32, start);
-  auto params = run.policy->parameters();
+  auto params = run.model.policy->parameters();
   // Two micro-batches' gradients: 1 and 2^-9. In bf16 (8 significant bits) 1 + 2^-9 rounds back to 1.
   const double small = std::ldexp(1.0, -9);
   for (double g : {1.0, small}) {
     for (auto& p : params) p.mutable_grad() = at::full_like(p, g);  // bf16, as a backward leaves it
-    accumulate_gradients(run);
+    accumulate_gradients(run.model);
     EXPECT_FALSE(params[0].grad().defined()) << "the bf16 gradient is released once taken";
   }
-  const at::Tensor want = at::full_like(run.master[0], 1.0 + small);  // fp32: exact
-  EXPECT_TRUE(at::equal(run.master[0].grad(), want));
+  const at::Tensor want = at::full_like(run.model.master[0], 1.0 + small);  // fp32: exact
+  EXPECT_TRUE(at::equal(run.model.master[0].grad(), want));
   // What accumulating in bf16 would have kept: not the sum.
   const at::Tensor bf16_sum = at::full_like(params[0], 1.0) + at::full_like(params[0], small);
   EXPECT_FALSE(at::equal(bf16_sum.to(at::kFloat), want));
@@ -144,10 +144,10 @@ TEST(MixedPrecision, OptimizerMemoryCountsMastersGradientsAndMoments) {
     n += p.numel();
   }
   rlt::Run run = tiny_run(at::kBFloat16, MasterWeights::kFp32, start);
-  EXPECT_EQ(optimizer_memory_bytes(run), 4 * n) << "masters only before the first step";
+  EXPECT_EQ(optimizer_memory_bytes(run.model), 4 * n) << "masters only before the first step";
   const at::Tensor ids = at::randint(0, 96, {4, 8}, at::TensorOptions().dtype(at::kLong));
   train_step(run, ids);
-  EXPECT_EQ(optimizer_memory_bytes(run), 4 * n + 2 * 4 * n) << "+ two fp32 moments (gradients zeroed to none)";
+  EXPECT_EQ(optimizer_memory_bytes(run.model), 4 * n + 2 * 4 * n) << "+ two fp32 moments (gradients zeroed to none)";
 }
 
 }  // namespace

@@ -91,7 +91,7 @@ TEST(ScoreRewards, OtherKindsAreTheBuiltInMatcherAndHaveNoScriptMetrics) {
   EXPECT_EQ(trajs[0].reward, 1.0);
   EXPECT_TRUE(trajs[0].correct);
   EXPECT_EQ(trajs[1].reward, -1.0);
-  EXPECT_FALSE(run.rewards);
+  EXPECT_FALSE(run.rollout.rewards);
   EXPECT_TRUE(reward_metrics(run, {}).empty());
 }
 

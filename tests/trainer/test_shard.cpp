@@ -47,18 +47,18 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
   t.weight_decay = 0.1;
   t.grad_clip = s.clip;
   run.config.model.activation_checkpointing = true;
-  run.policy = std::make_unique<Transformer>(testing::tiny_llama(kVocab, s.tie), at::kFloat, at::kCPU, 7);
-  run.policy->set_activation_checkpointing(true);
+  run.model.policy = std::make_unique<Transformer>(testing::tiny_llama(kVocab, s.tie), at::kFloat, at::kCPU, 7);
+  run.model.policy->set_activation_checkpointing(true);
   if (s.lora) {
     LoraOptions lora;
     lora.rank = 4;
     lora.alpha = 8;
     run.config.lora = lora;
-    run.policy->attach_lora(lora, 11);
+    run.model.policy->attach_lora(lora, 11);
   }
   // Generators of their own: the ranks run on threads at once, and the global one is shared.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
-  run.extra["value_head.weight"] = (at::randn({32}, gen) * 0.1).requires_grad_(true);
+  run.model.extra["value_head.weight"] = (at::randn({32}, gen) * 0.1).requires_grad_(true);
   if (dist) run.dist = dist;
   ExtraParams extra;
   extra.lr = [](const Config& c) { return 2 * c.train.lr; };
@@ -67,8 +67,8 @@ Run make_run(const ShardSetup& s, std::shared_ptr<Collectives> dist) {
     t.shard = s.shard;
     t.offload = s.offload;
     run.config.rollout.keep_weights = s.keep;
-    run.optimizer.reset();
-    run.sharded = make_sharded_state(run, s.fault);
+    run.model.optimizer.reset();
+    run.model.sharded = make_sharded_state(run, s.fault);
   }
   return run;
 }
@@ -78,9 +78,9 @@ at::Tensor loss_of(Run& run, int64_t step, int64_t m) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + m);
   const at::Tensor ids = at::randint(kVocab, {2, 7}, gen, at::TensorOptions().dtype(at::kLong));
   const at::Tensor pos = at::arange(7, at::TensorOptions().dtype(at::kLong)).expand({2, 7});
-  const at::Tensor h = run.policy->forward(ids, pos, at::Tensor());
-  const at::Tensor value = (h * run.extra.at("value_head.weight")).sum(-1);
-  return run.policy->logits(h).logsumexp(-1).mean() + 0.1 * value.square().mean();
+  const at::Tensor h = run.model.policy->forward(ids, pos, at::Tensor());
+  const at::Tensor value = (h * run.model.extra.at("value_head.weight")).sum(-1);
+  return run.model.policy->logits(h).logsumexp(-1).mean() + 0.1 * value.square().mean();
 }
 
 // Steps [first, last) on one rank: micro-batches rank, rank + world, ... of each. A replicated state over
@@ -89,7 +89,7 @@ void train(Run& run, int64_t first, int64_t last) {
   const int world = run.dist->world(), rank = run.dist->rank();
   std::unique_ptr<GradReducer> reducer = make_reducer(run);
   for (int64_t step = first; step < last; ++step) {
-    zero_gradients(run);
+    zero_gradients(run.model);
     at::Tensor total = at::zeros({});
     std::vector<int64_t> mine;
     for (int64_t m = rank; m < kMicro; m += world) mine.push_back(m);
@@ -104,11 +104,11 @@ void train(Run& run, int64_t first, int64_t last) {
 
 // Every trainable tensor, whole, by name (the parameters stage gathers them).
 std::map<std::string, at::Tensor> weights(Run& run) {
-  const GatheredWeights whole(run.sharded);
+  const GatheredWeights whole(run.model.sharded);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, t] : run.policy->named_parameters()) out[name] = t.detach().clone();
-  for (const auto& [name, t] : run.policy->named_trainable_parameters()) out[name] = t.detach().clone();
-  for (const auto& [name, t] : run.extra) out[name] = t.detach().clone();
+  for (const auto& [name, t] : run.model.policy->named_parameters()) out[name] = t.detach().clone();
+  for (const auto& [name, t] : run.model.policy->named_trainable_parameters()) out[name] = t.detach().clone();
+  for (const auto& [name, t] : run.model.extra) out[name] = t.detach().clone();
   return out;
 }
 
@@ -304,10 +304,10 @@ TEST(ShardedState, EveryElementIsOwnedByExactlyOneRank) {
       ShardSetup s;
       s.shard = ShardStage::kGradients;
       rlt::Run run = make_run(s, c);
-      pieces[r] = run.sharded->pieces();
+      pieces[r] = run.model.sharded->pieces();
       if (r == 0) {
-        for (const auto& [name, t] : run.policy->named_trainable_parameters()) sizes.push_back(t.numel());
-        sizes.push_back(run.extra.at("value_head.weight").numel());
+        for (const auto& [name, t] : run.model.policy->named_trainable_parameters()) sizes.push_back(t.numel());
+        sizes.push_back(run.model.extra.at("value_head.weight").numel());
       }
     });
     std::vector<at::Tensor> count;
@@ -341,7 +341,7 @@ TEST(ShardedState, ResumesOnOtherRanksAndStage) {
     at::set_num_threads(1);
     rlt::Run run = make_run(two, c);
     train(run, 0, 2);
-    run.sharded->save(dir.path().string());
+    run.model.sharded->save(dir.path().string());
   });
   for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
     const auto reader = safetensors::Reader::open(f.path().string());
@@ -359,7 +359,7 @@ TEST(ShardedState, ResumesOnOtherRanksAndStage) {
       at::set_num_threads(1);
       rlt::Run run = make_run(three, c);
       run.counters.optimizer_steps = steps_done;
-      run.sharded->load(from);
+      run.model.sharded->load(from);
       run.counters.optimizer_steps = 2;
       train(run, 2, 3);
       out[r] = weights(run);

@@ -387,17 +387,18 @@ TEST(MixedPrecisionRun, WarmUpTrainsTheMastersRlStartsFrom) {
   Config c = tiny_config();
   c.model.dtype = DType::kBFloat16;
   c.sft.steps = 6;
-  c.policy.kl_coef = 0;
+  c.objective.kl_coef = 0;
   rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {});
-  ASSERT_FALSE(run.master.empty()) << "bf16 + train.master_weights fp32";
+  ASSERT_FALSE(run.model.master.empty()) << "bf16 + train.master_weights fp32";
   std::vector<at::Tensor> before;
-  for (const auto& m : run.master) before.push_back(m.clone());
+  for (const auto& m : run.model.master) before.push_back(m.clone());
   sft_warmup(run);
-  const auto params = run.policy->parameters();
+  const auto params = run.model.policy->parameters();
   double moved = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(at::equal(params[i], run.master[i].to(at::kBFloat16))) << "the model is the masters rounded, " << i;
-    moved += (run.master[i] - before[i]).abs().sum().item<double>();
+    EXPECT_TRUE(at::equal(params[i], run.model.master[i].to(at::kBFloat16)))
+        << "the model is the masters rounded, " << i;
+    moved += (run.model.master[i] - before[i]).abs().sum().item<double>();
   }
   EXPECT_GT(moved, 0) << "the warm-up moved the masters RL starts from";
 }
@@ -444,7 +445,7 @@ struct RunResult {
 // loss that depends on the log-probs): every warm-up trace uses the tool, so some first answers are right.
 Config varied_first_step_config(int64_t steps) {
   Config c = tiny_config();
-  c.policy.kl_coef = 0;
+  c.objective.kl_coef = 0;
   c.train.steps = steps;
   c.train.checkpoint_every = 0;
   c.sft.tool_fraction = 1.0;
@@ -528,7 +529,7 @@ TEST(OldLogprobs, RolloutAndRecomputeTrainAlikeInFp32) {
     if (score_temperature > 0) run.config.loss.temperature = score_temperature;
     train_grpo(run);
     RunResult r{read_metrics((tmp.path() / name).string()), {}};
-    for (const auto& p : run.policy->parameters()) r.params.push_back(p.detach().clone());
+    for (const auto& p : run.model.policy->parameters()) r.params.push_back(p.detach().clone());
     return r;
   };
   // The update's share of the weights that differs between two runs: ||W_a - W_b|| / ||W_a - W_0||.
@@ -579,7 +580,7 @@ TEST(OldLogprobs, RolloutAndRecomputeTrainAlikeInFp32) {
   EXPECT_GT(weight_diff(wrong_recompute, wrong_rollout), kWeightRel);
 }
 
-// rollout.keep_cache: one ModelPolicy for the whole run, its cache reused in place by each step's rollout
+// rollout.keep_cache: one DecodeEngine for the whole run, its cache reused in place by each step's rollout
 // after the update moved the weights in place. The run is the one that makes a new policy every step: the
 // same rollouts (rewards, tool use, tokens) and, with the old log-probs recomputed, the same losses bit for
 // bit. A kept policy that carried anything of the last rollout into the next (a sequence's length, its
@@ -593,7 +594,7 @@ TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
     c.rollout.engine.keep_cache = keep;
     rlt::Run run = make_run(c, (tmp.path() / name).string(), /*resume=*/false);
     train_grpo(run);
-    EXPECT_EQ(run.rollout_policy != nullptr, keep) << "the kept policy outlives the steps";
+    EXPECT_EQ(run.rollout.engine != nullptr, keep) << "the kept policy outlives the steps";
     return read_metrics((tmp.path() / name).string());
   };
   const auto fresh = train(false, "fresh"), kept = train(true, "kept");
@@ -615,7 +616,7 @@ TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
 TEST_P(Trainers, AMismatchAboveTheToleranceSwitchesToRecomputeOnceAndAResumeKeepsIt) {
   TempDir tmp(GetParam() ? "ppo_switch" : "grpo_switch");
   Config c = tiny_config();
-  c.policy.kl_coef = 0;
+  c.objective.kl_coef = 0;
   c.train.steps = 3;
   c.train.checkpoint_every = 1;
   c.sft.steps = 20;
@@ -761,7 +762,7 @@ TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
     auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
       rlt::Run run = make_run(cfg, dir, /*resume=*/false, extra(), world > 1 ? dist : nullptr);
       train()(run);
-      for (const auto& p : run.policy->parameters()) r.params[rank].push_back(p.detach().clone());
+      for (const auto& p : run.model.policy->parameters()) r.params[rank].push_back(p.detach().clone());
     };
     if (world == 1)
       body(0, nullptr);

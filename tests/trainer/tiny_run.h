@@ -36,7 +36,7 @@ inline Config tiny_task_config() {
   c.sandbox.timeout_s = 5;
   c.sandbox.workers = 2;
   c.reward.kind = RewardKind::kBoxedToolShaping;
-  c.policy.agg = LossAgg::kSeqMeanTokenMean;
+  c.objective.agg = LossAgg::kSeqMeanTokenMean;
   c.train.prompts_per_step = 2;
   c.train.num_iterations = 2;
   c.train.mini_batch_size = 4;
@@ -51,7 +51,7 @@ inline Config tiny_config() {
   Config c = tiny_task_config();
   c.loss.entropy = EntropyMode::kValue;
   c.loss.loss_mask_only = true;
-  c.policy.kl_coef = 0.01;
+  c.objective.kl_coef = 0.01;
   c.train.steps = 4;
   c.train.lr = 3e-3;
   c.train.weight_decay = 0.01;

@@ -1,5 +1,5 @@
 // The Transformer on one batched, compacting KV cache; see policy.h.
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -77,7 +77,7 @@ struct StepFields {
 }  // namespace
 
 #ifdef RLT_HAVE_CUDA
-struct ModelPolicy::StepGraph {
+struct DecodeEngine::StepGraph {
   at::cuda::CUDAGraph graph;
   at::Tensor inputs;  // int64: what fixed_step / fixed_extend reads; written before each replay
   at::Tensor hidden;  // what it writes ((Bc, D) or (Eb Kb, D)), in the graph's private memory pool
@@ -85,7 +85,7 @@ struct ModelPolicy::StepGraph {
 };
 
 // The events around each replay not yet read, oldest first.
-struct ModelPolicy::ReplayClock {
+struct DecodeEngine::ReplayClock {
   struct Mark {
     int64_t span = -1;  // the step's span, -1 for a feed
     at::cuda::CUDAEvent begin{cudaEventDefault}, end{cudaEventDefault};
@@ -93,8 +93,8 @@ struct ModelPolicy::ReplayClock {
   std::deque<Mark> marks;
 };
 #else
-struct ModelPolicy::StepGraph {};
-struct ModelPolicy::ReplayClock {};
+struct DecodeEngine::StepGraph {};
+struct DecodeEngine::ReplayClock {};
 #endif
 
 at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
@@ -129,18 +129,18 @@ at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t)
               "rollout.max_batch = 0 starts every prompt at once");
 }
 
-ModelPolicy::ModelPolicy(const Transformer& model, ModelPolicyOptions options) : model_(model), options_(options) {
+DecodeEngine::DecodeEngine(const Transformer& model, EngineOptions options) : model_(model), options_(options) {
   TORCH_CHECK(options_.slot_chunk >= 1, "slot_chunk must be >= 1");
   TORCH_CHECK(options_.slot_align >= 1, "slot_align must be >= 1");
-  if (options_.engine.fused_kernels && options_.engine.packed_weights && model_.fused_kernels_apply()) {
+  if (options_.switches.fused_kernels && options_.switches.packed_weights && model_.fused_kernels_apply()) {
     packed_ = model_.pack_weights();
     packed_fresh_ = true;
   }
 }
 
-ModelPolicy::~ModelPolicy() = default;
+DecodeEngine::~DecodeEngine() = default;
 
-void ModelPolicy::read_replays(bool wait) {
+void DecodeEngine::read_replays(bool wait) {
 #ifdef RLT_HAVE_CUDA
   if (!replay_clock_) return;
   auto& marks = replay_clock_->marks;
@@ -157,23 +157,23 @@ void ModelPolicy::read_replays(bool wait) {
 #endif
 }
 
-const std::map<int64_t, ModelPolicy::ReplayTime>& ModelPolicy::step_replay_times() {
+const std::map<int64_t, DecodeEngine::ReplayTime>& DecodeEngine::step_replay_times() {
   read_replays(/*wait=*/true);
   return step_replay_;
 }
 
-ModelPolicy::ReplayTime ModelPolicy::feed_replay_time() {
+DecodeEngine::ReplayTime DecodeEngine::feed_replay_time() {
   read_replays(/*wait=*/true);
   return feed_replay_;
 }
 
-std::vector<const void*> ModelPolicy::parameter_storage() const {
+std::vector<const void*> DecodeEngine::parameter_storage() const {
   std::vector<const void*> out;
   for (const auto& p : model_.parameters()) out.push_back(p.data_ptr());
   return out;
 }
 
-bool ModelPolicy::reuse_cache(int64_t N, int64_t P) {
+bool DecodeEngine::reuse_cache(int64_t N, int64_t P) {
   if (cache_rows() < N || cache_.max_len < P || N == 0) return false;
   // A captured graph reads the parameters at the addresses they had: a model whose tensors were replaced
   // (not updated in place) needs new graphs.
@@ -186,10 +186,10 @@ bool ModelPolicy::reuse_cache(int64_t N, int64_t P) {
   return true;
 }
 
-at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+at::Tensor DecodeEngine::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   if (!packed_.gate_up_w.empty() && !packed_fresh_) model_.pack_weights_into(packed_);  // in place: graphs read it
   packed_fresh_ = false;
-  if (options_.engine.keep_cache) {
+  if (options_.switches.keep_cache) {
     int64_t P = 0;
     for (const auto& p : prompts) P = std::max<int64_t>(P, static_cast<int64_t>(p.size()));
     const int64_t N = static_cast<int64_t>(prompts.size()) * repeats;
@@ -208,7 +208,7 @@ at::Tensor ModelPolicy::start(const std::vector<std::vector<int64_t>>& prompts, 
   return admit(prompts, repeats);
 }
 
-at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   at::NoGradGuard no_grad;
   NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(!prompts.empty() && repeats >= 1, "admit: needs at least one prompt and repeats >= 1");
@@ -236,8 +236,8 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
   const auto dev = head.device();
   auto to_dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).view({U, P}).to(dev); };
   KvCache prefill = KvCache::allocate(model_.config(), U, P, head.options());
-  prefill.fused_kernels = options_.engine.fused_kernels;  // gather() passes these on to the decode cache
-  prefill.in_place_steps = options_.engine.cache_attention;
+  prefill.fused_kernels = options_.switches.fused_kernels;  // gather() passes these on to the decode cache
+  prefill.in_place_steps = options_.switches.cache_attention;
   prefill.packed = packed_.gate_up_w.empty() ? nullptr : &packed_;
   at::Tensor mask_d = to_dev(mask);
   at::Tensor hidden = model_.forward(to_dev(ids), to_dev(pos), mask_d, &prefill);  // (U, P, D)
@@ -291,12 +291,12 @@ at::Tensor ModelPolicy::admit(const std::vector<std::vector<int64_t>>& prompts, 
   return logits.repeat_interleave(repeats, 0);  // (N, V)
 }
 
-at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
+at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
   at::NoGradGuard no_grad;
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
-  graphs = options_.engine.cuda_graphs && dev.is_cuda();
+  graphs = options_.switches.cuda_graphs && dev.is_cuda();
 #endif
   // A graphed step builds its attention plan once per capture, and cuDNN's decode kernel is the faster
   // one there (rollout_graph 13.3k tokens/s with it, 11.3k without, H200): only eager steps avoid it.
@@ -356,7 +356,7 @@ at::Tensor ModelPolicy::step(const std::vector<int64_t>& rows, const std::vector
   return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
 }
 
-at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   const int64_t E = static_cast<int64_t>(rows.size());
@@ -373,7 +373,7 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
-  graphs = options_.engine.cuda_graphs && options_.engine.feed_graphs && dev.is_cuda();
+  graphs = options_.switches.cuda_graphs && options_.switches.feed_graphs && dev.is_cuda();
   // Runs of one token beside longer ones (rollout.merge_feeds): one merged pass, a step and a feed sharing
   // their weight reads, where the model can run it.
   bool ones = false;
@@ -449,7 +449,8 @@ at::Tensor ModelPolicy::extend(const std::vector<int64_t>& rows, const std::vect
 }
 
 #ifdef RLT_HAVE_CUDA
-at::Tensor ModelPolicy::merged_extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+at::Tensor DecodeEngine::merged_extend(const std::vector<int64_t>& rows,
+                                       const std::vector<std::vector<int64_t>>& runs) {
   drop_released_rows();
   int64_t K = 0;  // the longest run of more than one token
   for (const auto& run : runs) K = std::max<int64_t>(K, static_cast<int64_t>(run.size()));
@@ -513,7 +514,7 @@ at::Tensor ModelPolicy::merged_extend(const std::vector<int64_t>& rows, const st
   return next_token_logits(model_, hidden.index_select(0, to_device_async(pick, valid_.device())));  // (rows, V)
 }
 
-at::Tensor ModelPolicy::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
+at::Tensor DecodeEngine::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
   const int64_t Bc = cache_rows(), n = Eb * Kb, f0 = 3 * Bc + 1;
   at::Tensor ids = inputs.narrow(0, 0, Bc).view({Bc, 1}), pos = inputs.narrow(0, Bc, Bc).view({Bc, 1});
   at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
@@ -530,7 +531,7 @@ at::Tensor ModelPolicy::fixed_merged(const at::Tensor& inputs, int64_t Eb, int64
 }
 #endif
 
-at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
+at::Tensor DecodeEngine::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span) {
   const int64_t n = Eb * Kb;
   at::Tensor ids = inputs.narrow(0, 0, n).view({Eb, Kb}), pos = inputs.narrow(0, n, n).view({Eb, Kb});
   at::Tensor fed = inputs.narrow(0, 2 * n, n).view({Eb, Kb}) != 0, rows = inputs.narrow(0, 3 * n, Eb);
@@ -541,31 +542,31 @@ at::Tensor ModelPolicy::fixed_extend(const at::Tensor& inputs, int64_t Eb, int64
   return model_.forward(ids, pos, mask, &cache_).view({n, -1});  // (Eb Kb, D)
 }
 
-void ModelPolicy::mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed) {
+void DecodeEngine::mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed) {
   // The feed's slots are holes for every row, then the runs' own slots of the listed rows.
   valid_.index_fill_(1, slots, false);
   const c10::List<std::optional<at::Tensor>> at_slots{rows.view({rows.size(0), 1}), slots.view({1, slots.size(0)})};
   valid_.index_put_(at_slots, fed);
 }
 
-int64_t ModelPolicy::aligned_slots(int64_t slots) const {
+int64_t DecodeEngine::aligned_slots(int64_t slots) const {
   const int64_t a = options_.slot_align;
   return (slots + a - 1) / a * a;
 }
 
-int64_t ModelPolicy::span_of(int64_t slots) const {
+int64_t DecodeEngine::span_of(int64_t slots) const {
   const int64_t c = options_.span_chunk;
   if (c <= 0) return cache_.max_len;
   return std::min(cache_.max_len, (slots + c - 1) / c * c);
 }
 
-int64_t ModelPolicy::step_span() const { return span_of(cache_.length + 1); }
+int64_t DecodeEngine::step_span() const { return span_of(cache_.length + 1); }
 
-bool ModelPolicy::squeezes_in_place(int64_t filled, int64_t need) const {
+bool DecodeEngine::squeezes_in_place(int64_t filled, int64_t need) const {
   return cache_.max_len - filled >= need + cache_.max_len / 16;
 }
 
-bool ModelPolicy::holes_cost_a_chunk() const {
+bool DecodeEngine::holes_cost_a_chunk() const {
   if (options_.span_chunk <= 0) return false;
   int64_t held = 0;  // the most slots a live row fills: a squeeze leaves cache_.length there
   for (int64_t n : seq_of_row_) {
@@ -575,7 +576,7 @@ bool ModelPolicy::holes_cost_a_chunk() const {
   return step_span() >= span_of(held + 1) + options_.span_chunk && squeezes_in_place(held, 1);
 }
 
-at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {
+at::Tensor DecodeEngine::fixed_step(const at::Tensor& inputs, int64_t span) {
   const int64_t Bc = cache_rows();
   at::Tensor ids = inputs.narrow(0, 0, Bc).view({Bc, 1}), pos = inputs.narrow(0, Bc, Bc).view({Bc, 1});
   at::Tensor fed = inputs.narrow(0, 2 * Bc, Bc).view({Bc, 1}) != 0, slot = inputs.narrow(0, 3 * Bc, 1);
@@ -586,9 +587,9 @@ at::Tensor ModelPolicy::fixed_step(const at::Tensor& inputs, int64_t span) {
 }
 
 #ifdef RLT_HAVE_CUDA
-std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& inputs,
-                                                             const std::function<at::Tensor(const at::Tensor&)>& run,
-                                                             const char* what) {
+std::unique_ptr<DecodeEngine::StepGraph> DecodeEngine::capture(const at::Tensor& inputs,
+                                                               const std::function<at::Tensor(const at::Tensor&)>& run,
+                                                               const char* what) {
   // A step or a feed is idempotent (it rewrites the same slots with the same values), so the warm-up run
   // that cuBLAS and SDPA need before a capture leaves the state as one run would; the capture itself runs
   // nothing, and the caller's replay computes the output.
@@ -613,7 +614,7 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
         g->graph.capture_end();  // leave the stream out of capture mode; the partial graph is dropped
       } catch (...) {
       }
-      throw std::runtime_error(std::string("ModelPolicy: capturing the ") + what + " as a CUDA graph failed (" +
+      throw std::runtime_error(std::string("DecodeEngine: capturing the ") + what + " as a CUDA graph failed (" +
                                e.what() + "); rollout.cuda_graphs=false runs it eagerly");
     }
     g->graph.capture_end();
@@ -624,14 +625,14 @@ std::unique_ptr<ModelPolicy::StepGraph> ModelPolicy::capture(const at::Tensor& i
   return g;
 }
 
-at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
+at::Tensor DecodeEngine::graph_step(const std::vector<int64_t>& packed, int64_t picks, at::Tensor& pick) {
   const auto dev = valid_.device();
   const int64_t Bc = cache_rows(), n_in = 3 * Bc + 1, span = step_span();
   at::Tensor in = to_device_async(packed, dev);  // (3 Bc + 1 + picks)
   pick = in.narrow(0, n_in, picks);
   auto& g = step_graphs_[span];
   if (g) {  // start() and compact() drop the graphs whenever the cache tensors change
-    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "ModelPolicy: stale step graph");
+    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "DecodeEngine: stale step graph");
     g->inputs.copy_(in.narrow(0, 0, n_in));
   } else {
     g = capture(
@@ -641,7 +642,7 @@ at::Tensor ModelPolicy::graph_step(const std::vector<int64_t>& packed, int64_t p
   return g->hidden;
 }
 
-void ModelPolicy::timed_replay(StepGraph& g, int64_t span) {
+void DecodeEngine::timed_replay(StepGraph& g, int64_t span) {
   if (!replay_clock_) replay_clock_ = std::make_unique<ReplayClock>();
   read_replays(/*wait=*/false);
   ReplayClock::Mark m;
@@ -653,12 +654,12 @@ void ModelPolicy::timed_replay(StepGraph& g, int64_t span) {
   replay_clock_->marks.push_back(std::move(m));  // kept only once both events are recorded
 }
 
-at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span,
-                                     bool merged) {
+at::Tensor DecodeEngine::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span,
+                                      bool merged) {
   at::Tensor in = to_device_async(packed, valid_.device());
   auto& g = (merged ? merged_graphs_ : feed_graphs_)[{Eb, Kb, span}];
   if (g) {
-    TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "ModelPolicy: stale feed graph");
+    TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "DecodeEngine: stale feed graph");
     g->inputs.copy_(in);
   } else {
     g = capture(
@@ -674,15 +675,15 @@ at::Tensor ModelPolicy::graph_extend(const std::vector<int64_t>& packed, int64_t
 }
 #endif
 
-bool ModelPolicy::graphed() const {
+bool DecodeEngine::graphed() const {
 #ifdef RLT_HAVE_CUDA
-  return options_.engine.cuda_graphs && valid_.defined() && valid_.is_cuda();
+  return options_.switches.cuda_graphs && valid_.defined() && valid_.is_cuda();
 #else
   return false;
 #endif
 }
 
-void ModelPolicy::release(const std::vector<int64_t>& rows) {
+void DecodeEngine::release(const std::vector<int64_t>& rows) {
   for (int64_t n : rows) {
     TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()), "release: no sequence ", n);
     if (cache_row_[n] < 0) continue;
@@ -691,7 +692,7 @@ void ModelPolicy::release(const std::vector<int64_t>& rows) {
   }
 }
 
-void ModelPolicy::drop_released_rows() {
+void DecodeEngine::drop_released_rows() {
   // Finished rows still cost a slot per step: drop them once they are half the cache. Not when steps
   // replay CUDA graphs: a step is launch-bound, so a dead row costs it little, while new cache tensors
   // cost a recapture (two forwards of host time); they go at the next reallocation.
@@ -702,7 +703,7 @@ void ModelPolicy::drop_released_rows() {
   if (released > 0 && 2 * released >= cache_rows()) compact(0, /*drop_released=*/true);
 }
 
-void ModelPolicy::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {
+void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {
   at::NoGradGuard no_grad;
   ++compactions_;
   struct Timed {  // adds the call's host seconds to compact_s_ on every return

@@ -1,8 +1,8 @@
-// ModelPolicy, the model behind the ReTool loop, against each sequence's full forward on the same model:
+// DecodeEngine, the model behind the ReTool loop, against each sequence's full forward on the same model:
 // its KV cache through holes, compaction, growth and sliding windows; steps and feeds eager, at the graphs'
 // fixed shape and as replayed CUDA graphs; the fused decode kernels; spans; kept caches; admits into
 // released rows. On the CPU in float64 (CUDA variants skip without a GPU).
-#include "rollout/policy.h"
+#include "rollout/engine.h"
 
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/Sleep.h>
@@ -46,9 +46,9 @@ at::Tensor full_logits(const Transformer& m, const std::vector<int64_t>& ids) {
 // (padding rows, hole slots past each run, the write slots on the device). "cuda_f32" is "cuda" in
 // float32, where the policy's cache forwards run the fused decode kernels (model/cuda/decode_kernels.h;
 // float64 keeps the ATen forms) against the ATen full forward.
-class ModelPolicyTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+class DecodeEngineTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
-TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
+TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
   const auto& [family, device] = GetParam();
   const bool cuda = device.rfind("cuda", 0) == 0, f32 = device == "cuda_f32";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
@@ -56,14 +56,14 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
   // transformers), and CPU and CUDA fp32 cos/sin differ by an ulp, which shows as ~1e-5 in these logits.
   const Transformer m =
       tiny_model(family, 3, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), f32 ? at::kFloat : at::kDouble);
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 2;  // the cache fills every few steps: compaction and growth run many times
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.engine.cuda_graphs = true;
+  po.switches.cuda_graphs = true;
   po.fixed_shape_extend = device == "cpu_fixed";
   po.fixed_shape_step = device == "cpu_fixed";
-  po.engine.feed_graphs = true;
-  ModelPolicy policy(m, po);
+  po.switches.feed_graphs = true;
+  DecodeEngine policy(m, po);
   const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
   const int64_t G = 2, N = 6;
   std::vector<std::vector<int64_t>> seqs;
@@ -146,17 +146,17 @@ TEST_P(ModelPolicyTest, MatchesFullForwardThroughHolesAndCompaction) {
 // post-attention norm is off by 1% (w -> 1.01 w + 0.01: gemma's norms scale by 1 + w, and its random
 // init leaves w = 0) is rejected by that tolerance: a kernel reading the wrong norm weight or dropping it
 // moves logits by far more.
-TEST(ModelPolicyCuda, FusedDecodeKernelsMatchTheAtenForms) {
+TEST(DecodeEngineCuda, FusedDecodeKernelsMatchTheAtenForms) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (const char* family : {"llama", "qwen2", "qwen3", "gemma2"}) {
     Transformer m = tiny_model(family, 4, at::Device(at::kCUDA, 0), at::kFloat);
     auto run = [&](bool fused, bool packed = true) {
       m.set_fused_kernels(fused);
-      ModelPolicyOptions po;
+      EngineOptions po;
       po.slot_chunk = 3;
       po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-      po.engine.packed_weights = packed;
-      ModelPolicy policy(m, po);
+      po.switches.packed_weights = packed;
+      DecodeEngine policy(m, po);
       std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
       for (int64_t t = 0; t < 6; ++t) {
         out.push_back(t % 2 ? policy.extend({0, 3}, {{7, 8, 9}, {int64_t(10 + t)}}).cpu()
@@ -222,7 +222,7 @@ double max_error(const Transformer& ref, const std::vector<std::pair<at::Tensor,
   return e;
 }
 
-TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
+TEST(DecodeEngineCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Transformer> ref_model;
   Transformer m = bf16_hd64_model(ref_model);
@@ -232,9 +232,9 @@ TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
     // Each fed row's logits and its sequence so far, for the reference.
     auto run = [&](bool fused, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
       m.set_fused_kernels(fused);
-      ModelPolicyOptions po;
-      po.engine.feed_graphs = graphs;
-      ModelPolicy policy(m, po);
+      EngineOptions po;
+      po.switches.feed_graphs = graphs;
+      DecodeEngine policy(m, po);
       seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
       policy.start(seqs, 1);
       int64_t feeds = 0;
@@ -286,20 +286,20 @@ TEST(ModelPolicyCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
   m.set_fused_kernels(true);
 }
 
-// The merged pass (ModelPolicy::merged_extend, Transformer::forward_mixed): a pass's one-token rows and its
+// The merged pass (DecodeEngine::merged_extend, Transformer::forward_mixed): a pass's one-token rows and its
 // tool replies in one graphed forward, in bf16 on the model above. The same passes run as a step then a feed
 // give each sequence's logits; both are measured against the float64 full forward, and the merged ones must
 // stay within twice the separate ones' error. Every mixed pass must have run merged, and none of the
 // separate ones. A known-bad check: another sequence's logits are far outside the tolerance.
-TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
+TEST(DecodeEngineCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Transformer> ref_model;
   const Transformer m = bf16_hd64_model(ref_model);
   const Transformer& ref = *ref_model;
   auto run = [&](bool merged, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
-    ModelPolicyOptions po;
-    po.engine.feed_graphs = true;
-    ModelPolicy policy(m, po);
+    EngineOptions po;
+    po.switches.feed_graphs = true;
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
     policy.start(seqs, 1);
     for (int64_t t = 0; t < 12; ++t) {
@@ -347,7 +347,7 @@ TEST(ModelPolicyCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
   EXPECT_GT(other, 10 * separate_err) << "another sequence's logits must be rejected";
 }
 
-// Decode steps whose attention reads every row's cache in place (ModelPolicyOptions::cache_attention:
+// Decode steps whose attention reads every row's cache in place (EngineSwitches::cache_attention:
 // cuda::cache_attention over all rows) in bf16 on the model above (of each family below), eager at the
 // graphs' fixed shape and as replayed graphs. Prompts of 40-230 tokens put the keys in several of the kernel's blocks,
 // which it splits between blocks; a row waits every fourth step (holes). Every step's logits are measured against the
@@ -366,11 +366,11 @@ TEST_P(StepsInPlace, ReadTheCacheAsSdpaDoes) {
   for (bool graphs : {false, true}) {
     using Got = std::vector<std::pair<at::Tensor, std::vector<int64_t>>>;
     auto run = [&](bool in_place, Got& got) {
-      ModelPolicyOptions po;
-      po.engine.cuda_graphs = graphs;
+      EngineOptions po;
+      po.switches.cuda_graphs = graphs;
       po.fixed_shape_step = true;
-      po.engine.cache_attention = in_place;
-      ModelPolicy policy(m, po);
+      po.switches.cache_attention = in_place;
+      DecodeEngine policy(m, po);
       std::vector<std::vector<int64_t>> seqs;
       for (int64_t n : {230, 40, 151, 97, 64}) {
         seqs.emplace_back();
@@ -432,12 +432,12 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
   const bool cuda = GetParam() == "cuda";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("gemma2", 5, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 80;
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.engine.feed_graphs = true;
+  po.switches.feed_graphs = true;
   po.fixed_shape_extend = true;  // on the CPU too, feeds attend over every slot, as graphed steps do
-  ModelPolicy policy(m, po);
+  DecodeEngine policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}, {250, 8}, {7, 7, 7, 7, 7}};
   policy.start(seqs, 1);
   const int64_t slots = policy.cache_slots();
@@ -475,14 +475,14 @@ INSTANTIATE_TEST_SUITE_P(Devices, CompactionInPlace, ::testing::Values("cpu", "c
 // and one of 17 rows a third. Each feed's logits match the sequences' full forwards in float64, so the padding
 // rows (up to 7 idle rows a feed) write only holes. Buckets that start at one row would capture a graph for
 // 1, 5 and 8 rows each (3 captures, not 1), which the checks reject.
-TEST(ModelPolicyCuda, FeedsOfUpToEightRowsShareOneGraph) {
+TEST(DecodeEngineCuda, FeedsOfUpToEightRowsShareOneGraph) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen2", 13, at::Device(at::kCUDA, 0));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 256;  // room for every feed: no reallocation, so the graphs stay
   po.slot_align = 1;    // the cache sizes as slot_chunk sets them
-  po.engine.feed_graphs = true;
-  ModelPolicy policy(m, po);
+  po.switches.feed_graphs = true;
+  DecodeEngine policy(m, po);
   std::vector<std::vector<int64_t>> seqs;
   for (int64_t n = 0; n < 40; ++n) seqs.push_back({1 + n, 2 + n % 7, 3, 4 + n % 3});
   policy.start(seqs, 1);
@@ -526,13 +526,13 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   const bool cuda = GetParam() == "cuda";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen3", 23, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 40;
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.span_chunk = 4;
   po.fixed_shape_step = true;
   po.squeeze_holes = false;  // the spans as the holes leave them (HolesAreSqueezedOnceTheyCostAChunk: squeezed)
-  ModelPolicy policy(m, po);
+  DecodeEngine policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
   policy.start(seqs, 1);
   std::set<int64_t> spans;
@@ -586,13 +586,13 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen2", 29, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   for (bool squeeze : {true, false}) {
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.slot_chunk = 160;
     po.slot_align = 1;  // the cache sizes as slot_chunk sets them
     po.span_chunk = 8;
     po.fixed_shape_step = true;
     po.squeeze_holes = squeeze;
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}, {7}};
     policy.start(seqs, 1);
     std::set<int64_t> spans;
@@ -653,11 +653,11 @@ INSTANTIATE_TEST_SUITE_P(Devices, StepSpans, ::testing::Values("cpu", "cuda"),
 // for 17 and 64 for 40, which the checks reject), and the logits match each sequence's full forward (float64).
 TEST(StepSpans, FeedTokenBucketsAreMultiplesOfEightUpTo64) {
   const Transformer m = tiny_model("qwen2", 31, at::Device(at::kCPU));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 300;
   po.slot_align = 1;
   po.fixed_shape_extend = true;
-  ModelPolicy policy(m, po);
+  DecodeEngine policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3}};
   policy.start(seqs, 1);
   for (const auto& [K, slots] : std::vector<std::pair<int64_t, int64_t>>{{3, 16}, {17, 24}, {40, 40}, {65, 128}}) {
@@ -681,15 +681,15 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   const bool cuda = GetParam() == "cuda";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model("qwen3", 29, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 120;
   po.slot_align = 1;
   po.span_chunk = 8;
   po.fixed_shape_step = true;
   po.fixed_shape_extend = true;
-  po.engine.feed_graphs = true;
+  po.switches.feed_graphs = true;
   po.squeeze_holes = false;
-  ModelPolicy policy(m, po);
+  DecodeEngine policy(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
   policy.start(seqs, 1);
   std::set<int64_t> spans;
@@ -718,15 +718,15 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
 
 // A new cache's slots are a multiple of slot_align (64 by default), at start() and after a growth, so a span
 // that ends at the cache's last slot is never of odd length (an odd span slows the graphed step's masked
-// attention: ModelPolicyOptions::slot_align). The steps' logits stay each sequence's full forward (float64). Control:
+// attention: EngineOptions::slot_align). The steps' logits stay each sequence's full forward (float64). Control:
 // with slot_align 1 the same calls make caches of 3 + 5, then 14, 20, ... slots, which the checks reject.
 TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
   const Transformer m = tiny_model("qwen3", 23, at::Device(at::kCPU));
   for (const int64_t align : {int64_t(64), int64_t(1)}) {
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.slot_chunk = 5;
     po.slot_align = align;
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2}};
     policy.start(seqs, 1);
     std::vector<int64_t> sizes = {policy.cache_slots()};
@@ -766,14 +766,14 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   Transformer m =
       tiny_model("qwen2", 17, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 8;  // the first rollout grows the cache; the second fits in it
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-  po.engine.feed_graphs = true;
-  po.engine.keep_cache = true;
+  po.switches.feed_graphs = true;
+  po.switches.keep_cache = true;
   // A rollout: two samples of each prompt, 12 passes of one-token steps over the rows not idle, every
   // fourth pass a three-token feed of rows 0 and 2 instead. Returns every logit it got, in order.
-  auto roll = [&](ModelPolicy& p, const std::vector<std::vector<int64_t>>& prompts) {
+  auto roll = [&](DecodeEngine& p, const std::vector<std::vector<int64_t>>& prompts) {
     std::vector<at::Tensor> out{p.start(prompts, 2).cpu()};
     for (int64_t t = 0; t < 12; ++t) {
       if (t % 4 == 3) {
@@ -790,7 +790,7 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
     }
     return at::cat(out).to(at::kDouble);
   };
-  ModelPolicy kept(m, po);
+  DecodeEngine kept(m, po);
   roll(kept, {{5, 17, 9, 4}, {1, 2, 3}, {250, 8, 60, 61}});
   const int64_t slots = kept.cache_slots(), reallocations = kept.reallocations();
   EXPECT_GT(reallocations, 0) << "the first rollout grows its cache";
@@ -799,10 +799,10 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   // one after that meets only shapes met before.
   roll(kept, next);
   const int64_t captures = kept.graph_captures();
-  ModelPolicyOptions fresh_po = po;
-  fresh_po.engine.keep_cache = false;
+  EngineOptions fresh_po = po;
+  fresh_po.switches.keep_cache = false;
   const at::Tensor stale = [&] {
-    ModelPolicy fresh(m, fresh_po);
+    DecodeEngine fresh(m, fresh_po);
     return roll(fresh, next);
   }();
   {
@@ -815,7 +815,7 @@ TEST_P(KeepCache, ASecondRolloutReusesTheCacheAndMatchesAFreshPolicy) {
   if (cuda) {
     EXPECT_EQ(kept.graph_captures(), captures) << "and replay its graphs";
   }
-  ModelPolicy fresh(m, fresh_po);
+  DecodeEngine fresh(m, fresh_po);
   const at::Tensor ref = roll(fresh, next);
   const double tol = cuda ? 1e-5 * ref.abs().max().item<double>() : 1e-12;
   EXPECT_LT((second - ref).abs().max().item<double>(), tol);
@@ -857,12 +857,12 @@ TEST(KeepCache, PackWeightsIntoWritesInPlace) {
 // A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
 // were: the next step still matches the full forward. A policy that advanced a sequence's position before
 // checking the rest of the list would give the sequence listed first a position one (or a run) too far.
-TEST(ModelPolicy, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
+TEST(DecodeEngine, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
   for (bool fixed : {false, true}) {
     const Transformer m = tiny_model("llama", 3);
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.fixed_shape_extend = fixed;
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}};
     policy.start(seqs, 1);
     EXPECT_THROW(policy.step({0, 0}, {7, 8}), c10::Error);
@@ -896,7 +896,7 @@ at::Tensor positioned_logits(const Transformer& m, const std::vector<int64_t>& i
 // live rows and the new ones), a prompt longer than the slots filled so far (placed in place, the fill
 // moves to its end), and one longer than the cache (a new, longer cache). A new row that still saw the
 // released sequence's keys, or whose RoPE positions went on from its slots rather than its prompt, moves
-// the logits by far more than the tolerance (the known-bad checks at the end; ModelPolicy::admit broken
+// the logits by far more than the tolerance (the known-bad checks at the end; DecodeEngine::admit broken
 // either way fails this test).
 class AdmitIntoReleasedRows : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
@@ -905,13 +905,13 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
   const bool cuda = device == "cuda";
   if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const Transformer m = tiny_model(family, 11, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
-  ModelPolicyOptions po;
+  EngineOptions po;
   po.slot_chunk = 24;
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.fixed_shape_extend = device == "cpu_fixed";
-  po.engine.feed_graphs = true;
-  ModelPolicy policy(m, po), fresh(m, po);
-  // float64: the cached, masked forward against the plain one (as in ModelPolicyTest), and the same
+  po.switches.feed_graphs = true;
+  DecodeEngine policy(m, po), fresh(m, po);
+  // float64: the cached, masked forward against the plain one (as in DecodeEngineTest), and the same
   // sequence decoded in a refilled row against a fresh policy (only the masked slots differ).
   const double kTol = 1e-9, kSame = 1e-12;
   std::vector<std::vector<int64_t>> seqs;  // by sequence id: its tokens so far
@@ -1039,7 +1039,7 @@ INSTANTIATE_TEST_SUITE_P(Families, AdmitIntoReleasedRows,
                                             ::testing::Values("cpu", "cpu_fixed", "cuda")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
-// ModelPolicy::reserve_rows: with admits to come, a growing reallocation keeps released rows as free rows,
+// DecodeEngine::reserve_rows: with admits to come, a growing reallocation keeps released rows as free rows,
 // so the next admit goes in place (no new cache, no recapture). Without the hint the growth drops the
 // released row and the admit must reallocate: the check fails there. Every logit against the sequence's
 // full forward (float64).
@@ -1051,10 +1051,10 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
   const Transformer m = tiny_model("llama", 13, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
   for (bool reserve : {true, false}) {
     SCOPED_TRACE(reserve ? "reserve_rows(4)" : "no reserve");
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.slot_chunk = 4;
     po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     if (reserve) policy.reserve_rows(4);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {5, 17, 9}, {1, 2, 3, 4}, {1, 2, 3, 4}};
     policy.start({seqs[0], seqs[2]}, 2);
@@ -1090,10 +1090,10 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
   if (!cuda) {
     // Without graphs, released rows are dropped once they are half the cache, but not while reserved:
     // else every step would drop them and remake as many free rows.
-    ModelPolicyOptions po;
+    EngineOptions po;
     po.slot_chunk = 64;  // no growth here
     po.slot_align = 1;   // the cache sizes as slot_chunk sets them
-    ModelPolicy policy(m, po);
+    DecodeEngine policy(m, po);
     policy.reserve_rows(4);
     policy.start({{5, 17, 9}, {1, 2, 3, 4}}, 2);
     policy.release({1, 3});
@@ -1110,7 +1110,7 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
 INSTANTIATE_TEST_SUITE_P(Devices, ReservedRows, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
-INSTANTIATE_TEST_SUITE_P(Families, ModelPolicyTest,
+INSTANTIATE_TEST_SUITE_P(Families, DecodeEngineTest,
                          ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });

@@ -1,21 +1,21 @@
-// What the rollout loop asks of a model: start N sequences from their prompts, then feed each sequence one
+// What the rollout loop asks of a model: start S sequences from their prompts, then feed each sequence one
 // token at a time and get its next-token logits. The loop (retool.h) decides which sequences are fed at
 // a step: sequences waiting on a tool call are simply not fed, and the others go on, so a tool call
 // never stalls the batch. New sequences may join while others run (admit), into the rows that finished
 // ones released: the rollout's continuous batching under rollout.max_batch.
 //
-// ModelPolicy is the Transformer behind that interface, on one batched KV cache: every step writes one
+// DecodeEngine is the Transformer behind that interface, on one batched KV cache: every step writes one
 // slot for every cache row; rows not fed that step write a slot that their attention mask hides. A run of
 // several tokens (a tool's reply) enters in one forward over its rows only (extend). Holes are squeezed
 // out (KvCache::gather) when the cache fills up, in place when that frees enough room, else into a new
 // cache that drops finished rows and grows; without CUDA graphs finished rows also go once they are
 // half the cache, unless rows are reserved for admits to come (reserve_rows). Memory follows the tokens actually held.
 // On a GPU each decode step replays a CUDA graph captured for the cache's current shape
-// (ModelPolicyOptions::cuda_graphs). An admitted prompt is prefilled apart and its keys and values are copied into
-// released rows, at slots [0, P), in place: the cache keeps its tensors and its captured graphs.
+// (EngineSwitches::cuda_graphs). An admitted prompt is prefilled apart and its keys and values are copied into
+// released rows, at slots [0, Lp), in place: the cache keeps its tensors and its captured graphs.
 //
-// Shapes: N sequences, Bc rows in the cache (the live sequences, and released rows not yet dropped or
-// refilled), S slots, V vocab.
+// Shapes (docs/glossary.md): S sequences, Bc rows in the cache (the live sequences, and released rows not yet dropped
+// or refilled), C slots, Lp a prompt's length, V vocab.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,19 +35,19 @@ namespace rlt {
 class TokenPolicy {
  public:
   virtual ~TokenPolicy() = default;
-  // Starts N = prompts.size() * repeats sequences, dropping any held before; prompt i occupies rows
-  // [i * repeats, (i + 1) * repeats). Returns the logits of each sequence's first new token (N, V).
+  // Starts S = prompts.size() * repeats sequences, dropping any held before; prompt i occupies rows
+  // [i * repeats, (i + 1) * repeats). Returns the logits of each sequence's first new token (S, V).
   virtual at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) = 0;
-  // Starts N' = prompts.size() * repeats more sequences while the others run: their ids continue after
+  // Starts S' = prompts.size() * repeats more sequences while the others run: their ids continue after
   // the last one started (first = sequences so far), prompt i occupying [first + i * repeats,
-  // first + (i + 1) * repeats). Returns their first-token logits (N', V). A policy that cannot throws (the
+  // first + (i + 1) * repeats). Returns their first-token logits (S', V). An engine that cannot throws (the
   // default): the rollout calls it only with rollout.max_batch set.
   virtual at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats);
   // Appends tokens[j] to sequence rows[j] (rows distinct) and returns their next-token logits (rows.size(), V).
   virtual at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) = 0;
   // Appends runs[j] (one or more tokens: tool output, the template's framing) to sequence rows[j] (rows
   // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
-  // runs through step(), one token per call; ModelPolicy takes them in one forward.
+  // runs through step(), one token per call; DecodeEngine takes them in one forward.
   virtual at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
   // Sequences that will not be fed again; their memory may be reclaimed, or taken by admitted ones.
   virtual void release(const std::vector<int64_t>& rows) {}
@@ -59,7 +59,7 @@ class TokenPolicy {
 };
 
 // The engine's switches, shared by the rollout's options (rollout.<name>, RolloutOptions::engine) and the
-// engine's own (ModelPolicyOptions::engine): each default and description is written here once.
+// engine's own (EngineOptions::switches): each default and description is written here once.
 struct EngineSwitches {
   // On a CUDA device, each decode step replays a captured CUDA graph: a step of a 0.5B model is a few
   // hundred small kernels, whose launches, not the GPU, set its time. The graph is captured once per
@@ -105,8 +105,8 @@ struct EngineSwitches {
   }
 };
 
-struct ModelPolicyOptions {
-  EngineSwitches engine;
+struct EngineOptions {
+  EngineSwitches switches;
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
   // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
   // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
@@ -135,16 +135,16 @@ struct ModelPolicyOptions {
   bool fixed_shape_extend = false;
 };
 
-class ModelPolicy : public TokenPolicy {
+class DecodeEngine : public TokenPolicy {
  public:
-  ModelPolicy(const Transformer& model, ModelPolicyOptions options = {});
-  ~ModelPolicy() override;
+  DecodeEngine(const Transformer& model, EngineOptions options = {});
+  ~DecodeEngine() override;
   // A new cache holding the prompts' prefill, every captured graph dropped: admit() on an empty policy.
   // With keep_cache, when the cache has the rows and slots (and the parameters are the same tensors):
   // every sequence held is released, and the prompts go into the cache's rows in place (admit()).
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   // One prefill of the prompts (the G samples of a prompt share it), whose keys and values go into cache
-  // rows that released sequences left, at slots [0, P) (P: the longest new prompt, left-padded), in place:
+  // rows that released sequences left, at slots [0, Lp) (Lp: the longest new prompt, left-padded), in place:
   // the rows' other slots are hidden (valid_), the cache's tensors and graphs stay; the RoPE positions of
   // a new sequence start at 0 whatever its slots. When fewer rows are free than new sequences, or the
   // cache has fewer than P slots, a new cache of the live rows and the new ones (compact). With an empty
@@ -213,7 +213,7 @@ class ModelPolicy : public TokenPolicy {
   void drop_released_rows();
   bool graphed() const;  // steps replay CUDA graphs
   // keep_cache: empties the cache for start() in place (every row free, nothing filled, the graphs kept)
-  // when it has N rows and P slots and the parameters are still the tensors it was built on; else false.
+  // when it has S rows and Lp slots and the parameters are still the tensors it was built on; else false.
   bool reuse_cache(int64_t N, int64_t P);
   std::vector<const void*> parameter_storage() const;
   // One decode step at a fixed shape (mask over slots [0, span), write slot on the device), the form a
@@ -262,15 +262,15 @@ class ModelPolicy : public TokenPolicy {
                                      const char* what);
 
   const Transformer& model_;
-  ModelPolicyOptions options_;
-  PackedWeights packed_;                   // when options_.engine.packed_weights applies: the cache's forwards read it
-  bool packed_fresh_ = false;              // packed_ holds the weights as they are (just packed)
+  EngineOptions options_;
+  PackedWeights packed_;       // when options_.switches.packed_weights applies: the cache's forwards read it
+  bool packed_fresh_ = false;  // packed_ holds the weights as they are (just packed)
   std::vector<const void*> cache_params_;  // parameter_storage() when the cache was made (keep_cache)
   KvCache cache_;
-  at::Tensor valid_;                 // (Bc, S) bool on the model's device: slot holds a token of the row
-  std::vector<int64_t> cache_row_;   // (N) sequence -> cache row, -1 once released
+  at::Tensor valid_;                 // (Bc, C) bool on the model's device: slot holds a token of the row
+  std::vector<int64_t> cache_row_;   // (S) sequence -> cache row, -1 once released
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
-  std::vector<int64_t> length_;      // (N) tokens held per sequence = the next token's RoPE position
+  std::vector<int64_t> length_;      // (S) tokens held per sequence = the next token's RoPE position
   int64_t compactions_ = 0, reallocations_ = 0, step_span_slots_ = 0, feed_span_slots_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
