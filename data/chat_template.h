@@ -27,28 +27,27 @@ inline const EnumNames<ChatTemplateKind>& enum_names(ChatTemplateKind) {
 }
 
 struct ChatTemplateOptions {
-  // model: the checkpoint's chat template (model.path's tokenizer_config.json); fixed: `prompt` below.
   ChatTemplateKind template_kind = ChatTemplateKind::kFixed;
-  // Extra variables of the model's template, as a JSON object: '{"enable_thinking": false}' (Qwen3).
   std::string template_vars = "{}";
-  // The prompt the policy continues. {system}, {tools}, {question} are replaced; other braces stay.
   std::string prompt = "{system}\n{tools}\nUser: {question}\nAssistant: ";
   std::string system = "You solve arithmetic problems exactly.";
   std::string tools =
       "You may run Python: write code between <code> and </code>; its output comes back between "
       "<interpreter> and </interpreter>. End with Answer: \\boxed{...}.";
-  // Start the ids with the tokenizer's beginning-of-sequence piece.
   bool add_bos = true;
 
   template <class V>
   void visit(V&& v) {
-    v("template", template_kind, "fixed (the prompt string below) | model (the checkpoint's own chat template)");
+    v("template", template_kind,
+      "fixed (the prompt string below) | model (model.path's own chat template, from tokenizer_config.json)");
     v("template_vars", template_vars,
-      "model template: extra variables as a JSON object, e.g. {\"enable_thinking\": false}");
-    v("prompt", prompt, "fixed template with {system}, {tools}, {question}");
+      "model template: extra variables as a JSON object, e.g. {\"enable_thinking\": false} (Qwen3)");
+    v("prompt", prompt,
+      "fixed template: {system}, {tools}, {question} are replaced, other braces kept; needs {question}");
     v("system", system, "system text ({system})");
     v("tools", tools, "tool-use instructions ({tools}); empty for plain generation");
-    v("add_bos", add_bos, "start the prompt ids with the tokenizer's BOS");
+    v("add_bos", add_bos,
+      "fixed template: start the prompt ids with the tokenizer's BOS (a model template writes its own)");
   }
   void check(const FieldFail& fail) const {
     if (prompt.find("{question}") == std::string::npos) fail("prompt", "must contain {question}");

@@ -39,33 +39,26 @@ class DataError : public std::runtime_error {
 };
 
 struct DatasetOptions {
-  // The JSONL file: one JSON object per line; blank lines are ignored.
   std::string path;
-  // Key of the question in each object: a string, or a list of chat messages [{"role", "content"}]. A
-  // dotted path reaches into nested objects (a key that itself holds a dot cannot be named).
   std::string prompt_key = "prompt";
-  // Key of the reference answer (a string, or a number: kept as the exact text written in the file);
-  // dotted, e.g. reward_model.ground_truth (verl's parquet schema).
   std::string answer_key = "answer";
-  // false: the first bad line is an error naming file:line. true: bad lines are skipped and counted
-  // (Dataset::skipped), the first few reasons kept for the log.
   bool skip_malformed = false;
-  // Keep the first max_examples examples in file order and stop reading there; 0 = all.
   int64_t max_examples = 0;
-  // The evaluation set (train.eval_every): its own JSONL file, e.g. AIME 2024 ({"problem", "answer"}),
-  // with its own keys (empty: prompt_key / answer_key). Empty path: train.eval_prompts are held out of
-  // the training prompts instead.
   std::string eval_path;
   std::string eval_prompt_key;
   std::string eval_answer_key;
 
   template <class V>
   void visit(V&& v) {
-    v("path", path, "JSONL file, one {prompt, answer} object per line");
-    v("prompt_key", prompt_key, "key of the question in each object");
-    v("answer_key", answer_key, "key of the reference answer in each object");
-    v("skip_malformed", skip_malformed, "skip and count bad lines instead of stopping at the first");
-    v("max_examples", max_examples, "keep the first N examples; 0 = all", FieldRange{0, 9.0e18});
+    v("path", path, "JSONL file, one {prompt, answer} object per line; blank lines are ignored");
+    v("prompt_key", prompt_key,
+      "key of the question (a string, or chat messages [{role, content}]); dotted paths reach nested objects");
+    v("answer_key", answer_key,
+      "key of the reference answer (a number is kept as written); dotted, e.g. reward_model.ground_truth");
+    v("skip_malformed", skip_malformed,
+      "skip and count bad lines instead of stopping at the first (an error naming file:line)");
+    v("max_examples", max_examples, "keep the first N examples in file order, reading no further; 0 = all",
+      FieldRange{0, 9.0e18});
     v("eval_path", eval_path, "evaluation JSONL (e.g. AIME 2024); empty = hold out train.eval_prompts");
     v("eval_prompt_key", eval_prompt_key, "question key of eval_path; empty = prompt_key");
     v("eval_answer_key", eval_answer_key, "answer key of eval_path; empty = answer_key");

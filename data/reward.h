@@ -52,33 +52,29 @@ inline const EnumNames<RewardKind>& enum_names(RewardKind) {
 }
 
 struct RewardOptions {
-  // boxed | boxed_tool_shaping | python.
   RewardKind kind = RewardKind::kBoxedToolShaping;
-  // Reward of a correct answer. python: a score >= correct counts as correct (unless the script's dict says).
   double correct = 1.0;
-  // Reward of a wrong or missing answer (boxed_tool_shaping: before the tool-call credit; python: what a
-  // failed script call gets).
   double wrong = -1.0;
-  // python: the script defining reward(prompt, response, answer); relative to the folder of the config
-  // file that sets it (the working directory for --set), made absolute when the config is read.
-  std::string script;
-  // DAPO's overlong shaping (Yu et al. 2025): a response of n sampled tokens against a budget B (see
-  // overlong_penalty) loses nothing up to B - L, P (n - (B - L)) / L inside the last L tokens, and P beyond
-  // B. L = overlong_buffer tokens (0 = off), P = overlong_penalty.
+  std::string script;  // made absolute when the config is read
+  // DAPO's overlong shaping (Yu et al. 2025): overlong_penalty() below gives the ramp, with
+  // L = overlong_buffer and P = overlong_penalty, and overlong_budget() the budget B.
   int64_t overlong_buffer = 0;
   double overlong_penalty = 1.0;
 
   template <class V>
   void visit(V&& v) {
     v("kind", kind, "reward function: boxed | boxed_tool_shaping | python");
-    v("correct", correct, "reward of a correct answer", FieldRange{-1e6, 1e6});
-    v("wrong", wrong, "reward of a wrong or missing answer (python: also of a failed script call)",
+    v("correct", correct,
+      "reward of a correct answer (python: a score >= it counts as correct unless the script's dict says)",
+      FieldRange{-1e6, 1e6});
+    v("wrong", wrong,
+      "reward of a wrong or missing answer (boxed_tool_shaping: before tool credit; python: and of a failed call)",
       FieldRange{-1e6, 1e6});
     v("script", script,
       "python: a .py file defining reward(prompt, response, answer) -> float or dict with score; relative to the "
-      "config file's folder");
+      "config file's folder (--set: the working directory)");
     v("overlong_buffer", overlong_buffer,
-      "DAPO overlong shaping: the last L tokens of the response budget where the penalty ramps up; 0 = off",
+      "DAPO overlong shaping: tokens before the response budget over which the penalty ramps up; 0 = off",
       FieldRange{0, 1e9});
     v("overlong_penalty", overlong_penalty, "DAPO overlong shaping: the penalty at and beyond the budget",
       FieldRange{0, 1e6});

@@ -15,19 +15,19 @@
 namespace rlt {
 
 struct SyntheticOptions {
-  // Decimal digits of the first and second operand (leading digit nonzero). Products stay exact up to
-  // 18 x 18 digits (they are computed in 128-bit integers).
+  // At most 18 digits: the operands are 64-bit integers, and their products, computed in 128-bit
+  // integers, stay exact up to 18 x 18 digits.
   int64_t digits_a = 3;
   int64_t digits_b = 3;
-  // Problems generated. Operand pairs are independent draws, so with tiny digit counts they repeat.
+  // Operand pairs are independent draws, so with tiny digit counts problems repeat.
   int64_t count = 2000;
-  // Equal seeds give equal problems (own splitmix64 stream: identical on every platform).
+  // Our own splitmix64 stream: equal seeds give equal problems on every platform.
   int64_t seed = 0;
 
   template <class V>
   void visit(V&& v) {
-    v("digits_a", digits_a, "digits of the first operand", FieldRange{1, 18});
-    v("digits_b", digits_b, "digits of the second operand", FieldRange{1, 18});
+    v("digits_a", digits_a, "digits of the first operand (leading digit nonzero)", FieldRange{1, 18});
+    v("digits_b", digits_b, "digits of the second operand (leading digit nonzero)", FieldRange{1, 18});
     v("count", count, "problems generated", FieldRange{1, 1e9});
     v("seed", seed, "problem generator seed", FieldRange{0, 9.0e18});
   }

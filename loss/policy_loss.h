@@ -57,27 +57,27 @@ inline const EnumNames<KlEstimator>& enum_names(KlEstimator) {
   return names;
 }
 
-// How the per-token losses loss_tok (S, L) become one scalar. m = mask (0/1), D = the denominator;
-// "global" is PolicyLossInputs::global_denominator (> 0 replaces this micro-batch's own D).
+// How the per-token losses loss_tok (S, R) become one scalar. m = mask (0/1), den = the denominator;
+// "global" is PolicyLossInputs::global_denominator (> 0 replaces this micro-batch's own den).
 //
-// kTokenMean            loss = sum_{s,t} m loss_tok / D,  D = number of mask tokens, clamped to >= 1
+// kTokenMean            loss = sum_{s,t} m loss_tok / den,  den = number of mask tokens, clamped to >= 1
 //                       (an all-masked micro-batch gives 0, not NaN). Every token weighs the same.
-//                       Gradient accumulation: with each micro-batch's own D_k, a token weighs 1/D_k,
+//                       Gradient accumulation: with each micro-batch's own den_k, a token weighs 1/den_k,
 //                       so tokens of micro-batches with few mask tokens count more and the sum (or the
 //                       mean) of the micro-batch losses is not the mini-batch loss. Pass
 //                       global = mask tokens of the whole mini-batch (over everything whose gradients
 //                       are summed) and the micro-batch losses add up to it exactly.
 // kSeqMeanTokenMean     each sequence's token-mean (its token count clamped to >= 1), summed over
-//                       sequences, / D with D = number of sequences with >= 1 mask token, clamped to
+//                       sequences, / den with den = number of sequences with >= 1 mask token, clamped to
 //                       >= 1. Sequences with no mask token contribute nothing and are not counted (their
 //                       token-mean is 0/0). Every sequence weighs the same; tokens of short responses
 //                       weigh more (the original GRPO length bias). Gradient accumulation: pass
 //                       global = non-empty sequences of the mini-batch.
-// kSeqMeanTokenSum      each sequence's masked token sum, summed, / D with D = S (all sequences,
+// kSeqMeanTokenSum      each sequence's masked token sum, summed, / den with den = S (all sequences,
 //                       including empty ones whose sum is 0; clamped to >= 1). Scale grows with
 //                       response length. Gradient accumulation: pass global = mini-batch sequence
 //                       count.
-// kSeqMeanTokenSumNorm  sum_{s,t} m loss_tok / (agg_norm * D), D = S (clamped to >= 1). Dr. GRPO
+// kSeqMeanTokenSumNorm  sum_{s,t} m loss_tok / (agg_norm * den), den = S (clamped to >= 1). Dr. GRPO
 //                       (Liu et al. 2025): a constant normaliser (e.g. the max response length) instead
 //                       of each sequence's own length removes the length bias. agg_norm must be > 0.
 //                       Gradient accumulation: pass global = mini-batch sequence count; the
@@ -112,19 +112,18 @@ inline const EnumNames<PolicyLossKind>& enum_names(PolicyLossKind) {
 }
 
 struct PolicyLossOptions {
-  double clip_eps_low = 0.2;   // ratio lower clip 1 - eps_low
-  double clip_eps_high = 0.2;  // ratio upper clip 1 + eps_high (DAPO clip-higher, e.g. 0.28)
-  double clip_c = 0.0;         // dual-clip constant (Ye et al. 2020); 0 = off, else must be > 1 (typ. 3)
-  double kl_coef = 0.0;        // weight of the KL penalty to the reference policy; 0 = no reference needed
-  KlEstimator kl_estimator = KlEstimator::kK3;  // Schulman's k1/k2/k3 estimators of KL(pi || pi_ref)
-  double entropy_coef = 0.0;                    // entropy bonus weight (loss -= coef * entropy)
+  double clip_eps_low = 0.2;
+  double clip_eps_high = 0.2;
+  double clip_c = 0.0;
+  double kl_coef = 0.0;
+  KlEstimator kl_estimator = KlEstimator::kK3;
+  double entropy_coef = 0.0;
   LossAgg agg = LossAgg::kTokenMean;
-  double agg_norm = 0.0;    // constant normaliser for seq-mean-token-sum-norm (Dr. GRPO: e.g. max
-                            // response length); required > 0 in that mode
-  double tis = 0.0;         // truncated importance sampling cap C on rho; 0 = off
-  double icepop_low = 0.0;  // IcePop band [low, high] on rho; both 0 = off
+  double agg_norm = 0.0;
+  double tis = 0.0;
+  double icepop_low = 0.0;
   double icepop_high = 0.0;
-  RatioLevel ratio_level = RatioLevel::kToken;  // token (PPO) | sequence (GSPO)
+  RatioLevel ratio_level = RatioLevel::kToken;
   PolicyLossKind loss = PolicyLossKind::kPpoClip;
 
   template <class V>
@@ -151,11 +150,13 @@ struct PolicyLossOptions {
       FieldRange{0, kInf});
     v("tis", tis,
       "truncated importance sampling: weight each token's surrogate by min(rho, tis), rho = "
-      "exp(logprobs_old - logprobs_rollout); 0 = off",
+      "exp(logprobs_old - logprobs_rollout); 0 = off, else >= 1",
       FieldRange{0, kInf});
-    v("icepop_low", icepop_low, "IcePop: tokens with rho below this give no gradient; 0 with icepop_high 0 = off",
+    v("icepop_low", icepop_low,
+      "IcePop: tokens with rho below this give no gradient; 0 with icepop_high 0 = off, else in (0, 1]",
       FieldRange{0, kInf});
-    v("icepop_high", icepop_high, "IcePop: tokens with rho above this give no gradient", FieldRange{0, kInf});
+    v("icepop_high", icepop_high, "IcePop: tokens with rho above this give no gradient; >= 1 when on",
+      FieldRange{0, kInf});
     v("ratio_level", ratio_level,
       "importance ratio of the clipped surrogate: token | sequence (GSPO, Zheng et al. 2025: "
       "exp of the mean log-ratio over a sequence's mask tokens, clipped to [1 - clip_eps_low, "
@@ -174,14 +175,14 @@ struct PolicyLossOptions {
 };
 
 struct PolicyLossInputs {
-  at::Tensor logprobs;          // (S, L) new log-probs (requires grad); float32 or float64, sets the dtype
-  at::Tensor logprobs_old;      // (S, L) behaviour-policy log-probs (treated as constant: detached)
-  at::Tensor logprobs_ref;      // (S, L) reference log-probs (detached); required iff kl_coef != 0
-  at::Tensor advantages;        // (S, L) or (S): per-token or per-sequence advantages (detached)
-  at::Tensor loss_mask;         // (S, L) != 0: token counts in the loss; 0 = prompt/tool output/padding
-  at::Tensor entropy;           // (S, L) per-token entropy (differentiable); required iff entropy_coef != 0;
+  at::Tensor logprobs;          // (S, R) new log-probs (requires grad); float32 or float64, sets the dtype
+  at::Tensor logprobs_old;      // (S, R) behaviour-policy log-probs (treated as constant: detached)
+  at::Tensor logprobs_ref;      // (S, R) reference log-probs (detached); required iff kl_coef != 0
+  at::Tensor advantages;        // (S, R) or (S): per-token or per-sequence advantages (detached)
+  at::Tensor loss_mask;         // (S, R) != 0: token counts in the loss; 0 = prompt/tool output/padding
+  at::Tensor entropy;           // (S, R) per-token entropy (differentiable); required iff entropy_coef != 0;
                                 // optional otherwise (metric only)
-  at::Tensor logprobs_rollout;  // (S, L) the sampler's log-probs (detached); required iff tis or icepop is on
+  at::Tensor logprobs_rollout;  // (S, R) the sampler's log-probs (detached); required iff tis or icepop is on
   // Gradient accumulation: when a mini-batch is split into micro-batches, pass the mini-batch's
   // global denominator here (token count for token-mean, non-empty sequence count for
   // seq-mean-token-mean, sequence count for seq-mean-token-sum*) so that the sum of micro-batch
@@ -217,8 +218,8 @@ struct PolicyLossOutput {
 // c10::Error). No host sync: nothing is read back from the device.
 PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions& opt);
 
-// The aggregation alone, exposed for reuse (value loss in PPO later). per_token (S, L) floating;
-// loss_mask (S, L), any real dtype, != 0 counts. Values of per_token outside the mask are ignored,
+// The aggregation alone, exposed for reuse (value loss in PPO later). per_token (S, R) floating;
+// loss_mask (S, R), any real dtype, != 0 counts. Values of per_token outside the mask are ignored,
 // even NaN/Inf (selected away, not multiplied by 0). Returns a () tensor of per_token's dtype.
 // agg_norm is used by kSeqMeanTokenSumNorm only (must be > 0 there); global_denominator as in
 // PolicyLossInputs. Denominators per mode: see LossAgg.

@@ -31,10 +31,9 @@ const char* lora_module_name(int target);
 std::string lora_weight_name(int64_t layer, int target, bool b);
 
 struct LoraOptions {
-  int64_t rank = 0;    // 0 = off: the whole model trains
-  double alpha = 16;   // the update is scaled by alpha / rank
-  double dropout = 0;  // on the adapter's input, during training forwards
-  // Projections that get adapters, comma-separated, among q, k, v, o, gate, up, down.
+  int64_t rank = 0;
+  double alpha = 16;
+  double dropout = 0;
   std::string targets = "q,k,v,o,gate,up,down";
 
   bool enabled() const { return rank > 0; }

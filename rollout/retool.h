@@ -55,101 +55,94 @@ inline const EnumNames<FinishReason>& enum_names(FinishReason) {
 }
 
 struct RolloutOptions {
-  // Run code turns in the sandbox. false: no tool; a turn is plain generation (code is just text).
   bool tools = true;
-  // Assistant turns per trajectory (the first one included).
   int64_t max_turns = 16;
-  // Code executions per trajectory; a call past it ends the trajectory (tool_limit).
   int64_t max_tool_calls = 16;
-  // Prompt + response tokens per sequence; reaching it truncates the trajectory (context).
   int64_t max_context = 9216;
-  // Tokens of one tool output kept (the rest is cut and marked).
   int64_t max_tool_output_tokens = 256;
-  // How the policy calls the tool: code (<code>...</code>, ```python) | tool_call (<tool_call>{json}
-  // </tool_call>). The trainer builds the run's ToolProtocol from these two and the chat template.
+  // The trainer builds the run's ToolProtocol from tool_format, tool_name and the chat template.
   ToolFormat tool_format = ToolFormat::kCode;
-  // The tool's name in tool_call format (and in the schema the chat template lists).
   std::string tool_name = "code_interpreter";
-  // Extra stop string that ends a trajectory ("" = none).
   std::string stop;
   // Token ids that end a trajectory (FinishReason::kEos). Not a config key: the trainer sets them from the
   // checkpoint's generation_config.json and the tokenizer's EOS. Empty: the tokenizer's EOS alone.
   std::vector<int64_t> stop_ids;
-  // Said to the model, as a tool turn, when a turn is not parseable: an empty or unopened code block,
-  // or text posing as interpreter output. (A malformed <tool_call> is answered with what is wrong in it.)
+  // A malformed <tool_call> is answered with what is wrong in it instead.
   std::string feedback = "Format error: put Python code between <code> and </code>, or end with Answer: \\boxed{...}.";
-  // Sequences held at once (cache rows), 0 = all prompts x samples_per_prompt. Continuous batching: the
-  // rollout starts with as many whole prompts as fit (at least one), and once finished trajectories have
-  // released an eighth of the rows (at least samples_per_prompt; or what the last prompts need, or any
-  // when nothing else is left to decode), admits the next prompts into them in one prefill, while the
-  // others run on (TokenPolicy::admit). A prompt's samples always start together, on one shared prefill. The
-  // trajectories are those of max_batch = 0: sampling noise depends on the sequence, not its batch.
+  // 0 holds all prompts x samples_per_prompt. Continuous batching: the rollout starts with as many whole
+  // prompts as fit (at least one), and once finished trajectories have released an eighth of the rows (at
+  // least samples_per_prompt; or what the last prompts need, or any when nothing else is left to decode),
+  // admits the next prompts into them in one prefill, while the others run on (TokenPolicy::admit). A
+  // prompt's samples always start together, on one shared prefill. The trajectories are those of
+  // max_batch = 0: sampling noise depends on the sequence, not its batch.
   int64_t max_batch = 0;
   // The decode engine's switches (rollout.cuda_graphs, fused_kernels, packed_weights, cache_attention,
   // feed_graphs, keep_cache), as the engine takes them. Evaluation rollouts make their engine each time,
   // whatever keep_cache says.
   EngineSwitches engine;
-  // A tool's reply (or feedback) enters the cache in one multi-token forward (TokenPolicy::extend).
-  // false: one token per decode step; the trajectories are the same up to rounding.
+  // The forward is TokenPolicy::extend; the trajectories are the same either way, up to rounding.
   bool multi_token_feed = true;
-  // With multi_token_feed: decode steps a ready tool reply (or feedback) may wait, while other rows decode,
-  // so that more replies share its forward: the replies are fed once an eighth of the live sequences have
-  // one, or the oldest has waited this long, or no row is left to decode. A feed is an eager forward
-  // (about four decode steps' time): in bench_rollout on an H100 (two runs), 4 against 0 gives 40 feeds
-  // against 74-82 and 0.25 s less feed time, for 38-46 more decode steps; the rollouts are 1% and 10%
-  // shorter. 0 = every reply fed at the next step. The trajectories are the same up to rounding.
+  // The replies are fed once an eighth of the live sequences have one, or the oldest has waited this long,
+  // or no row is left to decode. A feed is an eager forward (about four decode steps' time): in
+  // bench_rollout on an H100 (two runs), 4 against 0 gives 40 feeds against 74-82 and 0.25 s less feed
+  // time, for 38-46 more decode steps; the rollouts are 1% and 10% shorter. The trajectories are the same
+  // up to rounding.
   int64_t feed_wait = 4;
-  // With multi_token_feed: a pass that feeds replies takes its one-token rows in the same forward (runs of
-  // one token in TokenPolicy::extend), so the pass is one forward, not a decode step and a feed. With
-  // feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is DecodeEngine's merged
-  // pass: the step and the feed share their weight reads (docs/benchmarks.md, "A feed, a merged pass, a
-  // squeeze"). Elsewhere it pads every row to the feed's length, which costs about what it saves in decode
-  // steps (docs/benchmarks.md, design notes): off by default, as feed_graphs is.
+  // The pass is then one forward, not a decode step and a feed (runs of one token in TokenPolicy::extend).
+  // With feed_graphs on a GPU (bf16/fp16, no q/k norm or sliding window) that forward is DecodeEngine's
+  // merged pass: the step and the feed share their weight reads (docs/benchmarks.md, "A feed, a merged
+  // pass, a squeeze"). Elsewhere it pads every row to the feed's length, which costs about what it saves in
+  // decode steps (docs/benchmarks.md, design notes): off by default, as feed_graphs is.
   bool merge_feeds = false;
-  // train.shard parameters: keep the whole bf16 weights the rollout gathers through the update (2 bytes a
-  // parameter more), instead of freeing them before it and gathering a layer at a time.
+  // false frees the gathered weights before the update, and the rollout gathers a layer at a time.
   bool keep_weights = false;
-  // train.async one_step: a rollout ends once a step's groups are complete, and the unfinished groups
-  // continue in the next rollout, under the weights published by then (RolloutCarry). partial_extra_prompts
-  // groups are in play beyond a step's (0 = a quarter of train.prompts_per_step; with several ranks, rounded
-  // up to a multiple of them): the longest of them wait for the next step instead of holding this one.
+  // The unfinished groups continue under the weights published by then (RolloutCarry). The extra groups
+  // let the longest trajectories wait for the next step instead of holding this one; with several ranks
+  // their count is rounded up to a multiple of the ranks.
   bool partial = false;
   int64_t partial_extra_prompts = 0;
-  // rollout.partial: the most weights versions one trajectory's tokens may span (newest - oldest + 1).
   int64_t max_staleness = 2;
-  // A rollout still running after this many seconds prints a live line to stderr, and again every as many
-  // seconds: trajectories done, sampled tokens/s, tool calls in flight. 0 = never.
   double progress_s = 10;
 
   template <class V>
   void visit(V&& v) {
-    v("tools", tools, "run code turns in the sandbox");
+    v("tools", tools, "run code turns in the sandbox; false: plain generation (code is just text)");
     v("tool_format", tool_format,
       "how the policy calls the tool: code (<code>, ```python) | tool_call (<tool_call>{json})");
-    v("tool_name", tool_name, "the tool's name in tool_call format");
-    v("max_turns", max_turns, "assistant turns per trajectory", FieldRange{1, 1e6});
-    v("max_tool_calls", max_tool_calls, "code executions per trajectory", FieldRange{0, 1e6});
-    v("max_context", max_context, "prompt + response tokens per sequence", FieldRange{2, 1e9});
-    v("max_tool_output_tokens", max_tool_output_tokens, "tokens of one tool output kept", FieldRange{1, 1e9});
-    v("stop", stop, "extra stop string; empty = none");
-    v("feedback", feedback, "message for an unparseable turn");
+    v("tool_name", tool_name, "the tool's name in tool_call format and in the schema the chat template lists");
+    v("max_turns", max_turns, "assistant turns per trajectory, the first included", FieldRange{1, 1e6});
+    v("max_tool_calls", max_tool_calls,
+      "code executions per trajectory; a call past it ends the trajectory (tool_limit)", FieldRange{0, 1e6});
+    v("max_context", max_context,
+      "prompt + response tokens per sequence; reaching it truncates the trajectory (context)", FieldRange{2, 1e9});
+    v("max_tool_output_tokens", max_tool_output_tokens, "tokens of one tool output kept; the rest is cut and marked",
+      FieldRange{1, 1e9});
+    v("stop", stop, "extra stop string that ends a trajectory; empty = none");
+    v("feedback", feedback,
+      "reply, as a tool turn, to an unparseable turn: empty or unopened code block, or fake interpreter output");
     v("max_batch", max_batch, "sequences held at once, finished ones refilled from the next prompts; 0 = all",
       FieldRange{0, 1e9});
     engine.visit(v);
-    v("multi_token_feed", multi_token_feed, "a tool's reply enters in one forward (false: one token per step)");
-    v("feed_wait", feed_wait, "decode steps a ready tool reply may wait to share its forward with others; 0 = none",
+    v("multi_token_feed", multi_token_feed,
+      "a tool's reply (or feedback) enters in one forward (false: one token per step)");
+    v("feed_wait", feed_wait,
+      "multi_token_feed: decode steps a ready tool reply may wait to share its forward with others; 0 = none",
       FieldRange{0, 1e6});
-    v("merge_feeds", merge_feeds, "a pass that feeds tool replies takes its one-token rows in the same forward");
+    v("merge_feeds", merge_feeds,
+      "multi_token_feed: a pass that feeds tool replies takes its one-token rows in the same forward");
     v("keep_weights", keep_weights,
-      "train.shard parameters: keep the gathered bf16 weights through the update (2 bytes a parameter)");
+      "train.shard parameters: keep the gathered bf16 weights through the update (2 bytes a parameter more)");
     v("partial", partial,
       "train.async one_step: a rollout ends once a step's groups are complete; the others continue in the next");
     v("partial_extra_prompts", partial_extra_prompts,
       "rollout.partial: groups in play beyond a step's, at most train.prompts_per_step; 0 = a quarter of it",
       FieldRange{0, 1e6});
-    v("max_staleness", max_staleness, "rollout.partial: the most weights versions one trajectory's tokens span",
+    v("max_staleness", max_staleness,
+      "rollout.partial: the most weights versions one trajectory's tokens span (newest - oldest + 1)",
       FieldRange{2, 1e6});
-    v("progress_s", progress_s, "seconds between live progress lines of a long rollout; 0 = none", FieldRange{0, 1e9});
+    v("progress_s", progress_s,
+      "seconds before, and between, a long rollout's live stderr lines (done, tokens/s, tool calls); 0 = none",
+      FieldRange{0, 1e9});
   }
   void check(const FieldFail& fail) const {
     if (tool_name.empty()) fail("tool_name", "must not be empty");
@@ -159,7 +152,7 @@ struct RolloutOptions {
 struct Trajectory {
   int64_t prompt_index = 0;           // which prompt of the batch
   int64_t sample_index = 0;           // which of its samples_per_prompt completions
-  std::vector<int64_t> prompt_ids;    // (P)
+  std::vector<int64_t> prompt_ids;    // (Lp)
   std::vector<int64_t> response_ids;  // (R) sampled tokens and tool/feedback tokens, in order
   std::vector<uint8_t> loss_mask;     // (R) 1 = sampled by the policy, 0 = tool output or feedback
   std::vector<float> logprobs;        // (R) sampling log-probs; 0 where loss_mask = 0
@@ -251,7 +244,7 @@ struct RolloutStats {
 // is its sampled tokens after the last appended one.
 struct CarriedGroup {
   int64_t key = 0;                  // the prompt's noise stream: sample g draws from stream key * G + g
-  std::vector<int64_t> prompt_ids;  // (P)
+  std::vector<int64_t> prompt_ids;  // (Lp)
   std::vector<Trajectory> trajs;    // (G) in sample order, finished or cut
   std::vector<uint8_t> started;     // (G) 0: the group's prompt was never admitted (no token yet)
   std::vector<uint8_t> done;        // (G)

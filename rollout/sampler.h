@@ -3,12 +3,12 @@
 // depend on which other sequences share the batch, on G, or on when tool calls of other sequences
 // return: a rollout is reproducible under a seed even though tool calls finish in any order.
 //
-// Sampling is the Gumbel-max trick: argmax(logits / T + g) with g = -log(-log u) draws exactly from
-// softmax(logits / T) restricted to the kept (top-k / top-p) set. The log-prob recorded for a sampled
+// Sampling is the Gumbel-max trick: argmax(logits / temperature + g) with g = -log(-log u) draws exactly from
+// softmax(logits / temperature) restricted to the kept (top-k / top-p) set. The log-prob recorded for a sampled
 // token is that of the full temperature softmax (what the trainer recomputes through the loss module),
 // not of the truncated distribution, as in the usual GRPO recipes.
 //
-// Shapes: N rows being sampled, V vocabulary.
+// Shapes: B rows being sampled, V vocabulary.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,15 +22,10 @@
 namespace rlt {
 
 struct SamplingOptions {
-  // Softmax temperature; 0 = greedy (argmax; log-probs then at temperature 1).
   double temperature = 1.0;
-  // Keep the k most likely tokens; 0 = all.
   int64_t top_k = 0;
-  // Keep the smallest set of most likely tokens whose probability reaches top_p; 1 = all.
   double top_p = 1.0;
-  // New tokens one assistant turn may sample (ReTool: per turn, within rollout.max_context).
   int64_t max_new_tokens = 256;
-  // Completions per prompt (GRPO's group size G).
   int64_t samples_per_prompt = 8;
   // Noise seed: equal seeds give equal rollouts. Not a config key: the trainer derives it from train.seed
   // and the step (one seed tree), benchmarks set it themselves.
@@ -38,37 +33,39 @@ struct SamplingOptions {
 
   template <class V>
   void visit(V&& v) {
-    v("temperature", temperature, "softmax temperature; 0 = greedy", FieldRange{0, 100});
+    v("temperature", temperature, "softmax temperature; 0 = greedy (argmax, log-probs then at temperature 1)",
+      FieldRange{0, 100});
     v("top_k", top_k, "keep the k most likely tokens; 0 = all", FieldRange{0, 1e9});
     v("top_p", top_p, "nucleus: smallest set reaching this probability; 1 = all", FieldRange{1e-6, 1});
-    v("max_new_tokens", max_new_tokens, "tokens one assistant turn may sample", FieldRange{1, 1e9});
-    v("samples_per_prompt", samples_per_prompt, "completions per prompt (GRPO group size)", FieldRange{1, 1e6});
+    v("max_new_tokens", max_new_tokens, "tokens one assistant turn may sample (within rollout.max_context)",
+      FieldRange{1, 1e9});
+    v("samples_per_prompt", samples_per_prompt, "completions per prompt (the GRPO group size G)", FieldRange{1, 1e6});
   }
   void check(const FieldFail& fail) const {}
 };
 
-// logits (N, V) -> the same with every entry outside the top-k / top-p set at -inf (ties at the k-th
+// logits (B, V) -> the same with every entry outside the top-k / top-p set at -inf (ties at the k-th
 // value are kept). The input is logits already divided by the temperature.
 at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double top_p);
 
-// Uniforms in (0, 1), (N, V) float32, on `device`: entry (i, v) is a hash of (seed, streams[i],
-// counters[i], v). streams, counters: (N) int64 on the CPU.
+// Uniforms in (0, 1), (B, V) float32, on `device`: entry (i, v) is a hash of (seed, streams[i],
+// counters[i], v). streams, counters: (B) int64 on the CPU.
 at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
                             at::Device device);
 
-// The Gumbel-max draw: ids (N) int64 = argmax_v logits[n, v] / T - log(-log u[n, v]), u =
-// counter_uniforms(seed, streams, counters). logits (N, V) float32 (already filtered, if at all). On a CUDA
+// The Gumbel-max draw: ids (B) int64 = argmax_v logits[n, v] / temperature - log(-log u[n, v]), u =
+// counter_uniforms(seed, streams, counters). logits (B, V) float32 (already filtered, if at all). On a CUDA
 // device, unless `fused` is false, one kernel makes the noise on the fly (rollout/cuda/sample_kernels.cu),
 // bit-identical to the ATen form, which is the reference and the CPU path.
 at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
                          const at::Tensor& counters, bool fused = true);
 
 struct SampleOutput {
-  at::Tensor ids;       // (N) int64, on the CPU
-  at::Tensor logprobs;  // (N) float32, on the CPU: log softmax(logits / T)[ids] through the loss module
+  at::Tensor ids;       // (B) int64, on the CPU
+  at::Tensor logprobs;  // (B) float32, on the CPU: log softmax(logits / temperature)[ids] through the loss module
 };
 
-// One token per row of logits (N, V) (final-logit softcap already applied). Rows at or past `vocab_limit`
+// One token per row of logits (B, V) (final-logit softcap already applied). Rows at or past `vocab_limit`
 // (> 0) are never sampled: a checkpoint's embedding may be larger than its tokenizer. `fused` as in
 // gumbel_argmax (false: the ATen draw, for benchmarks' A/B).
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,

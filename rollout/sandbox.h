@@ -34,69 +34,63 @@ class SandboxError : public std::runtime_error {
 };
 
 struct SandboxOptions {
-  // Wall-clock limit of one call; the whole process tree is killed at it. RLIMIT_CPU is set a little
-  // above it as a second line.
+  // RLIMIT_CPU, set a little above it, is a second line.
   double timeout_s = 5.0;
-  // Memory, in MiB: RLIMIT_AS of every sandboxed process, and where a memory cgroup can be made, the whole
-  // call's memory (all its processes and the files in its tmpfs directory). numpy and sympy import in
-  // 256; 1024 leaves room for work.
+  // The memory cgroup counts all the call's processes and the files in its tmpfs directory. numpy and
+  // sympy import in 256; 1024 leaves room for work.
   int64_t memory_mb = 1024;
-  // Tasks (processes and threads, python itself included) one call may run at once: a pids cgroup where
-  // the host lets us make one, and RLIMIT_NPROC where the call has a user namespace of its own and a uid
-  // other than 0 (uid 0 is exempt from it). With neither, only the timeout bounds a fork bomb.
+  // A pids cgroup where the host lets us make one, and RLIMIT_NPROC where the call has a user namespace
+  // of its own and a uid other than 0 (uid 0 is exempt from it). With neither, only the timeout bounds a
+  // fork bomb.
   int64_t max_processes = 64;
-  // RLIMIT_FSIZE, in MiB: the largest file the code may write (0: no file at all).
   int64_t max_file_mb = 16;
-  // In the jail: the size of the call's tmpfs directory, in MiB (everything it writes, all files
-  // together; with 64 entries per MiB besides 1024). Without a jail only max_file_mb bounds each file.
+  // The tmpfs also holds at most 1024 + 64 per MiB entries (files and directories). Without a jail only
+  // max_file_mb bounds each file.
   int64_t disk_mb = 64;
-  // RLIMIT_NOFILE: open file descriptors per process.
   int64_t max_open_files = 64;
-  // Bytes of stdout and of stderr kept, each; the rest is read and dropped (the child never blocks on a
-  // full pipe) and the result is marked truncated.
+  // The rest is still read, so the child never blocks on a full pipe.
   int64_t max_output_bytes = 8192;
-  // SandboxPool: calls run at once.
   int64_t workers = 4;
-  // Interpreter: a path, or a name looked up in the caller's PATH. Shims (pyenv) are resolved once to the
-  // real executable (its sys.executable), since the sandbox gets no environment to run them with.
+  // Shims (pyenv) are resolved once to the real executable (its sys.executable), since the sandbox gets
+  // no environment to run them with.
   std::string python = "python3";
-  // Where the private working directories are made; empty: $TMPDIR, else /tmp.
   std::string tmp_root;
-  // false: the interpreter starts without the site module (python -S): only the standard library is
-  // importable (no numpy, no sympy), and a call starts in a quarter of the time where site-packages hold
-  // many packages (10 ms against 37 ms on the development machine), which is most of a tiny model's step.
+  // false starts a call in a quarter of the time where site-packages hold many packages (10 ms against
+  // 37 ms on the development machine), which is most of a tiny model's step.
   bool site_packages = true;
-  // false: no namespaces (and so no jail) even where the kernel allows them, the fallback used where it
-  // refuses them (to test that path, or for hosts where they misbehave); rlimits, cgroups, Landlock (reads
-  // included), seccomp and the uid still apply.
+  // false: no jail, the fallback of hosts that refuse namespaces (to test that path, or for hosts where
+  // they misbehave); rlimits, cgroups, Landlock (reads included), seccomp and the uid still apply.
   bool namespaces = true;
-  // false: no per-call pids and memory cgroups even where they can be made (on a cgroup v1 host, moving
-  // each call's init into them costs 1 to 10 ms, an RCU grace period); RLIMIT_NPROC and RLIMIT_AS remain.
+  // On a cgroup v1 host, moving each call's init into them costs 1 to 10 ms (an RCU grace period).
+  // false leaves RLIMIT_NPROC and RLIMIT_AS.
   bool cgroups = true;
-  // Added to the interpreter's niceness (0 to 19), so tool code yields the CPU to the trainer, whose decode
-  // loop launches the GPU's work from the host. Off by default: 10 makes the 2-core CPU demo's RL steps
-  // slower (tool replies come later: more decode steps), and on 16-core GPU hosts its effect stays within
-  // the runs' spread (docs/benchmarks.md, design notes).
+  // The trainer's decode loop launches the GPU's work from the host, so tool code competes with it for the
+  // CPU. Off by default: 10 makes the 2-core CPU demo's RL steps slower (tool replies come later: more
+  // decode steps), and on 16-core GPU hosts its effect stays within the runs' spread (docs/benchmarks.md,
+  // design notes).
   int64_t nice = 0;
-  // SandboxPool: each worker starts its next sandbox, up to the interpreter waiting for its script on stdin,
-  // before the call arrives, so a call skips the interpreter's start-up (docs/benchmarks.md, "A prestarted
-  // call and the pool"). The call's wall_ms and
-  // timeout count from its script's delivery. Costs one idle interpreter per worker. run_python() always
-  // starts cold.
+  // A call then skips the interpreter's start-up (docs/benchmarks.md, "A prestarted call and the pool");
+  // its wall_ms and timeout count from its script's delivery. Costs one idle interpreter per worker.
+  // run_python() always starts cold.
   bool prestart = true;
 
   template <class V>
   void visit(V&& v) {
-    v("timeout_s", timeout_s, "wall-clock limit of one call, seconds", FieldRange{0.01, 3600});
+    v("timeout_s", timeout_s, "wall-clock limit of one call, seconds; its whole process tree is killed at it",
+      FieldRange{0.01, 3600});
     v("memory_mb", memory_mb, "memory per process (RLIMIT_AS) and per call (memory cgroup), MiB", FieldRange{16, 1e7});
-    v("max_processes", max_processes, "processes and threads one call may run at once", FieldRange{1, 1e6});
-    v("max_file_mb", max_file_mb, "largest file the code may write (RLIMIT_FSIZE), MiB", FieldRange{0, 1e7});
-    v("disk_mb", disk_mb, "size of the call's tmpfs directory in the jail, MiB", FieldRange{1, 1e6});
+    v("max_processes", max_processes, "processes and threads (python included) one call may run at once",
+      FieldRange{1, 1e6});
+    v("max_file_mb", max_file_mb, "largest file the code may write (RLIMIT_FSIZE), MiB; 0 = no file at all",
+      FieldRange{0, 1e7});
+    v("disk_mb", disk_mb, "size of the call's tmpfs directory in the jail (all its files together), MiB",
+      FieldRange{1, 1e6});
     v("max_open_files", max_open_files, "open files per process (RLIMIT_NOFILE)", FieldRange{8, 1e6});
-    v("max_output_bytes", max_output_bytes, "stdout and stderr bytes kept, each", FieldRange{1, 1e9});
+    v("max_output_bytes", max_output_bytes,
+      "stdout and stderr bytes kept, each; the rest is dropped and the result marked truncated", FieldRange{1, 1e9});
     v("workers", workers, "concurrent calls in a SandboxPool", FieldRange{1, 4096});
     v("python", python, "interpreter: a path or a name in PATH");
-    v("tmp_root", tmp_root, "root of the private working directories; empty: $TMPDIR or /tmp");
+    v("tmp_root", tmp_root, "root of the private working directories, an absolute path; empty: $TMPDIR or /tmp");
     v("site_packages", site_packages, "site-packages importable (false: python -S, stdlib only, faster start)");
     v("namespaces", namespaces, "user/pid/net/ipc/mount namespaces where the kernel allows them");
     v("cgroups", cgroups, "per-call pids and memory cgroups where they can be made");
