@@ -13,7 +13,7 @@
 // Gradient filtering: when max(p) < eps over a block, its softmax part is skipped (seed 002, sec. 4.3);
 // the target part of a skipped block is then added on its own (the "indexed matmul", Algorithm 1).
 // Loop order in the backward is vocabulary-outer so each dW block is accumulated in fp32 and written
-// once; dE is accumulated in an fp32 (N, D) buffer. Both are the gradients the call must return (bf16
+// once; dE is accumulated in an fp32 (T', D) buffer. Both are the gradients the call must return (bf16
 // inputs: plus that fp32 dE accumulator), which is the memory lower bound of the backward.
 #include "loss/cce.h"
 
@@ -73,15 +73,15 @@ class CceFn : public torch::autograd::Function<CceFn> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                                const at::Tensor& targets, const State& state) {
-    const int64_t N = hidden.size(0), V = weight.size(0);
+    const int64_t N = hidden.size(0), V = weight.size(0);  // N = T' rows
     const int64_t rb = state.rb, vb = state.vb;
     const double temp = state.options.temperature, cap = state.cap;
     const bool kernel = state.kernel;
     const EntropyMode entropy = state.options.entropy;
     const auto acc = accumulation_dtype(hidden.scalar_type());
     const auto opts = hidden.options().dtype(acc);
-    at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                          // (N)
-    at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (N)
+    at::Tensor logp = at::empty({N}, opts), lse = at::empty({N}, opts);                          // (T')
+    at::Tensor H = entropy != EntropyMode::kNone ? at::empty({N}, opts) : at::empty({0}, opts);  // (T')
     // Rows [r0, r0 + n) given their online softmax state m, s, t: lse, the target's log-prob, the entropy.
     auto finish_rows = [&](int64_t r0, int64_t n, const at::Tensor& m, const at::Tensor& s, const at::Tensor& t) {
       const at::Tensor h = hidden.narrow(0, r0, n);
@@ -170,14 +170,14 @@ class CceFn : public torch::autograd::Function<CceFn> {
     if (!glp.defined()) glp = at::zeros_like(lse);
     glp = glp.to(lse.scalar_type()).contiguous();
     if (gH.defined()) gH = gH.to(lse.scalar_type()).contiguous();
-    const int64_t N = hidden.size(0), V = weight.size(0), D = hidden.size(1);
+    const int64_t N = hidden.size(0), V = weight.size(0), D = hidden.size(1);  // N = T' rows
     const auto acc = accumulation_dtype(hidden.scalar_type());
     const bool same = hidden.scalar_type() == acc;
     const double log_eps = eps > 0 ? std::log(eps) : -std::numeric_limits<double>::infinity();
 
-    at::Tensor dE = at::zeros({N, D}, hidden.options().dtype(acc));  // (N, D) fp32 accumulator
+    at::Tensor dE = at::zeros({N, D}, hidden.options().dtype(acc));  // (T', D) fp32 accumulator
     at::Tensor dW = same ? at::zeros({V, D}, weight.options()) : at::empty({V, D}, weight.options());
-    at::Tensor glp_t = glp / temp;  // (N) target-term coefficient
+    at::Tensor glp_t = glp / temp;  // (T') target-term coefficient
     // Filtering on the fused path is per tile and decided on the device: the dz kernel flags each 64 rows x 256
     // entries it must keep and cuda::cce_sparse_grads multiplies only those (no host read). The other CUDA path
     // decides per block, with one host read of any_above a block.

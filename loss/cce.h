@@ -1,5 +1,5 @@
 // Cut Cross-Entropy (seed 002) with LibTorch ops: log-probs (and entropy) of softmax(hidden @ W^T / temp)
-// without holding the [N, V] logits. Forward: blocks of rows x vocabulary, an online log-sum-exp per
+// without holding the [T', V] logits. Forward: blocks of rows x vocabulary, an online log-sum-exp per
 // row (max m, sum s = sum e^{z-m}, and t = sum e^{z-m} z for the entropy). Backward: recompute each
 // block's logits from the saved lse, form its gradient for any per-token upstream gradient, and
 // accumulate dE and dW (fp32 for bf16/fp16 inputs); blocks whose softmax is below eps everywhere are
@@ -18,18 +18,18 @@
 
 namespace rlt {
 
-// hidden (N, D), lm_head (V, D) same float dtype; targets (N) int64. Reads options.temperature,
+// hidden (T', D), lm_head (V, D) same float dtype; targets (T') int64. Reads options.temperature,
 // entropy, chunk_size (rows per block; 0 = automatic), vocab_chunk_size (vocabulary entries per block;
 // 0 = automatic) and grad_filter / grad_filter_eps. softcap: the model's final-logit softcap,
 // z <- cap * tanh(z / cap) before everything; 0 = none. use_cuda_kernel: on CUDA, the fused block
 // epilogues (loss/cuda/cce_kernels.cu) or the fused Hopper kernels (options.cce_fused); false forces the
 // ATen epilogues (tests).
-// Returns (logprobs (N), entropy (N) or undefined), float32 (float64 for float64 inputs).
+// Returns (logprobs (T'), entropy (T') or undefined), float32 (float64 for float64 inputs).
 std::pair<at::Tensor, at::Tensor> cce_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                const at::Tensor& targets, const LossOptions& options,
                                                double softcap = 0.0, bool use_cuda_kernel = true);
 
-// The (row, vocabulary) block sizes cce uses for N rows, V entries, hidden size D (automatic choice
+// The (row, vocabulary) block sizes cce uses for N = T' rows, V entries, hidden size D (automatic choice
 // when the requested size is 0), on the blockwise path or (fused) the fused Hopper kernels' backward.
 std::pair<int64_t, int64_t> cce_blocks(int64_t N, int64_t V, int64_t D, int64_t row_block, int64_t vocab_block,
                                        bool fused = false);

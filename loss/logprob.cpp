@@ -34,17 +34,12 @@ void check_rows(const at::Tensor& rows, int64_t T, const at::Device& device) {
   TORCH_CHECK(f[2] == 1, "rows must be distinct (a row listed twice)");
 }
 
-// Log-probs (and entropy) of every row of hidden (N, D) through the LM head, naive or selective:
-// fp32 logits of chunk_size rows at a time, so the LM-head matmul's [rows, V] working set is bounded for
-// every impl (under autograd each chunk's logits, or its log-softmax for naive, are still saved for the
-// backward: that is what these paths trade against cce's recomputation).
-
 // naive_logprobs over chunks of `chunk` rows (0 = one chunk), concatenated (seeds 003/004). Under
 // autograd each chunk's log-softmax is still saved; chunking bounds the no-grad working set.
 std::pair<at::Tensor, at::Tensor> naive_chunked(const at::Tensor& logits, const at::Tensor& targets,
                                                 const LossOptions& opt) {
   const bool with_entropy = opt.entropy != EntropyMode::kNone;
-  const int64_t N = logits.size(0);
+  const int64_t N = logits.size(0);  // T' rows
   const int64_t chunk = opt.chunk_size > 0 ? opt.chunk_size : std::max<int64_t>(N, 1);
   std::vector<at::Tensor> lps, ents;
   for (int64_t s = 0; s < N; s += chunk) {
@@ -72,7 +67,7 @@ class Fp32LogitsFn : public torch::autograd::Function<Fp32LogitsFn> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor& h = saved[0];
     const at::Tensor& w = saved[1];
-    at::Tensor dz = grads[0].to(h.scalar_type());  // (N, V)
+    at::Tensor dz = grads[0].to(h.scalar_type());  // (T', V)
     return {at::mm(dz, w), at::mm(dz.t(), h)};
   }
 };
@@ -82,12 +77,12 @@ class Fp32LogitsFn : public torch::autograd::Function<Fp32LogitsFn> {
 std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits, const at::Tensor& targets,
                                                  double temperature, bool with_entropy) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
-  at::Tensor x = logits.to(accumulation_dtype(logits.scalar_type()));  // (N, V)
+  at::Tensor x = logits.to(accumulation_dtype(logits.scalar_type()));  // (T', V)
   if (temperature != 1.0) x = x / temperature;
-  at::Tensor logp_all = at::log_softmax(x, 1);                            // (N, V)
-  at::Tensor logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1);  // (N)
+  at::Tensor logp_all = at::log_softmax(x, 1);                            // (T', V)
+  at::Tensor logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1);  // (T')
   at::Tensor entropy;
-  if (with_entropy) entropy = -(logp_all.exp() * logp_all).sum(1);  // (N)
+  if (with_entropy) entropy = -(logp_all.exp() * logp_all).sum(1);  // (T')
   return {logp, entropy};
 }
 
@@ -101,14 +96,14 @@ at::Tensor fp32_logits(const at::Tensor& hidden, const at::Tensor& lm_head) {
   return at::mm(hidden.to(acc), lm_head.to(acc).t());
 }
 
-// Log-probs (and entropy) of every row of hidden (N, D) through the LM head, naive or selective: fp32
+// Log-probs (and entropy) of every row of hidden (T', D) through the LM head, naive or selective: fp32
 // logits of chunk_size rows at a time, so the LM-head matmul's [rows, V] working set is bounded for
 // every impl (under autograd each chunk's logits, or its log-softmax for naive, are still saved for the
 // backward: that is what these paths trade against cce's recomputation).
 static std::pair<at::Tensor, at::Tensor> hidden_logprobs(const at::Tensor& hidden, const at::Tensor& lm_head,
                                                          const at::Tensor& targets, double softcap,
                                                          const LossOptions& opt) {
-  const int64_t N = hidden.size(0);
+  const int64_t N = hidden.size(0);  // T' rows
   const int64_t rows = opt.chunk_size > 0                ? opt.chunk_size
                        : opt.impl == LogprobImpl::kNaive ? std::max<int64_t>(N, 1)
                                                          : kHiddenAutoRows;

@@ -2,7 +2,7 @@
 // and the policy update, built only for the rows that are needed.
 //
 // Shape legend (used throughout loss/):
-//   T   flattened positions of a batch (B*G*L, or a packed batch)
+//   T   flattened positions of a batch (B L, or a packed batch)
 //   T'  kept rows: the rows the caller asks for (response rows, or response rows with loss_mask = 1)
 //   V   vocabulary size      D   hidden size
 // Row t scores targets[t]: the caller aligns targets with rows (usually targets[t] = ids[t + 1]).
@@ -19,7 +19,7 @@
 //     only, chunk_size rows per LM-head matmul (selective's inplace_backward then lets the gradient
 //     take their buffer); cce never holds [T', V].
 // Output dtype: float32 (float64 for float64 inputs), whatever the input dtype: log-probs feed
-// exp(logp_new - logp_old) and must not carry bf16 rounding (DESIGN.md, Numerics).
+// exp(logp_new - logp_old) and must not carry bf16 rounding (docs/loss.md, Numerics).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -53,16 +53,17 @@ LogprobOutput token_logprobs(const LogprobInputs& in, const LossOptions& options
 
 // The reference: full log_softmax over the vocabulary, then gather. Half-precision logits are upcast
 // to float32 first. No chunking, no row selection: tests compare every path against this in float64.
-// Returns (logprobs (N), entropy (N) or undefined).
-std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits /*(N,V)*/, const at::Tensor& targets /*(N)*/,
-                                                 double temperature, bool with_entropy);
+// Returns (logprobs (T'), entropy (T') or undefined).
+std::pair<at::Tensor, at::Tensor> naive_logprobs(const at::Tensor& logits /*(T',V)*/,
+                                                 const at::Tensor& targets /*(T')*/, double temperature,
+                                                 bool with_entropy);
 
 // The dtype log-probs are accumulated and returned in: float64 for float64 inputs, else float32
 // (bf16/fp16 logits are never reduced in their own precision).
 inline at::ScalarType accumulation_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // logits = hidden @ lm_head^T in float32 (float64 for float64 inputs), accumulated in fp32 for bf16
-// inputs rather than rounded to bf16 (an fp32-output GEMM on CUDA; an upcast on CPU). (N, V).
-at::Tensor fp32_logits(const at::Tensor& hidden /*(N,D)*/, const at::Tensor& lm_head /*(V,D)*/);
+// inputs rather than rounded to bf16 (an fp32-output GEMM on CUDA; an upcast on CPU). (T', V).
+at::Tensor fp32_logits(const at::Tensor& hidden /*(T',D)*/, const at::Tensor& lm_head /*(V,D)*/);
 
 }  // namespace rlt

@@ -48,7 +48,7 @@ void validate(const PolicyLossOptions& opt) {
   });
 }
 
-// t must be defined, floating, on logprobs' device and of logprobs' shape (S, L).
+// t must be defined, floating, on logprobs' device and of logprobs' shape (S, R).
 void check_like_logprobs(const at::Tensor& t, const at::Tensor& logprobs, const char* name) {
   TORCH_CHECK(t.defined(), "policy_loss: ", name, " is required here but undefined");
   TORCH_CHECK(t.sizes() == logprobs.sizes(), "policy_loss: ", name, " has shape ", t.sizes(),
@@ -59,7 +59,7 @@ void check_like_logprobs(const at::Tensor& t, const at::Tensor& logprobs, const 
 }
 
 // Masked token mean over this micro-batch, for metrics: sum(where(valid, x, 0)) / max(#valid, 1).
-at::Tensor masked_token_mean(const at::Tensor& x /*(S, L) floating*/, const at::Tensor& valid /*(S, L) bool*/) {
+at::Tensor masked_token_mean(const at::Tensor& x /*(S, R) floating*/, const at::Tensor& valid /*(S, R) bool*/) {
   const at::Tensor count = valid.sum().to(x.scalar_type()).clamp_min(1.0);  // ()
   return at::where(valid, x, 0.0).sum() / count;
 }
@@ -82,8 +82,8 @@ at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_ma
               global_denominator);
   const auto dtype = per_token.scalar_type();
   const bool global = global_denominator > 0.0;
-  const at::Tensor valid = loss_mask != 0;                                        // (S, L) bool
-  const at::Tensor masked = at::where(valid, per_token, 0.0);                     // (S, L) exactly 0 outside the mask
+  const at::Tensor valid = loss_mask != 0;                                        // (S, R) bool
+  const at::Tensor masked = at::where(valid, per_token, 0.0);                     // (S, R) exactly 0 outside the mask
   const double num_seqs = std::max(static_cast<double>(per_token.size(0)), 1.0);  // S, clamped >= 1
 
   switch (agg) {
@@ -109,7 +109,7 @@ at::Tensor aggregate_loss(const at::Tensor& per_token, const at::Tensor& loss_ma
 
 PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions& opt) {
   validate(opt);
-  const at::Tensor& logprobs = in.logprobs;  // (S, L)
+  const at::Tensor& logprobs = in.logprobs;  // (S, R)
   TORCH_CHECK(logprobs.defined(), "policy_loss: logprobs is undefined");
   TORCH_CHECK(logprobs.dim() == 2, "policy_loss: logprobs must be (S, L), got ", logprobs.sizes());
   const auto dtype = logprobs.scalar_type();
@@ -142,37 +142,37 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
               "policy_loss: logprobs_rollout is required with tis or icepop");
   if (use_tis || use_icepop) check_like_logprobs(in.logprobs_rollout, logprobs, "logprobs_rollout");
 
-  const at::Tensor valid = in.loss_mask != 0;  // (S, L) bool
+  const at::Tensor valid = in.loss_mask != 0;  // (S, R) bool
   // Behaviour log-probs and advantages are constants of the surrogate: detached in case a caller
   // passes tensors still attached to a graph.
-  const at::Tensor logprobs_old = in.logprobs_old.detach().to(dtype);  // (S, L)
-  at::Tensor advantages = in.advantages.detach().to(dtype);            // (S, L) or (S)
-  if (advantages.dim() == 1) advantages = advantages.unsqueeze(1);     // (S, 1) broadcasts over L
+  const at::Tensor logprobs_old = in.logprobs_old.detach().to(dtype);  // (S, R)
+  at::Tensor advantages = in.advantages.detach().to(dtype);            // (S, R) or (S)
+  if (advantages.dim() == 1) advantages = advantages.unsqueeze(1);     // (S, 1) broadcasts over R
 
   // Zeroed outside the mask before exp(): padding may hold -inf or large policy gaps; where() keeps
   // both the forward value and the gradient there exactly 0 (no inf * 0 = NaN in backward).
-  const at::Tensor log_ratio = at::where(valid, logprobs - logprobs_old, 0.0);  // (S, L)
+  const at::Tensor log_ratio = at::where(valid, logprobs - logprobs_old, 0.0);  // (S, R)
   const bool seq_level = opt.ratio_level == RatioLevel::kSequence;
   const at::Tensor seq_tokens = valid.sum(/*dim=*/1, /*keepdim=*/true).to(dtype);  // (S, 1) mask tokens
   // GSPO: exp of the mean log-ratio over the sequence's mask tokens (count clamped to >= 1: an empty
   // sequence gets ratio 1 and no term), broadcast to its tokens; the gradient flows into each token.
   const at::Tensor ratio = seq_level ? at::exp(log_ratio.sum(/*dim=*/1, /*keepdim=*/true) / seq_tokens.clamp_min(1.0))
-                                     : at::exp(log_ratio);  // (S, 1) or (S, L)
+                                     : at::exp(log_ratio);  // (S, 1) or (S, R)
   const at::Tensor ratio_clamped = at::clamp(ratio, 1.0 - opt.clip_eps_low, 1.0 + opt.clip_eps_high);
   const bool cispo = opt.loss == PolicyLossKind::kCispo;
-  at::Tensor pg_unclipped, pg_clipped, pg_max, pg;  // (S, L); the first three for ppo_clip only
-  at::Tensor dual_bound;                            // (S, L) or (S, 1)
+  at::Tensor pg_unclipped, pg_clipped, pg_max, pg;  // (S, R); the first three for ppo_clip only
+  at::Tensor dual_bound;                            // (S, R) or (S, 1)
   if (cispo) {
     // CISPO: the clipped ratio is a detached weight on the log-prob's gradient. logprobs is zeroed
     // outside the mask so that -inf padding gives no NaN gradient through the product.
     pg = -advantages * ratio_clamped.detach() * at::where(valid, logprobs, 0.0);
   } else {
     // expand(): with a per-sequence ratio and advantages both are (S, 1).
-    pg_unclipped = (-advantages * ratio).expand({S, logprobs.size(1)});        // (S, L)
-    pg_clipped = (-advantages * ratio_clamped).expand({S, logprobs.size(1)});  // (S, L)
+    pg_unclipped = (-advantages * ratio).expand({S, logprobs.size(1)});        // (S, R)
+    pg_clipped = (-advantages * ratio_clamped).expand({S, logprobs.size(1)});  // (S, R)
     // Pessimistic bound (PPO eq. 7 as a loss): the larger loss. At a tie (ratio inside the clip range)
     // maximum() splits the gradient half/half between two identical branches: the full gradient.
-    pg_max = at::maximum(pg_unclipped, pg_clipped);  // (S, L)
+    pg_max = at::maximum(pg_unclipped, pg_clipped);  // (S, R)
     pg = pg_max;
     if (opt.clip_c > 1.0) {
       // Dual clip (Ye et al. 2020, eq. 5): for A < 0 the loss -A*r grows without bound in r; cap it
@@ -182,19 +182,19 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
     }
   }
   // Rollout/trainer mismatch: rho = pi_old / pi_rollout per token, a constant weight on the surrogate.
-  at::Tensor rho;  // (S, L), defined with tis or icepop
+  at::Tensor rho;  // (S, R), defined with tis or icepop
   if (use_tis || use_icepop) {
     rho = at::exp(at::where(valid, logprobs_old - in.logprobs_rollout.detach().to(dtype), 0.0));
     if (use_tis) pg = pg * at::clamp_max(rho, opt.tis);
     if (use_icepop) pg = at::where((rho >= opt.icepop_low) & (rho <= opt.icepop_high), pg, 0.0);
   }
-  at::Tensor per_token = pg;  // (S, L)
+  at::Tensor per_token = pg;  // (S, R)
 
-  at::Tensor kl_tok;  // (S, L), defined iff logprobs_ref is given
+  at::Tensor kl_tok;  // (S, R), defined iff logprobs_ref is given
   if (in.logprobs_ref.defined()) {
     // With kl_coef = 0 it is a metric only: no graph through logprobs.
     const at::Tensor lp = use_kl ? logprobs : logprobs.detach();
-    const at::Tensor log_q = at::where(valid, in.logprobs_ref.detach().to(dtype) - lp, 0.0);  // (S, L)
+    const at::Tensor log_q = at::where(valid, in.logprobs_ref.detach().to(dtype) - lp, 0.0);  // (S, R)
     switch (opt.kl_estimator) {
       case KlEstimator::kK1:
         kl_tok = -log_q;
@@ -208,7 +208,7 @@ PolicyLossOutput policy_loss(const PolicyLossInputs& in, const PolicyLossOptions
     }
     if (use_kl) per_token = per_token + opt.kl_coef * kl_tok;
   }
-  at::Tensor entropy_tok;  // (S, L), defined iff entropy is given
+  at::Tensor entropy_tok;  // (S, R), defined iff entropy is given
   if (in.entropy.defined()) {
     entropy_tok = at::where(valid, use_entropy ? in.entropy.to(dtype) : in.entropy.detach().to(dtype), 0.0);
     if (use_entropy) per_token = per_token - opt.entropy_coef * entropy_tok;

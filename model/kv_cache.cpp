@@ -31,10 +31,10 @@ KvCache KvCache::allocate(const ModelConfig& c, int64_t batch, int64_t max_len, 
 
 namespace {
 
-// (B, Hkv, S, hd): row r's slot j is src's row r, slot slots[r, j]. src (B, Hkv, S0, hd), slots (B, S).
+// (B, Hkv, C, hd): row r's slot j is src's row r, slot slots[r, j]. src (B, Hkv, C0, hd), slots (B, C).
 at::Tensor take_slots(const at::Tensor& src, const at::Tensor& slots) {
-  const int64_t B = slots.size(0), S = slots.size(1);
-  return src.gather(2, slots.view({B, 1, S, 1}).expand({B, src.size(1), S, src.size(3)}));
+  const int64_t B = slots.size(0), C = slots.size(1);
+  return src.gather(2, slots.view({B, 1, C, 1}).expand({B, src.size(1), C, src.size(3)}));
 }
 
 }  // namespace
@@ -42,7 +42,7 @@ at::Tensor take_slots(const at::Tensor& src, const at::Tensor& slots) {
 void KvCache::squeeze_(const at::Tensor& slots) {
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == positions.size(0) && slots.size(1) <= max_len,
               "squeeze_: slots must be (B, S) with S <= ", max_len);
-  const int64_t S = slots.size(1);
+  const int64_t C = slots.size(1);
 #ifdef RLT_HAVE_CUDA
   // One launch for every layer, moving only the slots that move (ATen's form: two kernels and a copy of
   // the layer per tensor, 1.1-1.7 ms a squeeze at 64 x 800 slots of Qwen2.5-0.5B on an H200).
@@ -52,44 +52,44 @@ void KvCache::squeeze_(const at::Tensor& slots) {
 #endif
   {
     for (auto* layers : {&k, &v}) {
-      for (at::Tensor& t : *layers) t.narrow(2, 0, S).copy_(take_slots(t, slots));  // one layer's copy at a time
+      for (at::Tensor& t : *layers) t.narrow(2, 0, C).copy_(take_slots(t, slots));  // one layer's copy at a time
     }
   }
-  positions.narrow(1, 0, S).copy_(positions.gather(1, slots));
-  length = S;
+  positions.narrow(1, 0, C).copy_(positions.gather(1, slots));
+  length = C;
 }
 
 void KvCache::put_rows_(const at::Tensor& rows, const KvCache& src, const at::Tensor& src_rows) {
-  const int64_t S = src.length;
-  TORCH_CHECK(rows.dim() == 1 && src_rows.sizes() == rows.sizes() && S <= max_len && src.k.size() == k.size(),
-              "put_rows_: rows and src_rows must be (B') and src's ", S, " slots fit in ", max_len);
+  const int64_t C = src.length;
+  TORCH_CHECK(rows.dim() == 1 && src_rows.sizes() == rows.sizes() && C <= max_len && src.k.size() == k.size(),
+              "put_rows_: rows and src_rows must be (B') and src's ", C, " slots fit in ", max_len);
   for (size_t i = 0; i < k.size(); ++i) {
-    k[i].narrow(2, 0, S).index_copy_(0, rows, src.k[i].narrow(2, 0, S).index_select(0, src_rows));
-    v[i].narrow(2, 0, S).index_copy_(0, rows, src.v[i].narrow(2, 0, S).index_select(0, src_rows));
+    k[i].narrow(2, 0, C).index_copy_(0, rows, src.k[i].narrow(2, 0, C).index_select(0, src_rows));
+    v[i].narrow(2, 0, C).index_copy_(0, rows, src.v[i].narrow(2, 0, C).index_select(0, src_rows));
   }
-  positions.narrow(1, 0, S).index_copy_(0, rows, src.positions.narrow(1, 0, S).index_select(0, src_rows));
+  positions.narrow(1, 0, C).index_copy_(0, rows, src.positions.narrow(1, 0, C).index_select(0, src_rows));
 }
 
 KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) const {
   TORCH_CHECK(rows.dim() == 1 && slots.dim() == 2 && slots.size(0) == rows.size(0),
               "gather: rows must be (B') and slots (B', S')");
-  const int64_t B = rows.size(0), S = slots.size(1);
-  TORCH_CHECK(S <= new_max_len, "gather: ", S, " slots do not fit in ", new_max_len);
+  const int64_t B = rows.size(0), C = slots.size(1);
+  TORCH_CHECK(C <= new_max_len, "gather: ", C, " slots do not fit in ", new_max_len);
   KvCache out;
   out.packed = packed;
   out.fused_kernels = fused_kernels;
   out.in_place_steps = in_place_steps;
   out.max_len = new_max_len;
-  out.length = S;
+  out.length = C;
   for (size_t i = 0; i < k.size(); ++i) {
     for (const auto* src : {&k[i], &v[i]}) {
       at::Tensor dst = at::zeros({B, src->size(1), new_max_len, src->size(3)}, src->options());
-      dst.narrow(2, 0, S).copy_(take_slots(src->index_select(0, rows), slots));
+      dst.narrow(2, 0, C).copy_(take_slots(src->index_select(0, rows), slots));
       (src == &k[i] ? out.k : out.v).push_back(dst);
     }
   }
   out.positions = at::zeros({B, new_max_len}, positions.options());
-  out.positions.narrow(1, 0, S).copy_(positions.index_select(0, rows).gather(1, slots));
+  out.positions.narrow(1, 0, C).copy_(positions.index_select(0, rows).gather(1, slots));
   return out;
 }
 
@@ -129,12 +129,12 @@ std::pair<at::Tensor, at::Tensor> KvCache::update(int64_t layer, const at::Tenso
   if (step_rows.defined()) {
     k_cache.narrow(2, length, L).index_copy_(0, step_rows, k_new);
     v_cache.narrow(2, length, L).index_copy_(0, step_rows, v_new);
-    return {k_cache.narrow(2, 0, length + L).index_select(0, step_rows),  // (B, Hkv, S, hd)
+    return {k_cache.narrow(2, 0, length + L).index_select(0, step_rows),  // (B, Hkv, C, hd)
             v_cache.narrow(2, 0, length + L).index_select(0, step_rows)};
   }
   k_cache.narrow(2, length, L).copy_(k_new);
   v_cache.narrow(2, length, L).copy_(v_new);
-  return {k_cache.narrow(2, 0, length + L), v_cache.narrow(2, 0, length + L)};  // (B, Hkv, S, hd)
+  return {k_cache.narrow(2, 0, length + L), v_cache.narrow(2, 0, length + L)};  // (B, Hkv, C, hd)
 }
 
 }  // namespace rlt

@@ -1,6 +1,6 @@
 // The decoder's key/value cache (KvCache) for incremental decoding, and the guard that keeps SDPA off
 // cuDNN while a rollout runs (NoCudnnAttention). Transformer::forward writes the cache through update();
-// the rollout (rollout/policy.h) allocates, gathers, squeezes and refills it between forwards.
+// the rollout (rollout/engine.h) allocates, gathers, squeezes and refills it between forwards.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -74,12 +74,12 @@ struct KvCache {
   // A new cache of `max_len` slots whose row r, slot j is this cache's row rows[r], slot slots[r, j]
   // (j < slots.size(1)); length becomes slots.size(1). One primitive for dropping finished rows,
   // squeezing out holes, growing, and copying a prefilled prompt to G rows.
-  // rows (B') int64, slots (B', S') int64, both on the cache's device.
+  // rows (B') int64, slots (B', C') int64, both on the cache's device.
   KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
   // gather() into this cache's own tensors, every row kept, squeezing out holes: row r's slot j becomes its
-  // slot slots[r, j] for j below its count of kept slots (slots (B, S) int64 on the cache's device, S <=
+  // slot slots[r, j] for j below its count of kept slots (slots (B, C) int64 on the cache's device, C <=
   // max_len: each row's kept slots in increasing order, then zeros); its slots past them hold finite values
-  // of no meaning (the caller's mask hides them). length becomes S. Tensors and shapes stay, so a CUDA
+  // of no meaning (the caller's mask hides them). length becomes C. Tensors and shapes stay, so a CUDA
   // graph captured on them stays valid. On CUDA one kernel moves every layer's slots in place
   // (cuda::squeeze_slots_).
   void squeeze_(const at::Tensor& slots);
@@ -96,7 +96,7 @@ struct KvCache {
   // every row or of step_rows'. Leaves `length` to the forward.
   void write_positions(const at::Tensor& new_positions);
   // Writes layer `layer`'s new keys and values k_new, v_new (B, Hkv, L, hd) where write_positions puts
-  // their positions, and returns the keys and values the forward's queries attend over, (B, Hkv, S, hd)
+  // their positions, and returns the keys and values the forward's queries attend over, (B, Hkv, C, hd)
   // each: slots [0, length + L), or [0, step_span()) with step_slot; of step_rows' rows when set (as
   // Hugging Face's Cache.update does for one layer).
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new);

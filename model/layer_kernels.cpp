@@ -37,7 +37,9 @@ class AtenKernels : public LayerKernels {
     const at::Tensor h = b.defined() ? a + b : a;
     return {h, rms_norm(h, w, eps, gemma)};
   }
-  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& carry) const override { return h + m; }
+  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& pending) const override {
+    return h + m;
+  }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v,
                                                                 const at::Tensor& cos, const at::Tensor& sin,
                                                                 KvCache* cache) const override {
@@ -46,7 +48,7 @@ class AtenKernels : public LayerKernels {
     v = v.transpose(1, 2);  // (B, Hkv, L, hd)
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
-    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, S, hd)
+    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, C, hd)
     return {q, k, v};
   }
   at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const override {
@@ -74,8 +76,8 @@ class FusedKernels final : public AtenKernels {
     if (!b.defined()) return {a, cuda::rms_norm(a, w, eps, gemma)};
     return cuda::add_rms_norm(a, b, w, eps, gemma);
   }
-  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& carry) const override {
-    carry = m;
+  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& pending) const override {
+    pending = m;
     return h;
   }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v,
@@ -91,7 +93,7 @@ class FusedKernels final : public AtenKernels {
     q = q.transpose(1, 2);                                   // (B, H, L, hd)
     k = k.transpose(1, 2);                                   // (B, Hkv, L, hd)
     v = v.transpose(1, 2);                                   // (B, Hkv, L, hd)
-    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, S, hd)
+    if (cache) std::tie(k, v) = cache->update(layer, k, v);  // (B, Hkv, C, hd)
     return {q, k, v};
   }
   at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const override {

@@ -29,19 +29,19 @@ class LayerKernels {
   // A residual add and the norm after it: {a + b, norm(a + b)}; b undefined: {a, norm(a)}.
   virtual std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
                                                      double eps, bool gemma) const = 0;
-  // A block's closing residual add, h + m (B, L, D); or h, with m left in `carry` for the next add_norm to
-  // add (the fused form: one kernel fewer a layer). carry comes in undefined.
-  virtual at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& carry) const = 0;
+  // A block's closing residual add, h + m (B, L, D); or h, with m left in `pending` (the pending residual)
+  // for the next add_norm to add (the fused form: one kernel fewer a layer). pending comes in undefined.
+  virtual at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& pending) const = 0;
   // RoPE of q (B, L, H, hd) and k (B, L, Hkv, hd) by cos, sin (B, 1, L, hd); then, with a cache, the new k
   // and v (B, L, Hkv, hd) written to layer `layer`'s slots (KvCache::update). Returns q (B, H, L, hd) and
-  // the keys and values its queries attend over (B, Hkv, S, hd): the new ones alone without a cache.
+  // the keys and values its queries attend over (B, Hkv, C, hd): the new ones alone without a cache.
   virtual std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k,
                                                                         at::Tensor v, const at::Tensor& cos,
                                                                         const at::Tensor& sin,
                                                                         KvCache* cache) const = 0;
   // The MLP's gate: act(g) * u, act SiLU or (gelu_tanh) tanh-approximated GELU; g, u (B, L, F).
   virtual at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const = 0;
-  // A boolean attention mask (…, S) as this implementation's SDPA calls take it: the ATen form passes it
+  // A boolean attention mask (…, C) as this implementation's SDPA calls take it: the ATen form passes it
   // as it is; the fused one makes it additive in `dtype` once per forward, where SDPA would convert it at
   // every call (two kernels a layer).
   virtual at::Tensor sdpa_mask(const at::Tensor& mask, at::ScalarType dtype) const = 0;
@@ -84,13 +84,13 @@ struct ForwardPlan {
   KvCache* cache = nullptr;               // the cache the forward goes through, or none
   const PackedWeights* packed = nullptr;  // the cache's packed weights, in fused forwards only
   at::Tensor cos, sin;                    // (B, 1, L, hd): RoPE tables in the activations' dtype
-  // Which slots each new position may attend to, (B, 1, L, S) or grouped (B, 1, G L, S) (see
+  // Which slots each new position may attend to, (B, 1, L, C) or grouped (B, 1, (H / Hkv) L, C) (see
   // attention() in transformer.cpp), bool or additive (sdpa_mask), on every layer or on sliding layers;
   // undefined where no layer needs it.
   at::Tensor full_mask, sliding_mask;
   bool fast = false;       // layers without a restricting window attend unmasked
-  int64_t S = 0;           // slots attended over
-  at::Tensor keep, slots;  // (B, S) bool, (L) int64: attend_in_place's; undefined: SDPA
+  int64_t S = 0;           // C, the slots attended over
+  at::Tensor keep, slots;  // (B, C) bool, (L) int64: attend_in_place's; undefined: SDPA
   bool dropout = false;    // the adapters' dropout (a training forward)
 };
 

@@ -11,7 +11,7 @@ namespace rlt {
 // Projection weights packed for decoding, per layer: [q; k; v] (with their biases) and [gate; up] as one
 // matrix each, so that a forward runs one GEMM for each group instead of three and two: a decode step's
 // GEMMs are a few microseconds each, set by their launch and tile count rather than their bytes. A
-// snapshot of the parameters when made (ModelPolicy makes one per rollout); it costs their size again
+// snapshot of the parameters when made (DecodeEngine makes one per rollout); it costs their size again
 // (qkv and gate/up: 0.47 GB for Qwen2.5-0.5B in bf16) for as long as it lives. qkv_w is empty for models
 // with q/k norms, whose fused RMSNorm needs q and k contiguous.
 struct PackedWeights {

@@ -22,8 +22,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
-// Attention of q (B, H, L, hd) over k, v (B, Hkv, S, hd) under mask (B, 1, L, S) or (B, 1, G L, S), bool or
-// additive, or undefined: then causal (is_causal) or no restriction (a decode step). Returns (B, H, L, hd).
+// Attention of q (B, H, L, hd) over k, v (B, Hkv, C, hd) under mask (B, 1, L, C) or (B, 1, G L, C) (G = H / Hkv
+// query heads per KV head), bool or additive, or undefined: then causal (is_causal) or no restriction (a
+// decode step). Returns (B, H, L, hd).
 // transformers' sdpa_attention_forward, and eager_attention_forward for gemma2's soft-capped scores.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                      bool is_causal, const ModelConfig& c) {
@@ -31,7 +32,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (c.attn_softcap > 0) {
     // gemma2: scores are soft-capped before the mask, which SDPA cannot do: the eager form.
     at::Tensor kr = k.repeat_interleave(H / Hkv, 1), vr = v.repeat_interleave(H / Hkv, 1);
-    at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, S)
+    at::Tensor s = at::matmul(q, kr.transpose(2, 3)) * c.attn_scale;  // (B, H, L, C)
     s = at::tanh(s / c.attn_softcap) * c.attn_softcap;
     s = s.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
     // Softmax in fp32 for bf16/fp16/fp32 activations, in float64 for float64 ones (the reference runs).
@@ -44,12 +45,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     // the mask's rows again. SDPA then gets plain multi-head attention over Hkv heads, which its fused
     // masked kernel takes without repeating K and V per query head (with enable_gqa and a mask it falls
     // back to the unfused math path: ~0.5 ms of host time per layer for a 24-token feed on an H200).
-    // forward() lays its masks out so once for every layer (size(2) == G L); another caller's (B', 1, L, S)
-    // is laid out here. A one-token step's (B', 1, 1, S) serves every query position as it is.
-    const int64_t G = H / Hkv, S = k.size(2);
+    // forward() lays its masks out so once for every layer (size(2) == G L); another caller's (B', 1, L, C)
+    // is laid out here. A one-token step's (B', 1, 1, C) serves every query position as it is.
+    const int64_t G = H / Hkv, C = k.size(2);
     at::Tensor m = L == 1 || mask.size(2) == G * L
                        ? mask
-                       : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, S}).reshape({mask.size(0), 1, G * L, S});
+                       : mask.unsqueeze(2).expand({mask.size(0), 1, G, L, C}).reshape({mask.size(0), 1, G * L, C});
     return at::scaled_dot_product_attention(q.reshape({B, Hkv, G * L, hd}), k, v, m, /*dropout_p=*/0.0,
                                             /*is_causal=*/false, c.attn_scale)
         .reshape({B, H, L, hd});  // not view: the memory-efficient kernel's output is not contiguous
@@ -92,7 +93,7 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   TORCH_CHECK(!fixed || (span <= cache->max_len && cache->step_slot.numel() == L && attention_mask.defined() &&
                          attention_mask.size(1) == span),
               "a step at KvCache::step_slot takes one slot per input column and a mask over its ", span, " slots");
-  const int64_t past = cache ? cache->length : 0, S = fixed ? span : past + L;
+  const int64_t past = cache ? cache->length : 0, S = fixed ? span : past + L;  // S is C, the slots attended over
   TORCH_CHECK(!cache || S <= cache->max_len, "KV cache full: ", S, " > ", cache->max_len, " slots");
   const bool some_rows = cache && cache->step_rows.defined();
   TORCH_CHECK(!some_rows || (cache->step_rows.size(0) == B && attention_mask.defined() && attention_mask.size(0) == B &&
@@ -126,15 +127,16 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   if (fused) ++fused_forward_counts().forwards;
   plan_attention(p, positions, attention_mask);
 
-  at::Tensor carry;  // fused: a layer's MLP output, added to the residual by the next norm's kernel
-  for (int64_t i = 0; i < c.num_layers; ++i) h = run_layer(i, h, carry, p);
+  at::Tensor pending;  // fused: the pending residual, a layer's MLP output that the next norm's kernel adds
+  for (int64_t i = 0; i < c.num_layers; ++i) h = run_layer(i, h, pending, p);
   if (cache && !fixed) cache->length = S;
-  return p.ops->add_norm(h, carry, final_norm_, c.rms_norm_eps, c.gemma_norms).second;  // (B, L, D): the final norm
+  return p.ops->add_norm(h, pending, final_norm_, c.rms_norm_eps, c.gemma_norms).second;  // (B, L, D): the final norm
 }
 
 void Transformer::plan_attention(ForwardPlan& p, const at::Tensor& positions, const at::Tensor& attention_mask) const {
   const ModelConfig& c = config_;
   const KvCache* cache = p.cache;
+  // S is C, the slots attended over.
   const int64_t B = positions.size(0), L = positions.size(1), S = p.S, past = cache ? cache->length : 0;
   const bool fixed = cache && cache->step_slot.defined(), some_rows = cache && cache->step_rows.defined();
   const auto dev = embed_.device();
@@ -150,13 +152,13 @@ void Transformer::plan_attention(ForwardPlan& p, const at::Tensor& positions, co
   // sliding windows that restrict this forward, or dtypes and head sizes the kernel lacks.
   const bool in_place_step = fixed && !some_rows && cache->in_place_steps;
   if ((some_rows || in_place_step) && c.attn_softcap == 0 && !any_sliding && p.ops->attends_in_place(dt, c.head_dim)) {
-    p.keep = kept_slots(attention_mask, dev);  // (B, S)
+    p.keep = kept_slots(attention_mask, dev);  // (B, C)
     p.slots = fixed ? cache->step_slot : at::arange(past, S, lopts);
     ++(some_rows ? fused_forward_counts().in_place_feeds : fused_forward_counts().in_place_steps);
     return;
   }
 
-  // Which slots each new position may attend to (B, 1, L, S): causal by slot, padding from the mask, and
+  // Which slots each new position may attend to (B, 1, L, C): causal by slot, padding from the mask, and
   // on sliding layers only the last `window` slots. A position may always see itself, so a padded
   // position's row is never empty (an empty row would make NaNs that 0-weights cannot cancel).
   // Without padding, a prefill from an empty cache is plain causal and a one-token decode step sees every
@@ -176,16 +178,16 @@ void Transformer::plan_attention(ForwardPlan& p, const at::Tensor& positions, co
     // The window counts positions: a cached row may hold holes, so slot distance can exceed it.
     at::Tensor k_pos = !cache      ? positions.to(dev)
                        : some_rows ? cache->positions.narrow(1, 0, S).index_select(0, cache->step_rows)
-                                   : cache->positions.narrow(1, 0, S);  // (B, S)
+                                   : cache->positions.narrow(1, 0, S);  // (B, C)
     at::Tensor q_pos = positions.to(dev);                               // (B, L)
     at::Tensor in_window = k_pos.view({B, 1, 1, S}) > (q_pos - c.sliding_window).view({B, 1, L, 1});
     p.sliding_mask = (causal & keep & in_window) | self;
   }
-  // Grouped-query attention with a mask (attention()) sees each query head group's L positions as G L
-  // positions of one head, so the mask (B, 1, L, S) is repeated G times along them: once here, for every
-  // layer, rather than in each layer. Soft-capped scores take the boolean mask as it is.
+  // Grouped-query attention with a mask (attention()) sees the L positions of a KV head's G = H / Hkv query
+  // heads as G L positions of one head, so the mask (B, 1, L, C) is repeated G times along them: once here,
+  // for every layer, rather than in each layer. Soft-capped scores take the boolean mask as it is.
   if (c.attn_softcap > 0) return;
-  const int64_t G = c.num_heads / c.num_kv_heads;
+  const int64_t G = c.num_heads / c.num_kv_heads;  // H / Hkv query heads per KV head
   for (at::Tensor* m : {&p.full_mask, &p.sliding_mask}) *m = p.ops->sdpa_mask(*m, dt);
   for (at::Tensor* m : {&p.full_mask, &p.sliding_mask}) {
     if (m->defined() && G > 1 && L > 1) {
@@ -194,37 +196,37 @@ void Transformer::plan_attention(ForwardPlan& p, const at::Tensor& positions, co
   }
 }
 
-at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& carry, const ForwardPlan& p) const {
+at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const {
   const ModelConfig& c = config_;
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, hd = c.head_dim;
   // Self-attention block: input norm, q/k/v projections (q/k norms), then RoPE, the cache, attention.
   at::Tensor q, k, v;
-  std::tie(q, k, v) = project_qkv(i, h, carry, p);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
-  at::Tensor attn;                                  // (B, L, H hd)
+  std::tie(q, k, v) = project_qkv(i, h, pending, p);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
+  at::Tensor attn;                                    // (B, L, H hd)
   if (p.keep.defined()) {
     // A fused feed of some cache rows, or a fused step over every row (plan_attention): RoPE and the cache
     // write in one kernel, then attention over the rows' cache where it lies.
     attn = p.ops->attend_in_place(i, q, k, v, p.cos, p.sin, *p.cache, p.cache->step_rows, p.keep, p.slots, c.attn_scale)
                .view({B, L, H * hd});
   } else {
-    // The window restricts nothing while all S slots fit in it. Without a mask: causal for a prefill, every
+    // The window restricts nothing while all C slots fit in it. Without a mask: causal for a prefill, every
     // slot for a decode step.
     const bool sliding = c.sliding_layers[i] && p.S > c.sliding_window, unmasked = p.fast && !sliding;
     const at::Tensor mask = unmasked ? at::Tensor() : sliding ? p.sliding_mask : p.full_mask;
-    std::tie(q, k, v) = p.ops->rope_and_cache(i, q, k, v, p.cos, p.sin, p.cache);  // (B, H, L, hd), (B, Hkv, S, hd) x 2
+    std::tie(q, k, v) = p.ops->rope_and_cache(i, q, k, v, p.cos, p.sin, p.cache);  // (B, H, L, hd), (B, Hkv, C, hd) x 2
     attn = attention(q, k, v, mask, /*is_causal=*/unmasked && L > 1, c).transpose(1, 2).reshape({B, L, H * hd});
   }
-  return output_and_mlp(i, h, attn, carry, p);
+  return output_and_mlp(i, h, attn, pending, p);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, at::Tensor& h, at::Tensor& carry,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t i, at::Tensor& h, at::Tensor& pending,
                                                                         const ForwardPlan& p) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
   const int64_t B = h.size(0), L = h.size(1), H = c.num_heads, Hkv = c.num_kv_heads, hd = c.head_dim;
-  at::Tensor x;                                                                             // (B, L, D)
-  std::tie(h, x) = p.ops->add_norm(h, carry, l.input_norm, c.rms_norm_eps, c.gemma_norms);  // input_layernorm
-  carry = at::Tensor();
+  at::Tensor x;                                                                               // (B, L, D)
+  std::tie(h, x) = p.ops->add_norm(h, pending, l.input_norm, c.rms_norm_eps, c.gemma_norms);  // input_layernorm
+  pending = at::Tensor();
   at::Tensor q, k, v;
   if (p.packed && !p.packed->qkv_w.empty()) {
     // One GEMM, then views of its three column blocks (rows strided by (H + 2 Hkv) hd).
@@ -244,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Transformer::project_qkv(int64_t 
   return {q, k, v};
 }
 
-at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, at::Tensor& carry,
+at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, at::Tensor& pending,
                                        const ForwardPlan& p) const {
   const ModelConfig& c = config_;
   const Layer& l = layers_[i];
@@ -268,7 +270,7 @@ at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at:
   }
   at::Tensor m = project(l, 6, p.ops->act_mul(g, u, c.gelu_tanh), at::Tensor(), p.dropout);  // (B, L, D)
   if (gemma) m = p.ops->norm(m, l.post_ff_norm, c.rms_norm_eps, true);
-  return p.ops->add_residual(h2, m, carry);
+  return p.ops->add_residual(h2, m, pending);
 }
 
 at::Tensor Transformer::project(const Layer& l, int target, const at::Tensor& x, const at::Tensor& b,

@@ -9,7 +9,7 @@
 // and activation checkpointing), transformer_mixed.cpp (the merged step and feed), packed_weights.cpp.
 // The fused CUDA kernels reach the forward through LayerKernels (layer_kernels.h).
 //
-// Shapes: B sequences, L new positions, S cache slots (positions already cached + L), D hidden,
+// Shapes: B sequences, L new positions, C cache slots (positions already cached + L), D hidden,
 // H / Hkv query / key-value heads, hd head size, F MLP width, V vocabulary.
 #pragma once
 
@@ -51,14 +51,14 @@ class Transformer {
   Transformer(const Transformer& other) { *this = other; }
   Transformer& operator=(const Transformer& other);
 
-  // ids (B, L) int64; positions (B, L) int64 RoPE positions; attention_mask (B, S) 0/1 over all slots
+  // ids (B, L) int64; positions (B, L) int64 RoPE positions; attention_mask (B, C) 0/1 over all slots
   // (cached + new; undefined = all 1). With a cache, the new keys/values go to slots
   // [cache->length, cache->length + L) and cache->length advances. Returns hidden states (B, L, D) after
   // the final norm.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
                      KvCache* cache = nullptr) const;
 
-  // A decode step and a feed in one forward (ModelPolicy's merged pass): each of the cache's Bc rows takes
+  // A decode step and a feed in one forward (DecodeEngine's merged pass): each of the cache's Bc rows takes
   // one token (step_ids, step_pos (Bc, 1)) at slot cache.step_slot (1), attending over step_mask (Bc, span)
   // as a graphed step does; feed_ids, feed_pos (E, K) enter rows feed_rows (E) at slots feed_slots (K),
   // attending in place over feed_keep (E, span) (cuda::cache_attention) as a fused feed does. The two
@@ -153,26 +153,27 @@ class Transformer {
   static at::Tensor Layer::*const kLoraWeights[kLoraTargets];
   Transformer() = default;
   void bind_names();
-  // The forward's attention plan (p.S, p.ops, p.cos and p.cache set): in-place attention (p.keep, p.slots)
+  // The forward's attention plan (p.S (C), p.ops, p.cos and p.cache set): in-place attention (p.keep, p.slots)
   // for a fused feed over KvCache::step_rows or a fused step over every row (KvCache::in_place_steps),
   // else the masks of every layer (p.full_mask, p.sliding_mask, p.fast). positions (B, L), attention_mask
-  // (B, S) as forward() takes them.
+  // (B, C) as forward() takes them.
   void plan_attention(ForwardPlan& p, const at::Tensor& positions, const at::Tensor& attention_mask) const;
   // Layer i of a forward, with its weights resident (set_residency) and, in a training forward with
-  // checkpointing on, checkpointed (transformer_checkpoint.cpp). carry: see output_and_mlp.
-  at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& carry, const ForwardPlan& p) const;
+  // checkpointing on, checkpointed (transformer_checkpoint.cpp). pending: see output_and_mlp.
+  at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const;
   // Decoder layer i of h (B, L, D): project_qkv, RoPE, the cache, attention, output_and_mlp.
-  at::Tensor layer_forward(int64_t i, at::Tensor h, at::Tensor& carry, const ForwardPlan& p) const;
+  at::Tensor layer_forward(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const;
   // The pieces of a layer that every forward shares (forward_mixed too). Layer i's input norm and q/k/v
   // projections of h (B, L, D) (packed: one GEMM, views of its blocks), q/k normed where the model does:
-  // q (B, L, H, hd), k and v (B, L, Hkv, hd). With carry defined (a fused forward: the previous layer's MLP
-  // output, not yet added), h becomes h + carry in the input norm's kernel and carry is emptied.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, at::Tensor& h, at::Tensor& carry,
+  // q (B, L, H, hd), k and v (B, L, Hkv, hd). With pending defined (the pending residual of a fused forward:
+  // the previous layer's MLP output, not yet added), h becomes h + pending in the input norm's kernel and
+  // pending is emptied.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project_qkv(int64_t i, at::Tensor& h, at::Tensor& pending,
                                                              const ForwardPlan& p) const;
   // Layer i after its attention: output projection of attn (B, L, H hd), residual, the MLP block and its
   // residual. Returns the layer's output (B, L, D); in a fused forward, the output less the MLP's, which is
-  // left in carry for the next norm to add (one kernel fewer a layer).
-  at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, at::Tensor& carry,
+  // left in pending (the pending residual) for the next norm to add (one kernel fewer a layer).
+  at::Tensor output_and_mlp(int64_t i, const at::Tensor& h, const at::Tensor& attn, at::Tensor& pending,
                             const ForwardPlan& p) const;
   // x (…, in) through layer l's projection `target` (weight, bias b): x W^T (+ b), plus its LoRA adapter's
   // term when it has one (lora_term).

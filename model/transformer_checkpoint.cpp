@@ -57,17 +57,18 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 
 }  // namespace
 
-at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& carry, const ForwardPlan& p) const {
+at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const {
   if (!checkpointing_ || p.cache || !at::GradMode::is_enabled()) {
     // A layer's weights go back after it: its graph must not need them (no grad, or a recompute below).
     TORCH_CHECK(!residency_ || !at::GradMode::is_enabled(),
                 "a forward with gradients over sharded weights needs activation checkpointing");
     if (residency_) residency_->acquire(i, false);
-    at::Tensor out = layer_forward(i, h, carry, p);
+    at::Tensor out = layer_forward(i, h, pending, p);
     if (residency_) residency_->release(i);
     return out;
   }
-  // Checkpointed: a no-grad forward (no cache), so the plan holds the ATen forms and carry stays empty.
+  // Checkpointed: a no-grad forward (no cache), so the plan holds the ATen forms and the pending residual
+  // stays empty.
   WeightResidency* res = residency_;
   // With adapter dropout the recompute must draw the masks the first run drew: it starts from the
   // generator's state as that run began (`drawn`), then puts back the state it found, so the forwards
@@ -87,8 +88,8 @@ at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& ca
             *drawn = gen.get_state();
           }
         }
-        at::Tensor no_carry;
-        at::Tensor y = layer_forward(i, x, no_carry, p);
+        at::Tensor no_pending;
+        at::Tensor y = layer_forward(i, x, no_pending, p);
         if (found.defined()) {
           std::lock_guard<std::mutex> lock(gen.mutex());
           gen.set_state(found);

@@ -1,4 +1,4 @@
-// Transformer::forward_mixed: a decode step and a feed in one forward (ModelPolicy's merged pass), which
+// Transformer::forward_mixed: a decode step and a feed in one forward (DecodeEngine's merged pass), which
 // runs the fused CUDA kernels only (model/cuda/decode_kernels.h); a build without CUDA has none.
 #include <ATen/core/grad_mode.h>
 
@@ -72,14 +72,14 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
   p.ops = fused_layer_kernels();
   p.cache = &cache;
   p.packed = cache.packed;
-  at::Tensor carry;  // a layer's MLP output, added to the residual by the next norm's kernel
+  at::Tensor pending;  // the pending residual: a layer's MLP output, which the next norm's kernel adds
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    auto [q, k, v] = project_qkv(i, h, carry, p);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
+    auto [q, k, v] = project_qkv(i, h, pending, p);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
     auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
     auto feed_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, Bc, E * K).view({E, K, heads, hd}); };
     // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
-    // then attention over the rows' cache in place, or masked attention over the span (the group's G query
-    // heads as G positions of one KV head).
+    // then attention over the rows' cache in place, or masked attention over the span (a KV head's
+    // G = H / Hkv query heads as G positions of it).
     at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv);
     cuda::rope_write_cache(qs, ks, step_part(v, Hkv), cos_s, sin_s, cache.k[i], cache.v[i], cache.step_slot);
     at::Tensor a_s = cache.in_place_steps ? cuda::cache_attention(qs, cache.k[i], cache.v[i], at::Tensor(), step_keep,
@@ -95,9 +95,9 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
     cuda::rope_write_cache(qf, kf, feed_part(v, Hkv), cos_f, sin_f, cache.k[i], cache.v[i], feed_slots, feed_rows);
     at::Tensor a_f = cuda::cache_attention(qf, cache.k[i], cache.v[i], feed_rows, keep, feed_slots, span, c.attn_scale)
                          .view({E * K, H * hd});
-    h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), carry, p);
+    h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), pending, p);
   }
-  return p.ops->add_norm(h, carry, final_norm_, c.rms_norm_eps, c.gemma_norms).second.view({T, c.hidden_size});
+  return p.ops->add_norm(h, pending, final_norm_, c.rms_norm_eps, c.gemma_norms).second.view({T, c.hidden_size});
 #else
   return at::Tensor();
 #endif

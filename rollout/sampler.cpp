@@ -60,14 +60,14 @@ at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double to
   const int64_t V = logits.size(1);
   at::Tensor x = logits;
   if (top_k > 0 && top_k < V) {
-    at::Tensor kth = std::get<0>(x.topk(top_k, /*dim=*/-1)).narrow(1, top_k - 1, 1);  // (N, 1)
+    at::Tensor kth = std::get<0>(x.topk(top_k, /*dim=*/-1)).narrow(1, top_k - 1, 1);  // (B, 1)
     x = x.masked_fill(x < kth, kNegInf);
   }
   if (top_p < 1) {
-    auto [sorted, order] = x.sort(/*dim=*/-1, /*descending=*/true);  // (N, V)
+    auto [sorted, order] = x.sort(/*dim=*/-1, /*descending=*/true);  // (B, V)
     at::Tensor probs = sorted.to(at::kFloat).softmax(-1);
     // Drop a token when the more likely ones already reach top_p; the most likely token always stays.
-    at::Tensor drop_sorted = (probs.cumsum(-1) - probs) >= top_p;  // (N, V) bool
+    at::Tensor drop_sorted = (probs.cumsum(-1) - probs) >= top_p;  // (B, V) bool
     at::Tensor drop = at::zeros_like(drop_sorted).scatter(1, order, drop_sorted);
     x = x.masked_fill(drop, kNegInf);
   }
@@ -76,14 +76,14 @@ at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double to
 
 namespace {
 
-// Each row's key: the hash of (seed, stream, counter), (N) int64 on the CPU. Nested hashing keeps the
+// Each row's key: the hash of (seed, stream, counter), (B) int64 on the CPU. Nested hashing keeps the
 // triples apart whatever their magnitudes.
 at::Tensor row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& counters) {
   TORCH_CHECK(streams.dim() == 1 && streams.sizes() == counters.sizes(), "streams and counters must be (N)");
-  const int64_t N = streams.size(0);
+  const int64_t B = streams.size(0);
   at::Tensor s = streams.to(at::kCPU, at::kLong).contiguous(), c = counters.to(at::kCPU, at::kLong).contiguous();
-  at::Tensor rows = at::empty({N}, at::kLong);
-  for (int64_t i = 0; i < N; ++i) {
+  at::Tensor rows = at::empty({B}, at::kLong);
+  for (int64_t i = 0; i < B; ++i) {
     uint64_t z = fmix64(uint64_t(seed) ^ 0x243f6a8885a308d3ULL);
     z = fmix64(z ^ uint64_t(s.data_ptr<int64_t>()[i]));
     z = fmix64(z ^ uint64_t(c.data_ptr<int64_t>()[i]) * 0xbf58476d1ce4e5b9ULL);
@@ -96,15 +96,15 @@ at::Tensor row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& c
 
 at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
                             at::Device device) {
-  const int64_t N = streams.size(0);
+  const int64_t B = streams.size(0);
   at::Tensor rows = row_keys(seed, streams, counters);
-  at::Tensor z = fmix64_tensor(rows.to(device).view({N, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
+  at::Tensor z = fmix64_tensor(rows.to(device).view({B, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
   // The top 24 bits k, centred: (k + 0.5) / 2^24, never 0. float32 holds k + 0.5 exactly only below 2^23;
   // above, it rounds to an integer, and k = 2^24 - 1 would round to 2^24, a uniform of exactly 1, whose
   // Gumbel noise -log(-log u) is +inf (and NaN on a -inf logit, which argmax then picks). The clamp maps
   // that one value to the largest float32 below 1 and leaves every other draw as it was.
   constexpr float kBelowOne = 1.0f - 1.0f / 16777216.0f;
-  return ((shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f)).clamp_max(kBelowOne);  // (N, V)
+  return ((shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f)).clamp_max(kBelowOne);  // (B, V)
 }
 
 at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
@@ -120,7 +120,8 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t s
   (void)fused;
 #endif
   at::Tensor u = counter_uniforms(seed, streams, counters, logits.size(1), logits.device());
-  return (logits / temperature - (-u.log()).log()).argmax(-1);  // Gumbel-max: argmax(logits / T + g), g = -log(-log u)
+  // Gumbel-max: argmax(logits / temperature + g), g = -log(-log u).
+  return (logits / temperature - (-u.log()).log()).argmax(-1);
 }
 
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
@@ -128,12 +129,12 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
   TORCH_CHECK(options.top_k >= 0 && options.top_p > 0 && options.top_p <= 1, "top_k must be >= 0 and top_p in (0, 1]");
   at::NoGradGuard no_grad;
-  const int64_t N = logits.size(0), V = logits.size(1);
+  const int64_t B = logits.size(0), V = logits.size(1);
   // Columns past the limit are never drawn, so they are never looked at: the draw over the first
   // `vocab_limit` columns is the one over all V with the rest at -inf (column v's noise depends on v only),
   // at a fraction of the work when a 151936-entry embedding sits behind a small tokenizer.
   const int64_t Vs = vocab_limit > 0 && vocab_limit < V ? vocab_limit : V;
-  at::Tensor x = logits.narrow(1, 0, Vs).to(at::kFloat);  // (N, Vs)
+  at::Tensor x = logits.narrow(1, 0, Vs).to(at::kFloat);  // (B, Vs)
   const bool greedy = options.temperature == 0;
   at::Tensor ids;
   if (greedy) {
@@ -154,12 +155,12 @@ SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& opti
   lo.impl = LogprobImpl::kSelective;
   lo.response_only = false;
   lo.temperature = greedy ? 1.0 : options.temperature;
-  at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (N)
+  at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (B)
   at::Tensor cpu_logprobs = logprobs.to(at::kCPU, at::kFloat).contiguous();
   // Non-finite logits would be drawn from silently (argmax takes a NaN); say so here, not many steps later.
-  // (A loop over N floats: the ATen form costs three dispatches per decode step.)
+  // (A loop over B floats: the ATen form costs three dispatches per decode step.)
   const float* lp = cpu_logprobs.data_ptr<float>();
-  TORCH_CHECK(std::all_of(lp, lp + N, [](float v) { return std::isfinite(v); }),
+  TORCH_CHECK(std::all_of(lp, lp + B, [](float v) { return std::isfinite(v); }),
               "sample_tokens: the policy's logits hold ", logits.isnan().sum().item<int64_t>(), " NaN and ",
               logits.isinf().sum().item<int64_t>(), " infinite values");
   return {ids.to(at::kCPU), cpu_logprobs};

@@ -1,11 +1,12 @@
 // The loss module's mathematics in float64 Eigen, one formula per line: the teaching version of
 // loss/logprob, loss/selective, loss/cce and loss/policy_loss, and the independent oracle their tests
 // compare the LibTorch paths against. Header-only, used by tests only (never linked into the trainer).
-// Leaves out everything that is about memory or speed: it holds whole [N, V] matrices, has no chunks,
+// Leaves out everything that is about memory or speed: it holds whole [T', V] matrices, has no chunks,
 // no row selection (the caller picks rows), no autograd (gradients are written out from the formulas),
 // and no bf16. Small shapes only.
 //
-// Letters as in DESIGN.md: N rows, V vocabulary, D hidden size; S sequences, L response length.
+// Letters as in docs/glossary.md: T' rows, V vocabulary, D hidden size; S sequences, R response slots.
+// E and C are matrices, not sizes: the hidden states and the LM head (the glossary's W).
 #pragma once
 
 #include <Eigen/Dense>
@@ -25,15 +26,15 @@ using Ids = std::vector<int64_t>;
 
 // The logits the softmax sees: gemma2's final softcap first, then the sampling temperature.
 //   x = (cap > 0 ? cap * tanh(z / cap) : z) / temperature
-inline Mat scaled_logits(const Mat& z /*(N, V)*/, double temperature, double cap) {
+inline Mat scaled_logits(const Mat& z /*(T', V)*/, double temperature, double cap) {
   Mat x = z;
   if (cap > 0) x = (z.array() / cap).tanh() * cap;  // cap * tanh(z / cap)
-  return x / temperature;                           // x / T
+  return x / temperature;                           // x / temperature
 }
 
 // Row-wise log-softmax, stabilised by the row max m:
 //   lse_n = m_n + log sum_v exp(x_nv - m_n),   log p_nv = x_nv - lse_n
-inline Vec log_sum_exp(const Mat& x /*(N, V)*/) {
+inline Vec log_sum_exp(const Mat& x /*(T', V)*/) {
   Vec lse(x.rows());
   for (Eigen::Index n = 0; n < x.rows(); ++n) {
     const double m = x.row(n).maxCoeff();                       // m_n
@@ -41,12 +42,12 @@ inline Vec log_sum_exp(const Mat& x /*(N, V)*/) {
   }
   return lse;
 }
-inline Mat log_softmax(const Mat& x /*(N, V)*/) {
+inline Mat log_softmax(const Mat& x /*(T', V)*/) {
   return x.colwise() - log_sum_exp(x);  // log p_nv = x_nv - lse_n
 }
 
 // Selective log-prob: only the chosen token's entry, log p(y_n) = x_{n, y_n} - lse_n.
-inline Vec selective_logprob(const Mat& x /*(N, V)*/, const Ids& y /*(N)*/) {
+inline Vec selective_logprob(const Mat& x /*(T', V)*/, const Ids& y /*(T')*/) {
   const Vec lse = log_sum_exp(x);
   Vec lp(x.rows());
   for (Eigen::Index n = 0; n < x.rows(); ++n) lp(n) = x(n, y[n]) - lse(n);  // x_{n,y_n} - lse_n
@@ -54,7 +55,7 @@ inline Vec selective_logprob(const Mat& x /*(N, V)*/, const Ids& y /*(N)*/) {
 }
 
 // Entropy of each row's softmax: H_n = -sum_v p_nv log p_nv.
-inline Vec entropy(const Mat& x /*(N, V)*/) {
+inline Vec entropy(const Mat& x /*(T', V)*/) {
   const Mat logp = log_softmax(x);
   return -(logp.array().exp() * logp.array()).rowwise().sum();  // -sum_v p log p
 }
@@ -62,8 +63,8 @@ inline Vec entropy(const Mat& x /*(N, V)*/) {
 // d/dz of sum_n (g_lp_n log p(y_n) + g_H_n H_n), z the raw logits (before cap and temperature):
 //   d log p(y_n) / dx_nv = [v = y_n] - p_nv
 //   d H_n / dx_nv        = -p_nv (log p_nv + H_n)
-//   dx/dz                = (1 - tanh^2(z / cap)) / T      (1 / T without a cap)
-inline Mat logits_grad(const Mat& z /*(N, V)*/, const Ids& y, double temperature, double cap, const Vec& g_lp,
+//   dx/dz                = (1 - tanh^2(z / cap)) / temperature      (1 / temperature without a cap)
+inline Mat logits_grad(const Mat& z /*(T', V)*/, const Ids& y, double temperature, double cap, const Vec& g_lp,
                        const Vec& g_H) {
   const Mat x = scaled_logits(z, temperature, cap);
   const Mat logp = log_softmax(x);
@@ -77,7 +78,7 @@ inline Mat logits_grad(const Mat& z /*(N, V)*/, const Ids& y, double temperature
                  - g_H(n) * p(n, v) * (logp(n, v) + H(n));  // - g_H p (log p + H)
     }
   }
-  Mat dz = dx / temperature;  // through x = (.) / T
+  Mat dz = dx / temperature;  // through x = (.) / temperature
   if (cap > 0) {
     const Mat t = (z.array() / cap).tanh();
     dz = dz.array() * (1.0 - t.array().square());  // through cap tanh(z / cap)
@@ -89,24 +90,24 @@ inline Mat logits_grad(const Mat& z /*(N, V)*/, const Ids& y, double temperature
 // CCE computes exactly this without holding Z; here Z is built, which is the point of a reference.
 
 struct CceForward {
-  Vec logprob;  // (N) log p(y_n)
-  Vec entropy;  // (N) H_n
+  Vec logprob;  // (T') log p(y_n)
+  Vec entropy;  // (T') H_n
 };
 // Z = E C^T, then the log-prob and entropy of softmax(scaled_logits(Z)).
-inline CceForward cce_forward(const Mat& E /*(N, D)*/, const Mat& C /*(V, D)*/, const Ids& y, double temperature,
+inline CceForward cce_forward(const Mat& E /*(T', D)*/, const Mat& C /*(V, D)*/, const Ids& y, double temperature,
                               double cap) {
-  const Mat x = scaled_logits(E * C.transpose(), temperature, cap);  // (N, V)
+  const Mat x = scaled_logits(E * C.transpose(), temperature, cap);  // (T', V)
   return {selective_logprob(x, y), entropy(x)};
 }
 
 struct CceBackward {
-  Mat dE;  // (N, D)
+  Mat dE;  // (T', D)
   Mat dC;  // (V, D)
 };
-// For upstream gradients g_lp, g_H (N): dZ = logits_grad(Z), dE = dZ C, dC = dZ^T E.
+// For upstream gradients g_lp, g_H (T'): dZ = logits_grad(Z), dE = dZ C, dC = dZ^T E.
 inline CceBackward cce_backward(const Mat& E, const Mat& C, const Ids& y, double temperature, double cap,
                                 const Vec& g_lp, const Vec& g_H) {
-  const Mat dZ = logits_grad(E * C.transpose(), y, temperature, cap, g_lp, g_H);  // (N, V)
+  const Mat dZ = logits_grad(E * C.transpose(), y, temperature, cap, g_lp, g_H);  // (T', V)
   return {dZ * C, dZ.transpose() * E};                                            // dE = dZ C, dC = dZ^T E
 }
 
@@ -156,7 +157,7 @@ inline double kl_grad(Kl k, double log_q) {
 //   seq-mean-token-mean      w = 1 / (max(n_s, 1) max(#non-empty seqs, 1)) (or .. / global)
 //   seq-mean-token-sum       w = 1 / max(S, 1)                             (or 1 / global)
 //   seq-mean-token-sum-norm  w = 1 / (agg_norm max(S, 1))                  (or 1 / (agg_norm global))
-inline Mat aggregation_weights(const Mat& mask /*(S, L) 0/1*/, const PolicyConfig& cfg) {
+inline Mat aggregation_weights(const Mat& mask /*(S, R) 0/1*/, const PolicyConfig& cfg) {
   const Eigen::Index S = mask.rows();
   const bool global = cfg.global_denominator > 0;
   const double tokens = mask.sum(), seqs = std::max<double>(S, 1);
@@ -188,8 +189,8 @@ inline Mat aggregation_weights(const Mat& mask /*(S, L) 0/1*/, const PolicyConfi
 struct PolicyLoss {
   double loss = 0;     // the aggregate of pg + kl_coef k - entropy_coef H
   double pg_loss = 0;  // the aggregate of pg alone
-  Mat dlogprobs;       // (S, L) d loss / d log pi
-  Mat dentropy;        // (S, L) d loss / d H
+  Mat dlogprobs;       // (S, R) d loss / d log pi
+  Mat dentropy;        // (S, R) d loss / d H
 };
 
 // Per token, A the advantage, r = exp(log pi - log pi_old) (Schulman et al. 2017, eq. 7):
@@ -198,7 +199,7 @@ struct PolicyLoss {
 //   loss_tok = pg + kl_coef k(log_q) - entropy_coef H
 // and the aggregate sum m w loss_tok. Masked tokens contribute nothing, whatever their values.
 inline PolicyLoss policy_loss(const Mat& logprobs, const Mat& logprobs_old, const Mat& logprobs_ref,
-                              const Mat& advantages /*(S, L)*/, const Mat& mask, const Mat& entropy,
+                              const Mat& advantages /*(S, R)*/, const Mat& mask, const Mat& entropy,
                               const PolicyConfig& cfg) {
   const Mat w = aggregation_weights(mask, cfg);
   PolicyLoss out;

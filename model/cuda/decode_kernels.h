@@ -30,11 +30,11 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 // (B, 1, L, hd) in the same dtype.
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 // rope_ for a decode step at KvCache::step_slot: q rotated in place; k rotated and written, with v (B, L,
-// Hkv, hd), to slots[l] of every row of the caches (B, Hkv, S, hd) (the ATen form: rotate, then two
-// index_copy_ calls); k itself is left as it was. slots (L) int64 on the device, each in [0, S): unlike
+// Hkv, hd), to slots[l] of every row of the caches (B, Hkv, C, hd) (the ATen form: rotate, then two
+// index_copy_ calls); k itself is left as it was. slots (L) int64 on the device, each in [0, C): unlike
 // index_copy_, the kernel does not check them (the caller's step slot is below the cache's slots).
 // With rows (B) int64 on the device (a feed of some of the cache's rows, KvCache::step_rows): input row b
-// goes to cache row rows[b] (distinct, in [0, Bc), unchecked), the caches being (Bc, Hkv, S, hd).
+// goes to cache row rows[b] (distinct, in [0, Bc), unchecked), the caches being (Bc, Hkv, C, hd).
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                       const at::Tensor& rows = at::Tensor());
@@ -44,7 +44,7 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
 // between blocks in whole waves (cache_attention_splits; flash-decoding), so a step's cost follows its
 // rows' contexts.
 // q (E, L, H, hd), each (e, l) row's heads packed, rows evenly spaced (a packed projection's view serves);
-// k_cache, v_cache (Bc, Hkv, S, hd) contiguous, already holding the new keys and values; rows (E) int64:
+// k_cache, v_cache (Bc, Hkv, C, hd) contiguous, already holding the new keys and values; rows (E) int64:
 // input row e's cache row (undefined: row e itself, E == Bc, as in a step over every row); keep (E, >= span)
 // bool, rows contiguous: the slots input row e's queries may see; slots (L) int64: query l's own slot. Query
 // l of row e attends to slot j < span iff j == slots[l], or j <= slots[l] and keep[e, j]: the causal, padded
@@ -65,8 +65,8 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                            double scale);
 // KvCache::squeeze_ in one launch, in place: in every tensor of k and v (each (B, Hkv, max_len, hd)), row r's
-// slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, S <= max_len) int64: each row's
-// kept slots in increasing order, then zeros, as ModelPolicy::compact makes it); other slots keep what they
+// slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, C <= max_len) int64: each row's
+// kept slots in increasing order, then zeros, as DecodeEngine::compact makes it); other slots keep what they
 // hold. Byte copies, any dtype, where the tensors are contiguous, 16-byte aligned and a slot is a multiple of
 // 16 bytes up to 16 KiB (squeeze_slots_supports); order is not checked on the device.
 bool squeeze_slots_supports(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v);

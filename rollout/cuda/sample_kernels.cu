@@ -1,13 +1,13 @@
 // The Gumbel-max draw of rollout/sampler.cpp in one pass over the logits: the ATen form (which stays the
-// reference, and the CPU path) makes the (N, V) noise as int64 tensors, ten elementwise passes of 78 MB
+// reference, and the CPU path) makes the (B, V) noise as int64 tensors, ten elementwise passes of 78 MB
 // each for 64 rows of a 151,936-entry vocabulary: 0.86 ms of a 4.9 ms decode step on an H200
 // (bench_model --trace, phase steady_sample_x16). Here each thread hashes its own entries and keeps the
-// best score, so the logits are read once and nothing of (N, V) is written.
+// best score, so the logits are read once and nothing of (B, V) is written.
 //
 // Bit-identical to the ATen form: the same 64-bit hash (uint64 arithmetic is what ATen's wrapping int64
 // ops compute), the same float operations in the same order, each rounded on its own (__fmul_rn and
 // friends keep nvcc from contracting them into FMAs that ATen's separate kernels never form), and
-// temperature applied as ATen's CUDA division by a scalar does it: times the float reciprocal 1 / T.
+// temperature applied as ATen's CUDA division by a scalar does it: times the float reciprocal 1 / temperature.
 // Ties go to the lower index, as at::argmax does.
 //
 // Work split: a row of 151,936 entries is cut into chunks so that every SM has blocks; each block reduces
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
     // counter_uniforms: the top 24 bits of fmix64(row key ^ column key), centred, clamped below 1.
     const uint64_t z = fmix64(key ^ column_key(v));
     const float u = fminf(__fmul_rn(__fadd_rn(float(z >> 40), 0.5f), kScale), kBelowOne);
-    // kept - log(-log u), kept = logits times 1 / T.
+    // kept - log(-log u), kept = logits times 1 / temperature.
     // (+ 0 turns a -0 score into +0: at::argmax ranks the two equal, the packed order would not.)
     const float s = __fadd_rn(__fsub_rn(__fmul_rn(row[v], inv_t), logf(-logf(u))), 0.0f);
     // NaN counts as the largest score (at::argmax's order); the sampler rejects non-finite logits anyway.
