@@ -31,7 +31,7 @@
 //   spread_merged         spread_graphs with rollout.merge_feeds: merged passes (below), their graphs captured in
 //                         the timed run as every graph of the modes not kept
 //   plain_kept, tools_kept, spread_kept   plain, tools_graphs and spread_graphs with rollout.keep_cache:
-//                         one policy for the warm-up run and the timed one, so the timed rollout replays
+//                         one engine for the warm-up run and the timed one, so the timed rollout replays
 //                         the graphs the warm-up captured (as a training run's steps after the first);
 //                         their ratio is to plain_kept
 //   spread_merged_kept    spread_kept with rollout.merge_feeds: on a GPU (bf16, hd 64 or 128) a pass's one-token
@@ -231,7 +231,7 @@ struct Mode {
   bool tools, multi_token, feed_graphs;
   int64_t feed_wait;
   bool merge_feeds, spread;
-  bool keep = false;  // rollout.keep_cache: one policy for the warm-up and the timed run
+  bool keep = false;  // rollout.keep_cache: one engine for the warm-up and the timed run
 };
 
 // The modes in their order, those --modes leaves out removed (plain and plain_kept always run); nullopt
@@ -312,7 +312,7 @@ class ModeRunner {
       policy = std::make_unique<SteeredPolicy>(s_.model(), steer, mpo);
     }
     DecodeEngine& inner = policy->inner();
-    const PolicyCounts before = PolicyCounts::of(inner);  // a kept policy's counters include earlier runs
+    const PolicyCounts before = PolicyCounts::of(inner);  // a kept engine's counters include earlier runs
     const double steer_before = policy->steer_seconds();
     ModeRun r;
     r.trajs = rollout(*policy, *s_.tok, s_.prompts, smp, ro, s_.tools, {}, s_.protocol, &r.stats);

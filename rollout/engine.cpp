@@ -1,4 +1,4 @@
-// The Transformer on one batched, compacting KV cache; see policy.h.
+// The Transformer on one batched, compacting KV cache; see engine.h.
 #include "rollout/engine.h"
 
 #include <ATen/core/grad_mode.h>

@@ -70,8 +70,8 @@ struct EngineSwitches {
   // Transformer::set_fused_kernels); off: the ATen forms. Ignored on the CPU.
   bool fused_kernels = true;
   // With fused_kernels on a GPU: the q/k/v and gate/up weights packed into one matrix each for the
-  // policy's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
-  // while the policy lives (0.47 GB for Qwen2.5-0.5B in bf16).
+  // engine's lifetime (Transformer::pack_weights), one GEMM per group. Costs those weights' size again
+  // while the engine lives (0.47 GB for Qwen2.5-0.5B in bf16).
   bool packed_weights = true;
   // With fused_kernels on a GPU (bf16/fp16, head size 64 or 128): a step's attention reads each row's
   // cache in place up to the step's slot, split over the keys (cuda::cache_attention, as feeds do), so its
@@ -125,7 +125,7 @@ struct EngineOptions {
   // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
   // graphs (on the CPU: the tests check that form against the full forward).
   bool fixed_shape_step = false;
-  // Off: the policy's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
+  // Off: the engine's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
   // Captured steps keep cuDNN: their plan is built once per capture.
   bool cudnn_attention = false;
@@ -139,7 +139,7 @@ class DecodeEngine : public TokenPolicy {
  public:
   DecodeEngine(const Transformer& model, EngineOptions options = {});
   ~DecodeEngine() override;
-  // A new cache holding the prompts' prefill, every captured graph dropped: admit() on an empty policy.
+  // A new cache holding the prompts' prefill, every captured graph dropped: admit() on an empty engine.
   // With keep_cache, when the cache has the rows and slots (and the parameters are the same tensors):
   // every sequence held is released, and the prompts go into the cache's rows in place (admit()).
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;

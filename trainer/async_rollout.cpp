@@ -187,7 +187,7 @@ void AsyncRollouts::publish() {
     if (!copy_)
       copy_ = std::make_unique<Transformer>(run_.model.policy->merged());
     else
-      run_.model.policy->merge_into(*copy_);  // in place: the rollout's kept policy and graphs stay valid
+      run_.model.policy->merge_into(*copy_);  // in place: the rollout's kept engine and graphs stay valid
   } else if (!copy_) {
     copy_ = std::make_unique<Transformer>(run_.model.policy->clone());
   } else {
@@ -206,7 +206,7 @@ void AsyncRollouts::publish() {
 
 void AsyncRollouts::launch(int64_t batch_step) {
   source_.model = fault_ == AsyncFault::kLiveWeights ? run_.model.policy.get() : copy_.get();
-  source_.policy = &policy_;
+  source_.engine = &engine_;
   source_.dist = dist_.get();
   source_.step = batch_step - 1;  // as collect_rollouts sees run.counters.step when it samples that step in turn
   source_.version = version_;

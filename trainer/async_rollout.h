@@ -110,7 +110,7 @@ class AsyncRollouts : public PendingRollouts {
   bool threaded_;
   AsyncFault fault_;
   std::unique_ptr<Transformer> copy_;     // the published weights the rollout decodes
-  std::unique_ptr<DecodeEngine> policy_;  // rollout.keep_cache: the rollout thread's kept policy
+  std::unique_ptr<DecodeEngine> engine_;  // rollout.keep_cache: the rollout thread's kept engine
   std::shared_ptr<Collectives> dist_;     // the rollout thread's collectives
   int64_t version_ = -1;                  // the copy's version: run.counters.step when it was published
   bool published_once_ = false;

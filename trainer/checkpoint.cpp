@@ -185,7 +185,7 @@ void save_checkpoint(Run& run) {
 }
 
 void save_merged_model(Run& run, const std::string& dir) {
-  const Transformer& model = rollout_model(run);  // LoRA: the adapters merged; else the policy
+  const Transformer& model = rollout_model(run.model, run.rollout);  // LoRA: the adapters merged; else the policy
   model.save(dir);
   copy_side_files(run, fs::path(dir));
 }

@@ -114,8 +114,8 @@ void RemoteRollouts::publish() {
              "the rollout ranks to take weights " + std::to_string(n));
   }
   SyncTiming timing;
-  broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_)), run_.counters.step,
-                       bucket_bytes(run_.config), run_.device, timing);
+  broadcast_in_buckets(*run_.placement->publish, rollout_tensors(rollout_model(run_.model, run_.rollout)),
+                       run_.counters.step, bucket_bytes(run_.config), run_.device, timing);
   sync_s_ = timing.seconds;
   sync_bytes_ = timing.bytes;
 }
@@ -251,7 +251,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
   const bool async = cfg.train.async == AsyncMode::kOneStep;
   // What it decodes: the policy's weights, or with LoRA a merged copy, overwritten by every publish.
   at::NoGradGuard no_grad;
-  const Transformer& target = rollout_model(run);
+  const Transformer& target = rollout_model(run.model, run.rollout);
   const std::vector<at::Tensor> tensors = rollout_tensors(target);
   std::vector<at::Tensor> scratch;  // kStaleWeights: where the weights after the first go instead
   int64_t version = -1, received = 0;
@@ -291,7 +291,7 @@ void serve_rollouts(Run& run, PlacementFault fault, const std::function<void()>&
     const auto t0 = Clock::now();
     RolloutSource source;
     source.model = &target;
-    source.policy = &run.rollout.engine;
+    source.engine = &run.rollout.engine;
     source.dist = run.dist.get();
     source.step = t - 1;
     source.version = version;

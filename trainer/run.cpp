@@ -108,7 +108,7 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
   for (const auto& ex : examples) {
     int64_t n = 0;
     try {
-      n = static_cast<int64_t>(encode_prompts(run, {ex}).front().size());
+      n = static_cast<int64_t>(encode_prompts(run.data, run.config, run.rollout.tools, {ex}).front().size());
     } catch (const jinja::TemplateRaise& e) {
       throw DataError(ex.source + ": the chat template refuses this prompt: " + e.what());
     }
@@ -321,34 +321,35 @@ void ensure_reference(Run& run) {
   fs::rename(dir + ".tmp", dir);
 }
 
-const Transformer& rollout_model(Run& run) {
-  if (!run.model.policy->has_lora()) return *run.model.policy;
-  if (!run.rollout.merged) {
-    run.rollout.merged = std::make_unique<Transformer>(run.model.policy->merged());
+const Transformer& rollout_model(const ModelState& model, RolloutState& rollout) {
+  if (!model.policy->has_lora()) return *model.policy;
+  if (!rollout.merged) {
+    rollout.merged = std::make_unique<Transformer>(model.policy->merged());
   } else {
-    run.model.policy->merge_into(*run.rollout.merged);  // in place: a kept DecodeEngine's tensors and graphs stay valid
+    model.policy->merge_into(*rollout.merged);  // in place: a kept DecodeEngine's tensors and graphs stay valid
   }
-  return *run.rollout.merged;
+  return *rollout.merged;
 }
 
-std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples) {
+std::vector<std::vector<int64_t>> encode_prompts(const RunData& data, const Config& config,
+                                                 const ToolProtocol& protocol,
+                                                 const std::vector<PromptExample>& examples) {
   // tool_call format through the model's template: the template lists the tool (Qwen's <tools> block).
-  const bool list_tool = run.config.rollout.tools && run.rollout.tools.format == ToolFormat::kToolCall;
+  const bool list_tool = config.rollout.tools && protocol.format == ToolFormat::kToolCall;
   const nlohmann::ordered_json tools =
-      list_tool ? nlohmann::ordered_json::array({run.rollout.tools.tool_schema()}) : nlohmann::ordered_json();
+      list_tool ? nlohmann::ordered_json::array({protocol.tool_schema()}) : nlohmann::ordered_json();
   std::vector<std::vector<int64_t>> out;
   out.reserve(examples.size());
   for (const auto& ex : examples) {
-    out.push_back(run.data.chat
-                      ? encode_chat(*run.data.tokenizer, *run.data.chat, run.config.chat, ex.messages, ex.prompt, tools)
-                      : encode_prompt(*run.data.tokenizer, run.config.chat, ex.prompt));
+    out.push_back(data.chat ? encode_chat(*data.tokenizer, *data.chat, config.chat, ex.messages, ex.prompt, tools)
+                            : encode_prompt(*data.tokenizer, config.chat, ex.prompt));
   }
   return out;
 }
 
-ToolRunner tool_runner(Run& run) {
-  if (!run.rollout.sandbox) run.rollout.sandbox = std::make_shared<SandboxPool>(run.config.sandbox);
-  std::shared_ptr<SandboxPool> pool = run.rollout.sandbox;
+ToolRunner tool_runner(RolloutState& rollout, const SandboxOptions& options) {
+  if (!rollout.sandbox) rollout.sandbox = std::make_shared<SandboxPool>(options);
+  std::shared_ptr<SandboxPool> pool = rollout.sandbox;
   return [pool](const std::string& code) { return pool->submit(code); };
 }
 
@@ -425,7 +426,7 @@ int64_t partial_extra_prompts(const Config& config, int world) {
 }
 
 RolloutBatch collect_rollouts(Run& run) {
-  const ToolRunner tools = tool_runner(run);
+  const ToolRunner tools = tool_runner(run.rollout, run.config.sandbox);
   const Config& cfg = run.config;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t P = cfg.train.prompts_per_step, G = cfg.sampling.samples_per_prompt;
@@ -476,18 +477,18 @@ RolloutBatch collect_rollouts(Run& run) {
     at::NoGradGuard no_grad;
     // train.shard parameters: decoded from whole weights (a source's copy is whole already).
     const GatheredWeights whole(source ? std::shared_ptr<ShardedState>() : run.model.sharded);
-    // rollout.keep_cache: one policy for the run (its cache and graphs outlive the step), else one per step.
+    // rollout.keep_cache: one engine for the run (its cache and graphs outlive the step), else one per step.
     std::unique_ptr<DecodeEngine> own;
-    const Transformer& model = source ? *source->model : rollout_model(run);
-    std::unique_ptr<DecodeEngine>& kept = source ? *source->policy : run.rollout.engine;
+    const Transformer& model = source ? *source->model : rollout_model(run.model, run.rollout);
+    std::unique_ptr<DecodeEngine>& kept = source ? *source->engine : run.rollout.engine;
     if (!cfg.rollout.engine.keep_cache) {
       own = std::make_unique<DecodeEngine>(model, engine_options(cfg.rollout));
     } else if (!kept || &kept->model() != &model) {
       kept = std::make_unique<DecodeEngine>(model, engine_options(cfg.rollout));
     }
-    DecodeEngine& policy = own ? *own : *kept;
-    out.trajs = rollout(policy, *run.data.tokenizer, encode_prompts(run, examples), sampling, ro, tools, streams,
-                        run.rollout.tools, &out.stats, &rc);
+    DecodeEngine& engine = own ? *own : *kept;
+    out.trajs = rollout(engine, *run.data.tokenizer, encode_prompts(run.data, run.config, run.rollout.tools, examples),
+                        sampling, ro, tools, streams, run.rollout.tools, &out.stats, &rc);
   }
   if (carry) {  // the returned groups' examples, and the carried ones' kept for their turn
     std::map<int64_t, PromptExample> known = std::move(carry->examples);
@@ -596,9 +597,9 @@ EvalResult evaluate(Run& run) {
   if (!problems.empty()) {
     RolloutOptions ro = run.config.rollout;
     if (!run.lead()) ro.progress_s = 0;
-    DecodeEngine policy(rollout_model(run), engine_options(run.config.rollout));
-    trajs = rollout(policy, *run.data.tokenizer, encode_prompts(run, problems), s, ro, tool_runner(run), streams,
-                    run.rollout.tools);
+    DecodeEngine engine(rollout_model(run.model, run.rollout), engine_options(run.config.rollout));
+    trajs = rollout(engine, *run.data.tokenizer, encode_prompts(run.data, run.config, run.rollout.tools, problems), s,
+                    ro, tool_runner(run.rollout, run.config.sandbox), streams, run.rollout.tools);
     score_rewards(run, trajs, problems);  // an evaluation's script failures count in no metric
   }
   return summarize_evaluation(trajs, k, run.dist.get());

@@ -184,12 +184,15 @@ double begin_training(Run& run);
 // adding eval_accuracy_start / eval_accuracy_end (pass@1) to `m`.
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m);
 
-// The model the rollout and the evaluation decode: the policy itself, or with LoRA run.rollout.merged, made on
+// The model the rollout and the evaluation decode: the policy itself, or with LoRA rollout.merged, made on
 // first use and rewritten in place from the policy's current adapters at every call.
-const Transformer& rollout_model(Run& run);
+const Transformer& rollout_model(const ModelState& model, RolloutState& rollout);
 
-// Prompt ids of examples through the chat template.
-std::vector<std::vector<int64_t>> encode_prompts(const Run& run, const std::vector<PromptExample>& examples);
+// Prompt ids of examples through the chat template (data.chat, else config.chat's fixed one); with
+// rollout.tool_format tool_call, the template lists the protocol's tool.
+std::vector<std::vector<int64_t>> encode_prompts(const RunData& data, const Config& config,
+                                                 const ToolProtocol& protocol,
+                                                 const std::vector<PromptExample>& examples);
 
 // One step's rollout: the next train.prompts_per_step prompts, sampling.samples_per_prompt trajectories
 // each (prompt-major: trajectory s belongs to prompt s / G), rewards assigned. Noise streams follow the
@@ -233,12 +236,12 @@ struct PartialCarry {
 int64_t partial_extra_prompts(const Config& config, int world);
 
 // What collect_rollouts decodes from, for a rollout that runs beside the update (train.async): a copy of
-// the weights published for it, its own kept policy (rollout.keep_cache), its own collectives (the update's
+// the weights published for it, its own kept engine (rollout.keep_cache), its own collectives (the update's
 // run on the other thread), and the step it samples for. Installed for the calling thread only, for the
 // scope's life; without one, collect_rollouts reads the run's own (rollout_model, run.dist, run.counters.step).
 struct RolloutSource {
   const Transformer* model = nullptr;
-  std::unique_ptr<DecodeEngine>* policy = nullptr;  // where the kept DecodeEngine lives
+  std::unique_ptr<DecodeEngine>* engine = nullptr;  // where the kept DecodeEngine lives
   Collectives* dist = nullptr;
   int64_t step = 0;     // run.counters.step as the batch's step begins: seeds the sampling noise
   int64_t version = 0;  // the weights' version (Trajectory::weights_version)
@@ -259,8 +262,8 @@ class RolloutSourceScope {
   const RolloutSource* previous_;
 };
 
-// Runs code on the run's interpreter pool (sandbox.workers processes), made on first use and kept.
-ToolRunner tool_runner(Run& run);
+// Runs code on the rollout's interpreter pool (sandbox.workers processes), made on first use and kept.
+ToolRunner tool_runner(RolloutState& rollout, const SandboxOptions& options);
 
 // One evaluation on run.data.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
 // else sampled at sampling.temperature / top_p / top_k with a noise stream of its own).

@@ -64,7 +64,7 @@ double sft_warmup(Run& run) {
   const SftOptions& o = run.config.sft;
   if (o.steps == 0) return 0.0;
   const std::vector<PromptExample> tasks = warmup_tasks(run.config.synthetic, o);
-  const auto prompts = encode_prompts(run, tasks);
+  const auto prompts = encode_prompts(run.data, run.config, run.rollout.tools, tasks);
   // A bf16 model with master weights trains the run's fp32 masters here too (its own AdamW state): plain
   // bf16 AdamW would round most small updates away, and the RL optimizer then starts from the masters the
   // warm-up left, not from the weights before it.

@@ -44,7 +44,7 @@ at::Tensor full_logits(const Transformer& m, const std::vector<int64_t>& ids) {
 // (family, device): on "cuda" every decode step and every multi-token feed is a replayed CUDA graph,
 // recaptured at each compaction; "cpu_fixed" runs the feeds eagerly at the graphs' bucketed fixed shape
 // (padding rows, hole slots past each run, the write slots on the device). "cuda_f32" is "cuda" in
-// float32, where the policy's cache forwards run the fused decode kernels (model/cuda/decode_kernels.h;
+// float32, where the engine's cache forwards run the fused decode kernels (model/cuda/decode_kernels.h;
 // float64 keeps the ATen forms) against the ATen full forward.
 class DecodeEngineTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 

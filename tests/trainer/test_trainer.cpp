@@ -583,7 +583,7 @@ TEST(OldLogprobs, RolloutAndRecomputeTrainAlikeInFp32) {
 // rollout.keep_cache: one DecodeEngine for the whole run, its cache reused in place by each step's rollout
 // after the update moved the weights in place. The run is the one that makes a new policy every step: the
 // same rollouts (rewards, tool use, tokens) and, with the old log-probs recomputed, the same losses bit for
-// bit. A kept policy that carried anything of the last rollout into the next (a sequence's length, its
+// bit. A kept engine that carried anything of the last rollout into the next (a sequence's length, its
 // rows) or missed the weights' update would sample other tokens.
 TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
   TempDir tmp("keep_cache");
@@ -594,7 +594,7 @@ TEST(KeepCache, ARunWithTheCacheKeptTrainsAsOneWithANewPolicyEachStep) {
     c.rollout.engine.keep_cache = keep;
     rlt::Run run = make_run(c, (tmp.path() / name).string(), /*resume=*/false);
     train_grpo(run);
-    EXPECT_EQ(run.rollout.engine != nullptr, keep) << "the kept policy outlives the steps";
+    EXPECT_EQ(run.rollout.engine != nullptr, keep) << "the kept engine outlives the steps";
     return read_metrics((tmp.path() / name).string());
   };
   const auto fresh = train(false, "fresh"), kept = train(true, "kept");
