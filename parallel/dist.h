@@ -100,7 +100,7 @@ class Collectives {
   // said goodbye, so none loses the store while it still reads it.
   virtual void close() {}
   // The key-value store the collectives meet through (nullptr: one process), for what a run keeps beside
-  // them (trainer/rollout_ranks.h's signs of life).
+  // them (the placement's signs of life, parallel/placement.h).
   virtual c10::intrusive_ptr<c10d::Store> store() const { return {}; }
 
  protected:

@@ -34,7 +34,7 @@ class Handover {
   Handover& operator=(const Handover&) = delete;
   void announce(const std::string& key);
   void await(const std::string& key, const std::vector<int>& ranks, const std::string& what);
-  void fall_silent();  // PlacementFault::kSilent: the counter stops
+  void fall_silent();  // the counter stops (a test's rank that falls silent)
 
  private:
   void poll(const std::string& key, const std::vector<int>& ranks, const std::string& what);

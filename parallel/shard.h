@@ -121,8 +121,10 @@ class ShardedState : public WeightResidency {
  public:
   // Takes `params` (the model's trainable tensors by name, then `extra`, a second parameter group) and
   // their values as they are now; with the parameters stage the model's weights are freed to their chunks
-  // (`model` asks this object for them, until this object is gone). `dist` and `counters` are held by
-  // reference: step() reports into the counters. `fault`: a deliberate mistake, for the tests only.
+  // (`model` asks this object for them, until this object is gone). `dist`, `model` and `counters` are
+  // held by reference, so they must outlive this object where they are (the trainer's Run is built in
+  // place and never moved): step() reports into the counters. `fault`: a deliberate mistake, for the tests
+  // only.
   ShardedState(const ShardOptions& options, Collectives& dist, Transformer& model,
                const std::vector<std::pair<std::string, at::Tensor>>& extra, StepCounters& counters,
                ShardFault fault = ShardFault::kNone);
