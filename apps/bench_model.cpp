@@ -86,7 +86,7 @@ Run run_once(const Transformer& m, const at::Device& dev, int64_t B, int64_t P, 
 // The rollout's path: B prompts x 1 sample through DecodeEngine, N sampled tokens each, every one fed back.
 // fused = false: the ATen forms of the decoder's and the sampler's fused kernels (the before of
 // rollout_graph).
-Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
+Run run_engine_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P, int64_t N, bool graphs,
                     SamplingOptions so, uint64_t seed, bool fused = true, bool packed = true,
                     bool cache_attention = true) {
   at::NoGradGuard ng;
@@ -105,10 +105,10 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   po.switches.cuda_graphs = graphs;
   po.switches.packed_weights = packed;
   po.switches.cache_attention = cache_attention;
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();
-  at::Tensor logits = policy.start(prompts, 1);  // (B, V)
+  at::Tensor logits = engine.start(prompts, 1);  // (B, V)
   device_synchronize(dev);
   r.prefill_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
@@ -116,7 +116,7 @@ Run run_policy_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
     counters.fill_(s);
     SampleOutput out = sample_tokens(logits, so, streams, counters, 0, fused);  // ids on the host
     const int64_t* next = out.ids.data_ptr<int64_t>();
-    logits = policy.step(rows, std::vector<int64_t>(next, next + B));
+    logits = engine.step(rows, std::vector<int64_t>(next, next + B));
   }
   device_synchronize(dev);
   r.decode_s = seconds_since(t0);
@@ -144,22 +144,22 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
   if (dev.is_cuda()) graph_modes.push_back(true);
   for (bool graphs : graph_modes) {
     RECORD_USER_SCOPE(graphs ? "phase:rollout_graph" : "phase:rollout_eager");
-    run_policy_once(m, dev, B, P, steps, graphs, so, 7);
+    run_engine_once(m, dev, B, P, steps, graphs, so, 7);
   }
   for (bool fused : {true, false}) {
     if (!dev.is_cuda()) break;
     // The rollout's decode step in steady state, split: 16 graphed steps after the capture, alone (the
-    // policy's part: inputs in, graph replay, LM head), then 16 samplings of one step's logits alone
+    // engine's part: inputs in, graph replay, LM head), then 16 samplings of one step's logits alone
     // (sample_tokens: noise, draw, log-probs, ids to the host). Their sum is one step of rollout_graph.
     // Then the same with the decoder's and the sampler's fused kernels off (their ATen forms).
     at::NoGradGuard ng;
     m.set_fused_kernels(fused);
-    DecodeEngine policy(m, EngineOptions{});
+    DecodeEngine engine(m, EngineOptions{});
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
-    at::Tensor logits = policy.start(prompts, 1);
+    at::Tensor logits = engine.start(prompts, 1);
     std::vector<int64_t> rows(B), tokens(B, 3);
     for (int64_t b = 0; b < B; ++b) rows[b] = b;
-    for (int i = 0; i < 4; ++i) logits = policy.step(rows, tokens);  // the capture and a few replays
+    for (int i = 0; i < 4; ++i) logits = engine.step(rows, tokens);  // the capture and a few replays
     device_synchronize(dev);
     SamplingOptions steady = so;
     steady.seed = 7;
@@ -172,13 +172,13 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
         counters.fill_(i);
         SampleOutput out = sample_tokens(logits, steady, streams, counters, 0, fused);
         const int64_t* next = out.ids.data_ptr<int64_t>();
-        logits = policy.step(rows, std::vector<int64_t>(next, next + B));
+        logits = engine.step(rows, std::vector<int64_t>(next, next + B));
       }
       device_synchronize(dev);
     }
     {
       RECORD_USER_SCOPE(("phase:steady_policy_step" + tag).c_str());
-      for (int i = 0; i < 16; ++i) logits = policy.step(rows, tokens);
+      for (int i = 0; i < 16; ++i) logits = engine.step(rows, tokens);
       device_synchronize(dev);
     }
     {
@@ -196,9 +196,9 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     // (DecodeEngine::extend).
     at::NoGradGuard ng;
     EngineOptions po;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
-    policy.start(prompts, 1);
+    engine.start(prompts, 1);
     device_synchronize(dev);
     std::vector<int64_t> rows;
     for (int64_t r = 0; r < B && rows.size() < 4; r += std::max<int64_t>(1, B / 4)) rows.push_back(r);
@@ -213,7 +213,7 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     for (const auto& [name, n_rows, n_tokens] : feeds) {
       RECORD_USER_SCOPE(name);
       std::vector<int64_t> r(rows.begin(), rows.begin() + n_rows);
-      policy.extend(r, std::vector<std::vector<int64_t>>(r.size(), std::vector<int64_t>(n_tokens, 2)));
+      engine.extend(r, std::vector<std::vector<int64_t>>(r.size(), std::vector<int64_t>(n_tokens, 2)));
       device_synchronize(dev);
     }
   }
@@ -225,16 +225,16 @@ void trace_phases(Transformer& m, const at::Device& dev, int64_t B, int64_t P, c
     at::NoGradGuard ng;
     EngineOptions po;
     po.fixed_shape_extend = true;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> prompts(B, std::vector<int64_t>(P, 1));
-    policy.start(prompts, 1);
+    engine.start(prompts, 1);
     std::vector<int64_t> rows;
     for (int64_t r = 0; r < 12; ++r) rows.push_back(r * B / 12);
     const std::vector<std::vector<int64_t>> runs(rows.size(), std::vector<int64_t>(17, 2));
-    for (int i = 0; i < 2; ++i) policy.extend(rows, runs);
+    for (int i = 0; i < 2; ++i) engine.extend(rows, runs);
     device_synchronize(dev);
     RECORD_USER_SCOPE("phase:extend_fixed_12x17");
-    policy.extend(rows, runs);
+    engine.extend(rows, runs);
     device_synchronize(dev);
   }
   prof::disableProfiler()->save(path);
@@ -289,7 +289,7 @@ int main(int argc, char** argv) {
   for (bool sample : {false, true}) run_once(*model, dev, B, P, std::min<int64_t>(N, 8), sample, 1);
   std::vector<bool> graph_modes = {false};
   if (dev.is_cuda()) graph_modes.push_back(true);
-  for (bool graphs : graph_modes) run_policy_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, cfg.sampling, 1);
+  for (bool graphs : graph_modes) run_engine_once(*model, dev, B, P, std::min<int64_t>(N, 8), graphs, cfg.sampling, 1);
   if (!trace_path.empty()) trace_phases(*model, dev, B, P, cfg.sampling, trace_path);
   json records = json::array();
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(7) << "batch" << std::setw(8) << "prompt"
@@ -315,16 +315,16 @@ int main(int argc, char** argv) {
     }
     for (bool graphs : graph_modes) {
       if (wanted(2 + graphs))
-        all_runs[2 + graphs].push_back(run_policy_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
+        all_runs[2 + graphs].push_back(run_engine_once(*model, dev, B, P, N, graphs, cfg.sampling, 100 + i));
     }
     if (dev.is_cuda()) {
       if (wanted(4))
-        all_runs[4].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
+        all_runs[4].push_back(run_engine_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/false));
       if (wanted(5))
         all_runs[5].push_back(
-            run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
+            run_engine_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true, /*packed=*/false));
       if (wanted(6))
-        all_runs[6].push_back(run_policy_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true,
+        all_runs[6].push_back(run_engine_once(*model, dev, B, P, N, true, cfg.sampling, 100 + i, /*fused=*/true,
                                               /*packed=*/true, /*cache_attention=*/false));
     }
     std::cerr << "rep " << i << ": decode s greedy/sample/eager/graph/graph_aten/graph_unpacked/graph_sdpa";

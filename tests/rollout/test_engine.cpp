@@ -63,7 +63,7 @@ TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
   po.fixed_shape_extend = device == "cpu_fixed";
   po.fixed_shape_step = device == "cpu_fixed";
   po.switches.feed_graphs = true;
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60, 61, 62}};
   const int64_t G = 2, N = 6;
   std::vector<std::vector<int64_t>> seqs;
@@ -75,7 +75,7 @@ TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
   // float32 (cuda_f32): the fused RMSNorm sums its squares in another order than ATen's mean, and the
   // cache's SDPA kernels differ from the full forward's: ~1e-6 relative, on logits of magnitude ~50.
   const double kTol = f32 ? 2e-3 : 1e-9;
-  at::Tensor first = policy.start(prompts, G).cpu().to(at::kDouble);
+  at::Tensor first = engine.start(prompts, G).cpu().to(at::kDouble);
   for (int64_t n = 0; n < N; ++n) {
     EXPECT_LT((first[n] - full_logits(m, seqs[n]).to(at::kDouble)).abs().max().item<double>(), kTol)
         << "prefill row " << n;
@@ -85,13 +85,13 @@ TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   for (int64_t t = 0; t < 14; ++t) {
     if (t == 5) {  // row 1 finishes early
-      policy.release({1});
+      engine.release({1});
       released[1] = true;
     }
     if (t == 9) {
-      policy.release({0, 4});
+      engine.release({0, 4});
       released[0] = released[4] = true;
-      reallocations_at_half = policy.reallocations();
+      reallocations_at_half = engine.reallocations();
     }
     // Every third step feeds runs of 1 to 4 tokens in one forward (a tool's reply): the other rows and
     // the shorter runs leave holes, and the next compaction squeezes them out.
@@ -111,7 +111,7 @@ TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
       }
       tokens.push_back(runs.back().back());
     }
-    at::Tensor logits = (runs_step ? policy.extend(rows, runs) : policy.step(rows, tokens)).cpu().to(at::kDouble);
+    at::Tensor logits = (runs_step ? engine.extend(rows, runs) : engine.step(rows, tokens)).cpu().to(at::kDouble);
     ASSERT_EQ(logits.size(0), int64_t(rows.size()));
     for (size_t j = 0; j < rows.size(); ++j) {
       const at::Tensor ref = full_logits(m, seqs[rows[j]]).to(at::kDouble);
@@ -121,26 +121,26 @@ TEST_P(DecodeEngineTest, MatchesFullForwardThroughHolesAndCompaction) {
     }
   }
   // The cache this small grows at almost every compaction (CompactionInPlace below squeezes in place).
-  EXPECT_GT(policy.compactions(), 3);
-  EXPECT_GT(policy.reallocations(), 0);
+  EXPECT_GT(engine.compactions(), 3);
+  EXPECT_GT(engine.reallocations(), 0);
   // Released rows go when half the cache is released (t = 9) without graphs; with graphs, at the next
   // reallocation after that (a dead row costs a graphed step little, a recapture much).
-  const bool dropped = !cuda || policy.reallocations() > reallocations_at_half;
-  EXPECT_EQ(policy.cache_rows(), dropped ? 3 : 6);
+  const bool dropped = !cuda || engine.reallocations() > reallocations_at_half;
+  EXPECT_EQ(engine.cache_rows(), dropped ? 3 : 6);
   // One step graph per cache tensors the one-token steps ran on: the first, and at most one after each
   // reallocation; an in-place compaction keeps it. Plus the feeds' graphs (one per bucket and cache).
-  const int64_t step_captures = policy.graph_captures() - policy.feed_graph_captures();
+  const int64_t step_captures = engine.graph_captures() - engine.feed_graph_captures();
   if (cuda) {
     EXPECT_GE(step_captures, 1);
-    EXPECT_LE(step_captures, policy.reallocations() + 1);
+    EXPECT_LE(step_captures, engine.reallocations() + 1);
   } else {
-    EXPECT_EQ(policy.graph_captures(), 0);
+    EXPECT_EQ(engine.graph_captures(), 0);
   }
   // A known-bad check: a sequence's logits are not another's (the tolerance can fail).
   EXPECT_GT((full_logits(m, seqs[2]) - full_logits(m, seqs[3])).abs().max().item<double>(), 100 * kTol);
 }
 
-// The fused decode kernels against the ATen forms inside the policy, on one float32 model: the same
+// The fused decode kernels against the ATen forms inside the engine, on one float32 model: the same
 // rollout with them on (with and without packed q/k/v and gate/up weights) and off gives logits within
 // float32 noise, and a model whose second layer's
 // post-attention norm is off by 1% (w -> 1.01 w + 0.01: gemma's norms scale by 1 + w, and its random
@@ -156,11 +156,11 @@ TEST(DecodeEngineCuda, FusedDecodeKernelsMatchTheAtenForms) {
       po.slot_chunk = 3;
       po.slot_align = 1;  // the cache sizes as slot_chunk sets them
       po.switches.packed_weights = packed;
-      DecodeEngine policy(m, po);
-      std::vector<at::Tensor> out{policy.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
+      DecodeEngine engine(m, po);
+      std::vector<at::Tensor> out{engine.start({{5, 17, 9}, {1, 2, 3, 4, 5}}, 2).cpu()};
       for (int64_t t = 0; t < 6; ++t) {
-        out.push_back(t % 2 ? policy.extend({0, 3}, {{7, 8, 9}, {int64_t(10 + t)}}).cpu()
-                            : policy.step({0, 1, 2, 3}, {t + 1, t + 2, t + 3, t + 4}).cpu());
+        out.push_back(t % 2 ? engine.extend({0, 3}, {{7, 8, 9}, {int64_t(10 + t)}}).cpu()
+                            : engine.step({0, 1, 2, 3}, {t + 1, t + 2, t + 3, t + 4}).cpu());
       }
       return at::cat(out);
     };
@@ -189,7 +189,7 @@ TEST(DecodeEngineCuda, FusedDecodeKernelsMatchTheAtenForms) {
 }
 
 // The fused feed (cuda::rope_write_cache into the listed rows' slots, cuda::cache_attention over their cache
-// where it lies) inside the policy, in bfloat16 at a head size the kernel takes (64, four query heads over
+// where it lies) inside the engine, in bfloat16 at a head size the kernel takes (64, four query heads over
 // two KV heads): feeds eager and at the graphs' fixed shape, between steps that leave holes. Every logit is
 // measured against the float64 full forward of the same bf16 weights; the run with the fused kernels must
 // stay within twice the error of the run with the ATen forms (bf16 activations set both), and the in-place
@@ -234,9 +234,9 @@ TEST(DecodeEngineCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
       m.set_fused_kernels(fused);
       EngineOptions po;
       po.switches.feed_graphs = graphs;
-      DecodeEngine policy(m, po);
+      DecodeEngine engine(m, po);
       seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
-      policy.start(seqs, 1);
+      engine.start(seqs, 1);
       int64_t feeds = 0;
       for (int64_t t = 0; t < 12; ++t) {
         std::vector<int64_t> rows;
@@ -253,11 +253,11 @@ TEST(DecodeEngineCuda, FusedFeedsReadTheCacheInPlaceAsTheAtenFormsDo) {
         }
         at::Tensor logits;
         if (runs.size() == 2 && t % 3 == 2) {
-          logits = policy.extend(rows, runs).cpu();
+          logits = engine.extend(rows, runs).cpu();
         } else {
           std::vector<int64_t> tokens;
           for (const auto& r : runs) tokens.push_back(r[0]);
-          logits = policy.step(rows, tokens).cpu();
+          logits = engine.step(rows, tokens).cpu();
         }
         for (size_t i = 0; i < rows.size(); ++i) {
           seqs[rows[i]].insert(seqs[rows[i]].end(), runs[i].begin(), runs[i].end());
@@ -299,9 +299,9 @@ TEST(DecodeEngineCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
   auto run = [&](bool merged, std::vector<std::pair<at::Tensor, std::vector<int64_t>>>& got) {
     EngineOptions po;
     po.switches.feed_graphs = true;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}};
-    policy.start(seqs, 1);
+    engine.start(seqs, 1);
     for (int64_t t = 0; t < 12; ++t) {
       // Rows t and t + 2 get runs of 2-20 tokens every third pass; two of the others one token each, the
       // fifth waits (holes).
@@ -322,10 +322,10 @@ TEST(DecodeEngineCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
       }
       std::vector<at::Tensor> logits(rows.size());
       if (merged || run_rows.empty()) {
-        at::Tensor out = policy.extend(rows, runs).cpu();
+        at::Tensor out = engine.extend(rows, runs).cpu();
         for (size_t i = 0; i < rows.size(); ++i) logits[i] = out[static_cast<int64_t>(i)];
       } else {
-        at::Tensor a = policy.step(one_rows, one_tokens).cpu(), b = policy.extend(run_rows, long_runs).cpu();
+        at::Tensor a = engine.step(one_rows, one_tokens).cpu(), b = engine.extend(run_rows, long_runs).cpu();
         for (size_t i = 0, x = 0, y = 0; i < rows.size(); ++i) {
           logits[i] = runs[i].size() == 1 ? a[static_cast<int64_t>(x++)] : b[static_cast<int64_t>(y++)];
         }
@@ -335,7 +335,7 @@ TEST(DecodeEngineCuda, AMergedPassGivesTheLogitsOfAStepThenAFeed) {
         got.emplace_back(logits[i], seqs[rows[i]]);
       }
     }
-    return policy.merged_passes();
+    return engine.merged_passes();
   };
   std::vector<std::pair<at::Tensor, std::vector<int64_t>>> merged_got, separate_got;
   EXPECT_EQ(run(true, merged_got), 4) << "every pass with replies and one-token rows runs merged";
@@ -370,13 +370,13 @@ TEST_P(StepsInPlace, ReadTheCacheAsSdpaDoes) {
       po.switches.cuda_graphs = graphs;
       po.fixed_shape_step = true;
       po.switches.cache_attention = in_place;
-      DecodeEngine policy(m, po);
+      DecodeEngine engine(m, po);
       std::vector<std::vector<int64_t>> seqs;
       for (int64_t n : {230, 40, 151, 97, 64}) {
         seqs.emplace_back();
         for (int64_t j = 0; j < n; ++j) seqs.back().push_back((n * 7 + j * 13) % 399 + 1);
       }
-      policy.start(seqs, 1);
+      engine.start(seqs, 1);
       for (int64_t t = 0; t < 10; ++t) {
         std::vector<int64_t> rows, tokens;
         for (int64_t r = 0; r < 5; ++r) {
@@ -384,7 +384,7 @@ TEST_P(StepsInPlace, ReadTheCacheAsSdpaDoes) {
           rows.push_back(r);
           tokens.push_back((r * 31 + t * 17) % 400);
         }
-        const at::Tensor logits = policy.step(rows, tokens).cpu();
+        const at::Tensor logits = engine.step(rows, tokens).cpu();
         for (size_t i = 0; i < rows.size(); ++i) {
           seqs[rows[i]].push_back(tokens[i]);
           got.emplace_back(logits[static_cast<int64_t>(i)], seqs[rows[i]]);
@@ -437,10 +437,10 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.switches.feed_graphs = true;
   po.fixed_shape_extend = true;  // on the CPU too, feeds attend over every slot, as graphed steps do
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}, {250, 8}, {7, 7, 7, 7, 7}};
-  policy.start(seqs, 1);
-  const int64_t slots = policy.cache_slots();
+  engine.start(seqs, 1);
+  const int64_t slots = engine.cache_slots();
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(2);
   for (int64_t t = 0; t < 60; ++t) {
     std::vector<int64_t> rows;
@@ -453,17 +453,17 @@ TEST_P(CompactionInPlace, KeepsTheCacheAndItsGraphsAndMatchesTheFullForward) {
       runs = {{at::randint(400, {1}, gen, at::kLong).item<int64_t>()}};
     }
     for (size_t j = 0; j < rows.size(); ++j) seqs[rows[j]].insert(seqs[rows[j]].end(), runs[j].begin(), runs[j].end());
-    at::Tensor logits = (rows.size() > 1 ? policy.extend(rows, runs) : policy.step(rows, {runs[0][0]})).cpu();
+    at::Tensor logits = (rows.size() > 1 ? engine.extend(rows, runs) : engine.step(rows, {runs[0][0]})).cpu();
     for (size_t j = 0; j < rows.size(); ++j) {
       EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
           << "t " << t << " sequence " << rows[j];
     }
   }
-  EXPECT_GE(policy.compactions(), 2);
-  EXPECT_EQ(policy.reallocations(), 0) << "every compaction here frees about three quarters of the slots";
-  EXPECT_EQ(policy.cache_slots(), slots);
+  EXPECT_GE(engine.compactions(), 2);
+  EXPECT_EQ(engine.reallocations(), 0) << "every compaction here frees about three quarters of the slots";
+  EXPECT_EQ(engine.cache_slots(), slots);
   if (cuda) {
-    EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), 1) << "one step graph for the whole run";
+    EXPECT_EQ(engine.graph_captures() - engine.feed_graph_captures(), 1) << "one step graph for the whole run";
   }
 }
 
@@ -482,10 +482,10 @@ TEST(DecodeEngineCuda, FeedsOfUpToEightRowsShareOneGraph) {
   po.slot_chunk = 256;  // room for every feed: no reallocation, so the graphs stay
   po.slot_align = 1;    // the cache sizes as slot_chunk sets them
   po.switches.feed_graphs = true;
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   std::vector<std::vector<int64_t>> seqs;
   for (int64_t n = 0; n < 40; ++n) seqs.push_back({1 + n, 2 + n % 7, 3, 4 + n % 3});
-  policy.start(seqs, 1);
+  engine.start(seqs, 1);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
   auto feed = [&](int64_t first, int64_t count) {
     std::vector<int64_t> rows;
@@ -498,7 +498,7 @@ TEST(DecodeEngineCuda, FeedsOfUpToEightRowsShareOneGraph) {
         runs.back().push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
       seqs[n].insert(seqs[n].end(), runs.back().begin(), runs.back().end());
     }
-    at::Tensor logits = policy.extend(rows, runs).cpu();
+    at::Tensor logits = engine.extend(rows, runs).cpu();
     for (int64_t j = 0; j < count; ++j) {
       EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
           << "feed of " << count << " rows, sequence " << rows[j];
@@ -507,12 +507,12 @@ TEST(DecodeEngineCuda, FeedsOfUpToEightRowsShareOneGraph) {
   feed(0, 1);
   feed(1, 5);
   feed(2, 8);
-  EXPECT_EQ(policy.feed_graph_captures(), 1) << "feeds of 1, 5 and 8 rows share the 8-row bucket";
+  EXPECT_EQ(engine.feed_graph_captures(), 1) << "feeds of 1, 5 and 8 rows share the 8-row bucket";
   feed(3, 16);
-  EXPECT_EQ(policy.feed_graph_captures(), 2) << "16 rows take the 16-row bucket";
+  EXPECT_EQ(engine.feed_graph_captures(), 2) << "16 rows take the 16-row bucket";
   feed(0, 17);
-  EXPECT_EQ(policy.feed_graph_captures(), 3) << "17 rows take the 32-row bucket";
-  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_EQ(engine.feed_graph_captures(), 3) << "17 rows take the 32-row bucket";
+  EXPECT_EQ(engine.reallocations(), 0);
 }
 
 // A step at the graphs' fixed shape attends over the slots in use rounded up to span_chunk (here 4, in a
@@ -532,12 +532,12 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
   po.span_chunk = 4;
   po.fixed_shape_step = true;
   po.squeeze_holes = false;  // the spans as the holes leave them (HolesAreSqueezedOnceTheyCostAChunk: squeezed)
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
-  policy.start(seqs, 1);
+  engine.start(seqs, 1);
   std::set<int64_t> spans;
   for (int64_t t = 0; t < 30; ++t) {
-    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 1 + 3) / 4 * 4));
+    spans.insert(std::min(engine.cache_slots(), (engine.cache_length() + 1 + 3) / 4 * 4));
     std::vector<int64_t> rows, tokens;
     for (int64_t n = 0; n < 3; ++n) {
       if ((n + t) % 4 == 3) continue;
@@ -545,23 +545,23 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
       tokens.push_back(20 + 3 * n + t);
       seqs[n].push_back(tokens.back());
     }
-    at::Tensor logits = policy.step(rows, tokens).cpu();
+    at::Tensor logits = engine.step(rows, tokens).cpu();
     for (size_t j = 0; j < rows.size(); ++j) {
       EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
           << "step " << t << " sequence " << rows[j];
     }
   }
-  EXPECT_EQ(policy.cache_slots(), 44);
-  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_EQ(engine.cache_slots(), 44);
+  EXPECT_EQ(engine.reallocations(), 0);
   EXPECT_GE(spans.size(), 7u);
-  EXPECT_EQ(policy.graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one step graph per span";
+  EXPECT_EQ(engine.graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one step graph per span";
 #ifdef RLT_HAVE_CUDA
   if (cuda) {
     // Every replay is timed on the device, under its span; read while the last one may still run (queued
     // behind a sleep): the accessor waits for it instead of throwing.
     at::cuda::sleep(20'000'000);
-    policy.step({0, 1, 2}, {1, 2, 3});
-    const auto& times = policy.step_replay_times();
+    engine.step({0, 1, 2}, {1, 2, 3});
+    const auto& times = engine.step_replay_times();
     int64_t steps = 0;
     std::set<int64_t> timed;
     for (const auto& [span, t] : times) {
@@ -570,7 +570,7 @@ TEST_P(StepSpans, AStepReadsOnlyTheSlotsInUse) {
       EXPECT_GT(t.seconds, 0.0) << "span " << span;
     }
     EXPECT_EQ(steps, 31) << "every step replayed a graph (the captures' runs are not replays)";
-    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 3) / 4 * 4));
+    spans.insert(std::min(engine.cache_slots(), (engine.cache_length() + 3) / 4 * 4));
     EXPECT_EQ(timed, spans);
   }
 #endif
@@ -592,9 +592,9 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
     po.span_chunk = 8;
     po.fixed_shape_step = true;
     po.squeeze_holes = squeeze;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}, {7}};
-    policy.start(seqs, 1);
+    engine.start(seqs, 1);
     std::set<int64_t> spans;
     int64_t worst_excess = 0;  // the most slots a step's span had beyond the longest row's span
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -609,7 +609,7 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
             runs[j].push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
           seqs[rows[j]].insert(seqs[rows[j]].end(), runs[j].begin(), runs[j].end());
         }
-        at::Tensor logits = policy.extend(rows, runs).cpu();
+        at::Tensor logits = engine.extend(rows, runs).cpu();
         for (int64_t j = 0; j < 2; ++j) {
           EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
               << "feed at " << t << " sequence " << rows[j];
@@ -623,9 +623,9 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
         tokens.push_back(30 + 5 * n + t);
         seqs[n].push_back(tokens.back());
       }
-      const int64_t before = policy.step_span_slots();
-      at::Tensor logits = policy.step(rows, tokens).cpu();
-      const int64_t span = policy.step_span_slots() - before;
+      const int64_t before = engine.step_span_slots();
+      at::Tensor logits = engine.step(rows, tokens).cpu();
+      const int64_t span = engine.step_span_slots() - before;
       spans.insert(span);
       worst_excess = std::max(worst_excess, span - (held + 1 + 7) / 8 * 8);
       for (size_t j = 0; j < rows.size(); ++j) {
@@ -633,14 +633,14 @@ TEST_P(StepSpans, HolesAreSqueezedOnceTheyCostAChunk) {
             << "step " << t << " sequence " << rows[j] << (squeeze ? "" : " (no squeeze)");
       }
     }
-    EXPECT_EQ(policy.reallocations(), 0);
+    EXPECT_EQ(engine.reallocations(), 0);
     if (squeeze) {
       EXPECT_LT(worst_excess, 8) << "a step read a chunk or more of holes";
-      EXPECT_GE(policy.compactions(), 2);
-      EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0);
+      EXPECT_GE(engine.compactions(), 2);
+      EXPECT_EQ(engine.graph_captures() - engine.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0);
     } else {
       EXPECT_GE(worst_excess, 24) << "the control run: the holes should have grown the span by chunks";
-      EXPECT_EQ(policy.compactions(), 0);
+      EXPECT_EQ(engine.compactions(), 0);
     }
   }
 }
@@ -657,20 +657,20 @@ TEST(StepSpans, FeedTokenBucketsAreMultiplesOfEightUpTo64) {
   po.slot_chunk = 300;
   po.slot_align = 1;
   po.fixed_shape_extend = true;
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3}};
-  policy.start(seqs, 1);
+  engine.start(seqs, 1);
   for (const auto& [K, slots] : std::vector<std::pair<int64_t, int64_t>>{{3, 16}, {17, 24}, {40, 40}, {65, 128}}) {
     std::vector<std::vector<int64_t>> runs = {{}, {7, 8}};
     for (int64_t i = 0; i < K; ++i) runs[0].push_back(30 + (7 * i + K) % 300);
     for (int64_t n = 0; n < 2; ++n) seqs[n].insert(seqs[n].end(), runs[n].begin(), runs[n].end());
-    const int64_t before = policy.cache_length();
-    at::Tensor logits = policy.extend({0, 1}, runs);
-    EXPECT_EQ(policy.cache_length() - before, slots) << "a run of " << K << " tokens";
+    const int64_t before = engine.cache_length();
+    at::Tensor logits = engine.extend({0, 1}, runs);
+    EXPECT_EQ(engine.cache_length() - before, slots) << "a run of " << K << " tokens";
     for (int64_t n = 0; n < 2; ++n)
       EXPECT_LT((logits[n] - full_logits(m, seqs[n])).abs().max().item<double>(), 1e-9) << "run of " << K;
   }
-  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_EQ(engine.reallocations(), 0);
 }
 
 // A feed at the graphs' fixed shape attends over the slots filled and its own, rounded up to span_chunk (here 8, in
@@ -689,30 +689,30 @@ TEST_P(StepSpans, AFeedReadsOnlyTheSlotsInUse) {
   po.fixed_shape_extend = true;
   po.switches.feed_graphs = true;
   po.squeeze_holes = false;
-  DecodeEngine policy(m, po);
+  DecodeEngine engine(m, po);
   std::vector<std::vector<int64_t>> seqs = {{5, 17, 9, 4}, {1, 2}, {250, 8, 60}};
-  policy.start(seqs, 1);
+  engine.start(seqs, 1);
   std::set<int64_t> spans;
   for (int64_t t = 0; t < 7; ++t) {
-    spans.insert(std::min(policy.cache_slots(), (policy.cache_length() + 16 + 7) / 8 * 8));  // runs of <= 16
+    spans.insert(std::min(engine.cache_slots(), (engine.cache_length() + 16 + 7) / 8 * 8));  // runs of <= 16
     const std::vector<int64_t> rows = {t % 3, (t + 1) % 3};
     std::vector<std::vector<int64_t>> runs = {{}, {30 + t, 31 + t}};
     for (int64_t i = 0; i < 3 + t; ++i) runs[0].push_back(40 + 5 * i + t);
     for (size_t j = 0; j < rows.size(); ++j) seqs[rows[j]].insert(seqs[rows[j]].end(), runs[j].begin(), runs[j].end());
-    at::Tensor logits = policy.extend(rows, runs).cpu();
+    at::Tensor logits = engine.extend(rows, runs).cpu();
     for (size_t j = 0; j < rows.size(); ++j) {
       EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
           << "feed " << t << " sequence " << rows[j];
     }
   }
-  EXPECT_EQ(policy.reallocations(), 0);
+  EXPECT_EQ(engine.reallocations(), 0);
   EXPECT_EQ(spans.size(), 7u) << "each feed reads 16 slots more than the one before";
-  EXPECT_LT(*spans.rbegin(), policy.cache_slots()) << "no feed read every slot of the cache";
-  EXPECT_EQ(policy.feed_span_slots(), std::accumulate(spans.begin(), spans.end(), int64_t(0)))
-      << "the feeds attended over these spans (over every slot: " << 7 * policy.cache_slots() << ")";
-  EXPECT_EQ(policy.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one feed graph per span";
+  EXPECT_LT(*spans.rbegin(), engine.cache_slots()) << "no feed read every slot of the cache";
+  EXPECT_EQ(engine.feed_span_slots(), std::accumulate(spans.begin(), spans.end(), int64_t(0)))
+      << "the feeds attended over these spans (over every slot: " << 7 * engine.cache_slots() << ")";
+  EXPECT_EQ(engine.feed_graph_captures(), cuda ? int64_t(spans.size()) : 0) << "one feed graph per span";
   if (cuda) {
-    EXPECT_EQ(policy.feed_replay_time().count, 7) << "each feed's replay timed on the device";
+    EXPECT_EQ(engine.feed_replay_time().count, 7) << "each feed's replay timed on the device";
   }
 }
 
@@ -726,16 +726,16 @@ TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
     EngineOptions po;
     po.slot_chunk = 5;
     po.slot_align = align;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2}};
-    policy.start(seqs, 1);
-    std::vector<int64_t> sizes = {policy.cache_slots()};
+    engine.start(seqs, 1);
+    std::vector<int64_t> sizes = {engine.cache_slots()};
     for (int64_t t = 0; t < 66; ++t) {  // 3 + 66 tokens: past the first cache's 64 slots
       std::vector<int64_t> rows = {0, 1}, tokens = {20 + t, 40 + t};
       seqs[0].push_back(tokens[0]);
       seqs[1].push_back(tokens[1]);
-      at::Tensor logits = policy.step(rows, tokens);
-      if (sizes.back() != policy.cache_slots()) sizes.push_back(policy.cache_slots());
+      at::Tensor logits = engine.step(rows, tokens);
+      if (sizes.back() != engine.cache_slots()) sizes.push_back(engine.cache_slots());
       if (t % 13 == 0 || t == 65) {
         for (int64_t n = 0; n < 2; ++n)
           EXPECT_LT((logits[n] - full_logits(m, seqs[n])).abs().max().item<double>(), 1e-9) << "step " << t;
@@ -751,9 +751,9 @@ TEST(StepSpans, ANewCacheHoldsAMultipleOfSlotAlignSlots) {
   }
 }
 
-// keep_cache: later rollouts (start()) on the same policy, after the weights were updated in place as the
+// keep_cache: later rollouts (start()) on the same engine, after the weights were updated in place as the
 // optimizer does, reuse the cache's tensors (no reallocation) and on CUDA its captured graphs (the third
-// rollout, with the second's shapes, captures none), and their logits are a fresh policy's on the new weights: float64
+// rollout, with the second's shapes, captures none), and their logits are a fresh engine's on the new weights: float64
 // on the CPU (1e-12: the same arithmetic over more, masked slots), float32 on CUDA through the fused kernels and the
 // packed q/k/v and gate/up weights, packed again in place (1e-5 of the largest logit, as
 // FusedDecodeKernelsMatchTheAtenForms). Known-bad: the same rollout on the old weights (what a graph reading stale
@@ -855,19 +855,19 @@ TEST(KeepCache, PackWeightsIntoWritesInPlace) {
 }
 
 // A step or a feed that is refused (a sequence listed twice) leaves every sequence's positions as they
-// were: the next step still matches the full forward. A policy that advanced a sequence's position before
+// were: the next step still matches the full forward. A engine that advanced a sequence's position before
 // checking the rest of the list would give the sequence listed first a position one (or a run) too far.
 TEST(DecodeEngine, ARefusedStepOrFeedLeavesThePositionsAsTheyWere) {
   for (bool fixed : {false, true}) {
     const Transformer m = tiny_model("llama", 3);
     EngineOptions po;
     po.fixed_shape_extend = fixed;
-    DecodeEngine policy(m, po);
+    DecodeEngine engine(m, po);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}};
-    policy.start(seqs, 1);
-    EXPECT_THROW(policy.step({0, 0}, {7, 8}), c10::Error);
-    EXPECT_THROW(policy.extend({1, 0, 1}, {{3, 4}, {5}, {6, 7}}), c10::Error);
-    at::Tensor logits = policy.extend({0, 1}, {{7, 8}, {9}}).cpu();
+    engine.start(seqs, 1);
+    EXPECT_THROW(engine.step({0, 0}, {7, 8}), c10::Error);
+    EXPECT_THROW(engine.extend({1, 0, 1}, {{3, 4}, {5}, {6, 7}}), c10::Error);
+    at::Tensor logits = engine.extend({0, 1}, {{7, 8}, {9}}).cpu();
     seqs[0].insert(seqs[0].end(), {7, 8});
     seqs[1].push_back(9);
     for (int64_t n = 0; n < 2; ++n) {
@@ -891,7 +891,7 @@ at::Tensor positioned_logits(const Transformer& m, const std::vector<int64_t>& i
 // admit() puts new prompts into the rows that released sequences left, in the cache's own tensors (rows,
 // slots and, on CUDA, the captured step graph stay), and each sequence's logits still match its full
 // forward in float64, through decode steps and multi-token feeds after it; the first admitted pair also
-// matches a fresh policy started on its prompt alone and fed the same tokens (1e-12: the same arithmetic
+// matches a fresh engine started on its prompt alone and fed the same tokens (1e-12: the same arithmetic
 // over more, masked slots). The other placements: more new sequences than free rows (a new cache of the
 // live rows and the new ones), a prompt longer than the slots filled so far (placed in place, the fill
 // moves to its end), and one longer than the cache (a new, longer cache). A new row that still saw the
@@ -910,16 +910,16 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
   po.slot_align = 1;  // the cache sizes as slot_chunk sets them
   po.fixed_shape_extend = device == "cpu_fixed";
   po.switches.feed_graphs = true;
-  DecodeEngine policy(m, po), fresh(m, po);
+  DecodeEngine engine(m, po), fresh(m, po);
   // float64: the cached, masked forward against the plain one (as in DecodeEngineTest), and the same
-  // sequence decoded in a refilled row against a fresh policy (only the masked slots differ).
+  // sequence decoded in a refilled row against a fresh engine (only the masked slots differ).
   const double kTol = 1e-9, kSame = 1e-12;
   std::vector<std::vector<int64_t>> seqs;  // by sequence id: its tokens so far
   std::vector<bool> live;
   std::map<int64_t, int64_t> in_fresh;  // sequence id -> its id in `fresh`
   auto admit = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t G, bool start = false) {
     const int64_t base = static_cast<int64_t>(seqs.size());
-    at::Tensor first = (start ? policy.start(prompts, G) : policy.admit(prompts, G)).cpu();
+    at::Tensor first = (start ? engine.start(prompts, G) : engine.admit(prompts, G)).cpu();
     EXPECT_EQ(first.size(0), int64_t(prompts.size()) * G);
     for (size_t u = 0; u < prompts.size(); ++u) {
       for (int64_t g = 0; g < G; ++g) {
@@ -955,7 +955,7 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
         rows.push_back(n);
       }
       if (rows.empty()) continue;
-      const at::Tensor logits = policy.extend(rows, runs).cpu();  // one token each: a decode step
+      const at::Tensor logits = engine.extend(rows, runs).cpu();  // one token each: a decode step
       for (size_t j = 0; j < rows.size(); ++j) {
         EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), kTol)
             << "pass " << t << " sequence " << rows[j];
@@ -969,57 +969,57 @@ TEST_P(AdmitIntoReleasedRows, MatchesAFreshStartAndTheFullForward) {
     }
   };
   auto release = [&](const std::vector<int64_t>& ids) {
-    policy.release(ids);
+    engine.release(ids);
     for (int64_t n : ids) live[n] = false;
   };
   admit({{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8, 60}}, 2, /*start=*/true);  // sequences 0..5
   decode(7);
   // Two rows released, two sequences admitted: in place.
   release({1, 2});
-  const int64_t rows0 = policy.cache_rows(), slots0 = policy.cache_slots(), reallocs0 = policy.reallocations();
-  const int64_t length_at_admit = policy.cache_length();
+  const int64_t rows0 = engine.cache_rows(), slots0 = engine.cache_slots(), reallocs0 = engine.reallocations();
+  const int64_t length_at_admit = engine.cache_length();
   const std::vector<int64_t> prompt = {11, 12, 13, 14};
   const at::Tensor first = admit({prompt}, 2);  // sequences 6, 7
   const at::Tensor alone = fresh.start({prompt}, 2).cpu();
   EXPECT_LT((first - alone).abs().max().item<double>(), kSame) << "admitted against a fresh start";
   in_fresh = {{6, 0}, {7, 1}};
-  EXPECT_EQ(policy.cache_rows(), rows0) << "the released rows were refilled";
-  EXPECT_EQ(policy.cache_slots(), slots0);
-  EXPECT_EQ(policy.reallocations(), reallocs0) << "admitted in place";
+  EXPECT_EQ(engine.cache_rows(), rows0) << "the released rows were refilled";
+  EXPECT_EQ(engine.cache_slots(), slots0);
+  EXPECT_EQ(engine.reallocations(), reallocs0) << "admitted in place";
   EXPECT_GT(length_at_admit, int64_t(prompt.size())) << "the new rows hold holes after their prompt";
-  const int64_t step_graphs = policy.graph_captures() - policy.feed_graph_captures();
+  const int64_t step_graphs = engine.graph_captures() - engine.feed_graph_captures();
   decode(1);  // a one-token pass: on CUDA the step graph captured before the admit is replayed
-  if (cuda && policy.reallocations() == reallocs0) {
-    EXPECT_EQ(policy.graph_captures() - policy.feed_graph_captures(), step_graphs) << "admit kept the step graph";
+  if (cuda && engine.reallocations() == reallocs0) {
+    EXPECT_EQ(engine.graph_captures() - engine.feed_graph_captures(), step_graphs) << "admit kept the step graph";
   }
   decode(8);
   const std::vector<int64_t> stale = seqs[1], admitted = seqs[6];
   // Four new sequences, two free rows: a new cache of the four live rows and four new ones.
   release({0, 6});
   in_fresh.clear();
-  const int64_t reallocs1 = policy.reallocations();
+  const int64_t reallocs1 = engine.reallocations();
   admit({{21, 22}, {23, 24, 25, 26, 27}}, 2);  // sequences 8..11
-  EXPECT_EQ(policy.reallocations(), reallocs1 + 1);
-  EXPECT_EQ(policy.cache_rows(), 8);
+  EXPECT_EQ(engine.reallocations(), reallocs1 + 1);
+  EXPECT_EQ(engine.cache_rows(), 8);
   // A prompt longer than the slots filled so far, one free row: in place, the fill moves to its end.
   release({3});
-  const int64_t L = policy.cache_length(), reallocs2 = policy.reallocations();
+  const int64_t L = engine.cache_length(), reallocs2 = engine.reallocations();
   std::vector<int64_t> longer(L + 5);
   for (int64_t i = 0; i < L + 5; ++i) longer[i] = 30 + i % 200;
-  ASSERT_LE(L + 5, policy.cache_slots());
+  ASSERT_LE(L + 5, engine.cache_slots());
   admit({longer}, 1);  // sequence 12
-  EXPECT_EQ(policy.cache_length(), L + 5);
-  EXPECT_EQ(policy.reallocations(), reallocs2);
-  EXPECT_EQ(policy.cache_rows(), 8);
+  EXPECT_EQ(engine.cache_length(), L + 5);
+  EXPECT_EQ(engine.reallocations(), reallocs2);
+  EXPECT_EQ(engine.cache_rows(), 8);
   decode(5);
   // A prompt longer than the cache: a new, longer one.
   release({4});
-  const int64_t too_long = policy.cache_slots() + 5, reallocs3 = policy.reallocations();
+  const int64_t too_long = engine.cache_slots() + 5, reallocs3 = engine.reallocations();
   std::vector<int64_t> longest(too_long);
   for (int64_t i = 0; i < too_long; ++i) longest[i] = 7 + i % 300;
   admit({longest}, 1);  // sequence 13
-  EXPECT_EQ(policy.reallocations(), reallocs3 + 1);
-  EXPECT_GE(policy.cache_slots(), too_long);
+  EXPECT_EQ(engine.reallocations(), reallocs3 + 1);
+  EXPECT_GE(engine.cache_slots(), too_long);
   decode(5);
   // Known-bad: the admitted sequence's logits with the released sequence's tokens visible before it, and
   // with positions that go on from the slot the admit saw filled, are far from the right ones.
@@ -1054,11 +1054,11 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
     EngineOptions po;
     po.slot_chunk = 4;
     po.slot_align = 1;  // the cache sizes as slot_chunk sets them
-    DecodeEngine policy(m, po);
-    if (reserve) policy.reserve_rows(4);
+    DecodeEngine engine(m, po);
+    if (reserve) engine.reserve_rows(4);
     std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {5, 17, 9}, {1, 2, 3, 4}, {1, 2, 3, 4}};
-    policy.start({seqs[0], seqs[2]}, 2);
-    policy.release({1});
+    engine.start({seqs[0], seqs[2]}, 2);
+    engine.release({1});
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
     auto step = [&](const std::vector<int64_t>& rows) {
       std::vector<int64_t> tokens;
@@ -1066,25 +1066,25 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
         tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
         seqs[n].push_back(tokens.back());
       }
-      const at::Tensor logits = policy.step(rows, tokens).cpu();
+      const at::Tensor logits = engine.step(rows, tokens).cpu();
       for (size_t j = 0; j < rows.size(); ++j) {
         EXPECT_LT((logits[j] - full_logits(m, seqs[rows[j]])).abs().max().item<double>(), 1e-9)
             << "sequence " << rows[j];
       }
     };
-    const int64_t before = policy.reallocations();
-    for (int t = 0; t < 40 && policy.reallocations() == before; ++t) step({0, 2, 3});
-    ASSERT_GT(policy.reallocations(), before) << "the cache never grew";
-    EXPECT_EQ(policy.cache_rows(), reserve ? 4 : 3);
-    const int64_t grown = policy.reallocations(), captures = policy.graph_captures();
+    const int64_t before = engine.reallocations();
+    for (int t = 0; t < 40 && engine.reallocations() == before; ++t) step({0, 2, 3});
+    ASSERT_GT(engine.reallocations(), before) << "the cache never grew";
+    EXPECT_EQ(engine.cache_rows(), reserve ? 4 : 3);
+    const int64_t grown = engine.reallocations(), captures = engine.graph_captures();
     seqs.push_back({7, 8, 9, 10, 11});
-    const at::Tensor first = policy.admit({seqs[4]}, 1).cpu();
+    const at::Tensor first = engine.admit({seqs[4]}, 1).cpu();
     EXPECT_LT((first[0] - full_logits(m, seqs[4])).abs().max().item<double>(), 1e-9);
-    EXPECT_EQ(policy.reallocations(), reserve ? grown : grown + 1) << "the admit made a new cache";
-    EXPECT_EQ(policy.cache_rows(), 4);
+    EXPECT_EQ(engine.reallocations(), reserve ? grown : grown + 1) << "the admit made a new cache";
+    EXPECT_EQ(engine.cache_rows(), 4);
     for (int t = 0; t < 3; ++t) step({0, 2, 3, 4});
     if (cuda) {
-      EXPECT_EQ(policy.graph_captures(), reserve ? captures : captures + 1) << "the admit cost a recapture";
+      EXPECT_EQ(engine.graph_captures(), reserve ? captures : captures + 1) << "the admit cost a recapture";
     }
   }
   if (!cuda) {
@@ -1093,17 +1093,17 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
     EngineOptions po;
     po.slot_chunk = 64;  // no growth here
     po.slot_align = 1;   // the cache sizes as slot_chunk sets them
-    DecodeEngine policy(m, po);
-    policy.reserve_rows(4);
-    policy.start({{5, 17, 9}, {1, 2, 3, 4}}, 2);
-    policy.release({1, 3});
-    for (int t = 0; t < 3; ++t) policy.step({0, 2}, {7, 8});
-    EXPECT_EQ(policy.reallocations(), 0);
-    EXPECT_EQ(policy.cache_rows(), 4);
-    policy.reserve_rows(0);
-    policy.step({0, 2}, {7, 8});
-    EXPECT_EQ(policy.reallocations(), 1);
-    EXPECT_EQ(policy.cache_rows(), 2);
+    DecodeEngine engine(m, po);
+    engine.reserve_rows(4);
+    engine.start({{5, 17, 9}, {1, 2, 3, 4}}, 2);
+    engine.release({1, 3});
+    for (int t = 0; t < 3; ++t) engine.step({0, 2}, {7, 8});
+    EXPECT_EQ(engine.reallocations(), 0);
+    EXPECT_EQ(engine.cache_rows(), 4);
+    engine.reserve_rows(0);
+    engine.step({0, 2}, {7, 8});
+    EXPECT_EQ(engine.reallocations(), 1);
+    EXPECT_EQ(engine.cache_rows(), 2);
   }
 }
 
