@@ -3,7 +3,6 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
-#include <limits>
 
 #include "model/layer_kernels.h"
 #include "model/transformer.h"
@@ -57,21 +56,19 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
   at::Tensor cos = emb.cos().to(dt), sin = emb.sin().to(dt);  // (T, hd)
   at::Tensor cos_s = cos.narrow(0, 0, Bc).view({Bc, 1, 1, hd}), sin_s = sin.narrow(0, 0, Bc).view({Bc, 1, 1, hd});
   at::Tensor cos_f = cos.narrow(0, Bc, E * K).view({E, 1, K, hd}), sin_f = sin.narrow(0, Bc, E * K).view({E, 1, K, hd});
+  ForwardPlan p;  // the pieces of a layer that forward() runs too: norms, projections, attention, the MLP
+  p.ops = fused_layer_kernels();
+  p.cache = &cache;
+  p.packed = cache.packed;
   // The step's mask: kept slots for the in-place attention, else additive (SDPA would convert a boolean
   // one in every layer); the feed's, as kept slots.
   at::Tensor step_keep = kept_slots(step_mask, dev), step_add;
   if (cache.in_place_steps) {
     ++counts.in_place_steps;
   } else {
-    step_add =
-        at::zeros({Bc, 1, 1, span}, h.options())
-            .masked_fill_(step_keep.logical_not().view({Bc, 1, 1, span}), -std::numeric_limits<double>::infinity());
+    step_add = p.ops->sdpa_mask(step_keep.view({Bc, 1, 1, span}), dt);
   }
   at::Tensor keep = kept_slots(feed_keep, dev);
-  ForwardPlan p;  // the pieces of a layer that forward() runs too: norms, projections, the MLP
-  p.ops = fused_layer_kernels();
-  p.cache = &cache;
-  p.packed = cache.packed;
   at::Tensor pending;  // the pending residual: a layer's MLP output, which the next norm's kernel adds
   for (int64_t i = 0; i < c.num_layers; ++i) {
     auto [q, k, v] = project_qkv(i, h, pending, p);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
@@ -80,20 +77,23 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
     // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
     // then attention over the rows' cache in place, or masked attention over the span (a KV head's
     // G = H / Hkv query heads as G positions of it).
-    at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv);
-    cuda::rope_write_cache(qs, ks, step_part(v, Hkv), cos_s, sin_s, cache.k[i], cache.v[i], cache.step_slot);
-    at::Tensor a_s = cache.in_place_steps ? cuda::cache_attention(qs, cache.k[i], cache.v[i], at::Tensor(), step_keep,
-                                                                  cache.step_slot, span, c.attn_scale)
-                                                .view({Bc, H * hd})
-                                          : at::scaled_dot_product_attention(
-                                                qs.transpose(1, 2).reshape({Bc, Hkv, G, hd}),
-                                                cache.k[i].narrow(2, 0, span), cache.v[i].narrow(2, 0, span), step_add,
-                                                /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale)
-                                                .reshape({Bc, H * hd});
+    at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv), vs = step_part(v, Hkv), a_s;
+    if (cache.in_place_steps) {
+      a_s = p.ops
+                ->attend_in_place(i, qs, ks, vs, cos_s, sin_s, cache, at::Tensor(), step_keep, cache.step_slot,
+                                  c.attn_scale)
+                .view({Bc, H * hd});
+    } else {
+      cuda::rope_write_cache(qs, ks, vs, cos_s, sin_s, cache.k[i], cache.v[i], cache.step_slot);
+      a_s = at::scaled_dot_product_attention(qs.transpose(1, 2).reshape({Bc, Hkv, G, hd}),
+                                             cache.k[i].narrow(2, 0, span), cache.v[i].narrow(2, 0, span), step_add,
+                                             /*dropout_p=*/0.0, /*is_causal=*/false, c.attn_scale)
+                .reshape({Bc, H * hd});
+    }
     // The feed, as a fused feed runs it: into its rows' slots, then attention over their cache in place.
-    at::Tensor qf = feed_part(q, H), kf = feed_part(k, Hkv);
-    cuda::rope_write_cache(qf, kf, feed_part(v, Hkv), cos_f, sin_f, cache.k[i], cache.v[i], feed_slots, feed_rows);
-    at::Tensor a_f = cuda::cache_attention(qf, cache.k[i], cache.v[i], feed_rows, keep, feed_slots, span, c.attn_scale)
+    at::Tensor a_f = p.ops
+                         ->attend_in_place(i, feed_part(q, H), feed_part(k, Hkv), feed_part(v, Hkv), cos_f, sin_f,
+                                           cache, feed_rows, keep, feed_slots, c.attn_scale)
                          .view({E * K, H * hd});
     h = output_and_mlp(i, h, at::cat({a_s, a_f}).view({1, T, H * hd}), pending, p);
   }
