@@ -2,9 +2,10 @@
 // tokens are prefilled in one forward, then N tokens are decoded one step at a time:
 //   decode_greedy / decode_sample   the bare decoder on a preallocated cache (argmax, or multinomial);
 //   rollout_eager / rollout_graph   the rollout's own path: DecodeEngine (compacting cache, masked steps)
-//                                   and sample_tokens (counter-based Gumbel noise, log-probs through the
+//                                   and its step_draw (counter-based Gumbel noise, log-probs through the
 //                                   loss module, ids to the host every step), without and with a CUDA
-//                                   graph per decode step (rollout_graph on CUDA only);
+//                                   graph per decode step, which holds the LM head and the draw too
+//                                   (rollout_graph on CUDA only);
 //   rollout_graph_aten              rollout_graph with the fused decode and sampling kernels off (their
 //                                   ATen forms): the before and after of those kernels in one command;
 //   rollout_graph_unpacked          rollout_graph without packed q/k/v and gate/up weights;
@@ -105,6 +106,7 @@ Run run_engine_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   po.switches.cuda_graphs = graphs;
   po.switches.packed_weights = packed;
   po.switches.cache_attention = cache_attention;
+  po.switches.fused_kernels = fused;
   DecodeEngine engine(m, po);
   Run r;
   auto t0 = std::chrono::steady_clock::now();
@@ -112,11 +114,18 @@ Run run_engine_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   device_synchronize(dev);
   r.prefill_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
-  for (int64_t s = 0; s < N; ++s) {
+  // The first token from the prefill's logits, each next one drawn by the step itself (step_draw: inside
+  // the step's graph when graphed), as the rollout's loop does.
+  SampleOutput out = sample_tokens(logits, so, streams, counters, 0, fused);  // ids on the host
+  for (int64_t s = 1; s < N; ++s) {
     counters.fill_(s);
-    SampleOutput out = sample_tokens(logits, so, streams, counters, 0, fused);  // ids on the host
     const int64_t* next = out.ids.data_ptr<int64_t>();
-    logits = engine.step(rows, std::vector<int64_t>(next, next + B));
+    out = engine.step_draw(rows, std::vector<int64_t>(next, next + B), so, sample_row_keys(so.seed, streams, counters),
+                           0);
+  }
+  {
+    const int64_t* next = out.ids.data_ptr<int64_t>();
+    engine.step(rows, std::vector<int64_t>(next, next + B));  // the last sampled token enters the cache
   }
   device_synchronize(dev);
   r.decode_s = seconds_since(t0);

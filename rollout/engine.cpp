@@ -198,6 +198,7 @@ at::Tensor DecodeEngine::start(const std::vector<std::vector<int64_t>>& prompts,
     keep_rows_ = N;  // reallocations keep released rows up to this many, for the next start()
   }
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
+  draw_graphs_.clear();
   feed_graphs_.clear();
   merged_graphs_.clear();
   cache_ = KvCache();
@@ -250,6 +251,7 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
     // Nothing held (start, or every row released and dropped): the prefill's rows are the new cache.
     at::Tensor slots = at::arange(P, lopts).view({1, P}).expand({N, P});
     step_graphs_.clear();  // a graph reads the cache tensors it was captured with
+    draw_graphs_.clear();
     feed_graphs_.clear();
     merged_graphs_.clear();
     cache_ = prefill.gather(rows, slots, aligned_slots(P + options_.slot_chunk));
@@ -291,69 +293,139 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
   return logits.repeat_interleave(repeats, 0);  // (N, V)
 }
 
-at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
-  at::NoGradGuard no_grad;
-  const auto dev = valid_.device();
-  bool graphs = false;
-#ifdef RLT_HAVE_CUDA
-  graphs = options_.switches.cuda_graphs && dev.is_cuda();
-#endif
-  // A graphed step builds its attention plan once per capture, and cuDNN's decode kernel is the faster
-  // one there (rollout_graph 13.3k tokens/s with it, 11.3k without, H200): only eager steps avoid it.
-  NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
+DecodeEngine::StepPlan DecodeEngine::plan_step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                                               bool span_step) {
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
   drop_released_rows();
-  const bool span_step = graphs || options_.fixed_shape_step;
   if (cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk())) compact(1);
   const int64_t Bc = cache_rows();
   // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
   // dispatch each, which at 256 rows is milliseconds per decode step.
-  std::vector<int64_t> ids(Bc, 0), pos(Bc, 0), pick(rows.size());
-  std::vector<uint8_t> fed(Bc, 0);
+  StepPlan p;
+  p.ids.assign(Bc, 0);
+  p.pos.assign(Bc, 0);
+  p.fed.assign(Bc, 0);
+  p.pick.resize(rows.size());
   for (size_t j = 0; j < rows.size(); ++j) {
     const int64_t n = rows[j];
     TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "step: sequence ", n,
                 " was released or never started");
     const int64_t r = cache_row_[n];
-    TORCH_CHECK(!fed[r], "step: sequence ", n, " listed twice");
-    ids[r] = tokens[j];
-    pos[r] = length_[n];
-    fed[r] = 1;
-    pick[j] = r;
+    TORCH_CHECK(!p.fed[r], "step: sequence ", n, " listed twice");
+    p.ids[r] = tokens[j];
+    p.pos[r] = length_[n];
+    p.fed[r] = 1;
+    p.pick[j] = r;
   }
-  // Each fed sequence holds one token more, once the step has run: a step that throws (a bad row, a
-  // failed capture) leaves the positions as they were.
-  auto advance = [&] {
-    for (int64_t n : rows) ++length_[n];
-  };
+  return p;
+}
+
+std::vector<int64_t> DecodeEngine::fixed_step_inputs(const StepPlan& plan) const {
+  std::vector<int64_t> packed = plan.ids;
+  packed.insert(packed.end(), plan.pos.begin(), plan.pos.end());
+  packed.insert(packed.end(), plan.fed.begin(), plan.fed.end());
+  packed.push_back(cache_.length);
+  return packed;
+}
+
+// Each fed sequence holds one token more once the step has run: a step that throws (a bad row, a failed
+// capture) leaves the positions as they were.
+void DecodeEngine::advance_step(const std::vector<int64_t>& rows) {
+  for (int64_t n : rows) ++length_[n];
+}
+
+at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
+  at::NoGradGuard no_grad;
+  const auto dev = valid_.device();
+  const bool graphs = graphed();
+  // A graphed step builds its attention plan once per capture, and cuDNN's decode kernel is the faster
+  // one there (rollout_graph 13.3k tokens/s with it, 11.3k without, H200): only eager steps avoid it.
+  NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
+  const bool span_step = graphs || options_.fixed_shape_step;
+  const StepPlan p = plan_step(rows, tokens, span_step);
+  const int64_t Bc = cache_rows();
   if (span_step) {
     step_span_slots_ += step_span();
     // One host vector, one copy: ids, positions, fed flags, the slot, then the rows to pick.
-    std::vector<int64_t> packed = ids;
-    packed.insert(packed.end(), pos.begin(), pos.end());
-    packed.insert(packed.end(), fed.begin(), fed.end());
-    packed.push_back(cache_.length);
-    packed.insert(packed.end(), pick.begin(), pick.end());
+    std::vector<int64_t> packed = fixed_step_inputs(p);
+    packed.insert(packed.end(), p.pick.begin(), p.pick.end());
     at::Tensor rows_picked, hidden;  // hidden (Bc, D)
 #ifdef RLT_HAVE_CUDA
-    if (graphs) hidden = graph_step(packed, static_cast<int64_t>(pick.size()), rows_picked);
+    if (graphs) hidden = graph_step(packed, static_cast<int64_t>(p.pick.size()), rows_picked);
 #endif
     if (!graphs) {
       at::Tensor in = at::tensor(packed, at::kLong).to(dev);
-      rows_picked = in.narrow(0, 3 * Bc + 1, static_cast<int64_t>(pick.size()));
+      rows_picked = in.narrow(0, 3 * Bc + 1, static_cast<int64_t>(p.pick.size()));
       hidden = fixed_step(in.narrow(0, 0, 3 * Bc + 1), step_span());
     }
     cache_.length += 1;
-    advance();
+    advance_step(rows);
     return next_token_logits(model_, hidden.index_select(0, rows_picked));  // (rows, V), outside the graph's memory
   }
   // Rows not fed write a slot nobody attends to (their own query output is discarded).
-  valid_.select(1, cache_.length).copy_(at::tensor(fed).to(dev, at::kBool));
+  valid_.select(1, cache_.length).copy_(at::tensor(p.fed).to(dev, at::kBool));
   at::Tensor mask = valid_.narrow(1, 0, cache_.length + 1);  // (Bc, S)
-  at::Tensor hidden = model_.forward(at::tensor(ids).view({Bc, 1}).to(dev), at::tensor(pos).view({Bc, 1}).to(dev), mask,
-                                     &cache_);  // (Bc, 1, D)
-  advance();
-  return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(pick).to(dev)));  // (rows, V)
+  at::Tensor hidden = model_.forward(at::tensor(p.ids).view({Bc, 1}).to(dev), at::tensor(p.pos).view({Bc, 1}).to(dev),
+                                     mask, &cache_);  // (Bc, 1, D)
+  advance_step(rows);                                 // forward() counted the slot in cache_.length
+  return next_token_logits(model_, hidden.squeeze(1).index_select(0, at::tensor(p.pick).to(dev)));  // (rows, V)
+}
+
+SampleOutput TokenPolicy::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                                    const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) {
+  TORCH_CHECK(row_keys.numel() == static_cast<int64_t>(rows.size()), "step_draw: one noise key per row");
+  at::Tensor logits = step(rows, tokens);  // (rows, V)
+  const DeviceDraw d = draw_tokens(logits, sampling, to_device_async(row_keys, logits.device()), vocab_limit);
+  return unpack_draw(pack_draw(d), at::Tensor(), logits);
+}
+
+SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                                     const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) {
+  const bool graphs = graphed();
+  if (!options_.switches.graph_draw || !(graphs || options_.fixed_shape_step)) {
+    return TokenPolicy::step_draw(rows, tokens, sampling, row_keys, vocab_limit);
+  }
+  TORCH_CHECK(row_keys.numel() == static_cast<int64_t>(rows.size()), "step_draw: one noise key per row");
+  at::NoGradGuard no_grad;
+  NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
+  const StepPlan p = plan_step(rows, tokens, /*span_step=*/true);
+  const int64_t Bc = cache_rows(), span = step_span();
+  step_span_slots_ += span;
+  // fixed_step's inputs, then each cache row's noise key (0 for the rows not fed: their draw is dropped).
+  std::vector<int64_t> packed = fixed_step_inputs(p);
+  const size_t keys_at = packed.size();
+  packed.resize(keys_at + Bc, 0);
+  const at::Tensor keys = row_keys.to(at::kCPU, at::kLong).contiguous();
+  for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + p.pick[j]] = keys.data_ptr<int64_t>()[j];
+  at::Tensor draw;  // (2, Bc)
+#ifdef RLT_HAVE_CUDA
+  if (graphs) {
+    const std::array<double, 4> key = {sampling.temperature, double(sampling.top_k), sampling.top_p,
+                                       double(vocab_limit)};
+    if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
+    draw_key_ = key;
+    at::Tensor in = to_device_async(packed, valid_.device());
+    auto& g = draw_graphs_[span];
+    if (g) {
+      TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "DecodeEngine: stale step graph");
+      g->inputs.copy_(in);
+    } else {
+      g = capture(
+          in,
+          [this, span, sampling, vocab_limit](const at::Tensor& x) {
+            return fixed_step_draw(x, span, sampling, vocab_limit);
+          },
+          "decode step with its draw");
+    }
+    timed_replay(*g, span);
+    draw = g->hidden;
+  }
+#endif
+  if (!graphs) draw = fixed_step_draw(at::tensor(packed, at::kLong).to(valid_.device()), span, sampling, vocab_limit);
+  SampleOutput out = unpack_draw(draw, at::tensor(p.pick, at::kLong));  // waits for the step
+  cache_.length += 1;
+  advance_step(rows);
+  return out;
 }
 
 at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
@@ -586,6 +658,15 @@ at::Tensor DecodeEngine::fixed_step(const at::Tensor& inputs, int64_t span) {
   return model_.forward(ids, pos, valid_.narrow(1, 0, span), &cache_).squeeze(1);  // (Bc, D)
 }
 
+at::Tensor DecodeEngine::fixed_step_draw(const at::Tensor& inputs, int64_t span, const SamplingOptions& sampling,
+                                         int64_t vocab_limit) {
+  const int64_t Bc = cache_rows();
+  at::Tensor hidden = fixed_step(inputs.narrow(0, 0, 3 * Bc + 1), span);  // (Bc, D)
+  at::Tensor logits = next_token_logits(model_, hidden);                  // (Bc, V)
+  return pack_draw(
+      draw_tokens(logits, sampling, inputs.narrow(0, 3 * Bc + 1, Bc), vocab_limit, options_.switches.fused_kernels));
+}
+
 #ifdef RLT_HAVE_CUDA
 std::unique_ptr<DecodeEngine::StepGraph> DecodeEngine::capture(const at::Tensor& inputs,
                                                                const std::function<at::Tensor(const at::Tensor&)>& run,
@@ -755,6 +836,7 @@ void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, i
   order = order.index_select(0, rows);
   const int64_t len = aligned_slots(std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need);
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
+  draw_graphs_.clear();
   feed_graphs_.clear();
   merged_graphs_.clear();
   cache_ = cache_.gather(rows, order, len);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "model/transformer.h"
+#include "rollout/sampler.h"
 
 namespace rlt {
 
@@ -45,6 +46,12 @@ class TokenPolicy {
   virtual at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats);
   // Appends tokens[j] to sequence rows[j] (rows distinct) and returns their next-token logits (rows.size(), V).
   virtual at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) = 0;
+  // step(), then the draw of each listed row's next token as sample_tokens makes it, the noise from
+  // row_keys (rows.size()) int64 on the CPU (sample_row_keys of each row's stream and counter). The default
+  // draws from step()'s logits; DecodeEngine's graphed steps draw inside the step's CUDA graph
+  // (EngineSwitches::graph_draw).
+  virtual SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                                 const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit);
   // Appends runs[j] (one or more tokens: tool output, the template's framing) to sequence rows[j] (rows
   // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
   // runs through step(), one token per call; DecodeEngine takes them in one forward.
@@ -77,6 +84,10 @@ struct EngineSwitches {
   // cache in place up to the step's slot, split over the keys (cuda::cache_attention, as feeds do), so its
   // cost follows the rows' contexts. Off: SDPA over the step's whole span (cuDNN in a captured step).
   bool cache_attention = true;
+  // With cuda_graphs on a GPU: step_draw's LM head, draw and log-probs run inside the step's CUDA graph,
+  // over every cache row, and one copy brings the ids and log-probs to the host. Off: the graph ends at
+  // the hidden states, and the head and the draw run eagerly over the fed rows.
+  bool graph_draw = true;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
   // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
@@ -99,6 +110,8 @@ struct EngineSwitches {
       "one GEMM for q/k/v and one for gate/up during the rollout (GPU; costs those weights' size again)");
     v("cache_attention", cache_attention,
       "a decode step attends over each row's cache in place, split over the keys (false: SDPA over the span; GPU)");
+    v("graph_draw", graph_draw,
+      "a graphed decode step also runs the LM head and the draw of the next tokens inside its graph (GPU only)");
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
@@ -151,6 +164,11 @@ class DecodeEngine : public TokenPolicy {
   // cache, the prefill's rows are the cache, as at start().
   at::Tensor admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override;
   at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override;
+  // With graph_draw, in a graphed (or fixed-shape) step: the step, the LM head over every cache row and the
+  // draw (draw_tokens) in one CUDA graph per span and sampling options; rows not fed draw a token nobody
+  // reads. Otherwise TokenPolicy's.
+  SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                         const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) override;
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
   // feed runs at a bucketed shape (rows to a power of two of at least 8, K to a multiple of 8 of at least
@@ -220,6 +238,21 @@ class DecodeEngine : public TokenPolicy {
   // CUDA graph captures. inputs (3 Bc + 1) int64 on the device: ids, positions, fed (0/1) per cache row,
   // then the slot. Returns the hidden states (Bc, D).
   at::Tensor fixed_step(const at::Tensor& inputs, int64_t span);
+  // fixed_step, then the LM head over every cache row and the draw: inputs are fixed_step's, then each cache
+  // row's noise key (Bc). Returns the packed draw (2, Bc) (pack_draw).
+  at::Tensor fixed_step_draw(const at::Tensor& inputs, int64_t span, const SamplingOptions& sampling,
+                             int64_t vocab_limit);
+  // The host side of a step: the rows checked (each held, none twice), room made in the cache, and each
+  // cache row's token, position and fed flag, with `pick` the cache row of each listed sequence.
+  struct StepPlan {
+    std::vector<int64_t> ids, pos, pick;
+    std::vector<uint8_t> fed;
+  };
+  StepPlan plan_step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens, bool span_step);
+  // fixed_step's inputs (3 Bc + 1) of a plan: ids, positions, fed flags, then the slot written.
+  std::vector<int64_t> fixed_step_inputs(const StepPlan& plan) const;
+  // The step's bookkeeping once it ran: each fed sequence one token longer.
+  void advance_step(const std::vector<int64_t>& rows);
   // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
   // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
   int64_t step_span() const;
@@ -275,6 +308,8 @@ class DecodeEngine : public TokenPolicy {
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)
+  std::map<int64_t, std::unique_ptr<StepGraph>> draw_graphs_;  // span -> step_draw's graph (of the current cache)
+  std::array<double, 4> draw_key_{};  // the temperature, top-k, top-p and vocabulary limit draw_graphs_ hold
   std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> feed_graphs_;    // (Eb, Kb, span) -> feed graph
   std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> merged_graphs_;  // (Eb, Kb, span) -> merged pass
   int64_t merged_passes_ = 0;

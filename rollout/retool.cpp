@@ -253,6 +253,10 @@ class Loop {
     next_progress_ = options_.progress_s;
     std::vector<int64_t> to_sample;
     at::Tensor logits;  // (to_sample, V)
+    // The rows whose next token the decode step drew itself (TokenPolicy::step_draw), and the draws: they
+    // take their tokens before to_sample's, in the order sampling would have taken them.
+    std::vector<int64_t> drawn_rows;
+    SampleOutput drawn;
     if (L > 0) logits = resume(live, to_sample, stats, t);
     {
       std::vector<int64_t> admitted;
@@ -265,8 +269,9 @@ class Loop {
     bool cut = false;
     for (;;) {
       report_progress();
-      if (!to_sample.empty()) {
-        sample(to_sample, logits, stats);
+      if (!drawn_rows.empty() || !to_sample.empty()) {
+        take_drawn(drawn_rows, drawn, stats);
+        if (!to_sample.empty()) sample(to_sample, logits, stats);
         stats.sample_s += lap(t);
       }
       collect_tools(/*block=*/false);
@@ -325,7 +330,6 @@ class Loop {
         stats.tool_wait_row_steps += seqs_[n].state == SeqState::kWaiting && !fed_now[n];
         stats.feed_wait_row_steps += seqs_[n].pending.size() >= 2;
       }
-      std::vector<at::Tensor> parts;
       if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty()) {
         // One forward for the pass: the one-token rows join the feed as runs of one token.
         for (size_t j = 0; j < rows.size(); ++j) {
@@ -334,34 +338,44 @@ class Loop {
         }
         rows.clear();
       }
+      // A row samples next unless its step fed the last token of a tool call (it waits for the reply).
+      auto samples_next = [&](int64_t n) {
+        return seqs_[n].pending.empty() && seqs_[n].state == SeqState::kGenerating;
+      };
+      drawn_rows.clear();
       if (!rows.empty()) {
-        parts.push_back(policy_.step(pids(rows), tokens));  // (rows, V)
-        stream_synchronize(parts.back().device());
+        // The step draws every fed row's next token (on a GPU inside the step's graph); the rows that wait
+        // drop theirs.
+        const SampleOutput d = policy_.step_draw(pids(rows), tokens, sampling_, row_keys(rows), tok_.vocab_size());
         stats.decode_s += lap(t);
         stats.decode_steps += 1;
         stats.fed_rows += static_cast<int64_t>(rows.size());
+        std::vector<int64_t> keep;
+        for (size_t j = 0; j < rows.size(); ++j) {
+          if (!samples_next(rows[j])) continue;
+          drawn_rows.push_back(rows[j]);
+          keep.push_back(static_cast<int64_t>(j));
+        }
+        const at::Tensor k = at::tensor(keep, at::kLong);
+        drawn = {d.ids.index_select(0, k), d.logprobs.index_select(0, k)};
       }
       if (!run_rows.empty()) {
         // (run_rows, V); rollout.multi_token_feed off: TokenPolicy's one-token-per-step feed.
-        parts.push_back(options_.multi_token_feed ? policy_.extend(pids(run_rows), runs)
-                                                  : policy_.TokenPolicy::extend(pids(run_rows), runs));
-        stream_synchronize(parts.back().device());
+        logits = options_.multi_token_feed ? policy_.extend(pids(run_rows), runs)
+                                           : policy_.TokenPolicy::extend(pids(run_rows), runs);
+        stream_synchronize(logits.device());
         stats.feed_s += lap(t);
         stats.feed_steps += 1;
         for (const auto& r : runs) stats.feed_tokens += static_cast<int64_t>(r.size());
-        rows.insert(rows.end(), run_rows.begin(), run_rows.end());
-      }
-      logits = parts.size() == 1 ? parts[0] : at::cat(parts);  // (rows, V), rows in the same order
-      std::vector<int64_t> pick;
-      for (size_t j = 0; j < rows.size(); ++j) {
-        const Seq& s = seqs_[rows[j]];
-        if (s.pending.empty() && s.state == SeqState::kGenerating) {
-          to_sample.push_back(rows[j]);
+        std::vector<int64_t> pick;
+        for (size_t j = 0; j < run_rows.size(); ++j) {
+          if (!samples_next(run_rows[j])) continue;
+          to_sample.push_back(run_rows[j]);
           pick.push_back(static_cast<int64_t>(j));
         }
+        // Through pinned memory: a copy from pageable memory would first wait for the pass's forwards.
+        if (!pick.empty()) logits = logits.index_select(0, to_device_async(pick, logits.device()));
       }
-      // Through pinned memory: a copy from pageable memory would first wait for the pass's forwards.
-      if (!pick.empty()) logits = logits.index_select(0, to_device_async(pick, logits.device()));
       if (!admitted.empty()) {
         logits = to_sample.empty() ? admitted_logits : at::cat({logits, admitted_logits});
         to_sample.insert(to_sample.end(), admitted.begin(), admitted.end());
@@ -593,7 +607,9 @@ class Loop {
     if (append_forced(s, reply_turn(message))) next_turn(s);
   }
 
-  void sample(const std::vector<int64_t>& rows, const at::Tensor& logits, RolloutStats& stats) {
+  // The noise keys of the rows' next tokens (sample_row_keys): each row's stream, and the token's index in
+  // its response as the counter.
+  at::Tensor row_keys(const std::vector<int64_t>& rows) const {
     const int64_t n = static_cast<int64_t>(rows.size());
     // Filled through their pointers: an element write on a tensor is a dispatch of its own.
     at::Tensor streams = at::empty({n}, at::kLong), counters = at::empty({n}, at::kLong);
@@ -602,9 +618,27 @@ class Loop {
     for (int64_t j = 0; j < n; ++j) {
       const Seq& s = seqs_[rows[j]];
       stream[j] = s.stream;
-      counter[j] = static_cast<int64_t>(s.traj.response_ids.size());  // the token's index in the response
+      counter[j] = static_cast<int64_t>(s.traj.response_ids.size());
     }
-    SampleOutput out = sample_tokens(logits, sampling_, streams, counters, tok_.vocab_size());
+    return sample_row_keys(sampling_.seed, streams, counters);
+  }
+
+  // The tokens a decode step drew for `rows` (their draws, in order), then cleared.
+  void take_drawn(std::vector<int64_t>& rows, const SampleOutput& out, RolloutStats& stats) {
+    if (rows.empty()) return;
+    const int64_t* ids = out.ids.data_ptr<int64_t>();
+    const float* lp = out.logprobs.data_ptr<float>();
+    const auto t0 = Clock::now();
+    for (size_t j = 0; j < rows.size(); ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
+    stats.turn_s += seconds_since(t0);
+    rows.clear();
+  }
+
+  void sample(const std::vector<int64_t>& rows, const at::Tensor& logits, RolloutStats& stats) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    const DeviceDraw d =
+        draw_tokens(logits, sampling_, to_device_async(row_keys(rows), logits.device()), tok_.vocab_size());
+    SampleOutput out = unpack_draw(pack_draw(d), at::Tensor(), logits);
     const int64_t* ids = out.ids.data_ptr<int64_t>();
     const float* lp = out.logprobs.data_ptr<float>();
     const auto t0 = Clock::now();

@@ -74,12 +74,9 @@ at::Tensor filter_top_k_top_p(const at::Tensor& logits, int64_t top_k, double to
   return x;
 }
 
-namespace {
-
-// Each row's key: the hash of (seed, stream, counter), (B) int64 on the CPU. Nested hashing keeps the
-// triples apart whatever their magnitudes.
-at::Tensor row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& counters) {
+at::Tensor sample_row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& counters) {
   TORCH_CHECK(streams.dim() == 1 && streams.sizes() == counters.sizes(), "streams and counters must be (N)");
+  // Nested hashing keeps the triples apart whatever their magnitudes.
   const int64_t B = streams.size(0);
   at::Tensor s = streams.to(at::kCPU, at::kLong).contiguous(), c = counters.to(at::kCPU, at::kLong).contiguous();
   at::Tensor rows = at::empty({B}, at::kLong);
@@ -92,13 +89,11 @@ at::Tensor row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& c
   return rows;
 }
 
-}  // namespace
-
-at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
-                            at::Device device) {
-  const int64_t B = streams.size(0);
-  at::Tensor rows = row_keys(seed, streams, counters);
-  at::Tensor z = fmix64_tensor(rows.to(device).view({B, 1}).bitwise_xor(column_keys(vocab, device).view({1, vocab})));
+at::Tensor uniforms_from_keys(const at::Tensor& row_keys, int64_t vocab) {
+  TORCH_CHECK(row_keys.dim() == 1 && row_keys.scalar_type() == at::kLong, "row keys must be (N) int64");
+  const int64_t B = row_keys.size(0);
+  at::Tensor z =
+      fmix64_tensor(row_keys.view({B, 1}).bitwise_xor(column_keys(vocab, row_keys.device()).view({1, vocab})));
   // The top 24 bits k, centred: (k + 0.5) / 2^24, never 0. float32 holds k + 0.5 exactly only below 2^23;
   // above, it rounds to an integer, and k = 2^24 - 1 would round to 2^24, a uniform of exactly 1, whose
   // Gumbel noise -log(-log u) is +inf (and NaN on a -inf logit, which argmax then picks). The clamp maps
@@ -107,63 +102,95 @@ at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::T
   return ((shr(z, 40).to(at::kFloat) + 0.5f) * (1.0f / 16777216.0f)).clamp_max(kBelowOne);  // (B, V)
 }
 
-at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
-                         const at::Tensor& counters, bool fused) {
+at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::Tensor& counters, int64_t vocab,
+                            at::Device device) {
+  return uniforms_from_keys(sample_row_keys(seed, streams, counters).to(device), vocab);
+}
+
+at::Tensor gumbel_argmax_keyed(const at::Tensor& logits, double temperature, const at::Tensor& row_keys, bool fused) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "gumbel_argmax: logits must be (N, V) float32");
   TORCH_CHECK(temperature > 0, "gumbel_argmax: temperature must be > 0");
+  TORCH_CHECK(row_keys.device() == logits.device() && row_keys.numel() == logits.size(0),
+              "gumbel_argmax: one row key per row, on the logits' device");
 #ifdef RLT_HAVE_CUDA
-  if (fused && logits.is_cuda() && logits.stride(1) == 1) {
-    return cuda::gumbel_argmax(logits, to_device_async(row_keys(seed, streams, counters), logits.device()),
-                               temperature);
-  }
+  if (fused && logits.is_cuda() && logits.stride(1) == 1) return cuda::gumbel_argmax(logits, row_keys, temperature);
 #else
   (void)fused;
 #endif
-  at::Tensor u = counter_uniforms(seed, streams, counters, logits.size(1), logits.device());
+  at::Tensor u = uniforms_from_keys(row_keys, logits.size(1));
   // Gumbel-max: argmax(logits / temperature + g), g = -log(-log u).
   return (logits / temperature - (-u.log()).log()).argmax(-1);
 }
 
-SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
-                           const at::Tensor& counters, int64_t vocab_limit, bool fused) {
+at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
+                         const at::Tensor& counters, bool fused) {
+  return gumbel_argmax_keyed(logits, temperature,
+                             to_device_async(sample_row_keys(seed, streams, counters), logits.device()), fused);
+}
+
+DeviceDraw draw_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& row_keys,
+                       int64_t vocab_limit, bool fused) {
   TORCH_CHECK(logits.dim() == 2, "logits must be (N, V), got ", logits.sizes());
   TORCH_CHECK(options.top_k >= 0 && options.top_p > 0 && options.top_p <= 1, "top_k must be >= 0 and top_p in (0, 1]");
   at::NoGradGuard no_grad;
-  const int64_t B = logits.size(0), V = logits.size(1);
+  const int64_t V = logits.size(1);
   // Columns past the limit are never drawn, so they are never looked at: the draw over the first
   // `vocab_limit` columns is the one over all V with the rest at -inf (column v's noise depends on v only),
   // at a fraction of the work when a 151936-entry embedding sits behind a small tokenizer.
   const int64_t Vs = vocab_limit > 0 && vocab_limit < V ? vocab_limit : V;
   at::Tensor x = logits.narrow(1, 0, Vs).to(at::kFloat);  // (B, Vs)
   const bool greedy = options.temperature == 0;
-  at::Tensor ids;
+  DeviceDraw d;
   if (greedy) {
-    ids = x.argmax(-1);
+    d.ids = x.argmax(-1);
   } else {
     // Filtering works on the tempered logits; without it the draw applies the temperature itself (on a
     // GPU inside its one pass).
     const bool filter = (options.top_k > 0 && options.top_k < Vs) || options.top_p < 1;
-    ids = filter ? gumbel_argmax(filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p), 1.0,
-                                 options.seed, streams, counters, fused)
-                 : gumbel_argmax(x, options.temperature, options.seed, streams, counters, fused);
+    d.ids = filter ? gumbel_argmax_keyed(filter_top_k_top_p(x / options.temperature, options.top_k, options.top_p), 1.0,
+                                         row_keys, fused)
+                   : gumbel_argmax_keyed(x, options.temperature, row_keys, fused);
   }
   // The recorded log-prob: the full temperature softmax of the model's logits, through the loss module.
   LogprobInputs in;
   in.logits = logits;
-  in.targets = ids;
+  in.targets = d.ids;
   LossOptions lo;
   lo.impl = LogprobImpl::kSelective;
   lo.response_only = false;
   lo.temperature = greedy ? 1.0 : options.temperature;
-  at::Tensor logprobs = token_logprobs(in, lo).logprobs;  // (B)
-  at::Tensor cpu_logprobs = logprobs.to(at::kCPU, at::kFloat).contiguous();
+  d.logprobs = token_logprobs(in, lo).logprobs;  // (B)
+  return d;
+}
+
+at::Tensor pack_draw(const DeviceDraw& draw) {
+  return at::stack({draw.ids.to(at::kDouble), draw.logprobs.to(at::kDouble)});  // (2, B)
+}
+
+SampleOutput unpack_draw(const at::Tensor& packed, const at::Tensor& pick, const at::Tensor& logits) {
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == 2, "unpack_draw: a packed draw is (2, B)");
+  at::Tensor host = packed.to(at::kCPU);
+  if (pick.defined()) host = host.index_select(1, pick);
+  at::Tensor ids = host[0].to(at::kLong), lps = host[1].to(at::kFloat).contiguous();
   // Non-finite logits would be drawn from silently (argmax takes a NaN); say so here, not many steps later.
   // (A loop over B floats: the ATen form costs three dispatches per decode step.)
-  const float* lp = cpu_logprobs.data_ptr<float>();
-  TORCH_CHECK(std::all_of(lp, lp + B, [](float v) { return std::isfinite(v); }),
-              "sample_tokens: the policy's logits hold ", logits.isnan().sum().item<int64_t>(), " NaN and ",
-              logits.isinf().sum().item<int64_t>(), " infinite values");
-  return {ids.to(at::kCPU), cpu_logprobs};
+  const float* lp = lps.data_ptr<float>();
+  if (!std::all_of(lp, lp + lps.numel(), [](float v) { return std::isfinite(v); })) {
+    if (logits.defined()) {
+      TORCH_CHECK(false, "sample_tokens: the policy's logits hold ", logits.isnan().sum().item<int64_t>(), " NaN and ",
+                  logits.isinf().sum().item<int64_t>(), " infinite values");
+    }
+    TORCH_CHECK(false,
+                "sample_tokens: the policy's logits are not finite (a drawn token's log-prob is NaN or infinite)");
+  }
+  return {ids, lps};
+}
+
+SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
+                           const at::Tensor& counters, int64_t vocab_limit, bool fused) {
+  at::Tensor keys = sample_row_keys(options.seed, streams, counters);
+  const DeviceDraw d = draw_tokens(logits, options, to_device_async(keys, logits.device()), vocab_limit, fused);
+  return unpack_draw(pack_draw(d), at::Tensor(), logits);
 }
 
 }  // namespace rlt

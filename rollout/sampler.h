@@ -60,14 +60,44 @@ at::Tensor counter_uniforms(int64_t seed, const at::Tensor& streams, const at::T
 at::Tensor gumbel_argmax(const at::Tensor& logits, double temperature, int64_t seed, const at::Tensor& streams,
                          const at::Tensor& counters, bool fused = true);
 
+// Each row's noise key, (B) int64 on the CPU: the hash of (seed, streams[i], counters[i]) that
+// counter_uniforms and the draws below expand into one uniform per vocabulary entry.
+at::Tensor sample_row_keys(int64_t seed, const at::Tensor& streams, const at::Tensor& counters);
+
+// counter_uniforms from the rows' keys (B) int64, already on the device the uniforms are made on.
+at::Tensor uniforms_from_keys(const at::Tensor& row_keys, int64_t vocab);
+
+// gumbel_argmax with the rows' keys (B) int64 on the logits' device: reads nothing back to the host, so a
+// CUDA graph can hold it.
+at::Tensor gumbel_argmax_keyed(const at::Tensor& logits, double temperature, const at::Tensor& row_keys,
+                               bool fused = true);
+
 struct SampleOutput {
   at::Tensor ids;       // (B) int64, on the CPU
   at::Tensor logprobs;  // (B) float32, on the CPU: log softmax(logits / temperature)[ids] through the loss module
 };
 
-// One token per row of logits (B, V) (final-logit softcap already applied). Rows at or past `vocab_limit`
-// (> 0) are never sampled: a checkpoint's embedding may be larger than its tokenizer. `fused` as in
-// gumbel_argmax (false: the ATen draw, for benchmarks' A/B).
+// The draw of sample_tokens on the logits' device: ids (B) int64 and their log-probs (B) float32, the noise
+// from row_keys (B) int64 on that device (sample_row_keys). No host copy and no synchronisation: the decode
+// step's CUDA graph holds it (DecodeEngine::step_draw).
+struct DeviceDraw {
+  at::Tensor ids, logprobs;
+};
+DeviceDraw draw_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& row_keys,
+                       int64_t vocab_limit = 0, bool fused = true);
+
+// A draw as one (2, B) float64 tensor on its device, ids then log-probs (both exact in float64): one copy
+// brings it to the host.
+at::Tensor pack_draw(const DeviceDraw& draw);
+// A packed draw on the host: the ids and log-probs of rows `pick` ((B') int64 on the CPU; undefined: all),
+// after the check that each is finite. logits (the draw's input, or undefined) are read only to count
+// their non-finite values when the check fails.
+SampleOutput unpack_draw(const at::Tensor& packed, const at::Tensor& pick = at::Tensor(),
+                         const at::Tensor& logits = at::Tensor());
+
+// One token per row of logits (B, V) (final-logit softcap already applied): draw_tokens, then unpack_draw.
+// Rows at or past `vocab_limit` (> 0) are never sampled: a checkpoint's embedding may be larger than its
+// tokenizer. `fused` as in gumbel_argmax (false: the ATen draw, for benchmarks' A/B).
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
                            const at::Tensor& counters, int64_t vocab_limit = 0, bool fused = true);
 

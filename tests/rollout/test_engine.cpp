@@ -22,6 +22,7 @@
 
 #include "model/config.h"
 #include "model/transformer.h"
+#include "rollout/sampler.h"
 #include "tests/common/tiny_model.h"
 
 namespace rlt {
@@ -1108,6 +1109,89 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, ReservedRows, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+// step_draw inside the step (graph_draw: on the CPU at the graphs' fixed shape, on CUDA inside the replayed
+// graph) against a step's logits drawn from by sample_tokens, with the same noise keys: the same ids and the
+// same log-probs, row for row, along a rollout that feeds back what it drew, with rows waiting (holes) and
+// listed out of cache order. The draw runs over every cache row, so a wrong row pick shows as another
+// row's token. Known-bad twins fail the same checks: keys one counter on (another draw), and a draw at
+// temperature 1 (other log-probs).
+class StepDraw : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepDraw, DrawsInsideTheStepWhatSamplingTheStepsLogitsDraws) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m =
+      tiny_model("qwen3", 5, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
+  SamplingOptions so;
+  so.temperature = 6;  // the tiny model's logits span tens of units: a flatter softmax makes draws differ
+  so.seed = 11;
+  const int64_t vocab_limit = 300;  // below the model's 400: columns past it are never drawn
+  auto engine_options = [&](bool graph_draw) {
+    EngineOptions po;
+    po.slot_chunk = 4;  // compactions and growths along the way
+    po.slot_align = 1;
+    po.switches.cuda_graphs = true;
+    po.fixed_shape_step = true;
+    po.switches.graph_draw = graph_draw;
+    return po;
+  };
+  for (double top_p : {1.0, 0.9}) {
+    so.top_p = top_p;
+    SCOPED_TRACE("top_p " + std::to_string(top_p));
+    DecodeEngine inside(m, engine_options(true)), apart(m, engine_options(false));
+    const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8}};
+    inside.start(prompts, 2);
+    apart.start(prompts, 2);
+    const int64_t N = 6;
+    std::vector<int64_t> next = {3, 4, 5, 6, 7, 8}, counter(N, 0);
+    int64_t compared = 0, moved_counter = 0;
+    double max_err = 0, untempered_err = 0;
+    for (int64_t t = 0; t < 12; ++t) {
+      std::vector<int64_t> rows, tokens, streams, counters;
+      for (int64_t n = N - 1; n >= 0; --n) {  // out of cache order
+        if ((n + t) % 4 == 0) continue;       // this row waits: a hole
+        rows.push_back(n);
+        tokens.push_back(next[n]);
+        streams.push_back(100 + n);
+        counters.push_back(counter[n]);
+      }
+      const at::Tensor st = at::tensor(streams, at::kLong), ct = at::tensor(counters, at::kLong);
+      const SampleOutput got = inside.step_draw(rows, tokens, so, sample_row_keys(so.seed, st, ct), vocab_limit);
+      const at::Tensor logits = apart.step(rows, tokens);
+      const SampleOutput ref = sample_tokens(logits, so, st, ct, vocab_limit);
+      ASSERT_EQ(got.ids.numel(), int64_t(rows.size()));
+      EXPECT_TRUE(at::equal(got.ids, ref.ids)) << "step " << t << ": " << got.ids << " against " << ref.ids;
+      EXPECT_LT(got.ids.max().item<int64_t>(), vocab_limit);
+      max_err = std::max(max_err, (got.logprobs - ref.logprobs).abs().max().item<double>());
+      moved_counter += (sample_tokens(logits, so, st, ct + 1, vocab_limit).ids != got.ids).sum().item<int64_t>();
+      SamplingOptions t1 = so;
+      t1.temperature = 1.0;
+      untempered_err =
+          std::max(untempered_err,
+                   (sample_tokens(logits, t1, st, ct, vocab_limit).logprobs - got.logprobs).abs().max().item<double>());
+      for (size_t j = 0; j < rows.size(); ++j) {
+        next[rows[j]] = got.ids[static_cast<int64_t>(j)].item<int64_t>();
+        counter[rows[j]] += 1;
+      }
+      compared += static_cast<int64_t>(rows.size());
+    }
+    // Both forms share the loss module's log-softmax; the head's GEMM over every cache row against the fed
+    // rows alone may round differently (float32 on CUDA).
+    const double kTol = cuda ? 1e-5 : 1e-9;
+    EXPECT_LT(max_err, kTol);
+    EXPECT_GT(moved_counter, compared / 3) << "keys one counter on must draw other tokens";
+    EXPECT_GT(untempered_err, 100 * kTol) << "a draw without the temperature must give other log-probs";
+    EXPECT_EQ(inside.cache_length(), apart.cache_length());
+    if (cuda) EXPECT_GT(inside.graph_captures(), 0);
+    std::cout << "top_p " << top_p << ": " << compared << " draws, max |log-prob error| " << max_err
+              << "; keys one counter on move " << moved_counter << ", temperature 1 moves log-probs by "
+              << untempered_err << "\n";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, StepDraw, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(Families, DecodeEngineTest,

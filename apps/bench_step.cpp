@@ -1,0 +1,268 @@
+// bench_step: the step-cost table of the rollout's decode step, each cell against its floor.
+//
+// For each model shape (--models), rows R (--rows) and context C (--contexts): one prompt of C tokens is
+// prefilled once and copied into R cache rows (DecodeEngine::start with R repeats), then the engine decodes
+// as the rollout does, DecodeEngine::step_draw with every row fed: the step, the LM head, the draw and its
+// log-probs, ids to the host. After the warm-up (the capture), --steps steps are timed, --reps times
+// (median). Each cell also gets:
+//   floor_ms      the bytes a step must read (every weight once, the embedding only where it is the LM
+//                 head, and the R x C cached keys and values) over the HBM bandwidth, measured in the same
+//                 process by a device-to-device copy (read and write counted);
+//   kernels, gpu_busy_ms, idle_ms
+//                 from a Kineto trace of --trace-steps steady steps: device activities per step (kernels,
+//                 copies, memsets), the union of their intervals per step, and the step's time minus it
+//                 (launch gaps between a graph's kernels count as idle), with --top-kernels the activities
+//                 that take the most time;
+//   mode          graph_draw (the default path: the head and the draw inside the step's graph) and, with
+//                 --apart, the same cell with them outside it (EngineSwitches::graph_draw off).
+// Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
+// the smoke test's form.
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "apps/bench_common.h"
+#include "common/config.h"
+#include "common/memory.h"
+#include "common/timing.h"
+#include "model/transformer.h"
+#include "rollout/engine.h"
+#include "rollout/sampler.h"
+
+using namespace rlt;
+using json = nlohmann::json;
+
+namespace {
+
+// Device-to-device copy bandwidth in bytes/s (read plus write), median of 9 copies of 1 GiB; 0 on the CPU.
+double copy_bandwidth(const at::Device& dev) {
+#ifdef RLT_HAVE_CUDA
+  if (!dev.is_cuda()) return 0;
+  const int64_t bytes = int64_t(1) << 30;
+  at::Tensor a = at::ones({bytes / 2}, at::TensorOptions().dtype(at::kBFloat16).device(dev)), b = at::empty_like(a);
+  b.copy_(a);
+  std::vector<double> s;
+  const auto stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  for (int i = 0; i < 9; ++i) {
+    at::cuda::CUDAEvent t0(cudaEventDefault), t1(cudaEventDefault);
+    t0.record(stream);
+    b.copy_(a);
+    t1.record(stream);
+    t1.synchronize();
+    s.push_back(t0.elapsed_time(t1) / 1e3);
+  }
+  std::sort(s.begin(), s.end());
+  return 2.0 * double(bytes) / s[s.size() / 2];
+#else
+  (void)dev;
+  return 0;
+#endif
+}
+
+// The bytes of weights one decode step reads: every parameter once, but for an untied embedding (a step
+// gathers R of its rows; tied, it is the LM head and read whole).
+int64_t weight_bytes(const Transformer& m) {
+  int64_t total = 0;
+  for (const auto& [name, p] : m.named_parameters()) {
+    if (!m.config().tie_word_embeddings && name.find("embed_tokens") != std::string::npos) continue;
+    total += p.numel() * static_cast<int64_t>(p.element_size());
+  }
+  return total;
+}
+
+// The cached keys and values a step over R rows of C slots reads: every layer's.
+int64_t kv_bytes(const Transformer& m, int64_t R, int64_t C) {
+  const ModelConfig& c = m.config();
+  return R * C * c.num_layers * 2 * c.num_kv_heads * c.head_dim * static_cast<int64_t>(m.lm_head().element_size());
+}
+
+struct Cell {
+  double ms = 0;                                 // median wall time of a step
+  double kernels = 0, busy_ms = 0, idle_ms = 0;  // per step, from the trace
+  json top = json::array();                      // the activities that took the most time, per step
+};
+
+struct TraceStats {
+  int64_t activities = 0;
+  double busy_ms = 0;
+  std::map<std::string, std::pair<int64_t, double>> by_name;  // activity -> count, ms
+};
+
+// Device activities of a finished Kineto profile and the union of their intervals.
+TraceStats device_activity(const torch::autograd::profiler::ProfilerResult& result) {
+  TraceStats t;
+  std::vector<std::pair<uint64_t, uint64_t>> iv;
+  for (const auto& e : result.events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA || e.durationNs() == 0) continue;
+    iv.emplace_back(e.startNs(), e.startNs() + e.durationNs());
+    auto& [count, ms] = t.by_name[e.name().substr(0, 90)];
+    count += 1;
+    ms += double(e.durationNs()) / 1e6;
+  }
+  std::sort(iv.begin(), iv.end());
+  t.activities = static_cast<int64_t>(iv.size());
+  uint64_t end = 0, total = 0;
+  for (const auto& [s, e] : iv) {
+    if (s >= end) {
+      total += e - s;
+      end = e;
+    } else if (e > end) {
+      total += e - end;
+      end = e;
+    }
+  }
+  t.busy_ms = double(total) / 1e6;
+  return t;
+}
+
+Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C, int steps, int reps, int trace_steps,
+              int top_kernels, bool graph_draw) {
+  at::NoGradGuard ng;
+  EngineOptions po;
+  po.switches.graph_draw = graph_draw;
+  DecodeEngine engine(m, po);
+  std::vector<int64_t> prompt(C);
+  for (int64_t j = 0; j < C; ++j) prompt[j] = (j * 7919 + 13) % std::min<int64_t>(m.config().vocab_size, 150000);
+  SamplingOptions so;
+  so.seed = 5;
+  const at::Tensor streams = at::arange(R, at::kLong);
+  at::Tensor counters = at::zeros({R}, at::kLong);
+  std::vector<int64_t> rows(R);
+  for (int64_t r = 0; r < R; ++r) rows[r] = r;
+  const SampleOutput first = sample_tokens(engine.start({prompt}, R), so, streams, counters);
+  std::vector<int64_t> next(first.ids.data_ptr<int64_t>(), first.ids.data_ptr<int64_t>() + R);
+  auto step = [&] {
+    counters += 1;
+    const SampleOutput d = engine.step_draw(rows, next, so, sample_row_keys(so.seed, streams, counters), 0);
+    std::copy(d.ids.data_ptr<int64_t>(), d.ids.data_ptr<int64_t>() + R, next.begin());
+  };
+  for (int i = 0; i < 4; ++i) step();  // the capture and a few replays
+  device_synchronize(dev);
+  std::vector<double> per_step;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    device_synchronize(dev);
+    per_step.push_back(seconds_since(t0) * 1e3 / steps);
+  }
+  std::sort(per_step.begin(), per_step.end());
+  Cell cell;
+  cell.ms = per_step[per_step.size() / 2];
+  if (trace_steps > 0 && dev.is_cuda()) {
+    namespace prof = torch::autograd::profiler;
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+    const std::set<torch::profiler::impl::ActivityType> acts{torch::profiler::impl::ActivityType::CPU,
+                                                             torch::profiler::impl::ActivityType::CUDA};
+    prof::prepareProfiler(config, acts);
+    prof::enableProfiler(config, acts);
+    for (int i = 0; i < trace_steps; ++i) step();
+    device_synchronize(dev);
+    const TraceStats t = device_activity(*prof::disableProfiler());
+    cell.kernels = double(t.activities) / trace_steps;
+    cell.busy_ms = t.busy_ms / trace_steps;
+    cell.idle_ms = std::max(0.0, cell.ms - cell.busy_ms);
+    std::vector<std::pair<double, std::string>> order;
+    for (const auto& [name, v] : t.by_name) order.emplace_back(v.second, name);
+    std::sort(order.rbegin(), order.rend());
+    for (size_t i = 0; i < order.size() && i < static_cast<size_t>(top_kernels); ++i) {
+      const auto& [count, ms] = t.by_name.at(order[i].second);
+      cell.top.push_back(
+          {{"name", order[i].second}, {"per_step", double(count) / trace_steps}, {"ms_per_step", ms / trace_steps}});
+    }
+  }
+  return cell;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_step: the decode step's cost per model, rows and context, against its weight-read floor"};
+  std::vector<std::string> models;
+  std::string device = "cuda", dtype = "bfloat16", json_path;
+  std::vector<int64_t> rows = {1, 16, 64, 256}, contexts = {512, 2048};
+  int steps = 32, reps = 3, trace_steps = 8, top_kernels = 0;
+  bool apart = false;
+  app.add_option("--models", models, "model folders (config.json, weights or random)")->required()->delimiter(',');
+  app.add_option("--device", device, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
+  app.add_option("--dtype", dtype, "bfloat16 or float32")->check(CLI::IsMember({"bfloat16", "float32"}));
+  app.add_option("--rows", rows, "cache rows a step decodes")->delimiter(',')->check(CLI::Range(1, 1 << 16));
+  app.add_option("--contexts", contexts, "tokens each row holds")->delimiter(',')->check(CLI::Range(1, 1 << 20));
+  app.add_option("--steps", steps, "timed steps per repetition")->check(CLI::Range(1, 100000));
+  app.add_option("--reps", reps, "repetitions (median)")->check(CLI::Range(1, 100));
+  app.add_option("--trace-steps", trace_steps, "steps traced per cell for kernels and GPU-busy time (0: none)")
+      ->check(CLI::Range(0, 1000));
+  app.add_option("--top-kernels", top_kernels, "record the N device activities that take the most time a step")
+      ->check(CLI::Range(0, 1000));
+  app.add_flag("--apart", apart, "also time each cell with the head and the draw outside the step's graph");
+  app.add_option("--json", json_path, "write the records to this JSON file");
+  if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
+  json records = json::array();
+  std::cout << std::left << std::setw(22) << "model" << std::setw(11) << "mode" << std::right << std::setw(6) << "rows"
+            << std::setw(9) << "context" << std::setw(10) << "ms/step" << std::setw(10) << "floor_ms" << std::setw(8)
+            << "x_floor" << std::setw(9) << "kernels" << std::setw(9) << "busy_ms" << std::setw(9) << "idle_ms"
+            << "\n";
+  for (const std::string& dir : models) {
+    std::optional<BenchModel> bench = load_bench_model("bench_step", dir, device, dtype);
+    if (!bench) return 2;
+    const Transformer& m = *bench->model;
+    const at::Device dev = bench->device;
+    const double bw = copy_bandwidth(dev);
+    const int64_t wbytes = weight_bytes(m);
+    const std::string name = std::filesystem::path(dir).filename().string();
+    for (int64_t C : contexts) {
+      for (int64_t R : rows) {
+        for (bool graph_draw : {true, false}) {
+          if (!graph_draw && !apart) continue;
+          const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, graph_draw);
+          const int64_t kv = kv_bytes(m, R, C);
+          const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;
+          const std::string mode = graph_draw ? "graph_draw" : "apart";
+          std::cout << std::left << std::setw(22) << name << std::setw(11) << mode << std::right << std::setw(6) << R
+                    << std::setw(9) << C << std::fixed << std::setprecision(3) << std::setw(10) << c.ms << std::setw(10)
+                    << floor_ms << std::setprecision(2) << std::setw(8) << (floor_ms > 0 ? c.ms / floor_ms : 0)
+                    << std::setprecision(1) << std::setw(9) << c.kernels << std::setprecision(3) << std::setw(9)
+                    << c.busy_ms << std::setw(9) << c.idle_ms << std::endl;
+          records.push_back({{"model", name},
+                             {"mode", mode},
+                             {"rows", R},
+                             {"context", C},
+                             {"dtype", dtype},
+                             {"ms_per_step", c.ms},
+                             {"tokens_per_s", double(R) / c.ms * 1e3},
+                             {"weight_bytes", wbytes},
+                             {"kv_bytes", kv},
+                             {"hbm_bytes_per_s", bw},
+                             {"floor_ms", floor_ms},
+                             {"kernels_per_step", c.kernels},
+                             {"gpu_busy_ms_per_step", c.busy_ms},
+                             {"idle_ms_per_step", c.idle_ms},
+                             {"top_kernels", c.top}});
+        }
+      }
+    }
+  }
+  if (!json_path.empty()) {
+    const auto parent = std::filesystem::path(json_path).parent_path();
+    std::error_code ec;
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    std::ofstream(json_path) << records.dump(1) << "\n";
+  }
+  return 0;
+}
