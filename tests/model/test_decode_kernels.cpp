@@ -60,8 +60,12 @@ TEST(DecodeKernelsCuda, RmsNormMatchesTheAtenFormAndFloat64) {
     // Rows of small values, where epsilon matters (mean square ~1e-8 against eps 1e-6), and of ordinary ones.
     at::Tensor x = at::cat({at::randn({37, 29}, o) * 1e-4, at::randn({40, 29}, o)}), w = at::randn({29}, o);
     at::Tensor x896 = at::randn({5, 3, 896}, o), w896 = at::randn({896}, o);
+    // Rows held in registers, 8 and 16 elements a thread (the last partly filled), and wider rows through
+    // the loop: every element is compared, so a thread that skips its last elements fails.
+    std::vector<std::pair<at::Tensor, at::Tensor> > cases = {{x, w}, {x896, w896}};
+    for (int64_t D : {1900, 3584, 5120, 9000}) cases.emplace_back(at::randn({7, D}, o), at::randn({D}, o));
     for (bool gemma : {false, true}) {
-      for (const auto& [xi, wi] : {std::make_pair(x, w), std::make_pair(x896, w896)}) {
+      for (const auto& [xi, wi] : cases) {
         at::Tensor got = cuda::rms_norm(xi, wi, 1e-6, gemma), ref = aten_rms_norm(xi, wi, 1e-6, gemma);
         // float32: a few ulps (the sum's order); 16-bit: at most one rounding of the output apart.
         // (Two roundings, of x_hat and of the product, so two steps at most.)
@@ -79,11 +83,14 @@ TEST(DecodeKernelsCuda, RmsNormMatchesTheAtenFormAndFloat64) {
         EXPECT_GT(ulps(aten_rms_norm(xi, wi, 1e-6, !gemma), got), 100 * tol) << "the other form must be rejected";
       }
       // The residual add: h bit for bit, the norm as above.
-      at::Tensor b = at::randn_like(x896);
-      auto [h, y] = cuda::add_rms_norm(x896, b, w896, 1e-5, gemma);
-      EXPECT_TRUE(at::equal(h, x896 + b)) << dt;
-      EXPECT_LE(ulps(y, aten_rms_norm(x896 + b, w896, 1e-5, gemma)), dt == at::kFloat ? 64 : 2.01) << dt;
-      EXPECT_GT(ulps(y, aten_rms_norm(x896, w896, 1e-5, gemma)), 1000) << "a norm of a alone must be rejected";
+      for (const auto& [xi, wi] : cases) {
+        if (xi.size(-1) == 29) continue;
+        at::Tensor b = at::randn_like(xi);
+        auto [h, y] = cuda::add_rms_norm(xi, b, wi, 1e-5, gemma);
+        EXPECT_TRUE(at::equal(h, xi + b)) << dt << " D " << xi.size(-1);
+        EXPECT_LE(ulps(y, aten_rms_norm(xi + b, wi, 1e-5, gemma)), dt == at::kFloat ? 64 : 2.01) << dt;
+        EXPECT_GT(ulps(y, aten_rms_norm(xi, wi, 1e-5, gemma)), 1000) << "a norm of a alone must be rejected";
+      }
     }
   }
 #endif
@@ -187,7 +194,9 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
 // cache_attention's definition (decode_kernels.h) in float64 on the CPU, and the wrong variants it must be
 // told apart from: query l of input row e, head h, sees slot j < span of cache row rows[e], KV head h / G,
 // iff j == slots[l] or (j <= slots[l] and keep[e, j]); scores scaled, softmax, values averaged.
-enum class Variant { kRight, kSeesNextSlot, kInputRowIsCacheRow, kNoScale, kNoKeep, kKvHeadModulo };
+// kDropsFirstBlock: the keys of the first block (64 slots at hd 64, 32 at hd 128) unseen but a query's own, as
+// a combine that drops the first split's share would leave them.
+enum class Variant { kRight, kSeesNextSlot, kInputRowIsCacheRow, kNoScale, kNoKeep, kKvHeadModulo, kDropsFirstBlock };
 at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& rows,
                                const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale, Variant w) {
   auto cpu = [](const at::Tensor& t) { return t.to(at::kCPU, at::kDouble); };
@@ -202,6 +211,8 @@ at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& kc, const 
   at::Tensor kept = w == Variant::kNoKeep ? at::ones({E, 1, 1, span}, at::kBool)
                                           : keep.to(at::kCPU).narrow(1, 0, span).view({E, 1, 1, span});
   at::Tensor seen = (j == slots.to(at::kCPU).view({1, 1, L, 1})) | ((j <= own) & kept);  // (E, 1, L, span)
+  if (w == Variant::kDropsFirstBlock)
+    seen = seen & ((j >= 4096 / kc.size(3)) | (j == slots.to(at::kCPU).view({1, 1, L, 1})));
   at::Tensor scores = at::matmul(cpu(q).transpose(1, 2), k.transpose(2, 3)) * (w == Variant::kNoScale ? 1.0 : scale);
   scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
   return at::matmul(at::softmax(scores, -1), v).transpose(1, 2);  // (E, L, H, hd)
@@ -275,7 +286,7 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
     EXPECT_LE(right, 1.0) << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound";
     std::cout << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound; wrong variants";
     for (Variant w : {Variant::kSeesNextSlot, Variant::kInputRowIsCacheRow, Variant::kNoScale, Variant::kNoKeep,
-                      Variant::kKvHeadModulo}) {
+                      Variant::kKvHeadModulo, Variant::kDropsFirstBlock}) {
       if (cs.all_rows && w == Variant::kInputRowIsCacheRow) continue;  // the same thing there
       if (cs.H == cs.Hkv && w == Variant::kKvHeadModulo) continue;     // one query head a KV head: the same
       const double x = excess(w);
