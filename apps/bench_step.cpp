@@ -13,8 +13,8 @@
 //                 copies, memsets), the union of their intervals per step, and the step's time minus it
 //                 (launch gaps between a graph's kernels count as idle), with --top-kernels the activities
 //                 that take the most time;
-//   mode          graph_draw (the default path: the head and the draw inside the step's graph) and, with
-//                 --apart, the same cell with them outside it (EngineSwitches::graph_draw off).
+//   mode          default (the rollout's path), and with --variants the same cell with one part off:
+//                 no_graph_draw (the head and the draw outside the step's graph).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -133,10 +133,10 @@ TraceStats device_activity(const torch::autograd::profiler::ProfilerResult& resu
 }
 
 Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C, int steps, int reps, int trace_steps,
-              int top_kernels, bool graph_draw) {
+              int top_kernels, const EngineSwitches& switches) {
   at::NoGradGuard ng;
   EngineOptions po;
-  po.switches.graph_draw = graph_draw;
+  po.switches = switches;
   DecodeEngine engine(m, po);
   std::vector<int64_t> prompt(C);
   for (int64_t j = 0; j < C; ++j) prompt[j] = (j * 7919 + 13) % std::min<int64_t>(m.config().vocab_size, 150000);
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
   std::string device = "cuda", dtype = "bfloat16", json_path;
   std::vector<int64_t> rows = {1, 16, 64, 256}, contexts = {512, 2048};
   int steps = 32, reps = 3, trace_steps = 8, top_kernels = 0;
-  bool apart = false;
+  std::vector<std::string> variants = {"default"};
   app.add_option("--models", models, "model folders (config.json, weights or random)")->required()->delimiter(',');
   app.add_option("--device", device, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   app.add_option("--dtype", dtype, "bfloat16 or float32")->check(CLI::IsMember({"bfloat16", "float32"}));
@@ -210,11 +210,15 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   app.add_option("--top-kernels", top_kernels, "record the N device activities that take the most time a step")
       ->check(CLI::Range(0, 1000));
-  app.add_flag("--apart", apart, "also time each cell with the head and the draw outside the step's graph");
+  app.add_option("--variants", variants,
+                 "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
+                 "graph)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"default", "no_graph_draw"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
-  std::cout << std::left << std::setw(22) << "model" << std::setw(11) << "mode" << std::right << std::setw(6) << "rows"
+  std::cout << std::left << std::setw(22) << "model" << std::setw(22) << "mode" << std::right << std::setw(6) << "rows"
             << std::setw(9) << "context" << std::setw(10) << "ms/step" << std::setw(10) << "floor_ms" << std::setw(8)
             << "x_floor" << std::setw(9) << "kernels" << std::setw(9) << "busy_ms" << std::setw(9) << "idle_ms"
             << "\n";
@@ -228,13 +232,13 @@ int main(int argc, char** argv) {
     const std::string name = std::filesystem::path(dir).filename().string();
     for (int64_t C : contexts) {
       for (int64_t R : rows) {
-        for (bool graph_draw : {true, false}) {
-          if (!graph_draw && !apart) continue;
-          const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, graph_draw);
+        for (const std::string& mode : variants) {
+          EngineSwitches sw;
+          sw.graph_draw = mode != "no_graph_draw";
+          const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);
           const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;
-          const std::string mode = graph_draw ? "graph_draw" : "apart";
-          std::cout << std::left << std::setw(22) << name << std::setw(11) << mode << std::right << std::setw(6) << R
+          std::cout << std::left << std::setw(22) << name << std::setw(22) << mode << std::right << std::setw(6) << R
                     << std::setw(9) << C << std::fixed << std::setprecision(3) << std::setw(10) << c.ms << std::setw(10)
                     << floor_ms << std::setprecision(2) << std::setw(8) << (floor_ms > 0 ? c.ms / floor_ms : 0)
                     << std::setprecision(1) << std::setw(9) << c.kernels << std::setprecision(3) << std::setw(9)
