@@ -9,6 +9,11 @@
 
 #include <nlohmann/json.hpp>
 
+#ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+#include "model/flops.h"
 #include "parallel/shard.h"
 #include "trainer/checkpoint.h"
 #include "trainer/optim.h"
@@ -140,6 +145,46 @@ std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
   return m;
 }
 
+namespace {
+
+// The device's bf16 peak for update_mfu, FLOP/s: train.peak_tflops, else the GPU's from the table; 0 when
+// neither knows it.
+double rank_peak_flops(const Run& run) {
+  if (run.config.train.peak_tflops > 0) return run.config.train.peak_tflops * 1e12;
+#ifdef RLT_HAVE_CUDA
+  if (run.device.is_cuda()) return bf16_peak_flops(at::cuda::getDeviceProperties(run.device.index())->name);
+#endif
+  return 0;
+}
+
+}  // namespace
+
+std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s) {
+  const at::Tensor t = table.contiguous();
+  auto row = t.accessor<double, 2>();
+  const LossOptions& loss = run.config.loss;
+  std::vector<SequenceWork> seqs(t.size(0));
+  for (int64_t s = 0; s < t.size(0); ++s) {
+    seqs[s].tokens = int64_t(row[s][kTokens]);
+    // The rows the loss module scores: the sampled tokens, the whole response, or every position.
+    seqs[s].scored = int64_t(!loss.response_only   ? row[s][kTokens]
+                             : loss.loss_mask_only ? row[s][kSampledTokens]
+                                                   : row[s][kResponseTokens]);
+  }
+  const Transformer& m = *run.model.policy;
+  const PassFlops pass =
+      training_flops(m.config(), seqs, /*weight_grads=*/!m.has_lora(), run.config.model.activation_checkpointing);
+  const double iterations = double(run.config.train.num_iterations);
+  std::map<std::string, double> out = {{"update_flops", pass.model * iterations}};
+  const double peak = rank_peak_flops(run);
+  if (peak > 0 && update_s > 0) {
+    const double available = update_s * peak * double(run.dist->world());
+    out["update_mfu"] = pass.model * iterations / available;
+    out["update_hfu"] = pass.hardware * iterations / available;
+  }
+  return out;
+}
+
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
                                           const PhasePeaks& peaks, const StepTimes& times,
                                           int64_t total_optimizer_steps, std::map<std::string, double> extra) {
@@ -153,6 +198,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   m.merge(extra);
   m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
+  m.merge(update_flop_metrics(run, rb.table, times.update));
   m.insert({{"step", double(run.counters.step)},
             {"steps", double(train.steps)},
             {"lr", learning_rate(train, std::max<int64_t>(0, run.counters.optimizer_steps - 1), total_optimizer_steps)},
@@ -335,6 +381,7 @@ std::string progress_line(const std::map<std::string, double>& m, const Progress
        << std::setprecision(1) << "  clip " << 100 * get("clip_frac") << "%";
   if (show.loss) line << std::scientific << std::setprecision(3) << "  loss " << get("loss");
   if (show.kl) line << std::scientific << std::setprecision(3) << "  kl " << get("kl");
+  if (m.count("update_mfu")) line << std::fixed << std::setprecision(1) << "  mfu " << 100 * m.at("update_mfu") << "%";
   line << std::fixed << std::setprecision(0) << "  sampled " << get("rollout_tokens_per_s") << " tok/s  "
        << std::setprecision(2) << get("time_step_s") << " s/step";
   return line.str();

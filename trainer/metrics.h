@@ -114,6 +114,14 @@ struct StepTimes {
   double scoring = 0, update = 0, step = 0, comm = 0;
 };
 
+// The update's FLOPs over a step's trajectories (table: every rank's, TableColumn), from the policy's shape
+// (model/flops.h): each trajectory's tokens through the layers, the rows the loss module scores through the
+// LM head, forward and backward, train.num_iterations times. update_flops: that count (model FLOPs);
+// update_mfu: it over update_s x the rank's bf16 peak x the ranks; update_hfu: the same with the layers'
+// recompute under model.activation_checkpointing. The two rates only where the peak is known
+// (train.peak_tflops, or the GPU's name in model/flops.h's table).
+std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s);
+
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
 // metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the progress line on stderr,
 // and the plot;

@@ -156,6 +156,9 @@ struct TrainOptions {
   // shape: 25 MiB buckets 64 GB/s, 400 MiB 209 GB/s).
   int64_t rollout_sync_mb = 400;
   int64_t checkpoint_every = 0;
+  // The bf16 peak update_mfu divides by, TFLOP/s per rank; 0: the GPU's from model/flops.h's table (a
+  // device outside it, or the CPU, logs no update_mfu).
+  double peak_tflops = 0;
   // Not the only seed: synthetic.seed defines the built-in task's problems, like a dataset file, and
   // model.init_seed a new model's weights.
   int64_t seed = 0;
@@ -217,6 +220,9 @@ struct TrainOptions {
       FieldRange{0, 1023});
     v("rollout_sync_mb", rollout_sync_mb, "rollout_ranks: MiB per bucket of the weights' broadcast to them",
       FieldRange{1, 1e5});
+    v("peak_tflops", peak_tflops,
+      "a rank's peak bf16 TFLOP/s for update_mfu; 0 = the GPU's from the table in docs/training.md",
+      FieldRange{0, 1e6});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

@@ -1,7 +1,7 @@
 """The console's progress line of grpo_train and ppo_train: one line per RL step whose every figure is the
-metrics.jsonl value its label names, at the printed precision, and whose loss shows only where its value
-says something: PPO, and an off-policy GRPO update (train.num_iterations > 1); never on-policy GRPO,
-whose loss is -mean(advantage) at ratio 1. The warm-up's live line ends with a newline. Wrong lines (two
+metrics.jsonl value its label names, at the printed precision (the update's MFU where a peak is known),
+and whose loss shows only where its value says something: PPO, and an off-policy GRPO update
+(train.num_iterations > 1); never on-policy GRPO, whose loss is -mean(advantage) at ratio 1. The warm-up's live line ends with a newline. Wrong lines (two
 figures swapped, a loss on an on-policy line, a field missing) must be rejected by the same check.
 
 usage: check_progress_line.py GRPO_TRAIN PPO_TRAIN SOURCE_DIR
@@ -19,7 +19,8 @@ failures = []
 LINE = re.compile(
     r"^step (?P<step>\d+)/(?P<steps>\d+)  reward (?P<reward>\S+)  acc (?P<acc>\S+)%  tool (?P<tool>\S+)%"
     r"  len (?P<len>\S+)(?:  entropy (?P<entropy>\S+))?  grad norm (?P<grad>\S+)  clip (?P<clip>\S+)%"
-    r"(?:  loss (?P<loss>\S+))?(?:  kl (?P<kl>\S+))?  sampled (?P<tps>\S+) tok/s  (?P<time>\S+) s/step$")
+    r"(?:  loss (?P<loss>\S+))?(?:  kl (?P<kl>\S+))?(?:  mfu (?P<mfu>\S+)%)?  sampled (?P<tps>\S+) tok/s"
+    r"  (?P<time>\S+) s/step$")
 
 # label -> (metrics.jsonl key, scale, tolerance: half the printed precision's last digit, or relative).
 FIELDS = {
@@ -31,6 +32,7 @@ FIELDS = {
     "grad": ("grad_norm", 1, "3 significant digits"),
     "clip": ("clip_frac", 100, 0.05),
     "loss": ("loss", 1, "3 significant digits"),
+    "mfu": ("update_mfu", 100, 0.05),
     "tps": ("rollout_tokens_per_s", 1, 0.5),
     "time": ("time_step_s", 1, 5e-3),
 }
@@ -51,6 +53,8 @@ def check(name, text, rows, want_loss):
             problems.append(f"{name}: {line!r}: step {m['step']}/{m['steps']}, metrics say {row['step']}/{row['steps']}")
         if (m["loss"] is not None) != want_loss:
             problems.append(f"{name}: {line!r}: the loss is {'missing' if want_loss else 'shown'}")
+        if (m["mfu"] is not None) != ("update_mfu" in row):
+            problems.append(f"{name}: {line!r}: the update's MFU is {'shown' if m['mfu'] else 'missing'}")
         if m["entropy"] is None:
             problems.append(f"{name}: {line!r}: no entropy (loss.entropy is value)")
         for label, (key, scale, tol) in FIELDS.items():
@@ -85,7 +89,9 @@ def run(name, binary, config, extra, want_loss, tmp):
 
 with tempfile.TemporaryDirectory() as tmp:
     on_policy = run("grpo_on_policy", grpo, "retool_tiny.yaml", [], False, tmp)
-    run("grpo_two_iterations", grpo, "retool_tiny.yaml", ["--set", "train.num_iterations=2"], True, tmp)
+    # With a peak (the CPU has none in the table), the line shows the update's MFU.
+    run("grpo_two_iterations", grpo, "retool_tiny.yaml",
+        ["--set", "train.num_iterations=2", "--set", "train.peak_tflops=0.05"], True, tmp)
     run("ppo", ppo, "ppo_tiny.yaml", [], True, tmp)
 
 # Controls: the check must reject a wrong line.

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "model/flops.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "tests/trainer/tiny_run.h"
@@ -307,10 +308,32 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   c.train.old_logprobs = OldLogprobs::kRecompute;
   // One prompt's 4 samples at a time: the step's second prompt takes the first one's rows once they finish.
   c.rollout.max_batch = 4;
+  c.train.peak_tflops = 0.5;  // the CPU has no entry in the peak table: update_mfu divides by this
   const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
   run_to(c, full, /*resume=*/false, train(), extra());
   const auto a = read_metrics(full);
   ASSERT_EQ(a.size(), 4u);
+  // The update's rates against their definitions: tokens (prompt and response, every trajectory) times the
+  // iterations over the update's seconds; FLOPs over the seconds times the peak (one rank). The FLOPs'
+  // products are linear in the tokens (model/flops.h, tests/model/test_flops.cpp): 3 x (the layers' over
+  // every token + the head's over the sampled ones), each iteration. Attention's keys, sum of L (L + 1) / 2
+  // over the n trajectories of L tokens, lie between T^2 / 2n + T / 2 (T = the tokens, equal lengths) and
+  // T (max_context + 1) / 2: a head counted over every row, not the sampled ones, leaves less than that.
+  const ModelConfig shape = load_model_config(full + "/checkpoint/model/config.json");
+  for (const auto& row : a) {
+    const double t = row["time_update_s"].get<double>(), tokens = row["tokens"].get<double>();
+    EXPECT_NEAR(row["update_tokens_per_s"].get<double>(), tokens * 2 / t, 1e-9 * tokens / t);
+    const double flops = row["update_flops"].get<double>();
+    EXPECT_NEAR(row["update_mfu"].get<double>(), flops / (t * 0.5e12), 1e-12 * flops / t);
+    EXPECT_EQ(row["update_hfu"].get<double>(), row["update_mfu"].get<double>()) << "no checkpointing: no recompute";
+    const double per_token = forward_flops(shape, SequenceWork{1, 0}).projections;
+    const double per_scored = forward_flops(shape, SequenceWork{0, 1}).head;
+    const double products = 3 * (per_token * tokens + per_scored * row["sampled_tokens"].get<double>());
+    const double per_key = 3 * 4.0 * shape.num_heads * shape.head_dim * shape.num_layers;  // a key, a pass
+    const double attention = flops / 2 - products, n = double(c.train.prompts_per_step * c.sampling.samples_per_prompt);
+    EXPECT_GE(attention, per_key * (tokens * tokens / (2 * n) + tokens / 2) * (1 - 1e-12)) << row.dump();
+    EXPECT_LE(attention, per_key * tokens * (c.rollout.max_context + 1) / 2) << row.dump();
+  }
   for (const auto& row : a) {
     for (const char* k : {"loss", "pg_loss", "kl", "entropy", "grad_norm", "reward_mean", "accuracy", "tool_use", "lr",
                           "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s", "rollout_refills",
