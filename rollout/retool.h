@@ -217,9 +217,9 @@ struct RolloutStats {
   int64_t forced_tokens = 0;  // tool output and feedback tokens (fed in the multi-token forwards)
   int64_t refills = 0;        // prompts admitted into released rows after the start (rollout.max_batch)
   double prefill_s = 0;       // the prompts' prefill, the first prompts' and the admitted ones'
-  double decode_s = 0;        // the decode steps (model forward to next-token logits)
+  double decode_s = 0;        // the decode steps: forward, and the draw of the fed rows' tokens (step_draw)
   double feed_s = 0;          // the multi-token forwards
-  double sample_s = 0;        // sampling, sampled log-probs, and their copy to the host
+  double sample_s = 0;        // sampling after feeds and admits, and taking the tokens steps drew
   double turn_s = 0;          // of sample_s: the host reading the sampled tokens (turn ends, tool calls sent)
   double tool_wait_s = 0;     // blocked on tool calls with nothing else to decode
   // A tool call's latency as the loop sees it, summed over the calls: from its submission to the pass that
