@@ -134,19 +134,22 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     RolloutBatch rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
-    const std::vector<Trajectory>& trajs = rb.trajs;                      // (S), prompt-major
+    // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or
+    // with train.micro_batch_tokens each mini-batch longest first, under that token budget.
+    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens);
+    const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
     // reward (rb.table, all ranks'), then this rank's rows.
     const at::Tensor rewards = rb.table.select(1, kReward).view({P, G});
     at::Tensor advantages = estimate_advantages(rewards, train.advantage, train.scale_rewards)
                                 .view({P * G})
-                                .index_select(0, at::tensor(rb.index, at::kLong))
+                                .index_select(0, at::tensor(ub.index, at::kLong))
                                 .to(at::kFloat)
                                 .to(run.device);
 
     // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
-    const auto micro_ranges = micro_batch_ranges(S, mini, micro);
+    const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
     for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
 

@@ -168,7 +168,8 @@ int64_t loss_bytes(const Config& c, const ModelConfig& m, int64_t T, int64_t s, 
 }
 
 // One micro-batch's forward and backward: micro sequences of rollout.max_context tokens (pack() pads a
-// micro-batch to its longest sequence), every token a scored row (response rows are at most all rows).
+// micro-batch to its longest sequence), or as many tokens as train.micro_batch_tokens holds, every token a
+// scored row (response rows are at most all rows).
 // The backward runs the loss first, then the layers from the last: their working sets never meet. So the
 // peak is what the layers saved plus the larger of
 //   - the head's part: the final norm, the hidden states it returns, the scored rows (index_select), the
@@ -179,7 +180,9 @@ int64_t loss_bytes(const Config& c, const ModelConfig& m, int64_t T, int64_t s, 
 //     this comes on top of the layer's recompute: what it saves again, less its input, which for fp32 is
 //     the tensor CheckpointFn saved (rms_norm's x.to(fp32) is x itself).
 int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64_t s, bool cpu) {
-  const int64_t T = step_shape(c, world).micro * c.rollout.max_context;
+  // train.micro_batch_tokens caps a micro-batch's padded tokens, but a sequence longer than it runs alone.
+  int64_t T = step_shape(c, world).micro * c.rollout.max_context;
+  if (c.train.micro_batch_tokens > 0) T = std::min(T, std::max(c.train.micro_batch_tokens, c.rollout.max_context));
   const int64_t D = m.hidden_size, F = m.intermediate_size, layers = m.num_layers;
   const int64_t per_layer = layer_bytes_per_token(c, m, s, cpu);
   const bool ckpt = c.model.activation_checkpointing;

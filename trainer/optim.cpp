@@ -5,6 +5,7 @@
 
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 
@@ -79,6 +80,63 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
     for (int64_t b = mb; b < mb_end; b += micro) ranges.push_back({b, std::min(mb_end, b + micro)});
   }
   return ranges;
+}
+
+std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
+                                                            int64_t micro, int64_t budget) {
+  const int64_t S = static_cast<int64_t>(lengths.size());
+  if (budget <= 0) return micro_batch_ranges(S, mini, micro);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t mb = 0; mb < S; mb += mini) {
+    const int64_t mb_end = std::min(S, mb + mini);
+    int64_t begin = mb, longest = 0;
+    for (int64_t i = mb; i < mb_end; ++i) {
+      const int64_t rows = i - begin + 1, top = std::max(longest, lengths[i]);
+      if (rows > 1 && (rows > micro || rows * top > budget)) {
+        ranges.push_back({begin, i});
+        begin = i;
+        longest = lengths[i];
+      } else {
+        longest = top;
+      }
+    }
+    ranges.push_back({begin, mb_end});
+  }
+  return ranges;
+}
+
+std::vector<int64_t> sequence_lengths(const std::vector<Trajectory>& trajs) {
+  std::vector<int64_t> out;
+  out.reserve(trajs.size());
+  for (const Trajectory& t : trajs) out.push_back(t.window_end());
+  return out;
+}
+
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget) {
+  const int64_t S = static_cast<int64_t>(rb.trajs.size());
+  TORCH_CHECK(rb.index.size() == rb.trajs.size(), "update_batch: one place per trajectory");
+  UpdateBatch u;
+  u.source_ = &rb.trajs;
+  u.index = rb.index;
+  std::vector<int64_t> lengths = sequence_lengths(rb.trajs);
+  if (budget > 0 && S > 0) {
+    std::vector<int64_t> order(S);
+    for (int64_t i = 0; i < S; ++i) order[i] = i;
+    for (int64_t mb = 0; mb < S; mb += mini) {
+      std::stable_sort(order.begin() + mb, order.begin() + std::min(S, mb + mini),
+                       [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+    }
+    std::vector<int64_t> sorted(S);
+    u.reordered_.reserve(S);
+    for (int64_t i = 0; i < S; ++i) {
+      u.reordered_.push_back(rb.trajs[order[i]]);
+      u.index[i] = rb.index[order[i]];
+      sorted[i] = lengths[order[i]];
+    }
+    lengths = std::move(sorted);
+  }
+  u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget);
+  return u;
 }
 
 namespace {

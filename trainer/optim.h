@@ -73,6 +73,33 @@ StepShape step_shape(const Config& config, int world = 1);
 // a range never crosses a mini-batch boundary.
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t mini, int64_t micro);
 
+// Micro-batch ranges under a token budget (train.micro_batch_tokens): mini-batches of `mini` sequences as
+// above, each cut where one more sequence would take its micro-batch past `budget` padded tokens (its rows
+// times its longest sequence, lengths[i] tokens each) or past `micro` rows; a sequence longer than the
+// budget makes a micro-batch of its own. budget 0: micro_batch_ranges(lengths.size(), mini, micro).
+std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
+                                                            int64_t micro, int64_t budget);
+
+// Each trajectory's tokens (prompt and response), the lengths micro_batch_ranges reads.
+std::vector<int64_t> sequence_lengths(const std::vector<Trajectory>& trajs);
+
+// The update's view of a step's batch: its trajectories and their places among the step's (rb.index), in
+// the order the update takes them, and its micro-batch ranges over that order. With a token budget
+// (train.micro_batch_tokens > 0), each mini-batch's sequences go longest first (stable), so that budgeted
+// micro-batches hold sequences of like length; a mini-batch keeps its sequences, so its loss and its
+// denominator are unchanged. Without one, the batch's own order and micro_batch_size ranges.
+struct UpdateBatch {
+  const std::vector<Trajectory>& trajs() const { return reordered_.empty() ? *source_ : reordered_; }
+  std::vector<int64_t> index;
+  std::vector<std::pair<int64_t, int64_t>> micro_ranges;
+
+ private:
+  friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget);
+  const std::vector<Trajectory>* source_ = nullptr;
+  std::vector<Trajectory> reordered_;
+};
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget);
+
 // The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
 // micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).
 double mini_batch_denominator(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, LossAgg agg);

@@ -132,8 +132,11 @@ std::map<std::string, double> train_ppo(Run& run) {
 
     // 1. Rollout and rewards (this rank's prompts).
     RolloutBatch rb = collect_rollouts(run);
-    const std::vector<Trajectory>& trajs = rb.trajs;  // (S)
-    const auto micro_ranges = micro_batch_ranges(S, mini, micro);
+    // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
+    // token budget).
+    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens);
+    const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
+    const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
     for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
 

@@ -512,6 +512,21 @@ TEST(MemoryPlan, AsyncAddsTheRolloutsCopyAndBothPhases) {
   EXPECT_NE(twin.device_total(), expected);
 }
 
+// A token budget sizes the update's activations by its tokens: a budget of one context plans what one row a
+// micro-batch plans, and a budget above the rows' tokens changes nothing (micro_batch_size still caps them).
+TEST(MemoryPlan, ATokenBudgetPlansTheTokensItHolds) {
+  auto with = [](std::vector<std::string> extra) {
+    auto o = seven_b_run();
+    o.insert(o.end(), extra.begin(), extra.end());
+    return plan_memory(load_config("", o), qwen25_7b(), 1).activations;
+  };
+  const int64_t two_rows = with({}), one_row = with({"train.micro_batch_size=1"});
+  ASSERT_GT(two_rows, one_row);
+  EXPECT_EQ(with({"train.micro_batch_tokens=4096"}), one_row);
+  EXPECT_EQ(with({"train.micro_batch_tokens=1000"}), one_row) << "a longer sequence runs alone";
+  EXPECT_EQ(with({"train.micro_batch_tokens=100000"}), two_rows);
+}
+
 TEST(MemoryPlan, PartialRolloutsHoldTheExtraGroupsRows) {
   // rollout.partial keeps partial_extra_prompts groups in play beyond the step's: with every row at once,
   // the cache grows by their share; rollout.max_batch caps the rows either way.

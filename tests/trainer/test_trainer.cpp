@@ -193,6 +193,57 @@ TEST(MicroBatches, RangesNeverCrossAMiniBatchAndDenominatorsAddUp) {
   EXPECT_EQ(mini_batch_denominator(t, 1, 2, LossAgg::kTokenMean), 1) << "clamped to >= 1";
 }
 
+// Token-budget micro-batches (train.micro_batch_tokens) over lengths already longest first within each
+// mini-batch: every sequence in exactly one range, no range across a mini-batch, each range's rows times its
+// longest within the budget (a sequence longer than the budget alone) and within micro rows. Budget 0 is
+// the row count's ranges.
+TEST(MicroBatches, TokenBudgetsHoldEverySequenceOnceWithinTheBudget) {
+  // mini 5: [0,5) [5,9)
+  const std::vector<int64_t> lengths = {90, 40, 30, 30, 10, 200, 20, 20, 5};
+  const int64_t mini = 5, micro = 3, budget = 100;
+  const auto r = micro_batch_ranges(lengths, mini, micro, budget);
+  // [0,1): 90 (a second row would make 2 x 90); [1,4): 3 x 40 = 120 > 100, so [1,3) then [3,5); 200 alone;
+  // [6,9): 3 x 20.
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 1}, {1, 3}, {3, 5}, {5, 6}, {6, 9}};
+  EXPECT_EQ(r, want);
+  std::vector<int> seen(lengths.size(), 0);
+  for (const auto& [b, e] : r) {
+    EXPECT_EQ(b / mini, (e - 1) / mini) << "a range across mini-batches";
+    int64_t top = 0;
+    for (int64_t i = b; i < e; ++i) {
+      ++seen[i];
+      top = std::max(top, lengths[i]);
+    }
+    EXPECT_LE(e - b, micro);
+    if (e - b > 1) EXPECT_LE((e - b) * top, budget);
+  }
+  for (int n : seen) EXPECT_EQ(n, 1);
+  EXPECT_EQ(micro_batch_ranges(lengths, mini, micro, 0), micro_batch_ranges(9, mini, micro));
+  // The update's order: each mini-batch longest first, its sequences kept, each place moved with its
+  // trajectory; without a budget, the batch as it is.
+  RolloutBatch rb;
+  const std::vector<int64_t> response = {3, 9, 1, 9, 5, 2};
+  for (size_t i = 0; i < response.size(); ++i) {
+    Trajectory t;
+    t.prompt_ids = {1, 2};
+    t.response_ids.assign(response[i], 7);
+    rb.trajs.push_back(t);
+    rb.index.push_back(100 + int64_t(i));
+  }
+  const UpdateBatch u = update_batch(rb, /*mini=*/4, /*micro=*/4, /*budget=*/40);
+  std::vector<int64_t> got_len, got_index;
+  for (size_t i = 0; i < u.trajs().size(); ++i) {
+    got_len.push_back(u.trajs()[i].window_end());
+    got_index.push_back(u.index[i]);
+  }
+  EXPECT_EQ(got_len, std::vector<int64_t>({11, 11, 5, 3, 7, 4})) << "stable, longest first, within [0,4) and [4,6)";
+  EXPECT_EQ(got_index, std::vector<int64_t>({101, 103, 100, 102, 104, 105}));
+  const UpdateBatch plain = update_batch(rb, 4, 2, 0);
+  EXPECT_EQ(&plain.trajs(), &rb.trajs) << "no budget: the batch itself";
+  EXPECT_EQ(plain.index, rb.index);
+  EXPECT_EQ(plain.micro_ranges, micro_batch_ranges(6, 4, 2));
+}
+
 // Two optimizer steps of two micro-batches each, with hand-made policy-loss outputs. policy_loss()
 // already divides each micro-batch by its mini-batch's denominator, so a mini-batch's loss and pg_loss
 // are the SUMS of its micro-batch terms, and the step reports their mean over optimizer steps. Token
@@ -731,6 +782,30 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   // Memory: full-vocabulary rows of every position (naive, all rows) vs CCE on loss-mask rows.
   EXPECT_GT(m[0]["peak_memory_update_mib"], 1.5 * m[6]["peak_memory_update_mib"]);
   EXPECT_GT(m[0]["peak_memory_update_mib"], m[2]["peak_memory_update_mib"]) << "row selection saves memory";
+}
+
+// Token-budget micro-batches on the same first RL step, GRPO and PPO: the same mini-batches in other
+// micro-batches (each mini-batch longest first, 60 padded tokens a micro-batch against 2 rows) give the
+// same loss and gradient norm, because each mini-batch's global denominator makes the micro-batches' losses
+// add up to its own whatever the grouping; only float32 summation order differs.
+TEST(MicroBatches, ATokenBudgetTrainsTheFirstStepAsRowCountsDo) {
+  TempDir tmp("micro_tokens");
+  for (bool ppo : {false, true}) {
+    std::vector<std::map<std::string, double>> m;
+    for (int64_t budget : {int64_t(0), int64_t(60)}) {
+      Config c = varied_first_step_config(/*steps=*/1);
+      c.train.micro_batch_tokens = budget;
+      c.train.micro_batch_size = budget > 0 ? 4 : 2;
+      rlt::Run run = make_run(c, (tmp.path() / (std::to_string(ppo) + "_" + std::to_string(budget))).string(), false,
+                              ppo ? value_head_params() : ExtraParams{});
+      m.push_back(ppo ? train_ppo(run) : train_grpo(run));
+    }
+    ASSERT_GT(m[0]["reward_std"], 0) << "the first step needs unequal rewards for a non-zero loss";
+    EXPECT_EQ(m[1]["reward_mean"], m[0]["reward_mean"]) << "the same rollout";
+    EXPECT_NEAR(m[1]["loss"], m[0]["loss"], 1e-6) << (ppo ? "ppo" : "grpo");
+    EXPECT_NEAR(m[1]["grad_norm"], m[0]["grad_norm"], 1e-4 * m[0]["grad_norm"]) << (ppo ? "ppo" : "grpo");
+    EXPECT_GT(std::abs(m[0]["loss"]), 1e-4) << "an off-policy pass: the loss is not trivially 0";
+  }
 }
 
 // Wrong data parallelism for the test below: gradients averaged over the ranks (DDP's default, which
