@@ -1,13 +1,16 @@
-// What bench_model and bench_update share after parsing their flags: the --device / --dtype values
-// checked and turned into LibTorch's, CPU memory tracking switched on, and the model loaded (or made with
-// random weights) with any error printed as "<app>: ...". Each returns nullopt after printing; the app
-// exits with code 2.
+// What the model benchmarks (bench_model, bench_step, bench_update, bench_rollout) share after parsing their
+// flags: the --device / --dtype values checked and turned into LibTorch's, CPU memory tracking switched on,
+// and the model loaded (or made with random weights) with any error printed as "<app>: ..." (each returns
+// nullopt after printing; the app exits with code 2); and the JSON records written out.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -49,6 +52,14 @@ inline std::optional<BenchModel> load_bench_model(const std::string& app, const 
     return std::nullopt;
   }
   return b;
+}
+
+// The records as indented JSON at `path`, its folder made first.
+inline void write_json_records(const std::string& path, const nlohmann::json& records) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::ofstream(path) << records.dump(1) << "\n";
 }
 
 }  // namespace rlt

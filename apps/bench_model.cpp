@@ -25,8 +25,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -376,11 +374,6 @@ int main(int argc, char** argv) {
                                              : "rollout_graph with the steps' attention through SDPA over the span"}});
     }
   }
-  if (!json_path.empty()) {
-    const auto parent = std::filesystem::path(json_path).parent_path();
-    std::error_code ec;
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    std::ofstream(json_path) << records.dump(1) << "\n";
-  }
+  if (!json_path.empty()) write_json_records(json_path, records);
   return 0;
 }

@@ -60,8 +60,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -546,13 +544,6 @@ void measure_refill(const Options& o, const Setup& s, json& records) {
   }
 }
 
-void write_json(const std::string& path, const json& records) {
-  const auto parent = std::filesystem::path(path).parent_path();
-  std::error_code ec;
-  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  std::ofstream(path) << records.dump(1) << "\n";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -564,6 +555,6 @@ int main(int argc, char** argv) {
   if (!modes) return 2;
   json records = measure_modes(o, *setup, *modes);
   if (o.refill > 0) measure_refill(o, *setup, records);
-  if (!o.json_path.empty()) write_json(o.json_path, records);
+  if (!o.json_path.empty()) write_json_records(o.json_path, records);
   return 0;
 }

@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -262,11 +261,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (!json_path.empty()) {
-    const auto parent = std::filesystem::path(json_path).parent_path();
-    std::error_code ec;
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    std::ofstream(json_path) << records.dump(1) << "\n";
-  }
+  if (!json_path.empty()) write_json_records(json_path, records);
   return 0;
 }
