@@ -374,9 +374,7 @@ at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vecto
 SampleOutput TokenPolicy::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
                                     const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) {
   TORCH_CHECK(row_keys.numel() == static_cast<int64_t>(rows.size()), "step_draw: one noise key per row");
-  at::Tensor logits = step(rows, tokens);  // (rows, V)
-  const DeviceDraw d = draw_tokens(logits, sampling, to_device_async(row_keys, logits.device()), vocab_limit);
-  return unpack_draw(pack_draw(d), at::Tensor(), logits);
+  return sample_keyed(step(rows, tokens), sampling, row_keys, vocab_limit);
 }
 
 SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
@@ -404,20 +402,13 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
                                        double(vocab_limit)};
     if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
     draw_key_ = key;
-    at::Tensor in = to_device_async(packed, valid_.device());
     auto& g = draw_graphs_[span];
-    if (g) {
-      TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "DecodeEngine: stale step graph");
-      g->inputs.copy_(in);
-    } else {
-      g = capture(
-          in,
-          [this, span, sampling, vocab_limit](const at::Tensor& x) {
-            return fixed_step_draw(x, span, sampling, vocab_limit);
-          },
-          "decode step with its draw");
-    }
-    timed_replay(*g, span);
+    replay(
+        g, to_device_async(packed, valid_.device()), span,
+        [this, span, sampling, vocab_limit](const at::Tensor& x) {
+          return fixed_step_draw(x, span, sampling, vocab_limit);
+        },
+        "decode step with its draw");
     draw = g->hidden;
   }
 #endif
@@ -712,15 +703,22 @@ at::Tensor DecodeEngine::graph_step(const std::vector<int64_t>& packed, int64_t 
   at::Tensor in = to_device_async(packed, dev);  // (3 Bc + 1 + picks)
   pick = in.narrow(0, n_in, picks);
   auto& g = step_graphs_[span];
+  replay(
+      g, in.narrow(0, 0, n_in), span, [this, span](const at::Tensor& x) { return fixed_step(x, span); }, "decode step");
+  return g->hidden;
+}
+
+bool DecodeEngine::replay(std::unique_ptr<StepGraph>& g, const at::Tensor& inputs, int64_t span,
+                          const std::function<at::Tensor(const at::Tensor&)>& run, const char* what) {
+  const bool captures = !g;
   if (g) {  // start() and compact() drop the graphs whenever the cache tensors change
-    TORCH_CHECK(g->rows == Bc && g->slots == cache_.max_len, "DecodeEngine: stale step graph");
-    g->inputs.copy_(in.narrow(0, 0, n_in));
+    TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "DecodeEngine: stale ", what, " graph");
+    g->inputs.copy_(inputs);
   } else {
-    g = capture(
-        in.narrow(0, 0, n_in), [this, span](const at::Tensor& x) { return fixed_step(x, span); }, "decode step");
+    g = capture(inputs, run, what);
   }
   timed_replay(*g, span);
-  return g->hidden;
+  return captures;
 }
 
 void DecodeEngine::timed_replay(StepGraph& g, int64_t span) {
@@ -737,21 +735,14 @@ void DecodeEngine::timed_replay(StepGraph& g, int64_t span) {
 
 at::Tensor DecodeEngine::graph_extend(const std::vector<int64_t>& packed, int64_t Eb, int64_t Kb, int64_t span,
                                       bool merged) {
-  at::Tensor in = to_device_async(packed, valid_.device());
   auto& g = (merged ? merged_graphs_ : feed_graphs_)[{Eb, Kb, span}];
-  if (g) {
-    TORCH_CHECK(g->rows == cache_rows() && g->slots == cache_.max_len, "DecodeEngine: stale feed graph");
-    g->inputs.copy_(in);
-  } else {
-    g = capture(
-        in,
-        [this, Eb, Kb, span, merged](const at::Tensor& x) {
-          return merged ? fixed_merged(x, Eb, Kb, span) : fixed_extend(x, Eb, Kb, span);
-        },
-        merged ? "merged pass" : "multi-token feed");
-    ++feed_graph_captures_;
-  }
-  timed_replay(*g, -1);
+  const bool captured = replay(
+      g, to_device_async(packed, valid_.device()), -1,
+      [this, Eb, Kb, span, merged](const at::Tensor& x) {
+        return merged ? fixed_merged(x, Eb, Kb, span) : fixed_extend(x, Eb, Kb, span);
+      },
+      merged ? "merged pass" : "multi-token feed");
+  feed_graph_captures_ += captured;
   return g->hidden;
 }
 #endif

@@ -287,6 +287,10 @@ class DecodeEngine : public TokenPolicy {
                           bool merged = false);
   // Replays g between two CUDA events; span: the step's, or -1 for a feed (CUDA builds).
   void timed_replay(StepGraph& g, int64_t span);
+  // Copies `inputs` into g's input buffer and replays it (timed_replay), capturing `run` on them first when
+  // g is empty (`what` names it in errors); returns whether it captured (CUDA builds).
+  bool replay(std::unique_ptr<StepGraph>& g, const at::Tensor& inputs, int64_t span,
+              const std::function<at::Tensor(const at::Tensor&)>& run, const char* what);
   // Adds the device time of the replays whose events have completed (wait: of every replay) to
   // step_replay_ and feed_replay_.
   void read_replays(bool wait);

@@ -270,7 +270,8 @@ class Loop {
     for (;;) {
       report_progress();
       if (!drawn_rows.empty() || !to_sample.empty()) {
-        take_drawn(drawn_rows, drawn, stats);
+        if (!drawn_rows.empty()) take_samples(drawn_rows, drawn, stats);
+        drawn_rows.clear();
         if (!to_sample.empty()) sample(to_sample, logits, stats);
         stats.sample_s += lap(t);
       }
@@ -342,7 +343,6 @@ class Loop {
       auto samples_next = [&](int64_t n) {
         return seqs_[n].pending.empty() && seqs_[n].state == SeqState::kGenerating;
       };
-      drawn_rows.clear();
       if (!rows.empty()) {
         // The step draws every fed row's next token (on a GPU inside the step's graph); the rows that wait
         // drop theirs.
@@ -623,27 +623,17 @@ class Loop {
     return sample_row_keys(sampling_.seed, streams, counters);
   }
 
-  // The tokens a decode step drew for `rows` (their draws, in order), then cleared.
-  void take_drawn(std::vector<int64_t>& rows, const SampleOutput& out, RolloutStats& stats) {
-    if (rows.empty()) return;
+  // Each row's token and its log-prob, in order (a step's draws, or a sampling's), into its trajectory.
+  void take_samples(const std::vector<int64_t>& rows, const SampleOutput& out, RolloutStats& stats) {
     const int64_t* ids = out.ids.data_ptr<int64_t>();
     const float* lp = out.logprobs.data_ptr<float>();
     const auto t0 = Clock::now();
     for (size_t j = 0; j < rows.size(); ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
     stats.turn_s += seconds_since(t0);
-    rows.clear();
   }
 
   void sample(const std::vector<int64_t>& rows, const at::Tensor& logits, RolloutStats& stats) {
-    const int64_t n = static_cast<int64_t>(rows.size());
-    const DeviceDraw d =
-        draw_tokens(logits, sampling_, to_device_async(row_keys(rows), logits.device()), tok_.vocab_size());
-    SampleOutput out = unpack_draw(pack_draw(d), at::Tensor(), logits);
-    const int64_t* ids = out.ids.data_ptr<int64_t>();
-    const float* lp = out.logprobs.data_ptr<float>();
-    const auto t0 = Clock::now();
-    for (int64_t j = 0; j < n; ++j) on_sampled(seqs_[rows[j]], ids[j], lp[j]);
-    stats.turn_s += seconds_since(t0);
+    take_samples(rows, sample_keyed(logits, sampling_, row_keys(rows), tok_.vocab_size()), stats);
   }
 
   void on_sampled(Seq& s, int64_t id, float logprob) {

@@ -186,11 +186,15 @@ SampleOutput unpack_draw(const at::Tensor& packed, const at::Tensor& pick, const
   return {ids, lps};
 }
 
+SampleOutput sample_keyed(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& row_keys,
+                          int64_t vocab_limit, bool fused) {
+  const DeviceDraw d = draw_tokens(logits, options, to_device_async(row_keys, logits.device()), vocab_limit, fused);
+  return unpack_draw(pack_draw(d), at::Tensor(), logits);
+}
+
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,
                            const at::Tensor& counters, int64_t vocab_limit, bool fused) {
-  at::Tensor keys = sample_row_keys(options.seed, streams, counters);
-  const DeviceDraw d = draw_tokens(logits, options, to_device_async(keys, logits.device()), vocab_limit, fused);
-  return unpack_draw(pack_draw(d), at::Tensor(), logits);
+  return sample_keyed(logits, options, sample_row_keys(options.seed, streams, counters), vocab_limit, fused);
 }
 
 }  // namespace rlt

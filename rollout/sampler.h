@@ -95,7 +95,13 @@ at::Tensor pack_draw(const DeviceDraw& draw);
 SampleOutput unpack_draw(const at::Tensor& packed, const at::Tensor& pick = at::Tensor(),
                          const at::Tensor& logits = at::Tensor());
 
-// One token per row of logits (B, V) (final-logit softcap already applied): draw_tokens, then unpack_draw.
+// One token per row of logits (B, V) with the rows' noise keys given (B) int64 on the CPU (sample_row_keys):
+// draw_tokens, then unpack_draw.
+SampleOutput sample_keyed(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& row_keys,
+                          int64_t vocab_limit = 0, bool fused = true);
+
+// One token per row of logits (B, V) (final-logit softcap already applied): sample_keyed with the keys of
+// (options.seed, streams, counters).
 // Rows at or past `vocab_limit` (> 0) are never sampled: a checkpoint's embedding may be larger than its
 // tokenizer. `fused` as in gumbel_argmax (false: the ATen draw, for benchmarks' A/B).
 SampleOutput sample_tokens(const at::Tensor& logits, const SamplingOptions& options, const at::Tensor& streams,

@@ -1184,7 +1184,9 @@ TEST_P(StepDraw, DrawsInsideTheStepWhatSamplingTheStepsLogitsDraws) {
     EXPECT_GT(moved_counter, compared / 3) << "keys one counter on must draw other tokens";
     EXPECT_GT(untempered_err, 100 * kTol) << "a draw without the temperature must give other log-probs";
     EXPECT_EQ(inside.cache_length(), apart.cache_length());
-    if (cuda) EXPECT_GT(inside.graph_captures(), 0);
+    if (cuda) {
+      EXPECT_GT(inside.graph_captures(), 0);
+    }
     std::cout << "top_p " << top_p << ": " << compared << " draws, max |log-prob error| " << max_err
               << "; keys one counter on move " << moved_counter << ", temperature 1 moves log-probs by "
               << untempered_err << "\n";
