@@ -105,20 +105,14 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
   return ranges;
 }
 
-std::vector<int64_t> sequence_lengths(const std::vector<Trajectory>& trajs) {
-  std::vector<int64_t> out;
-  out.reserve(trajs.size());
-  for (const Trajectory& t : trajs) out.push_back(t.window_end());
-  return out;
-}
-
 UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget) {
   const int64_t S = static_cast<int64_t>(rb.trajs.size());
   TORCH_CHECK(rb.index.size() == rb.trajs.size(), "update_batch: one place per trajectory");
   UpdateBatch u;
   u.source_ = &rb.trajs;
   u.index = rb.index;
-  std::vector<int64_t> lengths = sequence_lengths(rb.trajs);
+  std::vector<int64_t> lengths;  // each trajectory's tokens, prompt and response
+  for (const Trajectory& t : rb.trajs) lengths.push_back(t.window_end());
   if (budget > 0 && S > 0) {
     std::vector<int64_t> order(S);
     for (int64_t i = 0; i < S; ++i) order[i] = i;

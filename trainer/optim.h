@@ -80,9 +80,6 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
                                                             int64_t micro, int64_t budget);
 
-// Each trajectory's tokens (prompt and response), the lengths micro_batch_ranges reads.
-std::vector<int64_t> sequence_lengths(const std::vector<Trajectory>& trajs);
-
 // The update's view of a step's batch: its trajectories and their places among the step's (rb.index), in
 // the order the update takes them, and its micro-batch ranges over that order. With a token budget
 // (train.micro_batch_tokens > 0), each mini-batch's sequences go longest first (stable), so that budgeted
