@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "model/config.h"
 #include "model/kv_cache.h"
@@ -92,6 +93,11 @@ struct ForwardPlan {
   int64_t S = 0;           // C, the slots attended over
   at::Tensor keep, slots;  // (B, C) bool, (L) int64: attend_in_place's; undefined: SDPA
   bool dropout = false;    // the adapters' dropout (a training forward)
+  // Sequences laid end to end in one row (Transformer::forward_packed): sequence s holds tokens
+  // [starts[s], starts[s + 1]) and attends causally within itself only. Empty: rows of a batch.
+  std::vector<int64_t> starts;
+  at::Tensor cu_seqlens;  // starts as (S + 1) int32 on the device (the varlen attention kernel's form)
+  int64_t longest = 0;    // the longest sequence's tokens
 };
 
 }  // namespace rlt

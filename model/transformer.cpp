@@ -8,9 +8,11 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "model/layer_kernels.h"
 
@@ -59,6 +61,45 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                           /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
 }
 
+// Attention of sequences laid end to end (ForwardPlan::starts): q (1, H, T, hd) over k, v (1, Hkv, T, hd),
+// each sequence causal within itself, on sliding layers (`sliding`) within the window too. Returns
+// (1, T, H, hd). On CUDA in bf16/fp16 one variable-length flash kernel takes every sequence (its
+// autograd formula is ATen's); elsewhere (CPU, fp32, soft-capped scores, a restricting window) each
+// sequence goes through attention() as a row of its own, which is what the padded forward computes for it.
+at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ForwardPlan& p,
+                            bool sliding, const ModelConfig& c) {
+  const int64_t hd = q.size(3);
+  const at::ScalarType dt = q.scalar_type();
+  if (q.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && hd % 8 == 0 && hd <= 256 && c.attn_softcap == 0 &&
+      !sliding) {
+    auto tokens_major = [](const at::Tensor& x) {  // (1, heads, T, hd) -> (T, heads, hd), rows contiguous
+      at::Tensor y = x.squeeze(0).transpose(0, 1);
+      return y.stride(-1) == 1 ? y : y.contiguous();
+    };
+    at::Tensor out = std::get<0>(at::_flash_attention_forward(
+        tokens_major(q), tokens_major(k), tokens_major(v), p.cu_seqlens, p.cu_seqlens, p.longest, p.longest,
+        /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false, c.attn_scale));
+    return out.unsqueeze(0);  // (1, T, H, hd)
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(p.starts.size() - 1);
+  for (size_t s = 0; s + 1 < p.starts.size(); ++s) {
+    const int64_t b = p.starts[s], n = p.starts[s + 1] - b;
+    at::Tensor mask;  // (1, 1, n, n): needed for soft-capped scores and a window shorter than the sequence
+    if (c.attn_softcap > 0 || (sliding && n > c.sliding_window)) {
+      // Positions run 0, 1, ... within a packed sequence, so the window counts tokens.
+      at::Tensor idx = at::arange(n, at::TensorOptions().dtype(at::kLong).device(q.device()));
+      at::Tensor dist = idx.view({n, 1}) - idx.view({1, n});  // query - key
+      mask = (dist >= 0).view({1, 1, n, n});
+      if (sliding) mask = mask & (dist < c.sliding_window).view({1, 1, n, n});
+    }
+    parts.push_back(attention(q.narrow(2, b, n), k.narrow(2, b, n), v.narrow(2, b, n), mask,
+                              /*is_causal=*/!mask.defined() && n > 1, c)
+                        .transpose(1, 2));  // (1, n, H, hd)
+  }
+  return at::cat(parts, 1);
+}
+
 }  // namespace
 
 const at::Tensor& Transformer::lm_head() const { return lm_head_; }
@@ -81,7 +122,6 @@ bool Transformer::fused_kernels_apply() const {
 
 at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
                                 KvCache* cache) const {
-  const ModelConfig& c = config_;
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be (B, L) int64, got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "positions must be shaped like ids");
   const int64_t B = ids.size(0), L = ids.size(1);
@@ -101,23 +141,13 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
               "a forward over KvCache::step_rows takes one input row per listed row and an attention mask over its ", S,
               " slots");
   if (residency_) residency_->acquire(-1, false);
-  const auto dev = embed_.device();
   if (cache) cache->write_positions(positions);
 
-  at::Tensor h = embed_.index_select(0, ids.reshape({-1})).view({B, L, c.hidden_size});  // (B, L, D)
-  if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
-
+  at::Tensor h = embed_tokens(ids);  // (B, L, D)
   ForwardPlan p;
   p.cache = cache;
   p.S = S;
-  // The adapters' dropout runs in training forwards only (grad mode on as the forward starts: a
-  // checkpointed layer's first run is no-grad, yet part of a training forward).
-  p.dropout = has_lora() && lora_.dropout > 0 && at::GradMode::is_enabled();
-  // RoPE tables (B, 1, L, hd) in fp32, then the activation dtype.
-  at::Tensor freqs = positions.to(dev).to(at::kFloat).unsqueeze(-1) * rope_inv_frequencies(c, dev);  // (B, L, hd/2)
-  at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);
-  p.cos = emb.cos().to(h.scalar_type());
-  p.sin = emb.sin().to(h.scalar_type());
+  rope_tables(positions, h.scalar_type(), p);
   // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels; training, scoring
   // and the CPU keep the ATen forms, so the trainer's log-probs are bit-identical to the scoring forward's.
   const bool fused = fused_kernels_apply() && cache && cache->fused_kernels && !at::GradMode::is_enabled() &&
@@ -126,10 +156,60 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   p.packed = fused ? cache->packed : nullptr;
   if (fused) ++fused_forward_counts().forwards;
   plan_attention(p, positions, attention_mask);
+  h = run_layers(h, p);
+  if (cache && !fixed) cache->length = S;
+  return h;
+}
 
+at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& positions,
+                                       const std::vector<int64_t>& starts) const {
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == at::kLong,
+              "forward_packed: ids must be (1, T) int64, got ", ids.sizes());
+  TORCH_CHECK(positions.sizes() == ids.sizes(), "forward_packed: positions must be shaped like ids");
+  const int64_t T = ids.size(1);
+  TORCH_CHECK(starts.size() >= 2 && starts.front() == 0 && starts.back() == T,
+              "forward_packed: starts must run from 0 to the ", T, " tokens");
+  ForwardPlan p;
+  for (size_t s = 1; s < starts.size(); ++s) {
+    TORCH_CHECK(starts[s] > starts[s - 1], "forward_packed: sequence ", s - 1, " is empty");
+    p.longest = std::max(p.longest, starts[s] - starts[s - 1]);
+  }
+  if (residency_) residency_->acquire(-1, false);
+  at::Tensor h = embed_tokens(ids);  // (1, T, D)
+  p.S = p.longest;                   // a sliding window restricts only a sequence longer than it
+  p.starts = starts;
+  // From pinned memory without waiting: a pageable copy would wait for the stream to drain.
+  const at::Tensor cu = at::tensor(starts, at::kLong).to(at::kInt);
+  p.cu_seqlens = embed_.is_cuda() ? cu.pin_memory().to(embed_.device(), /*non_blocking=*/true) : cu;
+  p.ops = &aten_layer_kernels();
+  rope_tables(positions, h.scalar_type(), p);
+  return run_layers(h, p);
+}
+
+at::Tensor Transformer::embed_tokens(const at::Tensor& ids) const {
+  const ModelConfig& c = config_;
+  at::Tensor h = embed_.index_select(0, ids.reshape({-1})).view({ids.size(0), ids.size(1), c.hidden_size});
+  if (c.gemma_norms) h = h * at::scalar_tensor(std::sqrt(double(c.hidden_size)), h.options());
+  return h;
+}
+
+void Transformer::rope_tables(const at::Tensor& positions, at::ScalarType dtype, ForwardPlan& p) const {
+  const auto dev = embed_.device();
+  // The adapters' dropout runs in training forwards only (grad mode on as the forward starts: a
+  // checkpointed layer's first run is no-grad, yet part of a training forward).
+  p.dropout = has_lora() && lora_.dropout > 0 && at::GradMode::is_enabled();
+  // RoPE tables (B, 1, L, hd) in fp32, then the activation dtype.
+  at::Tensor freqs =
+      positions.to(dev).to(at::kFloat).unsqueeze(-1) * rope_inv_frequencies(config_, dev);  // (B, L, hd/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);
+  p.cos = emb.cos().to(dtype);
+  p.sin = emb.sin().to(dtype);
+}
+
+at::Tensor Transformer::run_layers(at::Tensor h, const ForwardPlan& p) const {
+  const ModelConfig& c = config_;
   at::Tensor pending;  // fused: the pending residual, a layer's MLP output that the next norm's kernel adds
   for (int64_t i = 0; i < c.num_layers; ++i) h = run_layer(i, h, pending, p);
-  if (cache && !fixed) cache->length = S;
   return p.ops->add_norm(h, pending, final_norm_, c.rms_norm_eps, c.gemma_norms).second;  // (B, L, D): the final norm
 }
 
@@ -208,6 +288,10 @@ at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& pendi
     // write in one kernel, then attention over the rows' cache where it lies.
     attn = p.ops->attend_in_place(i, q, k, v, p.cos, p.sin, *p.cache, p.cache->step_rows, p.keep, p.slots, c.attn_scale)
                .view({B, L, H * hd});
+  } else if (!p.starts.empty()) {
+    // Packed sequences (forward_packed): each attends causally within itself.
+    std::tie(q, k, v) = p.ops->rope_and_cache(i, q, k, v, p.cos, p.sin, nullptr);  // (1, H, T, hd), (1, Hkv, T, hd) x 2
+    attn = packed_attention(q, k, v, p, c.sliding_layers[i] && p.longest > c.sliding_window, c).view({B, L, H * hd});
   } else {
     // The window restricts nothing while all C slots fit in it. Without a mask: causal for a prefill, every
     // slot for a decode step.

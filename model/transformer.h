@@ -58,6 +58,15 @@ class Transformer {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
                      KvCache* cache = nullptr) const;
 
+  // Sequences laid end to end with no padding (the update's and scoring's packed micro-batches): ids and
+  // positions (1, T), sequence s at tokens [starts[s], starts[s + 1]) (starts: 0, then strictly rising to
+  // T), each attending causally within itself only, at the RoPE positions given (each sequence's own,
+  // from 0). Returns hidden states (1, T, D) after the final norm, equal to forward()'s over the same
+  // sequences right-padded into rows. Attention runs as one variable-length kernel on CUDA in bf16 and
+  // fp16 (ATen's flash attention over cumulative lengths), else sequence by sequence.
+  at::Tensor forward_packed(const at::Tensor& ids, const at::Tensor& positions,
+                            const std::vector<int64_t>& starts) const;
+
   // A decode step and a feed in one forward (DecodeEngine's merged pass): each of the cache's Bc rows takes
   // one token (step_ids, step_pos (Bc, 1)) at slot cache.step_slot (1), attending over step_mask (Bc, span)
   // as a graphed step does; feed_ids, feed_pos (E, K) enter rows feed_rows (E) at slots feed_slots (K),
@@ -158,6 +167,11 @@ class Transformer {
   // else the masks of every layer (p.full_mask, p.sliding_mask, p.fast). positions (B, L), attention_mask
   // (B, C) as forward() takes them.
   void plan_attention(ForwardPlan& p, const at::Tensor& positions, const at::Tensor& attention_mask) const;
+  // What forward and forward_packed share: the embedding of ids (B, L) (B, L, D); the RoPE tables of
+  // positions (B, L) in `dtype` (p.cos, p.sin); and, once p is planned, every layer and the final norm.
+  at::Tensor embed_tokens(const at::Tensor& ids) const;
+  void rope_tables(const at::Tensor& positions, at::ScalarType dtype, ForwardPlan& p) const;
+  at::Tensor run_layers(at::Tensor h, const ForwardPlan& p) const;
   // Layer i of a forward, with its weights resident (set_residency) and, in a training forward with
   // checkpointing on, checkpointed (transformer_checkpoint.cpp). pending: see output_and_mlp.
   at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const;

@@ -11,6 +11,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "model/safetensors.h"
@@ -142,6 +143,77 @@ TEST(Transformer, KvCacheDecodeEqualsFullForward) {
     EXPECT_THROW(model.forward(ids.narrow(1, 0, 1), at::full({1, 1}, L, at::kLong), {}, &cache), c10::Error)
         << "a full cache refuses more tokens";
   }
+}
+
+// Sequences laid end to end (forward_packed) against each sequence's own forward, and against the same
+// sequences right-padded into rows (the trainer's forward without packing): lengths 1, 9, 24 (past
+// gemma2's window of 8) and 3. Equal hidden states at every real token, and equal parameter gradients of
+// a loss over them, in float64 (in fp32 these peaked tiny models amplify different summation orders to
+// ~1e-4 in a gradient; tests/trainer/test_batch.cpp compares fp32 log-probs and gradients on a model of
+// usual scale). Wrong twin: attention that sees the sequence before. (RoPE positions that run on across
+// sequences are not one here: RoPE scores depend on position differences only, so a constant shift per
+// sequence moves nothing but rounding; test_batch checks that packing restarts them.)
+TEST(Transformer, PackedSequencesEqualEachSequencesForward) {
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const auto ref = reference(c);
+    Transformer model = Transformer::load(case_dir(c).string(), at::kDouble, at::kCPU);
+    const at::Tensor ids = tensor_of(ref["ids"], at::kLong);  // (24)
+    const std::vector<int64_t> lengths = {1, 9, 24, 3};
+    const int64_t S = 4, Lmax = 24, D = model.config().hidden_size;
+    std::vector<int64_t> starts = {0};
+    std::vector<at::Tensor> seqs;
+    at::Tensor padded = at::zeros({S, Lmax}, at::kLong);
+    for (int64_t s = 0; s < S; ++s) {
+      seqs.push_back(ids.roll(5 * s).narrow(0, 0, lengths[s]));  // different tokens in each sequence
+      padded[s].narrow(0, 0, lengths[s]).copy_(seqs.back());
+      starts.push_back(starts.back() + lengths[s]);
+    }
+    const int64_t T = starts.back();
+    std::vector<at::Tensor> pos;
+    for (int64_t n : lengths) pos.push_back(at::arange(n, at::kLong));
+    const at::Tensor flat = at::cat(seqs).view({1, T}), flat_pos = at::cat(pos).view({1, T});
+    at::manual_seed(11);
+    const at::Tensor r = at::randn({T, D}, at::kDouble);
+    // hidden() (T, D) and the parameters' gradients of sum(hidden * r).
+    auto grads_of = [&](const std::function<at::Tensor()>& hidden) {
+      for (auto& p : model.parameters()) p.mutable_grad().reset();
+      at::Tensor h = hidden();
+      (h * r).sum().backward();
+      std::vector<at::Tensor> g;
+      for (const auto& p : model.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+      return std::make_pair(h.detach(), g);
+    };
+    const auto [want, want_g] = grads_of([&] {
+      std::vector<at::Tensor> rows;
+      for (int64_t s = 0; s < S; ++s)
+        rows.push_back(model.forward(seqs[s].view({1, -1}), arange_positions(1, lengths[s]), {})[0]);
+      return at::cat(rows);
+    });
+    const auto [got, got_g] = grads_of([&] { return model.forward_packed(flat, flat_pos, starts)[0]; });
+    const auto [one_seq, one_seq_g] = grads_of([&] { return model.forward_packed(flat, flat_pos, {0, T})[0]; });
+    RLT_EXPECT_CLOSE_REJECTING(got, one_seq, "attention over the sequence before", want, 1e-10, 0.0, c + " hidden");
+    ASSERT_EQ(got_g.size(), want_g.size());
+    int64_t rejected = 0;  // gradients the wrong twin moves past the bound
+    for (size_t i = 0; i < got_g.size(); ++i) {
+      ASSERT_EQ(got_g[i].defined(), want_g[i].defined()) << "param " << i;
+      if (!got_g[i].defined()) continue;
+      const double bound = 1e-6 * want_g[i].abs().max().item<double>();
+      RLT_EXPECT_CLOSE(got_g[i], want_g[i], bound, 0.0, c + " grad " + std::to_string(i));
+      rejected += !rlt::testing::close(one_seq_g[i], want_g[i], bound, 0.0, "");
+    }
+    EXPECT_GT(rejected, 0) << "the gradient bound accepts attention over the sequence before";
+    at::NoGradGuard ng;
+    const at::Tensor h = model.forward(padded, arange_positions(S, Lmax), at::Tensor());  // (S, Lmax, D)
+    for (int64_t s = 0; s < S; ++s) {
+      RLT_EXPECT_CLOSE(got.narrow(0, starts[s], lengths[s]), h[s].narrow(0, 0, lengths[s]), 1e-10, 0.0,
+                       c + " padded row " + std::to_string(s));
+    }
+  }
+  const Transformer model = Transformer::load(case_dir("qwen2").string(), at::kFloat, at::kCPU);
+  const at::Tensor four = at::zeros({1, 4}, at::kLong);
+  EXPECT_THROW(model.forward_packed(four, four, {0, 2, 2, 4}), c10::Error) << "an empty sequence";
+  EXPECT_THROW(model.forward_packed(four, four, {0, 3}), c10::Error) << "starts that stop short of T";
 }
 
 // The rollout's decode: a left-padded batch, prefilled with its padding mask, then one-token steps that
@@ -332,6 +404,85 @@ TEST(TransformerCuda, Bf16ParityWithTransformers) {
     at::Tensor bad = ours.clone();
     bad[0][0] = truth[0][0].item<double>() + 2 * bound;
     EXPECT_GT((bad - truth).abs().max().item<double>(), bound);
+  }
+}
+
+// The packed forward on the GPU in bf16 runs one variable-length flash kernel over every sequence. Ground
+// truth is each sequence's own forward in fp32 of the same weights; the packed bf16 hidden states must be
+// as accurate as the padded bf16 forward's (within 25% plus one bf16 ulp of the largest value), and so
+// must their parameter gradients (relative norm of the difference); attention over the sequence before
+// must fail both bounds.
+TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device gpu(at::kCUDA, 0);
+  for (const std::string c : {"qwen2", "llama_tied"}) {
+    SCOPED_TRACE(c);
+    const at::Tensor ids = tensor_of(reference(c)["ids"], at::kLong);
+    const std::vector<int64_t> lengths = {1, 9, 24, 3};
+    std::vector<int64_t> starts = {0};
+    std::vector<at::Tensor> seqs, pos;
+    for (size_t s = 0; s < lengths.size(); ++s) {
+      seqs.push_back(ids.roll(5 * static_cast<int64_t>(s)).narrow(0, 0, lengths[s]).to(gpu));
+      pos.push_back(at::arange(lengths[s], at::kLong).to(gpu));
+      starts.push_back(starts.back() + lengths[s]);
+    }
+    const int64_t T = starts.back();
+    const at::Tensor flat = at::cat(seqs).view({1, T}), flat_pos = at::cat(pos).view({1, T});
+    Transformer f32 = Transformer::load(case_dir(c).string(), at::kFloat, gpu);
+    Transformer bf16 = Transformer::load(case_dir(c).string(), at::kBFloat16, gpu);
+    for (auto& p : f32.parameters()) p.detach().copy_(p.to(at::kBFloat16).to(at::kFloat));  // the same weights
+    at::manual_seed(5);
+    const at::Tensor r = at::randn({T, f32.config().hidden_size}, at::TensorOptions().device(gpu));
+    // (hidden (T, D) fp32, gradients as fp32) of sum(hidden * r).
+    auto run = [&](Transformer& m, const std::function<at::Tensor()>& hidden) {
+      for (auto& p : m.parameters()) p.mutable_grad().reset();
+      at::Tensor h = hidden();
+      (h.to(at::kFloat) * r).sum().backward();
+      std::vector<at::Tensor> g;
+      for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().to(at::kFloat) : at::Tensor());
+      return std::make_pair(h.detach().to(at::kFloat), g);
+    };
+    auto alone = [&](Transformer& m) {
+      return [&] {
+        std::vector<at::Tensor> rows;
+        for (size_t s = 0; s < seqs.size(); ++s)
+          rows.push_back(m.forward(seqs[s].view({1, -1}), pos[s].view({1, -1}), {})[0]);
+        return at::cat(rows);
+      };
+    };
+    at::Tensor grid =
+        at::zeros({static_cast<int64_t>(seqs.size()), 24}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    for (size_t s = 0; s < seqs.size(); ++s) grid[s].narrow(0, 0, lengths[s]).copy_(seqs[s]);
+    const auto truth = run(f32, alone(f32));
+    const auto padded = run(bf16, [&] {  // right-padded rows, the real tokens
+      const at::Tensor h = bf16.forward(grid, arange_positions(grid.size(0), 24).to(gpu), at::Tensor());
+      std::vector<at::Tensor> rows;
+      for (size_t s = 0; s < seqs.size(); ++s) rows.push_back(h[s].narrow(0, 0, lengths[s]));
+      return at::cat(rows);
+    });
+    const auto packed = run(bf16, [&] { return bf16.forward_packed(flat, flat_pos, starts)[0]; });
+    const auto wrong = run(bf16, [&] { return bf16.forward_packed(flat, flat_pos, {0, T})[0]; });
+    auto err = [&](const at::Tensor& h) { return (h - truth.first).abs().max().item<double>(); };
+    const double bound = 1.25 * err(padded.first) + truth.first.abs().max().item<double>() / 256;
+    std::cout << "packed bf16 " << c << ": max |hidden error| packed " << err(packed.first) << ", padded "
+              << err(padded.first) << ", one sequence " << err(wrong.first) << "\n";
+    EXPECT_LE(err(packed.first), bound);
+    EXPECT_GT(err(wrong.first), bound) << "attention over the sequence before";
+    // Gradients: |g - truth| / |truth| over all parameters.
+    auto rel = [&](const std::vector<at::Tensor>& g) {
+      double d = 0, n = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        if (!g[i].defined()) continue;
+        d += (g[i] - truth.second[i]).pow(2).sum().item<double>();
+        n += truth.second[i].pow(2).sum().item<double>();
+      }
+      return std::sqrt(d / n);
+    };
+    const double gbound = 1.25 * rel(padded.second) + 1.0 / 256;
+    std::cout << "packed bf16 " << c << ": gradient relative error packed " << rel(packed.second) << ", padded "
+              << rel(padded.second) << ", one sequence " << rel(wrong.second) << "\n";
+    EXPECT_LE(rel(packed.second), gbound);
+    EXPECT_GT(rel(wrong.second), gbound) << "attention over the sequence before";
   }
 }
 
