@@ -6,30 +6,45 @@
 
 namespace rlt {
 
-PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device) {
+PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device, bool packed) {
   TORCH_CHECK(0 <= begin && begin < end && end <= static_cast<int64_t>(trajs.size()), "pack: bad range [", begin, ", ",
               end, ") of ", trajs.size());
   PackedBatch b;
   b.S = end - begin;
+  int64_t total = 0;  // the sequences' summed tokens
   for (int64_t s = begin; s < end; ++s) {
     b.L = std::max<int64_t>(b.L, trajs[s].window_end());
     b.R = std::max<int64_t>(b.R, static_cast<int64_t>(trajs[s].response_ids.size()));
+    total += trajs[s].window_end();
   }
   b.R = std::max<int64_t>(b.R, 1);
-  const int64_t S = b.S, L = b.L, R = b.R;
-  at::Tensor ids = at::zeros({S, L}, at::kLong), mask = at::zeros({S, R}, at::kFloat);
-  at::Tensor lp = at::zeros({S, R}, at::kFloat);
-  auto ids_a = ids.accessor<int64_t, 2>();
+  const int64_t S = b.S, R = b.R;
+  // Sequence s starts at row start[s] of the flattened (rows, cols) token grid.
+  const int64_t rows_n = packed ? 1 : S, cols = packed ? total : b.L;
+  at::Tensor ids = at::zeros({rows_n, cols}, at::kLong), pos = at::zeros({rows_n, cols}, at::kLong);
+  at::Tensor mask = at::zeros({S, R}, at::kFloat), lp = at::zeros({S, R}, at::kFloat);
+  int64_t* ids_p = ids.data_ptr<int64_t>();
+  int64_t* pos_p = pos.data_ptr<int64_t>();
   auto mask_a = mask.accessor<float, 2>(), lp_a = lp.accessor<float, 2>();
   std::vector<int64_t> rows, slots, sampled_rows, sampled_slots;  // the one row index, and its loss-mask subset
+  int64_t start = 0;
+  if (packed) b.starts.push_back(0);
   for (int64_t s = 0; s < S; ++s) {
     const Trajectory& t = trajs[begin + s];
     const auto all = t.ids();
-    for (size_t i = 0; i < all.size(); ++i) ids_a[s][i] = all[i];
-    const int64_t P = t.window_begin(), n = static_cast<int64_t>(t.response_ids.size());
+    const int64_t n = static_cast<int64_t>(all.size());
+    if (!packed) start = s * b.L;
+    for (int64_t i = 0; i < n; ++i) {
+      ids_p[start + i] = all[i];
+      pos_p[start + i] = i;
+    }
+    if (!packed) {
+      for (int64_t i = n; i < b.L; ++i) pos_p[start + i] = i;  // padding keeps counting (never scored)
+    }
+    const int64_t P = t.window_begin(), nr = static_cast<int64_t>(t.response_ids.size());
     TORCH_CHECK(P >= 1, "pack: a trajectory has an empty prompt");
-    for (int64_t j = 0; j < n; ++j) {
-      rows.push_back(s * L + P - 1 + j);
+    for (int64_t j = 0; j < nr; ++j) {
+      rows.push_back(start + P - 1 + j);
       slots.push_back(s * R + j);
       mask_a[s][j] = t.loss_mask[j];
       lp_a[s][j] = t.logprobs[j];
@@ -38,14 +53,20 @@ PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t en
         sampled_slots.push_back(slots.back());
       }
     }
+    if (packed) {
+      start += n;
+      b.starts.push_back(start);
+    }
   }
-  // Row t scores ids[t + 1]; the last column scores padding and is never listed.
-  at::Tensor targets = at::zeros({S, L}, at::kLong);
-  if (L > 1) targets.narrow(1, 0, L - 1).copy_(ids.narrow(1, 1, L - 1));
+  if (packed) b.L = total;
+  // Row t scores ids[t + 1]; the last token of each sequence scores what follows it and is never listed.
+  const int64_t T = rows_n * cols;
+  at::Tensor targets = at::zeros({T}, at::kLong);
+  if (T > 1) targets.narrow(0, 0, T - 1).copy_(ids.view({T}).narrow(0, 1, T - 1));
   auto index = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
   b.ids = ids.to(device);
-  b.positions = at::arange(L, at::kLong).view({1, L}).expand({S, L}).contiguous().to(device);
-  b.targets = targets.view({S * L}).to(device);
+  b.positions = pos.to(device);
+  b.targets = targets.to(device);
   b.response = {index(rows), index(slots)};
   b.sampled = {index(sampled_rows), index(sampled_slots)};
   b.loss_mask = mask.to(device);
@@ -59,11 +80,12 @@ at::Tensor to_response_layout(const at::Tensor& values, const ResponseRows& rows
 
 ResponseLogprobs response_logprobs(const Transformer& model, const PackedBatch& batch, const LossOptions& options) {
   ResponseLogprobs out;
-  out.hidden = model.forward(batch.ids, batch.positions, at::Tensor());  // (S, L, D)
+  out.hidden = batch.packed() ? model.forward_packed(batch.ids, batch.positions, batch.starts)  // (1, T, D)
+                              : model.forward(batch.ids, batch.positions, at::Tensor());        // (S, L, D)
   // loss.loss_mask_only: list the sampled tokens' rows only (tool output is never scored).
   const ResponseRows& listed = options.loss_mask_only ? batch.sampled : batch.response;
   LogprobInputs in;
-  in.hidden = out.hidden.reshape({batch.S * batch.L, out.hidden.size(2)});  // (T, D)
+  in.hidden = out.hidden.reshape({-1, out.hidden.size(2)});  // (T, D)
   in.lm_head = model.lm_head();
   in.targets = batch.targets;
   in.rows = listed.rows;

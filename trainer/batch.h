@@ -1,13 +1,16 @@
-// Trajectories -> a padded training batch, and per-token log-probs of its responses through the loss
-// module: the one function the old-policy, reference and update passes of GRPO and PPO all call.
+// Trajectories -> a training batch, and per-token log-probs of its responses through the loss module:
+// the one function the old-policy, reference and update passes of GRPO and PPO all call.
 //
-// Layout: S sequences right-padded to L tokens (prompt + response), flattened to T = S * L rows. Row t
-// scores ids[t + 1], so sequence s's response token j (at position P_s + j) is scored by row
-// s * L + P_s - 1 + j. Right padding keeps every real token's causal context free of padding, so the
-// forward needs no attention mask. The policy loss reads (S, R) response-aligned tensors, R the longest
-// response.
+// Two layouts, one row index. Padded: S sequences right-padded to L tokens (prompt + response),
+// flattened to T = S * L rows; sequence s starts at row s * L. Right padding keeps every real token's
+// causal context free of padding, so the forward needs no attention mask. Packed (train.pack_sequences):
+// the S sequences laid end to end in one row of T = their summed lengths, sequence s at tokens
+// [starts[s], starts[s + 1]), RoPE positions restarting at 0 in each, attention within each
+// (Transformer::forward_packed); no padding reaches a GEMM. Either way row t scores ids[t + 1], so
+// sequence s's response token j (at position P_s + j) is scored by row start_s + P_s - 1 + j. The
+// policy loss reads (S, R) response-aligned tensors, R the longest response.
 //
-// One row index links the two: for each response token, in (sequence, position) order, the row that
+// The row index links the two: for each response token, in (sequence, position) order, the row that
 // scores it and its slot s * R + j in the (S, R) layout. The loss module computes exactly those rows and
 // returns them in that order (loss/logprob.h); one index_copy places them in the (S, R) layout.
 #pragma once
@@ -29,23 +32,26 @@ struct ResponseRows {
 };
 
 struct PackedBatch {
-  at::Tensor ids;               // (S, L) int64, right-padded
-  at::Tensor positions;         // (S, L) int64
-  at::Tensor targets;           // (T) int64: ids shifted left by one (padding scores the pad id)
+  at::Tensor ids;               // (S, L) int64, right-padded; packed: (1, T)
+  at::Tensor positions;         // (S, L) int64; packed: (1, T), each sequence's from 0
+  std::vector<int64_t> starts;  // packed: S + 1 token offsets, from 0 to T; padded: empty
+  at::Tensor targets;           // (T) int64: ids shifted left by one (a row past its sequence is never listed)
   ResponseRows response;        // every response token (sampled or tool output)
   ResponseRows sampled;         // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
   at::Tensor loss_mask;         // (S, R) float: 1 = a sampled token that counts in the loss
   at::Tensor logprobs_rollout;  // (S, R) float: the rollout's sampling log-probs (0 on tool tokens and padding)
-  int64_t S = 0, L = 0, R = 0;
+  int64_t S = 0, L = 0, R = 0;  // packed: L = T, the tokens of the one row
+  bool packed() const { return !starts.empty(); }
 };
 
-// Packs trajectories [begin, end) of `trajs`; tensors on `device`.
-PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device);
+// Lays trajectories [begin, end) of `trajs` out, end to end (`packed`) or right-padded; tensors on `device`.
+PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device,
+                 bool packed = false);
 
 struct ResponseLogprobs {
   at::Tensor logprobs;  // (S, R) float32, differentiable when grad mode is on; 0 on slots not computed
   at::Tensor entropy;   // (S, R) float32 when options.entropy != none
-  at::Tensor hidden;    // (S, L, D) the decoder's output (PPO's value head reads it)
+  at::Tensor hidden;    // (S, L, D) the decoder's output, packed (1, T, D) (PPO's value head reads it by row)
 };
 
 // One forward of `model` over the batch and the loss module on its response rows: every response

@@ -136,7 +136,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
     // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or
     // with train.micro_batch_tokens each mini-batch longest first, under that token budget.
-    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens);
+    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
@@ -151,7 +151,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
     const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
+    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences));
 
     // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
     // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent. Off-policy,

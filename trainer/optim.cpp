@@ -83,21 +83,23 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 }
 
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
-                                                            int64_t micro, int64_t budget) {
+                                                            int64_t micro, int64_t budget, bool packed) {
   const int64_t S = static_cast<int64_t>(lengths.size());
   if (budget <= 0) return micro_batch_ranges(S, mini, micro);
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t mb = 0; mb < S; mb += mini) {
     const int64_t mb_end = std::min(S, mb + mini);
-    int64_t begin = mb, longest = 0;
+    int64_t begin = mb, longest = 0, sum = 0;
     for (int64_t i = mb; i < mb_end; ++i) {
       const int64_t rows = i - begin + 1, top = std::max(longest, lengths[i]);
-      if (rows > 1 && (rows > micro || rows * top > budget)) {
+      const int64_t tokens = packed ? sum + lengths[i] : rows * top;
+      if (rows > 1 && (rows > micro || tokens > budget)) {
         ranges.push_back({begin, i});
         begin = i;
-        longest = lengths[i];
+        longest = sum = lengths[i];
       } else {
         longest = top;
+        sum += lengths[i];
       }
     }
     ranges.push_back({begin, mb_end});
@@ -105,7 +107,7 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
   return ranges;
 }
 
-UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget) {
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed) {
   const int64_t S = static_cast<int64_t>(rb.trajs.size());
   TORCH_CHECK(rb.index.size() == rb.trajs.size(), "update_batch: one place per trajectory");
   UpdateBatch u;
@@ -129,7 +131,7 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
     }
     lengths = std::move(sorted);
   }
-  u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget);
+  u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget, packed);
   return u;
 }
 

@@ -74,11 +74,12 @@ StepShape step_shape(const Config& config, int world = 1);
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t mini, int64_t micro);
 
 // Micro-batch ranges under a token budget (train.micro_batch_tokens): mini-batches of `mini` sequences as
-// above, each cut where one more sequence would take its micro-batch past `budget` padded tokens (its rows
-// times its longest sequence, lengths[i] tokens each) or past `micro` rows; a sequence longer than the
-// budget makes a micro-batch of its own. budget 0: micro_batch_ranges(lengths.size(), mini, micro).
+// above, each cut where one more sequence would take its micro-batch past `budget` tokens or past `micro`
+// rows; a sequence longer than the budget makes a micro-batch of its own. A micro-batch's tokens, lengths[i]
+// a sequence: padded, its rows times its longest sequence; packed (train.pack_sequences), their sum.
+// budget 0: micro_batch_ranges(lengths.size(), mini, micro).
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
-                                                            int64_t micro, int64_t budget);
+                                                            int64_t micro, int64_t budget, bool packed = false);
 
 // The update's view of a step's batch: its trajectories and their places among the step's (rb.index), in
 // the order the update takes them, and its micro-batch ranges over that order. With a token budget
@@ -91,11 +92,11 @@ struct UpdateBatch {
   std::vector<std::pair<int64_t, int64_t>> micro_ranges;
 
  private:
-  friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget);
+  friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed);
   const std::vector<Trajectory>* source_ = nullptr;
   std::vector<Trajectory> reordered_;
 };
-UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget);
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed = false);
 
 // The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
 // micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).

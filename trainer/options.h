@@ -129,6 +129,8 @@ struct TrainOptions {
   // > 0: micro-batches of at most this many padded tokens (rows x the longest), each mini-batch's sequences
   // longest first; micro_batch_size still caps the rows.
   int64_t micro_batch_tokens = 0;
+  // Micro-batches lay their sequences end to end, with no padding (trainer/batch.h); off: right-padded rows.
+  bool pack_sequences = false;
   OldLogprobs old_logprobs = OldLogprobs::kRollout;
   // The first step above it warns once, and the run recomputes from the next step on. 1e-3 sits between
   // the two measured regimes: fp32 about 2e-7 (tests/trainer/test_trainer.cpp), bf16 on the H200 7.7e-3
@@ -188,8 +190,11 @@ struct TrainOptions {
     v("micro_batch_size", micro_batch_size, "sequences per forward/backward (gradient accumulation)",
       FieldRange{1, 1e9});
     v("micro_batch_tokens", micro_batch_tokens,
-      "padded tokens per forward/backward, each mini-batch longest first (micro_batch_size caps the rows); 0 = off",
+      "tokens per forward/backward (padded: rows x the longest), each mini-batch longest first (micro_batch_size "
+      "caps the rows); 0 = off",
       FieldRange{0, 1e12});
+    v("pack_sequences", pack_sequences,
+      "forwards take their sequences end to end with no padding (varlen attention); false = right-padded rows");
     v("old_logprobs", old_logprobs,
       "off-policy old log-probs: rollout (the sampler's, no scoring forward) | recompute (a scoring forward)");
     v("old_logprobs_tol", old_logprobs_tol,

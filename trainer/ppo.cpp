@@ -134,11 +134,11 @@ std::map<std::string, double> train_ppo(Run& run) {
     RolloutBatch rb = collect_rollouts(run);
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
-    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens);
+    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
     const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device));
+    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences));
 
     // 2. Scoring: old values and the policy's log-probs from one forward; reference log-probs. The values
     // need the forward whatever train.old_logprobs says, so the rollout's old log-probs save nothing here:

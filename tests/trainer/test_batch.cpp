@@ -8,6 +8,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "data/tokenizer.h"
@@ -90,6 +91,63 @@ TEST(Batch, RowIndexLinksEachResponseTokenToItsScoringRow) {
       RLT_EXPECT_CLOSE_REJECTING(got, logprobs(model, off_row, o), "row t + 1", want, 1e-5, 0.0, what);
       EXPECT_TRUE(rlt::testing::rejects(logprobs(model, dropped, o), want, 1e-5, 0.0, what, "last token dropped"));
       EXPECT_TRUE(rlt::testing::rejects(logprobs(model, swapped, o), want, 1e-5, 0.0, what, "slots swapped"));
+    }
+  }
+}
+
+// The packed layout (train.pack_sequences): the same trajectories and a one-token sequence laid end to end.
+// Its row index, RoPE positions restarting in each sequence, and log-probs, loss and parameter gradients
+// equal to the padded layout's in fp32. Wrong twins: a boundary row off by one (sequence 1's rows as if it
+// started a token later), and positions running on across sequences.
+TEST(Batch, PackedSequencesGiveThePaddedLogprobsLossAndGradients) {
+  Transformer model(testing::tiny_llama(50), at::kFloat, at::kCPU, /*seed=*/5);
+  auto trajs = trajectories();
+  trajs.push_back(Trajectory{});
+  trajs.back().prompt_ids = {1};  // one token, nothing scored
+  const PackedBatch padded = pack(trajs, 0, 4, at::kCPU), b = pack(trajs, 0, 4, at::kCPU, /*packed=*/true);
+  ASSERT_TRUE(b.packed());
+  EXPECT_EQ(b.starts, (std::vector<int64_t>{0, 7, 13, 21, 22}));
+  EXPECT_EQ(b.ids.sizes(), (std::vector<int64_t>{1, 22}));
+  EXPECT_EQ(b.L, 22);
+  // Rows start_s + P_s - 1 + j; slots and the loss mask as in the padded layout.
+  EXPECT_TRUE(at::equal(b.response.rows, at::tensor({2, 3, 4, 5, 11, 14, 15, 16, 17, 18, 19}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.response.slots, padded.response.slots));
+  EXPECT_TRUE(at::equal(b.sampled.slots, padded.sampled.slots));
+  EXPECT_TRUE(at::equal(b.loss_mask, padded.loss_mask));
+  const at::Tensor restart =
+      at::cat({at::arange(7), at::arange(6), at::arange(8), at::arange(1)}).to(at::kLong).view({1, 22});
+  EXPECT_TRUE(at::equal(b.positions, restart));
+  EXPECT_FALSE(at::equal(at::arange(22, at::kLong).view({1, 22}), restart)) << "positions running across";
+  for (int64_t s = 0; s < 4; ++s) {
+    const auto ids = trajs[s].ids();
+    EXPECT_TRUE(at::equal(b.ids[0].narrow(0, b.starts[s], b.starts[s + 1] - b.starts[s]), at::tensor(ids, at::kLong)));
+  }
+
+  PackedBatch off_row = b;  // sequence 1's row one token on
+  off_row.response.rows = b.response.rows.clone();
+  off_row.response.rows[4] = b.response.rows[4].item<int64_t>() + 1;
+  for (auto impl : {LogprobImpl::kSelective, LogprobImpl::kCce}) {
+    LossOptions o;
+    o.impl = impl;
+    const std::string what = enum_to_string(impl);
+    // Log-probs, the loss -sum(mask * logp) and the gradients of every parameter, in each layout.
+    auto run = [&](const PackedBatch& x) {
+      for (auto& p : model.parameters()) p.mutable_grad().reset();
+      const ResponseLogprobs r = response_logprobs(model, x, o);
+      const at::Tensor loss = -(r.logprobs * x.loss_mask).sum();
+      loss.backward();
+      std::vector<at::Tensor> g;
+      for (const auto& p : model.parameters()) g.push_back(p.grad().clone());
+      return std::make_tuple(r.logprobs.detach(), loss.item<double>(), g);
+    };
+    const auto [want, want_loss, want_g] = run(padded);
+    const auto [got, got_loss, got_g] = run(b);
+    const auto [wrong, wrong_loss, wrong_g] = run(off_row);
+    RLT_EXPECT_CLOSE_REJECTING(got, wrong, "a boundary row off by one", want, 1e-6, 0.0, what + " log-probs");
+    EXPECT_NEAR(got_loss, want_loss, 1e-5) << what;
+    EXPECT_GT(std::abs(wrong_loss - want_loss), 1e-3) << what << ": the off-by-one row moves the loss";
+    for (size_t i = 0; i < got_g.size(); ++i) {
+      RLT_EXPECT_CLOSE(got_g[i], want_g[i], 1e-6, 1e-5, what + " grad " + std::to_string(i));
     }
   }
 }

@@ -219,6 +219,10 @@ TEST(MicroBatches, TokenBudgetsHoldEverySequenceOnceWithinTheBudget) {
   }
   for (int n : seen) EXPECT_EQ(n, 1);
   EXPECT_EQ(micro_batch_ranges(lengths, mini, micro, 0), micro_batch_ranges(9, mini, micro));
+  // Packed (train.pack_sequences), a micro-batch holds its summed lengths: [0,1) 90 (90 + 40 > 100); [1,4)
+  // 40 + 30 + 30 = 100; [4,5); 200 alone; [6,9) 45. The padded count cuts [1,3) there.
+  const std::vector<std::pair<int64_t, int64_t>> packed = {{0, 1}, {1, 4}, {4, 5}, {5, 6}, {6, 9}};
+  EXPECT_EQ(micro_batch_ranges(lengths, mini, micro, budget, /*packed=*/true), packed);
   // The update's order: each mini-batch longest first, its sequences kept, each place moved with its
   // trajectory; without a budget, the batch as it is.
   RolloutBatch rb;
@@ -805,6 +809,38 @@ TEST(MicroBatches, ATokenBudgetTrainsTheFirstStepAsRowCountsDo) {
     EXPECT_NEAR(m[1]["loss"], m[0]["loss"], 1e-6) << (ppo ? "ppo" : "grpo");
     EXPECT_NEAR(m[1]["grad_norm"], m[0]["grad_norm"], 1e-4 * m[0]["grad_norm"]) << (ppo ? "ppo" : "grpo");
     EXPECT_GT(std::abs(m[0]["loss"]), 1e-4) << "an off-policy pass: the loss is not trivially 0";
+  }
+}
+
+// Packed micro-batches (train.pack_sequences, 60 tokens each) against right-padded rows of 2 on the same
+// first RL step, GRPO and PPO (whose value head reads the packed hidden states by row): the same loss,
+// value loss, log-prob mean and gradient norm. One mini-batch in one pass, so that every forward runs on the
+// rollout's weights: after an optimizer step AdamW's first update, about lr times the sign of each gradient element,
+// turns the layouts' float32 rounding in near-zero elements into differences of 2 lr. The warm-up that
+// make_run trains keeps one layout, so both runs start from the same weights.
+TEST(MicroBatches, PackedMicroBatchesTrainTheFirstStepAsPaddedRowsDo) {
+  TempDir tmp("micro_packed");
+  for (bool ppo : {false, true}) {
+    std::vector<std::map<std::string, double>> m;
+    for (bool packed : {false, true}) {
+      Config c = varied_first_step_config(/*steps=*/1);
+      c.train.mini_batch_size = 0;  // all, in one pass
+      c.train.num_iterations = 1;
+      c.train.micro_batch_tokens = packed ? 60 : 0;
+      c.train.micro_batch_size = packed ? 8 : 2;
+      rlt::Run run = make_run(c, (tmp.path() / (std::to_string(ppo) + "_" + std::to_string(packed))).string(), false,
+                              ppo ? value_head_params() : ExtraParams{});
+      run.config.train.pack_sequences = packed;
+      m.push_back(ppo ? train_ppo(run) : train_grpo(run));
+    }
+    const std::string what = ppo ? "ppo" : "grpo";
+    ASSERT_GT(m[0]["reward_std"], 0) << "the first step needs unequal rewards for a non-zero gradient";
+    EXPECT_EQ(m[1]["reward_mean"], m[0]["reward_mean"]) << what << ": the same rollout";
+    EXPECT_NEAR(m[1]["loss"], m[0]["loss"], 1e-6) << what;
+    EXPECT_NEAR(m[1]["logprob_mean"], m[0]["logprob_mean"], 1e-6) << what;
+    EXPECT_NEAR(m[1]["grad_norm"], m[0]["grad_norm"], 1e-4 * m[0]["grad_norm"]) << what;
+    EXPECT_GT(m[0]["grad_norm"], 1e-3) << what << ": a gradient to compare";
+    if (ppo) EXPECT_NEAR(m[1]["value_loss"], m[0]["value_loss"], 1e-6) << what;
   }
 }
 
