@@ -459,6 +459,19 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
     x.train.micro_batch_size = mu;
     fits.push_back("train.micro_batch_size: " + std::to_string(mu) + " (" + gib(planned(x)) + " GiB)");
   }
+  // A token budget under the micro-batch's tokens (train.micro_batch_tokens): the largest on a 1,024-token grid
+  // that fits, when it holds more than one sequence of rollout.max_context.
+  const int64_t tokens_now = c.train.micro_batch_tokens > 0
+                                 ? std::min(c.train.micro_batch_tokens, micro * c.rollout.max_context)
+                                 : micro * c.rollout.max_context;
+  const int64_t bt = most_rows_that_fit(c, m, world, device_bytes, tokens_now,
+                                        [](Config& x, int64_t n) { x.train.micro_batch_tokens = n; }) /
+                     1024 * 1024;
+  if (bt > c.rollout.max_context) {
+    Config x = c;
+    x.train.micro_batch_tokens = bt;
+    fits.push_back("train.micro_batch_tokens: " + std::to_string(bt) + " (" + gib(planned(x)) + " GiB)");
+  }
   if (fits.empty()) {
     // No change alone: the one that saves most, then the next on top of it, ..., then the most cache rows
     // that fit under them; then each change is dropped again where the rest fits without it.

@@ -417,6 +417,23 @@ TEST(MemoryPlan, RefusesAPlanOverTheDeviceAndSuggestsWhatFits) {
   EXPECT_LE(plan_memory(load_config("", lora), m, 1).device_total(), 60 * kGiB);
   EXPECT_EQ(refusal(lora, m, 1, 60 * kGiB), "");
 
+  // Micro-batches of 128 sequences of 4,096 tokens under LoRA on 60 GiB: a token budget is suggested, and it is
+  // the largest on its 1,024-token grid (1,024 more does not fit).
+  std::vector<std::string> wide = lora;
+  wide.push_back("train.micro_batch_size=128");
+  const std::string msg_wide = refusal(wide, m, 1, 60 * kGiB);
+  ASSERT_FALSE(msg_wide.empty()) << "128 checkpointed sequences of 4,096 tokens";
+  std::cout << msg_wide << "\n";
+  int64_t budget = 0;
+  for (const std::string& fix : suggested_overrides(msg_wide)) {
+    if (fix.rfind("train.micro_batch_tokens=", 0) == 0) budget = std::stoll(fix.substr(fix.find('=') + 1));
+  }
+  ASSERT_GT(budget, 4096) << msg_wide;
+  EXPECT_EQ(budget % 1024, 0);
+  std::vector<std::string> more = wide;
+  more.push_back("train.micro_batch_tokens=" + std::to_string(budget + 1024));
+  EXPECT_NE(refusal(more, m, 1, 60 * kGiB), "") << "a larger budget fits: the suggestion is not the largest";
+
   // Over eight ranks, a shard stage is among the suggestions, and every suggestion fits.
   const std::string msg8 = refusal(base, m, 8, 80 * kGiB);
   ASSERT_FALSE(msg8.empty());
