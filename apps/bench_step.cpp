@@ -98,39 +98,6 @@ struct Cell {
   json top = json::array();                      // the activities that took the most time, per step
 };
 
-struct TraceStats {
-  int64_t activities = 0;
-  double busy_ms = 0;
-  std::map<std::string, std::pair<int64_t, double>> by_name;  // activity -> count, ms
-};
-
-// Device activities of a finished Kineto profile and the union of their intervals.
-TraceStats device_activity(const torch::autograd::profiler::ProfilerResult& result) {
-  TraceStats t;
-  std::vector<std::pair<uint64_t, uint64_t>> iv;
-  for (const auto& e : result.events()) {
-    if (e.deviceType() != c10::DeviceType::CUDA || e.durationNs() == 0) continue;
-    iv.emplace_back(e.startNs(), e.startNs() + e.durationNs());
-    auto& [count, ms] = t.by_name[e.name().substr(0, 90)];
-    count += 1;
-    ms += double(e.durationNs()) / 1e6;
-  }
-  std::sort(iv.begin(), iv.end());
-  t.activities = static_cast<int64_t>(iv.size());
-  uint64_t end = 0, total = 0;
-  for (const auto& [s, e] : iv) {
-    if (s >= end) {
-      total += e - s;
-      end = e;
-    } else if (e > end) {
-      total += e - end;
-      end = e;
-    }
-  }
-  t.busy_ms = double(total) / 1e6;
-  return t;
-}
-
 Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C, int steps, int reps, int trace_steps,
               int top_kernels, const EngineSwitches& switches) {
   at::NoGradGuard ng;
@@ -165,25 +132,16 @@ Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C,
   Cell cell;
   cell.ms = per_step[per_step.size() / 2];
   if (trace_steps > 0 && dev.is_cuda()) {
-    namespace prof = torch::autograd::profiler;
-    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
-    const std::set<torch::profiler::impl::ActivityType> acts{torch::profiler::impl::ActivityType::CPU,
-                                                             torch::profiler::impl::ActivityType::CUDA};
-    prof::prepareProfiler(config, acts);
-    prof::enableProfiler(config, acts);
-    for (int i = 0; i < trace_steps; ++i) step();
-    device_synchronize(dev);
-    const TraceStats t = device_activity(*prof::disableProfiler());
+    const DeviceTrace t = trace_device(dev, [&] {
+      for (int i = 0; i < trace_steps; ++i) step();
+    });
     cell.kernels = double(t.activities) / trace_steps;
     cell.busy_ms = t.busy_ms / trace_steps;
     cell.idle_ms = std::max(0.0, cell.ms - cell.busy_ms);
-    std::vector<std::pair<double, std::string>> order;
-    for (const auto& [name, v] : t.by_name) order.emplace_back(v.second, name);
-    std::sort(order.rbegin(), order.rend());
-    for (size_t i = 0; i < order.size() && i < static_cast<size_t>(top_kernels); ++i) {
-      const auto& [count, ms] = t.by_name.at(order[i].second);
+    for (const std::string& name : t.top(static_cast<size_t>(top_kernels))) {
+      const auto& [count, ms] = t.by_name.at(name);
       cell.top.push_back(
-          {{"name", order[i].second}, {"per_step", double(count) / trace_steps}, {"ms_per_step", ms / trace_steps}});
+          {{"name", name}, {"per_step", double(count) / trace_steps}, {"ms_per_step", ms / trace_steps}});
     }
   }
   return cell;
