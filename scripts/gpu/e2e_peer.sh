@@ -2,10 +2,11 @@
 # The end-to-end peer on one GPU, one command: grpo_train --config configs/retool.yaml with tools off beside
 # TRL's GRPOTrainer (scripts/bench_grpo_peer.py, transformers generate), on the same random
 # Qwen2.5-0.5B-shaped checkpoint (scripts/gpu/random_qwen.sh), the same prompts rendered by the same chat
-# template, G, max new tokens, micro-batch, optimizer and loss settings. Per run: the steady-state step
-# time and sampled tokens/s (the mean over the steps after the first), and the GPU's peak memory.used
-# (nvidia-smi, sampled every 100 ms: the whole process, caching allocator and CUDA context included, the
-# same reading for both). summary.json holds both sides and the ratios; raw.tgz the logs, metrics and
+# template, G, max new tokens, optimizer and loss settings; TRL takes MICRO sequences a micro-batch, ours the
+# recipe's packed token-budget micro-batches (OURS_MICRO=n: n padded sequences a micro-batch instead). Per
+# run: the steady-state step time and sampled tokens/s (the mean over the steps after the first), and the
+# GPU's peak memory.used (nvidia-smi, sampled every 100 ms: the whole process, caching allocator and CUDA
+# context included, the same reading for both). summary.json holds both sides and the ratios; raw.tgz the logs, metrics and
 # memory samples.
 #
 # Needs the wheels of TRL and of its dependencies the host lacks in .gpu/wheels, installed into /tmp/site;
@@ -13,7 +14,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/wheels \
 #     trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Environment (defaults: configs/retool.yaml's step shape):
-#   PROMPTS=32 SAMPLES=8 NEW_TOKENS=512 MICRO=8 STEPS=3   prompts a step, G, max new tokens, micro-batch, steps
+#   PROMPTS=32 SAMPLES=8 NEW_TOKENS=512 MICRO=8 STEPS=3   prompts a step, G, max new tokens, TRL's micro-batch,
+#                  steps
 #   DATA=data/dapo-math-17k-200.jsonl ANSWER_KEY=label    the prompts and their answer key
 #   CKPT=dir       a checkpoint folder instead of the random one (a Qwen/Llama HF folder with its tokenizer)
 #   ASYNC=1        also ours with --set train.async=one_step
@@ -96,8 +98,11 @@ ours=(build-gpu/bin/grpo_train --config configs/retool.yaml --set model.path="$c
       --set data.answer_key="$answer_key" --set rollout.tools=false --set reward.kind=boxed
       --set "chat.system=$system" --set sampling.max_new_tokens="$new_tokens"
       --set sampling.samples_per_prompt="$samples" --set train.prompts_per_step="$prompts"
-      --set train.micro_batch_size="$micro" --set train.steps="$steps" --set train.checkpoint_every=0
+      --set train.steps="$steps" --set train.checkpoint_every=0
       --set data.eval_path= --set train.eval_prompts=0)
+if [ -n "${OURS_MICRO:-}" ]; then
+  ours+=(--set train.micro_batch_size="$OURS_MICRO" --set train.micro_batch_tokens=0 --set train.pack_sequences=false)
+fi
 # shellcheck disable=SC2206  # OURS_SET and PEER_ARGS are lists of words
 extra=(${OURS_SET:-}) peer_extra=(${PEER_ARGS:-})
 runs=(ours_sync)
