@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
                                                   : static_cast<int64_t>(t.response_ids.size());
         work.push_back({t.window_end(), scored});
       }
-      const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing);
+      const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing ? mc.num_layers : 0);
       const double tflops = flops.model / (ms / 1000) / 1e12, mfu = peak > 0 ? flops.model / (ms / 1000) / peak : 0;
       std::cout << std::left << std::setw(28) << s.name << std::setw(8) << (packed ? "packed" : "padded") << std::right
                 << std::fixed << std::setprecision(1) << std::setw(10) << ms << std::setw(12) << std::setprecision(0)

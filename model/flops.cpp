@@ -27,14 +27,16 @@ ForwardFlops forward_flops(const ModelConfig& c, const SequenceWork& s) {
 }
 
 PassFlops training_flops(const ModelConfig& c, const std::vector<SequenceWork>& seqs, bool weight_grads,
-                         bool recompute) {
+                         int64_t recomputed_layers) {
   PassFlops p;
   const double products_backward = weight_grads ? 2.0 : 1.0;
+  const double share =
+      c.num_layers > 0 ? double(std::clamp<int64_t>(recomputed_layers, 0, c.num_layers)) / c.num_layers : 0;
   for (const SequenceWork& s : seqs) {
     const ForwardFlops f = forward_flops(c, s);
     const double pass = (f.projections + f.head) * (1.0 + products_backward) + f.attention * 3.0;
     p.model += pass;
-    p.hardware += pass + (recompute ? f.layers() : 0.0);
+    p.hardware += pass + share * f.layers();
   }
   return p;
 }

@@ -31,12 +31,13 @@ ForwardFlops forward_flops(const ModelConfig& c, const SequenceWork& s);
 // One forward and backward over the sequences. The backward of a product takes twice its forward (the
 // input's gradient and the weight's), once where the weights are frozen (LoRA: the input's gradient
 // alone); attention's backward twice its forward. `model`: that work (model FLOPs, what MFU counts);
-// `hardware`: plus the layers' forward again where activation checkpointing recomputes it.
+// `hardware`: plus the forward again of the `recomputed_layers` layers that activation checkpointing
+// recomputes (their share of the layers' forward: sliding-window layers weigh as the others).
 struct PassFlops {
   double model = 0, hardware = 0;
 };
 PassFlops training_flops(const ModelConfig& c, const std::vector<SequenceWork>& seqs, bool weight_grads,
-                         bool recompute);
+                         int64_t recomputed_layers);
 
 // The dense bf16 tensor-core rate of a GPU (FLOP/s, float32 accumulation) from its name as CUDA reports
 // it, for the NVIDIA data-center parts in docs/training.md's table; 0 for any other.

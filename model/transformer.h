@@ -129,8 +129,12 @@ class Transformer {
   at::Tensor lora_rng_state() const;
   void set_lora_rng_state(const at::Tensor& state);
   // Recompute each layer's activations in the backward instead of storing them (reentrant: parameter
-  // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it).
-  void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  // gradients accumulate in .grad during backward(); torch::autograd::grad cannot see through it); with
+  // `layers` >= 0, only the first `layers` layers do, and the rest keep their activations.
+  void set_activation_checkpointing(bool on, int64_t layers = -1) {
+    checkpointing_ = on;
+    checkpoint_layers_ = layers;
+  }
   // Weights held elsewhere between forwards (WeightResidency); nullptr: always here. Copies share it, clones
   // do not.
   void set_residency(WeightResidency* r) { residency_ = r; }
@@ -201,6 +205,7 @@ class Transformer {
   std::vector<Layer> layers_;
   std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
   bool checkpointing_ = false;
+  int64_t checkpoint_layers_ = -1;  // the checkpointed layers are [0, this); -1: every layer
   bool fused_kernels_ = kFusedKernelsByDefault;
   WeightResidency* residency_ = nullptr;
   LoraOptions lora_;        // the adapters' options; rank 0: none

@@ -58,7 +58,8 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 }  // namespace
 
 at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const {
-  if (!checkpointing_ || p.cache || !at::GradMode::is_enabled()) {
+  const bool checkpointed = checkpointing_ && (checkpoint_layers_ < 0 || i < checkpoint_layers_);
+  if (!checkpointed || p.cache || !at::GradMode::is_enabled()) {
     // A layer's weights go back after it: its graph must not need them (no grad, or a recompute below).
     TORCH_CHECK(!residency_ || !at::GradMode::is_enabled(),
                 "a forward with gradients over sharded weights needs activation checkpointing");

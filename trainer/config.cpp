@@ -31,6 +31,9 @@ void check_sections(const ConfigReader<Config>& r) {
     r.fail("train.shard",
            "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
   }
+  if (c.train.shard == ShardStage::kParameters && c.model.checkpoint_layers >= 0) {
+    r.fail("model.checkpoint_layers", "train.shard parameters recomputes every layer: leave it at -1");
+  }
   const bool sharded = c.train.shard != ShardStage::kNone || c.train.offload != Offload::kNone;
   if (sharded && c.train.master_weights == MasterWeights::kNone && c.model.dtype == DType::kBFloat16) {
     r.fail("train.master_weights", "the sharded state (train.shard, train.offload) always keeps fp32 masters");

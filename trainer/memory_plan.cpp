@@ -185,7 +185,7 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   if (c.train.micro_batch_tokens > 0) T = std::min(T, std::max(c.train.micro_batch_tokens, c.rollout.max_context));
   const int64_t D = m.hidden_size, F = m.intermediate_size, layers = m.num_layers;
   const int64_t per_layer = layer_bytes_per_token(c, m, s, cpu);
-  const bool ckpt = c.model.activation_checkpointing;
+  const int64_t ckpt = checkpointed_layers(c.model, layers);  // the first ckpt layers save their input only
   // Saved through the whole backward: every layer's activations (with checkpointing, each layer's input,
   // which CheckpointFn saves), the RoPE cos/sin tables, and the attention masks forward() builds when
   // SDPA cannot run causal alone (soft-capping, or a sliding window shorter than the context): the full
@@ -195,11 +195,19 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   const bool sliding = m.sliding_window > 0 && S > m.sliding_window;
   const int64_t G = m.num_heads / std::max<int64_t>(1, m.num_kv_heads);
   const int64_t masks = m.attn_softcap > 0 || sliding ? 2 * S * (cpu ? 1 : s) * (m.attn_softcap > 0 ? 1 : G) : 0;
-  const int64_t saved = T * ((ckpt ? layers * s * D : layers * per_layer) + 2 * s * m.head_dim + masks);
+  const int64_t kept = T * (2 * s * m.head_dim + masks);
+  const int64_t saved = T * (ckpt * s * D + (layers - ckpt) * per_layer) + kept;
   const int64_t head = T * (norm_saved(D, s) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
-  const int64_t recompute = ckpt ? per_layer - (s == 4 ? 4 * D : 0) : 0;
-  const int64_t layer = T * (recompute + 2 * s * F + 2 * s * D);
-  return saved + std::max(head, layer);
+  const int64_t working = T * (2 * s * F + 2 * s * D);
+  // The backward meets a layer that kept its activations with everything saved; the last checkpointed
+  // layer (ckpt - 1) after the kept ones have freed theirs, with its recompute on top.
+  int64_t peak = saved + std::max(head, ckpt < layers ? working : int64_t{0});
+  if (ckpt > 0) {
+    const int64_t recompute = T * (per_layer - (s == 4 ? 4 * D : 0));
+    const int64_t at_checkpointed = ckpt == layers ? saved : T * ckpt * s * D + kept;
+    peak = std::max(peak, at_checkpointed + std::max(ckpt == layers ? head : int64_t{0}, recompute + working));
+  }
+  return peak;
 }
 
 // The sequences one rank's training rollout has in play: its share of the step's, and with rollout.partial
@@ -528,6 +536,26 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
     for (const auto& f : fits) msg << "\n  " << f;
   }
   throw RunError(msg.str());
+}
+
+int64_t fewest_checkpointed_layers(const Config& c, const ModelConfig& m, int world, int64_t device_bytes) {
+  const int64_t layers = m.num_layers;
+  if (device_bytes <= 0 || checkpointed_layers(c.model, layers) < layers || layers == 0) return -1;
+  auto fits = [&](int64_t n) {
+    Config x = c;
+    x.model.checkpoint_layers = n;
+    return plan_memory(x, m, world).device_total() <= device_bytes / 10 * 9;
+  };
+  if (!fits(layers)) return -1;
+  int64_t lo = 0, hi = layers;  // hi fits; find the fewest that does (the plan shrinks as n grows)
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return hi < layers ? hi : -1;
 }
 
 int64_t device_memory_bytes(const at::Device& device) {

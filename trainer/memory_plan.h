@@ -78,6 +78,12 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
 // one does). device_bytes <= 0: no check (the CPU).
 void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfig& m, int world, int64_t device_bytes);
 
+// With every layer checkpointed (model.activation_checkpointing, model.checkpoint_layers -1), the fewest
+// checkpointed layers whose plan still fits in 90% of device_bytes (the plan is an estimate: the margin
+// keeps the hint off the edge): a shorter update, each layer not recomputed; -1 when no fewer fit, or
+// nothing is checkpointed, or device_bytes <= 0.
+int64_t fewest_checkpointed_layers(const Config& c, const ModelConfig& m, int world, int64_t device_bytes);
+
 // Bytes this process may use on `device`: a CUDA device's free memory plus what the caching allocator
 // already holds for this process. 0 for the CPU (check_memory_plan then checks nothing).
 int64_t device_memory_bytes(const at::Device& device);

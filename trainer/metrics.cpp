@@ -172,8 +172,8 @@ std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tens
                                                    : row[s][kResponseTokens]);
   }
   const Transformer& m = *run.model.policy;
-  const PassFlops pass =
-      training_flops(m.config(), seqs, /*weight_grads=*/!m.has_lora(), run.config.model.activation_checkpointing);
+  const PassFlops pass = training_flops(m.config(), seqs, /*weight_grads=*/!m.has_lora(),
+                                        checkpointed_layers(run.config.model, m.config().num_layers));
   const double iterations = double(run.config.train.num_iterations);
   std::map<std::string, double> out = {{"update_flops", pass.model * iterations}};
   const double peak = rank_peak_flops(run);

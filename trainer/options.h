@@ -23,6 +23,10 @@ struct ModelOptions {
   std::string device = "cpu";
   DType dtype = DType::kFloat32;
   bool activation_checkpointing = false;
+  // With activation_checkpointing: the layers, from the first, that recompute their activations in the
+  // backward; -1 = every layer. The first ones: their backward comes last, after the others' saved
+  // activations are freed.
+  int64_t checkpoint_layers = -1;
   // A new model (when path is empty): llama-style decoder, its vocabulary the tokenizer's.
   int64_t init_hidden = 128;
   int64_t init_layers = 4;
@@ -39,6 +43,9 @@ struct ModelOptions {
     v("device", device, "cpu | cuda | cuda:N");
     v("dtype", dtype, "parameters and activations: float32 | bfloat16 (log-probs are always fp32)");
     v("activation_checkpointing", activation_checkpointing, "recompute layer activations in the backward");
+    v("checkpoint_layers", checkpoint_layers,
+      "with activation_checkpointing: the first N layers recompute theirs, the rest keep them; -1 = every layer",
+      FieldRange{-1, 1e6});
     v("init_hidden", init_hidden, "new model: hidden size", FieldRange{8, 1e5});
     v("init_layers", init_layers, "new model: layers", FieldRange{1, 1000});
     v("init_heads", init_heads, "new model: attention heads", FieldRange{1, 1000});
@@ -52,6 +59,13 @@ struct ModelOptions {
     if (device != "cpu" && device.rfind("cuda", 0) != 0) fail("device", "must be cpu, cuda or cuda:N");
   }
 };
+
+// The layers a training forward checkpoints: the first model.checkpoint_layers (every one at -1) with
+// model.activation_checkpointing, else none.
+inline int64_t checkpointed_layers(const ModelOptions& m, int64_t num_layers) {
+  if (!m.activation_checkpointing) return 0;
+  return m.checkpoint_layers < 0 || m.checkpoint_layers > num_layers ? num_layers : m.checkpoint_layers;
+}
 
 // Where prompts come from.
 enum class PromptSource { kSynthetic, kJsonl };

@@ -77,7 +77,16 @@ void check_memory(const Run& run, const ModelConfig& mc) {
                    " MiB and its device has " + std::to_string(device_bytes >> 20) + " MiB:\n" + plan.table() +
                    "fewer rows fit: lower rollout.max_batch, or add rollout ranks (train.rollout_ranks)");
   }
-  if (!run.rollout_rank) check_memory_plan(plan, run.config, mc, world, device_bytes);
+  if (run.rollout_rank) return;
+  check_memory_plan(plan, run.config, mc, world, device_bytes);
+  const int64_t fewer = fewest_checkpointed_layers(run.config, mc, world, device_bytes);
+  if (fewer >= 0 && run.lead()) {
+    Config x = run.config;
+    x.model.checkpoint_layers = fewer;
+    std::cerr << "fewer checkpointed layers fit: model.checkpoint_layers: " << fewer << " of " << mc.num_layers
+              << " plans " << (plan_memory(x, mc, world).device_total() >> 20) << " MiB of the device's "
+              << (device_bytes >> 20) << " (a shorter update: those layers are not recomputed)\n";
+  }
 }
 
 // The rollout's model-side settings.
@@ -221,7 +230,11 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                    " pieces, more than the model's vocabulary of " +
                    std::to_string(run.model.policy->config().vocab_size));
   }
-  run.model.policy->set_activation_checkpointing(config.model.activation_checkpointing);
+  if (config.model.checkpoint_layers > run.model.policy->config().num_layers) {
+    throw RunError("model.checkpoint_layers: " + std::to_string(config.model.checkpoint_layers) +
+                   ", more than the model's " + std::to_string(run.model.policy->config().num_layers) + " layers");
+  }
+  run.model.policy->set_activation_checkpointing(config.model.activation_checkpointing, config.model.checkpoint_layers);
   // LoRA: adapters on the frozen base (model/lora.h); a resumed run's values come from its checkpoint.
   if (config.lora.enabled()) run.model.policy->attach_lora(config.lora, static_cast<uint64_t>(config.train.seed));
   // The chat template: the model's own (from model.tokenizer when it is a folder, else model.path).

@@ -60,14 +60,18 @@ TEST(Flops, ABackwardTakesTwiceTheForwardAndARecomputeOnceMore) {
     products += f.projections + f.head;
     attention += f.attention;
   }
-  const PassFlops full = training_flops(c, seqs, /*weight_grads=*/true, /*recompute=*/false);
+  const PassFlops full = training_flops(c, seqs, /*weight_grads=*/true, /*recomputed_layers=*/0);
   EXPECT_DOUBLE_EQ(full.model, 3 * fwd);
   EXPECT_DOUBLE_EQ(full.hardware, full.model);
-  const PassFlops ckpt = training_flops(c, seqs, true, /*recompute=*/true);
+  const PassFlops ckpt = training_flops(c, seqs, true, /*recomputed_layers=*/c.num_layers);
   EXPECT_DOUBLE_EQ(ckpt.model, 3 * fwd) << "a recompute is not model work";
   EXPECT_DOUBLE_EQ(ckpt.hardware, 3 * fwd + layers);
+  // model.checkpoint_layers: one layer of the two recomputes its forward, half the layers' FLOPs.
+  ASSERT_EQ(c.num_layers, 2);
+  const PassFlops one = training_flops(c, seqs, true, 1);
+  EXPECT_DOUBLE_EQ(one.hardware, 3 * fwd + layers / 2);
   // Frozen weights (LoRA): a product's backward is the input's gradient alone.
-  const PassFlops lora = training_flops(c, seqs, /*weight_grads=*/false, false);
+  const PassFlops lora = training_flops(c, seqs, /*weight_grads=*/false, 0);
   EXPECT_DOUBLE_EQ(lora.model, 2 * products + 3 * attention);
   EXPECT_LT(lora.model, full.model) << "LoRA counted as full fine-tuning";
 }

@@ -348,9 +348,11 @@ TEST(Transformer, ActivationCheckpointingGivesTheSameGradients) {
   const at::Tensor r = at::randn({1, ids.size(1), model.config().hidden_size});
   // Reentrant checkpointing accumulates parameter gradients in .grad from an inner backward, so it is
   // used with backward(), as the trainer does (torch::autograd::grad cannot see through it).
+  // None, every layer, and the first only (model.checkpoint_layers 1; the model has three).
   std::vector<std::vector<at::Tensor>> grads;
-  for (bool ckpt : {false, true}) {
-    model.set_activation_checkpointing(ckpt);
+  ASSERT_GT(model.config().num_layers, 1);
+  for (int64_t layers : {0, -1, 1}) {
+    model.set_activation_checkpointing(layers != 0, layers);
     for (auto& p : model.parameters()) p.mutable_grad().reset();
     (model.forward(ids, arange_positions(1, ids.size(1)), at::Tensor()) * r).sum().backward();
     std::vector<at::Tensor> g;
@@ -358,12 +360,15 @@ TEST(Transformer, ActivationCheckpointingGivesTheSameGradients) {
     for (const auto& p : model.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     grads.push_back(g);
   }
-  ASSERT_EQ(grads[0].size(), grads[1].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) {
-    ASSERT_EQ(grads[0][i].defined(), grads[1][i].defined()) << "param " << i;
-    if (!grads[0][i].defined()) continue;
-    // Recompute runs the same ops on the same values: identical up to reduction order.
-    EXPECT_TRUE(rlt::testing::close(grads[1][i], grads[0][i], 1e-6, 1e-5, "param " + std::to_string(i)));
+  for (size_t k = 1; k < grads.size(); ++k) {
+    ASSERT_EQ(grads[0].size(), grads[k].size());
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      ASSERT_EQ(grads[0][i].defined(), grads[k][i].defined()) << "param " << i;
+      if (!grads[0][i].defined()) continue;
+      // Recompute runs the same ops on the same values: identical up to reduction order.
+      EXPECT_TRUE(rlt::testing::close(grads[k][i], grads[0][i], 1e-6, 1e-5,
+                                      "variant " + std::to_string(k) + " param " + std::to_string(i)));
+    }
   }
   EXPECT_GT(grads[1][5].abs().max().item<double>(), 0.0) << "layer parameters got gradients through the recompute";
 }

@@ -232,7 +232,7 @@ int64_t measured_activations(const Config& c, const ModelConfig& m, int64_t micr
   run.model.policy =
       std::make_unique<Transformer>(m, c.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, device,
                                     /*seed=*/0);
-  run.model.policy->set_activation_checkpointing(c.model.activation_checkpointing);
+  run.model.policy->set_activation_checkpointing(c.model.activation_checkpointing, c.model.checkpoint_layers);
   const std::vector<Trajectory> trajs = trajectories(micro, context, m.vocab_size);
   micro_batch(run, trajs, 0, micro, true);  // the parameters' gradients, kept (and cuBLAS's workspace)
   device_synchronize(device);
@@ -253,10 +253,13 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
     DType dtype;
     bool checkpointing;
     LogprobImpl impl;
+    int64_t checkpoint_layers = -1;  // model.checkpoint_layers
   };
   const std::vector<Case> cases = {
       {"fp32", layers_heavy, DType::kFloat32, false, LogprobImpl::kSelective},
       {"fp32 checkpointed", layers_heavy, DType::kFloat32, true, LogprobImpl::kSelective},
+      {"fp32, 2 of 4 layers checkpointed", layers_heavy, DType::kFloat32, true, LogprobImpl::kSelective, 2},
+      {"bf16, 1 of 4 layers checkpointed", layers_heavy, DType::kBFloat16, true, LogprobImpl::kSelective, 1},
       {"bf16", layers_heavy, DType::kBFloat16, false, LogprobImpl::kSelective},
       {"bf16 checkpointed", layers_heavy, DType::kBFloat16, true, LogprobImpl::kSelective},
       {"fp32 vocab 4096 selective", vocab_heavy, DType::kFloat32, false, LogprobImpl::kSelective},
@@ -274,6 +277,7 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
     c.train.prompts_per_step = micro;
     c.sampling.samples_per_prompt = 1;
     c.model.activation_checkpointing = k.checkpointing;
+    c.model.checkpoint_layers = k.checkpoint_layers;
     c.loss.impl = k.impl;
     const int64_t measured = measured_activations(c, k.m, micro, context);
     const int64_t planned = plan_memory(c, k.m, 1).activations;
@@ -294,6 +298,11 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
       Config x = c;
       x.model.activation_checkpointing = false;
       EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as not checkpointed";
+      if (k.checkpoint_layers >= 0) {
+        x = c;
+        x.model.checkpoint_layers = -1;
+        EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as every layer";
+      }
     }
     if (k.m.vocab_size >= 4096) {
       // The [T', V] working set: a plan that takes cce's for naive or selective, or selective's for cce.
@@ -527,6 +536,46 @@ TEST(MemoryPlan, AsyncAddsTheRolloutsCopyAndBothPhases) {
   MemoryPlan twin = async;
   twin.phases_overlap = false;
   EXPECT_NE(twin.device_total(), expected);
+}
+
+// model.checkpoint_layers: the activations shrink as more layers are checkpointed, from none (0) to every
+// layer but the last; the last one's recompute comes as the backward starts, beside every other layer's
+// saved input, so under CCE's small head checkpointing it saves nothing and costs its input (every layer:
+// the plan of -1). On a
+// device that fits with fewer, fewest_checkpointed_layers names the fewest within 90% of it (one fewer
+// does not fit), and nothing when every layer is needed or none is checkpointed. The 7B LoRA run with
+// micro-batches of 8, so that the update's phase sets the peak.
+TEST(MemoryPlan, CheckpointedLayersTradeMemoryForRecompute) {
+  const ModelConfig m = qwen25_7b();
+  const int64_t L = m.num_layers;
+  std::vector<std::string> o = seven_b_run();
+  o.push_back("lora.rank=64");
+  o.push_back("train.micro_batch_size=8");
+  auto plan = [&](int64_t n) {
+    std::vector<std::string> x = o;
+    x.push_back("model.checkpoint_layers=" + std::to_string(n));
+    return plan_memory(load_config("", x), m, 1);
+  };
+  for (int64_t n = 1; n < L; ++n) EXPECT_LT(plan(n).activations, plan(n - 1).activations) << n << " layers";
+  EXPECT_GT(plan(L).activations, plan(L - 1).activations) << "the last layer's checkpoint saves nothing";
+  EXPECT_EQ(plan(L).activations, plan(-1).activations);
+  const Config all = load_config("", o);
+  ASSERT_GT(plan(0).update_phase(), plan(0).rollout_phase());
+  const int64_t device = (plan(L / 2).device_total() + 8) / 9 * 10 + 10;  // half the layers fit in 90% of it
+  const int64_t fewest = fewest_checkpointed_layers(all, m, 1, device);
+  ASSERT_GT(fewest, 0);
+  EXPECT_LE(fewest, L / 2);
+  EXPECT_LE(plan(fewest).device_total(), device / 10 * 9);
+  EXPECT_GT(plan(fewest - 1).device_total(), device / 10 * 9) << "one fewer fits too";
+  EXPECT_EQ(fewest_checkpointed_layers(all, m, 1, plan(L).device_total()), -1) << "every layer is needed";
+  EXPECT_EQ(fewest_checkpointed_layers(all, m, 1, 0), -1) << "no device size known";
+  Config none = all;
+  none.model.activation_checkpointing = false;
+  EXPECT_EQ(fewest_checkpointed_layers(none, m, 1, device), -1) << "nothing is checkpointed";
+  // train.shard parameters recomputes every layer: a count is refused.
+  EXPECT_THROW(
+      load_config("", {"model.activation_checkpointing=true", "train.shard=parameters", "model.checkpoint_layers=3"}),
+      std::exception);
 }
 
 // A token budget sizes the update's activations by its tokens: a budget of one context plans what one row a
