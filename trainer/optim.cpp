@@ -2,6 +2,7 @@
 #include "trainer/optim.h"
 
 #include "parallel/shard.h"
+#include "parallel/transfer.h"
 
 #include <torch/nn/utils/clip_grad.h>
 
@@ -107,14 +108,106 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
   return ranges;
 }
 
-UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed) {
+std::vector<std::vector<std::pair<int, int64_t>>> deal_by_tokens(const std::vector<std::vector<int64_t>>& lengths,
+                                                                 int64_t mini) {
+  const int world = static_cast<int>(lengths.size());
+  const int64_t S = world > 0 ? static_cast<int64_t>(lengths[0].size()) : 0;
+  for (const auto& l : lengths) TORCH_CHECK(static_cast<int64_t>(l.size()) == S, "deal_by_tokens: unequal ranks");
+  std::vector<std::vector<std::pair<int, int64_t>>> out(world);
+  for (int64_t mb = 0; mb < S; mb += mini) {
+    const int64_t n = std::min(S, mb + mini) - mb;  // each rank's share of this mini-batch
+    std::vector<std::pair<int, int64_t>> seqs;
+    for (int r = 0; r < world; ++r) {
+      for (int64_t i = mb; i < mb + n; ++i) seqs.push_back({r, i});
+    }
+    std::stable_sort(seqs.begin(), seqs.end(), [&](const auto& x, const auto& y) {
+      return lengths[x.first][x.second] > lengths[y.first][y.second];
+    });
+    std::vector<int64_t> tokens(world, 0), count(world, 0);
+    for (const auto& [r, i] : seqs) {
+      int best = -1;
+      for (int d = 0; d < world; ++d) {
+        if (count[d] < n && (best < 0 || tokens[d] < tokens[best])) best = d;
+      }
+      out[best].push_back({r, i});
+      tokens[best] += lengths[r][i];
+      ++count[best];
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// This rank's trajectories and places after deal_by_tokens over `dist`'s ranks: lengths, then the
+// trajectories that change rank, exchanged as bytes (parallel/transfer.h).
+void balance_over_ranks(std::vector<Trajectory>& trajs, std::vector<int64_t>& index, int64_t mini, Collectives& dist) {
+  const int world = dist.world(), rank = dist.rank();
+  const int64_t S = static_cast<int64_t>(trajs.size());
+  ByteWriter lw;
+  std::vector<int64_t> mine;
+  for (const Trajectory& t : trajs) mine.push_back(t.window_end());
+  lw.put_vec(mine);
+  const std::vector<uint8_t> all_lengths = exchange_bytes(dist, lw.bytes);
+  ByteReader lr(all_lengths.data(), all_lengths.size());
+  std::vector<std::vector<int64_t>> lengths;
+  for (int r = 0; r < world; ++r) lengths.push_back(lr.get_vec<int64_t>());
+  const auto deal = deal_by_tokens(lengths, mini);
+  // The records of this rank's trajectories that another rank takes: that rank, the place in its deal, and
+  // the trajectory under its step-wide place (write_group's slot; no example travels).
+  ByteWriter w;
+  for (int d = 0; d < world; ++d) {
+    if (d == rank) continue;
+    for (size_t j = 0; j < deal[d].size(); ++j) {
+      const auto [r, i] = deal[d][j];
+      if (r != rank) continue;
+      w.put<int64_t>(d);
+      w.put<int64_t>(static_cast<int64_t>(j));
+      write_group(w, index[i], PromptExample{}, &trajs[i], 1);
+    }
+  }
+  const std::vector<uint8_t> all = exchange_bytes(dist, w.bytes);
+  std::vector<Trajectory> got(S);
+  std::vector<int64_t> places(S, -1);
+  std::vector<bool> arrived(S, false);
+  ByteReader rd(all.data(), all.size());
+  while (!rd.done()) {
+    const auto d = rd.get<int64_t>(), j = rd.get<int64_t>();
+    GroupRecord g = read_group(rd, 1);
+    if (d != rank) continue;
+    TORCH_CHECK(j >= 0 && j < S && !arrived[j], "balance_tokens: a trajectory record for place ", j);
+    got[j] = std::move(g.trajs[0]);
+    places[j] = g.slot;
+    arrived[j] = true;
+  }
+  for (int64_t j = 0; j < S; ++j) {
+    const auto [r, i] = deal[rank][j];
+    if (r != rank) {
+      TORCH_CHECK(arrived[j], "balance_tokens: rank ", r, "'s trajectory ", i, " did not arrive");
+      continue;
+    }
+    got[j] = trajs[i];
+    places[j] = index[i];
+  }
+  trajs = std::move(got);
+  index = std::move(places);
+}
+
+}  // namespace
+
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed,
+                         Collectives* balance) {
   const int64_t S = static_cast<int64_t>(rb.trajs.size());
   TORCH_CHECK(rb.index.size() == rb.trajs.size(), "update_batch: one place per trajectory");
   UpdateBatch u;
   u.source_ = &rb.trajs;
   u.index = rb.index;
+  if (balance && balance->world() > 1) {
+    u.reordered_ = rb.trajs;
+    balance_over_ranks(u.reordered_, u.index, mini, *balance);  // each mini-batch longest first
+  }
   std::vector<int64_t> lengths;  // each trajectory's tokens, prompt and response
-  for (const Trajectory& t : rb.trajs) lengths.push_back(t.window_end());
+  for (const Trajectory& t : u.trajs()) lengths.push_back(t.window_end());
   if (budget > 0 && S > 0) {
     std::vector<int64_t> order(S);
     for (int64_t i = 0; i < S; ++i) order[i] = i;
@@ -122,13 +215,17 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
       std::stable_sort(order.begin() + mb, order.begin() + std::min(S, mb + mini),
                        [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
     }
-    std::vector<int64_t> sorted(S);
-    u.reordered_.reserve(S);
+    const std::vector<Trajectory>& from = u.trajs();
+    std::vector<Trajectory> sorted_trajs;
+    std::vector<int64_t> sorted(S), index(S);
+    sorted_trajs.reserve(S);
     for (int64_t i = 0; i < S; ++i) {
-      u.reordered_.push_back(rb.trajs[order[i]]);
-      u.index[i] = rb.index[order[i]];
+      sorted_trajs.push_back(from[order[i]]);
+      index[i] = u.index[order[i]];
       sorted[i] = lengths[order[i]];
     }
+    u.reordered_ = std::move(sorted_trajs);
+    u.index = std::move(index);
     lengths = std::move(sorted);
   }
   u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget, packed);

@@ -81,22 +81,36 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
                                                             int64_t micro, int64_t budget, bool packed = false);
 
+// Data parallelism with token-balanced ranks (train.balance_tokens): every rank's k-th mini-batch of `mini`
+// sequences makes one of the step's, whose sequences are dealt over the ranks again, longest first (ties:
+// by rank, then position), each to the rank with the fewest tokens of those short of their count (ties:
+// the lower rank); each rank keeps as many sequences as it had, and the ranks' tokens differ by at most the
+// longest sequence's. lengths[r]: rank r's sequences' tokens, in its order (the same count on every rank).
+// Returns, per rank, the (rank, position) of each sequence it takes, mini-batch by mini-batch, in deal order.
+std::vector<std::vector<std::pair<int, int64_t>>> deal_by_tokens(const std::vector<std::vector<int64_t>>& lengths,
+                                                                 int64_t mini);
+
 // The update's view of a step's batch: its trajectories and their places among the step's (rb.index), in
 // the order the update takes them, and its micro-batch ranges over that order. With a token budget
 // (train.micro_batch_tokens > 0), each mini-batch's sequences go longest first (stable), so that budgeted
 // micro-batches hold sequences of like length; a mini-batch keeps its sequences, so its loss and its
-// denominator are unchanged. Without one, the batch's own order and micro_batch_size ranges.
+// denominator are unchanged. Without one, the batch's own order and micro_batch_size ranges. With
+// `balance` over several ranks, each mini-batch first takes the sequences deal_by_tokens gives this rank
+// (the others' sent between the ranks, places and all), longest first: every step-wide mini-batch keeps its
+// sequences, so the step's loss and gradient are unchanged, and no rank waits on a longer share.
 struct UpdateBatch {
   const std::vector<Trajectory>& trajs() const { return reordered_.empty() ? *source_ : reordered_; }
   std::vector<int64_t> index;
   std::vector<std::pair<int64_t, int64_t>> micro_ranges;
 
  private:
-  friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed);
+  friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed,
+                                  Collectives* balance);
   const std::vector<Trajectory>* source_ = nullptr;
   std::vector<Trajectory> reordered_;
 };
-UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed = false);
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed = false,
+                         Collectives* balance = nullptr);
 
 // The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
 // micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).

@@ -145,6 +145,10 @@ struct TrainOptions {
   int64_t micro_batch_tokens = 0;
   // Micro-batches lay their sequences end to end, with no padding (trainer/batch.h); off: right-padded rows.
   bool pack_sequences = false;
+  // Over several ranks, each step-wide mini-batch's sequences are dealt over the ranks by tokens (longest
+  // first, to the rank with the fewest) rather than kept where they were sampled; each rank keeps its count.
+  // Off by default until a multi-GPU run measures it (docs/training.md).
+  bool balance_tokens = false;
   OldLogprobs old_logprobs = OldLogprobs::kRollout;
   // The first step above it warns once, and the run recomputes from the next step on. 1e-3 sits between
   // the two measured regimes: fp32 about 2e-7 (tests/trainer/test_trainer.cpp), bf16 on the H200 7.7e-3
@@ -209,6 +213,8 @@ struct TrainOptions {
       FieldRange{0, 1e12});
     v("pack_sequences", pack_sequences,
       "forwards take their sequences end to end with no padding (varlen attention); false = right-padded rows");
+    v("balance_tokens", balance_tokens,
+      "over several ranks: deal each mini-batch's sequences over the ranks by tokens; false = train where sampled");
     v("old_logprobs", old_logprobs,
       "off-policy old log-probs: rollout (the sampler's, no scoring forward) | recompute (a scoring forward)");
     v("old_logprobs_tol", old_logprobs_tol,

@@ -134,7 +134,8 @@ std::map<std::string, double> train_ppo(Run& run) {
     RolloutBatch rb = collect_rollouts(run);
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
-    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences);
+    const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,
+                                        train.balance_tokens ? run.dist.get() : nullptr);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
     const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;

@@ -94,6 +94,45 @@ TEST(RankPrompts, EveryMiniBatchSplitsOverTheRanks) {
   EXPECT_THROW(rank_prompts(6, 3, 2, 0), c10::Error) << "3 prompts do not split over 2 ranks";
 }
 
+// The sequences of each step-wide mini-batch (every rank's k-th) dealt over the ranks by tokens: each rank
+// keeps its count, every sequence lands once in its own mini-batch, and the ranks' tokens differ by at most
+// the longest sequence's. Where they were sampled (the wrong twin: no deal) the first mini-batch's differ by
+// 240 tokens, past that bound.
+TEST(BalanceTokens, TheDealKeepsEachMiniBatchAndEvensTheRanksTokens) {
+  const std::vector<std::vector<int64_t>> lengths = {{100, 90, 80, 5, 5, 5}, {10, 10, 10, 70, 60, 50}};
+  const int64_t mini = 3;
+  // spread of mini-batch k's tokens over the ranks under `deal`, or -1 when the deal breaks a rule.
+  auto spread = [&](const std::vector<std::vector<std::pair<int, int64_t>>>& deal, int64_t k) -> int64_t {
+    std::set<std::pair<int, int64_t>> seen;
+    int64_t lo = INT64_MAX, hi = 0, longest = 0;
+    for (const auto& mine : deal) {
+      if (mine.size() != lengths[0].size()) return -1;
+      int64_t tokens = 0;
+      for (int64_t j = k * mini; j < (k + 1) * mini; ++j) {
+        const auto [r, i] = mine[j];
+        if (i / mini != k || !seen.insert({r, i}).second) return -1;  // another mini-batch, or twice
+        tokens += lengths[r][i];
+        longest = std::max(longest, lengths[r][i]);
+      }
+      lo = std::min(lo, tokens);
+      hi = std::max(hi, tokens);
+    }
+    if (static_cast<int64_t>(seen.size()) != 2 * mini) return -1;
+    return hi - lo <= longest ? hi - lo : -2;
+  };
+  const auto deal = deal_by_tokens(lengths, mini);
+  EXPECT_EQ(deal[0], (std::vector<std::pair<int, int64_t>>{{0, 0}, {1, 0}, {1, 1}, {1, 3}, {0, 3}, {0, 4}}));
+  EXPECT_EQ(spread(deal, 0), 60);  // 120 and 180 tokens, against 270 and 30 where sampled
+  EXPECT_GE(spread(deal, 1), 0);
+  std::vector<std::vector<std::pair<int, int64_t>>> kept(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t i = 0; i < 6; ++i) kept[r].push_back({r, i});
+  }
+  EXPECT_EQ(spread(kept, 0), -2) << "the sampled split must fail the bound";
+  EXPECT_EQ(deal_by_tokens({{4, 3}}, 2), (std::vector<std::vector<std::pair<int, int64_t>>>{{{0, 0}, {0, 1}}}))
+      << "one rank: its own order, longest first";
+}
+
 TEST(StoreCollectives, SumsMaximaAndBroadcastAgreeOnEveryRank) {
   const int world = 3;
   std::vector<at::Tensor> sums(world), maxima(world), cast(world);
@@ -202,6 +241,48 @@ TEST(GatherTable, EveryRanksRowsInTheirPlaces) {
   EXPECT_EQ(t[1][kCorrect].item<double>(), 0);
   auto one = single_process();
   EXPECT_THROW(gather_table(*one, {traj(1)}, {4}, 4), c10::Error);
+}
+
+// update_batch with balance over two thread ranks: each rank's trajectories arrive whole with their
+// step-wide places (the union per mini-batch is the step's), and the ranks' tokens are evened.
+TEST(BalanceTokens, UpdateBatchSendsTrajectoriesWithTheirPlaces) {
+  std::vector<RolloutBatch> rb(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t i = 0; i < 4; ++i) {
+      Trajectory t = traj(r == 0 ? 40 - 10 * i : 2 + i);  // rank 0 long, rank 1 short
+      t.prompt_ids = {1, 2, 3};
+      t.response_ids.assign(t.loss_mask.size(), 100 * r + i);  // names its origin
+      t.logprobs.assign(t.loss_mask.size(), -0.5f);
+      t.reward = r + 0.1 * i;
+      rb[r].trajs.push_back(t);
+      rb[r].index.push_back(8 * r + i);
+    }
+  }
+  std::vector<std::vector<Trajectory>> got(2);
+  std::vector<std::vector<int64_t>> places(2);
+  on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
+    const UpdateBatch ub = update_batch(rb[r], /*mini=*/2, /*micro=*/2, /*budget=*/0, false, c.get());
+    got[r] = ub.trajs();
+    places[r] = ub.index;
+  });
+  int64_t tokens[2] = {0, 0};
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].size(), 4u);
+    for (size_t j = 0; j < 4; ++j) {
+      const Trajectory& t = got[r][j];
+      const int64_t place = places[r][j], from = place / 8, i = place % 8;
+      const Trajectory& want = rb[from].trajs[i];
+      EXPECT_EQ(t.response_ids, want.response_ids) << "rank " << r << " place " << place;
+      EXPECT_EQ(t.loss_mask, want.loss_mask);
+      EXPECT_EQ(t.reward, want.reward);
+      EXPECT_EQ(static_cast<int64_t>(j) / 2, i / 2) << "moved out of its mini-batch";
+      tokens[r] += t.window_end();
+    }
+  }
+  std::set<int64_t> all(places[0].begin(), places[0].end());
+  all.insert(places[1].begin(), places[1].end());
+  EXPECT_EQ(all, (std::set<int64_t>{0, 1, 2, 3, 8, 9, 10, 11}));
+  EXPECT_LE(std::abs(tokens[0] - tokens[1]), 44) << "at most the longest sequence apart";
 }
 
 TEST(CheckWorld, StepsThatDoNotSplitAreRefusedNamingTheKey) {

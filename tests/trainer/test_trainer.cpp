@@ -872,10 +872,13 @@ class WrongGradients : public testing::ForwardingCollectives {
 // first-step loss (1e-5) and gradient norm (1e-5 relative), after 3 steps the same weights (within 1e-4 of
 // the update's size) and both ranks' weights equal bit for bit. Batch shapes differ between the two (each
 // rank pads its own sequences), so agreement is to fp32 rounding, not bits. The wrong implementations:
-// averaged gradients (half the gradient norm) and unreduced ones (the weights part).
+// averaged gradients (half the gradient norm) and unreduced ones (the weights part). The ranks deal each
+// mini-batch's sequences by tokens (train.balance_tokens), so each trains on some sequences the other
+// sampled.
 TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
   TempDir tmp(GetParam() ? "ppo_dp" : "grpo_dp");
   Config c = varied_first_step_config(/*steps=*/3);
+  c.train.balance_tokens = true;
   c.train.prompts_per_step = 4;
   c.train.mini_batch_size = 8;  // two prompts: one per rank
   c.train.old_logprobs = OldLogprobs::kRecompute;
