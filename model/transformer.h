@@ -172,7 +172,8 @@ class Transformer {
   // (B, C) as forward() takes them.
   void plan_attention(ForwardPlan& p, const at::Tensor& positions, const at::Tensor& attention_mask) const;
   // What forward and forward_packed share: the embedding of ids (B, L) (B, L, D); the RoPE tables of
-  // positions (B, L) in `dtype` (p.cos, p.sin); and, once p is planned, every layer and the final norm.
+  // positions (B, L) in `dtype` (p.cos, p.sin), with whether the adapters' dropout runs (p.dropout: in a
+  // training forward); and, once p is planned, every layer and the final norm.
   at::Tensor embed_tokens(const at::Tensor& ids) const;
   void rope_tables(const at::Tensor& positions, at::ScalarType dtype, ForwardPlan& p) const;
   at::Tensor run_layers(at::Tensor h, const ForwardPlan& p) const;

@@ -19,7 +19,8 @@ PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t en
   }
   b.R = std::max<int64_t>(b.R, 1);
   const int64_t S = b.S, R = b.R;
-  // Sequence s starts at row start[s] of the flattened (rows, cols) token grid.
+  // The token grid (rows_n, cols): right-padded rows, or one row of every sequence end to end. Sequence s
+  // starts at token `start` of it flattened: s L padded, the lengths before it summed packed.
   const int64_t rows_n = packed ? 1 : S, cols = packed ? total : b.L;
   at::Tensor ids = at::zeros({rows_n, cols}, at::kLong), pos = at::zeros({rows_n, cols}, at::kLong);
   at::Tensor mask = at::zeros({S, R}, at::kFloat), lp = at::zeros({S, R}, at::kFloat);
