@@ -362,17 +362,26 @@ int launch_ranks(const std::string& name, const LaunchOptions& o, const std::vec
 
   int running = nproc, code = 0;
   bool stopping = false;
-  auto stop_deadline = Clock::time_point::max();
+  // While stopping: SIGTERM at term_deadline, SIGKILL at stop_deadline.
+  auto term_deadline = Clock::time_point::max(), stop_deadline = Clock::time_point::max();
   auto stop_all = [&](int sig) {
     for (pid_t p : pids) {
       if (p > 0) kill(p, sig);
     }
   };
-  auto begin_stop = [&](int exit_code) {
+  // `grace`: the other ranks may end on their own first. A rank that exits with code 2 refused its input
+  // (a config, a device, a dataset), which its siblings check alike as they start: each is given 5 s to say
+  // its own reason before it is stopped.
+  auto begin_stop = [&](int exit_code, bool grace = false) {
     code = exit_code;
     stopping = true;
-    stop_all(SIGTERM);
-    stop_deadline = Clock::now() + std::chrono::seconds(10);
+    const auto term = Clock::now() + std::chrono::seconds(grace ? 5 : 0);
+    if (grace) {
+      term_deadline = term;
+    } else {
+      stop_all(SIGTERM);
+    }
+    stop_deadline = term + std::chrono::seconds(10);
   };
   while (running > 0) {
     if (g_stop_signal && !stopping) {  // a signal that came between two waits
@@ -401,6 +410,10 @@ int launch_ranks(const std::string& name, const LaunchOptions& o, const std::vec
     if (pid < 0 && errno == EINTR) continue;  // a signal: handled at the top
     if (pid < 0) break;                       // no children left
     if (pid == 0) {                           // polling: none exited yet
+      if (Clock::now() > term_deadline) {
+        stop_all(SIGTERM);
+        term_deadline = Clock::time_point::max();
+      }
       if (Clock::now() > stop_deadline) {
         stop_all(SIGKILL);
         stop_deadline = Clock::time_point::max();
@@ -421,7 +434,8 @@ int launch_ranks(const std::string& name, const LaunchOptions& o, const std::vec
       std::cerr << name << ": " << node << what << "; stopping the other " << running << " rank(s)"
                 << (o.nnodes > 1 ? " of this node and the other nodes' ranks" : "") << "\n";
       post_failure(nodes, "node " + std::to_string(o.node_rank) + ": " + what);
-      begin_stop(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+      const bool refused = WIFEXITED(status) && WEXITSTATUS(status) == 2;
+      begin_stop(WIFEXITED(status) ? WEXITSTATUS(status) : 1, refused);
     }
   }
   if (nodes) leave_nodes(*nodes, o);
