@@ -24,7 +24,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$out/gpu.txt"
 for round in 1 2; do
   [ "${SKIP_UPDATE_BENCH:-0}" = 1 ] && break
   build-gpu/bin/bench_update --model $model --device cuda --dtype bfloat16 --batch 8 --seq-len 4096 \
-    --prompt-len 256 --tool-fraction 0.2 --reps 3 --json "$out/update_rlt.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
+    --prompt-len 256 --tool-fraction 0.2 --reps 3 --layouts padded \
+    --json "$out/update_rlt.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
   python3 scripts/bench_update_peer.py --model $model --batch 8 --seq-len 4096 --prompt-len 256 \
     --tool-fraction 0.2 --reps 3 --json "$out/update_hf.round$round.json" 2>&1 | tee -a "$out/bench_update.log"
 done
