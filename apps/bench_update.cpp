@@ -10,9 +10,6 @@
 // the loss module's kernels, the rest) and the N kernels that took the most.
 // The transformers peer is scripts/bench_update_peer.py, run in the same command (scripts/gpu/train.sh).
 #include <ATen/core/grad_mode.h>
-#ifdef RLT_HAVE_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -33,6 +30,7 @@
 #include "model/safetensors.h"
 #include "trainer/batch.h"
 #include "trainer/config.h"
+#include "trainer/metrics.h"
 
 using namespace rlt;
 using json = nlohmann::json;
@@ -174,10 +172,7 @@ int main(int argc, char** argv) {
   for (const Trajectory& t : trajs) real_tokens += t.window_end();
   at::manual_seed(11);
   const at::Tensor adv = at::randn({B}, at::kFloat).to(dev);
-  double peak = 0;  // the GPU's bf16 rate (model/flops.h's table)
-#ifdef RLT_HAVE_CUDA
-  if (dev.is_cuda()) peak = bf16_peak_flops(at::cuda::getDeviceProperties(dev.index())->name);
-#endif
+  const double peak = device_bf16_peak_flops(dev);  // the GPU's bf16 rate (model/flops.h's table)
   // From every switch off (what a plain PyTorch trainer does) to every switch on (configs/retool.yaml).
   const std::vector<Setting> settings = {
       {"naive_all_rows_no_ckpt", LogprobImpl::kNaive, false, false, false},
@@ -232,10 +227,8 @@ int main(int argc, char** argv) {
       // Model FLOPs of the real tokens: the LM head over the rows the setting scores.
       std::vector<SequenceWork> work;
       for (const Trajectory& t : trajs) {
-        const int64_t scored = !s.response_only   ? t.window_end()
-                               : s.loss_mask_only ? t.sampled_tokens()
-                                                  : static_cast<int64_t>(t.response_ids.size());
-        work.push_back({t.window_end(), scored});
+        const int64_t response = static_cast<int64_t>(t.response_ids.size());
+        work.push_back({t.window_end(), scored_rows(lo, t.window_end(), response, t.sampled_tokens())});
       }
       const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing ? mc.num_layers : 0);
       const double tflops = flops.model / (ms / 1000) / 1e12, mfu = peak > 0 ? flops.model / (ms / 1000) / peak : 0;

@@ -145,19 +145,17 @@ std::map<std::string, double> UpdateMetrics::read(Collectives* dist) const {
   return m;
 }
 
-namespace {
-
-// The device's bf16 peak for update_mfu, FLOP/s: train.peak_tflops, else the GPU's from the table; 0 when
-// neither knows it.
-double rank_peak_flops(const Run& run) {
-  if (run.config.train.peak_tflops > 0) return run.config.train.peak_tflops * 1e12;
-#ifdef RLT_HAVE_CUDA
-  if (run.device.is_cuda()) return bf16_peak_flops(at::cuda::getDeviceProperties(run.device.index())->name);
-#endif
-  return 0;
+int64_t scored_rows(const LossOptions& loss, int64_t tokens, int64_t response, int64_t sampled) {
+  return !loss.response_only ? tokens : loss.loss_mask_only ? sampled : response;
 }
 
-}  // namespace
+double device_bf16_peak_flops(const at::Device& device) {
+#ifdef RLT_HAVE_CUDA
+  if (device.is_cuda()) return bf16_peak_flops(at::cuda::getDeviceProperties(device.index())->name);
+#endif
+  (void)device;
+  return 0;
+}
 
 std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s) {
   const at::Tensor t = table.contiguous();
@@ -166,17 +164,17 @@ std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tens
   std::vector<SequenceWork> seqs(t.size(0));
   for (int64_t s = 0; s < t.size(0); ++s) {
     seqs[s].tokens = int64_t(row[s][kTokens]);
-    // The rows the loss module scores: the sampled tokens, the whole response, or every position.
-    seqs[s].scored = int64_t(!loss.response_only   ? row[s][kTokens]
-                             : loss.loss_mask_only ? row[s][kSampledTokens]
-                                                   : row[s][kResponseTokens]);
+    seqs[s].scored =
+        scored_rows(loss, seqs[s].tokens, int64_t(row[s][kResponseTokens]), int64_t(row[s][kSampledTokens]));
   }
   const Transformer& m = *run.model.policy;
   const PassFlops pass = training_flops(m.config(), seqs, /*weight_grads=*/!m.has_lora(),
                                         checkpointed_layers(run.config.model, m.config().num_layers));
   const double iterations = double(run.config.train.num_iterations);
   std::map<std::string, double> out = {{"update_flops", pass.model * iterations}};
-  const double peak = rank_peak_flops(run);
+  // The rank's bf16 peak: train.peak_tflops, else the GPU's from the table; 0 when neither knows it.
+  const double peak =
+      run.config.train.peak_tflops > 0 ? run.config.train.peak_tflops * 1e12 : device_bf16_peak_flops(run.device);
   if (peak > 0 && update_s > 0) {
     const double available = update_s * peak * double(run.dist->world());
     out["update_mfu"] = pass.model * iterations / available;

@@ -121,6 +121,12 @@ struct StepTimes {
 // recompute under model.activation_checkpointing. The two rates only where the peak is known
 // (train.peak_tflops, or the GPU's name in model/flops.h's table).
 std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s);
+// The rows the loss module scores of a sequence of `tokens` tokens, `response` of them the response and
+// `sampled` of those sampled: every position, the response (loss.response_only), or the sampled tokens
+// (with loss.loss_mask_only).
+int64_t scored_rows(const LossOptions& loss, int64_t tokens, int64_t response, int64_t sampled);
+// A device's dense bf16 rate from model/flops.h's table, FLOP/s; 0 for the CPU or a GPU it does not name.
+double device_bf16_peak_flops(const at::Device& device);
 
 // The end of every step, the same for GRPO and PPO: the rollout's, the update's and the trainer's own
 // metrics (`extra`), the schedule, timings and peak memory to metrics.jsonl, the progress line on stderr,
