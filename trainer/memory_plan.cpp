@@ -199,13 +199,13 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   const int64_t saved = T * (ckpt * s * D + (layers - ckpt) * per_layer) + kept;
   const int64_t head = T * (norm_saved(D, s) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
   const int64_t working = T * (2 * s * F + 2 * s * D);
-  // The backward meets a layer that kept its activations with everything saved; the last checkpointed
-  // layer (ckpt - 1) after the kept ones have freed theirs, with its recompute on top.
+  // The backward meets the head and a layer that kept its activations with everything saved; the last
+  // checkpointed layer (ckpt - 1) after the kept ones have freed theirs (with none kept, that is everything
+  // saved), with its recompute on top.
   int64_t peak = saved + std::max(head, ckpt < layers ? working : int64_t{0});
   if (ckpt > 0) {
     const int64_t recompute = T * (per_layer - (s == 4 ? 4 * D : 0));
-    const int64_t at_checkpointed = ckpt == layers ? saved : T * ckpt * s * D + kept;
-    peak = std::max(peak, at_checkpointed + std::max(ckpt == layers ? head : int64_t{0}, recompute + working));
+    peak = std::max(peak, T * ckpt * s * D + kept + recompute + working);
   }
   return peak;
 }

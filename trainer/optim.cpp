@@ -139,9 +139,10 @@ std::vector<std::vector<std::pair<int, int64_t>>> deal_by_tokens(const std::vect
 
 namespace {
 
-// This rank's trajectories and places after deal_by_tokens over `dist`'s ranks: lengths, then the
-// trajectories that change rank, exchanged as bytes (parallel/transfer.h).
-void balance_over_ranks(std::vector<Trajectory>& trajs, std::vector<int64_t>& index, int64_t mini, Collectives& dist) {
+// This rank's trajectories and places after deal_by_tokens over `dist`'s ranks, into `out` and `out_index`:
+// lengths, then the trajectories that change rank, exchanged as bytes (parallel/transfer.h).
+void balance_over_ranks(const std::vector<Trajectory>& trajs, const std::vector<int64_t>& index, int64_t mini,
+                        Collectives& dist, std::vector<Trajectory>& out, std::vector<int64_t>& out_index) {
   const int world = dist.world(), rank = dist.rank();
   const int64_t S = static_cast<int64_t>(trajs.size());
   ByteWriter lw;
@@ -189,8 +190,8 @@ void balance_over_ranks(std::vector<Trajectory>& trajs, std::vector<int64_t>& in
     got[j] = trajs[i];
     places[j] = index[i];
   }
-  trajs = std::move(got);
-  index = std::move(places);
+  out = std::move(got);
+  out_index = std::move(places);
 }
 
 }  // namespace
@@ -203,8 +204,7 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
   u.source_ = &rb.trajs;
   u.index = rb.index;
   if (balance && balance->world() > 1) {
-    u.reordered_ = rb.trajs;
-    balance_over_ranks(u.reordered_, u.index, mini, *balance);  // each mini-batch longest first
+    balance_over_ranks(rb.trajs, rb.index, mini, *balance, u.reordered_, u.index);  // each mini-batch longest first
   }
   std::vector<int64_t> lengths;  // each trajectory's tokens, prompt and response
   for (const Trajectory& t : u.trajs()) lengths.push_back(t.window_end());
@@ -215,12 +215,11 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
       std::stable_sort(order.begin() + mb, order.begin() + std::min(S, mb + mini),
                        [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
     }
-    const std::vector<Trajectory>& from = u.trajs();
     std::vector<Trajectory> sorted_trajs;
     std::vector<int64_t> sorted(S), index(S);
     sorted_trajs.reserve(S);
-    for (int64_t i = 0; i < S; ++i) {
-      sorted_trajs.push_back(from[order[i]]);
+    for (int64_t i = 0; i < S; ++i) {  // the balanced trajectories are this batch's own: moved, not copied
+      sorted_trajs.push_back(u.reordered_.empty() ? rb.trajs[order[i]] : std::move(u.reordered_[order[i]]));
       index[i] = u.index[order[i]];
       sorted[i] = lengths[order[i]];
     }
