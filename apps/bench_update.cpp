@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
   ConfigCli cc;
   add_config_flags(app, cc);
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, only;
-  std::vector<std::string> layouts = {"padded", "packed"};
+  std::vector<std::string> layouts = {"padded", "packed"}, kernel_sets = {"fused"};
   int64_t B = 8, L = 4096, P = 256, micro = 0, min_response = -1;
   double tool_fraction = 0.2;
   int reps = 3, trace_top = -1;
@@ -143,6 +143,11 @@ int main(int argc, char** argv) {
   app.add_option("--layouts", layouts, "padded (right-padded rows), packed (end to end), or both")
       ->delimiter(',')
       ->check(CLI::IsMember({"padded", "packed"}));
+  app.add_option("--kernels", kernel_sets,
+                 "fused (the fused RMSNorm, RoPE and SiLU-gate kernels with their backwards, on CUDA), aten (the "
+                 "ATen forms), or both")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fused", "aten"}));
   app.add_option("--tool-fraction", tool_fraction, "share of response tokens with loss_mask 0")
       ->check(CLI::Range(0.0, 0.9));
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100));
@@ -188,107 +193,111 @@ int main(int argc, char** argv) {
             << " P=" << P << " response " << min_response << ".." << L - P << " (" << real_tokens
             << " tokens) tool_fraction=" << tool_fraction << ", " << dtype << " on " << device
             << " (peak: extra over weights and gradient buffers)\n";
-  std::cout << std::left << std::setw(28) << "setting" << std::setw(8) << "layout" << std::right << std::setw(10)
+  std::cout << std::left << std::setw(28) << "setting" << std::setw(13) << "layout" << std::right << std::setw(10)
             << "ms" << std::setw(12) << "tokens/s" << std::setw(8) << "MFU" << std::setw(12) << "peak_MiB"
             << std::setw(16) << "logprob_mean"
             << "\n";
   json records = json::array();
-  for (bool packed : packed_layouts) {
-    std::vector<PackedBatch> batches;
-    for (int64_t b = 0; b < B; b += micro) batches.push_back(pack(trajs, b, std::min(B, b + micro), dev, packed));
-    int64_t grid = 0;  // tokens the forwards take, padding included
-    for (const PackedBatch& b : batches) grid += b.ids.numel();
-    for (const Setting& s : settings) {
-      if (!only.empty() && s.name != only) continue;
-      LossOptions lo = cfg.loss;
-      lo.impl = s.impl;
-      lo.response_only = s.response_only;
-      lo.loss_mask_only = s.loss_mask_only;
-      lo.entropy = EntropyMode::kNone;
-      model->set_activation_checkpointing(s.checkpointing);
-      std::vector<Result> runs;
-      try {
-        run_once(*model, batches, lo, adv);  // allocates the gradient buffers, picks kernels
-        for (int i = 0; i < reps; ++i) runs.push_back(run_once(*model, batches, lo, adv));
-      } catch (const c10::OutOfMemoryError& e) {
-        std::cout << std::left << std::setw(28) << s.name << std::setw(8) << (packed ? "packed" : "padded")
-                  << "  out of memory\n";
-        records.push_back({{"impl", "rlt"}, {"setting", s.name}, {"packed", packed}, {"oom", true}});
-        continue;
-      }
-      auto median = [&](auto get) {
-        std::vector<double> v;
-        for (const auto& r : runs) v.push_back(get(r));
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-      };
-      const double ms = median([](const Result& r) { return r.ms; });
-      const double peak_mib = median([](const Result& r) { return r.peak_mib; });
-      // Model FLOPs of the real tokens: the LM head over the rows the setting scores.
-      std::vector<SequenceWork> work;
-      for (const Trajectory& t : trajs) {
-        const int64_t response = static_cast<int64_t>(t.response_ids.size());
-        work.push_back({t.window_end(), scored_rows(lo, t.window_end(), response, t.sampled_tokens())});
-      }
-      const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing ? mc.num_layers : 0);
-      const double tflops = flops.model / (ms / 1000) / 1e12, mfu = peak > 0 ? flops.model / (ms / 1000) / peak : 0;
-      std::cout << std::left << std::setw(28) << s.name << std::setw(8) << (packed ? "packed" : "padded") << std::right
-                << std::fixed << std::setprecision(1) << std::setw(10) << ms << std::setw(12) << std::setprecision(0)
-                << real_tokens / (ms / 1000) << std::setw(7) << std::setprecision(1) << 100 * mfu << "%"
-                << std::setw(12) << peak_mib << std::setw(16) << std::setprecision(7) << runs[0].logprob_mean << "\n";
-      json rec = {{"impl", "rlt"},
-                  {"setting", s.name},
-                  {"packed", packed},
-                  {"loss_impl", enum_to_string(s.impl)},
-                  {"response_only", s.response_only},
-                  {"loss_mask_only", s.loss_mask_only},
-                  {"activation_checkpointing", s.checkpointing},
-                  {"batch", B},
-                  {"micro", micro},
-                  {"seq_len", L},
-                  {"prompt_len", P},
-                  {"min_response", min_response},
-                  {"tokens", real_tokens},
-                  {"grid_tokens", grid},
-                  {"tool_fraction", tool_fraction},
-                  {"dtype", dtype},
-                  {"ms", ms},
-                  {"tokens_per_s", real_tokens / (ms / 1000)},
-                  {"model_tflops", flops.model / 1e12},
-                  {"hardware_tflops", flops.hardware / 1e12},
-                  {"model_tflop_per_s", tflops},
-                  {"mfu", mfu},
-                  {"peak_flops", peak},
-                  {"peak_extra_mib", peak_mib},
-                  {"logprob_mean", runs[0].logprob_mean}};
-      if (trace_top >= 0 && dev.is_cuda()) {
-        const DeviceTrace t = trace_device(dev, [&] { run_once(*model, batches, lo, adv); });
-        std::map<std::string, double> family;
-        for (const auto& [name, v] : t.by_name) family[kernel_family(name)] += v.second;
-        json top = json::array();
-        for (const std::string& name : t.top(static_cast<size_t>(trace_top))) {
-          top.push_back({{"name", name}, {"count", t.by_name.at(name).first}, {"ms", t.by_name.at(name).second}});
+  for (const std::string& kernels : kernel_sets)
+    for (bool packed : packed_layouts) {
+      model->set_training_kernels(kernels == "fused");
+      const std::string layout = std::string(packed ? "packed" : "padded") + (kernels == "fused" ? "" : "/aten");
+      std::vector<PackedBatch> batches;
+      for (int64_t b = 0; b < B; b += micro) batches.push_back(pack(trajs, b, std::min(B, b + micro), dev, packed));
+      int64_t grid = 0;  // tokens the forwards take, padding included
+      for (const PackedBatch& b : batches) grid += b.ids.numel();
+      for (const Setting& s : settings) {
+        if (!only.empty() && s.name != only) continue;
+        LossOptions lo = cfg.loss;
+        lo.impl = s.impl;
+        lo.response_only = s.response_only;
+        lo.loss_mask_only = s.loss_mask_only;
+        lo.entropy = EntropyMode::kNone;
+        model->set_activation_checkpointing(s.checkpointing);
+        std::vector<Result> runs;
+        try {
+          run_once(*model, batches, lo, adv);  // allocates the gradient buffers, picks kernels
+          for (int i = 0; i < reps; ++i) runs.push_back(run_once(*model, batches, lo, adv));
+        } catch (const c10::OutOfMemoryError& e) {
+          std::cout << std::left << std::setw(28) << s.name << std::setw(13) << layout << "  out of memory\n";
+          records.push_back(
+              {{"impl", "rlt"}, {"setting", s.name}, {"packed", packed}, {"kernels", kernels}, {"oom", true}});
+          continue;
         }
-        json runtime = json::array();  // the host's CUDA calls that took the most time
-        for (const std::string& name : t.top(8, &t.runtime)) {
-          runtime.push_back({{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
+        auto median = [&](auto get) {
+          std::vector<double> v;
+          for (const auto& r : runs) v.push_back(get(r));
+          std::sort(v.begin(), v.end());
+          return v[v.size() / 2];
+        };
+        const double ms = median([](const Result& r) { return r.ms; });
+        const double peak_mib = median([](const Result& r) { return r.peak_mib; });
+        // Model FLOPs of the real tokens: the LM head over the rows the setting scores.
+        std::vector<SequenceWork> work;
+        for (const Trajectory& t : trajs) {
+          const int64_t response = static_cast<int64_t>(t.response_ids.size());
+          work.push_back({t.window_end(), scored_rows(lo, t.window_end(), response, t.sampled_tokens())});
         }
-        rec["trace"] = {{"host_cuda_calls", runtime}, {"activities", t.activities},
-                        {"busy_ms", t.busy_ms},       {"idle_ms", std::max(0.0, ms - t.busy_ms)},
-                        {"families_ms", family},      {"top", top}};
-        std::cout << "  trace: busy " << std::setprecision(1) << t.busy_ms << " ms of " << ms << " (" << t.activities
-                  << " activities);";
-        for (const auto& [f, v] : family) std::cout << " " << f << " " << v;
-        std::cout << "\n  host:";
-        for (const auto& r : runtime) {
-          std::cout << " " << r["name"].get<std::string>() << " " << r["count"].get<int64_t>() << "x "
-                    << r["ms"].get<double>() << " ms;";
+        const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing ? mc.num_layers : 0);
+        const double tflops = flops.model / (ms / 1000) / 1e12, mfu = peak > 0 ? flops.model / (ms / 1000) / peak : 0;
+        std::cout << std::left << std::setw(28) << s.name << std::setw(13) << layout << std::right << std::fixed
+                  << std::setprecision(1) << std::setw(10) << ms << std::setw(12) << std::setprecision(0)
+                  << real_tokens / (ms / 1000) << std::setw(7) << std::setprecision(1) << 100 * mfu << "%"
+                  << std::setw(12) << peak_mib << std::setw(16) << std::setprecision(7) << runs[0].logprob_mean << "\n";
+        json rec = {{"impl", "rlt"},
+                    {"setting", s.name},
+                    {"packed", packed},
+                    {"kernels", kernels},
+                    {"loss_impl", enum_to_string(s.impl)},
+                    {"response_only", s.response_only},
+                    {"loss_mask_only", s.loss_mask_only},
+                    {"activation_checkpointing", s.checkpointing},
+                    {"batch", B},
+                    {"micro", micro},
+                    {"seq_len", L},
+                    {"prompt_len", P},
+                    {"min_response", min_response},
+                    {"tokens", real_tokens},
+                    {"grid_tokens", grid},
+                    {"tool_fraction", tool_fraction},
+                    {"dtype", dtype},
+                    {"ms", ms},
+                    {"tokens_per_s", real_tokens / (ms / 1000)},
+                    {"model_tflops", flops.model / 1e12},
+                    {"hardware_tflops", flops.hardware / 1e12},
+                    {"model_tflop_per_s", tflops},
+                    {"mfu", mfu},
+                    {"peak_flops", peak},
+                    {"peak_extra_mib", peak_mib},
+                    {"logprob_mean", runs[0].logprob_mean}};
+        if (trace_top >= 0 && dev.is_cuda()) {
+          const DeviceTrace t = trace_device(dev, [&] { run_once(*model, batches, lo, adv); });
+          std::map<std::string, double> family;
+          for (const auto& [name, v] : t.by_name) family[kernel_family(name)] += v.second;
+          json top = json::array();
+          for (const std::string& name : t.top(static_cast<size_t>(trace_top))) {
+            top.push_back({{"name", name}, {"count", t.by_name.at(name).first}, {"ms", t.by_name.at(name).second}});
+          }
+          json runtime = json::array();  // the host's CUDA calls that took the most time
+          for (const std::string& name : t.top(8, &t.runtime)) {
+            runtime.push_back({{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
+          }
+          rec["trace"] = {{"host_cuda_calls", runtime}, {"activities", t.activities},
+                          {"busy_ms", t.busy_ms},       {"idle_ms", std::max(0.0, ms - t.busy_ms)},
+                          {"families_ms", family},      {"top", top}};
+          std::cout << "  trace: busy " << std::setprecision(1) << t.busy_ms << " ms of " << ms << " (" << t.activities
+                    << " activities);";
+          for (const auto& [f, v] : family) std::cout << " " << f << " " << v;
+          std::cout << "\n  host:";
+          for (const auto& r : runtime) {
+            std::cout << " " << r["name"].get<std::string>() << " " << r["count"].get<int64_t>() << "x "
+                      << r["ms"].get<double>() << " ms;";
+          }
+          std::cout << "\n";
         }
-        std::cout << "\n";
+        records.push_back(rec);
       }
-      records.push_back(rec);
     }
-  }
   if (!json_path.empty()) write_json_records(json_path, records);
   return 0;
 }

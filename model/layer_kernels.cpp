@@ -6,7 +6,10 @@
 #include <limits>
 
 #ifdef RLT_HAVE_CUDA
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "model/cuda/decode_kernels.h"
+#include "model/cuda/train_kernels.h"
 #endif
 
 namespace rlt {
@@ -114,6 +117,141 @@ class FusedKernels final : public AtenKernels {
     return cuda::cache_attention(q, cache.k[layer], cache.v[layer], rows, keep, slots, keep.size(1), scale);
   }
 };
+
+// The training forms: each chain one autograd node whose forward is the fused kernel above and whose
+// backward is model/cuda/train_kernels.h's (RoPE's: the inverse rotation).
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The gradient of norm(h) given gy (undefined: none) and h's own gradient gh (undefined: none), as both
+// norm autograd nodes take it: {grad_h, grad_w}.
+std::pair<at::Tensor, at::Tensor> norm_backward(AutogradContext* ctx, const at::Tensor& gy, const at::Tensor& gh,
+                                                int64_t w_input) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor& h = saved[0];
+  return cuda::rms_norm_backward(gy.defined() ? gy.contiguous() : at::zeros_like(h), h, saved[1],
+                                 ctx->saved_data["eps"].toDouble(), ctx->saved_data["gemma"].toBool(),
+                                 gh.defined() ? gh.contiguous() : at::Tensor(), ctx->needs_input_grad(w_input));
+}
+
+void save_norm(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w, double eps, bool gemma) {
+  ctx->save_for_backward({h, w});
+  ctx->saved_data["eps"] = eps;
+  ctx->saved_data["gemma"] = gemma;
+}
+
+// norm(x). Saves the input and the weight; mean(x^2) is recomputed in the backward.
+class NormFn : public torch::autograd::Function<NormFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+    const at::Tensor xc = x.contiguous();
+    save_norm(ctx, xc, w, eps, gemma);
+    return cuda::rms_norm(xc, w, eps, gemma);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [gx, gw] = norm_backward(ctx, grads[0], at::Tensor(), 1);
+    return {gx, gw, at::Tensor(), at::Tensor()};
+  }
+};
+
+// {h, norm(h)} of h = a + b: h's gradient and the norm's reach a and b alike, in one kernel.
+class AddNormFn : public torch::autograd::Function<AddNormFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
+                               double eps, bool gemma) {
+    auto [h, y] = cuda::add_rms_norm(a.contiguous(), b.contiguous(), w, eps, gemma);
+    save_norm(ctx, h, w, eps, gemma);
+    return {h, y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [gx, gw] = norm_backward(ctx, grads[1], grads[0], 2);
+    return {gx, gx, gw, at::Tensor(), at::Tensor()};
+  }
+};
+
+class RopeFn : public torch::autograd::Function<RopeFn> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                               const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["q_sizes"] = q.sizes().vec();
+    ctx->saved_data["k_sizes"] = k.sizes().vec();
+    auto [qr, kr] = cuda::rope(q, k, cos, sin);
+    return {qr, kr};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::TensorOptions o = (grads[0].defined() ? grads[0] : grads[1]).options();
+    auto dense = [&](const at::Tensor& g, const char* sizes) {
+      return g.defined() ? g.contiguous() : at::zeros(ctx->saved_data[sizes].toIntVector(), o);
+    };
+    const at::Tensor gq = dense(grads[0], "q_sizes"), gk = dense(grads[1], "k_sizes");
+    auto [dq, dk] = cuda::rope(gq, gk, saved[0], saved[1], /*inverse=*/true);
+    return {dq, dk, at::Tensor(), at::Tensor()};
+  }
+};
+
+class SiluMulFn : public torch::autograd::Function<SiluMulFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
+    const at::Tensor gc = g.contiguous(), uc = u.contiguous();
+    ctx->save_for_backward({gc, uc});
+    return cuda::silu_mul(gc, uc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dg, du] = cuda::silu_mul_backward(grads[0].contiguous(), saved[0], saved[1]);
+    return {dg, du};
+  }
+};
+
+// Training and scoring forwards without a cache on CUDA: every forward of the update and of the
+// old-policy and reference scoring takes these, so their log-probs stay bit-identical to each other.
+// The residual add is deferred into the next norm's kernel, as in the fused decode forms. Shapes the
+// kernels do not take (a norm wider than 8,192, weights in another dtype than the activations, the GELU
+// gate, float64, a cache) keep the ATen forms.
+class TrainKernels final : public AtenKernels {
+ public:
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) const override {
+    if (!takes(x, w)) return AtenKernels::norm(x, w, eps, gemma);
+    return NormFn::apply(x, w, eps, gemma);
+  }
+  std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w, double eps,
+                                             bool gemma) const override {
+    if (!takes(a, w) || (b.defined() && b.sizes() != a.sizes())) return AtenKernels::add_norm(a, b, w, eps, gemma);
+    if (!b.defined()) return {a, NormFn::apply(a, w, eps, gemma)};
+    const variable_list hy = AddNormFn::apply(a, b, w, eps, gemma);
+    return {hy[0], hy[1]};
+  }
+  at::Tensor add_residual(const at::Tensor& h, const at::Tensor& m, at::Tensor& pending) const override {
+    if (!takes(m, at::Tensor())) return AtenKernels::add_residual(h, m, pending);
+    pending = m;
+    return h;
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_cache(int64_t layer, at::Tensor q, at::Tensor k, at::Tensor v,
+                                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                                KvCache* cache) const override {
+    if (cache || !takes(q, at::Tensor()) || cos.scalar_type() != q.scalar_type() || !cos.is_contiguous() ||
+        !sin.is_contiguous()) {
+      return AtenKernels::rope_and_cache(layer, q, k, v, cos, sin, cache);
+    }
+    const variable_list qk = RopeFn::apply(q.contiguous(), k.contiguous(), cos, sin);
+    return {qk[0].transpose(1, 2), qk[1].transpose(1, 2), v.transpose(1, 2)};
+  }
+  at::Tensor act_mul(const at::Tensor& g, const at::Tensor& u, bool gelu_tanh) const override {
+    if (gelu_tanh || !takes(g, at::Tensor())) return AtenKernels::act_mul(g, u, gelu_tanh);
+    return SiluMulFn::apply(g, u);
+  }
+
+ private:
+  // x in a dtype the kernels take, on CUDA, with a norm's weight (if any) in its dtype and of a width
+  // the backward takes.
+  static bool takes(const at::Tensor& x, const at::Tensor& w) {
+    const at::ScalarType dt = x.scalar_type();
+    if (!x.is_cuda() || (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf)) return false;
+    return !w.defined() || (w.scalar_type() == dt && cuda::rms_norm_backward_supports(x.size(-1)));
+  }
+};
 #endif
 
 }  // namespace
@@ -126,6 +264,15 @@ const LayerKernels& aten_layer_kernels() {
 const LayerKernels* fused_layer_kernels() {
 #ifdef RLT_HAVE_CUDA
   static const FusedKernels kernels{};
+  return &kernels;
+#else
+  return nullptr;
+#endif
+}
+
+const LayerKernels* training_layer_kernels() {
+#ifdef RLT_HAVE_CUDA
+  static const TrainKernels kernels{};
   return &kernels;
 #else
   return nullptr;

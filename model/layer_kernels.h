@@ -61,6 +61,10 @@ class LayerKernels {
 const LayerKernels& aten_layer_kernels();
 // The fused CUDA kernels; nullptr in a build without CUDA.
 const LayerKernels* fused_layer_kernels();
+// The fused forms of training and scoring forwards without a cache on CUDA, as autograd nodes with
+// backward kernels (model/cuda/train_kernels.h); the ATen forms wherever the kernels do not apply; nullptr
+// in a build without CUDA.
+const LayerKernels* training_layer_kernels();
 
 // RoPE's inverse frequencies (hd / 2) in fp32, as transformers computes them (default and llama3 rope
 // types): a forward's tables are cos and sin of positions times these.

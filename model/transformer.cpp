@@ -120,6 +120,11 @@ bool Transformer::fused_kernels_apply() const {
          (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
 }
 
+const LayerKernels* Transformer::cacheless_kernels() const {
+  const LayerKernels* train = training_layer_kernels();
+  return training_kernels_ && train && embed_.is_cuda() ? train : &aten_layer_kernels();
+}
+
 at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& attention_mask,
                                 KvCache* cache) const {
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be (B, L) int64, got ", ids.sizes());
@@ -148,11 +153,12 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
   p.cache = cache;
   p.S = S;
   rope_tables(positions, h.scalar_type(), p);
-  // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels; training, scoring
-  // and the CPU keep the ATen forms, so the trainer's log-probs are bit-identical to the scoring forward's.
+  // A no-grad forward through a cache on CUDA (the rollout's) runs the fused kernels. Forwards without a
+  // cache (training and scoring) run the fused forms with backward kernels, grad mode on or off, so the
+  // trainer's log-probs are bit-identical to the scoring forward's; the CPU keeps the ATen forms.
   const bool fused = fused_kernels_apply() && cache && cache->fused_kernels && !at::GradMode::is_enabled() &&
                      final_norm_.scalar_type() == h.scalar_type();
-  p.ops = fused ? fused_layer_kernels() : &aten_layer_kernels();
+  p.ops = fused ? fused_layer_kernels() : cache ? &aten_layer_kernels() : cacheless_kernels();
   p.packed = fused ? cache->packed : nullptr;
   if (fused) ++fused_forward_counts().forwards;
   plan_attention(p, positions, attention_mask);
@@ -181,7 +187,7 @@ at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& 
   // From pinned memory without waiting: a pageable copy would wait for the stream to drain.
   const at::Tensor cu = at::tensor(starts, at::kLong).to(at::kInt);
   p.cu_seqlens = embed_.is_cuda() ? cu.pin_memory().to(embed_.device(), /*non_blocking=*/true) : cu;
-  p.ops = &aten_layer_kernels();
+  p.ops = cacheless_kernels();
   rope_tables(positions, h.scalar_type(), p);
   return run_layers(h, p);
 }

@@ -31,6 +31,7 @@
 namespace rlt {
 
 struct ForwardPlan;
+class LayerKernels;
 
 class Transformer {
  public:
@@ -143,6 +144,11 @@ class Transformer {
   // run the ATen forms like every other forward. Tests compare the two; bench_model measures both.
   void set_fused_kernels(bool on) { fused_kernels_ = on; }
   bool fused_kernels() const { return fused_kernels_; }
+  // Forwards without a cache on CUDA (training and scoring, grad mode on or off) run the same kernels as
+  // autograd nodes with backward kernels (model/cuda/train_kernels.h; on by default, model.fused_kernels);
+  // off, the ATen forms, as on the CPU. Tests compare the two; bench_update measures both.
+  void set_training_kernels(bool on) { training_kernels_ = on; }
+  bool training_kernels() const { return training_kernels_; }
   // The fused kernels are on and can run this model: a CUDA build, parameters on a CUDA device in
   // float32, bfloat16 or float16. (A forward runs them when, besides, it is no-grad and goes through a
   // cache that allows them.)
@@ -177,9 +183,12 @@ class Transformer {
   at::Tensor embed_tokens(const at::Tensor& ids) const;
   void rope_tables(const at::Tensor& positions, at::ScalarType dtype, ForwardPlan& p) const;
   at::Tensor run_layers(at::Tensor h, const ForwardPlan& p) const;
+  // The layer forms of a forward without a cache: the training kernels on CUDA with them on
+  // (set_training_kernels), else the ATen forms.
+  const LayerKernels* cacheless_kernels() const;
   // Layer i of a forward, with its weights resident (set_residency) and, in a training forward with
   // checkpointing on, checkpointed (transformer_checkpoint.cpp). pending: see output_and_mlp.
-  at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const;
+  at::Tensor run_layer(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const;
   // Decoder layer i of h (B, L, D): project_qkv, RoPE, the cache, attention, output_and_mlp.
   at::Tensor layer_forward(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const;
   // The pieces of a layer that every forward shares (forward_mixed too). Layer i's input norm and q/k/v
@@ -208,6 +217,7 @@ class Transformer {
   bool checkpointing_ = false;
   int64_t checkpoint_layers_ = -1;  // the checkpointed layers are [0, this); -1: every layer
   bool fused_kernels_ = kFusedKernelsByDefault;
+  bool training_kernels_ = true;
   WeightResidency* residency_ = nullptr;
   LoraOptions lora_;        // the adapters' options; rank 0: none
   at::Generator lora_gen_;  // the adapters' dropout draws, on the parameters' device

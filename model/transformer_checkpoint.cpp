@@ -57,7 +57,7 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 
 }  // namespace
 
-at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const {
+at::Tensor Transformer::run_layer(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const {
   const bool checkpointed = checkpointing_ && (checkpoint_layers_ < 0 || i < checkpoint_layers_);
   if (!checkpointed || p.cache || !at::GradMode::is_enabled()) {
     // A layer's weights go back after it: its graph must not need them (no grad, or a recompute below).
@@ -68,8 +68,12 @@ at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pe
     if (residency_) residency_->release(i);
     return out;
   }
-  // Checkpointed: a no-grad forward (no cache), so the plan holds the ATen forms and the pending residual
-  // stays empty.
+  // Checkpointed: the layer runs from h alone and returns its whole output, so a residual that the layer
+  // forms leave pending (LayerKernels::add_residual) is added at each end, outside the recompute's input.
+  if (pending.defined()) {
+    h = h + pending;
+    pending = at::Tensor();
+  }
   WeightResidency* res = residency_;
   // With adapter dropout the recompute must draw the masks the first run drew: it starts from the
   // generator's state as that run began (`drawn`), then puts back the state it found, so the forwards
@@ -89,8 +93,9 @@ at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pe
             *drawn = gen.get_state();
           }
         }
-        at::Tensor no_pending;
-        at::Tensor y = layer_forward(i, x, no_pending, p);
+        at::Tensor own_pending;
+        at::Tensor y = layer_forward(i, x, own_pending, p);
+        if (own_pending.defined()) y = y + own_pending;
         if (found.defined()) {
           std::lock_guard<std::mutex> lock(gen.mutex());
           gen.set_state(found);

@@ -60,7 +60,9 @@ Transformer& Transformer::operator=(const Transformer& other) {
   lm_head_ = other.lm_head_;
   layers_ = other.layers_;
   checkpointing_ = other.checkpointing_;
+  checkpoint_layers_ = other.checkpoint_layers_;
   fused_kernels_ = other.fused_kernels_;
+  training_kernels_ = other.training_kernels_;
   residency_ = other.residency_;
   lora_ = other.lora_;
   lora_gen_ = other.lora_gen_;
@@ -72,7 +74,9 @@ Transformer Transformer::clone() const {
   Transformer t;
   t.config_ = config_;
   t.checkpointing_ = checkpointing_;
+  t.checkpoint_layers_ = checkpoint_layers_;
   t.fused_kernels_ = fused_kernels_;
+  t.training_kernels_ = training_kernels_;
   t.bind_names();  // points t's name table at t's own members
   for (const auto& [name, ptr] : by_name_) {
     if (ptr->defined()) *t.by_name_.at(name) = ptr->detach().clone();

@@ -27,6 +27,9 @@ struct ModelOptions {
   // backward; -1 = every layer. The first ones: their backward comes last, after the others' saved
   // activations are freed.
   int64_t checkpoint_layers = -1;
+  // Training and scoring forwards on a GPU run the fused RMSNorm, RoPE and SiLU-gate kernels with their
+  // backward kernels (Transformer::set_training_kernels); off: the ATen forms.
+  bool fused_kernels = true;
   // A new model (when path is empty): llama-style decoder, its vocabulary the tokenizer's.
   int64_t init_hidden = 128;
   int64_t init_layers = 4;
@@ -46,6 +49,8 @@ struct ModelOptions {
     v("checkpoint_layers", checkpoint_layers,
       "with activation_checkpointing: the first N layers recompute theirs, the rest keep them; -1 = every layer",
       FieldRange{-1, 1e6});
+    v("fused_kernels", fused_kernels,
+      "fused CUDA kernels, with backward kernels, in training and scoring forwards (false: ATen forms; GPU only)");
     v("init_hidden", init_hidden, "new model: hidden size", FieldRange{8, 1e5});
     v("init_layers", init_layers, "new model: layers", FieldRange{1, 1000});
     v("init_heads", init_heads, "new model: attention heads", FieldRange{1, 1000});

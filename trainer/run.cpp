@@ -235,6 +235,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
                    ", more than the model's " + std::to_string(run.model.policy->config().num_layers) + " layers");
   }
   run.model.policy->set_activation_checkpointing(config.model.activation_checkpointing, config.model.checkpoint_layers);
+  run.model.policy->set_training_kernels(config.model.fused_kernels);
   // LoRA: adapters on the frozen base (model/lora.h); a resumed run's values come from its checkpoint.
   if (config.lora.enabled()) run.model.policy->attach_lora(config.lora, static_cast<uint64_t>(config.train.seed));
   // The chat template: the model's own (from model.tokenizer when it is a folder, else model.path).
@@ -318,6 +319,7 @@ void ensure_reference(Run& run) {
   if (run.counters.step > 0 && fs::exists(fs::path(dir) / "config.json")) {
     run.model.reference =
         std::make_unique<Transformer>(Transformer::load(dir, scalar_type(run.config.model.dtype), run.device));
+    run.model.reference->set_training_kernels(run.config.model.fused_kernels);
     return;
   }
   if (run.counters.step > 0)

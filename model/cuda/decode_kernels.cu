@@ -106,10 +106,19 @@ struct CacheWrite {
   const int64_t* rows = nullptr;  // (B) the cache row of each input row (a feed of some rows); null: row b
 };
 
+// Out of place (RopeOut): the rotated q and k go to contiguous (B, L, heads, hd) tensors instead, and with
+// `inverse` sin is negated: the transpose of the rotation, which is its gradient.
 template <typename T>
-__global__ void rope_kernel(T* __restrict__ q, T* __restrict__ k, const T* __restrict__ cos_t,
-                            const T* __restrict__ sin_t, int64_t rows, int64_t L, int64_t H, int64_t Hkv, int64_t hd,
-                            int64_t q_row, int64_t k_row, CacheWrite cw) {
+struct RopeOut {
+  T* q = nullptr;
+  T* k = nullptr;
+  bool inverse = false;
+};
+
+template <typename T>
+__global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __restrict__ sin_t, int64_t rows,
+                            int64_t L, int64_t H, int64_t Hkv, int64_t hd, int64_t q_row, int64_t k_row, CacheWrite cw,
+                            RopeOut<T> ro) {
   const int64_t half = hd / 2, heads = H + Hkv;
   const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (n >= rows * heads * half) return;
@@ -120,10 +129,16 @@ __global__ void rope_kernel(T* __restrict__ q, T* __restrict__ k, const T* __res
   const T* c = cos_t + row * hd;
   const T* s = sin_t + row * hd;
   const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+  const float s1 = ro.inverse ? -to_f(s[i]) : to_f(s[i]), s2 = ro.inverse ? -to_f(s[i + half]) : to_f(s[i + half]);
   // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded.
-  const float y1 = __fadd_rn(round_to<T>(__fmul_rn(x1, to_f(c[i]))), round_to<T>(__fmul_rn(-x2, to_f(s[i]))));
-  const float y2 =
-      __fadd_rn(round_to<T>(__fmul_rn(x2, to_f(c[i + half]))), round_to<T>(__fmul_rn(x1, to_f(s[i + half]))));
+  const float y1 = __fadd_rn(round_to<T>(__fmul_rn(x1, to_f(c[i]))), round_to<T>(__fmul_rn(-x2, s1)));
+  const float y2 = __fadd_rn(round_to<T>(__fmul_rn(x2, to_f(c[i + half]))), round_to<T>(__fmul_rn(x1, s2)));
+  if (ro.q) {
+    T* y = is_q ? ro.q + (row * H + head) * hd : ro.k + (row * Hkv + kv) * hd;
+    y[i] = from_f<T>(y1);
+    y[i + half] = from_f<T>(y2);
+    return;
+  }
   if (is_q || !cw.k) {
     x[i] = from_f<T>(y1);
     x[i + half] = from_f<T>(y2);
@@ -231,7 +246,9 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 
 namespace {
 
-void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, const CacheWrite& cw) {
+// out: null (in place, or into the cache) or {q_out, k_out}, contiguous and shaped like q and k.
+void launch_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                 const CacheWrite& cw, const std::pair<at::Tensor, at::Tensor>* out = nullptr, bool inverse = false) {
   const int64_t q_row = q.dim() == 4 ? row_stride(q, 2) : -1, k_row = k.dim() == 4 ? row_stride(k, 2) : -1;
   TORCH_CHECK(q.is_cuda() && q_row > 0 && k_row > 0 && k.device() == q.device() && cos.device() == q.device() &&
                   sin.device() == q.device(),
@@ -248,8 +265,10 @@ void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(q.scalar_type(), "rope_", [&](auto tag) {
     using T = decltype(tag);
+    RopeOut<T> ro;
+    if (out) ro = {ptr<T>(out->first), ptr<T>(out->second), inverse};
     rope_kernel<T><<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(q), ptr<T>(k), ptr<T>(cos), ptr<T>(sin), B * L,
-                                                                  L, H, Hkv, hd, q_row, k_row, cw);
+                                                                  L, H, Hkv, hd, q_row, k_row, cw, ro);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -258,6 +277,13 @@ void launch_rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
 
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   launch_rope(q, k, cos, sin, CacheWrite{});
+}
+
+std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                       const at::Tensor& sin, bool inverse) {
+  std::pair<at::Tensor, at::Tensor> out{at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
+  launch_rope(q, k, cos, sin, CacheWrite{}, &out, inverse);
+  return out;
 }
 
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,

@@ -29,6 +29,11 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 // RoPE in place: x * cos + rotate_half(x) * sin for q (B, L, H, hd) and k (B, L, Hkv, hd), with cos and sin
 // (B, 1, L, hd) in the same dtype.
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+// rope_ out of place: returns the rotated q and k as new contiguous tensors, q and k left as they were.
+// With `inverse`, the rotation by -sin: its transpose, so rope(g_q, g_k, cos, sin, true) is the gradient
+// of rope with respect to q and k, rounded as ATen's autograd rounds the backward of the ATen form.
+std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                       const at::Tensor& sin, bool inverse = false);
 // rope_ for a decode step at KvCache::step_slot: q rotated in place; k rotated and written, with v (B, L,
 // Hkv, hd), to slots[l] of every row of the caches (B, Hkv, C, hd) (the ATen form: rotate, then two
 // index_copy_ calls); k itself is left as it was. slots (L) int64 on the device, each in [0, C): unlike

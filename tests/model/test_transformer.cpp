@@ -491,6 +491,72 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
   }
 }
 
+// Forwards without a cache on CUDA (training and scoring) run the fused RMSNorm, RoPE and SiLU-gate
+// kernels with their backward kernels; set_training_kernels(false) runs the ATen forms. For every model
+// type, padded rows and packed sequences, with activation checkpointing on the fused side: in float32
+// the hidden states and every parameter's gradient must equal the ATen forms' to 1e-5 (normwise), which
+// weights rounded to bf16 fail; in bf16, both must be as accurate against float32 as the ATen forms'
+// (within 25% plus one bf16 ulp of the largest value).
+TEST(TransformerCuda, TrainingKernelsMatchTheAtenForms) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device gpu(at::kCUDA, 0);
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const at::Tensor ids = tensor_of(reference(c)["ids"], at::kLong).to(gpu);
+    const int64_t L = ids.size(0);
+    const at::Tensor rows = at::stack({ids, ids.roll(3)}), rows_pos = arange_positions(2, L).to(gpu);
+    const std::vector<int64_t> starts = {0, 5, L + 5, L + 12};
+    const at::Tensor flat = at::cat({ids.narrow(0, 0, 5), ids, ids.roll(7).narrow(0, 0, 7)}).view({1, -1});
+    const at::Tensor flat_pos =
+        at::cat({at::arange(5, at::kLong), at::arange(L, at::kLong), at::arange(7, at::kLong)}).view({1, -1}).to(gpu);
+    auto load = [&](at::ScalarType dt, bool fused) {
+      Transformer m = Transformer::load(case_dir(c).string(), dt, gpu);
+      for (auto& p : m.parameters()) p.detach().copy_(p.to(at::kBFloat16).to(dt));  // one set of weights
+      m.set_training_kernels(fused);
+      return m;
+    };
+    Transformer f32 = load(at::kFloat, true), f32_aten = load(at::kFloat, false);
+    f32.set_activation_checkpointing(true);
+    at::manual_seed(6);
+    const int64_t D = f32.config().hidden_size;
+    const at::Tensor r_rows = at::randn({2, L, D}, at::TensorOptions().device(gpu));
+    const at::Tensor r_flat = at::randn({1, L + 12, D}, at::TensorOptions().device(gpu));
+    // (hidden states of both forwards as one fp32 vector, every parameter's gradient as one) of
+    // sum(rows * r_rows) + sum(packed * r_flat).
+    auto run = [&](Transformer& m) {
+      for (auto& p : m.parameters()) p.mutable_grad().reset();
+      const at::Tensor a = m.forward(rows, rows_pos, at::Tensor()).to(at::kFloat);
+      const at::Tensor b = m.forward_packed(flat, flat_pos, starts).to(at::kFloat);
+      ((a * r_rows).sum() + (b * r_flat).sum()).backward();
+      std::vector<at::Tensor> g;
+      for (const auto& p : m.parameters())
+        g.push_back(p.grad().defined() ? p.grad().flatten() : at::zeros({0}, p.options()));
+      return std::make_pair(at::cat({a.flatten(), b.flatten()}).detach(), at::cat(g).to(at::kFloat));
+    };
+    auto rel = [](const at::Tensor& x, const at::Tensor& y) { return ((x - y).norm() / y.norm()).item<double>(); };
+    const auto fused = run(f32), aten = run(f32_aten);
+    std::cout << "training kernels " << c << ": float32 relative difference hidden " << rel(fused.first, aten.first)
+              << ", gradients " << rel(fused.second, aten.second) << "\n";
+    EXPECT_LE(rel(fused.first, aten.first), 1e-5);
+    EXPECT_LE(rel(fused.second, aten.second), 1e-5);
+    EXPECT_FALSE(at::equal(fused.first, aten.first)) << "the fused path ran (its sums of squares differ)";
+    // Wrong variant: a kernel that rounds through bf16 (here, the activations of the bf16 model).
+    Transformer bf16_aten = load(at::kBFloat16, false), bf16 = load(at::kBFloat16, true);
+    const auto wrong = run(bf16_aten);
+    EXPECT_GT(rel(wrong.first, aten.first), 1e-5);
+    EXPECT_GT(rel(wrong.second, aten.second), 1e-5);
+    const auto ours = run(bf16);
+    const double scale = aten.first.abs().max().item<double>();
+    const double eh = (ours.first - aten.first).abs().max().item<double>();
+    const double eh_aten = (wrong.first - aten.first).abs().max().item<double>();
+    std::cout << "training kernels " << c << ": bf16 max |hidden error| fused " << eh << ", ATen " << eh_aten
+              << "; gradient relative error fused " << rel(ours.second, aten.second) << ", ATen "
+              << rel(wrong.second, aten.second) << "\n";
+    EXPECT_LE(eh, 1.25 * eh_aten + scale / 256);
+    EXPECT_LE(rel(ours.second, aten.second), 1.25 * rel(wrong.second, aten.second) + 1.0 / 256);
+  }
+}
+
 TEST(Transformer, CorruptInputsGiveClearErrors) {
   const rlt::testing::TempDir dir("bad");
   const fs::path& tmp = dir.path();
