@@ -812,6 +812,34 @@ TEST(MicroBatches, ATokenBudgetTrainsTheFirstStepAsRowCountsDo) {
   }
 }
 
+// update_hfu counts what the recompute adds: with model.checkpoint_layers 1 of the model's layers, the
+// hardware FLOPs are the model FLOPs plus that layer's share of the layers' forward (projections and
+// attention) at every iteration, while update_mfu keeps the model FLOPs over the update's seconds. The
+// layers' forward is a third of an iteration's model FLOPs less the head's forward over the sampled tokens
+// (tests/model/test_flops.cpp checks those counts by hand). Every layer recomputed, or none, is rejected.
+TEST(UpdateMetrics, HfuCountsTheCheckpointedLayersRecompute) {
+  TempDir tmp("hfu");
+  Config c = varied_first_step_config(/*steps=*/1);
+  c.model.activation_checkpointing = true;
+  c.model.checkpoint_layers = 1;
+  c.train.peak_tflops = 0.5;
+  rlt::Run run = make_run(c, tmp.path().string(), false, ExtraParams{});
+  std::map<std::string, double> m = train_grpo(run);
+  const ModelConfig& shape = run.model.policy->config();
+  const double L = double(shape.num_layers);
+  ASSERT_GE(L, 2) << "a layer checkpointed and one kept";
+  const double per_iteration = m["update_flops"] / double(c.train.num_iterations);
+  const double head = forward_flops(shape, SequenceWork{0, 1}).head * m["sampled_tokens"];
+  const double layers = per_iteration / 3 - head;
+  ASSERT_GT(layers, 0);
+  auto ratio = [&](double recomputed) { return 1 + recomputed / L * layers / per_iteration; };
+  const double got = m["update_hfu"] / m["update_mfu"];
+  EXPECT_NEAR(got, ratio(1), 1e-12);
+  EXPECT_NEAR(m["update_mfu"], m["update_flops"] / (m["time_update_s"] * 0.5e12), 1e-12 * m["update_mfu"]);
+  EXPECT_GT(std::abs(got - ratio(L)), 1e-3) << "every layer recomputed must be rejected";
+  EXPECT_GT(std::abs(got - ratio(0)), 1e-3) << "no recompute must be rejected";
+}
+
 // Packed micro-batches (train.pack_sequences, 60 tokens each) against right-padded rows of 2 on the same
 // first RL step, GRPO and PPO (whose value head reads the packed hidden states by row): the same loss,
 // value loss, log-prob mean and gradient norm. One mini-batch in one pass, so that every forward runs on the
