@@ -47,7 +47,7 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 //   x_hat = x r, r = rsqrt(mean(x^2) + eps)
 //   llama: y = w * cast(x_hat)     dy/dx_hat = g w        grad_w += g cast(x_hat)
 //   gemma: y = cast(x_hat (1 + w)) dy/dx_hat = g (1 + w)  grad_w += g x_hat
-//   grad_x = r (gy - x_hat mean(gy x_hat)) (+ extra)
+//   grad_x = r (gy - x_hat mean(gy x_hat)) (+ extra, after rounding)
 template <typename T, int THREADS, int PER>
 __global__ void __launch_bounds__(THREADS)
     rms_norm_backward_kernel(const T* __restrict__ grad, const T* __restrict__ x, const T* __restrict__ w,
@@ -87,7 +87,9 @@ __global__ void __launch_bounds__(THREADS)
       const int64_t i = threadIdx.x + int64_t(k) * THREADS;
       if (i >= D) break;
       float gx = r * (gv[k] - xv[k] * r * mean_dot);
-      if (extra) gx += to_f(extra[off + i]);
+      // Rounded before the residual's gradient is added, as autograd adds the two: a checkpointed layer,
+      // whose residual add is its own node, gets the same gradients bit for bit.
+      if (extra) gx = round_to<T>(gx) + to_f(extra[off + i]);
       grad_x[off + i] = from_f<T>(gx);
     }
   }

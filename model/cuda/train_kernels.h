@@ -16,8 +16,10 @@ namespace rlt::cuda {
 bool rms_norm_backward_supports(int64_t D);
 // The gradients of rms_norm(x, w, eps, gemma) (decode_kernels.h) given grad_out, the gradient of its
 // output: {grad_x, grad_w}. x and grad_out (…, D) contiguous, w (D), all in one dtype (float32, bfloat16
-// or float16). With `extra` (shaped like x, contiguous), grad_x + extra: the residual's own gradient of an
-// add_rms_norm, which reaches a and b alike. grad_w in w's dtype, summed over every row in float32; with
+// or float16). With `extra` (shaped like x, contiguous), grad_x rounded to the dtype, then + extra: the
+// residual's own gradient of an add_rms_norm, which reaches a and b alike, added as autograd adds a
+// separate residual add's two gradients (so a checkpointed layer's recompute, which adds its residual in a
+// node of its own, gives the same gradients bit for bit). grad_w in w's dtype, summed over every row in float32; with
 // weight_grad false it is left undefined (a frozen weight). mean(x^2) is recomputed from x.
 std::pair<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                                     const at::Tensor& w, double eps, bool gemma,
