@@ -46,6 +46,11 @@ if ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(
   echo "setup: installing tokenizers==0.23.3 sentencepiece jinja2 pyarrow (references for the tokenizer and chat-template tests)"
   "$py" -m pip install -q tokenizers==0.23.3 sentencepiece jinja2 pyarrow
 fi
+# tensorboard: the reference writer and reader of the trainer's event files (tests/common/, tests/apps/).
+if ! "$py" -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ == "2.20.0" else 1)' 2>/dev/null; then
+  echo "setup: installing tensorboard==2.20.0 (reads and writes the event files the trainer's are compared with)"
+  "$py" -m pip install -q tensorboard==2.20.0
+fi
 # CUTLASS/CuTe headers for the fused Hopper CCE kernels (loss/cuda/cce_fused.cu): the pinned wheel.
 if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("nvidia-cutlass") == "4.2.0.0" else 1)' 2>/dev/null; then
   echo "setup: installing nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe headers for the fused CCE kernels)"

@@ -36,6 +36,7 @@ struct Config {
   TrainOptions train;           // `train:`     the RL loop and its optimizer
   SftOptions sft;               // `sft:`       supervised warm-up
   PpoOptions ppo;               // `ppo:`       critic, GAE
+  LoggingOptions logging;       // `logging:`   TensorBoard event files
 
   // Sections read under an older name for one release, each with a one-line warning naming the new key.
   static const std::vector<std::pair<const char*, const char*>>& renamed_sections() {
@@ -61,6 +62,7 @@ struct Config {
     v("train", train, "RL loop, optimizer, schedule, checkpoints");
     v("sft", sft, "supervised warm-up on synthetic tool-use traces");
     v("ppo", ppo, "PPO critic and GAE");
+    v("logging", logging, "TensorBoard event files beside metrics.jsonl");
   }
 };
 

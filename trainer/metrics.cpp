@@ -304,7 +304,25 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
           {"rollout_feed_wait_passes_mean", double(rb.stats.feed_wait_row_steps) / S}};
 }
 
+// A trajectory as TensorBoard's text plugin shows it: a Markdown line of its outcome, then the prompt and
+// the response in fences of four backticks (a response's own code blocks use three).
+static std::string sample_markdown(const Run& run, const Trajectory& t) {
+  std::ostringstream md;
+  md << "**reward** " << t.reward << " · " << (t.correct ? "correct" : "not correct") << " · finish "
+     << enum_to_string(t.finish) << " · " << t.tool_calls << " tool call" << (t.tool_calls == 1 ? "" : "s")
+     << "\n\n**prompt**\n\n````text\n"
+     << run.data.tokenizer->decode(t.prompt_ids) << "\n````\n\n**response**\n\n````text\n"
+     << run.data.tokenizer->decode(t.response_ids) << "\n````\n";
+  return md.str();
+}
+
 void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
+  if (run.metrics.log && run.metrics.log->tensorboard()) {
+    const int64_t k = std::min<int64_t>(run.config.logging.tensorboard_samples, static_cast<int64_t>(trajs.size()));
+    for (int64_t i = 0; i < k; ++i) {
+      run.metrics.log->text(run.counters.step + 1, "samples/" + std::to_string(i), sample_markdown(run, trajs[i]));
+    }
+  }
   const int64_t n = std::min<int64_t>(run.config.train.log_samples, static_cast<int64_t>(trajs.size()));
   if (n == 0) return;
   std::ofstream f((fs::path(run.out_dir) / "samples.jsonl").string(),
@@ -329,7 +347,21 @@ void log_samples(const Run& run, const std::vector<Trajectory>& trajs) {
   }
 }
 
-MetricsLog::MetricsLog(const std::string& out_dir, bool append) : out_dir_(out_dir) {
+MetricsLog::MetricsLog(const std::string& out_dir, bool append, bool tensorboard) : out_dir_(out_dir) {
+  if (tensorboard) {
+    const fs::path dir = fs::path(out_dir) / "tensorboard";
+    std::error_code ec;
+    if (!append && fs::is_directory(dir, ec)) {  // a fresh run: the last run's events go with its metrics
+      for (const auto& entry : fs::directory_iterator(dir, ec)) {
+        if (entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0) fs::remove(entry.path(), ec);
+      }
+    }
+    try {
+      events_ = std::make_unique<EventWriter>(dir.string());
+    } catch (const std::runtime_error& e) {
+      throw RunError(std::string("logging.tensorboard: ") + e.what());
+    }
+  }
   const std::string path = (fs::path(out_dir) / "metrics.jsonl").string();
   if (append) {  // keep the plot whole across a resume
     std::ifstream in(path);
@@ -350,12 +382,22 @@ MetricsLog::MetricsLog(const std::string& out_dir, bool append) : out_dir_(out_d
   if (!file_) throw RunError(path + ": cannot open for writing");
 }
 
+MetricsLog::~MetricsLog() = default;
+
 void MetricsLog::write(const std::map<std::string, double>& m) {
   nlohmann::json j = nlohmann::json::object();
   for (const auto& [k, v] : m) j[k] = std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
   file_ << j.dump() << "\n";
   file_.flush();
   rows_.push_back(m);
+  if (events_) {
+    events_->scalars(m.count("step") ? int64_t(m.at("step")) : int64_t(rows_.size()), m);
+    events_->flush();
+  }
+}
+
+void MetricsLog::text(int64_t step, const std::string& tag, const std::string& markdown) {
+  if (events_) events_->text(step, tag, markdown);
 }
 
 ProgressFields progress_fields(const Run& run, const std::map<std::string, double>& metrics) {

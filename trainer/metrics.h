@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common/memory.h"
+#include "common/tensorboard.h"
 #include "loss/policy_loss.h"
 #include "trainer/run.h"
 
@@ -166,11 +168,19 @@ ProgressFields progress_fields(const Run& run, const std::map<std::string, doubl
 // grad norm 0.456  clip 1.2%  sampled 1234 tok/s  2.10 s/step" (one line, no newline).
 std::string progress_line(const std::map<std::string, double>& metrics, const ProgressFields& show);
 
-// metrics.jsonl (one JSON object per step) and plot.svg.
+// metrics.jsonl (one JSON object per step), plot.svg, and with `tensorboard` the same scalars in
+// TensorBoard event files under out_dir/tensorboard/ (common/tensorboard.h). A fresh run (append false)
+// removes the event files a previous run left there, as it truncates metrics.jsonl; a resumed one adds a
+// file.
 class MetricsLog {
  public:
-  MetricsLog(const std::string& out_dir, bool append);
+  MetricsLog(const std::string& out_dir, bool append, bool tensorboard = false);
+  ~MetricsLog();
+  // One step's metrics: a line of metrics.jsonl and, with TensorBoard, every value a scalar at m["step"].
   void write(const std::map<std::string, double>& metrics);
+  // A TensorBoard text summary (Markdown) at `step`; nothing without TensorBoard.
+  void text(int64_t step, const std::string& tag, const std::string& markdown);
+  bool tensorboard() const { return events_ != nullptr; }
   // plot.svg: reward, accuracy and tool use against step.
   void plot() const;
 
@@ -178,6 +188,7 @@ class MetricsLog {
   std::string out_dir_;
   std::ofstream file_;
   std::vector<std::map<std::string, double>> rows_;
+  std::unique_ptr<EventWriter> events_;
 };
 
 }  // namespace rlt

@@ -138,6 +138,22 @@ inline const EnumNames<OldLogprobs>& enum_names(OldLogprobs) {
   return names;
 }
 
+// What a run writes beside metrics.jsonl and samples.jsonl (`logging:`).
+struct LoggingOptions {
+  bool tensorboard = true;
+  int64_t tensorboard_samples = 2;
+
+  template <class V>
+  void visit(V&& v) {
+    v("tensorboard", tensorboard,
+      "TensorBoard event files in <run>/tensorboard/: every metrics.jsonl field a scalar at its step");
+    v("tensorboard_samples", tensorboard_samples,
+      "with tensorboard: the step's first N trajectories as text (prompt, response, reward); 0 = none",
+      FieldRange{0, 1e4});
+  }
+  void check(const FieldFail& fail) const {}
+};
+
 struct TrainOptions {
   PromptSource prompts = PromptSource::kSynthetic;
   int64_t steps = 40;

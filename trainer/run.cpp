@@ -553,7 +553,10 @@ RolloutBatch collect_rollouts(Run& run) {
 
 double begin_training(Run& run) {
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
-  if (run.lead()) run.metrics.log = std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0);
+  if (run.lead()) {
+    run.metrics.log =
+        std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0, run.config.logging.tensorboard);
+  }
   const bool fresh = run.counters.step == 0;
   if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
   broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
