@@ -211,6 +211,8 @@ struct TrainOptions {
   // k > 1 samples as in training: pass@1 is the mean accuracy over the k samples, pass@k the share of
   // problems with a correct one.
   int64_t eval_samples = 1;
+  // The evaluation's sampling temperature; -1: greedy for one sample, sampling.temperature for more.
+  double eval_temperature = -1;
   int64_t log_samples = 4;
   // A rollout's length is the usual wait for a late rank.
   double dist_timeout_s = 1800;
@@ -281,8 +283,11 @@ struct TrainOptions {
       "evaluation problems: the last N training prompts held out (0: none), or data.eval_path's first N (0: all)",
       FieldRange{0, 1e6});
     v("eval_every", eval_every, "RL steps between evaluations; 0 = before and after training only", FieldRange{0, 1e9});
-    v("eval_samples", eval_samples, "completions per evaluation problem: 1 = greedy, k > 1 = pass@1 over k samples",
+    v("eval_samples", eval_samples,
+      "completions per evaluation problem (k): avg@k and the unbiased pass@1, 2, 4, ..., k over them",
       FieldRange{1, 1e6});
+    v("eval_temperature", eval_temperature,
+      "evaluation sampling temperature; -1 = greedy at eval_samples 1, else sampling.temperature", FieldRange{-1, 100});
     v("log_samples", log_samples, "trajectories per step written to samples.jsonl; 0 = none", FieldRange{0, 1e6});
     v("dist_timeout_s", dist_timeout_s,
       "several ranks: seconds a collective waits for a late rank before the job ends naming it", FieldRange{1, 1e6});
@@ -293,7 +298,9 @@ struct TrainOptions {
       "parameters (and weights)");
     v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory, stepped there");
   }
-  void check(const FieldFail& fail) const {}
+  void check(const FieldFail& fail) const {
+    if (eval_temperature < 0 && eval_temperature != -1) fail("eval_temperature", "must be -1 (automatic) or >= 0");
+  }
 };
 
 // Supervised warm-up on synthetic tool-use traces (the built-in demo), before RL.

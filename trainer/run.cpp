@@ -580,7 +580,9 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
       !(run.counters.step % every == 0 || run.counters.step == run.config.train.steps))
     return {};
   const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.counters.step));
-  return {{"eval_pass@1", r.pass1}, {"eval_pass@k", r.pass_k}, {"eval_tool_use", r.tool_use}};
+  std::map<std::string, double> m = {{"eval_avg@" + std::to_string(r.k), r.pass1}, {"eval_tool_use", r.tool_use}};
+  for (const auto& [j, p] : r.pass_at) m["eval_pass@" + std::to_string(j)] = p;
+  return m;
 }
 
 EvalResult report_evaluation(Run& run, const std::string& when) {
@@ -600,7 +602,8 @@ EvalResult evaluate(Run& run) {
   const GatheredWeights whole(run.model.sharded);
   const int64_t k = run.config.train.eval_samples;
   SamplingOptions s = run.config.sampling;
-  if (k == 1) s.temperature = 0;  // greedy
+  const double t = run.config.train.eval_temperature;
+  s.temperature = t >= 0 ? t : k == 1 ? 0.0 : s.temperature;  // -1: greedy for one sample
   s.samples_per_prompt = k;
   // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
   s.seed = run.config.train.seed * 1000003 + run.counters.step + (int64_t{1} << 40);
@@ -623,31 +626,44 @@ EvalResult evaluate(Run& run) {
   return summarize_evaluation(trajs, k, run.dist.get());
 }
 
+double pass_at_estimate(int64_t n, int64_t c, int64_t j) {
+  TORCH_CHECK(0 <= c && c <= n && 1 <= j && j <= n, "pass_at_estimate: ", c, " of ", n, " correct, j = ", j);
+  if (n - c < j) return 1.0;  // every draw of j holds a correct completion
+  double none = 1.0;          // C(n - c, j) / C(n, j)
+  for (int64_t i = n - c + 1; i <= n; ++i) none *= 1.0 - double(j) / double(i);
+  return 1.0 - none;
+}
+
 EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist) {
   TORCH_CHECK(k >= 1 && trajs.size() % k == 0, "summarize_evaluation: ", trajs.size(),
               " completions are not whole groups of k = ", k);
-  // Sums over problems (and over ranks), then means.
-  double pass1 = 0, pass_k = 0, tool_use = 0;
+  std::vector<int64_t> js;  // 1, 2, 4, ... below k, then k
+  for (int64_t j = 1; j < k; j *= 2) js.push_back(j);
+  js.push_back(k);
+  // Sums over problems (and over ranks), then means: pass@j for each j, tool use, the problems.
+  std::vector<double> sums(js.size() + 2, 0.0);
   const size_t P = trajs.size() / k;
   for (size_t p = 0; p < P; ++p) {
     int64_t correct = 0;
     for (int64_t g = 0; g < k; ++g) {
       const Trajectory& t = trajs[p * k + g];  // prompt-major
       correct += t.correct;
-      tool_use += t.tool_calls > 0;
+      sums[js.size()] += t.tool_calls > 0;
     }
-    pass1 += static_cast<double>(correct) / k;
-    pass_k += correct > 0;
+    for (size_t i = 0; i < js.size(); ++i) sums[i] += pass_at_estimate(k, correct, js[i]);
   }
-  at::Tensor sums = at::tensor({pass1, pass_k, tool_use, double(P)}, at::kDouble);
-  if (dist) dist->all_reduce({sums}, ReduceOp::kSum);
-  const double* v = sums.data_ptr<double>();
-  TORCH_CHECK(v[3] > 0, "summarize_evaluation: no completions");
+  sums.back() = double(P);
+  at::Tensor all = at::tensor(sums, at::kDouble);
+  if (dist) dist->all_reduce({all}, ReduceOp::kSum);
+  const double* v = all.data_ptr<double>();
+  const double problems = v[js.size() + 1];
+  TORCH_CHECK(problems > 0, "summarize_evaluation: no completions");
   EvalResult r;
   r.k = k;
-  r.pass1 = v[0] / v[3];
-  r.pass_k = v[1] / v[3];
-  r.tool_use = v[2] / (v[3] * k);
+  for (size_t i = 0; i < js.size(); ++i) r.pass_at[js[i]] = v[i] / problems;
+  r.pass1 = r.pass_at[1];
+  r.pass_k = r.pass_at[k];
+  r.tool_use = v[js.size()] / (problems * k);
   return r;
 }
 

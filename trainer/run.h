@@ -265,21 +265,29 @@ class RolloutSourceScope {
 // Runs code on the rollout's interpreter pool (sandbox.workers processes), made on first use and kept.
 ToolRunner tool_runner(RolloutState& rollout, const SandboxOptions& options);
 
-// One evaluation on run.data.eval_set (no training): train.eval_samples completions per problem (greedy for 1,
-// else sampled at sampling.temperature / top_p / top_k with a noise stream of its own).
+// One evaluation on run.data.eval_set (no training): train.eval_samples completions per problem, at
+// train.eval_temperature (-1: greedy for 1 sample, else sampling.temperature) with sampling.top_p / top_k
+// and a noise stream of its own.
 struct EvalResult {
-  double pass1 = 0;     // mean over problems of (correct completions / k)
+  double pass1 = 0;     // mean over problems of (correct completions / k): avg@k
   double pass_k = 0;    // share of problems with at least one correct completion
   double tool_use = 0;  // share of completions that called the tool
   int64_t k = 1;
+  // pass@j for j = 1, 2, 4, ... below k, and k: the mean over problems of the unbiased estimator
+  // 1 - C(k - c, j) / C(k, j) of a problem with c correct of its k completions (the chance that j of them,
+  // drawn without replacement, hold a correct one). pass_at[1] is pass1, pass_at[k] pass_k.
+  std::map<int64_t, double> pass_at;
 };
+// The unbiased estimator of pass@j from c correct of n completions (j <= n): 1 - C(n - c, j) / C(n, j),
+// computed as 1 - prod_{i = n - c + 1}^{n} (1 - j / i).
+double pass_at_estimate(int64_t n, int64_t c, int64_t j);
 EvalResult evaluate(Run& run);
 // The figures of prompt-major completions, k per problem; over every rank's problems with `dist`.
 EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist = nullptr);
 // evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.
 EvalResult report_evaluation(Run& run, const std::string& when);
 // After RL step run.counters.step: when train.eval_every says so (and at the last step), an evaluation, as the
-// metrics eval_pass@1, eval_pass@k, eval_tool_use; else nothing.
+// metrics eval_pass@j (EvalResult::pass_at), eval_avg@k and eval_tool_use; else nothing.
 std::map<std::string, double> periodic_evaluation(Run& run);
 
 }  // namespace rlt

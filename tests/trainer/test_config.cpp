@@ -139,6 +139,9 @@ TEST(Config, OutOfRange) {
   expect_error(write_yaml("r1.yaml", "loss:\n  chunk_size: -1\n"), {}, {":2", "loss.chunk_size", "out of range"});
   expect_error("", {"sampling.temperature=-1"}, {"--set sampling.temperature=-1", "out of range"});
   expect_error("", {"objective.clip_eps_low=2"}, {"objective.clip_eps_low", "out of range"});
+  expect_error("", {"train.eval_temperature=-0.5"}, {"train.eval_temperature", "-1 (automatic) or >= 0"});
+  EXPECT_NO_THROW(load_config("", {"train.eval_temperature=-1"}));
+  EXPECT_NO_THROW(load_config("", {"train.eval_temperature=0.6"}));
 }
 
 TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {

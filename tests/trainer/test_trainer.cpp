@@ -270,7 +270,40 @@ TEST(Evaluation, PassAtOneFromKSamplesAndPassAtK) {
   const EvalResult greedy = summarize_evaluation(t, 1);  // eight problems, one completion each
   EXPECT_DOUBLE_EQ(greedy.pass1, 3.0 / 8);
   EXPECT_DOUBLE_EQ(greedy.pass_k, greedy.pass1);
+  EXPECT_EQ(greedy.pass_at.size(), 1u);
   EXPECT_THROW(summarize_evaluation(t, 3), c10::Error) << "8 completions are not groups of 3";
+}
+
+// The unbiased pass@j, counted by hand: of n = 4 completions, c correct, a draw of j = 2 without
+// replacement misses every correct one with probability C(4 - c, 2) / C(4, 2): 6/6, 3/6, 1/6, 0 for c = 0,
+// 1, 2, 3. Four problems with 0, 1, 2 and 4 correct: pass@1 = avg@4 = (0 + 1/4 + 2/4 + 1) / 4, pass@2 =
+// (0 + 1/2 + 5/6 + 1) / 4, pass@4 = 3/4. Samples of 6 log j = 1, 2, 4 and 6. The biased 1 - (1 - c/n)^j
+// (7/16 for c = 1, j = 2) is rejected.
+TEST(Evaluation, UnbiasedPassAtJFromKSamples) {
+  std::vector<Trajectory> t(16);
+  const int correct[4] = {0, 1, 2, 4};
+  for (int p = 0; p < 4; ++p) {
+    for (int g = 0; g < correct[p]; ++g) t[p * 4 + g].correct = true;
+  }
+  const EvalResult r = summarize_evaluation(t, 4);
+  ASSERT_EQ(r.pass_at.size(), 3u);
+  EXPECT_DOUBLE_EQ(r.pass_at.at(1), (0 + 0.25 + 0.5 + 1) / 4);
+  EXPECT_DOUBLE_EQ(r.pass_at.at(2), (0 + 0.5 + 5.0 / 6 + 1) / 4);
+  EXPECT_DOUBLE_EQ(r.pass_at.at(4), 0.75);
+  EXPECT_EQ(r.pass1, r.pass_at.at(1));
+  EXPECT_EQ(r.pass_k, r.pass_at.at(4));
+  EXPECT_DOUBLE_EQ(pass_at_estimate(4, 1, 2), 0.5);
+  EXPECT_GT(std::abs(pass_at_estimate(4, 1, 2) - (1 - std::pow(1 - 0.25, 2))), 0.05) << "the biased estimator";
+  EXPECT_DOUBLE_EQ(pass_at_estimate(4, 3, 2), 1.0);
+  EXPECT_DOUBLE_EQ(pass_at_estimate(6, 2, 3), 1.0 - 4.0 / 20);  // C(4, 3) / C(6, 3)
+  std::vector<Trajectory> six(6);
+  six[0].correct = true;
+  const EvalResult r6 = summarize_evaluation(six, 6);
+  std::vector<int64_t> js;
+  for (const auto& [j, p] : r6.pass_at) js.push_back(j);
+  EXPECT_EQ(js, (std::vector<int64_t>{1, 2, 4, 6}));
+  EXPECT_DOUBLE_EQ(r6.pass_at.at(4), 4.0 / 6);  // 1 - C(5, 4) / C(6, 4) = 1 - 5/15
+  EXPECT_THROW(pass_at_estimate(4, 5, 1), c10::Error);
 }
 
 TEST(UpdateMetrics, LossesAddUpPerMiniBatchAndTokenMeansWeighByTokens) {
@@ -417,8 +450,9 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
     const bool due = (i + 1) % 2 == 0;
     EXPECT_EQ(a[i].contains("eval_pass@1"), due) << "step " << i + 1;
     if (!due) continue;
-    const double p1 = a[i]["eval_pass@1"].get<double>(), pk = a[i]["eval_pass@k"].get<double>();
+    const double p1 = a[i]["eval_pass@1"].get<double>(), pk = a[i]["eval_pass@2"].get<double>();
     EXPECT_TRUE(0 <= p1 && p1 <= pk && pk <= 1) << a[i].dump();
+    EXPECT_EQ(a[i]["eval_avg@2"].get<double>(), p1) << "avg@k is pass@1 from k samples";
     EXPECT_EQ(std::fmod(p1 * 8, 1.0), 0.0) << "4 problems x 2 samples: a multiple of 1/8";
   }
   double reward_std_max = 0;
@@ -960,7 +994,7 @@ TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
   const double g1 = one.rows[0]["grad_norm"].get<double>();
   EXPECT_NEAR(two.rows[0]["grad_norm"].get<double>(), g1, 1e-5 * g1);
   EXPECT_NEAR(two.rows[0]["entropy"].get<double>(), one.rows[0]["entropy"].get<double>(), 1e-5);
-  for (const char* k : {"eval_pass@1", "eval_pass@k", "eval_tool_use"}) {  // the same completions, summed over ranks
+  for (const char* k : {"eval_pass@1", "eval_pass@2", "eval_avg@2", "eval_tool_use"}) {  // summed over ranks
     ASSERT_TRUE(one.rows[2].contains(k)) << k;
     EXPECT_NEAR(two.rows[2][k].get<double>(), one.rows[2][k].get<double>(), 1e-12) << k;
   }
