@@ -218,7 +218,9 @@ class TrainKernels final : public AtenKernels {
   }
   std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w, double eps,
                                              bool gemma) const override {
-    if (!takes(a, w) || (b.defined() && b.sizes() != a.sizes())) return AtenKernels::add_norm(a, b, w, eps, gemma);
+    if (!takes(a, w) || (b.defined() && (b.sizes() != a.sizes() || b.scalar_type() != a.scalar_type()))) {
+      return AtenKernels::add_norm(a, b, w, eps, gemma);
+    }
     if (!b.defined()) return {a, NormFn::apply(a, w, eps, gemma)};
     const variable_list hy = AddNormFn::apply(a, b, w, eps, gemma);
     return {hy[0], hy[1]};
