@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -150,8 +151,10 @@ EventWriter::EventWriter(const std::string& dir, double wall_time) {
   std::filesystem::create_directories(dir, ec);
   char host[256] = {0};
   if (gethostname(host, sizeof host - 1) != 0 || host[0] == 0) std::strcpy(host, "localhost");
+  // Seconds, host and process, then a count of this process's writers: two in one second stay apart.
+  static std::atomic<int64_t> writers{0};
   path_ = (std::filesystem::path(dir) / ("events.out.tfevents." + std::to_string(int64_t(wall_time)) + "." + host +
-                                         "." + std::to_string(getpid()) + ".rlt"))
+                                         "." + std::to_string(getpid()) + "." + std::to_string(writers++) + ".rlt"))
               .string();
   file_.open(path_, std::ios::binary | std::ios::trunc);
   if (!file_) throw std::runtime_error(path_ + ": cannot open for writing");

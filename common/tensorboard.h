@@ -37,8 +37,9 @@ std::string tfrecord(const std::string& data);
 // Seconds since the epoch, the events' wall_time.
 double wall_seconds();
 
-// One event file in `dir` (made if missing): events.out.tfevents.<seconds>.<host>.<pid>.rlt, a new one
-// for each writer (a resumed run adds a file; TensorBoard reads every file of the folder). Its first
+// One event file in `dir` (made if missing): events.out.tfevents.<seconds>.<host>.<pid>.<n>.rlt, n
+// counting this process's writers, so each writer has its own (a resumed run adds a file; TensorBoard
+// reads every file of the folder). Its first
 // record is the file_version event ("brain.Event:2"). Throws std::runtime_error when the file cannot be
 // written.
 class EventWriter {

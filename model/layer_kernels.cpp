@@ -1,5 +1,6 @@
-// LayerKernels' two implementations: the ATen forms (the reference, after transformers' modeling_llama
-// and modeling_gemma2) and the fused CUDA kernels, which override the forms they replace.
+// LayerKernels' implementations: the ATen forms (the reference, after transformers' modeling_llama and
+// modeling_gemma2), the fused CUDA kernels of the cache forwards, and the training forms (those kernels
+// as autograd nodes), each overriding the forms it replaces.
 #include "model/layer_kernels.h"
 
 #include <cmath>

@@ -1,10 +1,11 @@
 // The operations of a decoder layer that a fused CUDA kernel can take over (model/cuda/decode_kernels.h),
 // behind one interface: a forward picks an implementation once, at its start, and every layer calls
 // through it. The ATen implementation is the reference (Hugging Face's operations: RMSNorm in fp32,
-// rotate_half RoPE, the activation then the gate product) and the only one of the CPU, of training and of
-// scoring; the fused one runs each chain as one kernel with the same roundings, so it matches the
-// reference bit for bit in float32 but for RMSNorm's sum of squares. Leaves out the projections and
-// SDPA, which both implementations call alike (model/transformer.cpp).
+// rotate_half RoPE, the activation then the gate product) and the CPU's; the fused one (the rollout's
+// cache forwards) runs each chain as one kernel with the same roundings, so it matches the reference bit
+// for bit in float32 but for RMSNorm's sum of squares; the training one (forwards without a cache on
+// CUDA: training and scoring) runs those kernels as autograd nodes with backward kernels. Leaves out the
+// projections and SDPA, which every implementation calls alike (model/transformer.cpp).
 // Internal to model/: the Transformer's forwards include it, its callers do not.
 #pragma once
 
@@ -85,7 +86,7 @@ FusedForwardCounts& fused_forward_counts();
 // What a forward decides once for all its layers (Transformer::forward and forward_mixed build it; each
 // layer reads it).
 struct ForwardPlan {
-  const LayerKernels* ops = nullptr;      // the ATen forms, or the fused kernels
+  const LayerKernels* ops = nullptr;      // the ATen forms, the fused kernels or the training ones
   KvCache* cache = nullptr;               // the cache the forward goes through, or none
   const PackedWeights* packed = nullptr;  // the cache's packed weights, in fused forwards only
   at::Tensor cos, sin;                    // (B, 1, L, hd): RoPE tables in the activations' dtype

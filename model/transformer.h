@@ -108,8 +108,9 @@ class Transformer {
   // the model's outputs do not move until B trains. Both are fp32 (float64 on a float64 model: the
   // references' runs) and require grad; every base parameter stops requiring grad, and
   // named_trainable_parameters() becomes the adapters. The adapters' dropout draws from a generator of
-  // the model's own on its device, seeded from `seed` too. Forwards with adapters run the ATen forms only
-  // (fused_kernels_apply() is false): the rollout decodes merged() instead. Replaces adapters already
+  // the model's own on its device, seeded from `seed` too. Cache forwards with adapters run the ATen forms
+  // (fused_kernels_apply() is false: the rollout decodes merged() instead); forwards without a cache take
+  // the training kernels as any model does (set_training_kernels). Replaces adapters already
   // attached. Throws std::invalid_argument for options that name no target.
   void attach_lora(const LoraOptions& options, uint64_t seed);
   bool has_lora() const { return lora_.enabled(); }
@@ -188,7 +189,7 @@ class Transformer {
   const LayerKernels* cacheless_kernels() const;
   // Layer i of a forward, with its weights resident (set_residency) and, in a training forward with
   // checkpointing on, checkpointed (transformer_checkpoint.cpp). pending: see output_and_mlp.
-  at::Tensor run_layer(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const;
+  at::Tensor run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const;
   // Decoder layer i of h (B, L, D): project_qkv, RoPE, the cache, attention, output_and_mlp.
   at::Tensor layer_forward(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const;
   // The pieces of a layer that every forward shares (forward_mixed too). Layer i's input norm and q/k/v

@@ -57,7 +57,7 @@ class CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 
 }  // namespace
 
-at::Tensor Transformer::run_layer(int64_t i, at::Tensor h, at::Tensor& pending, const ForwardPlan& p) const {
+at::Tensor Transformer::run_layer(int64_t i, const at::Tensor& h, at::Tensor& pending, const ForwardPlan& p) const {
   const bool checkpointed = checkpointing_ && (checkpoint_layers_ < 0 || i < checkpoint_layers_);
   if (!checkpointed || p.cache || !at::GradMode::is_enabled()) {
     // A layer's weights go back after it: its graph must not need them (no grad, or a recompute below).
@@ -68,12 +68,10 @@ at::Tensor Transformer::run_layer(int64_t i, at::Tensor h, at::Tensor& pending, 
     if (residency_) residency_->release(i);
     return out;
   }
-  // Checkpointed: the layer runs from h alone and returns its whole output, so a residual that the layer
-  // forms leave pending (LayerKernels::add_residual) is added at each end, outside the recompute's input.
-  if (pending.defined()) {
-    h = h + pending;
-    pending = at::Tensor();
-  }
+  // Checkpointed: the layer runs from h alone and returns its whole output, the residual that the layer
+  // forms leave pending (LayerKernels::add_residual) added inside. Checkpointed layers are the first ones,
+  // so none leaves a residual pending for this one.
+  TORCH_CHECK(!pending.defined(), "run_layer: a checkpointed layer after one that left its residual pending");
   WeightResidency* res = residency_;
   // With adapter dropout the recompute must draw the masks the first run drew: it starts from the
   // generator's state as that run began (`drawn`), then puts back the state it found, so the forwards

@@ -390,9 +390,13 @@ void MetricsLog::write(const std::map<std::string, double>& m) {
   file_ << j.dump() << "\n";
   file_.flush();
   rows_.push_back(m);
-  if (events_) {
+  if (!events_) return;
+  try {
     events_->scalars(m.count("step") ? int64_t(m.at("step")) : int64_t(rows_.size()), m);
     events_->flush();
+  } catch (const std::runtime_error& e) {  // a full disk: the run goes on, metrics.jsonl has every step
+    std::cerr << "warning: logging.tensorboard: " << e.what() << "; no more TensorBoard events\n";
+    events_.reset();
   }
 }
 

@@ -628,8 +628,9 @@ EvalResult evaluate(Run& run) {
 
 double pass_at_estimate(int64_t n, int64_t c, int64_t j) {
   TORCH_CHECK(0 <= c && c <= n && 1 <= j && j <= n, "pass_at_estimate: ", c, " of ", n, " correct, j = ", j);
-  if (n - c < j) return 1.0;  // every draw of j holds a correct completion
-  double none = 1.0;          // C(n - c, j) / C(n, j)
+  if (j == 1) return double(c) / double(n);  // the correct share, exactly
+  if (n - c < j) return 1.0;                 // every draw of j holds a correct completion
+  double none = 1.0;                         // C(n - c, j) / C(n, j)
   for (int64_t i = n - c + 1; i <= n; ++i) none *= 1.0 - double(j) / double(i);
   return 1.0 - none;
 }

@@ -107,7 +107,9 @@ struct CacheWrite {
 };
 
 // Out of place (RopeOut): the rotated q and k go to contiguous (B, L, heads, hd) tensors instead, and with
-// `inverse` sin is negated: the transpose of the rotation, which is its gradient.
+// `inverse` sin is negated: the transpose of the rotation, which is its gradient. (The transpose takes
+// sin at i + half where the rotation takes it at i; the two are equal because the tables are
+// cat(freqs, freqs), as Transformer::rope_tables makes them for every rope type.)
 template <typename T>
 struct RopeOut {
   T* q = nullptr;

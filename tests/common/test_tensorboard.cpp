@@ -174,7 +174,7 @@ TEST(TensorBoard, WriterFilesLoadAsTensorBoardsUiLoadsThem) {
     w.text(2, "samples/0", "**reward** 1", 1764400002.0);
   }
   {
-    EventWriter w(dir.string(), 1764400010.0);  // a resumed run's
+    EventWriter w(dir.string(), 1764400000.0);  // a resumed run's, in the same second
     EXPECT_NE(w.path(), first);
     w.scalars(3, {{"reward_mean", 1.0}, {"accuracy", 1.0}}, 1764400011.0);
   }

@@ -493,10 +493,10 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
 
 // Forwards without a cache on CUDA (training and scoring) run the fused RMSNorm, RoPE and SiLU-gate
 // kernels with their backward kernels; set_training_kernels(false) runs the ATen forms. For every model
-// type, padded rows and packed sequences, with activation checkpointing on the fused side: in float32
-// the hidden states and every parameter's gradient must equal the ATen forms' to 1e-5 (normwise), which
-// weights rounded to bf16 fail; in bf16, both must be as accurate against float32 as the ATen forms'
-// (within 25% plus one bf16 ulp of the largest value).
+// type, padded rows and packed sequences, the fused side with activation checkpointing and without: in
+// float32 the hidden states and every parameter's gradient must equal the ATen forms' to 1e-5
+// (normwise), which weights rounded to bf16 fail; in bf16, both must be as accurate against float32 as
+// the ATen forms' (within 25% plus one bf16 ulp of the largest value).
 TEST(TransformerCuda, TrainingKernelsMatchTheAtenForms) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const at::Device gpu(at::kCUDA, 0);
@@ -540,6 +540,12 @@ TEST(TransformerCuda, TrainingKernelsMatchTheAtenForms) {
     EXPECT_LE(rel(fused.first, aten.first), 1e-5);
     EXPECT_LE(rel(fused.second, aten.second), 1e-5);
     EXPECT_FALSE(at::equal(fused.first, aten.first)) << "the fused path ran (its sums of squares differ)";
+    // Without checkpointing each layer's MLP output stays pending for the next layer's add-and-norm node,
+    // and the last one for the final norm's.
+    Transformer f32_stored = load(at::kFloat, true);
+    const auto stored = run(f32_stored);
+    EXPECT_LE(rel(stored.first, aten.first), 1e-5);
+    EXPECT_LE(rel(stored.second, aten.second), 1e-5);
     // Wrong variant: a kernel that rounds through bf16 (here, the activations of the bf16 model).
     Transformer bf16_aten = load(at::kBFloat16, false), bf16 = load(at::kBFloat16, true);
     const auto wrong = run(bf16_aten);

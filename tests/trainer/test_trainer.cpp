@@ -304,6 +304,9 @@ TEST(Evaluation, UnbiasedPassAtJFromKSamples) {
   EXPECT_EQ(js, (std::vector<int64_t>{1, 2, 4, 6}));
   EXPECT_DOUBLE_EQ(r6.pass_at.at(4), 4.0 / 6);  // 1 - C(5, 4) / C(6, 4) = 1 - 5/15
   EXPECT_THROW(pass_at_estimate(4, 5, 1), c10::Error);
+  for (int64_t n = 1; n <= 64; ++n) {  // avg@k is the correct share exactly, as metrics.jsonl names it
+    for (int64_t c = 0; c <= n; ++c) ASSERT_EQ(pass_at_estimate(n, c, 1), double(c) / double(n)) << c << "/" << n;
+  }
 }
 
 TEST(UpdateMetrics, LossesAddUpPerMiniBatchAndTokenMeansWeighByTokens) {
