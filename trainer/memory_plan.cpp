@@ -86,13 +86,20 @@ Shape shape_of(const Config& c, const ModelConfig& m) {
   return s;
 }
 
-// Bytes autograd keeps per token of an RMSNorm over `width` (rms_norm in model/transformer.cpp): x.to(fp32)
-// (a copy for bf16, the input itself for fp32) saved by pow and mul, the rsqrt (4 bytes), and x_hat in the
-// model dtype (for fp32 the fp32 x_hat itself) saved by the weight's mul.
-int64_t norm_saved(int64_t width, int64_t s) { return (s < 4 ? 4 + s : 8) * width + 4; }
+// Training forwards on CUDA run the fused layer forms (model.fused_kernels, model/layer_kernels.cpp's
+// TrainKernels) wherever a norm is at most 8,192 wide; the CPU runs the ATen forms.
+bool fused_forms(const Config& c, const ModelConfig& m, bool cpu) {
+  return !cpu && c.model.fused_kernels && m.hidden_size <= 8192;
+}
+
+// Bytes autograd keeps per token of an RMSNorm over `width`. The ATen form (rms_norm in
+// model/layer_kernels.cpp): x.to(fp32) (a copy for bf16, the input itself for fp32) saved by pow and mul,
+// the rsqrt (4 bytes), and x_hat in the model dtype (for fp32 the fp32 x_hat itself) saved by the
+// weight's mul. The fused form saves its input alone (the backward recomputes the rest).
+int64_t norm_saved(int64_t width, int64_t s, bool fused) { return fused ? s * width : (s < 4 ? 4 + s : 8) * width + 4; }
 
 // Bytes one token keeps for the backward in one decoder layer, counted from what autograd saves in
-// Transformer::layer_forward's ATen path (training never runs the fused kernels):
+// Transformer::layer_forward, in the ATen forms or the fused ones (fused_forms):
 //   - the input and post-attention RMSNorms (norm_saved), and their outputs, s D each, which the
 //     projections save as their input (q/k/v share one, gate/up the other);
 //   - attention: q and k after RoPE and v, saved by SDPA (mul by the cos/sin tables saves only the tables,
@@ -101,7 +108,8 @@ int64_t norm_saved(int64_t width, int64_t s) { return (s < 4 ? 4 + s : 8) * widt
 //   - the CPU's flash output is laid out (B, H, L, hd), so reshaping it for o_proj copies it: s qd more
 //     (CUDA's is (B, L, H, hd) and the reshape is a view);
 //   - the MLP: gate's output (saved by silu / gelu), the activation and up's output (saved by their
-//     product), and the product (saved by down_proj): 4 s F. The residual adds save nothing;
+//     product), and the product (saved by down_proj): 4 s F; the fused SiLU gate saves gate's and up's
+//     outputs, not the activation: 3 s F. The residual adds save nothing;
 //   - qwen3's q/k norms: one RMSNorm over q and k; gemma2: two more RMSNorms over D; a soft-capped
 //     attention (gemma2) runs the eager form, whose scores are quadratic in the context: per score tanh's
 //     output (s), the fp32 softmax (4) and, below fp32, its cast (s) for the matmul with V; and K, V
@@ -111,12 +119,13 @@ int64_t norm_saved(int64_t width, int64_t s) { return (s < 4 ? 4 + s : 8) * widt
 int64_t layer_bytes_per_token(const Config& c, const ModelConfig& m, int64_t s, bool cpu) {
   const int64_t D = m.hidden_size, F = m.intermediate_size, H = m.num_heads, qd = H * m.head_dim,
                 kvd = m.num_kv_heads * m.head_dim;
-  int64_t b = 2 * norm_saved(D, s) + 2 * s * D;
+  const bool fused = fused_forms(c, m, cpu);
+  int64_t b = 2 * norm_saved(D, s, fused) + 2 * s * D;
   b += s * (2 * qd + 2 * kvd) + 4 * H;
   if (cpu) b += s * qd;
-  b += 4 * s * F;
-  if (m.qk_norm) b += norm_saved(qd + kvd, s);
-  if (m.gemma_norms) b += 2 * norm_saved(D, s);
+  b += (fused && !m.gelu_tanh ? 3 : 4) * s * F;
+  if (m.qk_norm) b += norm_saved(qd + kvd, s, fused);
+  if (m.gemma_norms) b += 2 * norm_saved(D, s, fused);
   if (m.attn_softcap > 0) b += H * c.rollout.max_context * (s + 4 + (s < 4 ? s : 0)) + 2 * s * qd;
   if (c.lora.enabled()) {
     const std::vector<std::string> t = c.lora.target_list();
@@ -177,8 +186,8 @@ int64_t loss_bytes(const Config& c, const ModelConfig& m, int64_t T, int64_t s, 
 //   - a layer's backward: the MLP's gradients, three of s F at once in the product's backward (the
 //     product's, the activation's and up's) while down_proj's saved input is already freed: 2 s F more
 //     than the layer saved; and two of s D (the residual stream's, the MLP input's). With checkpointing
-//     this comes on top of the layer's recompute: what it saves again, less its input, which for fp32 is
-//     the tensor CheckpointFn saved (rms_norm's x.to(fp32) is x itself).
+//     this comes on top of the layer's recompute: what it saves again, less its input where that is the
+//     tensor CheckpointFn saved.
 int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64_t s, bool cpu) {
   // train.micro_batch_tokens caps a micro-batch's padded tokens, but a sequence longer than it runs alone.
   int64_t T = step_shape(c, world).micro * c.rollout.max_context;
@@ -197,14 +206,17 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   const int64_t masks = m.attn_softcap > 0 || sliding ? 2 * S * (cpu ? 1 : s) * (m.attn_softcap > 0 ? 1 : G) : 0;
   const int64_t kept = T * (2 * s * m.head_dim + masks);
   const int64_t saved = T * (ckpt * s * D + (layers - ckpt) * per_layer) + kept;
-  const int64_t head = T * (norm_saved(D, s) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
+  const bool fused = fused_forms(c, m, cpu);
+  const int64_t head = T * (norm_saved(D, s, fused) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
   const int64_t working = T * (2 * s * F + 2 * s * D);
   // The backward meets the head and a layer that kept its activations with everything saved; the last
   // checkpointed layer (ckpt - 1) after the kept ones have freed theirs (with none kept, that is everything
   // saved), with its recompute on top.
   int64_t peak = saved + std::max(head, ckpt < layers ? working : int64_t{0});
   if (ckpt > 0) {
-    const int64_t recompute = T * (per_layer - (s == 4 ? 4 * D : 0));
+    // Less the recompute's input, which CheckpointFn saved: the fused input norm saves that tensor, and so
+    // does the ATen one in fp32 (x.to(fp32) is x itself).
+    const int64_t recompute = T * (per_layer - (fused ? s * D : s == 4 ? 4 * D : 0));
     peak = std::max(peak, T * ckpt * s * D + kept + recompute + working);
   }
   return peak;

@@ -233,6 +233,7 @@ int64_t measured_activations(const Config& c, const ModelConfig& m, int64_t micr
       std::make_unique<Transformer>(m, c.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat, device,
                                     /*seed=*/0);
   run.model.policy->set_activation_checkpointing(c.model.activation_checkpointing, c.model.checkpoint_layers);
+  run.model.policy->set_training_kernels(c.model.fused_kernels);
   const std::vector<Trajectory> trajs = trajectories(micro, context, m.vocab_size);
   micro_batch(run, trajs, 0, micro, true);  // the parameters' gradients, kept (and cuBLAS's workspace)
   device_synchronize(device);
@@ -314,7 +315,7 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
 }
 
 // The same on a GPU, in bf16 (flash attention's (B, L, H, hd) output, the CUDA selective kernel, the
-// fp32-output LM-head GEMM): what the plan counts for CUDA.
+// fp32-output LM-head GEMM, the fused layer forms): what the plan counts for CUDA.
 TEST(MemoryPlan, ActivationsMatchTheMeasuredPeakOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const int64_t micro = 4, context = 128;
@@ -338,11 +339,17 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeakOnCuda) {
     const int64_t planned = plan_memory(c, k.m, 1).activations;
     std::cout << k.name << " (CUDA): activations planned " << planned << ", measured " << measured << "\n";
     EXPECT_LT(off(planned, measured), 0.10) << k.name;
-    // Twin: the CPU's figures (ATen loss chunks, the bf16 head upcast, the attention output's copy).
+    // Twins: the CPU's figures (ATen loss chunks, the bf16 head upcast, the attention output's copy); the
+    // ATen layer forms' saved tensors (fp32 norm inputs, normalised outputs, the SiLU's output).
     Config x = c;
     x.model.device = "cpu";
     if (k.m.vocab_size >= 4096) {
       EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as on the CPU";
+    }
+    if (!k.checkpointing && k.m.num_layers > 1) {
+      x = c;
+      x.model.fused_kernels = false;
+      EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as the ATen forms";
     }
   }
 }
@@ -540,8 +547,8 @@ TEST(MemoryPlan, AsyncAddsTheRolloutsCopyAndBothPhases) {
 
 // model.checkpoint_layers: the activations shrink as more layers are checkpointed, from none (0) to every
 // layer but the last; the last one's recompute comes as the backward starts, beside every other layer's
-// saved input, so under CCE's small head checkpointing it saves nothing and costs its input (every layer:
-// the plan of -1). On a
+// saved input, so under CCE's small head checkpointing it saves nothing (every layer: the plan of -1), and
+// in the ATen forms costs its input's fp32 copy. On a
 // device that fits with fewer, fewest_checkpointed_layers names the fewest within 90% of it (one fewer
 // does not fit), and nothing when every layer is needed or none is checkpointed. The 7B LoRA run with
 // micro-batches of 8, so that the update's phase sets the peak.
@@ -557,8 +564,19 @@ TEST(MemoryPlan, CheckpointedLayersTradeMemoryForRecompute) {
     return plan_memory(load_config("", x), m, 1);
   };
   for (int64_t n = 1; n < L; ++n) EXPECT_LT(plan(n).activations, plan(n - 1).activations) << n << " layers";
-  EXPECT_GT(plan(L).activations, plan(L - 1).activations) << "the last layer's checkpoint saves nothing";
+  // The fused input norm saves the very tensor CheckpointFn saved; the ATen one in bf16 an fp32 copy too.
+  EXPECT_EQ(plan(L).activations, plan(L - 1).activations) << "the last layer's checkpoint saves nothing";
   EXPECT_EQ(plan(L).activations, plan(-1).activations);
+  {
+    std::vector<std::string> aten = o;
+    aten.push_back("model.fused_kernels=false");
+    auto plan_aten = [&](int64_t n) {
+      std::vector<std::string> x = aten;
+      x.push_back("model.checkpoint_layers=" + std::to_string(n));
+      return plan_memory(load_config("", x), m, 1).activations;
+    };
+    EXPECT_GT(plan_aten(L), plan_aten(L - 1)) << "in the ATen forms it costs the input's fp32 copy";
+  }
   const Config all = load_config("", o);
   ASSERT_GT(plan(0).update_phase(), plan(0).rollout_phase());
   const int64_t device = (plan(L / 2).device_total() + 8) / 9 * 10 + 10;  // half the layers fit in 90% of it
