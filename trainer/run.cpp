@@ -596,17 +596,23 @@ EvalResult report_evaluation(Run& run, const std::string& when) {
   return r;
 }
 
+SamplingOptions evaluation_sampling(const Config& c, int64_t step) {
+  SamplingOptions s = c.sampling;
+  const int64_t k = c.train.eval_samples;
+  const double t = c.train.eval_temperature;
+  s.temperature = t >= 0 ? t : k == 1 ? 0.0 : s.temperature;  // -1: greedy for one sample
+  s.samples_per_prompt = k;
+  // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
+  s.seed = c.train.seed * 1000003 + step + (int64_t{1} << 40);
+  return s;
+}
+
 EvalResult evaluate(Run& run) {
   if (run.data.eval_set.empty()) return EvalResult{};
   at::NoGradGuard no_grad;
   const GatheredWeights whole(run.model.sharded);
   const int64_t k = run.config.train.eval_samples;
-  SamplingOptions s = run.config.sampling;
-  const double t = run.config.train.eval_temperature;
-  s.temperature = t >= 0 ? t : k == 1 ? 0.0 : s.temperature;  // -1: greedy for one sample
-  s.samples_per_prompt = k;
-  // Its own noise, fixed per step, 2^40 above the training rollouts' seeds (train.seed * 1000003 + step).
-  s.seed = run.config.train.seed * 1000003 + run.counters.step + (int64_t{1} << 40);
+  const SamplingOptions s = evaluation_sampling(run.config, run.counters.step);
   // Rank r evaluates problems r, r + world, ...; each with the noise stream of its index, as one process.
   std::vector<PromptExample> problems;
   std::vector<int64_t> streams;

@@ -282,6 +282,10 @@ struct EvalResult {
 // computed as 1 - prod_{i = n - c + 1}^{n} (1 - j / i).
 double pass_at_estimate(int64_t n, int64_t c, int64_t j);
 EvalResult evaluate(Run& run);
+// The sampling of an evaluation after RL step `step`: sampling.* with train.eval_samples completions a
+// problem, at train.eval_temperature (-1: 0 for one completion, else sampling.temperature), on a seed of
+// its own.
+SamplingOptions evaluation_sampling(const Config& c, int64_t step);
 // The figures of prompt-major completions, k per problem; over every rank's problems with `dist`.
 EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist = nullptr);
 // evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.

@@ -274,6 +274,28 @@ TEST(Evaluation, PassAtOneFromKSamplesAndPassAtK) {
   EXPECT_THROW(summarize_evaluation(t, 3), c10::Error) << "8 completions are not groups of 3";
 }
 
+// train.eval_temperature: -1 is greedy for one completion and training's temperature for more; any other
+// value is taken as it is, greedy included. The seed is the evaluation's own, per step.
+TEST(Evaluation, TemperatureAndSeedOfTheSamples) {
+  Config c = load_config("", {"sampling.temperature=0.8", "train.seed=3"});
+  auto temperature = [&](int64_t k, double t) {
+    Config x = c;
+    x.train.eval_samples = k;
+    x.train.eval_temperature = t;
+    return evaluation_sampling(x, 5).temperature;
+  };
+  EXPECT_EQ(temperature(1, -1), 0.0);
+  EXPECT_EQ(temperature(4, -1), 0.8);
+  EXPECT_EQ(temperature(1, 0.6), 0.6);
+  EXPECT_EQ(temperature(4, 0.6), 0.6);
+  EXPECT_EQ(temperature(4, 0.0), 0.0);
+  c.train.eval_samples = 4;
+  EXPECT_EQ(evaluation_sampling(c, 5).samples_per_prompt, 4);
+  EXPECT_EQ(evaluation_sampling(c, 5).seed, 3 * 1000003 + 5 + (int64_t{1} << 40));
+  EXPECT_NE(evaluation_sampling(c, 6).seed, evaluation_sampling(c, 5).seed) << "a step's own noise";
+  EXPECT_NE(evaluation_sampling(c, 5).seed, 3 * 1000003 + 5) << "not the training rollout's stream of that step";
+}
+
 // The unbiased pass@j, counted by hand: of n = 4 completions, c correct, a draw of j = 2 without
 // replacement misses every correct one with probability C(4 - c, 2) / C(4, 2): 6/6, 3/6, 1/6, 0 for c = 0,
 // 1, 2, 3. Four problems with 0, 1, 2 and 4 correct: pass@1 = avg@4 = (0 + 1/4 + 2/4 + 1) / 4, pass@2 =
