@@ -249,6 +249,15 @@ int64_t parameter_count(const ModelConfig& m) {
   return shape_of(c, m).P;
 }
 
+std::string count_text(int64_t n) {
+  if (n < 100000) return std::to_string(n);
+  const double x = double(n) / (n >= 1000000000 ? 1e9 : 1e6);
+  const char unit = n >= 1000000000 ? 'B' : 'M';
+  char buf[32];
+  std::snprintf(buf, sizeof buf, x >= 100 ? "%.0f%c" : x >= 10 ? "%.1f%c" : "%.2f%c", x, unit);
+  return buf;
+}
+
 int64_t MemoryPlan::device_total() const {
   return persistent() + (phases_overlap ? rollout_phase() + update_phase() : std::max(rollout_phase(), update_phase()));
 }
@@ -260,10 +269,8 @@ std::string MemoryPlan::table() const {
     std::snprintf(buf, sizeof buf, "  %-16s %9s GiB", name, gib(bytes).c_str());
     o << buf << (note.empty() ? "" : "  " + note) << "\n";
   };
-  char head[128];
-  std::snprintf(head, sizeof head, "memory plan per rank (%.2fB parameters, %.2fB trained, %d rank%s):\n",
-                double(parameters) / 1e9, double(trainable) / 1e9, world, world == 1 ? "" : "s");
-  o << head;
+  o << "memory plan per rank (" << count_text(parameters) << " parameters, " << count_text(trainable) << " trained, "
+    << world << " rank" << (world == 1 ? "" : "s") << "):\n";
   line("weights", weights);
   line("gradients", gradients);
   line("grad buffers", grad_buffers);

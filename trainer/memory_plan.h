@@ -63,6 +63,9 @@ struct MemoryPlan {
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and
 // q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied.
 int64_t parameter_count(const ModelConfig& m);
+// A parameter count in millions from 100,000 and in billions from 10^9, with two decimals below 10, one
+// below 100: 832000 -> "0.83M", 45700000 -> "45.7M", 7615616512 -> "7.62B"; below 100,000 the integer.
+std::string count_text(int64_t n);
 
 // The plan of a run of config `c` over model `m` on each of `world` ranks. `c.model.dtype` is the dtype
 // the run computes in (m.dtype, the checkpoint's, is not read).

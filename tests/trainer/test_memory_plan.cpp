@@ -528,6 +528,21 @@ TEST(MemoryPlan, TablePrintsEachItemInGiB) {
   EXPECT_NE(t.find(gib_text(plan.device_total()) + " GiB"), std::string::npos) << t;
   // 2 bytes a parameter: 14.19 GiB of bf16 weights.
   EXPECT_EQ(gib_text(plan.weights), "14.19");
+  EXPECT_NE(t.find("(" + count_text(plan.parameters) + " parameters"), std::string::npos) << t;
+}
+
+// The header's counts in the unit that fits them: the demo's 0.83M-parameter model is not "0.00B".
+TEST(MemoryPlan, CountsPrintInTheUnitThatFits) {
+  EXPECT_EQ(count_text(832000), "0.83M");
+  EXPECT_EQ(count_text(99999), "99999");
+  EXPECT_EQ(count_text(100000), "0.10M");
+  EXPECT_EQ(count_text(1000000), "1.00M");
+  EXPECT_EQ(count_text(999000000), "999M");
+  EXPECT_EQ(count_text(45700000), "45.7M");
+  EXPECT_EQ(count_text(494032768), "494M");
+  EXPECT_EQ(count_text(7615616512), "7.62B");
+  EXPECT_EQ(count_text(32763876352), "32.8B");
+  EXPECT_EQ(count_text(0), "0");
 }
 
 // train.async: the rollout's copy of the weights is held, and the rollout and the update hold their memory
