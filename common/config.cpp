@@ -27,7 +27,13 @@ namespace fs = std::filesystem;
 ConfigEntry entry_of(const std::string& section, const std::string& key, const YAML::Node& value,
                      const std::string& where) {
   ConfigEntry e{section, key, "", value.IsScalar(), where};
-  if (e.scalar) e.value = value.Scalar();
+  if (e.scalar) {
+    e.value = value.Scalar();
+  } else if (value.IsDefined() && !value.IsNull()) {
+    YAML::Emitter out;
+    out << YAML::Flow << value;
+    e.value = out.c_str();
+  }
   return e;
 }
 
@@ -114,6 +120,36 @@ ConfigEntry read_config_override(const std::string& arg) {
   }
   if (!value.IsDefined() || value.IsNull()) value = YAML::Node(text);  // `--set chat.system=` is ""
   return entry_of(path.substr(0, dot), path.substr(dot + 1), value, where);
+}
+
+std::vector<std::vector<std::pair<std::string, std::string>>> parse_list_items(const std::string& yaml,
+                                                                               const std::string& where,
+                                                                               const std::string& key) {
+  std::vector<std::vector<std::pair<std::string, std::string>>> items;
+  if (yaml.empty()) return items;  // `key:` with nothing: no items
+  YAML::Node node;
+  try {
+    node = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    fail_at(where, key, "cannot parse: " + e.msg);
+  }
+  if (node.IsNull()) return items;
+  if (!node.IsSequence()) fail_at(where, key, "expected a list of mappings, e.g. [{kind: boxed, weight: 1}]");
+  for (size_t i = 0; i < node.size(); ++i) {
+    const std::string name = key + "[" + std::to_string(i) + "]";
+    if (!node[i].IsMap()) fail_at(where, name, "expected a mapping of keys, e.g. {kind: boxed, weight: 1}");
+    std::vector<std::pair<std::string, std::string>> item;
+    for (const auto& kv : node[i]) {
+      const std::string k = kv.first.as<std::string>();
+      if (!kv.second.IsScalar()) fail_at(where, name + "." + k, "expected a single value");
+      for (const auto& [seen, v] : item) {
+        if (seen == k) fail_at(where, name + "." + k, "given twice");
+      }
+      item.emplace_back(k, kv.second.Scalar());
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
 }
 
 void parse_field(const std::string& s, bool& out, const std::string& where, const std::string& key) {

@@ -15,7 +15,9 @@
 //   };
 // and reads them with load_config<BenchConfig>(paths, overrides). The trainer's Config
 // (trainer/config.h) is the same thing with every section, plus the rules that span sections.
-// Leaves out: YAML lists and nested mappings inside a section (every field is a scalar).
+// A field is a scalar, or a list of small mappings whose keys are an options struct's own fields
+// (std::vector<T>, T with visit() and check(): `reward.combine: [{kind: boxed, weight: 1}]`).
+// Leaves out: other lists and nested mappings inside a section.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +45,8 @@ class ConfigError : public std::runtime_error {
 };
 
 // One `section.key: value` as written, before it is matched to a field. `scalar` is false for a list,
-// a mapping or an empty value, which no field accepts.
+// a mapping or an empty value, which only a list field accepts: its `value` is then the node as YAML text
+// ("" for an empty value).
 struct ConfigEntry {
   std::string section, key, value;
   bool scalar = true;
@@ -76,6 +79,46 @@ void parse_field(const std::string& s, E& out, const std::string& where, const s
   throw ConfigError(where + ": " + key + ": unknown value '" + s + "' (one of: " + allowed + ")");
 }
 
+// A list field's YAML text (ConfigEntry::value) as its items, each a list of (key, scalar value) pairs in
+// the order written. ConfigError naming `where` and key[i] for anything but a list (or nothing) of
+// mappings of scalars.
+std::vector<std::vector<std::pair<std::string, std::string>>> parse_list_items(const std::string& yaml,
+                                                                               const std::string& where,
+                                                                               const std::string& key);
+
+template <class T>
+struct is_list_field : std::false_type {};
+template <class T>
+struct is_list_field<std::vector<T>> : std::true_type {};
+
+// A list field: each item's keys are T's fields, parsed as those fields are, unknown keys refused; then
+// each item's ranges and check() as validate() does, failures named key[i].field.
+template <class T>
+void parse_field(const std::string& yaml, std::vector<T>& out, const std::string& where, const std::string& key) {
+  std::vector<T> items;
+  const auto parsed = parse_list_items(yaml, where, key);
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    T item{};
+    const std::string name = key + "[" + std::to_string(i) + "]";
+    for (const auto& [k, v] : parsed[i]) {
+      bool found = false;
+      std::string known;
+      item.visit([&](const char* field, auto& ref, const char*, FieldRange = {}) {
+        known += known.empty() ? field : std::string(", ") + field;
+        if (k != field) return;
+        found = true;
+        parse_field(v, ref, where, name + "." + k);
+      });
+      if (!found) throw ConfigError(where + ": " + name + "." + k + ": unknown key (known keys: " + known + ")");
+    }
+    validate(item, [&](const std::string& field, const std::string& why) {
+      throw ConfigError(where + ": " + name + "." + field + ": " + why);
+    });
+    items.push_back(std::move(item));
+  }
+  out = std::move(items);
+}
+
 // A field's value as the YAML that reads it back (strings JSON-quoted, so escapes round-trip).
 std::string format_field(bool v);
 std::string format_field(int64_t v);
@@ -84,6 +127,21 @@ std::string format_field(const std::string& v);
 template <class E, class = std::enable_if_t<std::is_enum_v<E>>>
 std::string format_field(E v) {
   return enum_to_string(v);
+}
+// A list field in YAML's flow style: [{kind: boxed, weight: 1}, {kind: model, weight: 0.5}].
+template <class T>
+std::string format_field(std::vector<T> items) {
+  std::string out = "[";
+  for (size_t i = 0; i < items.size(); ++i) {
+    out += i == 0 ? "{" : ", {";
+    bool first = true;
+    items[i].visit([&](const char* field, auto& ref, const char*, FieldRange = {}) {
+      out += (first ? "" : ", ") + std::string(field) + ": " + format_field(ref);
+      first = false;
+    });
+    out += "}";
+  }
+  return out + "]";
 }
 
 // Reads entries into a sections struct C, then runs validate() on every section (field ranges, then the
@@ -120,7 +178,7 @@ class ConfigReader {
         known += known.empty() ? field : std::string(", ") + field;
         if (found || e.key != field) return;
         found = true;
-        if (!e.scalar) {
+        if (!e.scalar && !is_list_field<std::decay_t<decltype(ref)>>::value) {
           throw ConfigError(e.where + ": " + key +
                             ": expected a single value, got a list, a mapping or nothing (write \"\" for an "
                             "empty string)");
@@ -214,6 +272,10 @@ template <class E, class = std::enable_if_t<std::is_enum_v<E>>>
 const char* field_type(E) {
   return "enum";
 }
+template <class T>
+const char* field_type(const std::vector<T>&) {
+  return "list";
+}
 
 // The text above the sections of describe_reference: how files, `defaults:` and --set combine.
 std::string reference_preamble();
@@ -235,6 +297,11 @@ std::string describe_reference() {
       std::string allowed;
       if constexpr (std::is_enum_v<T>) {
         for (const auto& [value, e] : enum_names(T{})) allowed += (allowed.empty() ? "" : ", ") + markdown_code(value);
+      } else if constexpr (is_list_field<T>::value) {
+        typename T::value_type item{};
+        item.visit([&](const char* key, auto&, const char*, FieldRange = {}) {
+          allowed += (allowed.empty() ? "items of " : ", ") + markdown_code(key);
+        });
       } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
         const bool has_lo = range.lo > -std::numeric_limits<double>::infinity();
         const bool has_hi = range.hi < std::numeric_limits<double>::infinity();

@@ -418,3 +418,63 @@ TEST(ConfigReference, TheTrainersReferenceListsEveryKey) {
 
 }  // namespace
 }  // namespace rlt
+
+namespace rlt {
+namespace {
+
+// A list field (reward.combine): items read into their options struct from a file and from --set, printed
+// back as YAML that reads the same, and every kind of bad item named as key[i].field.
+TEST(ConfigLists, RewardCombineReadsItsTermsFromAFileAndFromSet) {
+  const std::string p = write_yaml("combine.yaml", "reward:\n  combine:\n    - kind: boxed\n      weight: 2.5\n");
+  Config c = load_config(p, {});
+  ASSERT_EQ(c.reward.combine.size(), 1u);
+  EXPECT_EQ(c.reward.combine[0].weight, 2.5);
+  // --set replaces the whole list.
+  c = load_config(p, {"reward.combine=[{kind: boxed_tool_shaping, weight: 3}]"});
+  ASSERT_EQ(c.reward.combine.size(), 1u);
+  EXPECT_EQ(c.reward.combine[0].kind, RewardKind::kBoxedToolShaping);
+  c = load_config("", {"reward.combine=[{kind: boxed, weight: 2.5}]"});
+  ASSERT_EQ(c.reward.combine.size(), 1u);
+  EXPECT_EQ(c.reward.combine[0].kind, RewardKind::kBoxed);
+  EXPECT_EQ(c.reward.combine[0].weight, 2.5);
+  EXPECT_FALSE(c.reward.single_rule());
+  EXPECT_TRUE(load_config("", {}).reward.single_rule());
+  // Printed and read back: the same list.
+  const Config back = load_config(write_yaml("combine_back.yaml", describe_config(c)), {});
+  ASSERT_EQ(back.reward.combine.size(), 1u);
+  EXPECT_EQ(back.reward.combine[0].weight, 2.5);
+  EXPECT_EQ(describe_config(back), describe_config(c));
+  EXPECT_NE(describe_config(c).find("combine: [{kind: boxed, weight: 2.5}]"), std::string::npos);
+  // An empty value is no terms.
+  EXPECT_TRUE(load_config(write_yaml("combine_empty.yaml", "reward:\n  combine:\n"), {}).reward.combine.empty());
+}
+
+TEST(ConfigLists, BadTermsAreNamedByIndexAndField) {
+  expect_error("", {"reward.combine=[{kind: boxd}]"}, {"reward.combine[0].kind", "unknown value 'boxd'"});
+  expect_error("", {"reward.combine=[{kind: boxed}, {kind: boxed, wieght: 1}]"},
+               {"reward.combine[1].wieght", "unknown key", "kind, weight"});
+  expect_error("", {"reward.combine={kind: boxed}"}, {"reward.combine", "expected a list of mappings"});
+  expect_error("", {"reward.combine=[boxed]"}, {"reward.combine[0]", "expected a mapping"});
+  expect_error("", {"reward.combine=[{kind: boxed, weight: 0}]"}, {"reward.combine[0].weight", "adds nothing"});
+  expect_error("", {"reward.combine=[{kind: boxed, weight: 1e7}]"}, {"reward.combine[0].weight", "out of range"});
+  expect_error("", {"reward.combine=[{kind: boxed, weight: [1]}]"}, {"reward.combine[0].weight", "single value"});
+  expect_error("", {"reward.combine=[{kind: boxed}, {kind: boxed}]"}, {"reward.combine", "named twice"});
+  expect_error("", {"reward.combine=[{kind: boxed}, {kind: boxed_tool_shaping}]"}, {"same matcher"});
+  expect_error("", {"reward.combine=[{kind: boxed}]", "reward.kind=boxed"}, {"reward.kind", "one of"});
+  // The default kind, as --print-config writes it beside the list, is no conflict.
+  EXPECT_EQ(error_of({}, {"reward.combine=[{kind: boxed}]", "reward.kind=boxed_tool_shaping"}), "");
+  expect_error("", {"reward.combine=[{kind: boxed}, {kind: model}]"}, {"reward.model_path", "needs a model_path"});
+  expect_error("", {"reward.kind=model"}, {"reward.model_path", "needs a model_path"});
+  // A scalar field still takes no list.
+  expect_error("", {"reward.correct=[1]"}, {"reward.correct", "expected a single value"});
+  // A model_path whose config.json is a causal LM's, not a reward model's.
+  const fs::path dir = fs::path(write_yaml("lm/config.json", "")).parent_path();
+  std::ofstream(dir / "config.json") << R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+    "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+    "num_attention_heads": 2})";
+  expect_error("", {"reward.kind=model", "reward.model_path=" + dir.string()},
+               {"reward.model_path", "Qwen2ForCausalLM", "not a *ForSequenceClassification"});
+}
+
+}  // namespace
+}  // namespace rlt
