@@ -290,8 +290,9 @@ RewardResult compute_reward(const std::string& response_text, const std::string&
   if (tool_calls < 0) {
     throw std::invalid_argument("compute_reward: tool_calls = " + std::to_string(tool_calls) + ", expected >= 0");
   }
-  if (options.kind == RewardKind::kPython) {
-    throw std::invalid_argument("compute_reward: reward.kind python is the script's (rollout/python_reward.h)");
+  if (options.kind == RewardKind::kPython || options.kind == RewardKind::kModel) {
+    throw std::invalid_argument(std::string("compute_reward: reward.kind ") + enum_to_string(options.kind) +
+                                " is scored elsewhere (rollout/python_reward.h, rollout/reward_model.h)");
   }
   RewardResult r;
   const std::optional<std::string> box = extract_last_boxed(response_text);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/fields.h"
 
@@ -43,19 +44,39 @@ enum class RewardKind {
   kBoxed,             // +correct when the last box matches the reference, else wrong (no box included)
   kBoxedToolShaping,  // as kBoxed, but a wrong answer earns back 0.1 per tool call, up to 0.4 (ReTool)
   kPython,            // reward.script's reward(prompt, response, answer), in the sandbox (rollout/python_reward.h)
+  kModel,             // reward.model_path's score of the conversation (rollout/reward_model.h)
 };
 inline const EnumNames<RewardKind>& enum_names(RewardKind) {
   static const EnumNames<RewardKind> names{{"boxed", RewardKind::kBoxed},
                                            {"boxed_tool_shaping", RewardKind::kBoxedToolShaping},
-                                           {"python", RewardKind::kPython}};
+                                           {"python", RewardKind::kPython},
+                                           {"model", RewardKind::kModel}};
   return names;
 }
+
+// One term of reward.combine: a reward kind (with the reward section's settings for it) and its weight.
+struct RewardTerm {
+  RewardKind kind = RewardKind::kBoxed;
+  double weight = 1.0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("kind", kind, "boxed | boxed_tool_shaping | python | model");
+    v("weight", weight, "the term's weight in the sum", FieldRange{-1e6, 1e6});
+  }
+  void check(const FieldFail& fail) const {
+    if (weight == 0) fail("weight", "a term of weight 0 adds nothing: leave it out");
+  }
+};
 
 struct RewardOptions {
   RewardKind kind = RewardKind::kBoxedToolShaping;
   double correct = 1.0;
   double wrong = -1.0;
-  std::string script;  // made absolute when the config is read
+  std::string script;      // made absolute when the config is read
+  std::string model_path;  // likewise
+  int64_t model_batch_tokens = 16384;
+  std::vector<RewardTerm> combine;
   // DAPO's overlong shaping (Yu et al. 2025): overlong_penalty() below gives the ramp, with
   // L = overlong_buffer and P = overlong_penalty, and overlong_budget() the budget B.
   int64_t overlong_buffer = 0;
@@ -63,7 +84,9 @@ struct RewardOptions {
 
   template <class V>
   void visit(V&& v) {
-    v("kind", kind, "reward function: boxed | boxed_tool_shaping | python");
+    v("kind", kind,
+      "reward function: boxed | boxed_tool_shaping | python | model; left at its default when reward.combine names the "
+      "terms");
     v("correct", correct,
       "reward of a correct answer (python: a score >= it counts as correct unless the script's dict says)",
       FieldRange{-1e6, 1e6});
@@ -73,18 +96,49 @@ struct RewardOptions {
     v("script", script,
       "python: a .py file defining reward(prompt, response, answer) -> float or dict with score; relative to the "
       "config file's folder (--set: the working directory)");
+    v("model_path", model_path,
+      "model: a Hugging Face *ForSequenceClassification folder (one label) with its tokenizer and chat template; "
+      "relative like script");
+    v("model_batch_tokens", model_batch_tokens, "model: the most tokens one scoring forward packs", FieldRange{1, 1e9});
+    v("combine", combine,
+      "a weighted sum of kinds instead of reward.kind, e.g. [{kind: boxed, weight: 1.0}, {kind: model, weight: 0.5}]; "
+      "each term is logged as reward_terms/<kind>");
     v("overlong_buffer", overlong_buffer,
       "DAPO overlong shaping: tokens before the response budget over which the penalty ramps up; 0 = off",
       FieldRange{0, 1e9});
     v("overlong_penalty", overlong_penalty, "DAPO overlong shaping: the penalty at and beyond the budget",
       FieldRange{0, 1e6});
   }
+  // The terms the reward sums: reward.combine's, else reward.kind's with weight 1.
+  std::vector<RewardTerm> terms() const { return combine.empty() ? std::vector<RewardTerm>{{kind, 1.0}} : combine; }
+  bool uses(RewardKind k) const {
+    for (const RewardTerm& t : terms()) {
+      if (t.kind == k) return true;
+    }
+    return false;
+  }
+  // The reward is one rule term of weight 1 (the built-in matchers or the script, as before reward.combine).
+  bool single_rule() const {
+    return terms().size() == 1 && terms()[0].weight == 1.0 && terms()[0].kind != RewardKind::kModel;
+  }
+
   void check(const FieldFail& fail) const {
-    if (kind == RewardKind::kPython && script.empty()) fail("script", "reward.kind python needs a script");
+    if (uses(RewardKind::kPython) && script.empty()) fail("script", "reward.kind python needs a script");
+    if (uses(RewardKind::kModel) && model_path.empty()) fail("model_path", "reward.kind model needs a model_path");
+    for (size_t i = 0; i < combine.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (combine[j].kind == combine[i].kind) {
+          fail("combine", std::string("the kind ") + enum_to_string(combine[i].kind) + " is named twice");
+        }
+      }
+    }
+    if (uses(RewardKind::kBoxed) && uses(RewardKind::kBoxedToolShaping)) {
+      fail("combine", "boxed and boxed_tool_shaping are the same matcher: name one");
+    }
     if (!(correct > wrong))
       fail("correct", "must be greater than reward.wrong, or learning would avoid correct answers");
     // The shaped penalty tops out at wrong + 0.4; it must stay below a correct answer's reward.
-    if (kind == RewardKind::kBoxedToolShaping && !(wrong + kToolCreditCap < correct)) {
+    if (uses(RewardKind::kBoxedToolShaping) && !(wrong + kToolCreditCap < correct)) {
       fail("wrong", "with boxed_tool_shaping, wrong + 0.4 (the most tool credit) must stay below reward.correct");
     }
   }

@@ -199,6 +199,34 @@ ModelConfig model_config_from_json(const nlohmann::json& raw, const std::string&
   }
   const std::string dt = j.string("dtype", j.string("torch_dtype", "float32"));
   c.dtype = parse_dtype(dt, j, c.raw.contains("dtype") ? "dtype" : "torch_dtype");
+
+  if (c.raw.contains("architectures") && c.raw["architectures"].is_array() && !c.raw["architectures"].empty()) {
+    if (!c.raw["architectures"][0].is_string()) j.fail("architectures", "expected a list of class names");
+    c.architecture = c.raw["architectures"][0].get<std::string>();
+  }
+  auto ends_with = [&](const char* suffix) {
+    const std::string s = suffix;
+    return c.architecture.size() >= s.size() &&
+           c.architecture.compare(c.architecture.size() - s.size(), s.size(), s) == 0;
+  };
+  if (ends_with("ForSequenceClassification"))
+    c.head = ModelHead::kSequenceScore;
+  else if (ends_with("ForTokenClassification"))
+    c.head = ModelHead::kTokenScore;
+  else if (!c.architecture.empty() && !ends_with("ForCausalLM"))
+    j.fail("architectures", "unsupported '" + c.architecture +
+                                "' (a *ForCausalLM, *ForSequenceClassification or *ForTokenClassification)");
+  if (c.head != ModelHead::kCausalLm) {
+    if (c.raw.contains("id2label") && !c.raw["id2label"].is_null()) {
+      if (!c.raw["id2label"].is_object()) j.fail("id2label", "expected a mapping of label ids to names");
+      c.num_labels = static_cast<int64_t>(c.raw["id2label"].size());
+    } else {
+      c.num_labels = j.integer("num_labels", 2);
+    }
+    if (c.num_labels <= 0) j.fail("id2label", "a score head needs at least one label");
+  }
+  if (c.raw.contains("pad_token_id") && c.raw["pad_token_id"].is_number_integer())
+    c.pad_token_id = c.raw["pad_token_id"].get<int64_t>();
   return c;
 }
 

@@ -14,6 +14,11 @@ namespace rlt {
 
 enum class ModelType { kLlama, kMistral, kQwen2, kQwen3, kGemma2 };
 
+// What sits on the trunk, from config.json's architectures: the LM head (*ForCausalLM, and a config that
+// names no architecture), or a `score` linear layer of num_labels outputs (*ForSequenceClassification:
+// no bias, read at each sequence's last token; *ForTokenClassification: with a bias, at every token).
+enum class ModelHead { kCausalLm, kSequenceScore, kTokenScore };
+
 class ModelConfigError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -22,6 +27,10 @@ class ModelConfigError : public std::runtime_error {
 struct ModelConfig {
   ModelType type = ModelType::kLlama;
   std::string model_type = "llama";
+  ModelHead head = ModelHead::kCausalLm;
+  std::string architecture;       // architectures[0] as written, "" when absent
+  int64_t num_labels = 0;         // a score head's outputs: id2label's size (transformers' default of 2 without it)
+  int64_t pad_token_id = -1;      // -1 when config.json names none
   int64_t vocab_size = 0;         // V
   int64_t hidden_size = 0;        // D
   int64_t intermediate_size = 0;  // F

@@ -102,12 +102,23 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-const at::Tensor& Transformer::lm_head() const { return lm_head_; }
+const at::Tensor& Transformer::lm_head() const {
+  TORCH_CHECK(config_.head == ModelHead::kCausalLm, "the model (", config_.architecture,
+              ") has a score head, not an LM head: it cannot give token log-probs");
+  return lm_head_;
+}
 
 at::Tensor Transformer::logits(const at::Tensor& hidden) const {
+  lm_head();                                        // the check above
   at::Tensor z = at::matmul(hidden, lm_head_.t());  // (…, V)
   if (config_.final_softcap > 0) z = at::tanh(z / config_.final_softcap) * config_.final_softcap;
   return z;
+}
+
+at::Tensor Transformer::score(const at::Tensor& hidden) const {
+  TORCH_CHECK(config_.head != ModelHead::kCausalLm, "the model (",
+              config_.architecture.empty() ? "a causal LM" : config_.architecture, ") has no score head");
+  return score_bias_.defined() ? at::linear(hidden, score_, score_bias_) : at::linear(hidden, score_);
 }
 
 int64_t Transformer::fused_forward_count() { return fused_forward_counts().forwards.load(); }

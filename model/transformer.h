@@ -90,9 +90,14 @@ class Transformer {
   void pack_weights_into(PackedWeights& p) const;
 
   // (V, D): the LM head (the embedding when tied). Its final-logit softcap (0 = none) is config().final_softcap.
+  // A model with a score head (config().head) has none: lm_head() and logits() throw, naming its architecture.
   const at::Tensor& lm_head() const;
   // logits (…, V) from hidden states, softcap included: for tests and sampling; training uses the loss module.
   at::Tensor logits(const at::Tensor& hidden) const;
+  // A score head's outputs (…, num_labels) from hidden states: hidden · score.weightᵀ (+ score.bias for
+  // token classification), in the hidden states' dtype, as transformers' `score` layer. Throws for a
+  // causal LM.
+  at::Tensor score(const at::Tensor& hidden) const;
 
   const ModelConfig& config() const { return config_; }
   // Every parameter under its HF name (tied models have no "lm_head.weight"), sorted by name.
@@ -213,6 +218,9 @@ class Transformer {
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;  // (V, D), (D), (V, D) (= embed_ when tied)
+  at::Tensor score_, score_bias_;            // (num_labels, D), (num_labels): a score head's
+  // The LM head is the embedding: a causal LM with tie_word_embeddings (a score head ties nothing).
+  bool ties_lm_head() const { return config_.head == ModelHead::kCausalLm && config_.tie_word_embeddings; }
   std::vector<Layer> layers_;
   std::map<std::string, at::Tensor*> by_name_;  // HF name -> member
   bool checkpointing_ = false;

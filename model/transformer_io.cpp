@@ -46,7 +46,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const
     s.push_back({p + "mlp.down_proj.weight", {D, F}});
   }
   s.push_back({"model.norm.weight", {D}});
-  if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, D}});
+  if (c.head == ModelHead::kCausalLm && !c.tie_word_embeddings) s.push_back({"lm_head.weight", {c.vocab_size, D}});
+  if (c.head != ModelHead::kCausalLm) s.push_back({"score.weight", {c.num_labels, D}});
+  if (c.head == ModelHead::kTokenScore) s.push_back({"score.bias", {c.num_labels}});
   return s;
 }
 
@@ -58,6 +60,8 @@ Transformer& Transformer::operator=(const Transformer& other) {
   embed_ = other.embed_;
   final_norm_ = other.final_norm_;
   lm_head_ = other.lm_head_;
+  score_ = other.score_;
+  score_bias_ = other.score_bias_;
   layers_ = other.layers_;
   checkpointing_ = other.checkpointing_;
   checkpoint_layers_ = other.checkpoint_layers_;
@@ -81,7 +85,7 @@ Transformer Transformer::clone() const {
   for (const auto& [name, ptr] : by_name_) {
     if (ptr->defined()) *t.by_name_.at(name) = ptr->detach().clone();
   }
-  if (config_.tie_word_embeddings) t.lm_head_ = t.embed_;
+  if (ties_lm_head()) t.lm_head_ = t.embed_;
   t.lora_ = lora_;
   if (lora_gen_.defined()) t.lora_gen_ = lora_gen_.clone();
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -100,7 +104,9 @@ void Transformer::bind_names() {
   layers_.resize(c.num_layers);
   by_name_["model.embed_tokens.weight"] = &embed_;
   by_name_["model.norm.weight"] = &final_norm_;
-  if (!c.tie_word_embeddings) by_name_["lm_head.weight"] = &lm_head_;
+  if (c.head == ModelHead::kCausalLm && !c.tie_word_embeddings) by_name_["lm_head.weight"] = &lm_head_;
+  if (c.head != ModelHead::kCausalLm) by_name_["score.weight"] = &score_;
+  if (c.head == ModelHead::kTokenScore) by_name_["score.bias"] = &score_bias_;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer& l = layers_[i];
@@ -139,7 +145,7 @@ Transformer::Transformer(ModelConfig config, at::ScalarType dtype, at::Device de
       t.normal_(0.0, 0.02, gen);
     *by_name_.at(name) = t.to(device, dtype).requires_grad_(true);
   }
-  if (config_.tie_word_embeddings) lm_head_ = embed_;
+  if (ties_lm_head()) lm_head_ = embed_;
   config_.dtype = dtype;
 }
 
@@ -160,7 +166,7 @@ Transformer Transformer::load(const std::string& dir, at::ScalarType dtype, at::
   for (const auto& [name, shape] : parameter_shapes(t.config_)) {
     *t.by_name_.at(name) = reader.load(name, shape, dtype).to(device).requires_grad_(true);
   }
-  if (t.config_.tie_word_embeddings) t.lm_head_ = t.embed_;
+  if (t.ties_lm_head()) t.lm_head_ = t.embed_;
   t.config_.dtype = dtype;
   return t;
 }

@@ -170,6 +170,11 @@ void RewardTally::add(const RewardTally& other) {
     sum += sc.first;
     count += sc.second;
   }
+  for (const auto& [name, sc] : other.terms) {
+    auto& [sum, count] = terms[name];
+    sum += sc.first;
+    count += sc.second;
+  }
 }
 
 std::string read_reward_script(const std::string& path) {

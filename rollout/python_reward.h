@@ -65,6 +65,9 @@ struct ScriptScore {
 struct RewardTally {
   int64_t scored = 0, failed = 0;
   std::map<std::string, std::pair<double, int64_t>> fields;  // name -> (sum, trajectories that returned it)
+  // reward.combine or reward.kind model: each term's kind -> (sum of its unweighted values, trajectories)
+  std::map<std::string, std::pair<double, int64_t>> terms;
+  double seconds = 0;  // the scoring's wall time (score_rewards)
   void add(const std::vector<ScriptScore>& scores);
   void add(const RewardTally& other);
 };

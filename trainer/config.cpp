@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "rollout/python_reward.h"
+#include "rollout/reward_model.h"
 
 namespace rlt {
 
@@ -77,17 +78,34 @@ void check_sections(const ConfigReader<Config>& r) {
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "
            "adapters' state");
   }
-  if (c.reward.kind == RewardKind::kPython) {
-    // reward.script is relative to the folder of the file that set it (the working directory for --set). It
-    // is made absolute in the config itself, the one value this check rewrites (the reader's config, const
-    // here only by the signature), so the run and --print-config hold a path that works from anywhere.
-    namespace fs = std::filesystem;
-    const std::string where = r.origin("reward.script");
-    fs::path script = c.reward.script;
-    if (script.is_relative() && where.rfind("--set ", 0) != 0 && where.find(':') != std::string::npos) {
-      script = fs::path(where.substr(0, where.rfind(':'))).parent_path() / script;
+  // reward.kind at its default is what --print-config writes beside a list: only another value conflicts.
+  if (!c.reward.combine.empty() && c.reward.kind != RewardOptions{}.kind) {
+    r.fail("reward.kind", "reward.combine names the terms: set one of reward.kind and reward.combine");
+  }
+  // reward.script and reward.model_path are relative to the folder of the file that set them (the working
+  // directory for --set). They are made absolute in the config itself, the values this check rewrites (the
+  // reader's config, const here only by the signature), so the run and --print-config hold paths that work
+  // from anywhere.
+  namespace fs = std::filesystem;
+  auto absolute = [&](const std::string& key, const std::string& value) {
+    const std::string where = r.origin(key);
+    fs::path path = value;
+    if (path.is_relative() && where.rfind("--set ", 0) != 0 && where.find(':') != std::string::npos) {
+      path = fs::path(where.substr(0, where.rfind(':'))).parent_path() / path;
     }
-    script = fs::absolute(script).lexically_normal();
+    return fs::absolute(path).lexically_normal().string();
+  };
+  if (c.reward.uses(RewardKind::kModel)) {
+    const std::string dir = absolute("reward.model_path", c.reward.model_path);
+    try {
+      reward_model_config(dir);  // a one-label sequence-classification folder, checked before anything loads
+    } catch (const std::exception& e) {
+      r.fail("reward.model_path", e.what());
+    }
+    const_cast<Config&>(c).reward.model_path = dir;
+  }
+  if (c.reward.uses(RewardKind::kPython)) {
+    const fs::path script = absolute("reward.script", c.reward.script);
     try {
       check_reward_script(script.string(), c.sandbox);  // one sandboxed import: it defines reward
     } catch (const RewardScriptError& e) {

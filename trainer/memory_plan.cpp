@@ -68,7 +68,10 @@ Shape shape_of(const Config& c, const ModelConfig& m) {
   if (m.qk_norm) layer += 2 * hd;         // q and k norms over head_dim
   if (m.gemma_norms) layer += 2 * D;      // pre- and post-feedforward norms
   s.layer = layer;
-  s.outer = V * D + D + (m.tie_word_embeddings ? 0 : V * D);
+  const int64_t head = m.head == ModelHead::kCausalLm
+                           ? (m.tie_word_embeddings ? 0 : V * D)
+                           : m.num_labels * D + (m.head == ModelHead::kTokenScore ? m.num_labels : 0);
+  s.outer = V * D + D + head;
   s.largest = std::max(s.largest, V * D);
   s.P = m.num_layers * layer + s.outer;
   // Transformer::pack_weights: no [q; k; v] for q/k-normed models.
@@ -281,11 +284,23 @@ std::string MemoryPlan::table() const {
   line("rollout weights", rollout_weights);
   line("kv cache", kv_cache);
   line("activations", activations);
+  if (reward_model > 0) line("reward model", reward_model, "(reward.model_path: its weights and one scoring forward)");
   line("device total", device_total(),
        std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
            " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
   if (host_optimizer > 0) line("host optimizer", host_optimizer, "(pinned host memory, train.offload optimizer)");
   return o.str();
+}
+
+int64_t reward_model_bytes(const Config& c) {
+  if (!c.reward.uses(RewardKind::kModel) || c.reward.model_path.empty()) return 0;
+  const ModelConfig rm = load_model_config(c.reward.model_path);
+  const int64_t s = c.model.dtype == DType::kBFloat16 ? 2 : 4;
+  // The weights, and one scoring forward without gradients: the hidden states and the residual, and the
+  // largest layer temporaries (q/k/v and attention's output, or gate/up and their product).
+  const int64_t D = rm.hidden_size, F = rm.intermediate_size, qkv = (rm.num_heads + 2 * rm.num_kv_heads) * rm.head_dim;
+  const int64_t per_token = 2 * D + std::max(qkv + rm.num_heads * rm.head_dim, 3 * F);
+  return s * parameter_count(rm) + s * c.reward.model_batch_tokens * per_token;
 }
 
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
@@ -387,6 +402,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
+  p.reward_model = reward_model_bytes(c);
   return p;
 }
 
@@ -407,6 +423,7 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
   const int64_t rows = cache_rows(c.rollout, c.train.prompts_per_step * G / std::max(1, rollout_ranks), G);
   p.kv_cache = rows * c.rollout.max_context * slot;
+  p.reward_model = reward_model_bytes(c);
   return p;
 }
 

@@ -34,6 +34,7 @@ struct MemoryPlan {
   int64_t kv_cache = 0;         // every cache row at rollout.max_context
   int64_t activations = 0;      // one micro-batch's forward/backward, the loss module's working set included
   int64_t host_optimizer = 0;   // train.offload optimizer: masters and moments in pinned host memory
+  int64_t reward_model = 0;     // reward.kind model: its weights in model.dtype and one scoring forward
   // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).
   int64_t held_through_update = 0;
@@ -44,11 +45,11 @@ struct MemoryPlan {
   int64_t parameters = 0, trainable = 0;
   int world = 1;
 
-  // Both phases: weights, masters, moments and the reference, plus the larger of the rollout's part
+  // Both phases: weights, masters, moments, the reference and the reward model, plus the larger of the rollout's part
   // (rollout_weights + kv_cache) and the update's: gradients, what the rollout keeps, and the larger of a
   // backward's (activations, gradient buffers) and the optimizer step's temporaries (the step follows the
   // last backward).
-  int64_t persistent() const { return weights + masters + moments + reference; }
+  int64_t persistent() const { return weights + masters + moments + reference + reward_model; }
   int64_t rollout_phase() const { return rollout_weights + kv_cache; }
   int64_t update_phase() const {
     const int64_t backward = activations + grad_buffers;
@@ -60,8 +61,12 @@ struct MemoryPlan {
   std::string table() const;
 };
 
+// reward.kind model: the bytes MemoryPlan::reward_model counts (0 without a model term).
+int64_t reward_model_bytes(const Config& c);
+
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and
-// q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied.
+// q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied (or a score
+// head: its weight, and its bias for token classification).
 int64_t parameter_count(const ModelConfig& m);
 // A parameter count in millions from 100,000 and in billions from 10^9, with two decimals below 10, one
 // below 100: 832000 -> "0.83M", 45700000 -> "45.7M", 7615616512 -> "7.62B"; below 100,000 the integer.

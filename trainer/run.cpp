@@ -201,8 +201,13 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     if (!from.empty() && !fs::exists(fs::path(from) / "config.json")) {
       throw RunError((from == config.model.path ? "model.path: " : "") + from + " holds no config.json");
     }
-    check_memory(run,
-                 from.empty() ? new_model_config(config, run.data.tokenizer->vocab_size()) : load_model_config(from));
+    const ModelConfig shape =
+        from.empty() ? new_model_config(config, run.data.tokenizer->vocab_size()) : load_model_config(from);
+    if (shape.head != ModelHead::kCausalLm) {
+      throw RunError("model.path: " + from + " is a " + shape.architecture +
+                     " (a score head, no LM head): the policy must be a *ForCausalLM checkpoint");
+    }
+    check_memory(run, shape);
   }
   if (resume && !config.lora.enabled()) {
     run.model.policy = std::make_unique<Transformer>(

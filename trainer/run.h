@@ -36,6 +36,7 @@ namespace rlt {
 class MetricsLog;
 class ShardedState;
 struct ScriptRewards;
+class RewardModel;
 struct Placement;
 
 // A rollout that is not the step's own (train.async's, beside the update; train.rollout_ranks', on other
@@ -79,6 +80,9 @@ struct RolloutState {
   // reward.kind python: the script, its own interpreter pool and its pending metrics (trainer/rewards.h),
   // made at the first scoring.
   std::shared_ptr<ScriptRewards> rewards;
+  // reward.kind model (or a model term of reward.combine): the reward model, loaded at the first scoring on
+  // this rank's device in model.dtype.
+  std::shared_ptr<RewardModel> reward_model;
   // rollout.keep_cache: the training rollouts' DecodeEngine, made at the first and kept (its KV cache and
   // CUDA graphs with it) while it is built on the policy.
   std::unique_ptr<DecodeEngine> engine;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -15,6 +16,7 @@
 #include "model/transformer.h"
 #include "parallel/shard.h"
 #include "tests/common/tiny_model.h"
+#include "tests/common/tmpdir.h"
 #include "trainer/batch.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
@@ -117,6 +119,42 @@ TEST(MemoryPlan, ParameterCountIsTheBuiltModels) {
   }
   // Qwen2.5-7B: 7,615,616,512 parameters (its safetensors hold 15,231,233,024 bytes of bf16).
   EXPECT_EQ(parameter_count(qwen25_7b()), int64_t{7615616512});
+  // Score heads instead of the LM head: a tied config ties nothing, the head is num_labels x D (and its
+  // bias for token classification).
+  for (const char* arch : {"Qwen2ForSequenceClassification", "Qwen2ForTokenClassification"}) {
+    nlohmann::json j = small_config("qwen2", true).raw;
+    j["architectures"] = {arch};
+    j["id2label"] = {{"0", "LABEL_0"}};
+    const ModelConfig m = model_config_from_json(j, arch);
+    const int64_t built = built_count(m);
+    EXPECT_EQ(parameter_count(m), built) << arch;
+    EXPECT_EQ(built, parameter_count(small_config("qwen2", true)) + 128 + (m.head == ModelHead::kTokenScore ? 1 : 0))
+        << arch << ": the tied causal LM's count plus the head";
+  }
+}
+
+// reward.kind model: the plan holds the reward model's weights and one scoring forward, on the training
+// ranks and on rollout ranks alike, and prints its line. Twin: a plan that forgets its weights.
+TEST(MemoryPlan, CountsTheRewardModel) {
+  const testing::TempDir dir("memory_plan_rm");
+  nlohmann::json j = small_config("qwen2", false, 256, 128, 2, 384).raw;
+  j["architectures"] = {"Qwen2ForSequenceClassification"};
+  j["id2label"] = {{"0", "LABEL_0"}};
+  std::ofstream(dir.path() / "config.json") << j.dump();
+  const ModelConfig rm = model_config_from_json(j, "rm");
+  const Config plain = load_config("", {});
+  const Config scored = load_config(
+      "", {"reward.kind=model", "reward.model_path=" + dir.path().string(), "reward.model_batch_tokens=1000"});
+  const int64_t weights = 4 * parameter_count(rm);
+  const int64_t forward = 4 * 1000 * (2 * 128 + std::max<int64_t>((4 + 2 * 2) * 32 + 4 * 32, 3 * 384));
+  const ModelConfig policy = small_config("llama", true);
+  const MemoryPlan a = plan_memory(plain, policy, 1), b = plan_memory(scored, policy, 1);
+  EXPECT_EQ(b.reward_model, weights + forward);
+  EXPECT_EQ(b.device_total() - a.device_total(), weights + forward);
+  EXPECT_NE(b.reward_model, forward) << "twin: the forward without the weights";
+  EXPECT_NE(b.table().find("reward model"), std::string::npos) << b.table();
+  EXPECT_EQ(a.table().find("reward model"), std::string::npos);
+  EXPECT_EQ(plan_rollout_rank(scored, policy, 1).reward_model, weights + forward);
 }
 
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.

@@ -7,8 +7,11 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 
+#include "rollout/reward_model.h"
+#include "tests/common/fixtures.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "trainer/rewards.h"
@@ -92,29 +95,33 @@ TEST(ScoreRewards, OtherKindsAreTheBuiltInMatcherAndHaveNoScriptMetrics) {
   EXPECT_TRUE(trajs[0].correct);
   EXPECT_EQ(trajs[1].reward, -1.0);
   EXPECT_FALSE(run.rollout.rewards);
-  EXPECT_TRUE(reward_metrics(run, {}).empty());
+  // Only the scoring's time: no script metrics, no terms.
+  const auto m = reward_metrics(run, {});
+  EXPECT_EQ(m.size(), 1u);
+  EXPECT_EQ(m.count("time_reward_s"), 1u);
 }
 
 // Each rank's tally of the step's batch: rank 1 has a field rank 0 never saw.
 RewardTally rank_tally(int rank) {
   RewardTally t;
   if (rank == 0) {
-    t.scored = 4, t.failed = 1;
+    t.scored = 4, t.failed = 1, t.seconds = 0.5;
     t.fields["a"] = {3.0, 2};
   } else {
-    t.scored = 4, t.failed = 2;
+    t.scored = 4, t.failed = 2, t.seconds = 1.25;
     t.fields["a"] = {1.0, 1};
     t.fields["b"] = {4.0, 2};
   }
   return t;
 }
 
-// "" when m is the two ranks' totals: 3 failures; a = (3 + 1) / (2 + 1); b = 4 / 2.
+// "" when m is the two ranks' totals: 3 failures; a = (3 + 1) / (2 + 1); b = 4 / 2; the slower rank's time.
 std::string check_two_ranks(const std::map<std::string, double>& m) {
   if (!m.count("reward_errors") || m.at("reward_errors") != 3) return "reward_errors";
+  if (!m.count("time_reward_s") || m.at("time_reward_s") != 1.25) return "time_reward_s";
   if (!m.count("reward/a") || std::abs(m.at("reward/a") - 4.0 / 3.0) > 1e-15) return "reward/a";
   if (!m.count("reward/b") || m.at("reward/b") != 2.0) return "reward/b";
-  return m.size() == 3 ? "" : "extra metrics";
+  return m.size() == 4 ? "" : "extra metrics";
 }
 
 TEST(ScoreRewards, MetricsAreSummedOverRanksWithDifferentFields) {
@@ -130,10 +137,75 @@ TEST(ScoreRewards, MetricsAreSummedOverRanksWithDifferentFields) {
   EXPECT_EQ(check_two_ranks(got[0]), "");
   EXPECT_EQ(check_two_ranks(got[1]), "");
   // Twin: each rank's own totals, never exchanged (rank 0 has 1 failure, a = 1.5 and no b).
-  std::map<std::string, double> local{{"reward_errors", 1}};
+  std::map<std::string, double> local{{"reward_errors", 1}, {"time_reward_s", 0.5}};
   for (const auto& [name, sum_count] : rank_tally(0).fields)
     local["reward/" + name] = sum_count.first / sum_count.second;
   EXPECT_NE(check_two_ranks(local), "");
+}
+
+// The reward model's folder over Qwen3's published tokenizer (tests/rollout/reward_model_reference.py, made
+// by the ctest fixture) and the scores transformers gives its conversations.
+const std::string kChatModel = std::string(RLT_REWARD_MODEL_REFS) + "/qwen3_chat";
+
+// Conversations 0 (a boxed 42) and 2 (an empty answer) of the reference, as two trajectories of two prompts.
+struct ChatBatch {
+  std::vector<Trajectory> trajs;
+  std::vector<PromptExample> examples;
+  std::vector<double> model_scores;  // transformers'
+};
+ChatBatch chat_batch() {
+  std::ifstream f(kChatModel + "/reference.json");
+  const nlohmann::json ref = nlohmann::json::parse(f);
+  ChatBatch b;
+  for (int c : {0, 2}) {
+    const auto& conv = ref["conversations"][c];
+    b.examples.push_back({conv[0]["content"], c == 0 ? "42" : "1", "test:" + std::to_string(c), {}});
+    Trajectory t;
+    t.prompt_index = static_cast<int64_t>(b.trajs.size());
+    t.response_text = conv[1]["content"];
+    b.trajs.push_back(t);
+    b.model_scores.push_back(ref["scores"][c].get<double>());
+  }
+  return b;
+}
+
+// reward.combine: each trajectory's reward is 1 x the boxed matcher's + 0.5 x transformers' score of its
+// conversation; accuracy is the matcher's; each term's unweighted mean is logged. Twin: the weights swapped.
+TEST(ScoreRewards, CombineSumsWeightedTermsAndLogsEachTerm) {
+  RLT_SKIP_WITHOUT_FIXTURES();
+  rlt::Run run;
+  run.config.reward.model_path = kChatModel;
+  run.config.reward.combine = {{RewardKind::kBoxed, 1.0}, {RewardKind::kModel, 0.5}};
+  ChatBatch b = chat_batch();
+  const RewardTally tally = score_rewards(run, b.trajs, b.examples);
+  const double boxed[2] = {1.0, -1.0};
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NEAR(b.trajs[i].reward, boxed[i] + 0.5 * b.model_scores[i], 1e-5) << i;
+    EXPECT_GT(std::abs(b.trajs[i].reward - (0.5 * boxed[i] + b.model_scores[i])), 1e-2) << "twin " << i;
+  }
+  EXPECT_TRUE(b.trajs[0].correct);
+  EXPECT_FALSE(b.trajs[1].correct);
+  const auto m = reward_metrics(run, tally);
+  EXPECT_EQ(m.at("reward_terms/boxed"), 0.0);
+  EXPECT_NEAR(m.at("reward_terms/model"), (b.model_scores[0] + b.model_scores[1]) / 2, 1e-5);
+  EXPECT_EQ(m.count("reward_errors"), 0u);
+}
+
+// reward.kind model alone: the reward is the model's score, and accuracy still the boxed matcher's verdict.
+TEST(ScoreRewards, ModelKindIsTheScoreAndAccuracyStaysTheMatchers) {
+  RLT_SKIP_WITHOUT_FIXTURES();
+  rlt::Run run;
+  run.config.reward.kind = RewardKind::kModel;
+  run.config.reward.model_path = kChatModel;
+  run.config.reward.model_batch_tokens = 40;  // one conversation a forward
+  ChatBatch b = chat_batch();
+  const RewardTally tally = score_rewards(run, b.trajs, b.examples);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(b.trajs[i].reward, b.model_scores[i], 1e-5) << i;
+  EXPECT_TRUE(b.trajs[0].correct);
+  EXPECT_FALSE(b.trajs[1].correct);
+  EXPECT_NEAR(reward_metrics(run, tally).at("reward_terms/model"), (b.model_scores[0] + b.model_scores[1]) / 2, 1e-5);
+  ASSERT_TRUE(run.rollout.reward_model);
+  EXPECT_EQ(run.rollout.reward_model->token_budget(), 40);
 }
 
 }  // namespace

@@ -1,0 +1,135 @@
+// RewardModel; see reward_model.h.
+#include "rollout/reward_model.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <filesystem>
+
+#include "data/chat_template.h"
+
+namespace rlt {
+
+ModelConfig reward_model_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  if (!std::filesystem::exists(path)) throw RewardModelError(dir + ": no config.json (a Hugging Face model folder)");
+  ModelConfig c = load_model_config(path);
+  if (c.head != ModelHead::kSequenceScore) {
+    throw RewardModelError(path + ": architectures: " + (c.architecture.empty() ? "none named" : c.architecture) +
+                           ", not a *ForSequenceClassification reward model");
+  }
+  if (c.num_labels != 1) {
+    throw RewardModelError(path + ": id2label: " + std::to_string(c.num_labels) +
+                           " labels; a reward model's score head has one (num_labels 1)");
+  }
+  return c;
+}
+
+at::Tensor last_real_tokens(const at::Tensor& mask) {
+  TORCH_CHECK(mask.dim() == 2, "last_real_tokens: mask must be (B, T)");
+  const at::Tensor real = mask.to(at::kLong) != 0;
+  const at::Tensor index = at::arange(mask.size(1), mask.options().dtype(at::kLong)).unsqueeze(0);
+  // The largest index whose token is real; a row without one reads position 0, as transformers does.
+  return (index * real.to(at::kLong)).argmax(1);
+}
+
+RewardModel::RewardModel(Transformer model, int64_t token_budget) : token_budget_(token_budget) {
+  if (token_budget <= 0) throw std::invalid_argument("RewardModel: token_budget must be > 0");
+  const ModelConfig& c = model.config();
+  if (c.head != ModelHead::kSequenceScore || c.num_labels != 1) {
+    throw RewardModelError("RewardModel: the model (" + c.architecture + ", " + std::to_string(c.num_labels) +
+                           " labels) is not a one-label sequence-classification model");
+  }
+  for (const at::Tensor& p : model.parameters()) p.requires_grad_(false);
+  device_ = model.parameters().front().device();
+  model_ = std::make_shared<Transformer>(std::move(model));
+}
+
+RewardModel RewardModel::load(const std::string& dir, at::ScalarType dtype, at::Device device, int64_t token_budget) {
+  reward_model_config(dir);
+  RewardModel rm(Transformer::load(dir, dtype, device), token_budget);
+  try {
+    rm.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_checkpoint(dir));
+    rm.chat_ = std::make_shared<HfChatTemplate>(HfChatTemplate::from_folder(dir));
+  } catch (const DataError& e) {
+    throw RewardModelError(std::string("the reward model's ") + e.what());
+  }
+  if (rm.tokenizer_->vocab_size() > rm.model_->config().vocab_size) {
+    throw RewardModelError(dir + ": the tokenizer has " + std::to_string(rm.tokenizer_->vocab_size()) +
+                           " pieces, more than config.json's vocab_size " +
+                           std::to_string(rm.model_->config().vocab_size));
+  }
+  return rm;
+}
+
+std::vector<int64_t> RewardModel::encode(const std::vector<ChatMessage>& conversation, const std::string& question,
+                                         const std::string& response) const {
+  if (!chat_) throw RewardModelError("RewardModel::encode: the model was given without a tokenizer and template");
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  if (conversation.empty()) {
+    messages.push_back({{"role", "user"}, {"content", question}});
+  } else {
+    for (const ChatMessage& m : conversation) messages.push_back({{"role", m.role}, {"content", m.content}});
+  }
+  messages.push_back({{"role", "assistant"}, {"content", response}});
+  return tokenizer_->encode(chat_->render(messages, nlohmann::ordered_json(), /*add_generation_prompt=*/false));
+}
+
+std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& sequences) const {
+  const int64_t V = model_->config().vocab_size;
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    if (sequences[s].empty())
+      throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(s) + " is empty");
+    for (int64_t id : sequences[s]) {
+      if (id < 0 || id >= V) {
+        throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(s) + " has id " +
+                                    std::to_string(id) + ", outside the vocabulary of " + std::to_string(V));
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  std::vector<double> out(sequences.size());
+  size_t s = 0;
+  while (s < sequences.size()) {
+    // One forward: sequences s .. e-1, their tokens within the budget (at least one sequence).
+    size_t e = s;
+    int64_t tokens = 0;
+    while (e < sequences.size() && (e == s || tokens + static_cast<int64_t>(sequences[e].size()) <= token_budget_)) {
+      tokens += static_cast<int64_t>(sequences[e].size());
+      ++e;
+    }
+    std::vector<int64_t> ids, positions, starts{0}, last;
+    ids.reserve(tokens);
+    positions.reserve(tokens);
+    for (size_t k = s; k < e; ++k) {
+      for (size_t i = 0; i < sequences[k].size(); ++i) {
+        ids.push_back(sequences[k][i]);
+        positions.push_back(static_cast<int64_t>(i));
+      }
+      starts.push_back(static_cast<int64_t>(ids.size()));
+      last.push_back(starts.back() - 1);
+    }
+    const auto longs = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor id_t = at::tensor(ids, longs).view({1, -1}).to(device_);
+    const at::Tensor pos_t = at::tensor(positions, longs).view({1, -1}).to(device_);
+    const at::Tensor hidden = model_->forward_packed(id_t, pos_t, starts);  // (1, T, D)
+    const at::Tensor at_last = hidden[0].index_select(0, at::tensor(last, longs).to(device_));
+    const at::Tensor scores = model_->score(at_last).select(1, 0).to(at::kDouble).cpu().contiguous();
+    const double* v = scores.data_ptr<double>();
+    for (size_t k = s; k < e; ++k) out[k] = v[k - s];
+    s = e;
+  }
+  return out;
+}
+
+at::Tensor RewardModel::score_padded(const at::Tensor& ids, const at::Tensor& mask) const {
+  TORCH_CHECK(ids.dim() == 2 && mask.sizes() == ids.sizes(), "score_padded: ids and mask must be (B, T) alike");
+  at::NoGradGuard no_grad;
+  const at::Tensor m = mask.to(at::kLong);
+  const at::Tensor positions = (m.cumsum(1) - 1).clamp_min(0);
+  const at::Tensor hidden = model_->forward(ids, positions, m);  // (B, T, D)
+  const at::Tensor last = last_real_tokens(m).to(hidden.device());
+  const at::Tensor rows = at::arange(ids.size(0), last.options());
+  return model_->score(hidden.index({rows, last})).select(1, 0).to(at::kFloat);
+}
+
+}  // namespace rlt

@@ -1,0 +1,78 @@
+// reward.kind model: a Hugging Face sequence-classification checkpoint (*ForSequenceClassification: the
+// decoder trunk and a one-output `score` layer without bias) scores each (prompt, response) conversation
+// at its last token, what transformers' AutoModelForSequenceClassification returns as logits[:, 0]. The
+// conversation is rendered through the reward model's own chat template and encoded by its own tokenizer,
+// which may differ from the policy's. Scoring runs without gradients, packed: sequences laid end to end
+// into forwards of at most a token budget (Transformer::forward_packed), so no padding reaches a GEMM.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "data/hf_chat.h"
+#include "data/tokenizer.h"
+#include "model/transformer.h"
+
+namespace rlt {
+
+// A folder that is not a single-label sequence-classification checkpoint, or one without a tokenizer or
+// chat template: the message names the folder and the field.
+class RewardModelError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Checks `dir`'s config.json before anything is loaded: a *ForSequenceClassification architecture of a
+// supported family with one label. Returns its parsed config. RewardModelError naming `architectures` or
+// `id2label` otherwise (ModelConfigError for a config.json that does not parse).
+ModelConfig reward_model_config(const std::string& dir);
+
+// Each row's rightmost real token of a padded batch (mask (B, T) of 0/1): transformers' pooling rule,
+// which serves left and right padding alike. transformers finds real tokens as ids != pad_token_id; the
+// two agree unless a real token is the pad id (an EOS that doubles as pad), where the mask is right.
+at::Tensor last_real_tokens(const at::Tensor& mask);
+
+class RewardModel {
+ public:
+  // Loads `dir` (reward_model_config's checks, then the weights) in `dtype` on `device`, with the folder's
+  // tokenizer and chat template. token_budget: the most tokens one scoring forward packs (a longer
+  // sequence goes alone).
+  static RewardModel load(const std::string& dir, at::ScalarType dtype, at::Device device, int64_t token_budget);
+  // A loaded sequence-classification model without tokenizer or template: it scores ids (score,
+  // score_padded); encode throws.
+  RewardModel(Transformer model, int64_t token_budget);
+
+  // The conversation's ids: `conversation` (a prompt's messages, or one user turn holding `question` when
+  // empty), then an assistant turn holding `response`, rendered by the template without a generation
+  // prompt and encoded with special-token text as special tokens (the template writes BOS itself).
+  std::vector<int64_t> encode(const std::vector<ChatMessage>& conversation, const std::string& question,
+                              const std::string& response) const;
+
+  // One score per sequence of ids, read at its last token. Sequences are packed in order into forwards
+  // of at most token_budget tokens. An empty sequence or an id outside the vocabulary throws
+  // std::invalid_argument naming it.
+  std::vector<double> score(const std::vector<std::vector<int64_t>>& sequences) const;
+
+  // A padded batch as transformers scores it: ids (B, T) int64, mask (B, T) 0/1 (1 = real token), RoPE
+  // positions counting real tokens from 0. Returns (B) float32 scores, each row's at last_real_tokens.
+  at::Tensor score_padded(const at::Tensor& ids, const at::Tensor& mask) const;
+
+  const Transformer& model() const { return *model_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  int64_t token_budget() const { return token_budget_; }
+
+ private:
+  std::shared_ptr<Transformer> model_;
+  std::shared_ptr<Tokenizer> tokenizer_;
+  std::shared_ptr<HfChatTemplate> chat_;
+  at::Device device_ = at::kCPU;
+  int64_t token_budget_ = 0;
+};
+
+}  // namespace rlt

@@ -1,0 +1,156 @@
+// The reward model (rollout/reward_model.h) against transformers' AutoModelForSequenceClassification on tiny
+// random checkpoints that transformers saves (tests/rollout/reward_model_reference.py): packed scores at
+// every token budget, left- and right-padded batches, and whole conversations through Qwen3's published
+// tokenizer and chat template. Each check has a wrong twin it must reject: the score read at the last pad
+// instead of the last real token, a conversation scored one token short.
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "rollout/reward_model.h"
+#include "tests/common/fixtures.h"
+#include "tests/common/tmpdir.h"
+
+namespace rlt {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// The references: made by the ctest fixture make_reward_model_references (tests/CMakeLists.txt).
+fs::path references() { return RLT_REWARD_MODEL_REFS; }
+
+json read_json(const fs::path& p) {
+  std::ifstream f(p);
+  return json::parse(f);
+}
+
+at::Tensor long_tensor(const json& rows) {
+  std::vector<int64_t> flat;
+  for (const auto& r : rows)
+    for (int64_t v : r) flat.push_back(v);
+  return at::tensor(flat, at::kLong).view({static_cast<int64_t>(rows.size()), -1});
+}
+
+double max_error(const std::vector<double>& got, const json& want) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i].get<double>()));
+  return got.size() == want.size() ? worst : INFINITY;
+}
+
+std::vector<double> to_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kDouble).contiguous();
+  return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
+}
+
+class TinyRewardModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(TinyRewardModel, PackedScoresMatchTransformersAtEveryTokenBudget) {
+  const fs::path dir = references() / GetParam();
+  const json ref = read_json(dir / "reference.json");
+  std::vector<std::vector<int64_t>> sequences;
+  for (const auto& s : ref["sequences"]) sequences.push_back(s.get<std::vector<int64_t>>());
+  // 1: each sequence alone; 12: the longest alone, the others two or three to a forward; 1000: all in one.
+  for (int64_t budget : {1, 12, 13, 1000}) {
+    const RewardModel rm(Transformer::load(dir.string(), at::kFloat, at::kCPU), budget);
+    const std::vector<double> got = rm.score(sequences);
+    EXPECT_LT(max_error(got, ref["single"]), 1e-5) << GetParam() << " budget " << budget;
+  }
+}
+
+TEST_P(TinyRewardModel, PaddedBatchesReadTheLastRealToken) {
+  const fs::path dir = references() / GetParam();
+  const json ref = read_json(dir / "reference.json");
+  const RewardModel rm(Transformer::load(dir.string(), at::kFloat, at::kCPU), 1024);
+  for (const char* side : {"left", "right"}) {
+    const at::Tensor ids = long_tensor(ref[side]["ids"]), mask = long_tensor(ref[side]["mask"]);
+    EXPECT_LT(max_error(to_vector(rm.score_padded(ids, mask)), ref[side]["scores"]), 1e-5) << GetParam() << " " << side;
+    // Twin: the score read at each row's last pad (a full row: its first token), as a pooling that
+    // looked for the pad id's last occurrence would.
+    at::NoGradGuard no_grad;
+    const at::Tensor positions = (mask.cumsum(1) - 1).clamp_min(0);
+    const at::Tensor hidden = rm.model().forward(ids, positions, mask);
+    const at::Tensor index = at::arange(ids.size(1), at::kLong).unsqueeze(0);
+    const at::Tensor last_pad = (index * (mask == 0).to(at::kLong)).argmax(1);
+    const at::Tensor twin = rm.model().score(hidden.index({at::arange(ids.size(0)), last_pad})).select(1, 0);
+    EXPECT_GT(max_error(to_vector(twin), ref[side]["scores"]), 1e-3) << GetParam() << " " << side;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TinyRewardModel, ::testing::Values("qwen2", "llama"));
+
+TEST(LastRealTokens, LeftAndRightPaddingAndAFullRow) {
+  const at::Tensor mask = at::tensor({0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1}, at::kLong).view({3, 4});
+  const at::Tensor got = last_real_tokens(mask);
+  EXPECT_EQ(got[0].item<int64_t>(), 3);
+  EXPECT_EQ(got[1].item<int64_t>(), 1);
+  EXPECT_EQ(got[2].item<int64_t>(), 3);
+}
+
+TEST(RewardModel, ConversationsThroughItsOwnTemplateMatchTransformers) {
+  RLT_SKIP_WITHOUT_FIXTURES();
+  const fs::path dir = references() / "qwen3_chat";
+  const json ref = read_json(dir / "reference.json");
+  const RewardModel rm = RewardModel::load(dir.string(), at::kFloat, at::kCPU, 4096);
+  std::vector<std::vector<int64_t>> sequences;
+  for (size_t c = 0; c < ref["conversations"].size(); ++c) {
+    const json& messages = ref["conversations"][c];
+    std::vector<ChatMessage> prompt;
+    for (size_t m = 0; m + 1 < messages.size(); ++m) prompt.push_back({messages[m]["role"], messages[m]["content"]});
+    const std::vector<int64_t> ids = rm.encode(prompt, "", messages.back()["content"]);
+    EXPECT_EQ(ids, ref["ids"][c].get<std::vector<int64_t>>()) << "conversation " << c;
+    sequences.push_back(ids);
+  }
+  EXPECT_LT(max_error(rm.score(sequences), ref["scores"]), 1e-5);
+  // A one-turn prompt given as its question: the same ids as the messages.
+  EXPECT_EQ(rm.encode({}, ref["conversations"][0][0]["content"], ref["conversations"][0][1]["content"]),
+            ref["ids"][0].get<std::vector<int64_t>>());
+  // Twin: each conversation one token short (its template's closing newline dropped).
+  for (auto& s : sequences) s.pop_back();
+  EXPECT_GT(max_error(rm.score(sequences), ref["scores"]), 1e-3);
+}
+
+// A copy of the qwen2 folder with config.json edited by `edit`.
+fs::path edited(const fs::path& to, const std::function<void(json&)>& edit) {
+  fs::create_directories(to);
+  fs::copy(references() / "qwen2", to, fs::copy_options::overwrite_existing | fs::copy_options::recursive);
+  json c = read_json(to / "config.json");
+  edit(c);
+  std::ofstream(to / "config.json") << c.dump(2);
+  return to;
+}
+
+TEST(RewardModel, RefusesAFolderThatIsNotAOneLabelScoreHead) {
+  const rlt::testing::TempDir tmp("reward_model_refusals");
+  auto refused = [&](const fs::path& dir, const std::string& field) {
+    try {
+      reward_model_config(dir.string());
+      ADD_FAILURE() << dir << ": accepted";
+    } catch (const RewardModelError& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  refused(edited(tmp.path() / "two", [](json& c) { c["id2label"] = {{"0", "bad"}, {"1", "good"}}; }), "id2label");
+  refused(edited(tmp.path() / "lm", [](json& c) { c["architectures"] = {"Qwen2ForCausalLM"}; }), "architectures");
+  refused(edited(tmp.path() / "none", [](json& c) { c.erase("architectures"); }), "architectures");
+  refused(tmp.path() / "missing", "config.json");
+  EXPECT_NO_THROW(reward_model_config((references() / "qwen2").string()));
+  // A token-classification folder is a critic's, not a reward model.
+  refused(edited(tmp.path() / "token", [](json& c) { c["architectures"] = {"Qwen2ForTokenClassification"}; }),
+          "architectures");
+  // An id outside the vocabulary, and an empty sequence, name the sequence.
+  const RewardModel rm(Transformer::load((references() / "qwen2").string(), at::kFloat, at::kCPU), 64);
+  EXPECT_THROW(rm.score({{1, 2}, {1, 97}}), std::invalid_argument);
+  EXPECT_THROW(rm.score({{1, 2}, {}}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace rlt
