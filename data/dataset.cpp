@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -295,6 +296,7 @@ Dataset load_jsonl(const DatasetOptions& options) {
       continue;
     }
     ex.source = where;
+    ex.data_source = std::filesystem::path(path).stem().string();
     data.examples.push_back(std::move(ex));
     if (options.max_examples > 0 && static_cast<int64_t>(data.examples.size()) >= options.max_examples) break;
   }

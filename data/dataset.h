@@ -26,6 +26,9 @@ struct PromptExample {
   std::string prompt;  // the question, before any chat template (a conversation's last user turn)
   std::string answer;  // reference answer (compared by the reward, data/reward.h)
   std::string source;  // where it came from: "file:line", or "synthetic:#i"
+  // The set it belongs to, for per-set evaluation metrics: its file's name without the extension
+  // ("aime-2024"); "" for synthetic prompts.
+  std::string data_source;
   // The conversation, when the dataset gives the prompt as a list of messages (DAPO-Math-17k as slime
   // ships it); empty for a string prompt. A model's own chat template renders it whole.
   std::vector<ChatMessage> messages;
@@ -38,6 +41,25 @@ class DataError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// One more evaluation file (data.eval_sets): its path, and the keys that read it when they differ.
+struct EvalSetOptions {
+  std::string path;
+  std::string prompt_key;
+  std::string answer_key;
+  int64_t max_examples = 0;
+
+  template <class V>
+  void visit(V&& v) {
+    v("path", path, "the JSONL file");
+    v("prompt_key", prompt_key, "its question key; empty = data.prompt_key");
+    v("answer_key", answer_key, "its answer key; empty = data.answer_key");
+    v("max_examples", max_examples, "its first N rows; 0 = all", FieldRange{0, 9.0e18});
+  }
+  void check(const FieldFail& fail) const {
+    if (path.empty()) fail("path", "an evaluation set needs a path");
+  }
+};
+
 struct DatasetOptions {
   std::string path;
   std::string prompt_key = "prompt";
@@ -47,6 +69,7 @@ struct DatasetOptions {
   std::string eval_path;
   std::string eval_prompt_key;
   std::string eval_answer_key;
+  std::vector<EvalSetOptions> eval_sets;
 
   template <class V>
   void visit(V&& v) {
@@ -62,6 +85,9 @@ struct DatasetOptions {
     v("eval_path", eval_path, "evaluation JSONL (e.g. AIME 2024); empty = hold out train.eval_prompts");
     v("eval_prompt_key", eval_prompt_key, "question key of eval_path; empty = prompt_key");
     v("eval_answer_key", eval_answer_key, "answer key of eval_path; empty = answer_key");
+    v("eval_sets", eval_sets,
+      "more evaluation files, e.g. [{path: data/aime-2024.jsonl}, {path: my.jsonl, answer_key: solution}]; each "
+      "file is logged on its own as eval_avg@k/<name>, eval_pass@j/<name>, <name> its file name without extension");
   }
   void check(const FieldFail& fail) const {
     if (prompt_key.empty()) fail("prompt_key", "must not be empty");
@@ -72,6 +98,21 @@ struct DatasetOptions {
     if (!eval_path.empty() && eval_options().prompt_key == eval_options().answer_key) {
       fail("eval_answer_key", "must differ from the evaluation's prompt key: the answer would be the question");
     }
+    for (size_t i = 0; i < eval_sets.size(); ++i) {
+      if (eval_set_options(i).prompt_key == eval_set_options(i).answer_key) {
+        fail("eval_sets", "item " + std::to_string(i) + ": its answer key must differ from its prompt key");
+      }
+    }
+  }
+  // The options that read eval_sets[i]: this file's settings with that set's path, keys and row cap.
+  DatasetOptions eval_set_options(size_t i) const {
+    DatasetOptions o = eval_options();
+    const EvalSetOptions& e = eval_sets.at(i);
+    o.path = e.path;
+    o.prompt_key = e.prompt_key.empty() ? prompt_key : e.prompt_key;
+    o.answer_key = e.answer_key.empty() ? answer_key : e.answer_key;
+    o.max_examples = e.max_examples;
+    return o;
   }
   // The options that read eval_path: this file's settings with the evaluation's path and keys.
   DatasetOptions eval_options() const {
@@ -81,6 +122,7 @@ struct DatasetOptions {
     if (!eval_answer_key.empty()) o.answer_key = eval_answer_key;
     o.max_examples = 0;
     o.eval_path.clear();
+    o.eval_sets.clear();
     return o;
   }
 };

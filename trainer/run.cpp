@@ -3,6 +3,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -268,7 +269,20 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   } else {
     const int64_t n_eval = std::min<int64_t>(config.train.eval_prompts, static_cast<int64_t>(examples.size()) / 2);
     run.data.eval_set.assign(examples.end() - n_eval, examples.end());
+    for (PromptExample& ex : run.data.eval_set) ex.data_source = "held_out";
     examples.resize(examples.size() - n_eval);
+  }
+  // data.eval_sets: more files, each its own set in the metrics.
+  for (size_t i = 0; i < config.data.eval_sets.size(); ++i) {
+    std::vector<PromptExample> more = load_jsonl(config.data.eval_set_options(i)).examples;
+    check_prompt_lengths(run, more);
+    for (const PromptExample& ex : run.data.eval_set) {
+      if (ex.data_source == more.front().data_source) {
+        throw RunError("data.eval_sets: " + config.data.eval_sets[i].path + ": a second set named '" + ex.data_source +
+                       "' (sets are named by their file names)");
+      }
+    }
+    run.data.eval_set.insert(run.data.eval_set.end(), more.begin(), more.end());
   }
   run.data.prompts = std::make_unique<PromptSampler>(std::move(examples), static_cast<uint64_t>(config.train.seed));
   if (extra.make) run.model.extra = extra.make(*run.model.policy, config);
@@ -587,6 +601,10 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
   const EvalResult r = report_evaluation(run, "after step " + std::to_string(run.counters.step));
   std::map<std::string, double> m = {{"eval_avg@" + std::to_string(r.k), r.pass1}, {"eval_tool_use", r.tool_use}};
   for (const auto& [j, p] : r.pass_at) m["eval_pass@" + std::to_string(j)] = p;
+  for (const auto& [name, s] : r.by_set) {
+    m["eval_avg@" + std::to_string(s.k) + "/" + name] = s.pass1;
+    for (const auto& [j, p] : s.pass_at) m["eval_pass@" + std::to_string(j) + "/" + name] = p;
+  }
   return m;
 }
 
@@ -597,7 +615,9 @@ EvalResult report_evaluation(Run& run, const std::string& when) {
   if (!run.lead()) return r;
   std::cerr << "eval " << when << ": pass@1 " << 100 * r.pass1 << "%";
   if (r.k > 1) std::cerr << " (" << r.k << " samples), pass@" << r.k << " " << 100 * r.pass_k << "%";
-  std::cerr << ", tool use " << 100 * r.tool_use << "%\n";
+  std::cerr << ", tool use " << 100 * r.tool_use << "%";
+  for (const auto& [name, s] : r.by_set) std::cerr << "; " << name << " " << 100 * s.pass1 << "%";
+  std::cerr << "\n";
   return r;
 }
 
@@ -634,7 +654,30 @@ EvalResult evaluate(Run& run) {
                     ro, tool_runner(run.rollout, run.config.sandbox), streams, run.rollout.tools);
     score_rewards(run, trajs, problems);  // an evaluation's script failures count in no metric
   }
-  return summarize_evaluation(trajs, k, run.dist.get());
+  EvalResult r = summarize_evaluation(trajs, k, run.dist.get());
+  std::vector<std::string> names;  // every rank's, from the whole evaluation set, so the reductions pair up
+  for (const PromptExample& ex : run.data.eval_set) {
+    if (std::find(names.begin(), names.end(), ex.data_source) == names.end()) names.push_back(ex.data_source);
+  }
+  if (names.size() > 1) r.by_set = summarize_evaluation_sets(trajs, problems, names, k, run.dist.get());
+  return r;
+}
+
+std::map<std::string, EvalResult> summarize_evaluation_sets(const std::vector<Trajectory>& trajs,
+                                                            const std::vector<PromptExample>& problems,
+                                                            const std::vector<std::string>& names, int64_t k,
+                                                            Collectives* dist) {
+  std::map<std::string, EvalResult> out;
+  for (const std::string& name : names) {
+    std::vector<Trajectory> mine;  // prompt-major still: a problem's k completions stay together
+    for (const Trajectory& t : trajs) {
+      TORCH_CHECK(t.prompt_index >= 0 && t.prompt_index < static_cast<int64_t>(problems.size()),
+                  "summarize_evaluation_sets: no problem ", t.prompt_index);
+      if (problems[t.prompt_index].data_source == name) mine.push_back(t);
+    }
+    out[name] = summarize_evaluation(mine, k, dist);
+  }
+  return out;
 }
 
 double pass_at_estimate(int64_t n, int64_t c, int64_t j) {

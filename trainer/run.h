@@ -281,6 +281,9 @@ struct EvalResult {
   // 1 - C(k - c, j) / C(k, j) of a problem with c correct of its k completions (the chance that j of them,
   // drawn without replacement, hold a correct one). pass_at[1] is pass1, pass_at[k] pass_k.
   std::map<int64_t, double> pass_at;
+  // With several evaluation sets (data.eval_path, data.eval_sets, the held-out prompts): each set's own
+  // figures, by PromptExample::data_source.
+  std::map<std::string, EvalResult> by_set;
 };
 // The unbiased estimator of pass@j from c correct of n completions (j <= n): 1 - C(n - c, j) / C(n, j),
 // computed as 1 - prod_{i = n - c + 1}^{n} (1 - j / i).
@@ -292,10 +295,17 @@ EvalResult evaluate(Run& run);
 SamplingOptions evaluation_sampling(const Config& c, int64_t step);
 // The figures of prompt-major completions, k per problem; over every rank's problems with `dist`.
 EvalResult summarize_evaluation(const std::vector<Trajectory>& trajs, int64_t k, Collectives* dist = nullptr);
+// Each set's figures: of the completions whose problem (problems[t.prompt_index]) has data_source `name`,
+// for every name in `names` (the same list on every rank, in the same order, with `dist`).
+std::map<std::string, EvalResult> summarize_evaluation_sets(const std::vector<Trajectory>& trajs,
+                                                            const std::vector<PromptExample>& problems,
+                                                            const std::vector<std::string>& names, int64_t k,
+                                                            Collectives* dist = nullptr);
 // evaluate(), printed as "eval <when>: pass@1 ..., pass@k ..., tool use ..."; remembered in the run.
 EvalResult report_evaluation(Run& run, const std::string& when);
 // After RL step run.counters.step: when train.eval_every says so (and at the last step), an evaluation, as the
-// metrics eval_pass@j (EvalResult::pass_at), eval_avg@k and eval_tool_use; else nothing.
+// metrics eval_pass@j (EvalResult::pass_at), eval_avg@k and eval_tool_use, and with several sets
+// eval_avg@k/<set> and eval_pass@j/<set> of each; else nothing.
 std::map<std::string, double> periodic_evaluation(Run& run);
 
 }  // namespace rlt

@@ -67,6 +67,7 @@ TEST(Dataset, LoadsGoodFile) {
   EXPECT_EQ(d.examples[3].answer, "-7");
   EXPECT_EQ(d.examples[4].prompt, "Caf\xC3\xA9 \"quoted\"");
   EXPECT_EQ(d.examples[4].source, path + ":6");
+  for (const PromptExample& ex : d.examples) EXPECT_EQ(ex.data_source, "good") << "its set: the file's name";
 }
 
 struct BadLine {

@@ -449,6 +449,22 @@ TEST(ConfigLists, RewardCombineReadsItsTermsFromAFileAndFromSet) {
   EXPECT_TRUE(load_config(write_yaml("combine_empty.yaml", "reward:\n  combine:\n"), {}).reward.combine.empty());
 }
 
+// data.eval_sets: each file with the keys that read it, the data section's when left empty.
+TEST(ConfigLists, EvalSetsTakeTheDataSectionsKeysUnlessTheyNameTheirOwn) {
+  const Config c =
+      load_config("", {"data.answer_key=label",
+                       "data.eval_sets=[{path: a.jsonl}, {path: b.jsonl, answer_key: solution, max_examples: 5}]"});
+  ASSERT_EQ(c.data.eval_sets.size(), 2u);
+  EXPECT_EQ(c.data.eval_set_options(0).path, "a.jsonl");
+  EXPECT_EQ(c.data.eval_set_options(0).answer_key, "label");
+  EXPECT_EQ(c.data.eval_set_options(1).answer_key, "solution");
+  EXPECT_EQ(c.data.eval_set_options(1).prompt_key, "prompt");
+  EXPECT_EQ(c.data.eval_set_options(1).max_examples, 5);
+  EXPECT_TRUE(c.data.eval_set_options(1).eval_sets.empty());
+  expect_error("", {"data.eval_sets=[{answer_key: x}]"}, {"data.eval_sets[0].path", "needs a path"});
+  expect_error("", {"data.eval_sets=[{path: a.jsonl, answer_key: prompt}]"}, {"data.eval_sets", "item 0"});
+}
+
 TEST(ConfigLists, BadTermsAreNamedByIndexAndField) {
   expect_error("", {"reward.combine=[{kind: boxd}]"}, {"reward.combine[0].kind", "unknown value 'boxd'"});
   expect_error("", {"reward.combine=[{kind: boxed}, {kind: boxed, wieght: 1}]"},

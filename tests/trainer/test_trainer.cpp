@@ -274,6 +274,33 @@ TEST(Evaluation, PassAtOneFromKSamplesAndPassAtK) {
   EXPECT_THROW(summarize_evaluation(t, 3), c10::Error) << "8 completions are not groups of 3";
 }
 
+// Each evaluation set's figures from its own problems: three problems of k = 2, two in "aime-2024" (1 and 2
+// correct of 2) and one in "mine" (0 of 2), interleaved as ranks and files may leave them. aime-2024:
+// avg@2 = (1/2 + 1) / 2 = 0.75, pass@2 = 1; mine: 0 and 0. Twin: sets taken as consecutive runs of the
+// problem list (the first two problems and the last) give aime-2024 (1/2 + 0) / 2 = 0.25.
+TEST(Evaluation, EachSetFromItsOwnProblems) {
+  std::vector<PromptExample> problems(3);
+  problems[0].data_source = "aime-2024";
+  problems[1].data_source = "mine";
+  problems[2].data_source = "aime-2024";
+  std::vector<Trajectory> t(6);
+  const bool correct[6] = {true, false, false, false, true, true};
+  for (int i = 0; i < 6; ++i) {
+    t[i].prompt_index = i / 2;
+    t[i].correct = correct[i];
+  }
+  const auto sets = summarize_evaluation_sets(t, problems, {"aime-2024", "mine"}, 2);
+  ASSERT_EQ(sets.size(), 2u);
+  EXPECT_DOUBLE_EQ(sets.at("aime-2024").pass1, 0.75);
+  EXPECT_DOUBLE_EQ(sets.at("aime-2024").pass_k, 1.0);
+  EXPECT_DOUBLE_EQ(sets.at("mine").pass1, 0.0);
+  EXPECT_DOUBLE_EQ(sets.at("mine").pass_at.at(2), 0.0);
+  const EvalResult consecutive = summarize_evaluation({t.begin(), t.begin() + 4}, 2);
+  EXPECT_NE(consecutive.pass1, sets.at("aime-2024").pass1) << "the twin";
+  // The whole evaluation is over every problem: (1/2 + 0 + 1) / 3.
+  EXPECT_DOUBLE_EQ(summarize_evaluation(t, 2).pass1, 0.5);
+}
+
 // train.eval_temperature: -1 is greedy for one completion and training's temperature for more; any other
 // value is taken as it is, greedy included. The seed is the evaluation's own, per step.
 TEST(Evaluation, TemperatureAndSeedOfTheSamples) {
