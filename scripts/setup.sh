@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine lacks (idempotently: nothing is fetched twice), then configures
-# and builds everything into build/ (executables in build/bin/).
+# build/ and builds the trainers and the tools a first run uses (grpo_train, ppo_train, tokenize,
+# chat_template, score in build/bin/), so the demo starts sooner. RLT_SETUP_TESTS=1 (scripts/test.sh sets it) also installs the tests' Python references and
+# builds every target, tests included.
 #   Debian packages: cmake, ninja, yaml-cpp, sentencepiece, Eigen, GoogleTest, nlohmann-json, CLI11, libseccomp,
 #                    PCRE2 + utf8proc (tokenizer.json regexes and NFC), bubblewrap
 #   PyPI:            torch==2.11.0, whose LibTorch (share/cmake) we link; the GPU host has the same one;
 #                    nvidia-cutlass==4.2.0.0 (CUTLASS/CuTe headers of the fused CCE kernels)
+#   PyPI, tests:     transformers, safetensors, peft, tokenizers, sentencepiece, jinja2, pyarrow, tensorboard
 # Usage: bash scripts/setup.sh [extra cmake args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,24 +33,25 @@ if ! has_torch "$py"; then
     python3 -m venv .venv && py=.venv/bin/python && "$py" -m pip install -q torch==2.11.0
   fi
 fi
+tests=${RLT_SETUP_TESTS:-0}
 # transformers makes the reference checkpoints the model tests compare against (tests/model/).
-if ! "$py" -c 'import transformers, safetensors, sys; sys.exit(0 if transformers.__version__ == "5.17.0" else 1)' 2>/dev/null; then
+if [ "$tests" = 1 ] && ! "$py" -c 'import transformers, safetensors, sys; sys.exit(0 if transformers.__version__ == "5.17.0" else 1)' 2>/dev/null; then
   echo "setup: installing transformers==5.17.0 safetensors (reference models for the tests)"
   "$py" -m pip install -q transformers==5.17.0 safetensors
 fi
 # peft loads the trainer's LoRA adapter folders onto the reference checkpoints (tests/model/check_peft.py).
-if ! "$py" -c 'import peft, sys; sys.exit(0 if peft.__version__ == "0.21.2" else 1)' 2>/dev/null; then
+if [ "$tests" = 1 ] && ! "$py" -c 'import peft, sys; sys.exit(0 if peft.__version__ == "0.21.2" else 1)' 2>/dev/null; then
   echo "setup: installing peft==0.21.2 (loads our LoRA adapter folders in the tests)"
   "$py" -m pip install -q peft==0.21.2
 fi
 # The independent references of the data tests: HF tokenizers and sentencepiece (tokenizer parity), jinja2
 # (transformers' apply_chat_template renders with it), pyarrow (parquet datasets).
-if ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then
+if [ "$tests" = 1 ] && ! "$py" -c 'import tokenizers, sentencepiece, jinja2, pyarrow, sys; sys.exit(0 if tokenizers.__version__ == "0.23.3" else 1)' 2>/dev/null; then
   echo "setup: installing tokenizers==0.23.3 sentencepiece jinja2 pyarrow (references for the tokenizer and chat-template tests)"
   "$py" -m pip install -q tokenizers==0.23.3 sentencepiece jinja2 pyarrow
 fi
 # tensorboard: the reference writer and reader of the trainer's event files (tests/common/, tests/apps/).
-if ! "$py" -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ == "2.20.0" else 1)' 2>/dev/null; then
+if [ "$tests" = 1 ] && ! "$py" -c 'import tensorboard, sys; sys.exit(0 if tensorboard.__version__ == "2.20.0" else 1)' 2>/dev/null; then
   echo "setup: installing tensorboard==2.20.0 (reads and writes the event files the trainer's are compared with)"
   "$py" -m pip install -q tensorboard==2.20.0
 fi
@@ -60,4 +64,10 @@ torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
   -DPython3_EXECUTABLE="$("$py" -c 'import sys; print(sys.executable)')" "$@"
-cmake --build build -j "$(nproc)"
+if [ "$tests" = 1 ]; then
+  cmake --build build -j "$(nproc)"
+else
+  # The trainers and the README's look-before-you-train tools; `cmake --build build` builds the benchmarks,
+  # scripts/test.sh everything.
+  cmake --build build -j "$(nproc)" --target grpo_train ppo_train tokenize chat_template score
+fi

@@ -26,6 +26,6 @@ else
   echo "history check: skipped (not a git checkout)"
 fi
 
-bash scripts/setup.sh "$@"
+RLT_SETUP_TESTS=1 bash scripts/setup.sh "$@"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 exit "$history"
