@@ -24,6 +24,16 @@ ModelConfig reward_model_config(const std::string& dir) {
   return c;
 }
 
+void check_reward_model_folder(const std::string& dir) {
+  reward_model_config(dir);
+  try {
+    Tokenizer::from_checkpoint(dir);
+    HfChatTemplate::from_folder(dir);
+  } catch (const DataError& e) {
+    throw RewardModelError(std::string("the reward model's ") + e.what());
+  }
+}
+
 at::Tensor last_real_tokens(const at::Tensor& mask) {
   TORCH_CHECK(mask.dim() == 2, "last_real_tokens: mask must be (B, T)");
   const at::Tensor real = mask.to(at::kLong) != 0;

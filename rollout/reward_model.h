@@ -32,6 +32,9 @@ class RewardModelError : public std::runtime_error {
 // supported family with one label. Returns its parsed config. RewardModelError naming `architectures` or
 // `id2label` otherwise (ModelConfigError for a config.json that does not parse).
 ModelConfig reward_model_config(const std::string& dir);
+// reward_model_config's checks, then the folder's tokenizer and chat template, read as load() reads them:
+// what the config reader runs, so that a folder load() would refuse is an error before the run starts.
+void check_reward_model_folder(const std::string& dir);
 
 // Each row's rightmost real token of a padded batch (mask (B, T) of 0/1): transformers' pooling rule,
 // which serves left and right padding alike. transformers finds real tokens as ids != pad_token_id; the

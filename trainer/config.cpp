@@ -98,7 +98,7 @@ void check_sections(const ConfigReader<Config>& r) {
   if (c.reward.uses(RewardKind::kModel)) {
     const std::string dir = absolute("reward.model_path", c.reward.model_path);
     try {
-      reward_model_config(dir);  // a one-label sequence-classification folder, checked before anything loads
+      check_reward_model_folder(dir);  // a one-label score head, a tokenizer and a template, before anything loads
     } catch (const std::exception& e) {
       r.fail("reward.model_path", e.what());
     }

@@ -143,6 +143,13 @@ TEST(RewardModel, RefusesAFolderThatIsNotAOneLabelScoreHead) {
   refused(edited(tmp.path() / "none", [](json& c) { c.erase("architectures"); }), "architectures");
   refused(tmp.path() / "missing", "config.json");
   EXPECT_NO_THROW(reward_model_config((references() / "qwen2").string()));
+  // The folder as a run reads it: without a tokenizer and a chat template it is refused too, naming them.
+  try {
+    check_reward_model_folder((references() / "qwen2").string());
+    ADD_FAILURE() << "a folder without a tokenizer: accepted";
+  } catch (const RewardModelError& e) {
+    EXPECT_NE(std::string(e.what()).find("tokenizer"), std::string::npos) << e.what();
+  }
   // A token-classification folder is a critic's, not a reward model.
   refused(edited(tmp.path() / "token", [](json& c) { c["architectures"] = {"Qwen2ForTokenClassification"}; }),
           "architectures");
