@@ -77,25 +77,31 @@ GroupRecord read_group(ByteReader& r, int64_t G) {
 void write_tally(ByteWriter& w, const RewardTally& t) {
   w.put<int64_t>(t.scored);
   w.put<int64_t>(t.failed);
-  w.put<int64_t>(static_cast<int64_t>(t.fields.size()));
-  for (const auto& [name, v] : t.fields) {
-    w.put_str(name);
-    w.put<double>(v.first);
-    w.put<int64_t>(v.second);
+  for (const auto* named : {&t.fields, &t.terms}) {
+    w.put<int64_t>(static_cast<int64_t>(named->size()));
+    for (const auto& [name, v] : *named) {
+      w.put_str(name);
+      w.put<double>(v.first);
+      w.put<int64_t>(v.second);
+    }
   }
+  w.put<double>(t.seconds);
 }
 
 RewardTally read_tally(ByteReader& r) {
   RewardTally t;
   t.scored = r.get<int64_t>();
   t.failed = r.get<int64_t>();
-  const auto n = r.get<int64_t>();
-  TORCH_CHECK(n >= 0, "a corrupt reward tally: ", n, " fields");
-  for (int64_t i = 0; i < n; ++i) {
-    std::string name = r.get_str();
-    const auto sum = r.get<double>();
-    t.fields[std::move(name)] = {sum, r.get<int64_t>()};
+  for (auto* named : {&t.fields, &t.terms}) {
+    const auto n = r.get<int64_t>();
+    TORCH_CHECK(n >= 0, "a corrupt reward tally: ", n, " names");
+    for (int64_t i = 0; i < n; ++i) {
+      std::string name = r.get_str();
+      const auto sum = r.get<double>();
+      (*named)[std::move(name)] = {sum, r.get<int64_t>()};
+    }
   }
+  t.seconds = r.get<double>();
   return t;
 }
 

@@ -165,6 +165,7 @@ void RewardTally::add(const std::vector<ScriptScore>& scores) {
 void RewardTally::add(const RewardTally& other) {
   scored += other.scored;
   failed += other.failed;
+  seconds += other.seconds;
   for (const auto& [name, sc] : other.fields) {
     auto& [sum, count] = fields[name];
     sum += sc.first;

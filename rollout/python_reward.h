@@ -69,6 +69,7 @@ struct RewardTally {
   std::map<std::string, std::pair<double, int64_t>> terms;
   double seconds = 0;  // the scoring's wall time (score_rewards)
   void add(const std::vector<ScriptScore>& scores);
+  // Another scoring's counts and sums; the times add up, as for rounds scored one after another.
   void add(const RewardTally& other);
 };
 

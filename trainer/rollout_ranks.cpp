@@ -160,7 +160,11 @@ RolloutBatch RemoteRollouts::next() {
       consumed_after = rd.get<int64_t>();
     }
     const RewardTally tally = read_tally(rd);
-    if (run_.dist->lead()) out.rewards.add(tally);  // reward_metrics sums the training ranks' tallies
+    if (run_.dist->lead()) {  // reward_metrics sums the training ranks' tallies
+      const double slowest = std::max(out.rewards.seconds, tally.seconds);  // the rollout ranks score at once
+      out.rewards.add(tally);
+      out.rewards.seconds = slowest;
+    }
     for (int64_t n = rd.get<int64_t>(); n > 0; --n) {
       GroupRecord g = read_group(rd, G);
       TORCH_CHECK(g.slot >= 0 && g.slot < P && groups[g.slot].trajs.empty(), "train.rollout_ranks: a group for slot ",

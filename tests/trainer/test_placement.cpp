@@ -318,14 +318,17 @@ TEST(Placement, TheWeightsBroadcastFillsEveryTensorBucketByBucket) {
 }
 
 // A rollout rank's reward tally crosses to the training ranks as bytes beside its groups: read back, it
-// is the tally written (counts, and each field's sum and count), and the record after it starts where the
-// tally ends. A tally cut short is an error, not a tally of zeros.
+// is the tally written (counts, each field's and term's sum and count, the time), and the record after it
+// starts where the tally ends. A tally cut short is an error, not a tally of zeros.
 TEST(Placement, TheRewardTallyCrossesAsWritten) {
   RewardTally t;
   t.scored = 96;
   t.failed = 3;
   t.fields["format"] = {41.5, 90};
   t.fields["length"] = {-2.25, 93};
+  t.terms["boxed"] = {12.0, 96};
+  t.terms["model"] = {-30.5, 96};
+  t.seconds = 0.625;
   ByteWriter w;
   write_tally(w, t);
   w.put<int64_t>(7);  // what follows the tally in a batch's record
@@ -334,6 +337,8 @@ TEST(Placement, TheRewardTallyCrossesAsWritten) {
   EXPECT_EQ(got.scored, 96);
   EXPECT_EQ(got.failed, 3);
   EXPECT_EQ(got.fields, t.fields);
+  EXPECT_EQ(got.terms, t.terms);
+  EXPECT_EQ(got.seconds, 0.625);
   EXPECT_EQ(r.get<int64_t>(), 7);
   EXPECT_TRUE(r.done());
   ByteReader cut(w.bytes.data(), w.bytes.size() - sizeof(int64_t) - 1);
