@@ -143,8 +143,10 @@ TEST(MemoryPlan, CountsTheRewardModel) {
   std::ofstream(dir.path() / "config.json") << j.dump();
   const ModelConfig rm = model_config_from_json(j, "rm");
   const Config plain = load_config("", {});
-  const Config scored = load_config(
-      "", {"reward.kind=model", "reward.model_path=" + dir.path().string(), "reward.model_batch_tokens=1000"});
+  Config scored = plain;  // set directly: the plan reads only config.json (a run's config check reads more)
+  scored.reward.kind = RewardKind::kModel;
+  scored.reward.model_path = dir.path().string();
+  scored.reward.model_batch_tokens = 1000;
   const int64_t weights = 4 * parameter_count(rm);
   const int64_t forward = 4 * 1000 * (2 * 128 + std::max<int64_t>((4 + 2 * 2) * 32 + 4 * 32, 3 * 384));
   const ModelConfig policy = small_config("llama", true);
