@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <filesystem>
+#include <utility>
 
 #include "data/chat_template.h"
 
@@ -24,14 +25,22 @@ ModelConfig reward_model_config(const std::string& dir) {
   return c;
 }
 
-void check_reward_model_folder(const std::string& dir) {
-  reward_model_config(dir);
+namespace {
+
+// The folder's tokenizer and chat template; RewardModelError naming the missing or bad file.
+std::pair<Tokenizer, HfChatTemplate> read_text_side(const std::string& dir) {
   try {
-    Tokenizer::from_checkpoint(dir);
-    HfChatTemplate::from_folder(dir);
+    return {Tokenizer::from_checkpoint(dir), HfChatTemplate::from_folder(dir)};
   } catch (const DataError& e) {
     throw RewardModelError(std::string("the reward model's ") + e.what());
   }
+}
+
+}  // namespace
+
+void check_reward_model_folder(const std::string& dir) {
+  reward_model_config(dir);
+  read_text_side(dir);
 }
 
 at::Tensor last_real_tokens(const at::Tensor& mask) {
@@ -57,12 +66,9 @@ RewardModel::RewardModel(Transformer model, int64_t token_budget) : token_budget
 RewardModel RewardModel::load(const std::string& dir, at::ScalarType dtype, at::Device device, int64_t token_budget) {
   reward_model_config(dir);
   RewardModel rm(Transformer::load(dir, dtype, device), token_budget);
-  try {
-    rm.tokenizer_ = std::make_shared<Tokenizer>(Tokenizer::from_checkpoint(dir));
-    rm.chat_ = std::make_shared<HfChatTemplate>(HfChatTemplate::from_folder(dir));
-  } catch (const DataError& e) {
-    throw RewardModelError(std::string("the reward model's ") + e.what());
-  }
+  auto [tokenizer, chat] = read_text_side(dir);
+  rm.tokenizer_ = std::make_shared<Tokenizer>(std::move(tokenizer));
+  rm.chat_ = std::make_shared<HfChatTemplate>(std::move(chat));
   if (rm.tokenizer_->vocab_size() > rm.model_->config().vocab_size) {
     throw RewardModelError(dir + ": the tokenizer has " + std::to_string(rm.tokenizer_->vocab_size()) +
                            " pieces, more than config.json's vocab_size " +

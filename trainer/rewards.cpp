@@ -67,9 +67,8 @@ std::shared_ptr<RewardModel> reward_model(Run& run) {
   std::lock_guard<std::mutex> lock(making);
   if (!run.rollout.reward_model) {
     const RewardOptions& options = run.config.reward;
-    const at::ScalarType dtype = run.config.model.dtype == DType::kBFloat16 ? at::kBFloat16 : at::kFloat;
-    run.rollout.reward_model = std::make_shared<RewardModel>(
-        RewardModel::load(options.model_path, dtype, run.device, options.model_batch_tokens));
+    run.rollout.reward_model = std::make_shared<RewardModel>(RewardModel::load(
+        options.model_path, scalar_type(run.config.model.dtype), run.device, options.model_batch_tokens));
   }
   return run.rollout.reward_model;
 }

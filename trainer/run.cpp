@@ -37,9 +37,9 @@ namespace rlt {
 
 namespace fs = std::filesystem;
 
-namespace {
-
 at::ScalarType scalar_type(DType d) { return d == DType::kBFloat16 ? at::kBFloat16 : at::kFloat; }
+
+namespace {
 
 // The config of a new model (model.path empty): llama-style, from model.init_*.
 ModelConfig new_model_config(const Config& c, int64_t vocab) {

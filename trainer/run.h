@@ -158,6 +158,9 @@ struct ExtraParams {
   std::function<double(const Config& config)> lr;
 };
 
+// model.dtype as the tensors' dtype.
+at::ScalarType scalar_type(DType d);
+
 // Builds everything from the config: tokenizer (loaded, or trained on the synthetic task into out_dir),
 // model (loaded, or new), the extra parameters, the prompt stream, and the optimizer. With resume, the
 // model, extra parameters, optimizer state, step counters and prompt position come from out_dir's
