@@ -13,16 +13,10 @@ import subprocess
 import sys
 import tempfile
 
+from checks import expect, finish
+
 grpo, src = sys.argv[1:3]
 tiny = os.path.join(src, "configs", "retool_tiny.yaml")
-failures = []
-
-
-def expect(what, ok, text=""):
-    if not ok:
-        failures.append(what + ("\n" + text[-3000:] if text else ""))
-
-
 with tempfile.TemporaryDirectory() as tmp:
     sizes = {"held_out": 4, "two": 2, "three": 3}
     for name in ("two", "three"):
@@ -74,7 +68,4 @@ with tempfile.TemporaryDirectory() as tmp:
     expect(f"a set named twice: exit {p.returncode}, expected 2", p.returncode == 2, p.stderr)
     expect("the message names the set", "a second set named 'two'" in p.stderr, p.stderr)
 
-for f in failures:
-    print("FAIL:", f)
-print("eval sets:", "ok" if not failures else f"{len(failures)} failures")
-sys.exit(1 if failures else 0)
+finish("eval sets: ok")

@@ -12,14 +12,13 @@ import subprocess
 import sys
 import tempfile
 
+from checks import expect, failures, finish
+
 grpo, src = sys.argv[1:3]
 tiny = os.path.join(src, "configs", "retool_tiny.yaml")
 short = ["--set", "sft.steps=0", "--set", "train.steps=2", "--set", "train.prompts_per_step=4",
          "--set", "sampling.samples_per_prompt=4", "--set", "train.eval_prompts=0"]
 S = 16  # trajectories a step
-failures = []
-
-
 def run(args, want_rc, cwd):
     p = subprocess.run([grpo] + args, cwd=cwd, capture_output=True, text=True, timeout=300)
     if p.returncode != want_rc:
@@ -30,11 +29,6 @@ def run(args, want_rc, cwd):
 def metrics(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def expect(what, ok, text=""):
-    if not ok:
-        failures.append(what + ("\n" + text[-3000:] if text else ""))
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +90,4 @@ with tempfile.TemporaryDirectory() as tmp:
     text = run(["--config", tiny, "--set", "reward.kind=python"], 2, tmp)
     expect("no script: named", "reward.script" in text, text)
 
-if failures:
-    print("\n\n".join(failures))
-    sys.exit(1)
-print("python reward in grpo_train: all checks passed")
+finish("python reward in grpo_train: all checks passed")

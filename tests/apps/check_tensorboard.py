@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from checks import expect, finish
+
 try:
     import tensorboard  # noqa: F401
 except ImportError:
@@ -28,14 +30,6 @@ tiny = os.path.join(src, "configs", "retool_tiny.yaml")
 reference = os.path.join(src, "tests", "common", "tensorboard_reference.py")
 short = ["--set", "sft.steps=0", "--set", "train.prompts_per_step=2", "--set", "sampling.samples_per_prompt=4",
          "--set", "train.eval_prompts=0", "--set", "train.checkpoint_every=1", "--set", "train.log_samples=4"]
-failures = []
-
-
-def expect(what, ok, text=""):
-    if not ok:
-        failures.append(what + ("\n" + text[-3000:] if text else ""))
-
-
 def run(args, cwd):
     p = subprocess.run([grpo] + args, cwd=cwd, capture_output=True, text=True, timeout=600)
     expect(f"{' '.join(args)}: exit {p.returncode}", p.returncode == 0, p.stdout + p.stderr)
@@ -115,7 +109,4 @@ with tempfile.TemporaryDirectory() as tmp:
     run(["--config", tiny, "--out", off, "--set", "train.steps=1", "--set", "logging.tensorboard=false"] + short, tmp)
     expect("logging.tensorboard=false: no folder", not os.path.exists(os.path.join(off, "tensorboard")))
 
-if failures:
-    print("\n\n".join(failures))
-    sys.exit(1)
-print("tensorboard: every metric at its step, the samples as text, resume and fresh runs")
+finish("tensorboard: every metric at its step, the samples as text, resume and fresh runs")

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/tensorboard.h"
+#include "tests/common/files.h"
 #include "tests/common/tmpdir.h"
 
 namespace rlt {
@@ -24,13 +25,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::string bytes_of(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+using testing::bytes_of;
+using testing::read_json;
 
 void write_bytes(const fs::path& p, const std::string& b) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);
@@ -49,11 +45,6 @@ int reference(const std::string& mode, const fs::path& a, const fs::path& b) {
 bool have_tensorboard() {
   const std::string cmd = std::string(RLT_PYTHON) + " -c 'import tensorboard' 2> /dev/null";
   return std::system(cmd.c_str()) == 0;
-}
-
-json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  return json::parse(f);
 }
 
 TEST(Crc32c, PublishedCheckValues) {

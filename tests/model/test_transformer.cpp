@@ -17,12 +17,14 @@
 #include "model/safetensors.h"
 #include "model/transformer.h"
 #include "tests/common/check.h"
+#include "tests/common/files.h"
 #include "tests/common/tmpdir.h"
 
 namespace rlt {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::bytes_of;
 
 // The parity bound for fp32 logits; observed differences are ~1e-6 (summation order only).
 constexpr double kLogitAtol = 1e-4;
@@ -287,13 +289,6 @@ TEST(Transformer, NoCudnnAttentionRestoresThePreviousSetting) {
 }
 
 TEST(Transformer, FixedShapeStepsEqualEachSequencesForward) { check_padded_decode(/*fixed=*/true); }
-
-std::string bytes_of(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
-}
 
 TEST(Transformer, SaveLoadSaveIsByteIdentical) {
   const rlt::testing::TempDir dir("save");

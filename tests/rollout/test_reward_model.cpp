@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "rollout/reward_model.h"
+#include "tests/common/files.h"
 #include "tests/common/fixtures.h"
 #include "tests/common/tmpdir.h"
 
@@ -23,15 +24,11 @@ namespace rlt {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::read_json;
 using json = nlohmann::json;
 
 // The references: made by the ctest fixture make_reward_model_references (tests/CMakeLists.txt).
 fs::path references() { return RLT_REWARD_MODEL_REFS; }
-
-json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  return json::parse(f);
-}
 
 at::Tensor long_tensor(const json& rows) {
   std::vector<int64_t> flat;
