@@ -118,7 +118,8 @@ at::Tensor Transformer::logits(const at::Tensor& hidden) const {
 at::Tensor Transformer::score(const at::Tensor& hidden) const {
   TORCH_CHECK(config_.head != ModelHead::kCausalLm, "the model (",
               config_.architecture.empty() ? "a causal LM" : config_.architecture, ") has no score head");
-  return score_bias_.defined() ? at::linear(hidden, score_, score_bias_) : at::linear(hidden, score_);
+  const at::ScalarType t = hidden.scalar_type();
+  return score_bias_.defined() ? at::linear(hidden, score_.to(t), score_bias_.to(t)) : at::linear(hidden, score_.to(t));
 }
 
 int64_t Transformer::fused_forward_count() { return fused_forward_counts().forwards.load(); }

@@ -48,6 +48,13 @@ class Transformer {
   void save(const std::string& dir, uint64_t max_shard_bytes = 5ull << 30) const;
   // A deep copy (the reference policy): same config, parameters (and adapters) cloned and detached.
   Transformer clone() const;
+  // PPO's separate critic made from this model: the trunk cloned (detached, trainable) under a
+  // *ForTokenClassification head of one output with a bias, so transformers' AutoModelForTokenClassification
+  // loads its saved folder. A causal LM's head is dropped and the score layer starts at zero (every first
+  // value is 0); a one-label sequence-score head (a reward model) keeps its weight beside a zero bias; a
+  // one-label token-score head is cloned. Throws ModelConfigError for a score head of more labels, and
+  // std::invalid_argument for a model with adapters.
+  Transformer value_model() const;
   // Copies share the parameter tensors (like at::Tensor copies); the name table is rebuilt for the copy.
   Transformer(const Transformer& other) { *this = other; }
   Transformer& operator=(const Transformer& other);
@@ -95,8 +102,8 @@ class Transformer {
   // logits (…, V) from hidden states, softcap included: for tests and sampling; training uses the loss module.
   at::Tensor logits(const at::Tensor& hidden) const;
   // A score head's outputs (…, num_labels) from hidden states: hidden · score.weightᵀ (+ score.bias for
-  // token classification), in the hidden states' dtype, as transformers' `score` layer. Throws for a
-  // causal LM.
+  // token classification), in the hidden states' dtype (the head cast to it: fp32 hidden states give fp32
+  // scores of a bf16 model), as transformers' `score` layer. Throws for a causal LM.
   at::Tensor score(const at::Tensor& hidden) const;
 
   const ModelConfig& config() const { return config_; }

@@ -98,6 +98,66 @@ Transformer Transformer::clone() const {
   return t;
 }
 
+namespace {
+
+// The family's token-classification class: the architecture's own stem (Qwen2ForCausalLM ->
+// Qwen2ForTokenClassification), else the model_type's.
+std::string token_classification_class(const ModelConfig& c) {
+  for (const char* suffix : {"ForCausalLM", "ForSequenceClassification", "ForTokenClassification"}) {
+    const std::string s = suffix;
+    const std::string& a = c.architecture;
+    if (a.size() > s.size() && a.compare(a.size() - s.size(), s.size(), s) == 0) {
+      return a.substr(0, a.size() - s.size()) + "ForTokenClassification";
+    }
+  }
+  switch (c.type) {
+    case ModelType::kLlama:
+      return "LlamaForTokenClassification";
+    case ModelType::kMistral:
+      return "MistralForTokenClassification";
+    case ModelType::kQwen2:
+      return "Qwen2ForTokenClassification";
+    case ModelType::kQwen3:
+      return "Qwen3ForTokenClassification";
+    case ModelType::kGemma2:
+      return "Gemma2ForTokenClassification";
+  }
+  return "LlamaForTokenClassification";
+}
+
+}  // namespace
+
+Transformer Transformer::value_model() const {
+  if (has_lora()) throw std::invalid_argument("value_model: a model with adapters (merge them first)");
+  if (config_.head != ModelHead::kCausalLm && config_.num_labels != 1) {
+    throw ModelConfigError("a critic needs one output: this " + config_.architecture + " has " +
+                           std::to_string(config_.num_labels) + " labels (id2label)");
+  }
+  Transformer t;
+  t.config_ = config_;
+  ModelConfig& c = t.config_;
+  c.head = ModelHead::kTokenScore;
+  c.num_labels = 1;
+  c.architecture = token_classification_class(config_);
+  c.raw["architectures"] = nlohmann::json::array({c.architecture});
+  c.raw["id2label"] = {{"0", "LABEL_0"}};
+  c.raw["label2id"] = {{"LABEL_0", 0}};
+  c.raw.erase("num_labels");
+  t.checkpointing_ = checkpointing_;
+  t.checkpoint_layers_ = checkpoint_layers_;
+  t.fused_kernels_ = fused_kernels_;
+  t.training_kernels_ = training_kernels_;
+  t.bind_names();
+  for (const auto& [name, ptr] : t.by_name_) {
+    auto it = by_name_.find(name);
+    if (it != by_name_.end() && it->second->defined()) *ptr = it->second->detach().clone().requires_grad_(true);
+  }
+  const auto opts = embed_.options();
+  if (!t.score_.defined()) t.score_ = at::zeros({1, c.hidden_size}, opts).requires_grad_(true);
+  if (!t.score_bias_.defined()) t.score_bias_ = at::zeros({1}, opts).requires_grad_(true);
+  return t;
+}
+
 void Transformer::bind_names() {
   const ModelConfig& c = config_;
   by_name_.clear();

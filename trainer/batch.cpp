@@ -79,10 +79,14 @@ at::Tensor to_response_layout(const at::Tensor& values, const ResponseRows& rows
   return at::zeros({batch.S * batch.R}, values.options()).index_copy(0, rows.slots, values).view({batch.S, batch.R});
 }
 
+at::Tensor batch_hidden(const Transformer& model, const PackedBatch& batch) {
+  return batch.packed() ? model.forward_packed(batch.ids, batch.positions, batch.starts)  // (1, T, D)
+                        : model.forward(batch.ids, batch.positions, at::Tensor());        // (S, L, D)
+}
+
 ResponseLogprobs response_logprobs(const Transformer& model, const PackedBatch& batch, const LossOptions& options) {
   ResponseLogprobs out;
-  out.hidden = batch.packed() ? model.forward_packed(batch.ids, batch.positions, batch.starts)  // (1, T, D)
-                              : model.forward(batch.ids, batch.positions, at::Tensor());        // (S, L, D)
+  out.hidden = batch_hidden(model, batch);
   // loss.loss_mask_only: list the sampled tokens' rows only (tool output is never scored).
   const ResponseRows& listed = options.loss_mask_only ? batch.sampled : batch.response;
   LogprobInputs in;

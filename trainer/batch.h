@@ -54,6 +54,9 @@ struct ResponseLogprobs {
   at::Tensor hidden;    // (S, L, D) the decoder's output, packed (1, T, D) (PPO's value head reads it by row)
 };
 
+// One forward of `model` over the batch: hidden states (S, L, D), packed (1, T, D).
+at::Tensor batch_hidden(const Transformer& model, const PackedBatch& batch);
+
 // One forward of `model` over the batch and the loss module on its response rows: every response
 // token's, or with options.loss_mask_only the sampled tokens' only (the others read 0).
 ResponseLogprobs response_logprobs(const Transformer& model, const PackedBatch& batch, const LossOptions& options);

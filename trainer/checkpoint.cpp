@@ -13,6 +13,7 @@
 #include "model/safetensors.h"
 #include "parallel/shard.h"
 #include "trainer/async_rollout.h"
+#include "trainer/critic.h"
 #include "trainer/optim.h"
 
 namespace rlt {
@@ -62,38 +63,39 @@ void copy_side_files(const Run& run, const fs::path& model_dir) {
   }
 }
 
-// The names of optimizer_params(run.model), in its order: the policy's trainable tensors, then run.model.extra's.
-std::vector<std::string> optimizer_param_names(const Run& run) {
+// The names of optimizer_params(model), in its order: the model's trainable tensors, then model.extra's.
+std::vector<std::string> optimizer_param_names(const ModelState& model) {
   std::vector<std::string> names;
-  for (const auto& [name, t] : run.model.policy->named_trainable_parameters()) names.push_back(name);
-  for (const auto& [name, t] : run.model.extra) names.push_back(name);
+  for (const auto& [name, t] : model.policy->named_trainable_parameters()) names.push_back(name);
+  for (const auto& [name, t] : model.extra) names.push_back(name);
   return names;
 }
 
-// The replicated AdamW's state as whole-parameter pieces (parallel/shard.h, OptimizerPieces), so a run
-// resumes with another number of ranks or a shard stage.
-void save_adamw_pieces(const Run& run, const std::string& dir) {
-  const std::vector<at::Tensor> params = optimizer_params(run.model);
-  const std::vector<std::string> names = optimizer_param_names(run);
+}  // namespace
+
+void save_optimizer_pieces(const ModelState& model, const std::string& dir) {
+  const std::vector<at::Tensor> params = optimizer_params(model);
+  const std::vector<std::string> names = optimizer_param_names(model);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (size_t i = 0; i < params.size(); ++i) {
     tensors.push_back({OptimizerPieces::key("master", names[i], 0), params[i].detach().reshape(-1)});
-    auto it = run.model.optimizer->state().find(params[i].unsafeGetTensorImpl());
-    if (it == run.model.optimizer->state().end()) continue;  // not stepped yet: zero moments
+    auto it = model.optimizer->state().find(params[i].unsafeGetTensorImpl());
+    if (it == model.optimizer->state().end()) continue;  // not stepped yet: zero moments
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
     tensors.push_back({OptimizerPieces::key("exp_avg", names[i], 0), s.exp_avg().reshape(-1)});
     tensors.push_back({OptimizerPieces::key("exp_avg_sq", names[i], 0), s.exp_avg_sq().reshape(-1)});
   }
   std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  fs::create_directories(dir);
   safetensors::write_file((fs::path(dir) / "optimizer-0.safetensors").string(), tensors);
 }
 
-void load_adamw_pieces(Run& run, const std::string& dir) {
+void load_optimizer_pieces(ModelState& model, const std::string& dir, int64_t optimizer_steps) {
   const OptimizerPieces stored(dir);
   if (stored.empty()) throw RunError(dir + ": no optimizer-*.safetensors (the optimizer state)");
-  const std::vector<at::Tensor> params = optimizer_params(run.model);
-  const std::vector<std::string> names = optimizer_param_names(run);
-  const std::vector<at::Tensor> policy = run.model.policy->trainable_parameters();
+  const std::vector<at::Tensor> params = optimizer_params(model);
+  const std::vector<std::string> names = optimizer_param_names(model);
+  const std::vector<at::Tensor> trained = model.policy->trainable_parameters();
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor p = params[i].detach();  // its values; AdamW keys its state by params[i] itself
@@ -102,27 +104,26 @@ void load_adamw_pieces(Run& run, const std::string& dir) {
       throw RunError(dir + ": the optimizer state does not cover " + names[i]);
     }
     p.copy_(master.view(p.sizes()));
-    if (!run.model.master.empty() && i < policy.size()) policy[i].detach().copy_(p);  // rounded to nearest
+    if (!model.master.empty() && i < trained.size()) trained[i].detach().copy_(p);  // rounded to nearest
     at::Tensor m = at::empty_like(master), v = at::empty_like(master);
     if (!stored.read("exp_avg", names[i], 0, m) || !stored.read("exp_avg_sq", names[i], 0, v)) {
-      if (run.counters.optimizer_steps > 0) {
+      if (optimizer_steps > 0) {
         throw RunError(dir + ": the optimizer state has no AdamW moments for " + names[i] + " after " +
-                       std::to_string(run.counters.optimizer_steps) + " optimizer steps");
+                       std::to_string(optimizer_steps) + " optimizer steps");
       }
       continue;
     }
     auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(run.counters.optimizer_steps);
+    s->step(optimizer_steps);
     s->exp_avg(m.view(p.sizes()).to(p.device(), p.scalar_type()));
     s->exp_avg_sq(v.view(p.sizes()).to(p.device(), p.scalar_type()));
-    run.model.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
+    model.optimizer->state()[params[i].unsafeGetTensorImpl()] = std::move(s);
   }
 }
 
-}  // namespace
-
 bool checkpoint_on_every_rank(const Run& run) {
-  return (run.model.sharded || (run.rollout.pending && run.rollout.pending->partial())) && run.dist->world() > 1;
+  const bool sharded = run.model.sharded || (run.model.critic && run.model.critic->state.sharded);
+  return (sharded || (run.rollout.pending && run.rollout.pending->partial())) && run.dist->world() > 1;
 }
 
 void save_checkpoint(Run& run) {
@@ -155,8 +156,14 @@ void save_checkpoint(Run& run) {
     run.model.sharded->release_weights();
     run.model.sharded->save(tmp);
   } else if (run.lead()) {
-    save_adamw_pieces(run, tmp);  // masters (or the weights AdamW updates) and moments
+    save_optimizer_pieces(run.model, tmp);  // masters (or the weights AdamW updates) and moments
   }
+  nlohmann::json state = {{"step", run.counters.step},
+                          {"optimizer_steps", run.counters.optimizer_steps},
+                          {"skipped_steps", run.counters.skipped_steps},
+                          {"prompts_consumed", run.data.prompts->consumed()},
+                          {"old_logprobs", enum_to_string(run.old_logprobs)}};
+  if (run.model.critic) save_critic(run, tmp, state);             // critic/ and its optimizer state
   if (run.rollout.pending) run.rollout.pending->save_carry(tmp);  // rollout.partial: each writing rank's carried groups
   if (every_rank) run.dist->barrier();
   if (!run.lead()) return;
@@ -165,11 +172,6 @@ void save_checkpoint(Run& run) {
     for (const auto& [name, t] : extra) a.write(name, t.detach().cpu());
     a.save_to((fs::path(tmp) / "extra.pt").string());
   }
-  nlohmann::json state = {{"step", run.counters.step},
-                          {"optimizer_steps", run.counters.optimizer_steps},
-                          {"skipped_steps", run.counters.skipped_steps},
-                          {"prompts_consumed", run.data.prompts->consumed()},
-                          {"old_logprobs", enum_to_string(run.old_logprobs)}};
   if (run.rollout.pending)
     run.rollout.pending->save(tmp, state);  // train.async: the copy the next rollout samples from
   {
@@ -239,7 +241,7 @@ void load_checkpoint(Run& run) {
     if (run.model.sharded)
       run.model.sharded->load(dir);
     else
-      load_adamw_pieces(run, dir);
+      load_optimizer_pieces(run.model, dir, run.counters.optimizer_steps);
   } catch (const safetensors::Error& e) {
     throw RunError(dir + ": cannot restore the optimizer state: " + e.what());
   } catch (const c10::Error& e) {

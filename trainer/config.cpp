@@ -3,12 +3,48 @@
 
 #include <filesystem>
 
+#include "model/config.h"
 #include "rollout/python_reward.h"
 #include "rollout/reward_model.h"
 
 namespace rlt {
 
 namespace {
+
+// critic.shared false: what a critic of its own needs, and its folder (critic.path, made absolute like the
+// reward model's) read before anything loads.
+template <class Absolute>
+void check_critic(const ConfigReader<Config>& r, const Absolute& absolute) {
+  const Config& c = r.config;
+  if (c.lora.enabled()) {
+    r.fail("critic.shared",
+           "false trains a whole critic model beside LoRA's adapters: keep it true with lora.rank > 0");
+  }
+  if (c.critic.init == CriticInit::kRewardModel && c.reward.model_path.empty()) {
+    r.fail("critic.init", "reward_model starts the critic from reward.model_path, which is empty");
+  }
+  const ShardStage stage = c.critic.stage(c.train.shard);
+  if (stage == ShardStage::kParameters && !c.model.activation_checkpointing) {
+    r.fail("critic.shard",
+           "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
+  }
+  if (stage != ShardStage::kNone && c.train.master_weights == MasterWeights::kNone &&
+      c.model.dtype == DType::kBFloat16) {
+    r.fail("train.master_weights", "a sharded critic (critic.shard) always keeps fp32 masters");
+  }
+  if (c.critic.init != CriticInit::kPath) return;
+  const std::string dir = absolute("critic.path", c.critic.path);
+  try {
+    const ModelConfig mc = load_model_config(dir);
+    if (mc.head != ModelHead::kCausalLm && mc.num_labels != 1) {
+      r.fail("critic.path", dir + " is a " + mc.architecture + " of " + std::to_string(mc.num_labels) +
+                                " labels (id2label): a critic's head has one output");
+    }
+  } catch (const ModelConfigError& e) {
+    r.fail("critic.path", e.what());
+  }
+  const_cast<Config&>(c).critic.path = dir;
+}
 
 void check_sections(const ConfigReader<Config>& r) {
   const Config& c = r.config;
@@ -104,6 +140,7 @@ void check_sections(const ConfigReader<Config>& r) {
     }
     const_cast<Config&>(c).reward.model_path = dir;
   }
+  if (!c.critic.shared) check_critic(r, absolute);
   if (c.reward.uses(RewardKind::kPython)) {
     const fs::path script = absolute("reward.script", c.reward.script);
     try {

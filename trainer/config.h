@@ -35,7 +35,8 @@ struct Config {
   PolicyLossOptions objective;  // `objective:` the PPO/GRPO objective: ratio, clipping, KL (loss/policy_loss.h)
   TrainOptions train;           // `train:`     the RL loop and its optimizer
   SftOptions sft;               // `sft:`       supervised warm-up
-  PpoOptions ppo;               // `ppo:`       critic, GAE
+  PpoOptions ppo;               // `ppo:`       GAE, the shared value head, the value loss
+  CriticOptions critic;         // `critic:`    PPO's value model: shared head or a model of its own
   LoggingOptions logging;       // `logging:`   TensorBoard event files
 
   // Sections read under an older name for one release, each with a one-line warning naming the new key.
@@ -61,7 +62,8 @@ struct Config {
     v("objective", objective, "the objective: ratio, clipping, KL, entropy bonus, aggregation");
     v("train", train, "RL loop, optimizer, schedule, checkpoints");
     v("sft", sft, "supervised warm-up on synthetic tool-use traces");
-    v("ppo", ppo, "PPO critic and GAE");
+    v("ppo", ppo, "PPO's GAE, value loss and shared value head");
+    v("critic", critic, "PPO's critic: a head on the policy's trunk, or a model of its own");
     v("logging", logging, "TensorBoard event files beside metrics.jsonl");
   }
 };

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "loss/cce.h"
+#include "trainer/critic.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
 
@@ -285,6 +286,8 @@ std::string MemoryPlan::table() const {
   line("kv cache", kv_cache);
   line("activations", activations);
   if (reward_model > 0) line("reward model", reward_model, "(reward.model_path: its weights and one scoring forward)");
+  if (critic > 0) line("critic", critic, "(critic.shared false: its weights, masters and moments)");
+  if (critic_gradients > 0) line("critic grads", critic_gradients, "(through the update)");
   line("device total", device_total(),
        std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
            " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
@@ -403,6 +406,20 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
   p.reward_model = reward_model_bytes(c);
+  if (!c.critic.shared) {
+    // The critic's own training state, planned as a run of it alone at its stage; no rollout, reference or
+    // offload of its own.
+    Config cc = c;
+    cc.critic.shared = true;
+    cc.train.shard = c.critic.stage(c.train.shard);
+    cc.train.offload = Offload::kNone;
+    cc.objective.kl_coef = 0;
+    const MemoryPlan q = plan_memory(cc, critic_model_config(c, m), world);
+    p.critic = q.weights + q.masters + q.moments;
+    p.critic_gradients = q.gradients + q.grad_buffers;
+    p.activations = std::max(p.activations, q.activations);
+    p.optimizer_step = std::max(p.optimizer_step, q.optimizer_step);
+  }
   return p;
 }
 

@@ -20,21 +20,24 @@ namespace rlt {
 
 struct MemoryPlan {
   // Per rank, bytes.
-  int64_t weights = 0;          // the model in its dtype (its shard and a gathered layer under shard
-                                // parameters), plus the LoRA adapters in fp32
-  int64_t gradients = 0;        // the gradients the optimizer steps on
-  int64_t grad_buffers = 0;     // the backward's gradients before they reach those: the model-dtype ones
-                                // awaiting the fp32 sum, or the fp32 wholes awaiting the reduce-scatter
-  int64_t masters = 0;          // fp32 master weights of a bf16 model
-  int64_t moments = 0;          // AdamW's two moments
-  int64_t optimizer_step = 0;   // AdamW's temporaries: two fp32 tensors the size of the largest it steps
-  int64_t reference = 0;        // the reference policy (objective.kl_coef > 0)
-  int64_t rollout_weights = 0;  // the rollout's packed q/k/v and gate/up, its merged LoRA projections, the
-                                // weights it gathers under shard parameters
-  int64_t kv_cache = 0;         // every cache row at rollout.max_context
-  int64_t activations = 0;      // one micro-batch's forward/backward, the loss module's working set included
-  int64_t host_optimizer = 0;   // train.offload optimizer: masters and moments in pinned host memory
-  int64_t reward_model = 0;     // reward.kind model: its weights in model.dtype and one scoring forward
+  int64_t weights = 0;           // the model in its dtype (its shard and a gathered layer under shard
+                                 // parameters), plus the LoRA adapters in fp32
+  int64_t gradients = 0;         // the gradients the optimizer steps on
+  int64_t grad_buffers = 0;      // the backward's gradients before they reach those: the model-dtype ones
+                                 // awaiting the fp32 sum, or the fp32 wholes awaiting the reduce-scatter
+  int64_t masters = 0;           // fp32 master weights of a bf16 model
+  int64_t moments = 0;           // AdamW's two moments
+  int64_t optimizer_step = 0;    // AdamW's temporaries: two fp32 tensors the size of the largest it steps
+  int64_t reference = 0;         // the reference policy (objective.kl_coef > 0)
+  int64_t rollout_weights = 0;   // the rollout's packed q/k/v and gate/up, its merged LoRA projections, the
+                                 // weights it gathers under shard parameters
+  int64_t kv_cache = 0;          // every cache row at rollout.max_context
+  int64_t activations = 0;       // one micro-batch's forward/backward, the loss module's working set included
+  int64_t host_optimizer = 0;    // train.offload optimizer: masters and moments in pinned host memory
+  int64_t reward_model = 0;      // reward.kind model: its weights in model.dtype and one scoring forward
+  int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
+                                 // moments at critic.shard's stage
+  int64_t critic_gradients = 0;  // its gradients and gradient buffers, through the update
   // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).
   int64_t held_through_update = 0;
@@ -45,15 +48,16 @@ struct MemoryPlan {
   int64_t parameters = 0, trainable = 0;
   int world = 1;
 
-  // Both phases: weights, masters, moments, the reference and the reward model, plus the larger of the rollout's part
-  // (rollout_weights + kv_cache) and the update's: gradients, what the rollout keeps, and the larger of a
-  // backward's (activations, gradient buffers) and the optimizer step's temporaries (the step follows the
-  // last backward).
-  int64_t persistent() const { return weights + masters + moments + reference + reward_model; }
+  // Both phases: weights, masters, moments, the reference, the reward model and the critic, plus the larger of
+  // the rollout's part (rollout_weights + kv_cache) and the update's: gradients (the critic's too), what the
+  // rollout keeps, and the larger of a backward's (activations, gradient buffers) and the optimizer step's
+  // temporaries (the step follows the last backward). The critic's backward follows the policy's, so
+  // `activations` is the larger of the two.
+  int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic; }
   int64_t rollout_phase() const { return rollout_weights + kv_cache; }
   int64_t update_phase() const {
     const int64_t backward = activations + grad_buffers;
-    return gradients + held_through_update + (backward > optimizer_step ? backward : optimizer_step);
+    return gradients + critic_gradients + held_through_update + (backward > optimizer_step ? backward : optimizer_step);
   }
   int64_t device_total() const;
   // The lines the run prints: one per item in GiB with two decimals, then the device total (and the pinned

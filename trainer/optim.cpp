@@ -18,37 +18,37 @@ std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault) {
   return std::make_shared<ShardedState>(o, *run.dist, *run.model.policy, extra, run.counters, fault);
 }
 
+void make_replicated_optimizer(ModelState& model, const TrainOptions& t, double lr, double extra_lr) {
+  auto o = torch::optim::AdamWOptions(lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
+  std::vector<at::Tensor> params = model.policy->trainable_parameters();
+  model.master.clear();
+  if (t.master_weights == MasterWeights::kFp32 && !params.empty() && params.front().scalar_type() == at::kBFloat16) {
+    for (const auto& p : params) model.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
+    params = model.master;
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(params, std::make_unique<torch::optim::AdamWOptions>(o));
+  if (!model.extra.empty()) {
+    std::vector<at::Tensor> extra_params;
+    for (const auto& [name, p] : model.extra) extra_params.push_back(p);
+    auto eo = o;
+    eo.lr(extra_lr).weight_decay(0.0);  // a head started at zero: no decay towards it
+    groups.emplace_back(extra_params, std::make_unique<torch::optim::AdamWOptions>(eo));
+  }
+  model.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+}
+
 void make_optimizer(Run& run, const ExtraParams& extra) {
   const TrainOptions& t = run.config.train;
-  if (!run.model.extra.empty() && extra.lr && extra.lr(run.config) > 0 && t.lr > 0)
-    run.model.extra_lr_scale = extra.lr(run.config) / t.lr;
+  const double extra_lr = extra.lr && extra.lr(run.config) > 0 ? extra.lr(run.config) : t.lr;
+  if (!run.model.extra.empty()) run.model.extra_lr_scale = t.lr > 0 ? extra_lr / t.lr : 1.0;
   if (t.shard != ShardStage::kNone || t.offload != Offload::kNone) {
     run.model.master.clear();
     run.model.optimizer.reset();
     run.model.sharded = make_sharded_state(run);
     return;
   }
-  auto o = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.adam_eps).weight_decay(t.weight_decay);
-  std::vector<at::Tensor> policy_params = run.model.policy->trainable_parameters();
-  run.model.master.clear();
-  if (t.master_weights == MasterWeights::kFp32 && !policy_params.empty() &&
-      policy_params.front().scalar_type() == at::kBFloat16) {
-    for (const auto& p : policy_params)
-      run.model.master.push_back(p.detach().to(at::kFloat).clone());  // exact: bf16 < fp32
-    policy_params = run.model.master;
-  }
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(policy_params, std::make_unique<torch::optim::AdamWOptions>(o));
-  if (!run.model.extra.empty()) {
-    std::vector<at::Tensor> params;
-    for (const auto& [name, p] : run.model.extra) params.push_back(p);
-    const double lr = extra.lr && extra.lr(run.config) > 0 ? extra.lr(run.config) : t.lr;
-    run.model.extra_lr_scale = t.lr > 0 ? lr / t.lr : 1.0;
-    auto eo = o;
-    eo.lr(lr).weight_decay(0.0);  // a head started at zero: no decay towards it
-    groups.emplace_back(params, std::make_unique<torch::optim::AdamWOptions>(eo));
-  }
-  run.model.optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+  make_replicated_optimizer(run.model, t, t.lr, extra_lr);
 }
 
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {
@@ -313,20 +313,27 @@ void accumulate_gradients(ModelState& model) {
   for (size_t i = 0; i < params.size(); ++i) accumulate_gradient(params[i], model.master[i]);
 }
 
-std::unique_ptr<GradReducer> make_reducer(Run& run) {
-  if (run.dist->world() == 1 || run.model.sharded) return nullptr;  // the sharded state reduces its own
-  std::vector<at::Tensor> params = run.model.policy->trainable_parameters();
-  for (const auto& [name, p] : run.model.extra) params.push_back(p);
-  return std::make_unique<GradReducer>(*run.dist, std::move(params), run.model.master,
-                                       run.config.train.dist_bucket_mb << 20);
+std::unique_ptr<GradReducer> make_reducer(const ModelState& model, Collectives& dist, int64_t bucket_bytes) {
+  if (dist.world() == 1 || model.sharded) return nullptr;  // the sharded state reduces its own
+  std::vector<at::Tensor> params = model.policy->trainable_parameters();
+  for (const auto& [name, p] : model.extra) params.push_back(p);
+  return std::make_unique<GradReducer>(dist, std::move(params), model.master, bucket_bytes);
 }
 
-void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
-  if (run.model.sharded) return run.model.sharded->backward(loss, ends_step);
+std::unique_ptr<GradReducer> make_reducer(Run& run) {
+  return make_reducer(run.model, *run.dist, run.config.train.dist_bucket_mb << 20);
+}
+
+void backward(ModelState& model, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
+  if (model.sharded) return model.sharded->backward(loss, ends_step);
   if (reducer && ends_step) reducer->arm();
   loss.backward();
   if (reducer && ends_step) reducer->finish();
-  accumulate_gradients(run.model);
+  accumulate_gradients(model);
+}
+
+void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step) {
+  backward(run.model, loss, reducer, ends_step);
 }
 
 void copy_master_weights_to_model(ModelState& model) {
@@ -351,34 +358,42 @@ int64_t optimizer_memory_bytes(const ModelState& model) {
   return bytes;
 }
 
-double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
-  if (run.model.sharded) {
-    const TrainOptions& t = run.config.train;
-    const double lr = learning_rate(t, run.counters.optimizer_steps, total_optimizer_steps);
-    return run.model.sharded->step(
-        loss, {lr, lr * run.model.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
+double step_optimizer(ModelState& model, const OptimizerStep& s) {
+  const TrainOptions& t = *s.train;
+  if (model.sharded) {
+    return model.sharded->step(
+        s.loss, {s.lr, s.lr * model.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
   }
-  accumulate_gradients(run.model);
-  const std::vector<at::Tensor> params = optimizer_params(run.model);
-  const double clip = run.config.train.grad_clip;
-  const double norm = torch::nn::utils::clip_grad_norm_(params, clip > 0 ? clip : INFINITY);
-  at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
-  if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
+  accumulate_gradients(model);
+  const std::vector<at::Tensor> params = optimizer_params(model);
+  const double norm = torch::nn::utils::clip_grad_norm_(params, t.grad_clip > 0 ? t.grad_clip : INFINITY);
+  at::Tensor total = s.loss.defined() ? s.loss.detach().clone() : s.loss;  // every rank's share: the loss
+  if (total.defined()) s.dist->all_reduce({total}, ReduceOp::kSum);
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
   if (!loss_finite || !std::isfinite(norm)) {
-    run.model.optimizer->zero_grad();  // never applied
-    ++run.counters.skipped_steps;
-    if (run.lead())
-      std::cerr << "warning: step " << run.counters.step + 1 << ": non-finite loss or gradient, update skipped\n";
+    model.optimizer->zero_grad();  // never applied
+    ++s.counters->skipped_steps;
+    if (s.lead) std::cerr << "warning: step " << s.step << ": non-finite loss or gradient, " << s.what << " skipped\n";
     return norm;
   }
-  set_learning_rate(*run.model.optimizer,
-                    learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps),
-                    run.model.extra_lr_scale);
-  run.model.optimizer->step();
-  copy_master_weights_to_model(run.model);
-  ++run.counters.optimizer_steps;
+  set_learning_rate(*model.optimizer, s.lr, model.extra_lr_scale);
+  model.optimizer->step();
+  copy_master_weights_to_model(model);
+  ++s.counters->optimizer_steps;
   return norm;
+}
+
+double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
+  OptimizerStep s;
+  s.loss = loss;
+  s.lr = learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps);
+  s.train = &run.config.train;
+  s.dist = run.dist.get();
+  s.counters = &run.counters;
+  s.lead = run.lead();
+  s.step = run.counters.step + 1;
+  s.what = "update";
+  return step_optimizer(run.model, s);
 }
 
 }  // namespace rlt

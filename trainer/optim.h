@@ -16,6 +16,11 @@
 
 namespace rlt {
 
+// A torch::optim::AdamW over model.policy's trainable parameters at `lr` (or, for a bf16 model with
+// train.master_weights fp32, their fp32 master copies, made into model.master), then model.extra's (a second
+// group at extra_lr, no weight decay); AdamW's settings from `t`.
+void make_replicated_optimizer(ModelState& model, const TrainOptions& t, double lr, double extra_lr);
+
 // One AdamW: the policy's parameters (or, for a bf16 model with train.master_weights fp32, their fp32
 // master copies in run.model.master), then run.model.extra's (a second group at its own learning rate).
 void make_optimizer(Run& run, const ExtraParams& extra);
@@ -38,11 +43,14 @@ void accumulate_gradients(ModelState& model);
 // The run's reducer (train.dist_bucket_mb) when it has several ranks and no sharded state (which reduces
 // its own); none for one process.
 std::unique_ptr<GradReducer> make_reducer(Run& run);
+// The same for any model state over `dist`'s ranks (PPO's separate critic), with buckets of bucket_bytes.
+std::unique_ptr<GradReducer> make_reducer(const ModelState& model, Collectives& dist, int64_t bucket_bytes);
 
 // One micro-batch's backward. `ends_step`: the last before an optimizer step; with a reducer (several
 // ranks) its gradients are summed over the ranks as the backward produces them. Then
 // accumulate_gradients.
 void backward(Run& run, const at::Tensor& loss, GradReducer* reducer, bool ends_step);
+void backward(ModelState& model, const at::Tensor& loss, GradReducer* reducer, bool ends_step);
 
 // Seconds the update has waited for its collectives so far: the reducer's, or the sharded state's.
 double update_comm_seconds(const ModelState& model, const GradReducer* reducer);
@@ -130,5 +138,21 @@ std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs
 // already summed (GradReducer), so the norm is the global one; the loss is summed too, so every rank
 // skips or steps alike.
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps);
+
+// What apply_gradients does, for any model state (the policy's, PPO's separate critic's): the step's loss
+// (the finite check), learning rate (model.extra's group at lr * model.extra_lr_scale), AdamW's settings and
+// clip (train), the ranks, the counters it counts into, and for a skipped step's warning: whether this rank
+// prints, the RL step and what was skipped.
+struct OptimizerStep {
+  at::Tensor loss;
+  double lr = 0;
+  const TrainOptions* train = nullptr;
+  Collectives* dist = nullptr;
+  StepCounters* counters = nullptr;
+  bool lead = true;
+  int64_t step = 0;
+  std::string what;
+};
+double step_optimizer(ModelState& model, const OptimizerStep& step);
 
 }  // namespace rlt

@@ -364,4 +364,71 @@ struct PpoOptions {
   void check(const FieldFail& fail) const {}
 };
 
+// Where PPO's separate critic (critic.shared false) starts: a copy of the policy as RL starts (its trunk,
+// a value head at zero), the reward model's folder (reward.model_path: its trunk and score head), or a
+// folder of its own (critic.path).
+enum class CriticInit { kPolicy, kRewardModel, kPath };
+inline const EnumNames<CriticInit>& enum_names(CriticInit) {
+  static const EnumNames<CriticInit> names{
+      {"policy", CriticInit::kPolicy}, {"reward_model", CriticInit::kRewardModel}, {"path", CriticInit::kPath}};
+  return names;
+}
+
+// The critic's shard stage: the policy's (train.shard), or one of its own.
+enum class CriticShard { kTrain, kNone, kOptimizer, kGradients, kParameters };
+inline const EnumNames<CriticShard>& enum_names(CriticShard) {
+  static const EnumNames<CriticShard> names{{"train", CriticShard::kTrain},
+                                            {"none", CriticShard::kNone},
+                                            {"optimizer", CriticShard::kOptimizer},
+                                            {"gradients", CriticShard::kGradients},
+                                            {"parameters", CriticShard::kParameters}};
+  return names;
+}
+
+// PPO's critic: a value head on the policy's trunk (shared), or a model of its own with its own optimizer
+// (trainer/critic.h).
+struct CriticOptions {
+  bool shared = true;
+  CriticInit init = CriticInit::kPolicy;
+  std::string path;
+  double lr = 0.0;
+  CriticShard shard = CriticShard::kTrain;
+
+  template <class V>
+  void visit(V&& v) {
+    v("shared", shared,
+      "true: a value head on the policy's trunk (ppo.value_lr); false: a critic model of its own, its own "
+      "optimizer");
+    v("init", init,
+      "separate critic's start: policy (a copy as RL starts, value head at 0) | reward_model (reward.model_path) "
+      "| path (critic.path)");
+    v("path", path, "critic.init path: a Hugging Face folder (*ForTokenClassification, or a trunk to put a head on)");
+    v("lr", lr, "separate critic's peak learning rate (train.lr's schedule); 0 = train.lr", FieldRange{0, 10});
+    v("shard", shard,
+      "separate critic's shard stage: train (train.shard's) | none | optimizer | gradients | parameters");
+  }
+  void check(const FieldFail& fail) const {
+    if (init == CriticInit::kPath && path.empty()) fail("path", "critic.init is path, so a folder is needed");
+    if (init != CriticInit::kPath && !path.empty()) {
+      fail("path", std::string("is read only with critic.init: path (now ") + enum_to_string(init) + ")");
+    }
+  }
+  // The stage the critic's state is sharded at.
+  ShardStage stage(ShardStage train) const {
+    switch (shard) {
+      case CriticShard::kTrain:
+        return train;
+      case CriticShard::kNone:
+        return ShardStage::kNone;
+      case CriticShard::kOptimizer:
+        return ShardStage::kOptimizer;
+      case CriticShard::kGradients:
+        return ShardStage::kGradients;
+      case CriticShard::kParameters:
+        return ShardStage::kParameters;
+    }
+    return train;
+  }
+};
+
 }  // namespace rlt

@@ -10,8 +10,10 @@
 //      vf_coef x clipped value loss, backward with the mini-batch's global denominator, gradient
 //      clipping, AdamW (the value head in its own parameter group), the learning-rate schedule
 //   5. metrics, checkpoint (the value head is saved with the optimizer state)
-// The value head shares the decoder: its loss trains the trunk too, weighted by ppo.vf_coef. A step
-// whose loss or gradient is not finite is skipped and counted, never applied.
+// The value head shares the decoder (critic.shared): its loss trains the trunk too, weighted by
+// ppo.vf_coef. With critic.shared false the values come from a critic model of its own (trainer/critic.h),
+// which trains on the value loss alone with its own optimizer, in step with the policy's. A step whose loss
+// or gradient is not finite is skipped and counted, never applied.
 #include "trainer/ppo.h"
 
 #include <ATen/core/grad_mode.h>
@@ -22,10 +24,10 @@
 
 #include "common/memory.h"
 #include "common/timing.h"
-#include "loss/policy_loss.h"
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/critic.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/warmup.h"
@@ -36,8 +38,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Per-token rewards (S_m, R) of micro-batch [begin, end): each trajectory's reward on its last sampled
-// token (a trajectory with none has no action to credit).
+}  // namespace
+
 at::Tensor terminal_rewards(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, int64_t R) {
   at::Tensor r = at::zeros({end - begin, R}, at::kFloat);
   auto a = r.accessor<float, 2>();
@@ -53,7 +55,21 @@ at::Tensor terminal_rewards(const std::vector<Trajectory>& trajs, int64_t begin,
   return r;
 }
 
-}  // namespace
+ValueLoss value_loss(const at::Tensor& values, const at::Tensor& values_old, const at::Tensor& returns,
+                     const at::Tensor& mask, const PpoOptions& ppo, const PolicyLossOptions& objective,
+                     double denominator) {
+  at::Tensor tok = (values - returns).square();
+  ValueLoss out;
+  out.clipped = at::zeros_like(tok);
+  if (ppo.value_clip > 0) {
+    at::Tensor v_clip = values_old + (values - values_old).clamp(-ppo.value_clip, ppo.value_clip);
+    at::Tensor tok_clip = (v_clip - returns).square();
+    out.clipped = (tok_clip > tok).to(at::kFloat);
+    tok = at::maximum(tok, tok_clip);
+  }
+  out.loss = aggregate_loss(0.5 * tok, mask, objective.agg, objective.agg_norm, denominator);
+  return out;
+}
 
 std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, const at::Tensor& values,
                                                  const at::Tensor& mask, double gamma, double lam) {
@@ -83,7 +99,8 @@ std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, cons
 
 ExtraParams value_head_params() {
   ExtraParams e;
-  e.make = [](const Transformer& policy, const Config&) {
+  e.make = [](const Transformer& policy, const Config& config) {
+    if (!config.critic.shared) return std::map<std::string, at::Tensor>{};  // the critic is a model of its own
     const int64_t D = policy.config().hidden_size;
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(policy.lm_head().device());
     return std::map<std::string, at::Tensor>{{"value_head.weight", at::zeros({1, D}, opts).requires_grad_()},
@@ -106,7 +123,8 @@ std::map<std::string, double> train_ppo(Run& run) {
   const TrainOptions& train = cfg.train;
   const PpoOptions& ppo = cfg.ppo;
   const auto [S, mini, micro, total_optimizer_steps] = step_shape(cfg, run.dist->world());  // this rank's share
-  TORCH_CHECK(run.model.extra.count("value_head.weight"), "train_ppo: the run was made without value_head_params()");
+  TORCH_CHECK(run.model.extra.count("value_head.weight") || !cfg.critic.shared,
+              "train_ppo: the run was made without value_head_params()");
   // PPO's advantages are GAE on the value head; the truncation mask would move the reward's token.
   if (train.advantage != Advantage::kGrpo) {
     throw RunError(std::string("train.advantage = ") + enum_to_string(train.advantage) +
@@ -120,7 +138,9 @@ std::map<std::string, double> train_ppo(Run& run) {
   if (train.rollout_ranks > 0) {
     throw RunError("train.rollout_ranks: ppo_train samples on its training ranks; the placement is grpo_train's");
   }
-  const double eval_start = begin_training(run);             // metrics log, warm-up, reference, evaluation before RL
+  const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
+  ensure_critic(run);  // critic.shared false: a value model of its own, from the policy RL starts from (or a folder)
+  Critic* critic = run.model.critic.get();
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;
 
@@ -156,7 +176,8 @@ std::map<std::string, double> train_ppo(Run& run) {
         ResponseLogprobs r = response_logprobs(*run.model.policy, batches[k], cfg.loss);
         mismatch.add(r.logprobs, batches[k].logprobs_rollout, batches[k].loss_mask);
         logprobs_old[k] = use_rollout ? batches[k].logprobs_rollout : r.logprobs;  // (S_m, R)
-        values_old[k] = value_head(run, r.hidden, batches[k]);                     // (S_m, R), 0 off the mask
+        values_old[k] = critic ? critic_values(*critic->state.policy, batches[k])  // (S_m, R), 0 off the mask
+                               : value_head(run, r.hidden, batches[k]);
         if (run.model.reference)
           logprobs_ref[k] = response_logprobs(*run.model.reference, batches[k], cfg.loss).logprobs;
       }
@@ -193,11 +214,15 @@ std::map<std::string, double> train_ppo(Run& run) {
     const double comm_before = update_comm_seconds(run.model, reducer.get());
     const std::vector<double> denoms = mini_batch_denominators(trajs, mini, cfg.objective.agg, *run.dist);
     UpdateMetrics um(run.device, cfg.objective.ratio_level == RatioLevel::kSequence);  // GSPO: clip_frac per sequence
+    double critic_norms = 0;  // the separate critic's gradient norms, summed over its optimizer steps
+    int64_t critic_steps = 0;
     for (int64_t it = 0; it < train.num_iterations; ++it) {
       for (size_t k = 0; k < K;) {
         const int64_t mb_begin = micro_ranges[k].first, mb_end = std::min(S, mb_begin + mini);
         const double denom = denoms[mb_begin / mini];
         zero_gradients(run.model);
+        if (critic) zero_gradients(critic->state);
+        at::Tensor critic_loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(run.device));
         for (; k < K && micro_ranges[k].first < mb_end; ++k) {
           const PackedBatch& b = batches[k];
           ResponseLogprobs r = response_logprobs(*run.model.policy, b, cfg.loss);  // (S_m, R)
@@ -211,29 +236,31 @@ std::map<std::string, double> train_ppo(Run& run) {
           in.logprobs_rollout = b.logprobs_rollout;  // objective.tis / icepop
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.objective);
-          // Clipped value loss: 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2).
-          at::Tensor values = value_head(run, r.hidden, b);  // (S_m, R)
-          at::Tensor vf_tok = (values - returns[k]).square();
-          at::Tensor vf_clipped = at::zeros_like(vf_tok);
-          if (ppo.value_clip > 0) {
-            at::Tensor v_clip = values_old[k] + (values - values_old[k]).clamp(-ppo.value_clip, ppo.value_clip);
-            at::Tensor vf_tok_clip = (v_clip - returns[k]).square();
-            vf_clipped = (vf_tok_clip > vf_tok).to(at::kFloat);
-            vf_tok = at::maximum(vf_tok, vf_tok_clip);
-          }
-          at::Tensor vf_loss =
-              aggregate_loss(0.5 * vf_tok, b.loss_mask, cfg.objective.agg, cfg.objective.agg_norm, denom);  // ()
-          at::Tensor loss = out.loss + ppo.vf_coef * vf_loss;
+          at::Tensor values =
+              critic ? critic_values(*critic->state.policy, b) : value_head(run, r.hidden, b);  // (S_m, R)
+          const ValueLoss vf = value_loss(values, values_old[k], returns[k], b.loss_mask, ppo, cfg.objective, denom);
+          const at::Tensor& vf_loss = vf.loss;  // ()
+          // A separate critic trains on the value loss alone; the shared head's weighs in the policy's loss.
+          at::Tensor loss = critic ? out.loss : out.loss + ppo.vf_coef * vf_loss;
           const bool ends_step = k + 1 == K || micro_ranges[k + 1].first >= mb_end;
-          backward(run, loss, reducer.get(), ends_step);           // master weights: into the fp32 gradients
+          backward(run, loss, reducer.get(), ends_step);  // master weights: into the fp32 gradients
+          if (critic) {
+            critic_backward(*critic, vf_loss, ends_step);
+            critic_loss += vf_loss.detach();
+          }
           um.add_micro_batch(loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
           um.add_update_term("value_loss", vf_loss);
-          um.add_token_sum("value_clip_frac", (vf_clipped * b.loss_mask).sum());
+          um.add_token_sum("value_clip_frac", (vf.clipped * b.loss_mask).sum());
         }
         um.end_optimizer_step(apply_gradients(run, um.step_loss(), total_optimizer_steps));
+        if (critic) {
+          critic_norms += critic_step(run, *critic, critic_loss, total_optimizer_steps);
+          ++critic_steps;
+        }
       }
     }
     zero_gradients(run.model);
+    if (critic) zero_gradients(critic->state);
     device_synchronize(run.device);
     const double t_upd = seconds_since(t_update);
     peaks.end("update");
@@ -246,6 +273,12 @@ std::map<std::string, double> train_ppo(Run& run) {
                   {"return_mean", ret_sum / std::max(1.0, n_act)},
                   {"advantage_mean", adv_mean},
                   {"advantage_std", adv_std}});
+    if (critic) {
+      extra["critic_grad_norm"] = critic_norms / std::max<int64_t>(1, critic_steps);
+      extra["critic_lr"] =
+          critic->lr_scale *
+          learning_rate(train, std::max<int64_t>(0, critic->counters.optimizer_steps - 1), total_optimizer_steps);
+    }
     const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
                     extra);

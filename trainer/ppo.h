@@ -6,7 +6,9 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "loss/policy_loss.h"
 #include "trainer/batch.h"
 #include "trainer/run.h"
 
@@ -22,6 +24,21 @@ namespace rlt {
 // float32 (S, R), zero off the mask. Computed in float64 on the CPU, then moved to rewards' device.
 std::pair<at::Tensor, at::Tensor> gae_advantages(const at::Tensor& rewards, const at::Tensor& values,
                                                  const at::Tensor& mask, double gamma, double lam);
+
+// Per-token rewards (S_m, R) of trajectories [begin, end): each one's reward on its last sampled token (a
+// trajectory with none has no action to credit).
+at::Tensor terminal_rewards(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, int64_t R);
+
+// PPO's clipped value loss, of either critic: per token 0.5 max((V - G)^2, (V_old + clip(V - V_old, +-c) - G)^2)
+// with c = ppo.value_clip (0: the plain square), aggregated over the loss mask as the policy loss is
+// (objective.agg, the mini-batch's global denominator). `clipped` (S, R): 1 where the clipped square is the
+// larger.
+struct ValueLoss {
+  at::Tensor loss, clipped;
+};
+ValueLoss value_loss(const at::Tensor& values, const at::Tensor& values_old, const at::Tensor& returns,
+                     const at::Tensor& mask, const PpoOptions& ppo, const PolicyLossOptions& objective,
+                     double denominator);
 
 // The value head: V(state before response token j) = w . h + b from the decoder's hidden state at the
 // row that predicts token j. Named tensors for ModelState::extra ("value_head.weight" (1, D), "value_head.bias"

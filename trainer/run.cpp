@@ -25,6 +25,7 @@
 #include "rollout/sandbox.h"
 #include "trainer/batch.h"
 #include "trainer/checkpoint.h"
+#include "trainer/critic.h"
 #include "trainer/grpo.h"
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
@@ -136,6 +137,10 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra,
              std::shared_ptr<Collectives> dist, std::shared_ptr<Placement> placement) {
   Run run;
+  // A critic of its own is PPO's, which makes its run with the value head's ExtraParams.
+  if (!config.critic.shared && !extra.make) {
+    throw RunError("critic.shared: false trains a critic model, which only ppo_train has");
+  }
   if (dist) run.dist = std::move(dist);
   if (placement) {
     TORCH_CHECK(placement->side == run.dist, "make_run: with a placement, dist is its side");
@@ -235,6 +240,17 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     throw RunError("model.tokenizer: " + std::to_string(run.data.tokenizer->vocab_size()) +
                    " pieces, more than the model's vocabulary of " +
                    std::to_string(run.model.policy->config().vocab_size));
+  }
+  // A critic from a folder reads the policy's token ids: its vocabulary must hold them.
+  if (!config.critic.shared && config.critic.init != CriticInit::kPolicy) {
+    const ModelConfig critic = critic_model_config(config, run.model.policy->config());
+    const bool from_path = config.critic.init == CriticInit::kPath;
+    if (critic.vocab_size < run.data.tokenizer->vocab_size()) {
+      throw RunError(std::string(from_path ? "critic.path: " : "critic.init: reward_model: ") +
+                     (from_path ? config.critic.path : config.reward.model_path) + " has a vocabulary of " +
+                     std::to_string(critic.vocab_size) + ", fewer than the policy's tokenizer's " +
+                     std::to_string(run.data.tokenizer->vocab_size()) + " pieces: a critic reads the policy's tokens");
+    }
   }
   if (config.model.checkpoint_layers > run.model.policy->config().num_layers) {
     throw RunError("model.checkpoint_layers: " + std::to_string(config.model.checkpoint_layers) +

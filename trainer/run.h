@@ -38,6 +38,7 @@ class ShardedState;
 struct ScriptRewards;
 class RewardModel;
 struct Placement;
+struct Critic;
 
 // A rollout that is not the step's own (train.async's, beside the update; train.rollout_ranks', on other
 // ranks): what a checkpoint keeps of it so that a resumed run samples it again.
@@ -70,6 +71,8 @@ struct ModelState {
   // train.shard / train.offload set: the sharded state (parallel/shard.h) trains in place of `optimizer`
   // and `master` (both empty then). Shared: ShardedState is complete in parallel/shard.h only.
   std::shared_ptr<ShardedState> sharded;
+  // PPO with critic.shared false: the value model of its own, with its optimizer (trainer/critic.h).
+  std::shared_ptr<Critic> critic;
 };
 
 // What the rollout decodes with and calls: the engine, the merged weights, the tools and the reward script.

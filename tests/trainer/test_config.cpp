@@ -191,6 +191,28 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
       load_config("", {"rollout.partial=true", "train.async=one_step", "rollout.partial_extra_prompts=16"}));
 }
 
+// PPO's separate critic: its folder and its start are read before anything loads.
+TEST(Config, ASeparateCriticNamesWhatItLacks) {
+  expect_error("", {"critic.shared=false", "critic.init=path"}, {"critic.path", "folder is needed"});
+  expect_error("", {"critic.path=/somewhere"}, {"critic.path", "critic.init: path"});
+  expect_error("", {"critic.shared=false", "critic.init=reward_model"}, {"critic.init", "reward.model_path"});
+  expect_error("", {"critic.shared=false", "lora.rank=8"}, {"critic.shared", "LoRA"});
+  expect_error("", {"critic.shared=false", "critic.shard=parameters"}, {"critic.shard", "activation_checkpointing"});
+  expect_error("", {"critic.shared=false", "critic.init=path", "critic.path=/nonexistent/critic"},
+               {"critic.path", "/nonexistent/critic"});
+  expect_error("", {"critic.shard=everything"}, {"critic.shard", "everything"});
+  // A folder whose score head has two labels.
+  const fs::path two = fs::path(write_yaml("two/config.json", "")).parent_path();
+  std::ofstream(two / "config.json") << R"({"model_type": "qwen2", "architectures": ["Qwen2ForTokenClassification"],
+    "id2label": {"0": "a", "1": "b"}, "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})";
+  expect_error("", {"critic.shared=false", "critic.init=path", "critic.path=" + two.string()},
+               {"critic.path", "2 labels", "one output"});
+  EXPECT_NO_THROW(load_config("", {"critic.shared=false"}));
+  EXPECT_NO_THROW(
+      load_config("", {"critic.shared=false", "critic.shard=parameters", "model.activation_checkpointing=true"}));
+}
+
 TEST(Config, MissingFileAndBadSyntax) {
   expect_error("/nonexistent/x.yaml", {}, {"/nonexistent/x.yaml", "not found"});
   const std::string p = write_yaml("syntax.yaml", "loss:\n  impl: [cce\n  chunk_size: 3\n");

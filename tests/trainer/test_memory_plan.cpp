@@ -159,6 +159,36 @@ TEST(MemoryPlan, CountsTheRewardModel) {
   EXPECT_EQ(plan_rollout_rank(scored, policy, 1).reward_model, weights + forward);
 }
 
+// PPO's separate critic: its weights, masters and moments in the persistent part, its gradients in the
+// update's, at its own shard stage. Hand counts from the critic's shape (the policy's trunk, a one-output
+// score head and its bias in place of the LM head); the twin plans it at the policy's stage.
+TEST(MemoryPlan, CountsTheSeparateCritic) {
+  const ModelConfig policy = small_config("llama", false);
+  ModelConfig value = policy;
+  value.head = ModelHead::kTokenScore;
+  value.num_labels = 1;
+  const int64_t P = parameter_count(value);
+  EXPECT_EQ(P, parameter_count(policy) - policy.vocab_size * policy.hidden_size + policy.hidden_size + 1);
+  Config shared = load_config("", {});
+  shared.train.micro_batch_size = shared.train.mini_batch_size = 8;  // one backward a step: no grad buffers
+  Config own = shared;
+  own.critic.shared = false;
+  const MemoryPlan a = plan_memory(shared, policy, 1), b = plan_memory(own, policy, 1);
+  EXPECT_EQ(b.critic, 4 * P + 8 * P) << "fp32: weights and two moments";
+  EXPECT_EQ(b.critic_gradients, 4 * P);
+  EXPECT_EQ(b.persistent() - a.persistent(), b.critic);
+  EXPECT_GE(b.device_total() - a.device_total(), b.critic);
+  EXPECT_NE(b.table().find("critic"), std::string::npos) << b.table();
+  EXPECT_EQ(a.table().find("critic"), std::string::npos);
+  // bf16 over 2 ranks, the critic sharded at gradients while the policy is not: its bf16 weights whole and
+  // its half of them rounded from the masters (the all-gather's input), its fp32 masters and moments halved.
+  own.model.dtype = DType::kBFloat16;
+  own.critic.shard = CriticShard::kGradients;
+  const MemoryPlan c = plan_memory(own, policy, 2);
+  EXPECT_EQ(c.critic, 2 * P + 2 * P / 2 + (4 * P + 8 * P) / 2);
+  EXPECT_NE(c.critic, 2 * P + 4 * P + 8 * P) << "twin: the policy's stage (none)";
+}
+
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
 std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
   std::vector<Trajectory> out(count);

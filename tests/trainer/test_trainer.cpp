@@ -12,11 +12,13 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/files.h"
 #include "model/flops.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "tests/trainer/tiny_run.h"
 #include "trainer/config.h"
+#include "trainer/critic.h"
 #include "trainer/grpo.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
@@ -1072,6 +1074,167 @@ TEST_P(Trainers, TwoRanksTrainLikeOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(GrpoAndPpo, Trainers, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Ppo" : "Grpo"; });
+
+}  // namespace
+}  // namespace rlt
+
+namespace rlt {
+namespace {
+
+// PPO with a critic of its own (critic.shared false), end to end: the value head is gone from the policy's
+// run, every first value is 0 (the critic's head starts at zero) and later ones are not, the checkpoint's
+// critic/ is a token-classification folder, and a run stopped after step 2 and resumed reproduces the
+// uninterrupted run bit for bit, the critic's own figures included (its weights and AdamW state come back
+// from critic/ and critic_optimizer/, its step count from state.json; a count lost there fails that).
+TEST(SeparateCritic, RunsEndToEndAndAResumedRunReproducesItExactly) {
+  TempDir tmp("ppo_critic");
+  Config c = tiny_config();
+  c.critic.shared = false;
+  c.critic.lr = 1e-2;
+  c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
+  c.rollout.max_batch = 4;
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
+  {
+    rlt::Run run = make_run(c, full, /*resume=*/false, value_head_params());
+    EXPECT_TRUE(run.model.extra.empty()) << "no value head on the policy's trunk";
+    train_ppo(run);
+    ASSERT_TRUE(run.model.critic);
+    EXPECT_EQ(run.model.critic->counters.optimizer_steps, run.counters.optimizer_steps);
+  }
+  const auto a = read_metrics(full);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a[0]["value_mean"].get<double>(), 0.0) << "the critic's head starts at zero";
+  EXPECT_NE(a[1]["value_mean"].get<double>(), 0.0) << "the critic trained";
+  for (const auto& row : a) {
+    for (const char* k : {"value_loss", "critic_grad_norm", "critic_lr", "value_clip_frac"}) {
+      ASSERT_TRUE(row.contains(k) && row[k].is_number()) << k << " in " << row.dump();
+    }
+    EXPECT_GT(row["critic_grad_norm"].get<double>(), 0);
+  }
+  EXPECT_NEAR(a[0]["critic_lr"].get<double>(), 1e-2 / 3e-3 * a[0]["lr"].get<double>(), 1e-12)
+      << "critic.lr on train.lr's schedule";
+  const ModelConfig saved = load_model_config(full + "/checkpoint/critic");
+  EXPECT_EQ(saved.head, ModelHead::kTokenScore);
+  EXPECT_EQ(saved.num_labels, 1);
+  EXPECT_TRUE(std::filesystem::exists(full + "/checkpoint/critic_optimizer/optimizer-0.safetensors"));
+
+  {
+    rlt::Run run = make_run(c, part, /*resume=*/false, value_head_params());
+    run.stop_after = 2;
+    train_ppo(run);
+  }
+  // A copy of the checkpoint whose critic lost its step count (its AdamW and schedule restart): the twin.
+  const std::string twin = (tmp.path() / "twin").string();
+  std::filesystem::copy(part, twin, std::filesystem::copy_options::recursive);
+  {
+    const std::string path = twin + "/checkpoint/state.json";
+    nlohmann::json state = nlohmann::json::parse(std::ifstream(path));
+    state["critic"]["optimizer_steps"] = 0;
+    std::ofstream(path) << state.dump();
+  }
+  run_to(c, part, /*resume=*/true, &train_ppo, value_head_params());
+  run_to(c, twin, /*resume=*/true, &train_ppo, value_head_params());
+  const auto b = read_metrics(part), w = read_metrics(twin);
+  ASSERT_EQ(b.size(), 4u);
+  ASSERT_EQ(w.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    for (const char* k : {"loss", "grad_norm", "value_loss", "value_mean", "critic_grad_norm", "reward_mean"}) {
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+  }
+  EXPECT_NE(a[3]["value_mean"].get<double>(), w[3]["value_mean"].get<double>()) << "the twin must differ";
+
+  // Input errors: a resumed folder without critic/; grpo_train has no critic.
+  remove_tree(part + "/checkpoint/critic");
+  Config more = c;
+  more.train.steps = 5;
+  EXPECT_THROW(run_to(more, part, /*resume=*/true, &train_ppo, value_head_params()), RunError);
+  EXPECT_THROW(make_run(c, (tmp.path() / "grpo").string(), false, ExtraParams{}), RunError);
+}
+
+// The policy's gradient carries no value term with a critic of its own: ppo.vf_coef moves nothing of the
+// first step's policy update (loss, gradient norm) nor the critic's (its loss is the value loss alone). With
+// the shared head (the twin) vf_coef changes the policy's loss and gradient.
+TEST(SeparateCritic, TheValueLossStaysOutOfThePolicysGradient) {
+  TempDir tmp("ppo_vf_coef");
+  std::map<std::pair<bool, double>, nlohmann::json> first;
+  auto at = [&](bool shared, double vf, const char* k) { return first[std::make_pair(shared, vf)][k].get<double>(); };
+  for (bool shared : {false, true}) {
+    for (double vf : {0.5, 5.0}) {
+      Config c = varied_first_step_config(/*steps=*/1);
+      c.critic.shared = shared;
+      c.ppo.vf_coef = vf;
+      c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
+      c.rollout.max_batch = 4;
+      const std::string dir = (tmp.path() / (std::to_string(shared) + "_" + std::to_string(vf))).string();
+      run_to(c, dir, false, &train_ppo, value_head_params());
+      first[std::make_pair(shared, vf)] = read_metrics(dir).at(0);
+    }
+  }
+  for (const char* k : {"loss", "grad_norm", "value_loss", "critic_grad_norm"}) {
+    EXPECT_EQ(at(false, 0.5, k), at(false, 5.0, k)) << k;
+  }
+  EXPECT_NE(at(true, 0.5, "loss"), at(true, 5.0, "loss"));
+  EXPECT_NE(at(true, 0.5, "grad_norm"), at(true, 5.0, "grad_norm"));
+}
+
+// A critic of its own over two thread ranks trains as one process does: unsharded (its gradients through a
+// reducer of its own) and at shard stage gradients (a sharded state of its own): the first step's value loss
+// and the critic's weights after 2 steps (within 1e-4 of their update), both ranks' equal bit for bit.
+TEST(SeparateCritic, TwoRanksTrainTheCriticLikeOneProcess) {
+  TempDir tmp("ppo_critic_dp");
+  Config c = varied_first_step_config(/*steps=*/2);
+  c.critic.shared = false;
+  c.critic.lr = 1e-2;
+  c.train.prompts_per_step = 4;
+  c.train.mini_batch_size = 8;
+  c.train.old_logprobs = OldLogprobs::kRecompute;
+  struct Result {
+    std::vector<nlohmann::json> rows;
+    std::vector<std::vector<at::Tensor>> critic;  // per rank
+  };
+  auto train_on = [&](int world, const std::string& name, int64_t steps, CriticShard shard) {
+    Config cfg = c;
+    cfg.train.steps = steps;
+    cfg.critic.shard = shard;
+    const std::string dir = (tmp.path() / name).string();
+    Result r;
+    r.critic.resize(world);
+    auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
+      rlt::Run run = make_run(cfg, dir, /*resume=*/false, value_head_params(), world > 1 ? dist : nullptr);
+      train_ppo(run);
+      for (const auto& p : run.model.critic->state.policy->parameters()) r.critic[rank].push_back(p.detach().clone());
+    };
+    if (world == 1)
+      body(0, nullptr);
+    else
+      rlt::testing::on_thread_ranks(world, body, std::chrono::seconds(300));
+    r.rows = read_metrics(dir);
+    return r;
+  };
+  const Result start = train_on(1, "start", 0, CriticShard::kNone);
+  const Result one = train_on(1, "one", 2, CriticShard::kNone);
+  auto update_diff = [&](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    double d = 0, u = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      d += (a[i] - b[i]).to(at::kDouble).square().sum().item<double>();
+      u += (a[i] - start.critic[0][i]).to(at::kDouble).square().sum().item<double>();
+    }
+    return std::sqrt(d / u);
+  };
+  for (CriticShard shard : {CriticShard::kNone, CriticShard::kGradients}) {
+    const Result two = train_on(2, std::string("two_") + enum_to_string(shard), 2, shard);
+    const std::string what = enum_to_string(shard);
+    ASSERT_EQ(two.rows.size(), 2u) << what;
+    EXPECT_NEAR(two.rows[0]["value_loss"].get<double>(), one.rows[0]["value_loss"].get<double>(), 1e-5) << what;
+    const double g = one.rows[0]["critic_grad_norm"].get<double>();
+    EXPECT_NEAR(two.rows[0]["critic_grad_norm"].get<double>(), g, 1e-5 * g) << what;
+    for (size_t i = 0; i < two.critic[0].size(); ++i) {
+      ASSERT_TRUE(at::equal(two.critic[0][i], two.critic[1][i])) << what << ": the ranks' critics part at " << i;
+    }
+    EXPECT_LT(update_diff(two.critic[0], one.critic[0]), 1e-4) << what;
+  }
+}
 
 }  // namespace
 }  // namespace rlt
