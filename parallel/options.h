@@ -28,6 +28,14 @@ inline const EnumNames<Offload>& enum_names(Offload) {
   return names;
 }
 
+// What leaves the device while the rollout runs (train.phase_offload): nothing, or the optimizer's fp32
+// masters, AdamW moments and gradient chunks, moved to pinned host memory and back before the update.
+enum class PhaseOffload { kNone, kOptimizer };
+inline const EnumNames<PhaseOffload>& enum_names(PhaseOffload) {
+  static const EnumNames<PhaseOffload> names{{"none", PhaseOffload::kNone}, {"optimizer", PhaseOffload::kOptimizer}};
+  return names;
+}
+
 // The optimizer's clock and its misses, owned by the run and reported into by whatever steps the
 // optimizer (trainer/optim.h's apply_gradients, ShardedState::step); a checkpoint keeps them.
 struct StepCounters {

@@ -335,6 +335,17 @@ void ShardedState::finish_backward() {
   done_.assign(params_.size(), false);
 }
 
+std::vector<at::Tensor> ShardedState::optimizer_state() const {
+  std::vector<at::Tensor> out;
+  for (const Group& G : groups_) {
+    if (G.offload) continue;
+    for (const at::Tensor* t : {&G.master, &G.exp_avg, &G.exp_avg_sq, &G.grad}) {
+      if (t->defined()) out.push_back(*t);
+    }
+  }
+  return out;
+}
+
 void ShardedState::zero_grad() {
   at::NoGradGuard no_grad;
   // A backward that threw may have left reduces in flight: finished, and their results dropped.

@@ -153,6 +153,10 @@ class ShardedState : public WeightResidency {
   void save(const std::string& dir) const;
   void load(const std::string& dir);
 
+  // The fp32 masters, AdamW moments and gradient chunks this rank holds on the device (none under
+  // train.offload, whose state lives in host memory): what train.phase_offload moves out for the rollout.
+  std::vector<at::Tensor> optimizer_state() const;
+
   // Bytes this rank holds for the state: on the device (gradient chunks or whole gradients, masters and
   // moments unless offloaded, the weight chunks of the parameters stage) and in host memory (offload).
   int64_t device_bytes() const;

@@ -114,6 +114,18 @@ void check_sections(const ConfigReader<Config>& r) {
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "
            "adapters' state");
   }
+  // train.phase_offload moves the optimizer state out while the rollout runs, between updates.
+  if (c.train.phase_offload != PhaseOffload::kNone) {
+    if (c.train.async != AsyncMode::kOff) {
+      r.fail("train.phase_offload", "the rollout runs beside the update (train.async), which uses the optimizer state");
+    }
+    if (c.train.rollout_ranks > 0) {
+      r.fail("train.phase_offload", "the rollout runs on other ranks (train.rollout_ranks): nothing to make room for");
+    }
+    if (c.train.offload == Offload::kOptimizer) {
+      r.fail("train.phase_offload", "train.offload optimizer keeps the optimizer state in host memory already");
+    }
+  }
   // reward.kind at its default is what --print-config writes beside a list: only another value conflicts.
   if (!c.reward.combine.empty() && c.reward.kind != RewardOptions{}.kind) {
     r.fail("reward.kind", "reward.combine names the terms: set one of reward.kind and reward.combine");

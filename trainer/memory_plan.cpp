@@ -288,6 +288,7 @@ std::string MemoryPlan::table() const {
   if (reward_model > 0) line("reward model", reward_model, "(reward.model_path: its weights and one scoring forward)");
   if (critic > 0) line("critic", critic, "(critic.shared false: its weights, masters and moments)");
   if (critic_gradients > 0) line("critic grads", critic_gradients, "(through the update)");
+  if (parked > 0) line("parked", parked, "(of the above, in pinned host memory while the rollout runs)");
   line("device total", device_total(),
        std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
            " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
@@ -419,7 +420,11 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.critic_gradients = q.gradients + q.grad_buffers;
     p.activations = std::max(p.activations, q.activations);
     p.optimizer_step = std::max(p.optimizer_step, q.optimizer_step);
+    if (c.train.phase_offload == PhaseOffload::kOptimizer) p.parked += q.masters + q.moments;
   }
+  // train.phase_offload: the masters and moments in host memory while the rollout runs (the sharded state's
+  // gradient chunk too, but that is the update's already: `gradients`).
+  if (c.train.phase_offload == PhaseOffload::kOptimizer) p.parked += p.masters + p.moments;
   return p;
 }
 
@@ -460,8 +465,19 @@ std::vector<Change> single_changes(const Config& c, int world) {
       out.push_back({std::string("train.shard: ") + enum_to_string(st), [st](Config& x) { x.train.shard = st; }});
     }
   }
-  if (c.train.offload == Offload::kNone)
-    out.push_back({"train.offload: optimizer", [](Config& x) { x.train.offload = Offload::kOptimizer; }});
+  // The two optimizer moves exclude each other: with both in a combination, train.offload's holds.
+  if (c.train.offload == Offload::kNone) {
+    out.push_back({"train.offload: optimizer", [](Config& x) {
+                     x.train.offload = Offload::kOptimizer;
+                     x.train.phase_offload = PhaseOffload::kNone;
+                   }});
+  }
+  if (c.train.phase_offload == PhaseOffload::kNone && c.train.offload == Offload::kNone &&
+      c.train.async == AsyncMode::kOff && c.train.rollout_ranks == 0) {
+    out.push_back({"train.phase_offload: optimizer", [](Config& x) {
+                     if (x.train.offload == Offload::kNone) x.train.phase_offload = PhaseOffload::kOptimizer;
+                   }});
+  }
   if (!c.model.activation_checkpointing)
     out.push_back({"model.activation_checkpointing: true", [](Config& x) { x.model.activation_checkpointing = true; }});
   if (c.loss.impl != LogprobImpl::kCce)

@@ -38,6 +38,9 @@ struct MemoryPlan {
   int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
                                  // moments at critic.shard's stage
   int64_t critic_gradients = 0;  // its gradients and gradient buffers, through the update
+  // train.phase_offload optimizer: of masters, moments and the critic's, what leaves the device while the
+  // rollout runs (in pinned host memory then): counted in the update's phase, not in both.
+  int64_t parked = 0;
   // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).
   int64_t held_through_update = 0;
@@ -49,15 +52,16 @@ struct MemoryPlan {
   int world = 1;
 
   // Both phases: weights, masters, moments, the reference, the reward model and the critic, plus the larger of
-  // the rollout's part (rollout_weights + kv_cache) and the update's: gradients (the critic's too), what the
-  // rollout keeps, and the larger of a backward's (activations, gradient buffers) and the optimizer step's
-  // temporaries (the step follows the last backward). The critic's backward follows the policy's, so
-  // `activations` is the larger of the two.
-  int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic; }
+  // the rollout's part (rollout_weights + kv_cache) and the update's: gradients (the critic's too), what
+  // train.phase_offload parks during the rollout, what the rollout keeps, and the larger of a backward's (activations,
+  // gradient buffers) and the optimizer step's temporaries (the step follows the last backward). The critic's backward
+  // follows the policy's, so `activations` is the larger of the two.
+  int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic - parked; }
   int64_t rollout_phase() const { return rollout_weights + kv_cache; }
   int64_t update_phase() const {
     const int64_t backward = activations + grad_buffers;
-    return gradients + critic_gradients + held_through_update + (backward > optimizer_step ? backward : optimizer_step);
+    return gradients + critic_gradients + parked + held_through_update +
+           (backward > optimizer_step ? backward : optimizer_step);
   }
   int64_t device_total() const;
   // The lines the run prints: one per item in GiB with two decimals, then the device total (and the pinned

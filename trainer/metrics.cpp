@@ -208,6 +208,10 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
   if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
+  if (train.phase_offload != PhaseOffload::kNone) {
+    m["time_phase_moves_s"] = run.metrics.phase_moves_s;  // this step's rollout and evaluation
+    run.metrics.phase_moves_s = 0;
+  }
   if (run.model.sharded && run.config.train.offload == Offload::kOptimizer) {
     m["optimizer_host_memory_mib"] = run.model.sharded->host_bytes() / 1048576.0;
   }

@@ -1,12 +1,16 @@
 // AdamW, the schedule and gradient accumulation; see optim.h.
 #include "trainer/optim.h"
 
+#include "common/memory.h"
+#include "parallel/parking.h"
 #include "parallel/shard.h"
 #include "parallel/transfer.h"
+#include "trainer/critic.h"
 
 #include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <iostream>
 
@@ -49,6 +53,59 @@ void make_optimizer(Run& run, const ExtraParams& extra) {
     return;
   }
   make_replicated_optimizer(run.model, t, t.lr, extra_lr);
+}
+
+std::vector<at::Tensor> phase_offload_tensors(const ModelState& model) {
+  if (model.sharded) return model.sharded->optimizer_state();
+  std::vector<at::Tensor> out = model.master;
+  if (!model.optimizer) return out;
+  for (const at::Tensor& p : optimizer_params(model)) {
+    auto it = model.optimizer->state().find(p.unsafeGetTensorImpl());
+    if (it == model.optimizer->state().end()) continue;  // not stepped yet: no moments
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    out.push_back(s.exp_avg());
+    out.push_back(s.exp_avg_sq());
+  }
+  return out;
+}
+
+namespace {
+
+// Waits for the device's queued work (the moves' copies) so that their time is measured whole.
+void synchronize_for(const Run& run) {
+  if (run.device.is_cuda()) stream_synchronize(run.device);
+}
+
+// The models whose optimizer state a phase moves: the policy's, and a separate critic's.
+std::vector<ModelState*> parked_models(Run& run) {
+  std::vector<ModelState*> out{&run.model};
+  if (run.model.critic) out.push_back(&run.model.critic->state);
+  return out;
+}
+
+}  // namespace
+
+ParkedOptimizerState::ParkedOptimizerState(Run& run) {
+  if (run.config.train.phase_offload == PhaseOffload::kNone || run.rollout_rank) return;
+  if (run.model.parking && run.model.parking->parked()) return;  // an outer scope holds it
+  const auto t0 = std::chrono::steady_clock::now();
+  for (ModelState* m : parked_models(run)) {
+    if (!m->parking) m->parking = std::make_shared<PhaseParking>();
+    m->parking->park(phase_offload_tensors(*m));
+  }
+  synchronize_for(run);
+  run.metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run_ = &run;
+}
+
+ParkedOptimizerState::~ParkedOptimizerState() {
+  if (!run_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (ModelState* m : parked_models(*run_)) {
+    if (m->parking && m->parking->parked()) m->parking->unpark();
+  }
+  synchronize_for(*run_);
+  run_->metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {

@@ -63,6 +63,25 @@ void copy_master_weights_to_model(ModelState& model);
 // (for every parameter it updates, model.extra included); with model.sharded, what it holds on the device.
 int64_t optimizer_memory_bytes(const ModelState& model);
 
+// train.phase_offload optimizer: what leaves the device while the rollout runs: the fp32 masters and AdamW's
+// moments (the sharded state's chunks and its gradient chunk). The weights the rollout decodes stay.
+std::vector<at::Tensor> phase_offload_tensors(const ModelState& model);
+
+// train.phase_offload optimizer for the scope's life (a step's rollout, an evaluation): the policy's and a
+// separate critic's phase_offload_tensors in pinned host memory, back on the device when it ends. Each move
+// ends with a device synchronisation, and their seconds add to run.metrics.phase_moves_s. Nothing with
+// train.phase_offload none, or inside another such scope.
+class ParkedOptimizerState {
+ public:
+  explicit ParkedOptimizerState(Run& run);
+  ~ParkedOptimizerState();
+  ParkedOptimizerState(const ParkedOptimizerState&) = delete;
+  ParkedOptimizerState& operator=(const ParkedOptimizerState&) = delete;
+
+ private:
+  Run* run_ = nullptr;  // set while this scope holds the state parked
+};
+
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);
 // Sets the policy group's learning rate to lr and the extra group's to lr * extra_lr_scale.

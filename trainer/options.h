@@ -219,6 +219,7 @@ struct TrainOptions {
   int64_t dist_bucket_mb = 25;
   ShardStage shard = ShardStage::kNone;
   Offload offload = Offload::kNone;
+  PhaseOffload phase_offload = PhaseOffload::kNone;
 
   template <class V>
   void visit(V&& v) {
@@ -297,6 +298,9 @@ struct TrainOptions {
       "training state split over the ranks: none | optimizer (masters, moments) | gradients (and gradients) | "
       "parameters (and weights)");
     v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory, stepped there");
+    v("phase_offload", phase_offload,
+      "none | optimizer: fp32 masters, AdamW moments and gradient chunks in pinned host memory while the rollout "
+      "and evaluations run, back on the device for the update");
   }
   void check(const FieldFail& fail) const {
     if (eval_temperature < 0 && eval_temperature != -1) fail("eval_temperature", "must be -1 (automatic) or >= 0");

@@ -151,7 +151,11 @@ std::map<std::string, double> train_ppo(Run& run) {
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
     // 1. Rollout and rewards (this rank's prompts).
-    RolloutBatch rb = collect_rollouts(run);
+    RolloutBatch rb;
+    {
+      const ParkedOptimizerState parked(run);  // train.phase_offload: the optimizer state in host memory meanwhile
+      rb = collect_rollouts(run);
+    }
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,

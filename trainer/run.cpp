@@ -625,7 +625,11 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
 }
 
 EvalResult report_evaluation(Run& run, const std::string& when) {
-  const EvalResult r = evaluate(run);
+  EvalResult r;
+  {
+    const ParkedOptimizerState parked(run);  // train.phase_offload: the optimizer state in host memory meanwhile
+    r = evaluate(run);
+  }
   run.metrics.last_eval_step = static_cast<double>(run.counters.step);
   run.metrics.last_eval_pass1 = r.pass1;
   if (!run.lead()) return r;

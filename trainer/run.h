@@ -39,6 +39,7 @@ struct ScriptRewards;
 class RewardModel;
 struct Placement;
 struct Critic;
+class PhaseParking;
 
 // A rollout that is not the step's own (train.async's, beside the update; train.rollout_ranks', on other
 // ranks): what a checkpoint keeps of it so that a resumed run samples it again.
@@ -73,6 +74,9 @@ struct ModelState {
   std::shared_ptr<ShardedState> sharded;
   // PPO with critic.shared false: the value model of its own, with its optimizer (trainer/critic.h).
   std::shared_ptr<Critic> critic;
+  // train.phase_offload: the host buffers the optimizer state moves to while the rollout runs
+  // (parallel/parking.h), made on the first move.
+  std::shared_ptr<PhaseParking> parking;
 };
 
 // What the rollout decodes with and calls: the engine, the merged weights, the tools and the reward script.
@@ -112,6 +116,7 @@ struct RunData {
 struct RunMetrics {
   std::shared_ptr<MetricsLog> log;
   double last_eval_step = -1, last_eval_pass1 = 0;  // the latest evaluation: after which step, its pass@1
+  double phase_moves_s = 0;  // train.phase_offload: seconds of moves since the last step's metrics
 };
 
 // A training run: its config and place among the ranks, then its parts grouped by who owns them.

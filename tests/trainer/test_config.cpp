@@ -177,6 +177,14 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
   EXPECT_NO_THROW(load_config("", {"train.shard=parameters", "model.activation_checkpointing=true"}));
   EXPECT_NO_THROW(load_config("", {"train.shard=gradients", "sft.steps=5"})) << "an fp32 warm-up under sharding";
   EXPECT_NO_THROW(load_config("", {"train.offload=optimizer", "lora.rank=8"}));
+  // train.phase_offload moves the optimizer state out while the rollout runs, between updates.
+  expect_error("", {"train.phase_offload=optimizer", "train.async=one_step"}, {"train.phase_offload", "train.async"});
+  expect_error("", {"train.phase_offload=optimizer", "train.rollout_ranks=1"},
+               {"train.phase_offload", "train.rollout_ranks"});
+  expect_error("", {"train.phase_offload=optimizer", "train.offload=optimizer"},
+               {"train.phase_offload", "host memory already"});
+  expect_error("", {"train.phase_offload=training_state"}, {"train.phase_offload", "training_state"});
+  EXPECT_NO_THROW(load_config("", {"train.phase_offload=optimizer", "train.shard=gradients"}));
   // Partial rollouts carry groups into the next step's rollout, which runs beside the update; dynamic
   // sampling's rounds draw whole groups. A trajectory spans at least its own version and the next.
   expect_error("", {"rollout.partial=true"}, {"rollout.partial", "train.async: one_step"});

@@ -189,6 +189,32 @@ TEST(MemoryPlan, CountsTheSeparateCritic) {
   EXPECT_NE(c.critic, 2 * P + 4 * P + 8 * P) << "twin: the policy's stage (none)";
 }
 
+// train.phase_offload optimizer: the masters and moments (and a separate critic's) leave the persistent part
+// for the update's phase alone, so the total is the weights plus the larger of the rollout and the update
+// with them; the twin counts them in both phases.
+TEST(MemoryPlan, ParkedStateCountsInTheUpdateOnly) {
+  const ModelConfig policy = small_config("llama", false);
+  Config resident = load_config("", {});
+  resident.model.dtype = DType::kBFloat16;
+  resident.rollout.max_context = 4096;
+  Config parked = resident;
+  parked.train.phase_offload = PhaseOffload::kOptimizer;
+  const MemoryPlan a = plan_memory(resident, policy, 1), b = plan_memory(parked, policy, 1);
+  ASSERT_GT(a.masters, 0);
+  EXPECT_EQ(b.parked, a.masters + a.moments);
+  EXPECT_EQ(b.persistent(), a.persistent() - b.parked);
+  EXPECT_EQ(b.update_phase(), a.update_phase() + b.parked);
+  EXPECT_EQ(b.device_total(), b.persistent() + std::max(b.rollout_phase(), b.update_phase()));
+  EXPECT_LE(b.device_total(), a.device_total());
+  EXPECT_NE(b.device_total(), a.persistent() + std::max(a.rollout_phase(), a.update_phase() + b.parked))
+      << "twin: parked in both phases";
+  EXPECT_NE(b.table().find("parked"), std::string::npos) << b.table();
+  parked.critic.shared = false;
+  const MemoryPlan c = plan_memory(parked, policy, 1);
+  EXPECT_EQ(c.parked - b.parked, c.critic - c.critic / 7)
+      << "the critic's fp32 masters and moments (12 of its 14 bytes)";
+}
+
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
 std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
   std::vector<Trajectory> out(count);

@@ -14,6 +14,7 @@
 
 #include "common/files.h"
 #include "model/flops.h"
+#include "parallel/parking.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "tests/trainer/tiny_run.h"
@@ -1233,6 +1234,71 @@ TEST(SeparateCritic, TwoRanksTrainTheCriticLikeOneProcess) {
       ASSERT_TRUE(at::equal(two.critic[0][i], two.critic[1][i])) << what << ": the ranks' critics part at " << i;
     }
     EXPECT_LT(update_diff(two.critic[0], one.critic[0]), 1e-4) << what;
+  }
+}
+
+}  // namespace
+}  // namespace rlt
+
+namespace rlt {
+namespace {
+
+// train.phase_offload optimizer: the optimizer state leaves for host memory during each rollout and
+// evaluation and comes back bit for bit, so a run trains exactly as the resident one does: one process
+// (AdamW's moments; fp32 has no masters) and two thread ranks at shard stage gradients (the masters,
+// moments and gradient chunks), 3 steps, the weights equal bit for bit. The twin's host copies are written
+// once (later rollouts return step-1 moments), and it must part from the resident run.
+TEST(PhaseOffload, ARunTrainsAsTheResidentOneAndAWrongReturnDoesNot) {
+  TempDir tmp("phase_offload");
+  Config c = varied_first_step_config(/*steps=*/3);
+  c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
+  c.rollout.max_batch = 4;
+  c.train.eval_prompts = 2;  // an evaluation after the last step: parked too
+  c.train.eval_every = 3;
+  auto train_on = [&](int world, const std::string& name, bool park, bool faulty) {
+    Config cfg = c;
+    if (park) cfg.train.phase_offload = PhaseOffload::kOptimizer;
+    if (world > 1) {
+      cfg.train.shard = ShardStage::kGradients;
+      cfg.train.prompts_per_step = 4;  // a mini-batch of two prompts: one per rank
+      cfg.train.mini_batch_size = 8;
+    }
+    const std::string dir = (tmp.path() / name).string();
+    std::vector<std::vector<at::Tensor>> params(world);
+    auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
+      rlt::Run run = make_run(cfg, dir, /*resume=*/false, ExtraParams{}, world > 1 ? dist : nullptr);
+      if (faulty) run.model.parking = std::make_shared<PhaseParking>(PhaseParking::Fault::kStaleCopy);
+      train_grpo(run);
+      for (const auto& p : run.model.policy->parameters()) params[rank].push_back(p.detach().clone());
+    };
+    if (world == 1)
+      body(0, nullptr);
+    else
+      rlt::testing::on_thread_ranks(world, body, std::chrono::seconds(300));
+    return std::make_pair(read_metrics(dir), params[0]);
+  };
+  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    for (size_t i = 0; i < a.size(); ++i)
+      if (!at::equal(a[i], b[i])) return false;
+    return true;
+  };
+  for (int world : {1, 2}) {
+    const std::string w = std::to_string(world);
+    const auto resident = train_on(world, "resident" + w, false, false);
+    const auto parked = train_on(world, "parked" + w, true, false);
+    ASSERT_EQ(parked.first.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(parked.first[i]["loss"].get<double>(), resident.first[i]["loss"].get<double>()) << w << " " << i;
+      EXPECT_EQ(parked.first[i]["grad_norm"].get<double>(), resident.first[i]["grad_norm"].get<double>());
+      ASSERT_TRUE(parked.first[i].contains("time_phase_moves_s")) << parked.first[i].dump();
+      EXPECT_GT(parked.first[i]["time_phase_moves_s"].get<double>(), 0);
+      EXPECT_FALSE(resident.first[i].contains("time_phase_moves_s"));
+    }
+    EXPECT_TRUE(same(parked.second, resident.second)) << world << " rank(s): the weights after 3 steps";
+    if (world == 1) {
+      const auto wrong = train_on(world, "wrong" + w, true, true);
+      EXPECT_FALSE(same(wrong.second, resident.second)) << "the twin must fail";
+    }
   }
 }
 
