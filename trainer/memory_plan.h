@@ -54,8 +54,8 @@ struct MemoryPlan {
   // Both phases: weights, masters, moments, the reference, the reward model and the critic, plus the larger of
   // the rollout's part (rollout_weights + kv_cache) and the update's: gradients (the critic's too), what
   // train.phase_offload parks during the rollout, what the rollout keeps, and the larger of a backward's (activations,
-  // gradient buffers) and the optimizer step's temporaries (the step follows the last backward). The critic's backward
-  // follows the policy's, so `activations` is the larger of the two.
+  // gradient buffers) and the optimizer step's temporaries (the step follows the last backward). A separate critic's
+  // forward and backward follow the policy's backward, so `activations` is the larger of the two.
   int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic - parked; }
   int64_t rollout_phase() const { return rollout_weights + kv_cache; }
   int64_t update_phase() const {

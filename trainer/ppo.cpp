@@ -240,18 +240,25 @@ std::map<std::string, double> train_ppo(Run& run) {
           in.logprobs_rollout = b.logprobs_rollout;  // objective.tis / icepop
           in.global_denominator = denom;
           PolicyLossOutput out = policy_loss(in, cfg.objective);
-          at::Tensor values =
-              critic ? critic_values(*critic->state.policy, b) : value_head(run, r.hidden, b);  // (S_m, R)
-          const ValueLoss vf = value_loss(values, values_old[k], returns[k], b.loss_mask, ppo, cfg.objective, denom);
-          const at::Tensor& vf_loss = vf.loss;  // ()
-          // A separate critic trains on the value loss alone; the shared head's weighs in the policy's loss.
-          at::Tensor loss = critic ? out.loss : out.loss + ppo.vf_coef * vf_loss;
           const bool ends_step = k + 1 == K || micro_ranges[k + 1].first >= mb_end;
-          backward(run, loss, reducer.get(), ends_step);  // master weights: into the fp32 gradients
+          // The shared head's value loss weighs in the policy's loss. A separate critic trains on the value
+          // loss alone, its forward after the policy's backward, so the two graphs never live at once.
+          at::Tensor loss = out.loss;
+          ValueLoss vf;
           if (critic) {
-            critic_backward(*critic, vf_loss, ends_step);
-            critic_loss += vf_loss.detach();
+            backward(run, loss, reducer.get(), ends_step);  // master weights: into the fp32 gradients
+            r.hidden = at::Tensor();
+            const at::Tensor values = critic_values(*critic->state.policy, b);  // (S_m, R)
+            vf = value_loss(values, values_old[k], returns[k], b.loss_mask, ppo, cfg.objective, denom);
+            critic_backward(*critic, vf.loss, ends_step);
+            critic_loss += vf.loss.detach();
+          } else {
+            vf = value_loss(value_head(run, r.hidden, b), values_old[k], returns[k], b.loss_mask, ppo, cfg.objective,
+                            denom);
+            loss = loss + ppo.vf_coef * vf.loss;
+            backward(run, loss, reducer.get(), ends_step);
           }
+          const at::Tensor& vf_loss = vf.loss;                     // ()
           um.add_micro_batch(loss, out, r.logprobs, b.loss_mask);  // on the device: no host sync
           um.add_update_term("value_loss", vf_loss);
           um.add_token_sum("value_clip_frac", (vf.clipped * b.loss_mask).sum());

@@ -6,8 +6,8 @@
 # allocated peak (peak_memory_{rollout,scoring,update}_mib), the moves' seconds and the step time (means
 # over the steps after the first), and the memory plan's lines; $OUT/summary.json. Also runs test_parking
 # (its CUDA test). DEMOS="1 2": the PPO CPU demo (configs/ppo_tiny.yaml), shared head and a critic of its
-# own, at each of those seeds on the host's cores beside the GPU runs (each run's folder and log in
-# $OUT/demo_<kind>_<seed>; DEMO_TIMEOUT seconds at most).
+# own, at each of those seeds on the host's cores beside the GPU runs (each run's log and metrics.jsonl in
+# $OUT/demo_<kind>_<seed>; DEMO_TIMEOUT seconds at most). The GPU runs' metrics: $OUT/<mode>.metrics.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-runs/gpu_phase_offload}")
@@ -28,8 +28,9 @@ for seed in ${DEMOS:-}; do
     [ "$kind" = own ] && set_critic=(--set critic.shared=false)
     d="$out/demo_${kind}_$seed"
     mkdir -p "$d"
-    (OMP_NUM_THREADS=2 timeout "${DEMO_TIMEOUT:-330}" build-gpu/bin/ppo_train --config configs/ppo_tiny.yaml \
-      --set train.seed="$seed" "${set_critic[@]}" --out "$d/run" > "$d/train.log" 2>&1; echo "rc $?" >> "$d/train.log") &
+    (OMP_NUM_THREADS=2 timeout "${DEMO_TIMEOUT:-600}" build-gpu/bin/ppo_train --config configs/ppo_tiny.yaml \
+      --set train.seed="$seed" "${set_critic[@]}" --out "/tmp/demo_${kind}_$seed" > "$d/train.log" 2>&1
+     echo "rc $?" >> "$d/train.log"; cp "/tmp/demo_${kind}_$seed/metrics.jsonl" "$d/") &
     pids+=($!)
   done
 done
@@ -43,22 +44,24 @@ for mode in none optimizer; do
     --set "chat.system=$system" --set sampling.max_new_tokens="$new_tokens" \
     --set sampling.samples_per_prompt="$samples" --set train.prompts_per_step="$prompts" \
     --set train.steps="$steps" --set train.checkpoint_every=0 --set data.eval_path= --set train.eval_prompts=0 \
-    --set train.phase_offload=$mode --out "$out/$mode" > "$out/$mode.log" 2>&1
+    --set logging.tensorboard=false --set train.log_samples=0 \
+    --set train.phase_offload=$mode --out "/tmp/phase_offload_$mode" > "$out/$mode.log" 2>&1
   echo "$mode: exit $?"
+  cp "/tmp/phase_offload_$mode/metrics.jsonl" "$out/$mode.metrics.jsonl"
 done
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 summary = {}
 for mode in ("none", "optimizer"):
-    path = os.path.join(out, mode, "metrics.jsonl")
+    path = os.path.join(out, mode + ".metrics.jsonl")
     if not os.path.exists(path):
         continue
     rows = [json.loads(line) for line in open(path)]
     later = rows[1:] or rows
     mean = lambda k: sum(r.get(k, 0.0) for r in later) / len(later)
-    keys = ["peak_memory_rollout_mib", "peak_memory_scoring_mib", "peak_memory_update_mib", "peak_memory_mib",
-            "time_phase_moves_s", "time_rollout_s", "time_update_s", "time_step_s"]
+    keys = ["memory_allocated_peak_mib", "memory_reserved_peak_mib", "peak_memory_rollout_mib",
+            "peak_memory_update_mib", "time_phase_moves_s", "time_rollout_s", "time_update_s", "time_step_s"]
     summary[mode] = {k: mean(k) for k in keys}
     summary[mode]["plan"] = [l.rstrip() for l in open(os.path.join(out, mode + ".log")) if "GiB" in l]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
