@@ -42,7 +42,7 @@ void round_trip(at::Device device) {
     EXPECT_EQ(parking.host_bytes(), host) << "the host buffers stay for the next phase";
     for (size_t i = 0; i < state.size(); ++i) {
       if (!state[i].defined()) continue;
-      EXPECT_EQ(state[i].device(), device);
+      EXPECT_EQ(state[i].device().type(), device.type());
       EXPECT_EQ(state[i].unsafeGetTensorImpl(), impls[i]) << "the same tensor, as the optimizer keys it";
       EXPECT_TRUE(at::equal(state[i], before[i])) << "tensor " << i << ", round " << round;
     }
