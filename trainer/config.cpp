@@ -28,6 +28,9 @@ void check_critic(const ConfigReader<Config>& r, const Absolute& absolute) {
     r.fail("critic.shard",
            "parameters gathers each layer again for its backward: set model.activation_checkpointing: true");
   }
+  if (stage == ShardStage::kParameters && c.model.checkpoint_layers >= 0) {
+    r.fail("model.checkpoint_layers", "a critic sharded at parameters recomputes every layer: leave it at -1");
+  }
   if (stage != ShardStage::kNone && c.train.master_weights == MasterWeights::kNone &&
       c.model.dtype == DType::kBFloat16) {
     r.fail("train.master_weights", "a sharded critic (critic.shard) always keeps fp32 masters");

@@ -42,7 +42,6 @@ void make_critic_optimizer(Run& run, Critic& critic) {
   const Config& c = run.config;
   const ShardStage stage = c.critic.stage(c.train.shard);
   const double lr = c.critic.lr > 0 ? c.critic.lr : c.train.lr;
-  critic.lr_scale = c.train.lr > 0 ? lr / c.train.lr : 1.0;
   if (stage != ShardStage::kNone) {
     const ShardOptions o{stage, Offload::kNone, /*keep_weights=*/false, run.lead()};
     critic.state.sharded = std::make_shared<ShardedState>(
@@ -124,10 +123,17 @@ void critic_backward(Critic& critic, const at::Tensor& loss, bool ends_step) {
   backward(critic.state, loss, critic.reducer.get(), ends_step);
 }
 
+double critic_learning_rate(const Config& config, int64_t step, int64_t total) {
+  TrainOptions t = config.train;
+  if (config.critic.lr > 0) t.lr = config.critic.lr;
+  return learning_rate(t, step, total);
+}
+
 double critic_step(Run& run, Critic& critic, const at::Tensor& loss, int64_t total_optimizer_steps) {
+  critic.counters.step = run.counters.step;  // a sharded critic's warnings name the RL step
   OptimizerStep s;
   s.loss = loss;
-  s.lr = critic.lr_scale * learning_rate(run.config.train, critic.counters.optimizer_steps, total_optimizer_steps);
+  s.lr = critic_learning_rate(run.config, critic.counters.optimizer_steps, total_optimizer_steps);
   s.train = &run.config.train;
   s.dist = run.dist.get();
   s.counters = &critic.counters;

@@ -29,7 +29,6 @@ struct Critic {
   ModelState state;                      // state.policy: the critic; state.extra: none
   StepCounters counters;                 // its optimizer steps (the learning rate's schedule, AdamW's) and skipped ones
   std::unique_ptr<GradReducer> reducer;  // several ranks, unsharded: its gradients summed over them
-  double lr_scale = 1.0;                 // critic.lr over train.lr
   std::string from;                      // where it started, for the console
 };
 
@@ -51,6 +50,9 @@ at::Tensor critic_values(const Transformer& critic, const PackedBatch& batch);
 // ends_step), and the end of its optimizer step: apply_gradients' clip, finite check and AdamW at the
 // critic's learning rate. Returns the gradient norm.
 void critic_backward(Critic& critic, const at::Tensor& loss, bool ends_step);
+// The critic's learning rate at its optimizer step `step` of `total`: train.lr's schedule (warm-up, decay,
+// floor) peaking at critic.lr (0: train.lr).
+double critic_learning_rate(const Config& config, int64_t step, int64_t total);
 double critic_step(Run& run, Critic& critic, const at::Tensor& loss, int64_t total_optimizer_steps);
 
 // Into a checkpoint being written at dir (save_checkpoint, on every rank that writes it): critic/ and

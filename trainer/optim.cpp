@@ -89,9 +89,16 @@ ParkedOptimizerState::ParkedOptimizerState(Run& run) {
   if (run.config.train.phase_offload == PhaseOffload::kNone || run.rollout_rank) return;
   if (run.model.parking && run.model.parking->parked()) return;  // an outer scope holds it
   const auto t0 = std::chrono::steady_clock::now();
-  for (ModelState* m : parked_models(run)) {
-    if (!m->parking) m->parking = std::make_shared<PhaseParking>();
-    m->parking->park(phase_offload_tensors(*m));
+  try {
+    for (ModelState* m : parked_models(run)) {
+      if (!m->parking) m->parking = std::make_shared<PhaseParking>();
+      m->parking->park(phase_offload_tensors(*m));
+    }
+  } catch (...) {  // what was parked comes back: no scope would bring it back later
+    for (ModelState* m : parked_models(run)) {
+      if (m->parking && m->parking->parked()) m->parking->unpark();
+    }
+    throw;
   }
   synchronize_for(run);
   run.metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

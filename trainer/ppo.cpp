@@ -287,8 +287,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     if (critic) {
       extra["critic_grad_norm"] = critic_norms / std::max<int64_t>(1, critic_steps);
       extra["critic_lr"] =
-          critic->lr_scale *
-          learning_rate(train, std::max<int64_t>(0, critic->counters.optimizer_steps - 1), total_optimizer_steps);
+          critic_learning_rate(cfg, std::max<int64_t>(0, critic->counters.optimizer_steps - 1), total_optimizer_steps);
     }
     const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
     m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,

@@ -598,7 +598,9 @@ double begin_training(Run& run) {
   // The sharded state took its masters from the weights before the warm-up trained them.
   if (run.model.sharded && fresh && run.config.sft.steps > 0) run.model.sharded->load_from_model();
   ensure_reference(run);  // only when objective.kl_coef > 0: the policy RL starts from
-  return fresh && !run.data.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
+  const double before = fresh && !run.data.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
+  run.metrics.phase_moves_s = 0;  // step 1's figure is its own rollout's and evaluation's
+  return before;
 }
 
 void end_training(Run& run, double eval_start, std::map<std::string, double>& m) {

@@ -216,6 +216,10 @@ TEST(Config, ASeparateCriticNamesWhatItLacks) {
     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})";
   expect_error("", {"critic.shared=false", "critic.init=path", "critic.path=" + two.string()},
                {"critic.path", "2 labels", "one output"});
+  expect_error("",
+               {"critic.shared=false", "critic.shard=parameters", "model.activation_checkpointing=true",
+                "model.checkpoint_layers=2"},
+               {"model.checkpoint_layers", "critic"});
   EXPECT_NO_THROW(load_config("", {"critic.shared=false"}));
   EXPECT_NO_THROW(
       load_config("", {"critic.shared=false", "critic.shard=parameters", "model.activation_checkpointing=true"}));

@@ -15,6 +15,7 @@
 
 #include "tests/common/files.h"
 #include "tests/common/tmpdir.h"
+#include "trainer/config.h"
 #include "trainer/critic.h"
 #include "trainer/optim.h"
 #include "trainer/ppo.h"
@@ -256,6 +257,28 @@ TEST(CriticModel, FromAPolicyOrARewardModel) {
   two["id2label"] = {{"0", "a"}, {"1", "b"}};
   const Transformer two_labels(model_config_from_json(two, "two"), at::kFloat, at::kCPU);
   EXPECT_THROW(two_labels.value_model(), ModelConfigError);
+}
+
+// critic.lr on train.lr's schedule, its own peak: a frozen policy (train.lr 0) still has a critic that learns;
+// the twin, critic.lr as a multiple of train.lr, would give 0.
+TEST(CriticModel, LearnsOnTheScheduleAtItsOwnPeak) {
+  Config c = load_config("", {});
+  c.train.lr_schedule = LrSchedule::kCosine;
+  c.train.warmup_steps = 2;
+  c.train.min_lr_ratio = 0.1;
+  c.critic.lr = 1e-3;
+  for (double policy_lr : {1e-5, 0.0}) {
+    c.train.lr = policy_lr;
+    TrainOptions t = c.train;
+    t.lr = 1e-3;
+    for (int64_t step : {0, 1, 2, 5, 9}) {
+      EXPECT_DOUBLE_EQ(critic_learning_rate(c, step, 10), learning_rate(t, step, 10)) << policy_lr << " " << step;
+    }
+  }
+  EXPECT_GT(critic_learning_rate(c, 5, 10), 0) << "train.lr 0: the critic still learns";
+  c.critic.lr = 0;
+  c.train.lr = 2e-5;
+  EXPECT_DOUBLE_EQ(critic_learning_rate(c, 5, 10), learning_rate(c.train, 5, 10)) << "0: train.lr's own";
 }
 
 }  // namespace
