@@ -131,16 +131,8 @@ double critic_learning_rate(const Config& config, int64_t step, int64_t total) {
 
 double critic_step(Run& run, Critic& critic, const at::Tensor& loss, int64_t total_optimizer_steps) {
   critic.counters.step = run.counters.step;  // a sharded critic's warnings name the RL step
-  OptimizerStep s;
-  s.loss = loss;
-  s.lr = critic_learning_rate(run.config, critic.counters.optimizer_steps, total_optimizer_steps);
-  s.train = &run.config.train;
-  s.dist = run.dist.get();
-  s.counters = &critic.counters;
-  s.lead = run.lead();
-  s.step = run.counters.step + 1;
-  s.what = "critic update";
-  return step_optimizer(critic.state, s);
+  const double lr = critic_learning_rate(run.config, critic.counters.optimizer_steps, total_optimizer_steps);
+  return step_optimizer(run, critic.state, critic.counters, loss, lr, "critic update");
 }
 
 void save_critic(Run& run, const std::string& dir, nlohmann::json& state) {

@@ -422,42 +422,38 @@ int64_t optimizer_memory_bytes(const ModelState& model) {
   return bytes;
 }
 
-double step_optimizer(ModelState& model, const OptimizerStep& s) {
-  const TrainOptions& t = *s.train;
+double step_optimizer(Run& run, ModelState& model, StepCounters& counters, const at::Tensor& loss, double lr,
+                      const char* what) {
+  const TrainOptions& t = run.config.train;
   if (model.sharded) {
     return model.sharded->step(
-        s.loss, {s.lr, s.lr * model.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
+        loss, {lr, lr * model.extra_lr_scale, t.beta1, t.beta2, t.adam_eps, t.weight_decay, t.grad_clip});
   }
   accumulate_gradients(model);
   const std::vector<at::Tensor> params = optimizer_params(model);
   const double norm = torch::nn::utils::clip_grad_norm_(params, t.grad_clip > 0 ? t.grad_clip : INFINITY);
-  at::Tensor total = s.loss.defined() ? s.loss.detach().clone() : s.loss;  // every rank's share: the loss
-  if (total.defined()) s.dist->all_reduce({total}, ReduceOp::kSum);
+  at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
+  if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
   if (!loss_finite || !std::isfinite(norm)) {
     model.optimizer->zero_grad();  // never applied
-    ++s.counters->skipped_steps;
-    if (s.lead) std::cerr << "warning: step " << s.step << ": non-finite loss or gradient, " << s.what << " skipped\n";
+    ++counters.skipped_steps;
+    if (run.lead()) {
+      std::cerr << "warning: step " << run.counters.step + 1 << ": non-finite loss or gradient, " << what
+                << " skipped\n";
+    }
     return norm;
   }
-  set_learning_rate(*model.optimizer, s.lr, model.extra_lr_scale);
+  set_learning_rate(*model.optimizer, lr, model.extra_lr_scale);
   model.optimizer->step();
   copy_master_weights_to_model(model);
-  ++s.counters->optimizer_steps;
+  ++counters.optimizer_steps;
   return norm;
 }
 
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps) {
-  OptimizerStep s;
-  s.loss = loss;
-  s.lr = learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps);
-  s.train = &run.config.train;
-  s.dist = run.dist.get();
-  s.counters = &run.counters;
-  s.lead = run.lead();
-  s.step = run.counters.step + 1;
-  s.what = "update";
-  return step_optimizer(run.model, s);
+  const double lr = learning_rate(run.config.train, run.counters.optimizer_steps, total_optimizer_steps);
+  return step_optimizer(run, run.model, run.counters, loss, lr, "update");
 }
 
 }  // namespace rlt

@@ -158,20 +158,11 @@ std::vector<double> mini_batch_denominators(const std::vector<Trajectory>& trajs
 // skips or steps alike.
 double apply_gradients(Run& run, const at::Tensor& loss, int64_t total_optimizer_steps);
 
-// What apply_gradients does, for any model state (the policy's, PPO's separate critic's): the step's loss
-// (the finite check), learning rate (model.extra's group at lr * model.extra_lr_scale), AdamW's settings and
-// clip (train), the ranks, the counters it counts into, and for a skipped step's warning: whether this rank
-// prints, the RL step and what was skipped.
-struct OptimizerStep {
-  at::Tensor loss;
-  double lr = 0;
-  const TrainOptions* train = nullptr;
-  Collectives* dist = nullptr;
-  StepCounters* counters = nullptr;
-  bool lead = true;
-  int64_t step = 0;
-  std::string what;
-};
-double step_optimizer(ModelState& model, const OptimizerStep& step);
+// What apply_gradients does, for any model state of the run (the policy's, PPO's separate critic's): the
+// step's loss (the finite check) and learning rate (model.extra's group at lr * model.extra_lr_scale), the
+// counters it counts into, and the word a skipped step's warning names (the lead rank prints it, with the RL
+// step). AdamW's settings and the clip are train's.
+double step_optimizer(Run& run, ModelState& model, StepCounters& counters, const at::Tensor& loss, double lr,
+                      const char* what);
 
 }  // namespace rlt
