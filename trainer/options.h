@@ -16,10 +16,22 @@ inline const EnumNames<DType>& enum_names(DType) {
   return names;
 }
 
+// The model of a tokenizer the demo trains (sentencepiece's model types).
+enum class TokenizerType { kBpe, kUnigram };
+inline const EnumNames<TokenizerType>& enum_names(TokenizerType) {
+  static const EnumNames<TokenizerType> names{{"bpe", TokenizerType::kBpe}, {"unigram", TokenizerType::kUnigram}};
+  return names;
+}
+
 struct ModelOptions {
   std::string path;
   std::string tokenizer;
   int64_t tokenizer_vocab = 400;
+  // On the demo's small, repetitive corpus a unigram model prunes itself to mostly characters (328 of
+  // 400 pieces, 256 of them bytes: a prompt of 32 tokens); BPE fills the 400 with its words ("What",
+  // " product": 15 tokens), which shortens every sequence the warm-up trains on and the rollout decodes
+  // (configs/retool_tiny.yaml).
+  TokenizerType tokenizer_type = TokenizerType::kUnigram;
   std::string device = "cpu";
   DType dtype = DType::kFloat32;
   bool activation_checkpointing = false;
@@ -43,6 +55,8 @@ struct ModelOptions {
     v("path", path, "Hugging Face checkpoint folder (config.json + safetensors); empty = a new model from init_*");
     v("tokenizer", tokenizer, "tokenizer.json, .model or folder; empty = model.path's own (the demo trains one)");
     v("tokenizer_vocab", tokenizer_vocab, "vocabulary of a trained tokenizer", FieldRange{300, 1e6});
+    v("tokenizer_type", tokenizer_type,
+      "model of a trained tokenizer: unigram | bpe (fewer, longer pieces on a small corpus)");
     v("device", device, "cpu | cuda | cuda:N");
     v("dtype", dtype, "parameters and activations: float32 | bfloat16 (log-probs are always fp32)");
     v("activation_checkpointing", activation_checkpointing, "recompute layer activations in the backward");

@@ -184,6 +184,7 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
     if (run.lead() && !(resume && fs::exists(path))) {
       TokenizerTrainOptions o;
       o.vocab_size = config.model.tokenizer_vocab;
+      o.model_type = config.model.tokenizer_type == TokenizerType::kBpe ? "bpe" : "unigram";
       o.user_symbols = run.rollout.tools.symbols();
       Tokenizer::train(tokenizer_corpus(config, run.rollout.tools), path, o);
     }

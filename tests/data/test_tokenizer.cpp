@@ -95,6 +95,30 @@ TEST_F(TokenizerTest, TrainingIsDeterministic) {
   for (int64_t id = 0; id < a.vocab_size(); ++id) ASSERT_EQ(a.piece_text(id), b.piece_text(id)) << id;
 }
 
+// The demo's choice (model.tokenizer_type): on the same small corpus and size, BPE spends its pieces on
+// the corpus's words, so a question takes fewer tokens, where the unigram model (the fixture's) prunes
+// itself to characters and keeps fewer pieces than asked for. Both round-trip exactly, keep the tool tags
+// whole and split digits; a model_type that did not reach the trainer would train the unigram twin.
+TEST_F(TokenizerTest, BpeSpendsItsPiecesOnTheCorpusWords) {
+  const std::string bpe_path = (dir_->path() / "bpe.model").string();
+  TokenizerTrainOptions o;
+  o.vocab_size = 400;
+  o.user_symbols = kToolTags;
+  o.model_type = "bpe";
+  Tokenizer::train(tool_corpus(), bpe_path, o);
+  const Tokenizer bpe = Tokenizer::load(bpe_path), unigram = Tokenizer::load(path_);
+  EXPECT_EQ(bpe.vocab_size(), 400) << "BPE fills the size it is given";
+  EXPECT_LT(unigram.vocab_size(), 400) << "the twin: the unigram model keeps fewer on this corpus";
+  const std::string question = "User: What is 123 * 456?\nAssistant: ";
+  const size_t b = bpe.encode(question).size(), u = unigram.encode(question).size();
+  EXPECT_LT(3 * b, 2 * u) << "BPE " << b << " tokens, unigram " << u << ": the words should be whole pieces";
+  for (const auto& text : {question, std::string("Answer: \\boxed{56088}"), std::string("caf\xc3\xa9 \t x")}) {
+    EXPECT_EQ(bpe.decode(bpe.encode(text)), text);
+  }
+  EXPECT_EQ(bpe.encode("90817").size(), 5u) << "one token per digit";
+  for (const auto& tag : kToolTags) EXPECT_EQ(bpe.encode(tag).size(), 1u) << tag;
+}
+
 TEST_F(TokenizerTest, BadInputsNameTheProblem) {
   try {
     Tokenizer::load((dir_->path() / "missing.model").string());
