@@ -243,8 +243,10 @@ void Transformer::save(const std::string& dir, uint64_t max_shard_bytes) const {
     if (!f) throw std::runtime_error(path + ": cannot write");
   }
   std::filesystem::rename(path + ".tmp", path);
+  // The tensors where they live: the writer copies one at a time to the host, so a GPU model is never
+  // held on the host whole.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& [name, t] : named_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+  for (const auto& [name, t] : named_parameters()) tensors.emplace_back(name, t.detach());
   safetensors::write_checkpoint(dir, tensors, max_shard_bytes);
 }
 

@@ -4,6 +4,7 @@
 #include <torch/serialize.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "parallel/shard.h"
 #include "trainer/async_rollout.h"
 #include "trainer/critic.h"
+#include "trainer/memory_plan.h"
 #include "trainer/optim.h"
 
 namespace rlt {
@@ -71,9 +73,8 @@ std::vector<std::string> optimizer_param_names(const ModelState& model) {
   return names;
 }
 
-}  // namespace
-
-void save_optimizer_pieces(const ModelState& model, const std::string& dir) {
+// A replicated AdamW's state as the tensors of its pieces file, sorted by key.
+std::vector<std::pair<std::string, at::Tensor>> optimizer_pieces(const ModelState& model) {
   const std::vector<at::Tensor> params = optimizer_params(model);
   const std::vector<std::string> names = optimizer_param_names(model);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -86,8 +87,79 @@ void save_optimizer_pieces(const ModelState& model, const std::string& dir) {
     tensors.push_back({OptimizerPieces::key("exp_avg_sq", names[i], 0), s.exp_avg_sq().reshape(-1)});
   }
   std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return tensors;
+}
+
+uint64_t weight_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  uint64_t bytes = 0;
+  for (const auto& [name, t] : tensors) bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+  return bytes;
+}
+
+// A model state's weights (the adapters alone with LoRA) and optimizer state, as its checkpoint holds them.
+// Whole weights are counted from the shapes: a sharded state at the parameters stage holds none between steps.
+uint64_t state_bytes(const ModelState& model) {
+  const Transformer& m = *model.policy;
+  const uint64_t whole = static_cast<uint64_t>(parameter_count(m.config()));
+  const uint64_t weights =
+      m.has_lora() ? weight_bytes(m.named_trainable_parameters()) : whole * c10::elementSize(m.config().dtype);
+  if (model.sharded) {
+    uint64_t trained = whole;  // fp32 master and two moments per trained element, over every rank's pieces
+    if (m.has_lora()) {
+      trained = 0;
+      for (const auto& [name, t] : m.named_trainable_parameters()) trained += static_cast<uint64_t>(t.numel());
+    }
+    for (const auto& [name, t] : model.extra) trained += static_cast<uint64_t>(t.numel());
+    return weights + 3 * sizeof(float) * trained;
+  }
+  return weights + weight_bytes(optimizer_pieces(model));
+}
+
+FreeSpaceProbe& free_space_probe() {
+  static FreeSpaceProbe probe;
+  return probe;
+}
+
+uint64_t free_bytes(const std::string& dir) {
+  if (free_space_probe()) return free_space_probe()(dir);
+  return static_cast<uint64_t>(fs::space(dir).available);
+}
+
+// Refuses a save that the file system cannot hold, before anything is written: the new checkpoint goes
+// beside the previous one, which stays until the new one is in place. With every rank writing, all refuse
+// alike (the collective), so none is left waiting at the save's barriers.
+void check_space(Run& run, bool every_rank) {
+  const uint64_t need = checkpoint_bytes(run), free = free_bytes(run.out_dir);
+  at::Tensor short_of = at::full({1}, free < need ? double(need - free) : 0.0, at::kDouble);
+  if (every_rank) run.dist->all_reduce({short_of}, ReduceOp::kMax);
+  if (short_of.item<double>() > 0) {
+    throw RunError("checkpoint: " + checkpoint_dir(run) + " needs " + bytes_text(int64_t(need)) +
+                   " and the file system of " + run.out_dir + " has " + bytes_text(int64_t(free)) + " free" +
+                   (free >= need ? " (another rank's has less)" : "") +
+                   ": nothing was written, the previous checkpoint is kept; free some space, or set --out "
+                   "elsewhere and --resume from a copy of the folder");
+  }
+}
+
+}  // namespace
+
+uint64_t checkpoint_bytes(const Run& run) {
+  uint64_t bytes = state_bytes(run.model);
+  for (const auto& [name, t] : run.model.extra) bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+  if (run.model.critic) bytes += state_bytes(run.model.critic->state);
+  // train.async: the weights the next rollout samples from (with LoRA, the base merged).
+  if (run.rollout.pending) {
+    const ModelConfig& shape = run.model.policy->config();
+    bytes += static_cast<uint64_t>(parameter_count(shape)) * c10::elementSize(shape.dtype);
+  }
+  return bytes;
+}
+
+void set_free_space_probe(FreeSpaceProbe probe) { free_space_probe() = std::move(probe); }
+
+void save_optimizer_pieces(const ModelState& model, const std::string& dir) {
   fs::create_directories(dir);
-  safetensors::write_file((fs::path(dir) / "optimizer-0.safetensors").string(), tensors);
+  safetensors::write_file((fs::path(dir) / "optimizer-0.safetensors").string(), optimizer_pieces(model));
 }
 
 void load_optimizer_pieces(ModelState& model, const std::string& dir, int64_t optimizer_steps) {
@@ -133,6 +205,7 @@ void save_checkpoint(Run& run) {
   // folder rank 0 made, and rank 0 renames it once all have (the barriers). Otherwise rank 0 alone writes.
   const bool every_rank = checkpoint_on_every_rank(run);
   if (!run.lead() && !every_rank) return;
+  check_space(run, every_rank);
   if (run.lead()) {
     remove_tree(tmp);
     fs::create_directories(tmp);

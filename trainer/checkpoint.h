@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -23,9 +24,20 @@ std::string checkpoint_dir(const Run& run);
 bool checkpoint_on_every_rank(const Run& run);
 
 // Checkpoint out_dir/checkpoint: model folder (HF), optimizer-<rank>.safetensors, extra.pt (run.model.extra),
-// state.json,
-// written under a temporary name and renamed; the previous checkpoint stays until the new one is complete.
+// state.json, written under a temporary name and renamed; the previous checkpoint stays until the new one is
+// complete. Tensors go to the files one at a time (a GPU model is never copied to the host whole). A save
+// the file system cannot hold is refused before it writes anything (RunError with the bytes needed and
+// free; every writing rank refuses alike), and the previous checkpoint stays whole.
 void save_checkpoint(Run& run);
+// The bytes a checkpoint of the run holds, every rank's part together: the model's weights (or its
+// adapters), the optimizer state as save_optimizer_pieces and ShardedState write it (fp32 masters and moments
+// of a sharded state), extra.pt's tensors, a separate critic's model and optimizer state, and train.async's
+// rollout weights. Small files (config, tokenizer, state.json) are left out.
+uint64_t checkpoint_bytes(const Run& run);
+// The free bytes of the file system holding `dir` (std::filesystem::space); a test replaces it with a fake
+// figure (nullptr restores it).
+using FreeSpaceProbe = std::function<uint64_t(const std::string& dir)>;
+void set_free_space_probe(FreeSpaceProbe probe);
 // Restores the state saved by save_checkpoint into a run made for it (make_run calls it with resume).
 // With LoRA the checkpoint holds adapter/, a PEFT adapter folder (model/peft.h), instead of model/.
 void load_checkpoint(Run& run);

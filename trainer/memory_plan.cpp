@@ -262,6 +262,20 @@ std::string count_text(int64_t n) {
   return buf;
 }
 
+std::string bytes_text(int64_t bytes) {
+  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double x = double(bytes);
+  int u = 0;
+  while (x >= 1024 && u < 4) {
+    x /= 1024;
+    ++u;
+  }
+  if (u == 0) return std::to_string(bytes) + " B";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, x >= 100 ? "%.0f %s" : x >= 10 ? "%.1f %s" : "%.2f %s", x, units[u]);
+  return buf;
+}
+
 int64_t MemoryPlan::device_total() const {
   return persistent() + (phases_overlap ? rollout_phase() + update_phase() : std::max(rollout_phase(), update_phase()));
 }

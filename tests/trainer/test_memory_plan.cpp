@@ -639,6 +639,13 @@ TEST(MemoryPlan, CountsPrintInTheUnitThatFits) {
   EXPECT_EQ(count_text(7615616512), "7.62B");
   EXPECT_EQ(count_text(32763876352), "32.8B");
   EXPECT_EQ(count_text(0), "0");
+  EXPECT_EQ(bytes_text(0), "0 B");
+  EXPECT_EQ(bytes_text(1023), "1023 B");
+  EXPECT_EQ(bytes_text(1024), "1.00 KiB");
+  EXPECT_EQ(bytes_text(461312), "450 KiB");
+  EXPECT_EQ(bytes_text(int64_t(1) << 20), "1.00 MiB");
+  EXPECT_EQ(bytes_text(int64_t(65) << 30), "65.0 GiB");
+  EXPECT_EQ(bytes_text(int64_t(590) << 30), "590 GiB");
 }
 
 // train.async: the rollout's copy of the weights is held, and the rollout and the update hold their memory

@@ -18,9 +18,11 @@
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
 #include "tests/trainer/tiny_run.h"
+#include "trainer/checkpoint.h"
 #include "trainer/config.h"
 #include "trainer/critic.h"
 #include "trainer/grpo.h"
+#include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/ppo.h"
@@ -1300,6 +1302,73 @@ TEST(PhaseOffload, ARunTrainsAsTheResidentOneAndAWrongReturnDoesNot) {
       EXPECT_FALSE(same(wrong.second, resident.second)) << "the twin must fail";
     }
   }
+}
+
+}  // namespace
+}  // namespace rlt
+
+// Checkpoints and the disk: checkpoint_bytes is the tensors a save writes, byte for byte (the safetensors
+// files' payloads); a save the file system cannot hold is refused before it writes anything, with the
+// numbers, and the previous checkpoint stays whole: a resumed run finishes from it.
+namespace rlt {
+namespace {
+
+// The tensor bytes of every .safetensors file under dir: each file less its 8-byte length and header.
+uint64_t safetensors_payload(const std::string& dir) {
+  uint64_t bytes = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (e.path().extension() != ".safetensors") continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    uint64_t header = 0;
+    f.read(reinterpret_cast<char*>(&header), 8);
+    bytes += std::filesystem::file_size(e.path()) - 8 - header;
+  }
+  return bytes;
+}
+
+TEST(Checkpoint, ASaveTheDiskCannotHoldIsRefusedAndThePreviousOneStaysWhole) {
+  TempDir tmp("disk");
+  Config c = tiny_config();  // 4 steps, a checkpoint every 2
+  const std::string dir = (tmp.path() / "run").string();
+  std::vector<uint64_t> needed;
+  rlt::Run* current = nullptr;
+  // The first save finds room; the second finds 1 KiB free.
+  set_free_space_probe([&](const std::string&) -> uint64_t {
+    needed.push_back(checkpoint_bytes(*current));
+    return needed.size() == 1 ? (uint64_t(1) << 50) : 1024;
+  });
+  std::string message;
+  {
+    rlt::Run run = make_run(c, dir, /*resume=*/false);
+    current = &run;
+    try {
+      train_grpo(run);
+    } catch (const RunError& e) {
+      message = e.what();
+    }
+  }
+  set_free_space_probe(nullptr);
+  ASSERT_EQ(needed.size(), 2u);
+  const std::string need = "needs " + bytes_text(int64_t(needed[1])) + " and";
+  for (const std::string part : {std::string("checkpoint"), need, std::string("has 1.00 KiB free"),
+                                 std::string("nothing was written"), std::string("previous checkpoint is kept")}) {
+    EXPECT_NE(message.find(part), std::string::npos) << part << " in: " << message;
+  }
+  const std::string ckpt = dir + "/checkpoint";
+  EXPECT_FALSE(std::filesystem::exists(ckpt + ".tmp")) << "nothing was written";
+  const nlohmann::json state = nlohmann::json::parse(std::ifstream(ckpt + "/state.json"));
+  EXPECT_EQ(state["step"].get<int64_t>(), 2) << "the previous checkpoint is the one kept";
+  // The estimate is the payload to the byte: the weights, then the optimizer's masters (here the fp32
+  // weights themselves) and both moments. An estimate that missed a tensor, or counted one twice, fails.
+  EXPECT_EQ(needed[0], safetensors_payload(ckpt));
+  EXPECT_EQ(needed[1], needed[0]) << "the same state at step 4";
+  {
+    rlt::Run run = make_run(c, dir, /*resume=*/true);
+    EXPECT_EQ(run.counters.step, 2);
+    train_grpo(run);
+    EXPECT_EQ(run.counters.step, 4);
+  }
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(ckpt + "/state.json"))["step"].get<int64_t>(), 4);
 }
 
 }  // namespace
