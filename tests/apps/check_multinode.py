@@ -63,9 +63,12 @@ def rows(run_dir):
 
 
 def varies(key):
-    """Figures that differ between two runs of the same ranks: times, rates, memory peaks, and the rollout's
-    scheduling counters (how sandbox replies fell between decode steps)."""
-    return key.startswith(("time_", "rollout_", "peak_memory")) or key.endswith("_per_s")
+    """Figures that differ between two runs of the same ranks: times, rates, memory peaks, the rollout's
+    scheduling counters (how sandbox replies fell between decode steps), and the rollout's log-probs against
+    the training forward's (logprob_mismatch_*): a decode step's rows are whichever were ready when the
+    replies landed, and a CPU GEMM's last bits depend on its row count. The tokens sampled, and every
+    figure of the update, are the same."""
+    return key.startswith(("time_", "rollout_", "peak_memory", "logprob_mismatch_")) or key.endswith("_per_s")
 
 
 def differences(a, b):
