@@ -147,8 +147,9 @@ uint64_t checkpoint_bytes(const Run& run) {
   uint64_t bytes = state_bytes(run.model);
   for (const auto& [name, t] : run.model.extra) bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
   if (run.model.critic) bytes += state_bytes(run.model.critic->state);
-  // train.async: the weights the next rollout samples from (with LoRA, the base merged).
-  if (run.rollout.pending) {
+  // train.async: the weights the next rollout samples from (with LoRA, the base merged). With rollout
+  // ranks the checkpoint takes the files the rollout ranks already wrote beside it (or none): no new bytes.
+  if (run.rollout.pending && !run.placement) {
     const ModelConfig& shape = run.model.policy->config();
     bytes += static_cast<uint64_t>(parameter_count(shape)) * c10::elementSize(shape.dtype);
   }
@@ -205,11 +206,9 @@ void save_checkpoint(Run& run) {
   // folder rank 0 made, and rank 0 renames it once all have (the barriers). Otherwise rank 0 alone writes.
   const bool every_rank = checkpoint_on_every_rank(run);
   if (!run.lead() && !every_rank) return;
+  if (run.lead()) remove_tree(tmp);  // a save cut short leaves one: its bytes are free space
   check_space(run, every_rank);
-  if (run.lead()) {
-    remove_tree(tmp);
-    fs::create_directories(tmp);
-  }
+  if (run.lead()) fs::create_directories(tmp);
   if (every_rank) run.dist->barrier();
   if (run.model.sharded) run.model.sharded->gather_weights();  // the parameters stage: a collective
   if (run.lead() && run.model.policy->has_lora()) {

@@ -79,7 +79,7 @@ int64_t parameter_count(const ModelConfig& m);
 // A parameter count in millions from 100,000 and in billions from 10^9, with two decimals below 10, one
 // below 100: 832000 -> "0.83M", 45700000 -> "45.7M", 7615616512 -> "7.62B"; below 100,000 the integer.
 std::string count_text(int64_t n);
-// A byte count in the unit that fits: 512 B, 450.5 KiB, 1.00 MiB, 65.2 GiB (three significant digits).
+// A byte count in the unit that fits: 512 B, 450 KiB, 1.00 MiB, 65.0 GiB (three significant digits).
 std::string bytes_text(int64_t bytes);
 
 // The plan of a run of config `c` over model `m` on each of `world` ranks. `c.model.dtype` is the dtype

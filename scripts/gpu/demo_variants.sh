@@ -13,12 +13,17 @@ mkdir -p "$out"
 RLT_BUILD_TARGETS=${RLT_BUILD_TARGETS:-grpo_train} source scripts/gpu/build.sh
 variants=${VARIANTS:-default}
 cores=$(nproc)
+count=$(grep -c . <<< "$variants")
+if [ $((2 * count)) -gt "$cores" ]; then
+  echo "demo_variants: $count runs need $((2 * count)) cores, this host has $cores" >&2
+  exit 2
+fi
 i=0
 pids=()
 while IFS= read -r line; do
   [ -z "$line" ] && continue
   read -r name args <<< "$line"
-  first=$(( (2 * i) % cores ))
+  first=$((2 * i))
   mkdir -p "$out/$name"
   # shellcheck disable=SC2086
   (cd "$out/$name" && timeout "${LIMIT_S:-480}" taskset -c "$first,$((first + 1))" \

@@ -98,7 +98,8 @@ TEST_F(TokenizerTest, TrainingIsDeterministic) {
 // The demo's choice (model.tokenizer_type): on the same small corpus and size, BPE spends its pieces on
 // the corpus's words, so a question takes fewer tokens, where the unigram model (the fixture's) prunes
 // itself to characters and keeps fewer pieces than asked for. Both round-trip exactly, keep the tool tags
-// whole and split digits; a model_type that did not reach the trainer would train the unigram twin.
+// whole and split digits; a model_type the trainer ignored would train the unigram twin. (run.cpp maps
+// model.tokenizer_type onto TokenizerTrainOptions::model_type; the demo's figures rest on it.)
 TEST_F(TokenizerTest, BpeSpendsItsPiecesOnTheCorpusWords) {
   const std::string bpe_path = (dir_->path() / "bpe.model").string();
   TokenizerTrainOptions o;
