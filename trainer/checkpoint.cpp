@@ -92,7 +92,7 @@ std::vector<std::pair<std::string, at::Tensor>> optimizer_pieces(const ModelStat
 
 uint64_t weight_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   uint64_t bytes = 0;
-  for (const auto& [name, t] : tensors) bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+  for (const auto& [name, t] : tensors) bytes += t.nbytes();
   return bytes;
 }
 
@@ -145,7 +145,7 @@ void check_space(Run& run, bool every_rank) {
 
 uint64_t checkpoint_bytes(const Run& run) {
   uint64_t bytes = state_bytes(run.model);
-  for (const auto& [name, t] : run.model.extra) bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+  for (const auto& [name, t] : run.model.extra) bytes += t.nbytes();
   if (run.model.critic) bytes += state_bytes(run.model.critic->state);
   // train.async: the weights the next rollout samples from (with LoRA, the base merged). With rollout
   // ranks the checkpoint takes the files the rollout ranks already wrote beside it (or none): no new bytes.
