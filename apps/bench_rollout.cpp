@@ -37,13 +37,19 @@
 //   spread_merged_kept    spread_kept with rollout.merge_feeds: on a GPU (bf16, hd 64 or 128) a pass's one-token
 //                         rows and replies run as one merged forward (DecodeEngine::merged_extend)
 //   spread_merged_now_kept  the same with each reply fed at the next pass (feed_wait 0)
+//   plain_spec, tools_spec, plain_kept_spec, tools_kept_spec   plain, tools, plain_kept and tools_kept with
+//                         rollout.speculative: suffix (--draft-tokens, --speculative-max-rows): drafts from the
+//                         rows' own text (a random model's rarely match; a steered call repeats the row's
+//                         earlier ones), verified in one forward
 // With --refill R, continuous batching against waves (tools off, trajectories of uneven lengths): R x batch
 // prompts through batch rows, refilled as rows finish (rollout.max_batch = batch), against R rollouts of
 // batch prompts one after the other (records lengths_waves, lengths_refill).
 // Prints a table; --json writes the records {mode, batch, prompt_len, new_tokens, sampled_tokens,
 // tool_calls, seconds, sampled_tokens_per_s, ratio_to_plain, decode_s, feed_s, tool_wait_s, decode_steps,
-// feed_steps, feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations (of them,
-// those that made new cache tensors), step_graph_captures, feed_graph_captures, capture_s (host seconds in
+// feed_steps, speculative, verify_passes, drafted_tokens, accepted_tokens, verify_sampled, verify_sampling_rows
+// (RolloutStats' speculation counts, --speculative suffix), tail_passes and tail_s (decode passes of at most 16
+// rows, and their seconds), feed_wait, merge_feeds, feed_graphs, forced_tokens, cache_compactions, cache_reallocations
+// (of them, those that made new cache tensors), step_graph_captures, feed_graph_captures, capture_s (host seconds in
 // those captures), spread, compact_s (host seconds in compactions), step_gpu_s and feed_gpu_s (device seconds
 // of the replayed step and feed graphs, CUDA events), step_gpu_by_span {span: [steps, device seconds]}, steer_s
 // (host seconds the bench's steering took, inside decode_s and feed_s), turn_s (of sample_s, the host reading the
@@ -128,6 +134,8 @@ struct Options {
   uint64_t seed = 1;
   std::vector<std::string> only;  // --modes
   int64_t refill = 0;
+  int64_t draft_tokens = RolloutOptions{}.draft_tokens;
+  int64_t speculative_max_rows = RolloutOptions{}.speculative_max_rows;
 };
 
 // The exit code when the program should stop here (--help, a bad option); nullopt to go on.
@@ -152,6 +160,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_option("--squeeze-holes", o.squeeze,
                  "EngineOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
   app.add_option("--seed", o.seed, "sampling seed");
+  app.add_option("--draft-tokens", o.draft_tokens, "rollout.draft_tokens (the *_spec modes)")->check(CLI::Range(1, 8));
+  app.add_option("--speculative-max-rows", o.speculative_max_rows, "rollout.speculative_max_rows (the *_spec modes)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
   app.add_option("--json", o.json_path, "write the records to this JSON file");
   app.add_option("--modes", o.only, "run only these modes (comma-separated; plain always runs)")->delimiter(',');
   app.add_option("--refill", o.refill,
@@ -229,7 +240,8 @@ struct Mode {
   bool tools, multi_token, feed_graphs;
   int64_t feed_wait;
   bool merge_feeds, spread;
-  bool keep = false;  // rollout.keep_cache: one engine for the warm-up and the timed run
+  bool keep = false;         // rollout.keep_cache: one engine for the warm-up and the timed run
+  bool speculative = false;  // rollout.speculative: suffix
 };
 
 // The modes in their order, those --modes leaves out removed (plain and plain_kept always run); nullopt
@@ -253,7 +265,13 @@ std::optional<std::vector<Mode>> select_modes(const Options& o) {
       {"tools_kept", true, true, true, wait, false, false, true},
       {"spread_kept", true, true, true, wait, false, true, true},
       {"spread_merged_kept", true, true, true, wait, true, true, true},
-      {"spread_merged_now_kept", true, true, true, 0, true, true, true}};
+      {"spread_merged_now_kept", true, true, true, 0, true, true, true},
+      {"plain_spec", false, true, defaults.engine.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false, false,
+       true},
+      {"tools_spec", true, true, defaults.engine.feed_graphs, defaults.feed_wait, defaults.merge_feeds, false, false,
+       true},
+      {"plain_kept_spec", false, true, true, wait, false, false, true, true},
+      {"tools_kept_spec", true, true, true, wait, false, false, true, true}};
   if (o.only.empty()) return modes;
   for (const std::string& name : o.only) {
     if (std::none_of(modes.begin(), modes.end(), [&](const Mode& m) { return m.name == name; })) {
@@ -295,6 +313,9 @@ class ModeRunner {
     ro.max_turns = 1 << 20;
     ro.max_tool_calls = 1 << 20;
     ro.progress_s = 0;
+    ro.speculative = mode.speculative ? Speculative::kSuffix : Speculative::kNone;
+    ro.draft_tokens = o_.draft_tokens;
+    ro.speculative_max_rows = o_.speculative_max_rows;
     SamplingOptions smp = s_.sampling;
     smp.max_new_tokens = o_.N;
     EngineOptions mpo = s_.po;
@@ -391,6 +412,14 @@ json report_mode(const Options& o, const Mode& m, const ModeRun& r, int64_t samp
           {"feed_wait_row_steps", st.feed_wait_row_steps},
           {"decode_steps", st.decode_steps},
           {"feed_steps", st.feed_steps},
+          {"speculative", m.speculative},
+          {"verify_passes", st.verify_passes},
+          {"drafted_tokens", st.drafted_tokens},
+          {"accepted_tokens", st.accepted_tokens},
+          {"verify_sampled", st.verify_sampled},
+          {"verify_sampling_rows", st.verify_sampling_rows},
+          {"tail_passes", st.tail_passes},
+          {"tail_s", st.tail_s},
           {"feed_wait", m.feed_wait},
           {"merge_feeds", m.merge_feeds},
           {"feed_graphs", m.feed_graphs},

@@ -44,7 +44,8 @@ at::Tensor next_token_logits(const Transformer& model, const at::Tensor& hidden 
 // runs as 8 x 24.
 constexpr int64_t kFeedMinRows = 8;
 
-int64_t feed_cols(int64_t K) {
+int64_t feed_cols(int64_t K, bool verify = false) {
+  if (verify && K <= 8) return K <= 2 ? 2 : K <= 4 ? 4 : 8;  // a draft of up to 7 tokens and the one before it
   if (K <= 64) return std::max<int64_t>(16, (K + 7) / 8 * 8);
   int64_t b = 128;
   while (b < K) b *= 2;
@@ -97,15 +98,17 @@ struct DecodeEngine::StepGraph {};
 struct DecodeEngine::ReplayClock {};
 #endif
 
-at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   size_t K = 0;
-  for (const auto& run : runs) {
-    TORCH_CHECK(!run.empty(), "extend: an empty run");
-    K = std::max(K, run.size());
+  std::vector<int64_t> offset(rows.size() + 1, 0);  // run j's first position in the output
+  for (size_t j = 0; j < runs.size(); ++j) {
+    TORCH_CHECK(!runs[j].empty(), "extend: an empty run");
+    K = std::max(K, runs[j].size());
+    offset[j + 1] = offset[j] + static_cast<int64_t>(runs[j].size());
   }
-  // Token t of every run still that long, one step per t; a row's logits are kept after its last token.
-  std::vector<at::Tensor> out(rows.size());
+  // Token t of every run still that long, one step per t.
+  std::vector<at::Tensor> out(offset.back());
   for (size_t t = 0; t < K; ++t) {
     std::vector<int64_t> r, tok;
     std::vector<size_t> which;
@@ -116,11 +119,28 @@ at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vect
       which.push_back(j);
     }
     at::Tensor logits = step(r, tok);
-    for (size_t i = 0; i < which.size(); ++i) {
-      if (t + 1 == runs[which[i]].size()) out[which[i]] = logits[static_cast<int64_t>(i)];
-    }
+    for (size_t i = 0; i < which.size(); ++i) out[offset[which[i]] + t] = logits[static_cast<int64_t>(i)];
   }
   return at::stack(out);
+}
+
+at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  at::Tensor all = step_runs(rows, runs);  // (positions, V)
+  std::vector<int64_t> last;               // each run's last position
+  int64_t end = 0;
+  for (const auto& run : runs) {
+    end += static_cast<int64_t>(run.size());
+    last.push_back(end - 1);
+  }
+  return all.index_select(0, at::tensor(last, at::kLong).to(all.device()));
+}
+
+at::Tensor TokenPolicy::extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  return step_runs(rows, runs);
+}
+
+void TokenPolicy::retract(const std::vector<int64_t>&, const std::vector<int64_t>&) {
+  TORCH_CHECK(false, "this policy cannot take tokens back (TokenPolicy::retract); rollout.speculative needs it");
 }
 
 at::Tensor TokenPolicy::admit(const std::vector<std::vector<int64_t>>&, int64_t) {
@@ -181,6 +201,7 @@ bool DecodeEngine::reuse_cache(int64_t N, int64_t P) {
   std::fill(seq_of_row_.begin(), seq_of_row_.end(), -1);
   cache_row_.clear();
   length_.clear();
+  fed_runs_.clear();
   cache_.length = 0;
   valid_.zero_();  // every slot of every row hidden: nothing of the last rollout is seen
   return true;
@@ -201,11 +222,13 @@ at::Tensor DecodeEngine::start(const std::vector<std::vector<int64_t>>& prompts,
   draw_graphs_.clear();
   feed_graphs_.clear();
   merged_graphs_.clear();
+  verify_graphs_.clear();
   cache_ = KvCache();
   valid_ = at::Tensor();
   cache_row_.clear();
   seq_of_row_.clear();
   length_.clear();
+  fed_runs_.clear();
   return admit(prompts, repeats);
 }
 
@@ -213,6 +236,7 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
   at::NoGradGuard no_grad;
   NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(!prompts.empty() && repeats >= 1, "admit: needs at least one prompt and repeats >= 1");
+  ++stamp_;
   const int64_t U = static_cast<int64_t>(prompts.size()), N = U * repeats;
   const int64_t first = static_cast<int64_t>(length_.size());  // the new sequences are [first, first + N)
   int64_t P = 0;
@@ -254,6 +278,7 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
     draw_graphs_.clear();
     feed_graphs_.clear();
     merged_graphs_.clear();
+    verify_graphs_.clear();
     cache_ = prefill.gather(rows, slots, aligned_slots(P + options_.slot_chunk));
     valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
     valid_.narrow(1, 0, P).copy_(prompt_valid);
@@ -296,6 +321,7 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
 DecodeEngine::StepPlan DecodeEngine::plan_step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
                                                bool span_step) {
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
+  ++stamp_;
   drop_released_rows();
   if (cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk())) compact(1);
   const int64_t Bc = cache_rows();
@@ -420,7 +446,72 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
 }
 
 at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  return feed(rows, runs, /*each=*/false);
+}
+
+at::Tensor DecodeEngine::extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+  return feed(rows, runs, /*each=*/true);
+}
+
+void DecodeEngine::note_run(int64_t n, int64_t first, int64_t count) {
+  if (static_cast<int64_t>(fed_runs_.size()) < static_cast<int64_t>(length_.size())) fed_runs_.resize(length_.size());
+  fed_runs_[n] = {stamp_, first, count};
+}
+
+SampleOutput TokenPolicy::extend_each_draw(const std::vector<int64_t>& rows,
+                                           const std::vector<std::vector<int64_t>>& runs,
+                                           const SamplingOptions& sampling, const at::Tensor& keys,
+                                           int64_t vocab_limit) {
+  return sample_keyed(extend_each(rows, runs), sampling, keys, vocab_limit);
+}
+
+SampleOutput DecodeEngine::extend_each_draw(const std::vector<int64_t>& rows,
+                                            const std::vector<std::vector<int64_t>>& runs,
+                                            const SamplingOptions& sampling, const at::Tensor& keys,
+                                            int64_t vocab_limit) {
+  const bool fixed = (graphed() && options_.switches.cuda_graphs) || options_.fixed_shape_extend;
+  if (!options_.switches.graph_draw || !fixed) {
+    return TokenPolicy::extend_each_draw(rows, runs, sampling, keys, vocab_limit);
+  }
+  FeedDraw d;
+  d.sampling = &sampling;
+  d.keys = keys.to(at::kCPU, at::kLong).contiguous();
+  d.vocab_limit = vocab_limit;
+  SampleOutput out;
+  const at::Tensor logits = feed(rows, runs, /*each=*/true, &d, &out);
+  if (logits.defined()) return sample_keyed(logits, sampling, d.keys, vocab_limit);  // one token each: a step
+  return out;
+}
+
+void DecodeEngine::retract(const std::vector<int64_t>& rows, const std::vector<int64_t>& counts) {
+  TORCH_CHECK(rows.size() == counts.size(), "retract: one count per sequence");
+  std::vector<int64_t> at_rows, at_slots;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t n = rows[j], c = counts[j];
+    if (c == 0) continue;
+    TORCH_CHECK(n >= 0 && n < int64_t(cache_row_.size()) && cache_row_[n] >= 0, "retract: sequence ", n,
+                " was released or never started");
+    TORCH_CHECK(n < int64_t(fed_runs_.size()) && fed_runs_[n].stamp == stamp_ && c > 0 && c <= fed_runs_[n].count,
+                "retract: sequence ", n, " has no ", c, " tokens of the latest forward to take back");
+    FedRun& r = fed_runs_[n];
+    for (int64_t i = r.count - c; i < r.count; ++i) {
+      at_rows.push_back(cache_row_[n]);
+      at_slots.push_back(r.first + i);
+    }
+    r.count -= c;
+    length_[n] -= c;
+  }
+  if (at_rows.empty()) return;
+  const auto dev = valid_.device();
+  const c10::List<std::optional<at::Tensor>> at{at::tensor(at_rows, at::kLong).to(dev),
+                                                at::tensor(at_slots, at::kLong).to(dev)};
+  valid_.index_put_(at, at::zeros({}, valid_.options()));
+}
+
+at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
+                              bool each, const FeedDraw* draw, SampleOutput* drawn) {
   at::NoGradGuard no_grad;
+  ++stamp_;
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   const int64_t E = static_cast<int64_t>(rows.size());
   int64_t K = 0;
@@ -431,23 +522,27 @@ at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vec
   if (K == 1) {  // one token each: a decode step (the graphed path on a GPU)
     std::vector<int64_t> tokens(E);
     for (int64_t j = 0; j < E; ++j) tokens[j] = runs[j][0];
-    return step(rows, tokens);
+    at::Tensor logits = step(rows, tokens);
+    for (int64_t n : rows) note_run(n, cache_.length - 1, 1);  // the step wrote slot length - 1
+    return logits;
   }
   const auto dev = valid_.device();
   bool graphs = false;
 #ifdef RLT_HAVE_CUDA
-  graphs = options_.switches.cuda_graphs && options_.switches.feed_graphs && dev.is_cuda();
+  graphs = options_.switches.cuda_graphs && (options_.switches.feed_graphs || each) && dev.is_cuda();
   // Runs of one token beside longer ones (rollout.merge_feeds): one merged pass, a step and a feed sharing
   // their weight reads, where the model can run it.
   bool ones = false;
   for (const auto& run : runs) ones |= run.size() == 1;
-  if (graphs && ones && cache_.fused_kernels && model_.mixed_forward_applies()) return merged_extend(rows, runs);
+  if (!each && graphs && ones && cache_.fused_kernels && model_.mixed_forward_applies()) {
+    return merged_extend(rows, runs);
+  }
 #endif
   NoCudnnAttention attention(!options_.cudnn_attention);  // after the step above, which keeps cuDNN when graphed
   // The fixed-shape form (bucketed rows x tokens, the write slots on the device) is what a graph
   // captures; without graphs it runs eagerly at the exact shape.
   const bool fixed = graphs || options_.fixed_shape_extend;
-  const int64_t Kb = fixed ? feed_cols(K) : K;
+  const int64_t Kb = fixed ? feed_cols(K, each) : K;
   drop_released_rows();
   if (cache_.length + Kb > cache_.max_len) compact(Kb);
   const int64_t L = cache_.length, Bc = cache_rows();
@@ -485,15 +580,54 @@ at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vec
     packed.push_back(L);
     const int64_t span = span_of(L + Kb);  // the slots filled and the feed's
     feed_span_slots_ += span;
+    at::Tensor packed_draw;  // (2, Eb Kb), with draw
+    if (draw) {
+      // Then each position's noise key (0 at the padding: its draw is dropped).
+      const size_t keys_at = packed.size();
+      packed.resize(keys_at + Eb * Kb, 0);
+      const int64_t* key = draw->keys.data_ptr<int64_t>();
+      for (int64_t j = 0, at = 0; j < E; ++j) {
+        for (size_t t = 0; t < runs[j].size(); ++t) packed[keys_at + j * Kb + t] = key[at++];
+      }
+    }
 #ifdef RLT_HAVE_CUDA
-    if (graphs) {
+    if (graphs && draw) {
+      const SamplingOptions& sampling = *draw->sampling;
+      const std::array<double, 4> key = {sampling.temperature, double(sampling.top_k), sampling.top_p,
+                                         double(draw->vocab_limit)};
+      if (key != verify_key_) verify_graphs_.clear();  // the options are constants of the captured draw
+      verify_key_ = key;
+      auto& g = verify_graphs_[{Eb, Kb, span}];
+      feed_graph_captures_ += replay(
+          g, to_device_async(packed, dev), -1,
+          [this, Eb, Kb, span, sampling, limit = draw->vocab_limit](const at::Tensor& x) {
+            return fixed_extend_draw(x, Eb, Kb, span, sampling, limit);
+          },
+          "verifying forward with its draw");
+      packed_draw = g->hidden;
+    } else if (graphs) {
       hidden = graph_extend(packed, Eb, Kb, span);
     } else
 #endif
-    {
+        if (draw) {
+      packed_draw =
+          fixed_extend_draw(at::tensor(packed, at::kLong).to(dev), Eb, Kb, span, *draw->sampling, draw->vocab_limit);
+    } else {
       hidden = fixed_extend(at::tensor(packed, at::kLong).to(dev), Eb, Kb, span);
     }
     cache_.length = L + Kb;
+    if (draw) {
+      for (int64_t j = 0; j < E; ++j) {
+        length_[rows[j]] += static_cast<int64_t>(runs[j].size());
+        note_run(rows[j], L, static_cast<int64_t>(runs[j].size()));
+      }
+      std::vector<int64_t> pick;  // every run's positions, run after run
+      for (int64_t j = 0; j < E; ++j) {
+        for (int64_t t = 0; t < static_cast<int64_t>(runs[j].size()); ++t) pick.push_back(j * Kb + t);
+      }
+      *drawn = unpack_draw(packed_draw, at::tensor(pick, at::kLong));  // waits for the forward
+      return at::Tensor();
+    }
   } else {
     at::Tensor rows_t = at::tensor(cache_row, at::kLong).to(dev);
     // Slots [L, L + K) are holes for every row, then the runs' own slots of the listed rows.
@@ -506,9 +640,19 @@ at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vec
   }
   // The runs are in the cache: each sequence holds its run's tokens more (not before: a feed that throws
   // leaves the positions as they were).
-  for (int64_t j = 0; j < E; ++j) length_[rows[j]] += static_cast<int64_t>(runs[j].size());
-  at::Tensor h = hidden.index_select(0, at::tensor(last).to(dev));  // (E, D)
-  return next_token_logits(model_, h);                              // (E, V)
+  for (int64_t j = 0; j < E; ++j) {
+    length_[rows[j]] += static_cast<int64_t>(runs[j].size());
+    note_run(rows[j], L, static_cast<int64_t>(runs[j].size()));
+  }
+  std::vector<int64_t> pick = last;  // each run's last position; each: all of them, run after run
+  if (each) {
+    pick.clear();
+    for (int64_t j = 0; j < E; ++j) {
+      for (int64_t t = 0; t < static_cast<int64_t>(runs[j].size()); ++t) pick.push_back(j * Kb + t);
+    }
+  }
+  at::Tensor h = hidden.index_select(0, at::tensor(pick).to(dev));  // (E or the runs' tokens, D)
+  return next_token_logits(model_, h);                              // (E or the runs' tokens, V)
 }
 
 #ifdef RLT_HAVE_CUDA
@@ -605,6 +749,15 @@ at::Tensor DecodeEngine::fixed_extend(const at::Tensor& inputs, int64_t Eb, int6
   return model_.forward(ids, pos, mask, &cache_).view({n, -1});  // (Eb Kb, D)
 }
 
+at::Tensor DecodeEngine::fixed_extend_draw(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span,
+                                           const SamplingOptions& sampling, int64_t vocab_limit) {
+  const int64_t n_in = 3 * Eb * Kb + Eb + 1;
+  at::Tensor hidden = fixed_extend(inputs.narrow(0, 0, n_in), Eb, Kb, span);  // (Eb Kb, D)
+  at::Tensor logits = next_token_logits(model_, hidden);                      // (Eb Kb, V)
+  return pack_draw(
+      draw_tokens(logits, sampling, inputs.narrow(0, n_in, Eb * Kb), vocab_limit, options_.switches.fused_kernels));
+}
+
 void DecodeEngine::mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed) {
   // The feed's slots are holes for every row, then the runs' own slots of the listed rows.
   valid_.index_fill_(1, slots, false);
@@ -678,7 +831,8 @@ std::unique_ptr<DecodeEngine::StepGraph> DecodeEngine::capture(const at::Tensor&
     stream_synchronize(dev);
     // Thread-local capture: with train.async the update's thread keeps allocating and launching on its own
     // stream while this one captures, which a global capture would forbid.
-    g->graph.capture_begin(/*pool=*/{0, 0}, cudaStreamCaptureModeThreadLocal);
+    if (!any_graph()) graph_pool_ = at::cuda::graph_pool_handle();
+    g->graph.capture_begin(graph_pool_, cudaStreamCaptureModeThreadLocal);
     try {
       g->hidden = run(g->inputs);
     } catch (const std::exception& e) {
@@ -747,6 +901,14 @@ at::Tensor DecodeEngine::graph_extend(const std::vector<int64_t>& packed, int64_
 }
 #endif
 
+bool DecodeEngine::any_graph() const {
+  auto holds = [](const auto& graphs) {
+    return std::any_of(graphs.begin(), graphs.end(), [](const auto& g) { return g.second != nullptr; });
+  };
+  return holds(step_graphs_) || holds(draw_graphs_) || holds(feed_graphs_) || holds(merged_graphs_) ||
+         holds(verify_graphs_);
+}
+
 bool DecodeEngine::graphed() const {
 #ifdef RLT_HAVE_CUDA
   return options_.switches.cuda_graphs && valid_.defined() && valid_.is_cuda();
@@ -778,6 +940,7 @@ void DecodeEngine::drop_released_rows() {
 void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {
   at::NoGradGuard no_grad;
   ++compactions_;
+  ++stamp_;       // slots move: no run can be taken back
   struct Timed {  // adds the call's host seconds to compact_s_ on every return
     double& total;
     std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
@@ -830,6 +993,7 @@ void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, i
   draw_graphs_.clear();
   feed_graphs_.clear();
   merged_graphs_.clear();
+  verify_graphs_.clear();
   cache_ = cache_.gather(rows, order, len);
   valid_ = at::zeros({Bn, len}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);

@@ -56,6 +56,18 @@ class TokenPolicy {
   // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
   // runs through step(), one token per call; DecodeEngine takes them in one forward.
   virtual at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
+  // A speculative rollout's verifying forward (rollout.speculative): extend(), with the logits after every
+  // token of every run, run after run: (sum of the runs' lengths, V). The default feeds one token per step().
+  virtual at::Tensor extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
+  // extend_each(), then the draw of every position's token as sample_tokens makes it, the noise from keys
+  // (positions) int64 on the CPU, run after run. The default draws from extend_each()'s logits;
+  // DecodeEngine's graphed verifying forwards draw inside the forward's CUDA graph (graph_draw).
+  virtual SampleOutput extend_each_draw(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
+                                        const SamplingOptions& sampling, const at::Tensor& keys, int64_t vocab_limit);
+  // Takes back the last counts[j] (>= 0) tokens of sequence rows[j]'s run in the latest extend_each, before
+  // any other call (a draft's rejected tokens): they leave the sequence's context, and its next token takes
+  // the first one's position. An engine that cannot throws (the default).
+  virtual void retract(const std::vector<int64_t>& rows, const std::vector<int64_t>& counts);
   // Sequences that will not be fed again; their memory may be reclaimed, or taken by admitted ones.
   virtual void release(const std::vector<int64_t>& rows) {}
   // A hint from a caller that will admit more sequences: keep room for `rows` sequences held at once when
@@ -63,6 +75,11 @@ class TokenPolicy {
   // set across start(); rollout() sets it at its start and clears it when it returns or throws.
   virtual void reserve_rows(int64_t rows) {}
   virtual int64_t vocab_size() const = 0;
+
+ protected:
+  // The defaults' forward: each run fed one token per step(), the logits after every token, run after run
+  // (sum of the runs' lengths, V).
+  at::Tensor step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
 };
 
 // The engine's switches, shared by the rollout's options (rollout.<name>, RolloutOptions::engine) and the
@@ -172,9 +189,20 @@ class DecodeEngine : public TokenPolicy {
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
   // feed runs at a bucketed shape (rows to a power of two of at least 8, K to a multiple of 8 of at least
-  // 16 up to 64, then a power of two: fixed_extend) over the span in use, whose CUDA graph is captured once
-  // per bucket, span and cache tensors and replayed.
+  // 16 up to 64, then a power of two; 2, 4 or 8 for a verifying forward's runs: fixed_extend) over the span in use,
+  // whose CUDA graph is captured once per bucket, span and cache tensors and replayed.
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
+  // extend()'s forward (never the merged pass), every position's logits. With cuda_graphs on a GPU it
+  // replays extend()'s bucketed graphs whatever feed_graphs says: a verifying forward is a decode step's
+  // size, not a reply's.
+  at::Tensor extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override;
+  // With graph_draw, at the fixed shape (graphed on a GPU, or fixed_shape_extend): the forward, the LM head
+  // over every position of the bucket and the draw in one CUDA graph per bucket, span and sampling options,
+  // one copy to the host. Otherwise TokenPolicy's.
+  SampleOutput extend_each_draw(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
+                                const SamplingOptions& sampling, const at::Tensor& keys, int64_t vocab_limit) override;
+  // The taken-back slots become holes (valid_), squeezed out as a reply's padding is.
+  void retract(const std::vector<int64_t>& rows, const std::vector<int64_t>& counts) override;
   void release(const std::vector<int64_t>& rows) override;
   // A reallocation (a growing compaction) makes at least this many rows: the live ones, then free rows
   // (all slots hidden), so the next admit needs no new cache (and no recapture). Without graphs, released
@@ -274,6 +302,22 @@ class DecodeEngine : public TokenPolicy {
   at::Tensor fixed_extend(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span);
   // A feed's slots (Kb) in valid_: holes for every row, then fed (Eb, Kb) for the rows (Eb) it lists.
   void mark_feed_slots(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& fed);
+  // extend() and extend_each(): each, every position's logits. With draw (a verifying forward's draw, at
+  // the fixed shape), the draw of every position into *drawn instead (the logits returned undefined).
+  struct FeedDraw {
+    const SamplingOptions* sampling = nullptr;
+    at::Tensor keys;  // (positions) int64 on the CPU, run after run
+    int64_t vocab_limit = 0;
+  };
+  at::Tensor feed(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs, bool each,
+                  const FeedDraw* draw = nullptr, SampleOutput* drawn = nullptr);
+  // fixed_extend, then the LM head over all Eb Kb positions and their draw: inputs are fixed_extend's, then
+  // each position's noise key (Eb Kb). Returns the packed draw (2, Eb Kb) (pack_draw).
+  at::Tensor fixed_extend_draw(const at::Tensor& inputs, int64_t Eb, int64_t Kb, int64_t span,
+                               const SamplingOptions& sampling, int64_t vocab_limit);
+  // Sequence n's latest run: its slots [first, first + count) in the cache as it was after forward `stamp`
+  // (retract's bookkeeping).
+  void note_run(int64_t n, int64_t first, int64_t count);
   // extend() with runs of one token beside longer ones, on a GPU with feed graphs (CUDA builds): one merged
   // pass (Transformer::forward_mixed), the one-token rows as a step at slot L and the longer runs as a feed
   // at slots [L + 1, L + 1 + Kb) in the feed's buckets, replayed from a graph per (Eb, Kb, span).
@@ -308,14 +352,30 @@ class DecodeEngine : public TokenPolicy {
   std::vector<int64_t> cache_row_;   // (S) sequence -> cache row, -1 once released
   std::vector<int64_t> seq_of_row_;  // (Bc) cache row -> sequence, -1 once released
   std::vector<int64_t> length_;      // (S) tokens held per sequence = the next token's RoPE position
+  // Moves of the cache's slots (forwards, compactions) so far, and each sequence's latest run: the forward
+  // it was fed in, its first slot and its tokens (note_run, for retract).
+  int64_t stamp_ = 0;
+  struct FedRun {
+    int64_t stamp = -1, first = 0, count = 0;
+  };
+  std::vector<FedRun> fed_runs_;
   int64_t compactions_ = 0, reallocations_ = 0, step_span_slots_ = 0, feed_span_slots_ = 0;
   int64_t reserve_rows_ = 0;  // reserve_rows()
   int64_t keep_rows_ = 0;     // keep_cache: the rows the cache was made with, kept through reallocations
+  // CUDA builds: the memory pool the engine's graphs are captured into, one while any graph lives (a new
+  // one once none does: a pool whose graphs are all gone is released). The graphs replay one at a time
+  // and each output is read before the next replay, so they can share it; a pool each reserves a segment
+  // each (under expandable segments, address space the size of the device), and a speculative rollout's
+  // verifying buckets ran out of it.
+  std::pair<unsigned long long, unsigned long long> graph_pool_{0, 0};
+  bool any_graph() const;                                      // a captured graph lives
   std::map<int64_t, std::unique_ptr<StepGraph>> step_graphs_;  // span -> step graph (of the current cache)
   std::map<int64_t, std::unique_ptr<StepGraph>> draw_graphs_;  // span -> step_draw's graph (of the current cache)
   std::array<double, 4> draw_key_{};  // the temperature, top-k, top-p and vocabulary limit draw_graphs_ hold
   std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> feed_graphs_;    // (Eb, Kb, span) -> feed graph
   std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> merged_graphs_;  // (Eb, Kb, span) -> merged pass
+  std::map<std::array<int64_t, 3>, std::unique_ptr<StepGraph>> verify_graphs_;  // (Eb, Kb, span) -> feed and draw
+  std::array<double, 4> verify_key_{};  // the sampling options verify_graphs_ hold (as draw_key_)
   int64_t merged_passes_ = 0;
   int64_t graph_captures_ = 0, feed_graph_captures_ = 0;
   double capture_s_ = 0, compact_s_ = 0;

@@ -156,6 +156,9 @@ double lap(Clock::time_point& t) {
   return s;
 }
 
+// RolloutStats' tail: decode passes of at most this many rows.
+constexpr size_t kTailRows = 16;
+
 enum class SeqState { kQueued, kGenerating, kWaiting, kDone };  // kQueued: its prompt not yet admitted
 
 struct Seq {
@@ -168,6 +171,8 @@ struct Seq {
   int64_t stream = 0;
   int64_t run_since = -1;  // decode steps done when its pending run (several tokens) was first held back
   std::chrono::steady_clock::time_point tool_sent;  // when its tool call was submitted
+  int64_t text = -1;                                // its text in the drafter (rollout.speculative)
+  int64_t draft_len = 0;                            // the longest draft it feeds next
 };
 
 class Loop {
@@ -244,6 +249,7 @@ class Loop {
       }
       group_keys_.push_back(keys_[p]);
     }
+    if (options_.speculative == Speculative::kSuffix) start_drafts();
     const int64_t L = static_cast<int64_t>(live.size());
     rows_ = max_rows > 0 ? std::max(max_rows, G) : L + P * G;
     // Admits to come: the policy keeps rows through a reallocation for them (whole prompts' worth).
@@ -331,7 +337,12 @@ class Loop {
         stats.tool_wait_row_steps += seqs_[n].state == SeqState::kWaiting && !fed_now[n];
         stats.feed_wait_row_steps += seqs_[n].pending.size() >= 2;
       }
-      if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty()) {
+      // Drafts (rollout.speculative): a pass with few rows to decode verifies them in one forward.
+      std::vector<std::vector<int64_t>> drafts;
+      if (drafter_ && !rows.empty() && static_cast<int64_t>(rows.size()) <= options_.speculative_max_rows) {
+        drafts = make_drafts(rows);
+      }
+      if (options_.merge_feeds && options_.multi_token_feed && !rows.empty() && !run_rows.empty() && drafts.empty()) {
         // One forward for the pass: the one-token rows join the feed as runs of one token.
         for (size_t j = 0; j < rows.size(); ++j) {
           run_rows.insert(run_rows.begin() + j, rows[j]);
@@ -343,11 +354,14 @@ class Loop {
       auto samples_next = [&](int64_t n) {
         return seqs_[n].pending.empty() && seqs_[n].state == SeqState::kGenerating;
       };
-      if (!rows.empty()) {
+      if (!drafts.empty()) {
+        verify(rows, tokens, drafts, stats, t);
+      } else if (!rows.empty()) {
         // The step draws every fed row's next token (on a GPU inside the step's graph); the rows that wait
         // drop theirs.
         const SampleOutput d = policy_.step_draw(pids(rows), tokens, sampling_, row_keys(rows), tok_.vocab_size());
-        stats.decode_s += lap(t);
+        const double step_s = lap(t);
+        stats.decode_s += step_s;
         stats.decode_steps += 1;
         stats.fed_rows += static_cast<int64_t>(rows.size());
         std::vector<int64_t> keep;
@@ -355,6 +369,11 @@ class Loop {
           if (!samples_next(rows[j])) continue;
           drawn_rows.push_back(rows[j]);
           keep.push_back(static_cast<int64_t>(j));
+        }
+        if (rows.size() <= kTailRows) {
+          stats.tail_passes += 1;
+          stats.tail_s += step_s;
+          stats.tail_sampled += static_cast<int64_t>(keep.size());
         }
         const at::Tensor k = at::tensor(keep, at::kLong);
         drawn = {d.ids.index_select(0, k), d.logprobs.index_select(0, k)};
@@ -515,6 +534,7 @@ class Loop {
     int64_t taken = 0;
     for (int64_t q = 0; q < groups; ++q) {
       if (taken < want && group_done(q)) {
+        remember(q);
         for (int64_t g = 0; g < G; ++g) {
           Trajectory& tr = seqs_[group_seq(q, g)].traj;
           tr.prompt_index = taken;
@@ -565,6 +585,7 @@ class Loop {
       s.traj.logprobs.push_back(0.0f);
       s.traj.versions.push_back(version_);
       s.pending.push_back(ids[i]);
+      if (drafter_) drafter_->append(s.text, ids[i], /*sampled=*/false);
     }
     if (n < static_cast<int64_t>(ids.size()) || total_tokens(s) >= options_.max_context) {
       finish(s, FinishReason::kContext, /*truncated=*/true);
@@ -641,6 +662,7 @@ class Loop {
     s.traj.loss_mask.push_back(1);
     s.traj.logprobs.push_back(logprob);
     s.traj.versions.push_back(version_);
+    if (drafter_) drafter_->append(s.text, id, /*sampled=*/true);
     s.turn_tokens += 1;
     const std::string& piece = tok_.piece_text(id);
     s.turn_text += piece;
@@ -678,6 +700,127 @@ class Loop {
     s.state = SeqState::kWaiting;
     s.tool_sent = std::chrono::steady_clock::now();
     s.tool = tools_(end.code);
+  }
+
+  // rollout.speculative: every sequence's text so far (a carried one's whole), and each group's responses of
+  // its prompt's latest earlier rollout, in the drafter; a group's texts share its index.
+  void start_drafts() {
+    drafter_ = std::make_unique<SuffixDrafter>();
+    const int64_t G = sampling_.samples_per_prompt;
+    for (size_t q = 0; q < group_keys_.size(); ++q) {
+      const std::vector<int64_t>& prompt = seqs_[group_seq(static_cast<int64_t>(q), 0)].traj.prompt_ids;
+      const auto* seen = options_.draft_history ? options_.draft_history->recall(prompt) : nullptr;
+      if (seen) {
+        for (const DraftHistory::Text& x : *seen) drafter_->add(static_cast<int64_t>(q), x.ids, x.sampled);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        Seq& s = seqs_[group_seq(static_cast<int64_t>(q), g)];
+        std::vector<uint8_t> sampled(s.traj.prompt_ids.size(), 0);
+        sampled.insert(sampled.end(), s.traj.loss_mask.begin(), s.traj.loss_mask.end());
+        s.text = drafter_->add(static_cast<int64_t>(q), s.traj.ids(), sampled);
+        s.draft_len = options_.draft_tokens;
+      }
+    }
+  }
+
+  // Group q's responses, finished, as the next rollout's drafts of its prompt.
+  void remember(int64_t q) {
+    if (!drafter_ || !options_.draft_history) return;
+    std::vector<DraftHistory::Text> texts;
+    for (int64_t g = 0; g < sampling_.samples_per_prompt; ++g) {
+      const Trajectory& tr = seqs_[group_seq(q, g)].traj;
+      texts.push_back({tr.response_ids, tr.loss_mask});
+    }
+    options_.draft_history->remember(seqs_[group_seq(q, 0)].traj.prompt_ids, std::move(texts));
+  }
+
+  // Each row's draft (empty where it has none, or samples no more in this turn than its last token); none
+  // at all when no row has one.
+  std::vector<std::vector<int64_t>> make_drafts(const std::vector<int64_t>& rows) const {
+    std::vector<std::vector<int64_t>> out(rows.size());
+    bool any = false;
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const Seq& s = seqs_[rows[j]];
+      if (!s.pending.empty() || s.state != SeqState::kGenerating) continue;  // it waits on its call's reply
+      // A verifying forward samples up to the draft's length + 1 tokens, all within this turn's and the
+      // context's limits.
+      const int64_t room = std::min(
+          {s.draft_len, sampling_.max_new_tokens - s.turn_tokens - 1, options_.max_context - total_tokens(s) - 1});
+      if (room <= 0) continue;
+      out[j] = drafter_->draft(s.text, room);
+      any |= !out[j].empty();
+    }
+    if (!any) out.clear();
+    return out;
+  }
+
+  // One verifying forward: each row's last token and its draft (TokenPolicy::extend_each_draw); each position's
+  // token drawn with the noise of its own index in the response, as plain decoding draws it; the draft kept
+  // up to the first position whose draw differs from it, that draw included, and the rest taken back.
+  void verify(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+              const std::vector<std::vector<int64_t>>& drafts, RolloutStats& stats, Clock::time_point& t) {
+    const SpeculationFault fault = options_.speculation_fault;
+    std::vector<std::vector<int64_t>> runs(rows.size());
+    std::vector<int64_t> streams, counters;  // each position's noise
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const Seq& s = seqs_[rows[j]];
+      runs[j].push_back(tokens[j]);
+      runs[j].insert(runs[j].end(), drafts[j].begin(), drafts[j].end());
+      for (size_t i = 0; i < runs[j].size(); ++i) {
+        streams.push_back(s.stream);
+        counters.push_back(
+            static_cast<int64_t>(s.traj.response_ids.size() + (fault == SpeculationFault::kStepNoise ? 0 : i)));
+      }
+    }
+    const SampleOutput d = policy_.extend_each_draw(
+        pids(rows), runs, sampling_,
+        sample_row_keys(sampling_.seed, at::tensor(streams, at::kLong), at::tensor(counters, at::kLong)),
+        tok_.vocab_size());  // (positions)
+    const double forward_s = lap(t);
+    stats.decode_s += forward_s;
+    const bool tail = rows.size() <= kTailRows;
+    const int64_t sampled_before = stats.verify_sampled;
+    stats.verify_passes += 1;
+    stats.verify_rows += static_cast<int64_t>(rows.size());
+    const int64_t* ids = d.ids.data_ptr<int64_t>();
+    const float* lp = d.logprobs.data_ptr<float>();
+    std::vector<int64_t> back(rows.size(), 0);  // tokens to take back
+    int64_t off = 0;                            // row j's first position
+    for (size_t j = 0; j < rows.size(); ++j) {
+      Seq& s = seqs_[rows[j]];
+      const std::vector<int64_t>& draft = drafts[j];
+      const int64_t m = static_cast<int64_t>(draft.size());
+      stats.drafted_tokens += m;
+      if (s.pending.empty() && s.state == SeqState::kGenerating) {
+        stats.verify_sampling_rows += 1;
+        int64_t i = 0, accepted = 0;
+        for (;; ++i) {
+          const int64_t at = fault == SpeculationFault::kOffByOne ? off + std::min(i + 1, m) : off + i;
+          int64_t id = ids[at];
+          if (fault == SpeculationFault::kWholeDraft && i < m) id = draft[i];
+          if (fault == SpeculationFault::kBiasToDraft && i < m && id != draft[i] && (++biased_ % 2 == 1)) id = draft[i];
+          const bool as_drafted = i < m && id == draft[i];
+          on_sampled(s, id, lp[at]);
+          stats.verify_sampled += 1;
+          accepted += as_drafted;
+          if (!as_drafted || s.state != SeqState::kGenerating || s.pending.size() != 1) break;
+          s.pending.clear();  // the drafted token is in the cache already
+        }
+        back[j] = m - i;  // the run's tokens after position i
+        stats.accepted_tokens += accepted;
+        if (m > 0) s.draft_len = accepted == m ? std::min(options_.draft_tokens, m + 1) : accepted + 1;
+      }
+      off += m + 1;
+    }
+    if (tail) {
+      stats.tail_passes += 1;
+      stats.tail_s += forward_s;
+      stats.tail_sampled += stats.verify_sampled - sampled_before;
+    }
+    if (fault != SpeculationFault::kVisibleRejects) policy_.retract(pids(rows), back);
+    const double host = lap(t);  // reading the tokens (turn ends, tool calls sent)
+    stats.sample_s += host;
+    stats.turn_s += host;
   }
 
   // The live line of a long rollout (rollout.progress_s): "\r"-rewritten in place, ended by run().
@@ -778,8 +921,10 @@ class Loop {
   std::vector<int64_t> pid_;  // each sequence's id in the policy (-1: not started in this rollout)
   int64_t next_pid_ = 0;
   int64_t forced_tokens_ = 0;
-  double tool_latency_s_ = 0;  // RolloutStats::tool_latency_s
-  double tool_run_s_ = 0;      // RolloutStats::tool_run_s
+  std::unique_ptr<SuffixDrafter> drafter_;  // rollout.speculative
+  int64_t biased_ = 0;                      // SpeculationFault::kBiasToDraft's rejections
+  double tool_latency_s_ = 0;               // RolloutStats::tool_latency_s
+  double tool_run_s_ = 0;                   // RolloutStats::tool_run_s
   Clock::time_point start_;
   double next_progress_ = 0;  // seconds since start_ of the next live line
   bool printed_ = false;

@@ -20,11 +20,13 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/fields.h"
 #include "data/reward.h"
+#include "rollout/draft.h"
 #include "rollout/engine.h"
 #include "rollout/sampler.h"
 #include "rollout/sandbox.h"
@@ -53,6 +55,19 @@ inline const EnumNames<FinishReason>& enum_names(FinishReason) {
                                              {"context", FinishReason::kContext}};
   return names;
 }
+
+// rollout.speculative: none, or drafts from text already seen (rollout/draft.h), each verified in one forward.
+enum class Speculative { kNone, kSuffix };
+inline const EnumNames<Speculative>& enum_names(Speculative) {
+  static const EnumNames<Speculative> names{{"none", Speculative::kNone}, {"suffix", Speculative::kSuffix}};
+  return names;
+}
+
+// Wrong speculative rollouts the tests must reject: each drafted token taken as sampled (kWholeDraft); the
+// token drawn one position on taken at each position (kOffByOne); every position's noise that of the run's
+// first (kStepNoise: noise indexed by the verifying forward, not the token); the rejected tokens left in
+// the cache (kVisibleRejects); a rejected draft token taken anyway at every other rejection (kBiasToDraft).
+enum class SpeculationFault { kNone, kWholeDraft, kOffByOne, kStepNoise, kVisibleRejects, kBiasToDraft };
 
 struct RolloutOptions {
   bool tools = true;
@@ -103,6 +118,21 @@ struct RolloutOptions {
   int64_t partial_extra_prompts = 0;
   int64_t max_staleness = 2;
   double progress_s = 10;
+  // Speculative rollouts (docs/rollout.md, "Speculative rollouts"). A pass whose decode rows are at most
+  // speculative_max_rows feeds each row's last token and its draft (up to draft_tokens, fewer after
+  // rejections: a row's next draft is one longer than its last accepted part, or one more after a whole
+  // draft was taken) in one forward (TokenPolicy::extend_each_draw), draws each position's token as plain
+  // decoding would (its own counter's noise), and keeps the draft up to the first token drawn otherwise,
+  // that token included; the rest is taken back (TokenPolicy::retract). The samples are plain decoding's
+  // wherever the two forwards give the same logits.
+  Speculative speculative = Speculative::kNone;
+  int64_t draft_tokens = 4;
+  int64_t speculative_max_rows = 32;
+  int64_t draft_history_tokens = 4000000;
+  // Not config keys. The responses of earlier rollouts, by prompt (the trainer keeps one for the run; null:
+  // only this rollout's texts), and a wrong verification for the tests.
+  std::shared_ptr<DraftHistory> draft_history;
+  SpeculationFault speculation_fault = SpeculationFault::kNone;
 
   template <class V>
   void visit(V&& v) {
@@ -143,6 +173,14 @@ struct RolloutOptions {
     v("progress_s", progress_s,
       "seconds before, and between, a long rollout's live stderr lines (done, tokens/s, tool calls); 0 = none",
       FieldRange{0, 1e9});
+    v("speculative", speculative,
+      "none | suffix: drafts from the group's and earlier rollouts' text, verified in one forward (same samples)");
+    v("draft_tokens", draft_tokens, "rollout.speculative: the longest draft a row feeds", FieldRange{1, 8});
+    v("speculative_max_rows", speculative_max_rows,
+      "rollout.speculative: a pass with more rows to decode than this is a plain decode step", FieldRange{1, 1e9});
+    v("draft_history_tokens", draft_history_tokens,
+      "rollout.speculative: response tokens of earlier rollouts kept as drafts' sources, by prompt",
+      FieldRange{0, 1e12});
   }
   void check(const FieldFail& fail) const {
     if (tool_name.empty()) fail("tool_name", "must not be empty");
@@ -236,6 +274,20 @@ struct RolloutStats {
   // ones left in it.
   int64_t resumed = 0;
   int64_t cut = 0;
+  // rollout.speculative: the verifying forwards (TokenPolicy::extend_each_draw) and the rows they fed, summed
+  // (their time is in decode_s); the draft tokens fed, and of them those sampled as drafted; the tokens the
+  // rows that sampled in them sampled (one a row and forward, plus the accepted ones).
+  int64_t verify_passes = 0;
+  int64_t verify_rows = 0;
+  int64_t drafted_tokens = 0;
+  int64_t accepted_tokens = 0;
+  int64_t verify_sampled = 0;
+  int64_t verify_sampling_rows = 0;  // of verify_rows, those that sampled (not waiting on the tool they called)
+  // The tail: decode passes (steps or verifying forwards) of at most 16 rows, their time (in decode_s) and
+  // the tokens their rows sampled.
+  int64_t tail_passes = 0;
+  int64_t tail_sampled = 0;
+  double tail_s = 0;
 };
 
 // rollout.partial: a group whose trajectories were not all finished when its rollout ended. What the loop

@@ -33,6 +33,15 @@ void add_stats(RolloutStats& into, const RolloutStats& s) {
   into.total_s += s.total_s;
   into.resumed += s.resumed;
   into.cut += s.cut;
+  into.verify_passes += s.verify_passes;
+  into.verify_rows += s.verify_rows;
+  into.drafted_tokens += s.drafted_tokens;
+  into.accepted_tokens += s.accepted_tokens;
+  into.verify_sampled += s.verify_sampled;
+  into.verify_sampling_rows += s.verify_sampling_rows;
+  into.tail_passes += s.tail_passes;
+  into.tail_sampled += s.tail_sampled;
+  into.tail_s += s.tail_s;
 }
 
 }  // namespace

@@ -276,36 +276,54 @@ std::map<std::string, double> rollout_metrics(const Run& run, const RolloutBatch
     std::cerr << "warning: step " << step << ": " << int(100 * truncated / S)
               << "% of completions hit a length limit (sampling.max_new_tokens / rollout.max_context)\n";
   }
-  return {{"reward_mean", r_mean},
-          {"reward_std", r_std},
-          {"accuracy", correct / S},
-          {"tool_use", tool_use / S},
-          {"tool_calls_mean", tool_calls / S},
-          {"truncation_rate", truncated / S},
-          {"response_length_mean", len_sum / S},
-          {"response_length_max", len_max},
-          {"sampled_tokens", sampled},
-          {"tokens", tokens},
-          {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
-          {"time_rollout_s", rb.seconds},
-          {"time_rollout_prefill_s", rb.stats.prefill_s},
-          {"time_rollout_decode_s", rb.stats.decode_s},
-          {"time_rollout_sample_s", rb.stats.sample_s},
-          {"time_rollout_tool_wait_s", rb.stats.tool_wait_s},
-          {"rollout_decode_steps", double(rb.stats.decode_steps)},
-          {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
-          {"rollout_forced_tokens", double(rb.stats.forced_tokens)},
-          {"rollout_feed_steps", double(rb.stats.feed_steps)},
-          {"rollout_refills", double(rb.stats.refills)},
-          {"time_rollout_feed_s", rb.stats.feed_s},
-          {"time_rollout_turn_s", rb.stats.turn_s},
-          // A tool call's latency as the loop saw it, and on the sandbox's clock, over the step's calls.
-          {"rollout_tool_latency_ms_mean", 1e3 * rb.stats.tool_latency_s / std::max(1.0, tool_calls)},
-          {"rollout_tool_run_ms_mean", 1e3 * rb.stats.tool_run_s / std::max(1.0, tool_calls)},
-          // Passes of the loop a trajectory sat out, on average: waiting on its tool calls, or holding a
-          // reply back to share a feed (rollout.feed_wait).
-          {"rollout_tool_wait_passes_mean", double(rb.stats.tool_wait_row_steps) / S},
-          {"rollout_feed_wait_passes_mean", double(rb.stats.feed_wait_row_steps) / S}};
+  std::map<std::string, double> m = {
+      {"reward_mean", r_mean},
+      {"reward_std", r_std},
+      {"accuracy", correct / S},
+      {"tool_use", tool_use / S},
+      {"tool_calls_mean", tool_calls / S},
+      {"truncation_rate", truncated / S},
+      {"response_length_mean", len_sum / S},
+      {"response_length_max", len_max},
+      {"sampled_tokens", sampled},
+      {"tokens", tokens},
+      {"rollout_tokens_per_s", sampled / std::max(1e-9, rb.seconds)},
+      {"time_rollout_s", rb.seconds},
+      {"time_rollout_prefill_s", rb.stats.prefill_s},
+      {"time_rollout_decode_s", rb.stats.decode_s},
+      {"time_rollout_sample_s", rb.stats.sample_s},
+      {"time_rollout_tool_wait_s", rb.stats.tool_wait_s},
+      {"rollout_decode_steps", double(rb.stats.decode_steps)},
+      {"rollout_rows_per_step", double(rb.stats.fed_rows) / std::max<int64_t>(1, rb.stats.decode_steps)},
+      {"rollout_forced_tokens", double(rb.stats.forced_tokens)},
+      {"rollout_feed_steps", double(rb.stats.feed_steps)},
+      {"rollout_refills", double(rb.stats.refills)},
+      {"time_rollout_feed_s", rb.stats.feed_s},
+      {"time_rollout_turn_s", rb.stats.turn_s},
+      // The tail: decode passes of at most 16 rows (with several ranks, the slowest rank's time).
+      {"time_rollout_tail_s", rb.stats.tail_s},
+      {"rollout_tail_passes", double(rb.stats.tail_passes)},
+      {"rollout_tail_tokens_per_pass", double(rb.stats.tail_sampled) / std::max<int64_t>(1, rb.stats.tail_passes)},
+      // A tool call's latency as the loop saw it, and on the sandbox's clock, over the step's calls.
+      {"rollout_tool_latency_ms_mean", 1e3 * rb.stats.tool_latency_s / std::max(1.0, tool_calls)},
+      {"rollout_tool_run_ms_mean", 1e3 * rb.stats.tool_run_s / std::max(1.0, tool_calls)},
+      // Passes of the loop a trajectory sat out, on average: waiting on its tool calls, or holding a
+      // reply back to share a feed (rollout.feed_wait).
+      {"rollout_tool_wait_passes_mean", double(rb.stats.tool_wait_row_steps) / S},
+      {"rollout_feed_wait_passes_mean", double(rb.stats.feed_wait_row_steps) / S}};
+  if (run.config.rollout.speculative != Speculative::kNone) {
+    const RolloutStats& st = rb.stats;
+    // Speculative rollouts: verifying forwards among the decode passes, draft tokens fed and taken, and the
+    // tokens a row sampled per verifying forward.
+    m["rollout_verify_passes"] = double(st.verify_passes);
+    m["rollout_speculative_share"] =
+        double(st.verify_passes) / std::max<int64_t>(1, st.verify_passes + st.decode_steps);
+    m["rollout_draft_tokens"] = double(st.drafted_tokens);
+    m["rollout_draft_accepted"] = double(st.accepted_tokens);
+    m["rollout_draft_acceptance"] = double(st.accepted_tokens) / std::max<int64_t>(1, st.drafted_tokens);
+    m["rollout_tokens_per_verify_row"] = double(st.verify_sampled) / std::max<int64_t>(1, st.verify_sampling_rows);
+  }
+  return m;
 }
 
 // A trajectory as TensorBoard's text plugin shows it: a Markdown line of its outcome, then the prompt and

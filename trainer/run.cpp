@@ -237,6 +237,10 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   if (run.config.rollout.stop_ids.empty()) {
     throw RunError("model: neither generation_config.json nor the tokenizer names an end-of-sequence token");
   }
+  // rollout.speculative: the training rollouts' responses, as the next rollouts' drafts of their prompts.
+  if (run.config.rollout.speculative != Speculative::kNone) {
+    run.config.rollout.draft_history = std::make_shared<DraftHistory>(run.config.rollout.draft_history_tokens);
+  }
   if (run.model.policy->config().vocab_size < run.data.tokenizer->vocab_size()) {
     throw RunError("model.tokenizer: " + std::to_string(run.data.tokenizer->vocab_size()) +
                    " pieces, more than the model's vocabulary of " +
@@ -563,26 +567,45 @@ RolloutBatch collect_rollouts(Run& run) {
   out.table = gather_table(dist, out.trajs, out.index, P * G);
   if (world > 1) {  // the step waits for the slowest rank; counts (and the calls' summed latencies) add up
     RolloutStats& st = out.stats;
-    at::Tensor times = at::tensor(
-        {out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s, st.total_s, st.turn_s},
-        at::kDouble);
-    at::Tensor counts =
-        at::tensor({double(st.decode_steps), double(st.fed_rows), double(st.feed_steps), double(st.feed_tokens),
-                    double(st.forced_tokens), double(st.refills), st.tool_latency_s, st.tool_run_s,
-                    double(st.tool_wait_row_steps), double(st.feed_wait_row_steps), double(st.resumed), double(st.cut)},
-                   at::kDouble);
+    at::Tensor times = at::tensor({out.seconds, st.prefill_s, st.decode_s, st.feed_s, st.sample_s, st.tool_wait_s,
+                                   st.total_s, st.turn_s, st.tail_s},
+                                  at::kDouble);
+    at::Tensor counts = at::tensor({double(st.decode_steps),
+                                    double(st.fed_rows),
+                                    double(st.feed_steps),
+                                    double(st.feed_tokens),
+                                    double(st.forced_tokens),
+                                    double(st.refills),
+                                    st.tool_latency_s,
+                                    st.tool_run_s,
+                                    double(st.tool_wait_row_steps),
+                                    double(st.feed_wait_row_steps),
+                                    double(st.resumed),
+                                    double(st.cut),
+                                    double(st.verify_passes),
+                                    double(st.verify_rows),
+                                    double(st.drafted_tokens),
+                                    double(st.accepted_tokens),
+                                    double(st.verify_sampled),
+                                    double(st.verify_sampling_rows),
+                                    double(st.tail_passes),
+                                    double(st.tail_sampled)},
+                                   at::kDouble);
     dist.all_reduce({times}, ReduceOp::kMax);
     dist.all_reduce({counts}, ReduceOp::kSum);
     const double* t = times.data_ptr<double>();
     const double* n = counts.data_ptr<double>();
     out.seconds = t[0];
     st.prefill_s = t[1], st.decode_s = t[2], st.feed_s = t[3], st.sample_s = t[4], st.tool_wait_s = t[5];
-    st.total_s = t[6], st.turn_s = t[7];
+    st.total_s = t[6], st.turn_s = t[7], st.tail_s = t[8];
     st.decode_steps = int64_t(n[0]), st.fed_rows = int64_t(n[1]), st.feed_steps = int64_t(n[2]);
     st.feed_tokens = int64_t(n[3]), st.forced_tokens = int64_t(n[4]), st.refills = int64_t(n[5]);
     st.tool_latency_s = n[6], st.tool_run_s = n[7];
     st.tool_wait_row_steps = int64_t(n[8]), st.feed_wait_row_steps = int64_t(n[9]);
     st.resumed = int64_t(n[10]), st.cut = int64_t(n[11]);
+    st.verify_passes = int64_t(n[12]), st.verify_rows = int64_t(n[13]), st.drafted_tokens = int64_t(n[14]);
+    st.accepted_tokens = int64_t(n[15]), st.verify_sampled = int64_t(n[16]), st.verify_sampling_rows = int64_t(n[17]);
+    st.tail_passes = int64_t(n[18]), st.tail_sampled = int64_t(n[19]);
   }
   return out;
 }
@@ -672,6 +695,7 @@ EvalResult evaluate(Run& run) {
   if (!problems.empty()) {
     RolloutOptions ro = run.config.rollout;
     if (!run.lead()) ro.progress_s = 0;
+    ro.draft_history = nullptr;  // held-out prompts: drafts from their own rollout only, none kept
     DecodeEngine engine(rollout_model(run.model, run.rollout), engine_options(run.config.rollout));
     trajs = rollout(engine, *run.data.tokenizer, encode_prompts(run.data, run.config, run.rollout.tools, problems), s,
                     ro, tool_runner(run.rollout, run.config.sandbox), streams, run.rollout.tools);

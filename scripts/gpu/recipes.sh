@@ -26,6 +26,9 @@ declare -A recipe=(
           --set reward.overlong_penalty=1.0"
   [grpo_async]="--set train.async=one_step"
   [grpo_partial]="--set train.async=one_step --set rollout.partial=true"
+  [grpo_spec]="--set rollout.speculative=suffix"
+  [grpo_kept]="--set rollout.keep_cache=true"
+  [grpo_spec_kept]="--set rollout.speculative=suffix --set rollout.keep_cache=true"
 )
 names=${RECIPES:-grpo drgrpo rloo reinforce_pp gspo cispo dapo grpo_async}
 for name in $names; do
@@ -59,6 +62,13 @@ for n in names:
         vals = [r[k] for r in rows if k in r]
         if vals:
             res[n][k + "_mean"] = sum(vals) / len(vals)
+    # The rollout late in training (steps 36-40): its time, its tail's, and speculation's figures.
+    for k in ("time_rollout_s", "time_rollout_decode_s", "time_rollout_tail_s", "rollout_decode_steps",
+              "rollout_tail_passes", "rollout_tail_tokens_per_pass", "rollout_verify_passes",
+              "rollout_speculative_share", "rollout_draft_acceptance", "rollout_tokens_per_verify_row"):
+        vals = [r[k] for r in rows[-5:] if k in r]
+        if vals:
+            res[n][k + "_last5"] = sum(vals) / len(vals)
     print(n, json.dumps(res[n]))
 json.dump(res, open(f"{out}/recipes.json", "w"), indent=1)
 PY

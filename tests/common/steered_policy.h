@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -99,6 +100,32 @@ class SteeredPolicy : public TokenPolicy {
     }
     return steer(rows, inner_.extend(rows, broken));
   }
+  // A verifying forward (rollout.speculative): each position steered by the row's state after the tokens
+  // before it; retract() returns a row to its state before the tokens taken back.
+  at::Tensor extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
+    at::Tensor logits = inner_.extend_each(rows, runs);  // (positions, V)
+    before_.clear();
+    std::vector<int64_t> at;
+    int64_t position = 0;
+    for (size_t j = 0; j < rows.size(); ++j) {
+      Row& r = rows_[rows[j]];
+      std::vector<Row>& states = before_[rows[j]];
+      for (int64_t t : runs[j]) {
+        states.push_back(r);
+        fed(r, t);
+        force(r, rows[j], position++, logits.size(1), at);
+      }
+    }
+    return steer_at(at, logits);
+  }
+  void retract(const std::vector<int64_t>& rows, const std::vector<int64_t>& counts) override {
+    inner_.retract(rows, counts);
+    for (size_t j = 0; j < rows.size(); ++j) {
+      if (counts[j] == 0) continue;
+      const std::vector<Row>& states = before_.at(rows[j]);
+      rows_[rows[j]] = states[states.size() - counts[j]];
+    }
+  }
   void release(const std::vector<int64_t>& rows) override { inner_.release(rows); }
   void reserve_rows(int64_t rows) override { inner_.reserve_rows(rows); }
   int64_t vocab_size() const override { return inner_.vocab_size(); }
@@ -156,15 +183,19 @@ class SteeredPolicy : public TokenPolicy {
   // (a per-row `logits[j][t] += 1e4` is three dispatches a row). Its host time counts in the loop's decode
   // and feed times, which a real model's rollout would not spend: steer_seconds().
   at::Tensor steer(const std::vector<int64_t>& rows, at::Tensor logits) {
+    std::vector<int64_t> at;  // flat (row, token) entries to force
+    for (size_t j = 0; j < rows.size(); ++j)
+      force(rows_[rows[j]], rows[j], static_cast<int64_t>(j), logits.size(1), at);
+    return steer_at(at, logits);
+  }
+  // The entries of logits row j that sequence n's state r forces.
+  void force(const Row& r, int64_t n, int64_t j, int64_t V, std::vector<int64_t>& at) const {
+    if (r.state == State::kScript) at.push_back(j * V + o_.scripts[r.script][r.count]);
+    if (budget_ && r.fed + 1 >= budget_(first_ + n)) at.push_back(j * V + eos_);
+  }
+  at::Tensor steer_at(const std::vector<int64_t>& at, at::Tensor logits) {
     max_rows_ = std::max(max_rows_, inner_.cache_rows());
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t V = logits.size(1);
-    std::vector<int64_t> at;  // flat (row, token) entries to force
-    for (size_t j = 0; j < rows.size(); ++j) {
-      const Row& r = rows_[rows[j]];
-      if (r.state == State::kScript) at.push_back(static_cast<int64_t>(j) * V + o_.scripts[r.script][r.count]);
-      if (budget_ && r.fed + 1 >= budget_(first_ + rows[j])) at.push_back(static_cast<int64_t>(j) * V + eos_);
-    }
     if (!at.empty()) {
       const int64_t k = static_cast<int64_t>(at.size());
       logits.view(-1).index_add_(0, to_device_async(at, logits.device()), at::full({k}, 1e4, logits.options()));
@@ -175,8 +206,9 @@ class SteeredPolicy : public TokenPolicy {
 
   DecodeEngine inner_;
   SteerOptions o_;
-  std::vector<Row> rows_;  // by sequence
-  int64_t prompts_ = 0;    // prompts started
+  std::vector<Row> rows_;                       // by sequence
+  std::map<int64_t, std::vector<Row>> before_;  // the latest extend_each: each row's state before each token
+  int64_t prompts_ = 0;                         // prompts started
   int64_t eos_ = -1, first_ = 0;
   std::function<int64_t(int64_t)> budget_;
   double steer_s_ = 0;

@@ -1193,6 +1193,147 @@ TEST_P(StepDraw, DrawsInsideTheStepWhatSamplingTheStepsLogitsDraws) {
   }
 }
 
+// A speculative rollout's engine side (rollout.speculative): extend_each returns every position's logits of
+// runs of 1 to 5 tokens, each equal to the full forward over the sequence so far (float64, 1e-9), and
+// retract takes back a random number of each run's last tokens, after which the sequence's logits are
+// those of its kept tokens alone: the taken-back slots are holes, and the next token's position follows
+// the kept ones. Compactions and growths run along the way (a small cache). On "cpu_fixed" the runs go
+// at the graphs' verify buckets (2, 4, 8 tokens), on "cuda" each is a replayed feed graph. A twin engine
+// fed the same but never taken back must fail the check, and a retract after another forward is refused.
+class Retract : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Retract, TakenBackTokensLeaveTheContext) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("qwen3", 9, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  EngineOptions po;
+  po.slot_chunk = 4;
+  po.slot_align = 1;
+  po.switches.cuda_graphs = true;
+  po.fixed_shape_extend = po.fixed_shape_step = GetParam() == "cpu_fixed";
+  DecodeEngine engine(m, po), twin(m, po);
+  std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8}};
+  engine.start(seqs, 1);
+  twin.start(seqs, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto draw = [&](int64_t n) { return at::randint(n, {1}, gen, at::kLong).item<int64_t>(); };
+  double worst = 0, twin_worst = 0;
+  int64_t taken_back = 0;
+  for (int64_t t = 0; t < 10; ++t) {
+    std::vector<int64_t> rows;
+    std::vector<std::vector<int64_t>> runs;
+    for (int64_t n = 0; n < 3; ++n) {
+      if ((n + t) % 4 == 3) continue;  // this row waits: a hole
+      rows.push_back(n);
+      runs.emplace_back();
+      for (int64_t i = 0, k = 1 + draw(5); i < k; ++i) runs.back().push_back(draw(400));
+    }
+    const at::Tensor logits = engine.extend_each(rows, runs).cpu();
+    const at::Tensor twin_logits = twin.extend_each(rows, runs).cpu();
+    std::vector<int64_t> back;
+    int64_t at = 0;
+    for (size_t j = 0; j < rows.size(); ++j) {
+      std::vector<int64_t>& seq = seqs[rows[j]];
+      const int64_t k = static_cast<int64_t>(runs[j].size());
+      for (int64_t i = 0; i < k; ++i, ++at) {
+        std::vector<int64_t> prefix = seq;
+        prefix.insert(prefix.end(), runs[j].begin(), runs[j].begin() + i + 1);
+        const at::Tensor ref = full_logits(m, prefix);
+        worst = std::max(worst, (logits[at] - ref).abs().max().item<double>());
+        twin_worst = std::max(twin_worst, (twin_logits[at] - ref).abs().max().item<double>());
+      }
+      const int64_t keep = 1 + draw(k);
+      seq.insert(seq.end(), runs[j].begin(), runs[j].begin() + keep);
+      back.push_back(k - keep);
+      taken_back += k - keep;
+    }
+    engine.retract(rows, back);
+  }
+  EXPECT_LT(worst, 1e-9);
+  EXPECT_GT(taken_back, 5);
+  EXPECT_GT(twin_worst, 1e-2) << "tokens left in the cache must change the logits";
+  EXPECT_GT(engine.compactions(), 0);
+  // Only the latest forward's tokens can be taken back.
+  engine.extend_each({0}, {{7, 8}});
+  engine.step({1}, {9});
+  EXPECT_THROW(engine.retract({0}, {1}), c10::Error) << "a step since";
+  engine.extend_each({1}, {{9, 10}});
+  EXPECT_THROW(engine.retract({1}, {3}), c10::Error) << "more tokens than the run";
+  EXPECT_NO_THROW(engine.retract({1}, {2}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, Retract, ::testing::Values("cpu", "cpu_fixed", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+// A verifying forward's draw inside its fixed-shape forward (graph_draw: on the CPU at the fixed shape, on
+// CUDA inside the replayed graph) against extend_each's logits drawn from by sample_keyed with the same keys:
+// the same ids and log-probs at every position, along runs of 1 to 5 tokens with rows waiting, taken back in
+// part after each forward. Keys one counter on (another position's noise) must draw other tokens.
+class VerifyDraw : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(VerifyDraw, DrawsInsideTheForwardWhatSamplingItsLogitsDraws) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m =
+      tiny_model("qwen3", 5, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
+  SamplingOptions so;
+  so.temperature = 6;  // a flatter softmax: draws that differ with the noise
+  so.top_p = 0.9;
+  so.seed = 3;
+  auto engine_options = [&](bool graph_draw) {
+    EngineOptions po;
+    po.slot_chunk = 4;
+    po.slot_align = 1;
+    po.switches.cuda_graphs = true;
+    po.fixed_shape_extend = po.fixed_shape_step = true;
+    po.switches.graph_draw = graph_draw;
+    return po;
+  };
+  DecodeEngine inside(m, engine_options(true)), apart(m, engine_options(false));
+  const std::vector<std::vector<int64_t>> prompts = {{5, 17, 9}, {1, 2, 3, 4, 5, 6, 7}, {250, 8}};
+  inside.start(prompts, 1);
+  apart.start(prompts, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  auto draw = [&](int64_t n) { return at::randint(n, {1}, gen, at::kLong).item<int64_t>(); };
+  int64_t compared = 0, moved = 0;
+  double max_err = 0;
+  for (int64_t t = 0; t < 8; ++t) {
+    std::vector<int64_t> rows, streams, counters;
+    std::vector<std::vector<int64_t>> runs;
+    for (int64_t n = 2; n >= 0; --n) {  // out of cache order
+      if ((n + t) % 4 == 1) continue;
+      rows.push_back(n);
+      runs.emplace_back();
+      for (int64_t i = 0, k = 1 + draw(5); i < k; ++i) {
+        runs.back().push_back(draw(400));
+        streams.push_back(50 + n);
+        counters.push_back(10 * t + i);
+      }
+    }
+    const at::Tensor st = at::tensor(streams, at::kLong), ct = at::tensor(counters, at::kLong);
+    const SampleOutput got = inside.extend_each_draw(rows, runs, so, sample_row_keys(so.seed, st, ct), 300);
+    const at::Tensor logits = apart.extend_each(rows, runs);
+    const SampleOutput ref = sample_keyed(logits, so, sample_row_keys(so.seed, st, ct), 300);
+    ASSERT_EQ(got.ids.numel(), int64_t(streams.size()));
+    EXPECT_TRUE(at::equal(got.ids, ref.ids)) << "forward " << t;
+    max_err = std::max(max_err, (got.logprobs - ref.logprobs).abs().max().item<double>());
+    moved += (sample_keyed(logits, so, sample_row_keys(so.seed, st, ct + 1), 300).ids != got.ids).sum().item<int64_t>();
+    compared += got.ids.numel();
+    std::vector<int64_t> back;
+    for (const auto& r : runs) back.push_back(draw(static_cast<int64_t>(r.size())));
+    inside.retract(rows, back);
+    apart.retract(rows, back);
+  }
+  EXPECT_LT(max_err, cuda ? 1e-5 : 1e-9);
+  EXPECT_GT(moved, compared / 3) << "keys one counter on must draw other tokens";
+  if (cuda) {
+    EXPECT_GT(inside.feed_graph_captures(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, VerifyDraw, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
 INSTANTIATE_TEST_SUITE_P(Devices, StepDraw, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 

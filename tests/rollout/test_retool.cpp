@@ -170,6 +170,20 @@ class ReToolTest : public ::testing::Test {
   }
 
   std::vector<int64_t> enc(const std::string& s) const { return tok_->encode(s); }
+  // Two steered first turns that call the fake tool: a call at once, and a sentence before the call, so
+  // replies arrive while other rows decode (kTwoCallOutputs answers both).
+  std::vector<std::vector<int64_t>> two_call_scripts() const {
+    return {enc("<code>\nprint(1)\n</code>"),
+            enc("Let me see, I will write a few words first and then some more.<code>\nprint(347 * 829)\n</code>")};
+  }
+  inline static const std::map<std::string, std::string> kTwoCallOutputs = {{"\nprint(347 * 829)\n", "287663\n"},
+                                                                            {"\nprint(1)\n", "1\n"}};
+  // n prompts "Q: 100 ?", "Q: 107 ?", ...
+  std::vector<std::vector<int64_t>> numbered_prompts(int64_t n) const {
+    std::vector<std::vector<int64_t>> out;
+    for (int64_t i = 0; i < n; ++i) out.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
+    return out;
+  }
   std::unique_ptr<ScriptedPolicy> policy(const std::vector<std::string>& scripts) const {
     std::vector<std::vector<int64_t>> ids;
     for (const auto& s : scripts) ids.push_back(enc(s));
@@ -891,13 +905,10 @@ TEST_F(ReToolTest, MergedFeedsGiveTheTrajectoriesOfSeparateSteps) {
   // Replies are ready when the call returns (FakeTool::ready_runner): the schedule does not depend on threads.
   const Transformer m = tiny_model("llama", 11);
   FakeTool fake;
-  fake.outputs = {{"\nprint(347 * 829)\n", "287663\n"}, {"\nprint(1)\n", "1\n"}};
+  fake.outputs = kTwoCallOutputs;
   const ToolRunner tool = fake.ready_runner();
-  const std::vector<std::vector<int64_t>> prefixes = {
-      enc("<code>\nprint(1)\n</code>"),
-      enc("Let me see, I will write a few words first and then some more.<code>\nprint(347 * 829)\n</code>")};
-  std::vector<std::vector<int64_t>> prompts;
-  for (int i = 0; i < 4; ++i) prompts.push_back(enc("Q: " + std::to_string(100 + 7 * i) + " ?"));
+  const std::vector<std::vector<int64_t>> prefixes = two_call_scripts();
+  const std::vector<std::vector<int64_t>> prompts = numbered_prompts(4);
   auto run = [&](bool merge, bool corrupt, RolloutStats& stats, int64_t& mixed) {
     SteerOptions so = steer_to(prefixes, /*multi_token=*/true);
     so.corrupt_single = corrupt;
@@ -1194,6 +1205,282 @@ TEST_F(PartialRolloutTest, ContinuedTrajectoriesCarryTheLogprobsOfTheWeightsThat
       old_cut |= g.started[i] && !g.done[i] && g.trajs[i].weights_version == 0;
   }
   EXPECT_TRUE(old_cut) << "with max_staleness 3 a version-0 trajectory is left for version 2";
+}
+
+// ---- Speculative rollouts (rollout.speculative) ----
+
+TEST(SuffixDrafter, DraftsContinueTheLongestEarlierMatchOfTheGroup) {
+  SuffixDrafter d;
+  const std::vector<uint8_t> all(8, 1);
+  d.add(0, {5, 1, 2, 3, 10, 11}, std::vector<uint8_t>(6, 1));
+  d.add(0, {6, 2, 3, 20, 21}, std::vector<uint8_t>(5, 1));
+  d.add(1, {2, 3, 99, 98}, std::vector<uint8_t>(4, 1));  // another group: never a source for group 0
+  const int64_t q = d.add(0, {1, 2, 3}, std::vector<uint8_t>(3, 0));
+  EXPECT_EQ(d.draft(q, 4), (std::vector<int64_t>{10, 11})) << "the 3-gram's continuation, not the later 2-gram's";
+  EXPECT_EQ(d.last_match(), 3);
+  const int64_t r = d.add(0, {9, 2, 3}, std::vector<uint8_t>(3, 1));
+  EXPECT_EQ(d.draft(r, 4), (std::vector<int64_t>{20, 21})) << "the latest occurrence of the 2-gram";
+  EXPECT_EQ(d.draft(r, 1), (std::vector<int64_t>{20}));
+  d.append(r, 7, true);  // "3 7" occurred nowhere before
+  EXPECT_TRUE(d.draft(r, 4).empty());
+  EXPECT_EQ(d.last_match(), 0);
+  // Its own text: a repeat continues into itself.
+  const int64_t own = d.add(2, {4, 5, 6, 4, 5}, std::vector<uint8_t>(5, 1));
+  EXPECT_EQ(d.draft(own, 8), (std::vector<int64_t>{6, 4, 5}));
+  // A continuation stops where the model's text gives way to a reply, never at a reply's own end.
+  d.add(3, {1, 2, 3, 4, 5, 6, 7}, {1, 1, 1, 0, 0, 1, 1});
+  const int64_t a = d.add(3, {8, 2, 3}, {1, 1, 1});
+  EXPECT_TRUE(d.draft(a, 4).empty()) << "3 was followed by a reply's first token";
+  const int64_t b = d.add(3, {8, 1, 2}, {1, 1, 1});
+  EXPECT_EQ(d.draft(b, 4), (std::vector<int64_t>{3}));
+  const int64_t c = d.add(3, {8, 3, 4}, {1, 1, 1});
+  EXPECT_EQ(d.draft(c, 4), (std::vector<int64_t>{5, 6, 7})) << "from inside a reply into the next turn";
+}
+
+TEST(DraftHistory, KeepsTheLatestRolloutOfEachPromptWithinItsTokens) {
+  DraftHistory h(25);
+  auto text = [](int64_t n, int64_t v) {
+    return DraftHistory::Text{std::vector<int64_t>(n, v), std::vector<uint8_t>(n, 1)};
+  };
+  h.remember({1}, {text(10, 1)});
+  h.remember({2}, {text(5, 2), text(5, 2)});
+  EXPECT_EQ(h.tokens(), 20);
+  h.remember({1}, {text(4, 3)});  // replaces prompt 1's, which becomes the newest
+  EXPECT_EQ(h.tokens(), 14);
+  ASSERT_NE(h.recall({1}), nullptr);
+  EXPECT_EQ(h.recall({1})->at(0).ids[0], 3);
+  h.remember({3}, {text(12, 4)});  // 26 > 25: the oldest (prompt 2) goes
+  EXPECT_EQ(h.recall({2}), nullptr);
+  EXPECT_NE(h.recall({1}), nullptr);
+  EXPECT_EQ(h.tokens(), 16);
+  h.remember({4}, {text(30, 5)});  // larger than the whole history: not kept, nothing evicted
+  EXPECT_EQ(h.recall({4}), nullptr);
+  EXPECT_EQ(h.tokens(), 16);
+}
+
+// A speculative rollout of a tiny float64 model without tools, against plain decoding of the same prompts.
+class SpeculativeRolloutTest : public ReToolTest {
+ protected:
+  std::vector<Trajectory> go(const Transformer& m, double temperature, int64_t seed, bool speculate,
+                             RolloutStats* stats, std::shared_ptr<DraftHistory> history = nullptr,
+                             SpeculationFault fault = SpeculationFault::kNone) const {
+    DecodeEngine policy(m);
+    SamplingOptions s = sampling(4);
+    s.seed = seed;
+    s.temperature = temperature;
+    s.top_p = temperature > 0 ? 0.9 : 1.0;
+    s.max_new_tokens = 48;
+    RolloutOptions o;
+    o.tools = false;
+    o.max_context = 160;
+    o.progress_s = 0;
+    for (int64_t id = 100; id < 104; ++id) o.stop_ids.push_back(id);
+    if (speculate) {
+      o.speculative = Speculative::kSuffix;
+      o.draft_tokens = 4;
+      o.speculation_fault = fault;
+      o.draft_history = std::move(history);
+    }
+    return rollout(policy, *tok_, numbered_prompts(4), s, o, {}, {}, {}, stats);
+  }
+};
+
+// The largest log-prob difference over a set of trajectories (1e30 where tokens differ).
+double worst_gap(const std::vector<Trajectory>& x, const std::vector<Trajectory>& y) {
+  EXPECT_EQ(x.size(), y.size());
+  double d = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) d = std::max(d, logprob_gap(x[i], y[i]));
+  return d;
+}
+
+TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokens) {
+  // float64: a verifying forward's logits equal a decode step's up to rounding, so a speculative rollout
+  // samples every token plain decoding samples, at temperature 1 with top-p 0.9 and greedy, with log-probs
+  // equal within float storage. A first rollout (seed 8) drafts from its groups' texts; a second (seed 9)
+  // also from the first's responses of the same prompts, which it partly repeats: some drafts are taken
+  // whole, others cut short.
+  const Transformer m = tiny_model("llama", 31);
+  for (const double temperature : {1.0, 0.0}) {
+    SCOPED_TRACE("temperature " + std::to_string(temperature));
+    RolloutStats plain_stats, first_stats, stats;
+    auto history = std::make_shared<DraftHistory>(100000);
+    EXPECT_LT(worst_gap(go(m, temperature, 8, false, nullptr), go(m, temperature, 8, true, &first_stats, history)),
+              1e-6);
+    EXPECT_EQ(history->prompts(), 4);
+    const auto plain = go(m, temperature, 9, false, &plain_stats);
+    const auto spec = go(m, temperature, 9, true, &stats, std::make_shared<DraftHistory>(*history));
+    EXPECT_LT(worst_gap(plain, spec), 1e-6);
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(plain[i].finish, spec[i].finish) << i;
+    EXPECT_GT(stats.verify_passes, 0);
+    EXPECT_GT(stats.accepted_tokens, 0) << "no draft was taken";
+    // Greedy, the second rollout repeats the first, which it drafts from: every draft is taken.
+    if (temperature > 0) {
+      EXPECT_LT(stats.accepted_tokens, stats.drafted_tokens) << "no draft was cut short";
+    }
+    EXPECT_GT(stats.verify_sampled, stats.verify_sampling_rows)
+        << "a verifying forward yields more than one token a row";
+    // Every sampled token came from a decode step, a verifying forward or a prompt's first logits (16).
+    int64_t sampled = 0;
+    for (const Trajectory& t : plain) sampled += t.sampled_tokens();
+    EXPECT_EQ(plain_stats.fed_rows + 16, sampled);
+    EXPECT_EQ(stats.fed_rows + stats.verify_sampled + 16, sampled);
+    std::cout << "temperature " << temperature << ": plain " << plain_stats.decode_steps << " steps; first "
+              << first_stats.decode_steps << " + " << first_stats.verify_passes << " verifying, "
+              << first_stats.accepted_tokens << " of " << first_stats.drafted_tokens << " drafted taken; second "
+              << stats.decode_steps << " + " << stats.verify_passes << ", " << stats.accepted_tokens << " of "
+              << stats.drafted_tokens << "\n";
+    // Wrong verifications change the trajectories.
+    if (temperature == 0) continue;
+    for (const SpeculationFault f : {SpeculationFault::kWholeDraft, SpeculationFault::kOffByOne,
+                                     SpeculationFault::kStepNoise, SpeculationFault::kVisibleRejects}) {
+      EXPECT_GT(worst_gap(plain, go(m, temperature, 9, true, nullptr, std::make_shared<DraftHistory>(*history), f)),
+                1e-3)
+          << "fault " << int(f);
+    }
+  }
+}
+
+TEST_F(ReToolTest, SpeculativeRolloutsWithToolsSampleThePlainRolloutsTokens) {
+  // Tool turns: rows steered to a code call (a sentence first, or the call at once), the fake tool's reply
+  // fed as a run, then free text. A speculative rollout (drafts from the group: the siblings' calls and
+  // replies) gives plain decoding's trajectories, loss masks and tool calls; its drafts never reach into a
+  // reply, so no reply token is ever sampled. Leaving rejected tokens in the cache must change them.
+  const Transformer m = tiny_model("llama", 11);
+  FakeTool fake;
+  fake.outputs = kTwoCallOutputs;
+  const ToolRunner tool = fake.ready_runner();
+  const std::vector<std::vector<int64_t>> prefixes = two_call_scripts();
+  const std::vector<std::vector<int64_t>> prompts = numbered_prompts(4);
+  auto run = [&](bool speculate, SpeculationFault fault, RolloutStats* stats) {
+    SteeredPolicy policy(m, steer_to(prefixes, /*multi_token=*/true));
+    SamplingOptions s = sampling(3);
+    s.seed = 5;
+    s.max_new_tokens = 100;
+    RolloutOptions o;
+    o.max_context = 240;
+    o.progress_s = 0;
+    if (speculate) {
+      o.speculative = Speculative::kSuffix;
+      o.draft_tokens = 8;
+      o.speculation_fault = fault;
+    }
+    return rollout(policy, *tok_, prompts, s, o, tool, {}, {}, stats);
+  };
+  RolloutStats plain_stats, stats;
+  const auto plain = run(false, SpeculationFault::kNone, &plain_stats);
+  const auto spec = run(true, SpeculationFault::kNone, &stats);
+  ASSERT_EQ(spec.size(), 12u);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    ASSERT_GE(plain[i].tool_calls, 1) << i;
+    EXPECT_EQ(plain[i].loss_mask, spec[i].loss_mask) << i;
+    EXPECT_EQ(plain[i].tool_calls, spec[i].tool_calls) << i;
+    EXPECT_EQ(plain[i].turns, spec[i].turns) << i;
+    EXPECT_LT(logprob_gap(plain[i], spec[i]), 1e-6) << "trajectory " << i;
+  }
+  EXPECT_EQ(stats.forced_tokens, plain_stats.forced_tokens);
+  EXPECT_GT(stats.accepted_tokens, 0);
+  EXPECT_GT(stats.verify_sampled, stats.verify_sampling_rows);
+  std::cout << "plain " << plain_stats.decode_steps << " steps; speculative " << stats.decode_steps << " + "
+            << stats.verify_passes << " verifying, " << stats.accepted_tokens << " of " << stats.drafted_tokens
+            << " drafted taken\n";
+  EXPECT_GT(worst_gap(plain, run(true, SpeculationFault::kVisibleRejects, nullptr)), 1e-3);
+}
+
+// The two-sample chi-square statistic of counts a and b over the same categories, categories of fewer than
+// 10 counts together pooled into one, and its z-score by the Wilson-Hilferty approximation (z > 3.1: the
+// samples differ at p < 0.001).
+double chi_square_z(const std::map<int64_t, int64_t>& a, const std::map<int64_t, int64_t>& b) {
+  std::map<int64_t, std::pair<double, double>> cells;
+  double na = 0, nb = 0;
+  for (const auto& [k, n] : a) cells[k].first += n, na += n;
+  for (const auto& [k, n] : b) cells[k].second += n, nb += n;
+  std::vector<std::pair<double, double>> pooled(1, {0.0, 0.0});
+  for (const auto& [k, c] : cells) {
+    if (c.first + c.second >= 10) {
+      pooled.push_back(c);
+    } else {
+      pooled[0].first += c.first;
+      pooled[0].second += c.second;
+    }
+  }
+  double chi2 = 0;
+  int64_t cats = 0;
+  for (const auto& [x, y] : pooled) {
+    if (x + y == 0) continue;
+    ++cats;
+    const double ea = na * (x + y) / (na + nb), eb = nb * (x + y) / (na + nb);
+    chi2 += (x - ea) * (x - ea) / ea + (y - eb) * (y - eb) / eb;
+  }
+  const double k = static_cast<double>(std::max<int64_t>(1, cats - 1));
+  return (std::cbrt(chi2 / k) - (1 - 2 / (9 * k))) / std::sqrt(2 / (9 * k));
+}
+
+TEST_F(SpeculativeRolloutTest, SamplesFromTheModelsDistributionInBf16) {
+  // bfloat16: a verifying forward's logits differ from a decode step's in their last bits, so a speculative
+  // rollout may sample other tokens than plain decoding does; its samples must still follow the model's
+  // distribution. 768 samples of one prompt, the token at each of a few positions, speculative (drafts from
+  // an earlier rollout of the prompt) against plain decoding under other noise: a two-sample chi-square test
+  // per position passes, as it does between two plain rollouts. A verification that takes a rejected
+  // draft token at every other rejection (biased toward the draft) must fail it.
+  Transformer m(model_config_from_json(testing::tiny_family_config("llama"), "tiny llama"), at::kBFloat16, at::kCPU,
+                43);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters())
+      p.mul_(5.0);  // peaked enough for drafts to be taken, not so much that bf16 never flips a draw
+  }
+  const std::vector<std::vector<int64_t>> one = {enc("Q: 347 * 829 ?")};
+  auto run = [&](int64_t seed, bool speculate, SpeculationFault fault, std::shared_ptr<DraftHistory> h,
+                 RolloutStats* stats) {
+    DecodeEngine policy(m);
+    SamplingOptions s = sampling(768);
+    s.seed = seed;
+    s.max_new_tokens = 12;
+    RolloutOptions o;
+    o.tools = false;
+    o.max_context = 64;
+    o.progress_s = 0;
+    o.stop_ids = {399};
+    if (speculate) {
+      o.speculative = Speculative::kSuffix;
+      o.speculative_max_rows = 100000;
+      o.speculation_fault = fault;
+      o.draft_history = std::move(h);
+    }
+    return rollout(policy, *tok_, one, s, o, {}, {}, {}, stats);
+  };
+  auto counts = [](const std::vector<Trajectory>& t, size_t at) {
+    std::map<int64_t, int64_t> c;
+    for (const Trajectory& x : t) c[x.response_ids.size() > at ? x.response_ids[at] : -1] += 1;
+    return c;
+  };
+  auto history = std::make_shared<DraftHistory>(1000000);
+  run(1, true, SpeculationFault::kNone, history, nullptr);  // the earlier rollout drafts come from
+  RolloutStats stats, biased_stats;
+  const auto plain = run(3, false, SpeculationFault::kNone, nullptr, nullptr);
+  const auto plain2 = run(2, false, SpeculationFault::kNone, nullptr, nullptr);
+  const auto spec = run(2, true, SpeculationFault::kNone, std::make_shared<DraftHistory>(*history), &stats);
+  const auto biased =
+      run(2, true, SpeculationFault::kBiasToDraft, std::make_shared<DraftHistory>(*history), &biased_stats);
+  int64_t differs = 0;
+  for (size_t i = 0; i < spec.size(); ++i) differs += spec[i].response_ids != plain2[i].response_ids;
+  std::cout << "accepted " << stats.accepted_tokens << " of " << stats.drafted_tokens << "; " << differs
+            << " of 768 differ from plain decoding under the same noise\n";
+  double worst_biased = 0;
+  for (size_t at : {2, 5, 8, 11}) {
+    const double z_plain = chi_square_z(counts(plain, at), counts(plain2, at));
+    const double z_spec = chi_square_z(counts(plain, at), counts(spec, at));
+    const double z_biased = chi_square_z(counts(plain, at), counts(biased, at));
+    std::cout << "position " << at << ": z plain " << z_plain << ", speculative " << z_spec << ", biased " << z_biased
+              << "\n";
+    EXPECT_LT(z_plain, 3.1) << at;
+    EXPECT_LT(z_spec, 3.1) << at;
+    worst_biased = std::max(worst_biased, z_biased);
+  }
+  EXPECT_GT(worst_biased, 5.0) << "a verification biased toward the draft must fail the test";
+  EXPECT_GT(stats.accepted_tokens, 0);
+  EXPECT_LT(stats.accepted_tokens, stats.drafted_tokens);
+  EXPECT_GT(differs, 0) << "bf16 rounding never changed a draw: the test shows nothing plain decoding's doesn't";
 }
 
 }  // namespace

@@ -604,6 +604,45 @@ TEST(RolloutMetrics, ToolLatencyIsPerCallAndSatOutPassesPerTrajectory) {
   EXPECT_EQ(none.at("rollout_tool_run_ms_mean"), 0.0);
 }
 
+// The speculative rollout's and the tail's metrics against their definitions, on stats made by hand: 40
+// verifying forwards among 100 decode passes, 120 of 200 draft tokens taken, 150 tokens sampled by the 60
+// rows that sampled in them (2.5 a row, not 150 / 80 rows fed), 30 tail passes that sampled 90 tokens. A
+// config without speculation logs none of its metrics.
+TEST(RolloutMetrics, SpeculationFiguresFollowTheirDefinitions) {
+  TempDir tmp("rollout_metrics_spec");
+  Config c = tiny_config();
+  c.rollout.speculative = Speculative::kSuffix;
+  rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {});
+  RolloutBatch rb;
+  rb.table = at::zeros({2, kTableColumns}, at::kDouble);
+  rb.seconds = 1.0;
+  rb.stats.decode_steps = 60;
+  rb.stats.verify_passes = 40;
+  rb.stats.verify_rows = 80;
+  rb.stats.verify_sampling_rows = 60;
+  rb.stats.verify_sampled = 150;
+  rb.stats.drafted_tokens = 200;
+  rb.stats.accepted_tokens = 120;
+  rb.stats.tail_passes = 30;
+  rb.stats.tail_sampled = 90;
+  rb.stats.tail_s = 0.4;
+  const auto m = rollout_metrics(run, rb);
+  EXPECT_EQ(m.at("rollout_verify_passes"), 40.0);
+  EXPECT_NEAR(m.at("rollout_speculative_share"), 0.4, 1e-12);
+  EXPECT_EQ(m.at("rollout_draft_tokens"), 200.0);
+  EXPECT_EQ(m.at("rollout_draft_accepted"), 120.0);
+  EXPECT_NEAR(m.at("rollout_draft_acceptance"), 0.6, 1e-12);
+  EXPECT_NEAR(m.at("rollout_tokens_per_verify_row"), 2.5, 1e-12);
+  EXPECT_NEAR(m.at("rollout_tail_tokens_per_pass"), 3.0, 1e-12);
+  EXPECT_EQ(m.at("rollout_tail_passes"), 30.0);
+  EXPECT_EQ(m.at("time_rollout_tail_s"), 0.4);
+  run.config.rollout.speculative = Speculative::kNone;
+  const auto off = rollout_metrics(run, rb);
+  EXPECT_EQ(off.count("rollout_verify_passes"), 0u);
+  EXPECT_EQ(off.count("rollout_draft_acceptance"), 0u);
+  EXPECT_EQ(off.count("time_rollout_tail_s"), 1u);
+}
+
 // A step's metrics, one row per step, and the policy's parameters at the end of a run.
 struct RunResult {
   std::vector<nlohmann::json> rows;
