@@ -160,7 +160,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_option("--squeeze-holes", o.squeeze,
                  "EngineOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
   app.add_option("--seed", o.seed, "sampling seed");
-  app.add_option("--draft-tokens", o.draft_tokens, "rollout.draft_tokens (the *_spec modes)")->check(CLI::Range(1, 8));
+  app.add_option("--draft-tokens", o.draft_tokens, "rollout.draft_tokens (the *_spec modes)")->check(CLI::Range(1, 7));
   app.add_option("--speculative-max-rows", o.speculative_max_rows, "rollout.speculative_max_rows (the *_spec modes)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
   app.add_option("--json", o.json_path, "write the records to this JSON file");

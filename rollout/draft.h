@@ -8,8 +8,8 @@
 // draft continues, of those places of its last two tokens, the one whose match runs furthest back (up to
 // max_match tokens; the latest of equals), in its own text or another of its group, up to the draft's
 // length. A continuation stops where the model's text gave way to a tool's reply (a sampled token followed
-// by a forced one): the reply is the tool's, never the model's to sample. One index entry a token: a
-// rollout of 64 x 768 tokens costs the host about 10 ms.
+// by a forced one): the reply is the tool's, never the model's to sample. One index entry a token: the
+// index of 64 texts of 768 tokens costs the development machine's host about 10 ms.
 #pragma once
 
 #include <array>

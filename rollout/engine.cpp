@@ -98,7 +98,8 @@ struct DecodeEngine::StepGraph {};
 struct DecodeEngine::ReplayClock {};
 #endif
 
-at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
+at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
+                                  bool each) {
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   size_t K = 0;
   std::vector<int64_t> offset(rows.size() + 1, 0);  // run j's first position in the output
@@ -107,8 +108,8 @@ at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::v
     K = std::max(K, runs[j].size());
     offset[j + 1] = offset[j] + static_cast<int64_t>(runs[j].size());
   }
-  // Token t of every run still that long, one step per t.
-  std::vector<at::Tensor> out(offset.back());
+  // Token t of every run still that long, one step per t; each run's last logits kept (each: all of them).
+  std::vector<at::Tensor> out(each ? offset.back() : static_cast<int64_t>(rows.size()));
   for (size_t t = 0; t < K; ++t) {
     std::vector<int64_t> r, tok;
     std::vector<size_t> which;
@@ -119,24 +120,24 @@ at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::v
       which.push_back(j);
     }
     at::Tensor logits = step(r, tok);
-    for (size_t i = 0; i < which.size(); ++i) out[offset[which[i]] + t] = logits[static_cast<int64_t>(i)];
+    for (size_t i = 0; i < which.size(); ++i) {
+      const size_t j = which[i];
+      if (each) {
+        out[offset[j] + t] = logits[static_cast<int64_t>(i)];
+      } else if (t + 1 == runs[j].size()) {
+        out[j] = logits[static_cast<int64_t>(i)];
+      }
+    }
   }
   return at::stack(out);
 }
 
 at::Tensor TokenPolicy::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
-  at::Tensor all = step_runs(rows, runs);  // (positions, V)
-  std::vector<int64_t> last;               // each run's last position
-  int64_t end = 0;
-  for (const auto& run : runs) {
-    end += static_cast<int64_t>(run.size());
-    last.push_back(end - 1);
-  }
-  return all.index_select(0, at::tensor(last, at::kLong).to(all.device()));
+  return step_runs(rows, runs, /*each=*/false);
 }
 
 at::Tensor TokenPolicy::extend_each(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
-  return step_runs(rows, runs);
+  return step_runs(rows, runs, /*each=*/true);
 }
 
 void TokenPolicy::retract(const std::vector<int64_t>&, const std::vector<int64_t>&) {
@@ -470,8 +471,9 @@ SampleOutput DecodeEngine::extend_each_draw(const std::vector<int64_t>& rows,
                                             const SamplingOptions& sampling, const at::Tensor& keys,
                                             int64_t vocab_limit) {
   const bool fixed = (graphed() && options_.switches.cuda_graphs) || options_.fixed_shape_extend;
+  const bool fused = options_.switches.fused_kernels;  // the draw a decode step makes
   if (!options_.switches.graph_draw || !fixed) {
-    return TokenPolicy::extend_each_draw(rows, runs, sampling, keys, vocab_limit);
+    return sample_keyed(extend_each(rows, runs), sampling, keys, vocab_limit, fused);
   }
   FeedDraw d;
   d.sampling = &sampling;
@@ -479,7 +481,7 @@ SampleOutput DecodeEngine::extend_each_draw(const std::vector<int64_t>& rows,
   d.vocab_limit = vocab_limit;
   SampleOutput out;
   const at::Tensor logits = feed(rows, runs, /*each=*/true, &d, &out);
-  if (logits.defined()) return sample_keyed(logits, sampling, d.keys, vocab_limit);  // one token each: a step
+  if (logits.defined()) return sample_keyed(logits, sampling, d.keys, vocab_limit, fused);  // one token each: a step
   return out;
 }
 
@@ -544,7 +546,10 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
   const bool fixed = graphs || options_.fixed_shape_extend;
   const int64_t Kb = fixed ? feed_cols(K, each) : K;
   drop_released_rows();
-  if (cache_.length + Kb > cache_.max_len) compact(Kb);
+  // A verifying forward leaves its rejected tokens' slots as holes, as decode steps leave waiting rows':
+  // squeezed out once they cost a chunk of the span (squeeze_holes), as before a step.
+  const bool squeeze = each && options_.squeeze_holes && holes_cost_a_chunk();
+  if (cache_.length + Kb > cache_.max_len || squeeze) compact(Kb);
   const int64_t L = cache_.length, Bc = cache_rows();
   const int64_t Eb = fixed ? feed_rows(E, Bc) : E;
   // Input row j is sequence rows[j]: its run at columns [0, k_j), padding after it (a hole in the cache).

@@ -77,9 +77,9 @@ class TokenPolicy {
   virtual int64_t vocab_size() const = 0;
 
  protected:
-  // The defaults' forward: each run fed one token per step(), the logits after every token, run after run
-  // (sum of the runs' lengths, V).
-  at::Tensor step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs);
+  // The defaults' forward: each run fed one token per step(), the logits after each run's last token
+  // (rows.size(), V) or, with each, after every token, run after run (sum of the runs' lengths, V).
+  at::Tensor step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs, bool each);
 };
 
 // The engine's switches, shared by the rollout's options (rollout.<name>, RolloutOptions::engine) and the
@@ -226,7 +226,7 @@ class DecodeEngine : public TokenPolicy {
   int64_t reallocations() const { return reallocations_; }
   // CUDA graphs captured so far (0 on the CPU or with cuda_graphs off).
   int64_t graph_captures() const { return graph_captures_; }
-  int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s
+  int64_t feed_graph_captures() const { return feed_graph_captures_; }  // of them, extend()'s and extend_each_draw()'s
   // extend() calls that ran as one merged pass (a step and a feed in one forward; merged_extend).
   int64_t merged_passes() const { return merged_passes_; }
   // Host seconds spent capturing them (the warm-up run and the capture, synchronised), step and feed graphs.

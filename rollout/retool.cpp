@@ -169,7 +169,7 @@ struct Seq {
   std::string turn_text;    // model text of the current turn
   std::future<SandboxResult> tool;
   int64_t stream = 0;
-  int64_t run_since = -1;  // decode steps done when its pending run (several tokens) was first held back
+  int64_t run_since = -1;  // decode passes done when its pending run (several tokens) was first held back
   std::chrono::steady_clock::time_point tool_sent;  // when its tool call was submitted
   int64_t text = -1;                                // its text in the drafter (rollout.speculative)
   int64_t draft_len = 0;                            // the longest draft it feeds next
@@ -298,7 +298,7 @@ class Loop {
         tokens.push_back(q.front());
         q.clear();
       }
-      if (feed_now(rows.empty(), stats.decode_steps)) {
+      if (feed_now(rows.empty(), stats.decode_steps + stats.verify_passes)) {
         for (size_t n = 0; n < seqs_.size(); ++n) {
           Seq& s = seqs_[n];
           if (s.pending.size() < 2) continue;
@@ -759,6 +759,7 @@ class Loop {
   // up to the first position whose draw differs from it, that draw included, and the rest taken back.
   void verify(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
               const std::vector<std::vector<int64_t>>& drafts, RolloutStats& stats, Clock::time_point& t) {
+    stats.sample_s += lap(t);  // the drafts, host work
     const SpeculationFault fault = options_.speculation_fault;
     std::vector<std::vector<int64_t>> runs(rows.size());
     std::vector<int64_t> streams, counters;  // each position's noise
@@ -817,10 +818,11 @@ class Loop {
       stats.tail_s += forward_s;
       stats.tail_sampled += stats.verify_sampled - sampled_before;
     }
-    if (fault != SpeculationFault::kVisibleRejects) policy_.retract(pids(rows), back);
     const double host = lap(t);  // reading the tokens (turn ends, tool calls sent)
     stats.sample_s += host;
     stats.turn_s += host;
+    if (fault != SpeculationFault::kVisibleRejects) policy_.retract(pids(rows), back);
+    stats.decode_s += lap(t);
   }
 
   // The live line of a long rollout (rollout.progress_s): "\r"-rewritten in place, ended by run().

@@ -175,7 +175,8 @@ struct RolloutOptions {
       FieldRange{0, 1e9});
     v("speculative", speculative,
       "none | suffix: drafts from the group's and earlier rollouts' text, verified in one forward (same samples)");
-    v("draft_tokens", draft_tokens, "rollout.speculative: the longest draft a row feeds", FieldRange{1, 8});
+    v("draft_tokens", draft_tokens,
+      "rollout.speculative: the longest draft a row feeds (with its last token, a run of at most 8)", FieldRange{1, 7});
     v("speculative_max_rows", speculative_max_rows,
       "rollout.speculative: a pass with more rows to decode than this is a plain decode step", FieldRange{1, 1e9});
     v("draft_history_tokens", draft_history_tokens,

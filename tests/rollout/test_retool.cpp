@@ -1046,11 +1046,17 @@ class PartialRolloutTest : public ReToolTest {
     for (int64_t i = 0; i < n; ++i) out[i] = first + i;
     return out;
   }
+  // With `drafts`, a speculative rollout drafting from it (rollout.speculative: suffix).
   std::vector<Trajectory> go(const Transformer& m, RolloutCarry* carry, int64_t first, int64_t n,
-                             RolloutStats* stats = nullptr, int64_t max_staleness = 2) const {
+                             RolloutStats* stats = nullptr, int64_t max_staleness = 2,
+                             std::shared_ptr<DraftHistory> drafts = nullptr) const {
     DecodeEngine policy(m);
     RolloutOptions o = partial_options();
     o.max_staleness = max_staleness;
+    if (drafts) {
+      o.speculative = Speculative::kSuffix;
+      o.draft_history = std::move(drafts);
+    }
     return rollout(policy, *tok_, prompts(first, n), partial_sampling(), o, {}, streams(first, n), {}, stats, carry);
   }
   // Sampled token k's log-prob under m, from a full forward over the tokens before it (float64).
@@ -1136,6 +1142,37 @@ TEST_F(PartialRolloutTest, ACutRolloutContinuedUnderTheSameWeightsIsTheUncutRoll
     }
   }
   EXPECT_TRUE(bad_tokens || worst_bad > 1e-3) << "a carry whose context is wrong must change the continued tokens";
+}
+
+TEST_F(PartialRolloutTest, ASpeculativeCutRolloutContinuedIsThePlainUncutRollout) {
+  // rollout.partial with speculation: six prompts x 2, a speculative rollout returning the first 2 complete
+  // groups, then one continuing the other 4 (their carried text indexed whole, drafts also from the first
+  // rollout's responses), give plain decoding's uncut trajectories (float64: tokens, finish reasons,
+  // log-probs within float32 storage).
+  const Transformer m = tiny_model("llama", 21);
+  const std::vector<Trajectory> uncut = go(m, nullptr, 0, 6);
+  auto drafts = std::make_shared<DraftHistory>(100000);
+  go(m, nullptr, 0, 6, nullptr, 2, drafts);  // the prompts' earlier rollout
+  RolloutCarry c;
+  c.groups = 2;
+  RolloutStats first, second;
+  const std::vector<Trajectory> a = go(m, &c, 0, 6, &first, 2, drafts);
+  ASSERT_GT(first.cut, 0);
+  std::map<int64_t, std::vector<Trajectory>> by_key;
+  for (size_t q = 0; q < c.keys.size(); ++q) by_key[c.keys[q]] = {a[2 * q], a[2 * q + 1]};
+  c.groups = 4;
+  const std::vector<Trajectory> b = go(m, &c, 6, 0, &second, 2, drafts);
+  for (size_t q = 0; q < c.keys.size(); ++q) by_key[c.keys[q]] = {b[2 * q], b[2 * q + 1]};
+  ASSERT_EQ(by_key.size(), 6u);
+  for (int64_t key = 0; key < 6; ++key) {
+    for (int64_t g = 0; g < 2; ++g) {
+      const Trajectory &u = uncut[2 * key + g], &t = by_key.at(key)[g];
+      EXPECT_LT(logprob_gap(u, t), 1e-6) << "prompt " << key << " sample " << g;
+      EXPECT_EQ(u.finish, t.finish);
+    }
+  }
+  EXPECT_GT(first.accepted_tokens + second.accepted_tokens, 0) << "no draft was taken";
+  EXPECT_GT(second.verify_passes, 0) << "the continued rollout never speculated";
 }
 
 TEST_F(PartialRolloutTest, ContinuedTrajectoriesCarryTheLogprobsOfTheWeightsThatSampledEachToken) {
@@ -1340,6 +1377,51 @@ TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokens) {
   }
 }
 
+TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokensInFloat32) {
+  // float32 on the CPU: a verifying forward's GEMMs have other shapes than a decode step's, so their logits
+  // may differ in the last bits, and a draw can flip only where two candidates' Gumbel-perturbed scores
+  // nearly tie. Every trajectory that differs from plain decoding's must differ first at such a near tie
+  // (under 1e-3, from plain's own logits by a full forward): reported, and so explained.
+  const Transformer m = tiny_model("llama", 31, at::kCPU, at::kFloat);
+  auto history = std::make_shared<DraftHistory>(100000);
+  go(m, 1.0, 8, true, nullptr, history);
+  const auto plain = go(m, 1.0, 9, false, nullptr);
+  RolloutStats stats;
+  const auto spec = go(m, 1.0, 9, true, &stats, history);
+  ASSERT_EQ(plain.size(), spec.size());
+  EXPECT_GT(stats.accepted_tokens, 0);
+  int64_t same = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    const Trajectory &p = plain[i], &q = spec[i];
+    if (p.response_ids == q.response_ids) {
+      ++same;
+      continue;
+    }
+    size_t k = 0;
+    while (k < p.response_ids.size() && k < q.response_ids.size() && p.response_ids[k] == q.response_ids[k]) ++k;
+    ASSERT_LT(k, p.response_ids.size()) << "trajectory " << i << ": one is a prefix of the other";
+    // Plain decoding's scores at token k: its logits (a full forward over the tokens before it), top-p, and
+    // the noise of (seed 9, the sequence's stream, k).
+    at::NoGradGuard no_grad;
+    std::vector<int64_t> ids = p.prompt_ids;
+    ids.insert(ids.end(), p.response_ids.begin(), p.response_ids.begin() + static_cast<int64_t>(k));
+    const int64_t L = static_cast<int64_t>(ids.size());
+    const at::Tensor h =
+        m.forward(at::tensor(ids, at::kLong).view({1, L}), at::arange(L, at::kLong).view({1, L}), at::Tensor());
+    const at::Tensor logits = m.logits(h.select(1, L - 1)).to(at::kFloat);  // (1, V)
+    const at::Tensor u = counter_uniforms(9, at::tensor({p.prompt_index * 4 + p.sample_index}, at::kLong),
+                                          at::tensor({static_cast<int64_t>(k)}, at::kLong), logits.size(1), at::kCPU);
+    const at::Tensor scores = filter_top_k_top_p(logits, 0, 0.9) - at::log(-at::log(u));
+    const at::Tensor top = std::get<0>(scores.topk(2, 1))[0];
+    const double gap = (top[0] - top[1]).item<double>();
+    std::cout << "trajectory " << i << " differs first at token " << k << ": plain's top two scores " << gap
+              << " apart\n";
+    EXPECT_LT(gap, 1e-3) << "trajectory " << i << " differs where plain decoding's draw is no near tie";
+  }
+  std::cout << same << " of " << plain.size() << " trajectories the same as plain decoding's in float32\n";
+  EXPECT_GE(same, static_cast<int64_t>(plain.size()) - 2);
+}
+
 TEST_F(ReToolTest, SpeculativeRolloutsWithToolsSampleThePlainRolloutsTokens) {
   // Tool turns: rows steered to a code call (a sentence first, or the call at once), the fake tool's reply
   // fed as a run, then free text. A speculative rollout (drafts from the group: the siblings' calls and
@@ -1361,7 +1443,7 @@ TEST_F(ReToolTest, SpeculativeRolloutsWithToolsSampleThePlainRolloutsTokens) {
     o.progress_s = 0;
     if (speculate) {
       o.speculative = Speculative::kSuffix;
-      o.draft_tokens = 8;
+      o.draft_tokens = 7;
       o.speculation_fault = fault;
     }
     return rollout(policy, *tok_, prompts, s, o, tool, {}, {}, stats);
