@@ -52,6 +52,11 @@ int64_t feed_cols(int64_t K, bool verify = false) {
   return b;
 }
 
+// What a captured draw holds as constants: the temperature, top-k, top-p and vocabulary limit.
+[[maybe_unused]] std::array<double, 4> draw_options(const SamplingOptions& sampling, int64_t vocab_limit) {
+  return {sampling.temperature, double(sampling.top_k), sampling.top_p, double(vocab_limit)};
+}
+
 int64_t feed_rows(int64_t E, int64_t cache_rows) {
   int64_t b = kFeedMinRows;
   while (b < E) b *= 2;
@@ -425,8 +430,7 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
   at::Tensor draw;  // (2, Bc)
 #ifdef RLT_HAVE_CUDA
   if (graphs) {
-    const std::array<double, 4> key = {sampling.temperature, double(sampling.top_k), sampling.top_p,
-                                       double(vocab_limit)};
+    const std::array<double, 4> key = draw_options(sampling, vocab_limit);
     if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
     draw_key_ = key;
     auto& g = draw_graphs_[span];
@@ -575,7 +579,8 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
   for (int64_t r = 0, j = E; j < Eb; ++r) {
     if (!seen[r]) cache_row[j++] = r;
   }
-  at::Tensor hidden;  // (Eb Kb, D)
+  at::Tensor hidden;       // (Eb Kb, D)
+  at::Tensor packed_draw;  // (2, Eb Kb), with draw
   if (fixed) {
     // One host vector, one copy: ids, positions, fed, the rows, then the first slot.
     std::vector<int64_t> packed = ids;
@@ -585,7 +590,6 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
     packed.push_back(L);
     const int64_t span = span_of(L + Kb);  // the slots filled and the feed's
     feed_span_slots_ += span;
-    at::Tensor packed_draw;  // (2, Eb Kb), with draw
     if (draw) {
       // Then each position's noise key (0 at the padding: its draw is dropped).
       const size_t keys_at = packed.size();
@@ -598,8 +602,7 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
 #ifdef RLT_HAVE_CUDA
     if (graphs && draw) {
       const SamplingOptions& sampling = *draw->sampling;
-      const std::array<double, 4> key = {sampling.temperature, double(sampling.top_k), sampling.top_p,
-                                         double(draw->vocab_limit)};
+      const std::array<double, 4> key = draw_options(sampling, draw->vocab_limit);
       if (key != verify_key_) verify_graphs_.clear();  // the options are constants of the captured draw
       verify_key_ = key;
       auto& g = verify_graphs_[{Eb, Kb, span}];
@@ -621,18 +624,6 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
       hidden = fixed_extend(at::tensor(packed, at::kLong).to(dev), Eb, Kb, span);
     }
     cache_.length = L + Kb;
-    if (draw) {
-      for (int64_t j = 0; j < E; ++j) {
-        length_[rows[j]] += static_cast<int64_t>(runs[j].size());
-        note_run(rows[j], L, static_cast<int64_t>(runs[j].size()));
-      }
-      std::vector<int64_t> pick;  // every run's positions, run after run
-      for (int64_t j = 0; j < E; ++j) {
-        for (int64_t t = 0; t < static_cast<int64_t>(runs[j].size()); ++t) pick.push_back(j * Kb + t);
-      }
-      *drawn = unpack_draw(packed_draw, at::tensor(pick, at::kLong));  // waits for the forward
-      return at::Tensor();
-    }
   } else {
     at::Tensor rows_t = at::tensor(cache_row, at::kLong).to(dev);
     // Slots [L, L + K) are holes for every row, then the runs' own slots of the listed rows.
@@ -655,6 +646,10 @@ at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vecto
     for (int64_t j = 0; j < E; ++j) {
       for (int64_t t = 0; t < static_cast<int64_t>(runs[j].size()); ++t) pick.push_back(j * Kb + t);
     }
+  }
+  if (draw) {
+    *drawn = unpack_draw(packed_draw, at::tensor(pick, at::kLong));  // waits for the forward
+    return at::Tensor();
   }
   at::Tensor h = hidden.index_select(0, at::tensor(pick).to(dev));  // (E or the runs' tokens, D)
   return next_token_logits(model_, h);                              // (E or the runs' tokens, V)

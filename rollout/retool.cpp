@@ -156,8 +156,14 @@ double lap(Clock::time_point& t) {
   return s;
 }
 
-// RolloutStats' tail: decode passes of at most this many rows.
-constexpr size_t kTailRows = 16;
+// RolloutStats' tail: a decode pass (a step or a verifying forward) of at most 16 rows, its seconds and the
+// tokens its rows sampled.
+void count_tail(RolloutStats& stats, size_t rows, double seconds, int64_t sampled) {
+  if (rows > 16) return;
+  stats.tail_passes += 1;
+  stats.tail_s += seconds;
+  stats.tail_sampled += sampled;
+}
 
 enum class SeqState { kQueued, kGenerating, kWaiting, kDone };  // kQueued: its prompt not yet admitted
 
@@ -370,11 +376,7 @@ class Loop {
           drawn_rows.push_back(rows[j]);
           keep.push_back(static_cast<int64_t>(j));
         }
-        if (rows.size() <= kTailRows) {
-          stats.tail_passes += 1;
-          stats.tail_s += step_s;
-          stats.tail_sampled += static_cast<int64_t>(keep.size());
-        }
+        count_tail(stats, rows.size(), step_s, static_cast<int64_t>(keep.size()));
         const at::Tensor k = at::tensor(keep, at::kLong);
         drawn = {d.ids.index_select(0, k), d.logprobs.index_select(0, k)};
       }
@@ -779,7 +781,6 @@ class Loop {
         tok_.vocab_size());  // (positions)
     const double forward_s = lap(t);
     stats.decode_s += forward_s;
-    const bool tail = rows.size() <= kTailRows;
     const int64_t sampled_before = stats.verify_sampled;
     stats.verify_passes += 1;
     stats.verify_rows += static_cast<int64_t>(rows.size());
@@ -813,11 +814,7 @@ class Loop {
       }
       off += m + 1;
     }
-    if (tail) {
-      stats.tail_passes += 1;
-      stats.tail_s += forward_s;
-      stats.tail_sampled += stats.verify_sampled - sampled_before;
-    }
+    count_tail(stats, rows.size(), forward_s, stats.verify_sampled - sampled_before);
     const double host = lap(t);  // reading the tokens (turn ends, tool calls sent)
     stats.sample_s += host;
     stats.turn_s += host;
