@@ -28,11 +28,15 @@ inline const EnumNames<Offload>& enum_names(Offload) {
   return names;
 }
 
-// What leaves the device while the rollout runs (train.phase_offload): nothing, or the optimizer's fp32
-// masters, AdamW moments and gradient chunks, moved to pinned host memory and back before the update.
-enum class PhaseOffload { kNone, kOptimizer };
+// What leaves the device while the rollout runs (train.phase_offload), moved to pinned host memory and back
+// before the update: nothing; the optimizer's fp32 masters and AdamW moments (and a sharded state's
+// gradient chunks, zeros between steps: freed, not copied); or the training state, which adds the sharded
+// state's weight chunks (and its gradient chunks under train.offload, whose optimizer lives on the host).
+enum class PhaseOffload { kNone, kOptimizer, kTrainingState };
 inline const EnumNames<PhaseOffload>& enum_names(PhaseOffload) {
-  static const EnumNames<PhaseOffload> names{{"none", PhaseOffload::kNone}, {"optimizer", PhaseOffload::kOptimizer}};
+  static const EnumNames<PhaseOffload> names{{"none", PhaseOffload::kNone},
+                                             {"optimizer", PhaseOffload::kOptimizer},
+                                             {"training_state", PhaseOffload::kTrainingState}};
   return names;
 }
 

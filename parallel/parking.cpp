@@ -2,35 +2,100 @@
 #include "parallel/parking.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
+
+#include <optional>
 
 namespace rlt {
 
-void PhaseParking::park(const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK(!parked_, "PhaseParking::park: already parked");
-  at::NoGradGuard no_grad;
-  const bool reuse = host_.size() == tensors.size();
-  if (!reuse) host_.clear();
-  tensors_.clear();
-  devices_.clear();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
+namespace {
+
+at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(at::hasCUDA()));
+}
+
+bool fits(const at::Tensor& buffer, const at::Tensor& t) {
+  return buffer.defined() && buffer.sizes() == t.sizes() && buffer.scalar_type() == t.scalar_type();
+}
+
+}  // namespace
+
+PhaseParking::~PhaseParking() {
+  if (reserving_.valid()) reserving_.wait();
+}
+
+void PhaseParking::reserve(const std::vector<at::Tensor>& like) {
+  TORCH_CHECK(!parked_ && !reserving_.valid(), "PhaseParking::reserve: parked, or reserving already");
+  struct Shape {
+    bool defined;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+  };
+  std::vector<Shape> shapes;
+  std::optional<at::Device> cuda;
+  for (const at::Tensor& t : like) {
     if (!t.defined()) {
-      if (!reuse) host_.emplace_back();
-      tensors_.emplace_back();
-      devices_.push_back(at::kCPU);
+      shapes.push_back({false, {}, at::kByte});
       continue;
     }
-    at::Tensor& h = reuse ? host_[i] : host_.emplace_back();
-    const bool fresh = !h.defined() || h.sizes() != t.sizes() || h.scalar_type() != t.scalar_type();
-    if (fresh) {
-      h = at::empty(t.sizes(),
-                    at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU).pinned_memory(at::hasCUDA()));
-    }
-    if (fresh || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
+    shapes.push_back({true, t.sizes().vec(), t.scalar_type()});
+    if (t.is_cuda() && !cuda) cuda = t.device();
+  }
+  reserving_ = std::async(std::launch::async, [shapes = std::move(shapes), cuda] {
+    // The thread's device is the tensors' own: the pinned allocator's calls would make a context on
+    // device 0 otherwise.
+    std::optional<c10::DeviceGuard> guard;
+    if (cuda) guard.emplace(*cuda);
+    std::vector<at::Tensor> out;
+    for (const Shape& s : shapes) out.push_back(s.defined ? host_buffer(s.sizes, s.dtype) : at::Tensor());
+    return out;
+  });
+}
+
+void PhaseParking::take_reserved() {
+  if (!reserving_.valid()) return;
+  std::vector<at::Tensor> made = reserving_.get();
+  if (host_.size() < made.size()) host_.resize(made.size());
+  for (size_t i = 0; i < made.size(); ++i) {
+    if (!host_[i].defined()) host_[i] = std::move(made[i]);
+  }
+}
+
+void PhaseParking::park(const std::vector<at::Tensor>& moved, const std::vector<at::Tensor>& zeroed) {
+  TORCH_CHECK(!parked_, "PhaseParking::park: already parked");
+  take_reserved();
+  at::NoGradGuard no_grad;
+  if (host_.size() < moved.size()) host_.resize(moved.size());
+  if (written_.size() < host_.size()) written_.resize(host_.size(), false);
+  tensors_.clear();
+  devices_.clear();
+  moved_bytes_ = zeroed_bytes_ = 0;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    const at::Tensor& t = moved[i];
     tensors_.push_back(t);
-    devices_.push_back(t.device());
+    devices_.push_back(t.defined() ? t.device() : at::Device(at::kCPU));
+    if (!t.defined()) continue;
+    at::Tensor& h = host_[i];
+    if (!fits(h, t)) {
+      h = host_buffer(t.sizes(), t.scalar_type());
+      written_[i] = false;
+    }
+    if (!written_[i] || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
+    written_[i] = true;
+    moved_bytes_ += t.nbytes();
     tensors_.back().set_data(h);  // the device storage is freed once nothing else holds it
+  }
+  zeroed_.clear();
+  zeroed_sizes_.clear();
+  zeroed_options_.clear();
+  for (const at::Tensor& t : zeroed) {
+    if (!t.defined()) continue;
+    zeroed_.push_back(t);
+    zeroed_sizes_.push_back(t.sizes().vec());
+    zeroed_options_.push_back(t.options());
+    zeroed_bytes_ += t.nbytes();
+    zeroed_.back().set_data(at::empty({0}, t.options()));
   }
   parked_ = true;
 }
@@ -40,11 +105,18 @@ void PhaseParking::unpark() {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (!tensors_[i].defined()) continue;
-    at::Tensor d = at::empty(host_[i].sizes(), host_[i].options().device(devices_[i]).pinned_memory(false));
-    d.copy_(host_[i], /*non_blocking=*/d.is_cuda());
+    const at::Tensor& h = host_[i];
+    at::Tensor d = at::empty(h.sizes(), h.options().device(devices_[i]).pinned_memory(false));
+    if (fault_ == Fault::kWrongSlice && h.numel() > 1) {
+      d.copy_(h.reshape({-1}).roll(1).view(h.sizes()));
+    } else {
+      d.copy_(h, /*non_blocking=*/d.is_cuda());
+    }
     tensors_[i].set_data(d);
   }
+  for (size_t i = 0; i < zeroed_.size(); ++i) zeroed_[i].set_data(at::zeros(zeroed_sizes_[i], zeroed_options_[i]));
   tensors_.clear();
+  zeroed_.clear();
   parked_ = false;
 }
 

@@ -317,6 +317,7 @@ void ShardedState::finish_oldest_reduce() {
   at::Tensor out = u.reduce_out;
   if (fault_ == ShardFault::kAverage) out = out / double(shard_world_);
   unit_chunk(groups_[u.group].grad, u).add_(out);
+  grads_zero_ = false;
   u.reduce_in = at::Tensor();
   u.reduce_out = at::Tensor();
 }
@@ -335,13 +336,17 @@ void ShardedState::finish_backward() {
   done_.assign(params_.size(), false);
 }
 
-std::vector<at::Tensor> ShardedState::optimizer_state() const {
-  std::vector<at::Tensor> out;
+PhaseTensors ShardedState::phase_tensors(bool training_state, bool whole) const {
+  PhaseTensors out;
+  const bool gathered = stage_ != ShardStage::kParameters || pinned_ > 0 || keep_ || whole;
   for (const Group& G : groups_) {
-    if (G.offload) continue;
-    for (const at::Tensor* t : {&G.master, &G.exp_avg, &G.exp_avg_sq, &G.grad}) {
-      if (t->defined()) out.push_back(*t);
+    if (!G.offload) {
+      for (const at::Tensor* t : {&G.master, &G.exp_avg, &G.exp_avg_sq}) {
+        if (t->defined()) out.moved.push_back(*t);
+      }
     }
+    if (!G.offload || training_state) (grads_zero_ ? out.zeroed : out.moved).push_back(G.grad);
+    if (training_state && gathered && G.weights.defined()) out.moved.push_back(G.weights);
   }
   return out;
 }
@@ -357,6 +362,7 @@ void ShardedState::zero_grad() {
   }
   in_flight_.clear();
   for (Group& G : groups_) G.grad.zero_();
+  grads_zero_ = true;
   for (auto& a : accum_) a = at::Tensor();
   for (Param& p : params_) p.leaf.mutable_grad() = at::Tensor();
   for (Unit& u : units_) u.remaining = u.params.size();

@@ -46,6 +46,7 @@
 #include "model/transformer.h"
 #include "parallel/dist.h"
 #include "parallel/options.h"
+#include "parallel/parking.h"
 
 namespace rlt {
 
@@ -153,9 +154,14 @@ class ShardedState : public WeightResidency {
   void save(const std::string& dir) const;
   void load(const std::string& dir);
 
-  // The fp32 masters, AdamW moments and gradient chunks this rank holds on the device (none under
-  // train.offload, whose state lives in host memory): what train.phase_offload moves out for the rollout.
-  std::vector<at::Tensor> optimizer_state() const;
+  // What train.phase_offload takes off the device for the rollout. `moved` go to host memory and come
+  // back: the fp32 masters and AdamW moments this rank holds on the device (none under train.offload, whose
+  // state lives in host memory), and with `training_state` the weight chunks in the model's dtype, where
+  // nothing gathers from them meanwhile: every stage but parameters, or its weights gathered already (or,
+  // `whole`, by the caller before it parks: the layout of a later park). `zeroed`: the gradient chunks,
+  // all zero between steps (a backward since the last step moves them). The gradient chunks are in one of
+  // the two unless train.offload holds the optimizer state and not `training_state`.
+  PhaseTensors phase_tensors(bool training_state, bool whole = false) const;
 
   // Bytes this rank holds for the state: on the device (gradient chunks or whole gradients, masters and
   // moments unless offloaded, the weight chunks of the parameters stage) and in host memory (offload).
@@ -249,6 +255,7 @@ class ShardedState : public WeightResidency {
   int64_t largest_chunk_ = 0;  // the largest unit's chunk: the reduce slots and the all-gather buffer fit it
   bool collecting_ = false;    // a backward of this object's is running: the hooks take its gradients
   bool reducing_ = false;      // the running backward reduces its gradients
+  bool grads_zero_ = true;     // every gradient chunk is zero: no reduce has added into one since zero_grad
   int pinned_ = 0;             // gather_weights() depth
   double comm_s_ = 0;
   int shard_world_ = 1;  // ranks the state is split over: 1 with shard none (offload alone)

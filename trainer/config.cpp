@@ -125,8 +125,16 @@ void check_sections(const ConfigReader<Config>& r) {
     if (c.train.rollout_ranks > 0) {
       r.fail("train.phase_offload", "the rollout runs on other ranks (train.rollout_ranks): nothing to make room for");
     }
-    if (c.train.offload == Offload::kOptimizer) {
-      r.fail("train.phase_offload", "train.offload optimizer keeps the optimizer state in host memory already");
+    if (c.train.phase_offload == PhaseOffload::kOptimizer && c.train.offload == Offload::kOptimizer) {
+      r.fail("train.phase_offload",
+             "train.offload optimizer keeps the optimizer state in host memory already (training_state moves the "
+             "gradient and weight chunks it leaves on the device)");
+    }
+    if (c.train.phase_offload == PhaseOffload::kTrainingState && c.train.shard == ShardStage::kNone &&
+        c.train.offload == Offload::kNone) {
+      r.fail("train.phase_offload",
+             "training_state adds the sharded state's weight and gradient chunks, which only train.shard or "
+             "train.offload make; without them use optimizer");
     }
   }
   // reward.kind at its default is what --print-config writes beside a list: only another value conflicts.

@@ -133,7 +133,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
     RolloutBatch rb;
     {
-      const ParkedOptimizerState parked(run);  // train.phase_offload: the optimizer state in host memory meanwhile
+      const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
       rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
     }
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds

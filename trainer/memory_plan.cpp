@@ -332,6 +332,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const bool gathers = stage == ShardStage::kParameters && N > 1;
   const StepShape shape = step_shape(c, world);
   const bool accumulates = shape.micro < shape.mini;  // several backwards per optimizer step
+  int64_t chunks = 0;                                 // a sharded state's weight chunks in the model's dtype
   p.parameters = sh.P;
   p.world = world;
   // What the optimizer updates: the model, or its fp32 adapters (the base frozen in the model dtype).
@@ -372,18 +373,20 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
       // The rank's chunk, and gathered: two layers (the next one's gather starts before the current one
       // is freed) and the embedding, final norm and head for the whole micro-batch.
       p.weights = s * sh.P / N + s * (2 * sh.layer + sh.outer);
+      chunks = s * sh.P / N;
     } else {
       p.weights += w * T / Ns;
+      chunks = w * T / Ns;
     }
     p.gradients = 4 * T / Ns;
     p.grad_buffers = stage >= ShardStage::kGradients && N > 1 ? 2 * (4 + 4) * unit : 4 * T + 4 * unit;
     p.masters = 4 * T / Ns;
     p.moments = 8 * T / Ns;
-    // ShardedState::step's gradient norm, at::sum(G.grad.square(), kDouble): the squares in fp32 and
-    // their float64 cast (a reduction to another dtype casts its input first), 12 bytes an element of the
-    // rank's gradient chunks. It runs on the device even with train.offload, and before adamw_step, whose
-    // one temporary (the denominator over at most 2^24 elements, kAtenChunk) is far smaller.
-    p.optimizer_step = 12 * T / Ns;
+    // ShardedState::step's gradient norm, at::sum(chunk.square(), kDouble) over 2^24 elements at a time
+    // (kNormChunk): the squares in fp32 and their float64 cast (a reduction to another dtype casts its
+    // input first), 12 bytes an element. It runs on the device even with train.offload, and before
+    // adamw_step, whose one temporary (the denominator over at most 2^24 elements, kAtenChunk) is smaller.
+    p.optimizer_step = 12 * std::min<int64_t>(int64_t{1} << 24, T / Ns);
   }
   if (c.train.offload == Offload::kOptimizer) {
     // OffloadedAdamW: masters and moments in pinned host memory, stepped there (parallel/adamw.h).
@@ -429,16 +432,21 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     cc.train.shard = c.critic.stage(c.train.shard);
     cc.train.offload = Offload::kNone;
     cc.objective.kl_coef = 0;
+    // Its weight chunks stay under the parameters stage: nothing gathers its weights for the rollout.
+    if (cc.train.shard == ShardStage::kParameters && cc.train.phase_offload == PhaseOffload::kTrainingState)
+      cc.train.phase_offload = PhaseOffload::kOptimizer;
     const MemoryPlan q = plan_memory(cc, critic_model_config(c, m), world);
     p.critic = q.weights + q.masters + q.moments;
     p.critic_gradients = q.gradients + q.grad_buffers;
     p.activations = std::max(p.activations, q.activations);
     p.optimizer_step = std::max(p.optimizer_step, q.optimizer_step);
-    if (c.train.phase_offload == PhaseOffload::kOptimizer) p.parked += q.masters + q.moments;
+    p.parked += q.parked;
   }
   // train.phase_offload: the masters and moments in host memory while the rollout runs (the sharded state's
-  // gradient chunk too, but that is the update's already: `gradients`).
-  if (c.train.phase_offload == PhaseOffload::kOptimizer) p.parked += p.masters + p.moments;
+  // gradient chunk too, but that is the update's already: `gradients`); training_state adds the weight
+  // chunks.
+  if (c.train.phase_offload != PhaseOffload::kNone) p.parked += p.masters + p.moments;
+  if (c.train.phase_offload == PhaseOffload::kTrainingState) p.parked += chunks;
   return p;
 }
 
@@ -479,17 +487,26 @@ std::vector<Change> single_changes(const Config& c, int world) {
       out.push_back({std::string("train.shard: ") + enum_to_string(st), [st](Config& x) { x.train.shard = st; }});
     }
   }
-  // The two optimizer moves exclude each other: with both in a combination, train.offload's holds.
+  // train.offload and phase_offload optimizer exclude each other: with both in a combination, train.offload's
+  // holds. training_state goes with either, once a sharded state exists (train.shard or train.offload).
   if (c.train.offload == Offload::kNone) {
     out.push_back({"train.offload: optimizer", [](Config& x) {
                      x.train.offload = Offload::kOptimizer;
-                     x.train.phase_offload = PhaseOffload::kNone;
+                     if (x.train.phase_offload == PhaseOffload::kOptimizer) x.train.phase_offload = PhaseOffload::kNone;
                    }});
   }
-  if (c.train.phase_offload == PhaseOffload::kNone && c.train.offload == Offload::kNone &&
-      c.train.async == AsyncMode::kOff && c.train.rollout_ranks == 0) {
+  const bool phases_take_turns = c.train.async == AsyncMode::kOff && c.train.rollout_ranks == 0;
+  if (c.train.phase_offload == PhaseOffload::kNone && c.train.offload == Offload::kNone && phases_take_turns) {
     out.push_back({"train.phase_offload: optimizer", [](Config& x) {
-                     if (x.train.offload == Offload::kNone) x.train.phase_offload = PhaseOffload::kOptimizer;
+                     if (x.train.offload == Offload::kNone && x.train.phase_offload == PhaseOffload::kNone)
+                       x.train.phase_offload = PhaseOffload::kOptimizer;
+                   }});
+  }
+  if (c.train.phase_offload != PhaseOffload::kTrainingState && phases_take_turns &&
+      (world > 1 || c.train.offload != Offload::kNone)) {
+    out.push_back({"train.phase_offload: training_state", [](Config& x) {
+                     if (x.train.shard != ShardStage::kNone || x.train.offload != Offload::kNone)
+                       x.train.phase_offload = PhaseOffload::kTrainingState;
                    }});
   }
   if (!c.model.activation_checkpointing)

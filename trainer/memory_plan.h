@@ -38,8 +38,9 @@ struct MemoryPlan {
   int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
                                  // moments at critic.shard's stage
   int64_t critic_gradients = 0;  // its gradients and gradient buffers, through the update
-  // train.phase_offload optimizer: of masters, moments and the critic's, what leaves the device while the
-  // rollout runs (in pinned host memory then): counted in the update's phase, not in both.
+  // train.phase_offload: of masters, moments and the critic's (with training_state the sharded weight
+  // chunks too), what leaves the device while the rollout runs (in pinned host memory then): counted in
+  // the update's phase, not in both.
   int64_t parked = 0;
   // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).

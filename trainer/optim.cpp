@@ -55,16 +55,27 @@ void make_optimizer(Run& run, const ExtraParams& extra) {
   make_replicated_optimizer(run.model, t, t.lr, extra_lr);
 }
 
-std::vector<at::Tensor> phase_offload_tensors(const ModelState& model) {
-  if (model.sharded) return model.sharded->optimizer_state();
-  std::vector<at::Tensor> out = model.master;
+PhaseTensors phase_offload_tensors(const ModelState& model, PhaseOffload mode) {
+  if (model.sharded) return model.sharded->phase_tensors(mode == PhaseOffload::kTrainingState);
+  PhaseTensors out{model.master, {}};
   if (!model.optimizer) return out;
   for (const at::Tensor& p : optimizer_params(model)) {
     auto it = model.optimizer->state().find(p.unsafeGetTensorImpl());
     if (it == model.optimizer->state().end()) continue;  // not stepped yet: no moments
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    out.push_back(s.exp_avg());
-    out.push_back(s.exp_avg_sq());
+    out.moved.push_back(s.exp_avg());
+    out.moved.push_back(s.exp_avg_sq());
+  }
+  return out;
+}
+
+std::vector<at::Tensor> phase_offload_layout(const ModelState& model, PhaseOffload mode, bool whole) {
+  if (model.sharded) return model.sharded->phase_tensors(mode == PhaseOffload::kTrainingState, whole).moved;
+  std::vector<at::Tensor> out = model.master;
+  if (!model.optimizer) return out;
+  for (const at::Tensor& p : optimizer_params(model)) {  // AdamW's moments: the shape and dtype of what it steps
+    out.push_back(p);
+    out.push_back(p);
   }
   return out;
 }
@@ -76,7 +87,7 @@ void synchronize_for(const Run& run) {
   if (run.device.is_cuda()) stream_synchronize(run.device);
 }
 
-// The models whose optimizer state a phase moves: the policy's, and a separate critic's.
+// The models whose training state a phase moves: the policy's, and a separate critic's.
 std::vector<ModelState*> parked_models(Run& run) {
   std::vector<ModelState*> out{&run.model};
   if (run.model.critic) out.push_back(&run.model.critic->state);
@@ -85,19 +96,34 @@ std::vector<ModelState*> parked_models(Run& run) {
 
 }  // namespace
 
-ParkedOptimizerState::ParkedOptimizerState(Run& run) {
-  if (run.config.train.phase_offload == PhaseOffload::kNone || run.rollout_rank) return;
+void reserve_phase_offload(Run& run) {
+  const PhaseOffload mode = run.config.train.phase_offload;
+  if (mode == PhaseOffload::kNone || run.rollout_rank) return;
+  for (ModelState* m : parked_models(run)) {
+    if (!m->parking) m->parking = std::make_shared<PhaseParking>();
+    // The policy's weights are whole while parked (ParkedTrainingState gathers them), a critic's are not.
+    if (!m->parking->parked()) m->parking->reserve(phase_offload_layout(*m, mode, /*whole=*/m == &run.model));
+  }
+}
+
+ParkedTrainingState::ParkedTrainingState(Run& run) {
+  const PhaseOffload mode = run.config.train.phase_offload;
+  if (mode == PhaseOffload::kNone || run.rollout_rank) return;
   if (run.model.parking && run.model.parking->parked()) return;  // an outer scope holds it
+  // The rollout's gather (a no-op unless shard parameters), ahead of it: not a move.
+  if (mode == PhaseOffload::kTrainingState) whole_ = std::make_unique<GatheredWeights>(run.model.sharded);
   const auto t0 = std::chrono::steady_clock::now();
   try {
     for (ModelState* m : parked_models(run)) {
       if (!m->parking) m->parking = std::make_shared<PhaseParking>();
-      m->parking->park(phase_offload_tensors(*m));
+      const PhaseTensors t = phase_offload_tensors(*m, mode);
+      m->parking->park(t.moved, t.zeroed);
     }
   } catch (...) {  // what was parked comes back: no scope would bring it back later
     for (ModelState* m : parked_models(run)) {
       if (m->parking && m->parking->parked()) m->parking->unpark();
     }
+    whole_.reset();
     throw;
   }
   synchronize_for(run);
@@ -105,12 +131,13 @@ ParkedOptimizerState::ParkedOptimizerState(Run& run) {
   run_ = &run;
 }
 
-ParkedOptimizerState::~ParkedOptimizerState() {
+ParkedTrainingState::~ParkedTrainingState() {
   if (!run_) return;
   const auto t0 = std::chrono::steady_clock::now();
   for (ModelState* m : parked_models(*run_)) {
     if (m->parking && m->parking->parked()) m->parking->unpark();
   }
+  whole_.reset();  // the chunks are back: what the gather held is released
   synchronize_for(*run_);
   run_->metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

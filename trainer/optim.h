@@ -63,23 +63,34 @@ void copy_master_weights_to_model(ModelState& model);
 // (for every parameter it updates, model.extra included); with model.sharded, what it holds on the device.
 int64_t optimizer_memory_bytes(const ModelState& model);
 
-// train.phase_offload optimizer: what leaves the device while the rollout runs: the fp32 masters and AdamW's
-// moments (the sharded state's chunks and its gradient chunk). The weights the rollout decodes stay.
-std::vector<at::Tensor> phase_offload_tensors(const ModelState& model);
+// train.phase_offload: what leaves the device while the rollout runs: the fp32 masters and AdamW's moments,
+// a sharded state's gradient chunks (zeros then: freed, not copied), and with training_state its weight
+// chunks (ShardedState::phase_tensors). The weights the rollout decodes stay.
+PhaseTensors phase_offload_tensors(const ModelState& model, PhaseOffload mode);
+// The tensors phase_offload_tensors moves once the optimizer has stepped, in its order (the replicated
+// AdamW makes its moments at its first step: here, tensors of their shape), `whole` when its weights are
+// gathered while parked: what PhaseParking::reserve makes host buffers for before the first rollout.
+std::vector<at::Tensor> phase_offload_layout(const ModelState& model, PhaseOffload mode, bool whole);
+// train.phase_offload: the host buffers of the policy and a separate critic made on threads of their own,
+// beside the warm-up (begin_training calls it).
+void reserve_phase_offload(Run& run);
 
-// train.phase_offload optimizer for the scope's life (a step's rollout, an evaluation): the policy's and a
-// separate critic's phase_offload_tensors in pinned host memory, back on the device when it ends. Each move
-// ends with a device synchronisation, and their seconds add to run.metrics.phase_moves_s. Nothing with
-// train.phase_offload none, or inside another such scope.
-class ParkedOptimizerState {
+// train.phase_offload for the scope's life (a step's rollout, an evaluation): the policy's and a separate
+// critic's phase_offload_tensors in pinned host memory, back on the device when it ends. Under
+// training_state with train.shard parameters the policy's weights are gathered first (the rollout decodes
+// them whole anyway), so that its chunks can leave. Each move ends with a device synchronisation, and
+// their seconds add to run.metrics.phase_moves_s. Nothing with train.phase_offload none, on a rollout
+// rank, or inside another such scope.
+class ParkedTrainingState {
  public:
-  explicit ParkedOptimizerState(Run& run);
-  ~ParkedOptimizerState();
-  ParkedOptimizerState(const ParkedOptimizerState&) = delete;
-  ParkedOptimizerState& operator=(const ParkedOptimizerState&) = delete;
+  explicit ParkedTrainingState(Run& run);
+  ~ParkedTrainingState();
+  ParkedTrainingState(const ParkedTrainingState&) = delete;
+  ParkedTrainingState& operator=(const ParkedTrainingState&) = delete;
 
  private:
-  Run* run_ = nullptr;  // set while this scope holds the state parked
+  Run* run_ = nullptr;                      // set while this scope holds the state parked
+  std::unique_ptr<GatheredWeights> whole_;  // training_state, shard parameters: held across the scope
 };
 
 // The learning rate at optimizer step `step` (0-based) of `total`.

@@ -314,7 +314,8 @@ struct TrainOptions {
     v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory, stepped there");
     v("phase_offload", phase_offload,
       "none | optimizer: fp32 masters and AdamW moments (sharded: gradient chunks too) in pinned host memory "
-      "while the rollout and evaluations run, back on the device for the update");
+      "while the rollout and evaluations run, back on the device for the update | training_state: with "
+      "train.shard or train.offload, the weight chunks too (and the gradient chunks under offload)");
   }
   void check(const FieldFail& fail) const {
     if (eval_temperature < 0 && eval_temperature != -1) fail("eval_temperature", "must be -1 (automatic) or >= 0");

@@ -153,7 +153,7 @@ std::map<std::string, double> train_ppo(Run& run) {
     // 1. Rollout and rewards (this rank's prompts).
     RolloutBatch rb;
     {
-      const ParkedOptimizerState parked(run);  // train.phase_offload: the optimizer state in host memory meanwhile
+      const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
       rb = collect_rollouts(run);
     }
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a

@@ -612,15 +612,20 @@ RolloutBatch collect_rollouts(Run& run) {
 
 double begin_training(Run& run) {
   if (!run.device.is_cuda()) install_cpu_memory_tracking();
+  reserve_phase_offload(run);  // train.phase_offload: its pinned buffers made beside the warm-up
   if (run.lead()) {
     run.metrics.log =
         std::make_shared<MetricsLog>(run.out_dir, /*append=*/run.counters.step > 0, run.config.logging.tensorboard);
   }
-  const bool fresh = run.counters.step == 0;
-  if (fresh && run.config.sft.steps > 0) sft_warmup(run);  // every rank the same warm-up
-  broadcast_weights(run);  // several ranks: rank 0's weights everywhere, fresh or resumed
-  // The sharded state took its masters from the weights before the warm-up trained them.
-  if (run.model.sharded && fresh && run.config.sft.steps > 0) run.model.sharded->load_from_model();
+  const bool fresh = run.counters.step == 0, warms_up = fresh && run.config.sft.steps > 0;
+  {
+    // Under shard parameters the warm-up trains whole weights, and the masters are taken from them.
+    const GatheredWeights whole(warms_up ? run.model.sharded : nullptr);
+    if (warms_up) sft_warmup(run);  // every rank the same warm-up
+    broadcast_weights(run);         // several ranks: rank 0's weights everywhere, fresh or resumed
+    // The sharded state took its masters from the weights before the warm-up trained them.
+    if (run.model.sharded && warms_up) run.model.sharded->load_from_model();
+  }
   ensure_reference(run);  // only when objective.kl_coef > 0: the policy RL starts from
   const double before = fresh && !run.data.eval_set.empty() ? report_evaluation(run, "before RL").pass1 : NAN;
   run.metrics.phase_moves_s = 0;  // step 1's figure is its own rollout's and evaluation's
@@ -653,7 +658,7 @@ std::map<std::string, double> periodic_evaluation(Run& run) {
 EvalResult report_evaluation(Run& run, const std::string& when) {
   EvalResult r;
   {
-    const ParkedOptimizerState parked(run);  // train.phase_offload: the optimizer state in host memory meanwhile
+    const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
     r = evaluate(run);
   }
   run.metrics.last_eval_step = static_cast<double>(run.counters.step);

@@ -8,6 +8,7 @@
 # (its CUDA test). DEMOS="1 2": the PPO CPU demo (configs/ppo_tiny.yaml), shared head and a critic of its
 # own, at each of those seeds on the host's cores beside the GPU runs (each run's log and metrics.jsonl in
 # $OUT/demo_<kind>_<seed>; DEMO_TIMEOUT seconds at most). The GPU runs' metrics: $OUT/<mode>.metrics.jsonl.
+# MODES (default "none optimizer") picks the runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-runs/gpu_phase_offload}")
@@ -38,7 +39,7 @@ build-gpu/bin/test_parking > "$out/test_parking.log" 2>&1
 grep -E "PASSED|FAILED|SKIPPED" "$out/test_parking.log"
 RANDOM_QWEN=${RANDOM_QWEN:-1.5b} source scripts/gpu/random_qwen.sh
 system='Solve the math problem step by step. Put the final answer as \boxed{...}.'
-for mode in none optimizer; do
+for mode in ${MODES:-none optimizer}; do
   build-gpu/bin/grpo_train --config configs/retool.yaml --set model.path="$ckpt" --set data.path="$out/math.jsonl" \
     --set data.prompt_key=prompt --set data.answer_key=answer --set rollout.tools=false --set reward.kind=boxed \
     --set "chat.system=$system" --set sampling.max_new_tokens="$new_tokens" \

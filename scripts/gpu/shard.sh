@@ -6,7 +6,10 @@
 #                                     peak memory per GPU (nvidia-smi, sampled every 200 ms)
 #   bash scripts/gpu/shard.sh large   a random Qwen2.5-7B-shaped checkpoint (bf16, saved by transformers):
 #                                     shard none on one GPU (the memory plan must refuse it before step 1),
-#                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU
+#                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU;
+#                                     LARGE_RUNS picks them, with the phase-wise residency runs
+#                                     parameters_phase (phase_offload optimizer), parameters_state
+#                                     (training_state) and parameters_offload_state (with train.offload)
 # Usage: [SHARD_TESTS=0] [STAGES=...] bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +21,7 @@ mkdir -p "$out/raw"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The large part runs the trainer only: it builds nothing else; so does the small one with SHARD_TESTS=0
 # (its runs without the sharding tests first).
-[ "$part" = large ] || [ "${SHARD_TESTS:-1}" = 0 ] && export RLT_BUILD_TARGETS=grpo_train
+{ [ "$part" = large ] || [ "${SHARD_TESTS:-1}" = 0 ]; } && export RLT_BUILD_TARGETS=${RLT_BUILD_TARGETS:-grpo_train}
 source scripts/gpu/build.sh
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -66,7 +69,7 @@ for name in sys.argv[2:]:
     steady = rows[1:] or rows  # the first step warms up (graphs, plans)
     keys = ["time_step_s", "memory_allocated_peak_mib", "memory_reserved_peak_mib", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
             "optimizer_memory_mib", "optimizer_host_memory_mib", "peak_memory_rollout_mib", "peak_memory_update_mib",
-            "grad_norm", "loss"]
+            "time_phase_moves_s", "grad_norm", "loss"]
     for k in keys:
         vals = [x[k] for x in steady if k in x]
         if vals:
@@ -74,9 +77,10 @@ for name in sys.argv[2:]:
     if "sampled_tokens" in r and "time_step_s" in r:
         r["sampled_tokens_per_s"] = r["sampled_tokens"] / r["time_step_s"]
     log = open(f"{raw}/{name}.log", errors="replace").read().splitlines()
+    r["plan"] = [l.rstrip() for l in log if "GiB" in l][:30]  # the memory plan's lines
     r["log_tail"] = log[-25:]
     res[name] = r
-    print(name, json.dumps({k: v for k, v in r.items() if k != "log_tail"}))
+    print(name, json.dumps({k: v for k, v in r.items() if k not in ("log_tail", "plan")}))
 prev = {}
 if os.path.exists(f"{out}/summary.json"):
     prev = json.load(open(f"{out}/summary.json"))
@@ -132,6 +136,13 @@ if [ "$part" = large ]; then
                            --set train.offload=optimizer ;;
       parameters_offload) run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
                             --set train.offload=optimizer ;;
+      parameters_phase) run "s7_parameters_phase_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+                          --set train.phase_offload=optimizer ;;
+      parameters_state) run "s7_parameters_state_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+                          --set train.phase_offload=training_state ;;
+      parameters_offload_state) run "s7_parameters_offload_state_${ngpu}gpu" "$ngpu" "${common[@]}" \
+                                  --set train.shard=parameters --set train.offload=optimizer \
+                                  --set train.phase_offload=training_state ;;
     esac
   done
   rm -rf "$ckpt"

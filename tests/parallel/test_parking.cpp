@@ -1,7 +1,8 @@
 // PhaseParking (parallel/parking.h): tensors moved to host memory and back keep their identity and come back
-// bit for bit, on the CPU and on a GPU; the host buffers are made once and reused, and each park writes
-// the values of its moment. The wrong twin writes its buffers on the first park only: the state of a later
-// phase comes back a step stale.
+// bit for bit, on the CPU and on a GPU; the host buffers are made once (ahead, by reserve, on a thread of
+// their own) and reused, and each park writes the values of its moment; zeros are freed and come back as
+// zeros. The wrong twins write their buffers on the first park only (the state of a later phase comes back
+// a step stale), or put each tensor back one element over.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -20,7 +21,7 @@ std::vector<at::Tensor> state_on(at::Device device) {
   return t;
 }
 
-void round_trip(at::Device device) {
+void round_trip(at::Device device, bool reserve) {
   std::vector<at::Tensor> state = state_on(device);
   std::vector<at::Tensor> before;
   std::vector<const void*> impls;
@@ -28,43 +29,96 @@ void round_trip(at::Device device) {
     before.push_back(t.defined() ? t.clone() : t);
     impls.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
   }
+  at::Tensor grad = at::zeros({4, 2}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const void* grad_impl = grad.unsafeGetTensorImpl();
   PhaseParking parking;
+  const int64_t bytes = 4 * (5 + 5 + 12 + 3 + 6);
+  if (reserve) {
+    parking.reserve(state);
+    EXPECT_EQ(parking.host_bytes(), 0) << "taken at the first park";
+  }
+  std::vector<const void*> buffers;
   for (int round = 0; round < 2; ++round) {
-    parking.park(state);
+    parking.park(state, {grad});
     EXPECT_TRUE(parking.parked());
     for (const auto& t : state) {
       if (t.defined()) EXPECT_TRUE(t.device().is_cpu()) << "parked in host memory";
     }
-    const int64_t host = parking.host_bytes();
-    EXPECT_EQ(host, 4 * (5 + 5 + 12 + 3 + 6));
+    EXPECT_EQ(grad.numel(), 0) << "a zero tensor is freed, not copied";
+    EXPECT_EQ(grad.device().type(), device.type());
+    EXPECT_EQ(parking.host_bytes(), bytes);
+    EXPECT_EQ(parking.moved_bytes(), bytes);
+    EXPECT_EQ(parking.zeroed_bytes(), 4 * 8);
+    std::vector<const void*> now;
+    for (const auto& t : state) now.push_back(t.defined() ? t.data_ptr() : nullptr);
+    if (round == 0) {
+      buffers = now;
+    } else {
+      EXPECT_EQ(now, buffers) << "the host buffers are reused";
+    }
     // The rollout's phase: the state is not touched; then it comes back.
     parking.unpark();
-    EXPECT_EQ(parking.host_bytes(), host) << "the host buffers stay for the next phase";
+    EXPECT_EQ(parking.host_bytes(), bytes) << "the host buffers stay for the next phase";
     for (size_t i = 0; i < state.size(); ++i) {
       if (!state[i].defined()) continue;
       EXPECT_EQ(state[i].device().type(), device.type());
       EXPECT_EQ(state[i].unsafeGetTensorImpl(), impls[i]) << "the same tensor, as the optimizer keys it";
       EXPECT_TRUE(at::equal(state[i], before[i])) << "tensor " << i << ", round " << round;
     }
+    EXPECT_EQ(grad.unsafeGetTensorImpl(), grad_impl);
+    EXPECT_EQ(grad.sizes(), at::IntArrayRef({4, 2}));
+    EXPECT_EQ(grad.device().type(), device.type());
+    EXPECT_TRUE(at::equal(grad, at::zeros_like(grad)));
     state[0].add_(1.0);  // the update moves it: the next park must carry the new values
     before[0] = state[0].clone();
   }
-  // The twin: a stale copy from the second park on.
-  PhaseParking wrong(PhaseParking::Fault::kStaleCopy);
-  wrong.park(state);
-  wrong.unpark();
+  // The twins: a stale copy from the second park on; every tensor one element over.
+  PhaseParking stale(PhaseParking::Fault::kStaleCopy);
+  stale.park(state);
+  stale.unpark();
   state[0].add_(1.0);
   before[0] = state[0].clone();
-  wrong.park(state);
-  wrong.unpark();
-  EXPECT_FALSE(at::equal(state[0], before[0])) << "the twin must fail";
+  stale.park(state);
+  stale.unpark();
+  EXPECT_FALSE(at::equal(state[0], before[0])) << "the stale twin must fail";
+  state[0].copy_(before[0]);
+  PhaseParking shifted(PhaseParking::Fault::kWrongSlice);
+  shifted.park(state);
+  shifted.unpark();
+  EXPECT_FALSE(at::equal(state[2], before[2])) << "the wrong-slice twin must fail";
 }
 
-TEST(PhaseParking, StateComesBackBitForBitAsTheSameTensors) { round_trip(at::kCPU); }
+TEST(PhaseParking, StateComesBackBitForBitAsTheSameTensors) {
+  round_trip(at::kCPU, /*reserve=*/false);
+  round_trip(at::kCPU, /*reserve=*/true);
+}
 
 TEST(PhaseParking, CudaStateLeavesTheDeviceAndComesBack) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  round_trip(at::Device(at::kCUDA));
+  round_trip(at::Device(at::kCUDA), /*reserve=*/false);
+  round_trip(at::Device(at::kCUDA), /*reserve=*/true);
+}
+
+// Buffers reserved for a longer list serve a park of its first tensors (the replicated AdamW's masters
+// before its first step made the moments), and a tensor whose shape differs from its reserved buffer gets
+// one of its own.
+TEST(PhaseParking, ReservedBuffersServeAPrefixAndAMismatchGetsItsOwn) {
+  std::vector<at::Tensor> masters = {at::randn({3}), at::randn({2, 2})};
+  std::vector<at::Tensor> layout = masters;
+  for (const auto& m : masters) layout.insert(layout.end(), {m, m});
+  PhaseParking parking;
+  parking.reserve(layout);
+  const at::Tensor before = masters[1].clone();
+  parking.park(masters);
+  EXPECT_EQ(parking.host_bytes(), 3 * 4 * (3 + 4)) << "every reserved buffer";
+  parking.unpark();
+  EXPECT_TRUE(at::equal(masters[1], before));
+  std::vector<at::Tensor> other = {at::randn({5})};
+  const at::Tensor other_before = other[0].clone();
+  parking.park(other);
+  EXPECT_EQ(parking.host_bytes(), 3 * 4 * (3 + 4) - 4 * 3 + 4 * 5);
+  parking.unpark();
+  EXPECT_TRUE(at::equal(other[0], other_before));
 }
 
 }  // namespace

@@ -183,8 +183,14 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
                {"train.phase_offload", "train.rollout_ranks"});
   expect_error("", {"train.phase_offload=optimizer", "train.offload=optimizer"},
                {"train.phase_offload", "host memory already"});
-  expect_error("", {"train.phase_offload=training_state"}, {"train.phase_offload", "training_state"});
+  expect_error("", {"train.phase_offload=training_state"}, {"train.phase_offload", "training_state", "train.shard"});
+  expect_error("", {"train.phase_offload=training_state", "train.shard=gradients", "train.async=one_step"},
+               {"train.phase_offload", "train.async"});
   EXPECT_NO_THROW(load_config("", {"train.phase_offload=optimizer", "train.shard=gradients"}));
+  EXPECT_NO_THROW(load_config(
+      "", {"train.phase_offload=training_state", "train.shard=parameters", "model.activation_checkpointing=true"}));
+  EXPECT_NO_THROW(load_config("", {"train.phase_offload=training_state", "train.offload=optimizer"}))
+      << "the chunks offload leaves on the device";
   // Partial rollouts carry groups into the next step's rollout, which runs beside the update; dynamic
   // sampling's rounds draw whole groups. A trajectory spans at least its own version and the next.
   expect_error("", {"rollout.partial=true"}, {"rollout.partial", "train.async: one_step"});

@@ -215,6 +215,28 @@ TEST(MemoryPlan, ParkedStateCountsInTheUpdateOnly) {
       << "the critic's fp32 masters and moments (12 of its 14 bytes)";
 }
 
+// train.phase_offload training_state: the sharded weight chunks leave too: at shard parameters on 2 ranks the
+// parked bytes are the optimizer mode's plus the rank's bf16 chunk (2 bytes a parameter over 2), and under
+// train.offload (masters and moments in host memory) the chunk alone. The twin parks the whole weights.
+TEST(MemoryPlan, TrainingStateParksTheWeightChunks) {
+  const ModelConfig policy = small_config("llama", false);
+  Config c = load_config("", {});
+  c.model.dtype = DType::kBFloat16;
+  c.train.shard = ShardStage::kParameters;
+  c.train.phase_offload = PhaseOffload::kOptimizer;
+  const MemoryPlan a = plan_memory(c, policy, 2);
+  c.train.phase_offload = PhaseOffload::kTrainingState;
+  const MemoryPlan b = plan_memory(c, policy, 2);
+  const int64_t P = a.parameters;
+  EXPECT_EQ(b.parked - a.parked, 2 * P / 2);
+  EXPECT_NE(b.parked - a.parked, 2 * P) << "twin: the whole weights";
+  EXPECT_EQ(b.persistent(), a.persistent() - 2 * P / 2);
+  c.train.offload = Offload::kOptimizer;
+  const MemoryPlan o = plan_memory(c, policy, 2);
+  EXPECT_EQ(o.masters + o.moments, 0);
+  EXPECT_EQ(o.parked, 2 * P / 2);
+}
+
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
 std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
   std::vector<Trajectory> out(count);

@@ -1284,61 +1284,110 @@ TEST(SeparateCritic, TwoRanksTrainTheCriticLikeOneProcess) {
 namespace rlt {
 namespace {
 
-// train.phase_offload optimizer: the optimizer state leaves for host memory during each rollout and
-// evaluation and comes back bit for bit, so a run trains exactly as the resident one does: one process
-// (AdamW's moments; fp32 has no masters) and two thread ranks at shard stage gradients (the masters,
-// moments and gradient chunks), 3 steps, the weights equal bit for bit. The twin's host copies are written
-// once (later rollouts return step-1 moments), and it must part from the resident run.
-TEST(PhaseOffload, ARunTrainsAsTheResidentOneAndAWrongReturnDoesNot) {
-  TempDir tmp("phase_offload");
+// train.phase_offload: the training state leaves for host memory during each rollout and evaluation and
+// comes back bit for bit, so a run trains exactly as the resident one does.
+struct PhaseRun {
+  std::vector<nlohmann::json> metrics;
+  std::vector<at::Tensor> weights;  // rank 0's after the run
+};
+
+Config phase_offload_config(int world) {
   Config c = varied_first_step_config(/*steps=*/3);
   c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
   c.rollout.max_batch = 4;
   c.train.eval_prompts = 2;  // an evaluation after the last step: parked too
   c.train.eval_every = 3;
-  auto train_on = [&](int world, const std::string& name, bool park, bool faulty) {
-    Config cfg = c;
-    if (park) cfg.train.phase_offload = PhaseOffload::kOptimizer;
-    if (world > 1) {
-      cfg.train.shard = ShardStage::kGradients;
-      cfg.train.prompts_per_step = 4;  // a mini-batch of two prompts: one per rank
-      cfg.train.mini_batch_size = 8;
-    }
-    const std::string dir = (tmp.path() / name).string();
-    std::vector<std::vector<at::Tensor>> params(world);
-    auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
-      rlt::Run run = make_run(cfg, dir, /*resume=*/false, ExtraParams{}, world > 1 ? dist : nullptr);
-      if (faulty) run.model.parking = std::make_shared<PhaseParking>(PhaseParking::Fault::kStaleCopy);
-      train_grpo(run);
-      for (const auto& p : run.model.policy->parameters()) params[rank].push_back(p.detach().clone());
-    };
-    if (world == 1)
-      body(0, nullptr);
-    else
-      rlt::testing::on_thread_ranks(world, body, std::chrono::seconds(300));
-    return std::make_pair(read_metrics(dir), params[0]);
+  if (world > 1) {
+    c.train.prompts_per_step = 4;  // a mini-batch of two prompts: one per rank
+    c.train.mini_batch_size = 8;
+  }
+  return c;
+}
+
+PhaseRun train_phases(const Config& cfg, int world, const std::string& dir,
+                      PhaseParking::Fault fault = PhaseParking::Fault::kNone) {
+  std::vector<std::vector<at::Tensor>> params(world);
+  auto body = [&](int rank, std::shared_ptr<Collectives> dist) {
+    rlt::Run run = make_run(cfg, dir, /*resume=*/false, ExtraParams{}, world > 1 ? dist : nullptr);
+    if (fault != PhaseParking::Fault::kNone) run.model.parking = std::make_shared<PhaseParking>(fault);
+    train_grpo(run);
+    const GatheredWeights whole(run.model.sharded);  // shard parameters: the chunks as whole weights
+    for (const auto& p : run.model.policy->parameters()) params[rank].push_back(p.detach().clone());
   };
-  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-    for (size_t i = 0; i < a.size(); ++i)
-      if (!at::equal(a[i], b[i])) return false;
-    return true;
-  };
+  if (world == 1)
+    body(0, nullptr);
+  else
+    rlt::testing::on_thread_ranks(world, body, std::chrono::seconds(300));
+  return {read_metrics(dir), params[0]};
+}
+
+bool same_weights(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_GT(a[i].numel(), 0) << "a weight read outside its gather";
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// Each of a parked run's 3 steps has the resident run's loss and gradient norm and logs its moves.
+void expect_same_steps(const PhaseRun& parked, const PhaseRun& resident, const std::string& what) {
+  ASSERT_EQ(parked.metrics.size(), 3u) << what;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(parked.metrics[i]["loss"].get<double>(), resident.metrics[i]["loss"].get<double>()) << what << " " << i;
+    EXPECT_EQ(parked.metrics[i]["grad_norm"].get<double>(), resident.metrics[i]["grad_norm"].get<double>()) << what;
+    ASSERT_TRUE(parked.metrics[i].contains("time_phase_moves_s")) << parked.metrics[i].dump();
+    EXPECT_GT(parked.metrics[i]["time_phase_moves_s"].get<double>(), 0);
+    EXPECT_FALSE(resident.metrics[i].contains("time_phase_moves_s"));
+  }
+  EXPECT_TRUE(same_weights(parked.weights, resident.weights)) << what << ": the weights after 3 steps";
+}
+
+// optimizer: one process (AdamW's moments; fp32 has no masters) and two thread ranks at shard stage
+// gradients (the masters and moments; the gradient chunks freed as zeros), 3 steps, the weights equal bit
+// for bit. The twin's host copies are written once (later rollouts return step-1 moments), and it must
+// part from the resident run.
+TEST(PhaseOffload, ARunTrainsAsTheResidentOneAndAWrongReturnDoesNot) {
+  TempDir tmp("phase_offload");
   for (int world : {1, 2}) {
     const std::string w = std::to_string(world);
-    const auto resident = train_on(world, "resident" + w, false, false);
-    const auto parked = train_on(world, "parked" + w, true, false);
-    ASSERT_EQ(parked.first.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) {
-      EXPECT_EQ(parked.first[i]["loss"].get<double>(), resident.first[i]["loss"].get<double>()) << w << " " << i;
-      EXPECT_EQ(parked.first[i]["grad_norm"].get<double>(), resident.first[i]["grad_norm"].get<double>());
-      ASSERT_TRUE(parked.first[i].contains("time_phase_moves_s")) << parked.first[i].dump();
-      EXPECT_GT(parked.first[i]["time_phase_moves_s"].get<double>(), 0);
-      EXPECT_FALSE(resident.first[i].contains("time_phase_moves_s"));
-    }
-    EXPECT_TRUE(same(parked.second, resident.second)) << world << " rank(s): the weights after 3 steps";
+    Config c = phase_offload_config(world);
+    if (world > 1) c.train.shard = ShardStage::kGradients;
+    const PhaseRun resident = train_phases(c, world, (tmp.path() / ("resident" + w)).string());
+    c.train.phase_offload = PhaseOffload::kOptimizer;
+    expect_same_steps(train_phases(c, world, (tmp.path() / ("parked" + w)).string()), resident, w + " rank(s)");
     if (world == 1) {
-      const auto wrong = train_on(world, "wrong" + w, true, true);
-      EXPECT_FALSE(same(wrong.second, resident.second)) << "the twin must fail";
+      const PhaseRun wrong =
+          train_phases(c, world, (tmp.path() / ("wrong" + w)).string(), PhaseParking::Fault::kStaleCopy);
+      EXPECT_FALSE(same_weights(wrong.weights, resident.weights)) << "the twin must fail";
+    }
+  }
+}
+
+// training_state on two thread ranks in fp32, at shard stage parameters (the weight chunks leave once the
+// rollout's whole weights are gathered) and under train.offload optimizer (the gradient and weight chunks
+// it leaves on the device): 3 steps equal the resident run's bit for bit. Twins: the state put back one
+// element over (as moments on the wrong slice), and the host copies written once (a stale weight chunk
+// gathered for a later rollout and update).
+TEST(PhaseOffload, TheTrainingStateLeavesAndARunTrainsAsTheResidentOne) {
+  TempDir tmp("phase_training_state");
+  for (const std::string stage : {"parameters", "offload"}) {
+    Config c = phase_offload_config(2);
+    if (stage == "parameters") {
+      c.train.shard = ShardStage::kParameters;
+      c.model.activation_checkpointing = true;  // the stage gathers each layer again for its backward
+    } else {
+      c.train.shard = ShardStage::kGradients;
+      c.train.offload = Offload::kOptimizer;
+    }
+    const PhaseRun resident = train_phases(c, 2, (tmp.path() / ("resident_" + stage)).string());
+    c.train.phase_offload = PhaseOffload::kTrainingState;
+    expect_same_steps(train_phases(c, 2, (tmp.path() / ("parked_" + stage)).string()), resident, stage);
+    if (stage != "parameters") continue;
+    for (const auto fault : {PhaseParking::Fault::kWrongSlice, PhaseParking::Fault::kStaleCopy}) {
+      const std::string name = fault == PhaseParking::Fault::kWrongSlice ? "wrong_slice" : "stale";
+      const PhaseRun wrong = train_phases(c, 2, (tmp.path() / name).string(), fault);
+      EXPECT_FALSE(same_weights(wrong.weights, resident.weights)) << name << ": the twin must fail";
     }
   }
 }
