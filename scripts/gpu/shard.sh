@@ -9,7 +9,9 @@
 #                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU;
 #                                     LARGE_RUNS picks them, with the phase-wise residency runs
 #                                     parameters_phase (phase_offload optimizer), parameters_state
-#                                     (training_state) and parameters_offload_state (with train.offload)
+#                                     (training_state) and parameters_offload_state (with train.offload);
+#                                     with RANDOM_QWEN=32b, lora_32b and full_32b: configs/retool_32b.yaml
+#                                     as shipped on one GPU and fully fine-tuned over every GPU
 # Usage: [SHARD_TESTS=0] [STAGES=...] bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -110,7 +112,7 @@ if [ "$part" = small ]; then
 fi
 
 if [ "$part" = large ]; then
-  RANDOM_QWEN=7b source scripts/gpu/random_qwen.sh
+  RANDOM_QWEN=${RANDOM_QWEN:-7b} source scripts/gpu/random_qwen.sh
   # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning. The
   # reward (the share of ASCII letters in a response) differs within a group, so the update has a gradient.
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
@@ -140,6 +142,9 @@ if [ "$part" = large ]; then
                           --set train.phase_offload=optimizer ;;
       parameters_state) run "s7_parameters_state_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
                           --set train.phase_offload=training_state ;;
+      lora_32b) run s32_lora64_1gpu 1 "${common[@]}" --config configs/retool_32b.yaml ;;
+      full_32b) run "s32_full_${ngpu}gpu" "$ngpu" "${common[@]}" --config configs/retool_32b.yaml --set lora.rank=0 \
+                  --set train.shard=parameters --set train.offload=optimizer --set train.phase_offload=training_state ;;
       parameters_offload_state) run "s7_parameters_offload_state_${ngpu}gpu" "$ngpu" "${common[@]}" \
                                   --set train.shard=parameters --set train.offload=optimizer \
                                   --set train.phase_offload=training_state ;;

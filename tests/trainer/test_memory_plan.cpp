@@ -237,6 +237,33 @@ TEST(MemoryPlan, TrainingStateParksTheWeightChunks) {
   EXPECT_EQ(o.parked, 2 * P / 2);
 }
 
+// configs/retool_32b.yaml on the published Qwen2.5-32B shape (configs/models/qwen2.5-32b): as shipped, LoRA
+// rank 64, it fits one H200 (143,771 MiB); with the full fine-tuning overrides its header names it fits
+// 4 ranks, where the resident training state does not, and training_state takes the weight chunks off
+// the rollout's phase, the larger.
+TEST(MemoryPlan, TheThirtyTwoBRecipeFitsItsGpus) {
+  const std::string root = RLT_SOURCE_DIR;
+  const ModelConfig m = load_model_config(root + "/configs/models/qwen2.5-32b");
+  EXPECT_EQ(parameter_count(m), int64_t{32763876352});
+  const int64_t h200 = int64_t{143771} << 20;
+  const std::string recipe = root + "/configs/retool_32b.yaml";
+  const Config lora = load_config(recipe, {});
+  const MemoryPlan one = plan_memory(lora, m, 1);
+  EXPECT_LE(one.device_total(), h200) << one.table();
+  EXPECT_NO_THROW(check_memory_plan(one, lora, m, 1, h200));
+  const std::vector<std::string> full = {"lora.rank=0", "train.shard=parameters", "train.offload=optimizer",
+                                         "train.phase_offload=training_state"};
+  const Config c = load_config(recipe, full);
+  const MemoryPlan four = plan_memory(c, m, 4);
+  EXPECT_LE(four.device_total(), h200) << four.table();
+  EXPECT_NO_THROW(check_memory_plan(four, c, m, 4, h200));
+  const Config resident = load_config(recipe, {"lora.rank=0", "train.shard=parameters"});
+  EXPECT_GT(plan_memory(resident, m, 4).device_total(), h200) << "18 bytes a parameter over 4 ranks";
+  const Config offload = load_config(recipe, {"lora.rank=0", "train.shard=parameters", "train.offload=optimizer"});
+  EXPECT_EQ(plan_memory(offload, m, 4).device_total() - four.device_total(), four.parked)
+      << "the weight chunks leave the rollout's phase, the larger";
+}
+
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
 std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
   std::vector<Trajectory> out(count);
