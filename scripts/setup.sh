@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine lacks (idempotently: nothing is fetched twice), then configures
 # build/ and builds the trainers and the tools a first run uses (grpo_train, ppo_train, tokenize,
-# chat_template, score in build/bin/), so the demo starts sooner. RLT_SETUP_TESTS=1 (scripts/test.sh sets it) also installs the tests' Python references and
+# chat_template, score in build/bin/), so the demo starts sooner; without a visible GPU, without the CUDA
+# kernels (the test command's setup turns them back on, which rebuilds what links them). RLT_SETUP_TESTS=1 (scripts/test.sh sets it) also installs the tests' Python references and
 # builds every target, tests included.
 #   Debian packages: cmake, ninja, yaml-cpp, sentencepiece, Eigen, GoogleTest, nlohmann-json, CLI11, libseccomp,
 #                    PCRE2 + utf8proc (tokenizer.json regexes and NFC), bubblewrap
@@ -62,7 +63,12 @@ if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("nvi
 fi
 torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null | tail -n1)
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+# The CUDA kernels compile wherever nvcc is found, and the tests build them (they must compile on a
+# machine without a GPU too); the demo's build leaves them out where no GPU is visible, since they could
+# not run there: a quarter of its compile time. Extra arguments come last and may say otherwise.
+cuda=ON
+if [ "$tests" != 1 ] && ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then cuda=OFF; fi
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" -DRLT_WITH_CUDA=$cuda \
   -DPython3_EXECUTABLE="$("$py" -c 'import sys; print(sys.executable)')" "$@"
 if [ "$tests" = 1 ]; then
   cmake --build build -j "$(nproc)"
