@@ -63,32 +63,34 @@ void PhaseParking::take_reserved() {
 }
 
 void PhaseParking::park(const std::vector<at::Tensor>& moved, const std::vector<at::Tensor>& zeroed) {
-  TORCH_CHECK(!parked_, "PhaseParking::park: already parked");
   take_reserved();
   at::NoGradGuard no_grad;
-  if (host_.size() < moved.size()) host_.resize(moved.size());
+  if (!parked_) {  // a phase's first park
+    tensors_.clear();
+    devices_.clear();
+    zeroed_.clear();
+    zeroed_sizes_.clear();
+    zeroed_options_.clear();
+    moved_bytes_ = zeroed_bytes_ = 0;
+  }
+  const size_t base = tensors_.size();
+  if (host_.size() < base + moved.size()) host_.resize(base + moved.size());
   if (written_.size() < host_.size()) written_.resize(host_.size(), false);
-  tensors_.clear();
-  devices_.clear();
-  moved_bytes_ = zeroed_bytes_ = 0;
   for (size_t i = 0; i < moved.size(); ++i) {
     const at::Tensor& t = moved[i];
     tensors_.push_back(t);
     devices_.push_back(t.defined() ? t.device() : at::Device(at::kCPU));
     if (!t.defined()) continue;
-    at::Tensor& h = host_[i];
+    at::Tensor& h = host_[base + i];
     if (!fits(h, t)) {
       h = host_buffer(t.sizes(), t.scalar_type());
-      written_[i] = false;
+      written_[base + i] = false;
     }
-    if (!written_[i] || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
-    written_[i] = true;
+    if (!written_[base + i] || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
+    written_[base + i] = true;
     moved_bytes_ += t.nbytes();
     tensors_.back().set_data(h);  // the device storage is freed once nothing else holds it
   }
-  zeroed_.clear();
-  zeroed_sizes_.clear();
-  zeroed_options_.clear();
   for (const at::Tensor& t : zeroed) {
     if (!t.defined()) continue;
     zeroed_.push_back(t);

@@ -13,9 +13,10 @@
 namespace rlt {
 
 // What a phase takes off the device: `moved` to host memory and back, `zeroed` (all zeros) freed and made
-// again as zeros.
+// again as zeros, and `chunks` (a sharded state's weight chunks) moved too, but only once the whole weights
+// they are gathered into are (ParkedTrainingState parks them second).
 struct PhaseTensors {
-  std::vector<at::Tensor> moved, zeroed;
+  std::vector<at::Tensor> moved, zeroed, chunks;
 };
 
 class PhaseParking {
@@ -36,16 +37,18 @@ class PhaseParking {
   // Moves `moved` to host buffers (pinned when CUDA is present; the i-th reuses the i-th buffer when its
   // shape and dtype match, else one is made), freeing their device memory; the copies run on the current
   // stream. `zeroed` hold zeros (the gradient chunks between steps): freed without a copy and made again as
-  // zeros. Undefined tensors are skipped. The same tensors must come back through unpark() before the next
-  // park.
+  // zeros. Undefined tensors are skipped. A park while parked adds to what is parked (its tensors take the
+  // next buffers); unpark() brings everything back, before the next phase's first park.
   void park(const std::vector<at::Tensor>& moved, const std::vector<at::Tensor>& zeroed = {});
   // Each parked tensor back on the device it left, in fresh device memory (the caching allocator reuses
   // the blocks the phase freed), copied asynchronously on the current stream.
   void unpark();
   bool parked() const { return parked_; }
+  // reserve() was called or a park made buffers.
+  bool reserved() const { return reserving_.valid() || !host_.empty(); }
   // Bytes of the host buffers.
   int64_t host_bytes() const;
-  // Bytes the latest park took off the device: copied out, and freed as zeros.
+  // Bytes the phase took off the device so far: copied out, and freed as zeros.
   int64_t moved_bytes() const { return moved_bytes_; }
   int64_t zeroed_bytes() const { return zeroed_bytes_; }
 

@@ -340,13 +340,17 @@ PhaseTensors ShardedState::phase_tensors(bool training_state, bool whole) const 
   PhaseTensors out;
   const bool gathered = stage_ != ShardStage::kParameters || pinned_ > 0 || keep_ || whole;
   for (const Group& G : groups_) {
-    if (!G.offload) {
-      for (const at::Tensor* t : {&G.master, &G.exp_avg, &G.exp_avg_sq}) {
-        if (t->defined()) out.moved.push_back(*t);
-      }
+    if (G.offload) continue;
+    for (const at::Tensor* t : {&G.master, &G.exp_avg, &G.exp_avg_sq}) {
+      if (t->defined()) out.moved.push_back(*t);
     }
+  }
+  // After every master and moment: a gradient that is not zero (none between steps) shifts nothing else.
+  for (const Group& G : groups_) {
     if (!G.offload || training_state) (grads_zero_ ? out.zeroed : out.moved).push_back(G.grad);
-    if (training_state && gathered && G.weights.defined()) out.moved.push_back(G.weights);
+  }
+  for (const Group& G : groups_) {
+    if (training_state && gathered && G.weights.defined()) out.chunks.push_back(G.weights);
   }
   return out;
 }

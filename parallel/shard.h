@@ -156,11 +156,11 @@ class ShardedState : public WeightResidency {
 
   // What train.phase_offload takes off the device for the rollout. `moved` go to host memory and come
   // back: the fp32 masters and AdamW moments this rank holds on the device (none under train.offload, whose
-  // state lives in host memory), and with `training_state` the weight chunks in the model's dtype, where
-  // nothing gathers from them meanwhile: every stage but parameters, or its weights gathered already (or,
-  // `whole`, by the caller before it parks: the layout of a later park). `zeroed`: the gradient chunks,
-  // all zero between steps (a backward since the last step moves them). The gradient chunks are in one of
-  // the two unless train.offload holds the optimizer state and not `training_state`.
+  // state lives in host memory). `zeroed`: the gradient chunks, all zero between steps (a backward since
+  // the last step moves them); they are in one of the two unless train.offload holds the optimizer state
+  // and not `training_state`. `chunks`, with `training_state`: the weight chunks in the model's dtype,
+  // where nothing gathers from them meanwhile: every stage but parameters, or its weights gathered already
+  // (or, `whole`, by the caller before it parks them: the layout of a later park).
   PhaseTensors phase_tensors(bool training_state, bool whole = false) const;
 
   // Bytes this rank holds for the state: on the device (gradient chunks or whole gradients, masters and

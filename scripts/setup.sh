@@ -67,7 +67,8 @@ torch_prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/
 # machine without a GPU too); the demo's build leaves them out where no GPU is visible, since they could
 # not run there: a quarter of its compile time. Extra arguments come last and may say otherwise.
 cuda=ON
-if [ "$tests" != 1 ] && ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then cuda=OFF; fi
+gpus=$(nvidia-smi -L 2>/dev/null || true)
+if [ "$tests" != 1 ] && ! grep -q "^GPU" <<< "$gpus"; then cuda=OFF; fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" -DRLT_WITH_CUDA=$cuda \
   -DPython3_EXECUTABLE="$("$py" -c 'import sys; print(sys.executable)')" "$@"
 if [ "$tests" = 1 ]; then

@@ -70,7 +70,11 @@ PhaseTensors phase_offload_tensors(const ModelState& model, PhaseOffload mode) {
 }
 
 std::vector<at::Tensor> phase_offload_layout(const ModelState& model, PhaseOffload mode, bool whole) {
-  if (model.sharded) return model.sharded->phase_tensors(mode == PhaseOffload::kTrainingState, whole).moved;
+  if (model.sharded) {
+    PhaseTensors t = model.sharded->phase_tensors(mode == PhaseOffload::kTrainingState, whole);
+    t.moved.insert(t.moved.end(), t.chunks.begin(), t.chunks.end());  // parked second, after the gather
+    return t.moved;
+  }
   std::vector<at::Tensor> out = model.master;
   if (!model.optimizer) return out;
   for (const at::Tensor& p : optimizer_params(model)) {  // AdamW's moments: the shape and dtype of what it steps
@@ -101,8 +105,9 @@ void reserve_phase_offload(Run& run) {
   if (mode == PhaseOffload::kNone || run.rollout_rank) return;
   for (ModelState* m : parked_models(run)) {
     if (!m->parking) m->parking = std::make_shared<PhaseParking>();
+    if (m->parking->reserved() || m->parking->parked()) continue;  // PPO's second call: the critic only
     // The policy's weights are whole while parked (ParkedTrainingState gathers them), a critic's are not.
-    if (!m->parking->parked()) m->parking->reserve(phase_offload_layout(*m, mode, /*whole=*/m == &run.model));
+    m->parking->reserve(phase_offload_layout(*m, mode, /*whole=*/m == &run.model));
   }
 }
 
@@ -110,34 +115,47 @@ ParkedTrainingState::ParkedTrainingState(Run& run) {
   const PhaseOffload mode = run.config.train.phase_offload;
   if (mode == PhaseOffload::kNone || run.rollout_rank) return;
   if (run.model.parking && run.model.parking->parked()) return;  // an outer scope holds it
-  // The rollout's gather (a no-op unless shard parameters), ahead of it: not a move.
-  if (mode == PhaseOffload::kTrainingState) whole_ = std::make_unique<GatheredWeights>(run.model.sharded);
-  const auto t0 = std::chrono::steady_clock::now();
+  double moves_s = 0;
+  auto timed = [&](const auto& move) {
+    const auto t0 = std::chrono::steady_clock::now();
+    move();
+    synchronize_for(run);
+    moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   try {
-    for (ModelState* m : parked_models(run)) {
-      if (!m->parking) m->parking = std::make_shared<PhaseParking>();
-      const PhaseTensors t = phase_offload_tensors(*m, mode);
-      m->parking->park(t.moved, t.zeroed);
+    // The optimizer state first, then the rollout's gather (a no-op unless shard parameters; not a move),
+    // which reads the weight chunks, then those: the gathered weights never sit beside the whole state.
+    timed([&] {
+      for (ModelState* m : parked_models(run)) {
+        if (!m->parking) m->parking = std::make_shared<PhaseParking>();
+        const PhaseTensors t = phase_offload_tensors(*m, mode);
+        m->parking->park(t.moved, t.zeroed);
+      }
+    });
+    if (mode == PhaseOffload::kTrainingState) {
+      whole_ = std::make_unique<GatheredWeights>(run.model.sharded);
+      timed([&] {
+        for (ModelState* m : parked_models(run)) m->parking->park(phase_offload_tensors(*m, mode).chunks);
+      });
     }
   } catch (...) {  // what was parked comes back: no scope would bring it back later
+    whole_.reset();
     for (ModelState* m : parked_models(run)) {
       if (m->parking && m->parking->parked()) m->parking->unpark();
     }
-    whole_.reset();
     throw;
   }
-  synchronize_for(run);
-  run.metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run.metrics.phase_moves_s += moves_s;
   run_ = &run;
 }
 
 ParkedTrainingState::~ParkedTrainingState() {
   if (!run_) return;
+  whole_.reset();  // the gathered weights go first: they never sit beside the whole state either
   const auto t0 = std::chrono::steady_clock::now();
   for (ModelState* m : parked_models(*run_)) {
     if (m->parking && m->parking->parked()) m->parking->unpark();
   }
-  whole_.reset();  // the chunks are back: what the gather held is released
   synchronize_for(*run_);
   run_->metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

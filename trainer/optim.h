@@ -72,15 +72,16 @@ PhaseTensors phase_offload_tensors(const ModelState& model, PhaseOffload mode);
 // gathered while parked: what PhaseParking::reserve makes host buffers for before the first rollout.
 std::vector<at::Tensor> phase_offload_layout(const ModelState& model, PhaseOffload mode, bool whole);
 // train.phase_offload: the host buffers of the policy and a separate critic made on threads of their own,
-// beside the warm-up (begin_training calls it).
+// beside the warm-up (begin_training calls it; PPO again once its critic exists).
 void reserve_phase_offload(Run& run);
 
 // train.phase_offload for the scope's life (a step's rollout, an evaluation): the policy's and a separate
 // critic's phase_offload_tensors in pinned host memory, back on the device when it ends. Under
-// training_state with train.shard parameters the policy's weights are gathered first (the rollout decodes
-// them whole anyway), so that its chunks can leave. Each move ends with a device synchronisation, and
-// their seconds add to run.metrics.phase_moves_s. Nothing with train.phase_offload none, on a rollout
-// rank, or inside another such scope.
+// training_state with train.shard parameters the policy's weights are gathered once the optimizer state
+// has left (the rollout decodes them whole anyway), then its chunks leave; when the scope ends the
+// gathered weights are freed before anything comes back. Each move ends with a device synchronisation,
+// and their seconds (the gather's not) add to run.metrics.phase_moves_s. Nothing with
+// train.phase_offload none, on a rollout rank, or inside another such scope.
 class ParkedTrainingState {
  public:
   explicit ParkedTrainingState(Run& run);

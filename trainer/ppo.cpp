@@ -140,6 +140,7 @@ std::map<std::string, double> train_ppo(Run& run) {
   }
   const double eval_start = begin_training(run);  // metrics log, warm-up, reference, evaluation before RL
   ensure_critic(run);  // critic.shared false: a value model of its own, from the policy RL starts from (or a folder)
+  reserve_phase_offload(run);  // train.phase_offload: the critic's pinned buffers, on a thread of their own
   Critic* critic = run.model.critic.get();
   std::unique_ptr<GradReducer> reducer = make_reducer(run);  // several ranks: gradients summed over them
   std::map<std::string, double> m;

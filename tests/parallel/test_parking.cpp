@@ -123,3 +123,28 @@ TEST(PhaseParking, ReservedBuffersServeAPrefixAndAMismatchGetsItsOwn) {
 
 }  // namespace
 }  // namespace rlt
+
+namespace rlt {
+namespace {
+
+// A park while parked adds to what is parked and takes the next buffers (ParkedTrainingState parks the
+// weight chunks after the gather); one unpark brings both back, and the next phase reuses the buffers.
+TEST(PhaseParking, ASecondParkAddsToThePhase) {
+  std::vector<at::Tensor> first = {at::randn({4})}, second = {at::randn({2, 3})};
+  const at::Tensor a = first[0].clone(), b = second[0].clone();
+  PhaseParking parking;
+  parking.reserve({first[0], second[0]});
+  for (int round = 0; round < 2; ++round) {
+    parking.park(first);
+    parking.park(second);
+    EXPECT_EQ(parking.moved_bytes(), 4 * (4 + 6));
+    EXPECT_EQ(parking.host_bytes(), 4 * (4 + 6)) << "the reserved buffers, in order";
+    parking.unpark();
+    EXPECT_FALSE(parking.parked());
+    EXPECT_TRUE(at::equal(first[0], a));
+    EXPECT_TRUE(at::equal(second[0], b));
+  }
+}
+
+}  // namespace
+}  // namespace rlt
