@@ -129,6 +129,8 @@ namespace {
 
 // A park while parked adds to what is parked and takes the next buffers (ParkedTrainingState parks the
 // weight chunks after the gather); one unpark brings both back, and the next phase reuses the buffers.
+// Rejected: a second park that starts the phase again (the first tensor would stay on its host buffer),
+// or that takes the first buffers again (a buffer of the wrong shape, made anew: more host bytes).
 TEST(PhaseParking, ASecondParkAddsToThePhase) {
   std::vector<at::Tensor> first = {at::randn({4})}, second = {at::randn({2, 3})};
   const at::Tensor a = first[0].clone(), b = second[0].clone();
@@ -136,11 +138,13 @@ TEST(PhaseParking, ASecondParkAddsToThePhase) {
   parking.reserve({first[0], second[0]});
   for (int round = 0; round < 2; ++round) {
     parking.park(first);
+    const void* parked_first = first[0].data_ptr();  // its host buffer
     parking.park(second);
     EXPECT_EQ(parking.moved_bytes(), 4 * (4 + 6));
     EXPECT_EQ(parking.host_bytes(), 4 * (4 + 6)) << "the reserved buffers, in order";
     parking.unpark();
     EXPECT_FALSE(parking.parked());
+    EXPECT_NE(first[0].data_ptr(), parked_first) << "the first park's tensor came back too";
     EXPECT_TRUE(at::equal(first[0], a));
     EXPECT_TRUE(at::equal(second[0], b));
   }
