@@ -217,6 +217,12 @@ at::TensorOptions host_options(at::ScalarType dtype) {
   return at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(at::hasCUDA());
 }
 
+int64_t fp32_numel(const at::Tensor& master) {
+  TORCH_CHECK(master.defined() && master.scalar_type() == at::kFloat,
+              "OffloadedAdamW: master must be a defined fp32 tensor");
+  return master.numel();
+}
+
 }  // namespace
 
 void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -236,15 +242,17 @@ void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at
   adamw_host(param.view({-1}), grad.view({-1}), exp_avg.view({-1}), exp_avg_sq.view({-1}), at::Tensor(), coeffs(s));
 }
 
-OffloadedAdamW::OffloadedAdamW(const at::Tensor& master, OffloadOptions options) : options_(options) {
-  TORCH_CHECK(master.defined() && master.scalar_type() == at::kFloat,
-              "OffloadedAdamW: master must be a defined fp32 tensor");
-  TORCH_CHECK(options.chunk_elems >= 1, "OffloadedAdamW: chunk_elems must be >= 1, got ", options.chunk_elems);
-  const int64_t n = master.numel();
-  master_ = at::empty({n}, host_options(at::kFloat));
+OffloadedAdamW::OffloadedAdamW(const at::Tensor& master, OffloadOptions options)
+    : OffloadedAdamW(fp32_numel(master), options) {
   master_.copy_(master.reshape({-1}));
-  exp_avg_ = at::empty({n}, host_options(at::kFloat)).zero_();
-  exp_avg_sq_ = at::empty({n}, host_options(at::kFloat)).zero_();
+}
+
+OffloadedAdamW::OffloadedAdamW(int64_t numel, OffloadOptions options) : options_(options) {
+  TORCH_CHECK(numel >= 0, "OffloadedAdamW: numel must be >= 0, got ", numel);
+  TORCH_CHECK(options.chunk_elems >= 1, "OffloadedAdamW: chunk_elems must be >= 1, got ", options.chunk_elems);
+  master_ = at::empty({numel}, host_options(at::kFloat)).zero_();
+  exp_avg_ = at::empty({numel}, host_options(at::kFloat)).zero_();
+  exp_avg_sq_ = at::empty({numel}, host_options(at::kFloat)).zero_();
 }
 
 int64_t OffloadedAdamW::host_bytes() const {

@@ -65,6 +65,9 @@ class OffloadedAdamW {
  public:
   // master: the rank's fp32 master slice (n), any device: copied to the host; the moments start at zero.
   explicit OffloadedAdamW(const at::Tensor& master, OffloadOptions options = {});
+  // numel zero masters on the host, for a caller that fills master() itself: a sharded state copies its
+  // slices there from the whole weights, and never holds the masters on the device.
+  explicit OffloadedAdamW(int64_t numel, OffloadOptions options = {});
 
   // grad: (n) fp32 contiguous gradient slice, CUDA or CPU. out: (n) contiguous weights slice, fp32, bf16
   // or fp16, CUDA or CPU; receives the updated masters rounded to nearest (even). Chunked, the copies on

@@ -25,6 +25,7 @@ using Clock = std::chrono::steady_clock;
 
 // Chunks are whole multiples of 16 elements: collectives on aligned addresses.
 constexpr int64_t kAlign = 16;
+constexpr int64_t kLoadPiece = int64_t(1) << 24;  // elements a host-to-device piece of load_from_model
 // Elements per piece of the gradient norm's sum of squares.
 constexpr int64_t kNormChunk = int64_t(1) << 24;
 
@@ -158,26 +159,22 @@ ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Trans
     u.flat = sizes[u.group];
     sizes[u.group] += u.chunk;
   }
+  // Made in the order that keeps construction under the steady state's peak: the chunks of weights and
+  // masters (the masters on the host under offload), filled from the whole weights, which then leave under
+  // shard parameters; only then the gradients and moments. A 32B model over 2 ranks would otherwise hold
+  // its whole bf16 weights (61 GiB) beside an fp32 master and gradient chunk (61 GiB each).
   at::NoGradGuard no_grad;
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& G = groups_[g];
-    G.master = at::zeros({sizes[g]}, f32);
-    G.grad = at::zeros({sizes[g]}, f32);
     G.weights = at::empty({sizes[g]}, f32.dtype(weight_dtype_));
+    if (offload)
+      G.offload = std::make_unique<OffloadedAdamW>(sizes[g]);  // the host copy is the one that steps
+    else
+      G.master = at::zeros({sizes[g]}, f32);
   }
   load_from_model();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    Group& G = groups_[g];
-    if (offload) {
-      G.offload = std::make_unique<OffloadedAdamW>(G.master);
-      G.master = at::Tensor();  // the host copy is the one that steps
-    } else {
-      G.exp_avg = at::zeros_like(G.master);
-      G.exp_avg_sq = at::zeros_like(G.master);
-    }
-  }
-
+  // The gradient accumulators record their leaf's shape when first asked for: before the weights leave.
   accum_.resize(params_.size());
   done_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -194,8 +191,16 @@ ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Trans
     for (Unit& u : units_) {
       if (u.layer != -2) free_weights(u);
     }
-    model.set_residency(this);
   }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& G = groups_[g];
+    G.grad = at::zeros({sizes[g]}, f32);
+    if (!offload) {
+      G.exp_avg = at::zeros_like(G.master);
+      G.exp_avg_sq = at::zeros_like(G.master);
+    }
+  }
+  if (stage_ == ShardStage::kParameters) model.set_residency(this);
 }
 
 ShardedState::~ShardedState() {
@@ -229,7 +234,19 @@ void ShardedState::load_from_model() {
     at::Tensor dest = G.master.defined() ? G.master : G.offload->master();
     dest.narrow(0, pc.flat, pc.count).copy_(p.leaf.detach().reshape(-1).narrow(0, pc.begin, pc.count));
   }
-  for (Group& G : groups_) G.weights.copy_(G.master.defined() ? G.master : G.offload->master());
+  for (Group& G : groups_) {
+    if (G.master.defined()) {
+      G.weights.copy_(G.master);
+      continue;
+    }
+    // From the host masters in pieces: a copy that changes dtype across devices converts on the host first,
+    // into a temporary the size of what it copies.
+    const at::Tensor host = G.offload->master();
+    for (int64_t b = 0; b < host.numel(); b += kLoadPiece) {
+      const int64_t n = std::min(kLoadPiece, host.numel() - b);
+      G.weights.narrow(0, b, n).copy_(host.narrow(0, b, n));
+    }
+  }
 }
 
 // ---- The backward ----

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <vector>
@@ -306,7 +307,13 @@ std::string MemoryPlan::table() const {
   line("device total", device_total(),
        std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
            " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
-  if (host_optimizer > 0) line("host optimizer", host_optimizer, "(pinned host memory, train.offload optimizer)");
+  if (host_total() > 0) {
+    line("host memory", host_total(),
+         "(pinned: " +
+             std::string(host_optimizer > 0 ? "train.offload's masters and moments " + gib(host_optimizer) : "") +
+             (host_optimizer > 0 && parked > 0 ? ", " : "") +
+             (parked > 0 ? "train.phase_offload's parked state " + gib(parked) : "") + ")");
+  }
   return o.str();
 }
 
@@ -636,6 +643,24 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
     for (const auto& f : fits) msg << "\n  " << f;
   }
   throw RunError(msg.str());
+}
+
+void check_host_memory(const MemoryPlan& plan, int ranks, int64_t host_bytes) {
+  const int64_t need = int64_t(ranks) * plan.host_total();
+  if (host_bytes <= 0 || need <= host_bytes) return;
+  throw RunError("the memory plan needs " + gib(need) + " GiB of pinned host memory on one host (" +
+                 std::to_string(ranks) + " rank" + (ranks == 1 ? "" : "s") + " x " + gib(plan.host_total()) +
+                 " GiB) and the host has " + gib(host_bytes) + " GiB available (MemAvailable):\n" + plan.table() +
+                 "spread the ranks over more hosts (each holds its own ranks' share), train fewer parameters "
+                 "(lora.rank), or leave train.offload and train.phase_offload off");
+}
+
+int64_t host_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;  // "... kB"
+  }
+  return 0;
 }
 
 int64_t fewest_checkpointed_layers(const Config& c, const ModelConfig& m, int world, int64_t device_bytes) {

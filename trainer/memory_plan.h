@@ -65,8 +65,11 @@ struct MemoryPlan {
            (backward > optimizer_step ? backward : optimizer_step);
   }
   int64_t device_total() const;
+  // Pinned host memory per rank: train.offload's masters and moments, and the buffers that hold what
+  // train.phase_offload parks (made before the first rollout, kept).
+  int64_t host_total() const { return host_optimizer + parked; }
   // The lines the run prints: one per item in GiB with two decimals, then the device total (and the pinned
-  // host memory under train.offload optimizer).
+  // host memory, where the run pins any).
   std::string table() const;
 };
 
@@ -96,6 +99,14 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
 // and train.micro_batch_size rows that fit; when no single change fits, the combination that does (if
 // one does). device_bytes <= 0: no check (the CPU).
 void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfig& m, int world, int64_t device_bytes);
+
+// Throws RunError when `ranks` ranks of this plan on one host need more pinned host memory (ranks x
+// plan.host_total()) than `host_bytes`, with both figures and what the host memory holds. host_bytes <= 0:
+// no check.
+void check_host_memory(const MemoryPlan& plan, int ranks, int64_t host_bytes);
+// The host memory a run may pin: MemAvailable of /proc/meminfo (free pages plus the page cache that can be
+// dropped), in bytes; 0 where it cannot be read.
+int64_t host_memory_bytes();
 
 // With every layer checkpointed (model.activation_checkpointing, model.checkpoint_layers -1), the fewest
 // checkpointed layers whose plan still fits in 90% of device_bytes (the plan is an estimate: the margin

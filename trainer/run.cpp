@@ -8,10 +8,13 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <numeric>
 #include <sstream>
+
+#include <unistd.h>
 
 #include "common/files.h"
 #include "common/timing.h"
@@ -64,6 +67,18 @@ std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Devic
                                        static_cast<uint64_t>(c.model.init_seed));
 }
 
+// The ranks of the run on this rank's host: every rank's host name, hashed into a slot of its own and
+// gathered by a sum.
+int ranks_on_this_host(Collectives& dist) {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  const double mine = double(std::hash<std::string>{}(name) & ((uint64_t{1} << 52) - 1)) + 1;  // exact, never 0
+  at::Tensor all = at::zeros({dist.world()}, at::kDouble);
+  all[dist.rank()] = mine;
+  dist.all_reduce({all}, ReduceOp::kSum);
+  return int((all == mine).sum().item<int64_t>());
+}
+
 // The memory plan (trainer/memory_plan.h), before any weight is loaded: printed by rank 0, and a run that
 // cannot fit the smallest device of its ranks is refused (RunError) with the numbers and what would fit.
 void check_memory(const Run& run, const ModelConfig& mc) {
@@ -81,6 +96,11 @@ void check_memory(const Run& run, const ModelConfig& mc) {
   }
   if (run.rollout_rank) return;
   check_memory_plan(plan, run.config, mc, world, device_bytes);
+  // Pinned host memory: the ranks of one host share it. The most ranks on a host and the least memory any
+  // host has available, so that every rank refuses alike.
+  at::Tensor host = at::tensor({double(ranks_on_this_host(*run.dist)), -double(host_memory_bytes())}, at::kDouble);
+  run.dist->all_reduce({host}, ReduceOp::kMax);
+  check_host_memory(plan, int(host[0].item<double>()), int64_t(-host[1].item<double>()));
   const int64_t fewer = fewest_checkpointed_layers(run.config, mc, world, device_bytes);
   if (fewer >= 0 && run.lead()) {
     Config x = run.config;

@@ -264,6 +264,41 @@ TEST(MemoryPlan, TheThirtyTwoBRecipeFitsItsGpus) {
       << "the weight chunks leave the rollout's phase, the larger";
 }
 
+// The 32B recipe's full fine-tune pins its masters and moments (12 bytes a parameter) and its parked bf16
+// chunks (2) in host memory, whatever the ranks: 427 GiB on one host of 2 or of 4 ranks. A 2 x H200 host
+// (256 GB) is refused before anything loads, a 4 x H200 host (512 GB) is not.
+TEST(MemoryPlan, RefusesPinnedHostMemoryTheHostLacks) {
+  const std::string root = RLT_SOURCE_DIR;
+  const ModelConfig m = load_model_config(root + "/configs/models/qwen2.5-32b");
+  const double P = double(parameter_count(m));
+  const Config c = load_config(
+      root + "/configs/retool_32b.yaml",
+      {"lora.rank=0", "train.shard=parameters", "train.offload=optimizer", "train.phase_offload=training_state"});
+  const MemoryPlan two = plan_memory(c, m, 2), four = plan_memory(c, m, 4);
+  for (const MemoryPlan* p : {&two, &four}) {
+    EXPECT_EQ(p->host_total(), p->host_optimizer + p->parked);
+    EXPECT_NEAR(double(p->host_total()) * p->world, 14 * P, 0.001 * 14 * P) << p->table();
+  }
+  const int64_t gib = int64_t{1} << 30;
+  try {
+    check_host_memory(two, 2, 240 * gib);
+    ADD_FAILURE() << "2 ranks of 213 GiB on a host of 240 GiB";
+  } catch (const RunError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("427."), std::string::npos) << what;
+    EXPECT_NE(what.find("2 ranks x 213."), std::string::npos) << what;
+    EXPECT_NE(what.find("240.00 GiB available"), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(check_host_memory(four, 4, 460 * gib));
+  EXPECT_THROW(check_host_memory(four, 4, 400 * gib), RunError) << "four ranks share one host";
+  EXPECT_NO_THROW(check_host_memory(four, 1, 400 * gib)) << "one rank alone fits";
+  EXPECT_NO_THROW(check_host_memory(two, 2, 0)) << "no figure, no check";
+  const MemoryPlan lora = plan_memory(load_config(root + "/configs/retool_32b.yaml", {}), m, 1);
+  EXPECT_EQ(lora.host_total(), 0) << "nothing pinned";
+  EXPECT_EQ(two.table().find("host memory") == std::string::npos, false) << two.table();
+  EXPECT_GT(host_memory_bytes(), 0) << "this host's /proc/meminfo";
+}
+
 // Trajectories of `tokens` tokens each: a one-token prompt and a sampled response.
 std::vector<Trajectory> trajectories(int64_t count, int64_t tokens, int64_t vocab) {
   std::vector<Trajectory> out(count);
