@@ -71,6 +71,11 @@ void KvCache::put_rows_(const at::Tensor& rows, const KvCache& src, const at::Te
 }
 
 KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) const {
+  KvCache source = *this;  // shares the tensors: regather drops only its own references
+  return source.regather(rows, slots, new_max_len);
+}
+
+KvCache KvCache::regather(const at::Tensor& rows, const at::Tensor& slots, int64_t new_max_len) {
   TORCH_CHECK(rows.dim() == 1 && slots.dim() == 2 && slots.size(0) == rows.size(0),
               "gather: rows must be (B') and slots (B', S')");
   const int64_t B = rows.size(0), C = slots.size(1);
@@ -82,14 +87,19 @@ KvCache KvCache::gather(const at::Tensor& rows, const at::Tensor& slots, int64_t
   out.max_len = new_max_len;
   out.length = C;
   for (size_t i = 0; i < k.size(); ++i) {
-    for (const auto* src : {&k[i], &v[i]}) {
+    for (at::Tensor* src : {&k[i], &v[i]}) {
       at::Tensor dst = at::zeros({B, src->size(1), new_max_len, src->size(3)}, src->options());
       dst.narrow(2, 0, C).copy_(take_slots(src->index_select(0, rows), slots));
       (src == &k[i] ? out.k : out.v).push_back(dst);
+      *src = at::Tensor();
     }
   }
   out.positions = at::zeros({B, new_max_len}, positions.options());
   out.positions.narrow(1, 0, C).copy_(positions.index_select(0, rows).gather(1, slots));
+  k.clear();
+  v.clear();
+  positions = at::Tensor();
+  max_len = length = 0;
   return out;
 }
 

@@ -76,6 +76,10 @@ struct KvCache {
   // squeezing out holes, growing, and copying a prefilled prompt to G rows.
   // rows (B') int64, slots (B', C') int64, both on the cache's device.
   KvCache gather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len) const;
+  // gather(), releasing this cache's tensors layer by layer as their copy is made: the two caches never
+  // coexist whole (a cache that grows holds its new size and one layer of the old, not both). This cache
+  // is left empty.
+  KvCache regather(const at::Tensor& rows, const at::Tensor& slots, int64_t max_len);
   // gather() into this cache's own tensors, every row kept, squeezing out holes: row r's slot j becomes its
   // slot slots[r, j] for j below its count of kept slots (slots (B, C) int64 on the cache's device, C <=
   // max_len: each row's kept slots in increasing order, then zeros); its slots past them hold finite values

@@ -285,7 +285,7 @@ at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts,
     feed_graphs_.clear();
     merged_graphs_.clear();
     verify_graphs_.clear();
-    cache_ = prefill.gather(rows, slots, aligned_slots(P + options_.slot_chunk));
+    cache_ = prefill.regather(rows, slots, grown_slots(P, P + options_.slot_chunk));
     valid_ = at::zeros({N, cache_.max_len}, at::TensorOptions().dtype(at::kBool).device(dev));
     valid_.narrow(1, 0, P).copy_(prompt_valid);
     seq_of_row_.resize(N);
@@ -778,8 +778,15 @@ int64_t DecodeEngine::span_of(int64_t slots) const {
 
 int64_t DecodeEngine::step_span() const { return span_of(cache_.length + 1); }
 
+int64_t DecodeEngine::grown_slots(int64_t least, int64_t wanted) const {
+  const int64_t cap = options_.max_slots > 0 ? aligned_slots(options_.max_slots) : wanted;
+  return aligned_slots(std::max(least, std::min(wanted, cap)));
+}
+
 bool DecodeEngine::squeezes_in_place(int64_t filled, int64_t need) const {
-  return cache_.max_len - filled >= need + cache_.max_len / 16;
+  // At the bound a new cache would be no larger: any squeeze that makes room is worth its graphs.
+  const bool bounded = options_.max_slots > 0 && cache_.max_len >= aligned_slots(options_.max_slots);
+  return cache_.max_len - filled >= need + (bounded ? 0 : cache_.max_len / 16);
 }
 
 bool DecodeEngine::holes_cost_a_chunk() const {
@@ -988,13 +995,14 @@ void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, i
   keep = keep.index_select(0, rows);
   keep.narrow(0, B, add_rows).zero_();
   order = order.index_select(0, rows);
-  const int64_t len = aligned_slots(std::max(S, min_len) + std::max(options_.slot_chunk, S / 4) + need);
+  const int64_t least = std::max(S, min_len) + need;
+  const int64_t len = grown_slots(least, least + std::max(options_.slot_chunk, S / 4));
   step_graphs_.clear();  // a graph reads the cache tensors it was captured with
   draw_graphs_.clear();
   feed_graphs_.clear();
   merged_graphs_.clear();
   verify_graphs_.clear();
-  cache_ = cache_.gather(rows, order, len);
+  cache_ = cache_.regather(rows, order, len);  // the old cache leaves layer by layer as the new one fills
   valid_ = at::zeros({Bn, len}, at::TensorOptions().dtype(at::kBool).device(dev));
   valid_.narrow(1, 0, S).copy_(keep);
   std::vector<int64_t> seq_of_row(Bn, -1);

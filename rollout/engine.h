@@ -138,6 +138,10 @@ struct EngineSwitches {
 struct EngineOptions {
   EngineSwitches switches;
   int64_t slot_chunk = 256;  // cache slots added at least when it grows
+  // The most slots a row's cache grows to (rollout.max_context: no sequence holds more), unless a step
+  // needs more; at this size a compaction squeezes the holes in place whatever it frees. The memory plan
+  // counts the cache at this size. 0: no bound (a growth adds a quarter or slot_chunk, whichever is more).
+  int64_t max_slots = 0;
   // A new cache's slots are a multiple of this. A step's span can end at the cache's last slot, and a span
   // of odd length costs the graphed step's attention (cuDNN, masked) 12-22% on an H200: 1.83-2.0 ms a step
   // at 737-969 slots against 1.64 ms at 962-984 (bench_rollout's step_gpu_by_span).
@@ -286,8 +290,11 @@ class DecodeEngine : public TokenPolicy {
   int64_t step_span() const;
   int64_t span_of(int64_t slots) const;        // `slots` rounded up to span_chunk, at most max_len
   int64_t aligned_slots(int64_t slots) const;  // `slots` rounded up to slot_align: a new cache's length
+  // A new cache's slots: `wanted`, at most options_.max_slots, at least `least`; aligned.
+  int64_t grown_slots(int64_t least, int64_t wanted) const;
   // Whether compact() squeezes in place (keeping the tensors and graphs) when the rows fill at most
-  // `filled` slots and `need` more are wanted: it frees a sixteenth of the slots beyond them.
+  // `filled` slots and `need` more are wanted: it frees a sixteenth of the slots beyond them (any room,
+  // at options_.max_slots).
   bool squeezes_in_place(int64_t filled, int64_t need) const;
   // Whether squeezing the holes out (in place) would lower step_span() by span_chunk or more.
   bool holes_cost_a_chunk() const;

@@ -115,6 +115,7 @@ void check_memory(const Run& run, const ModelConfig& mc) {
 EngineOptions engine_options(const RolloutOptions& r) {
   EngineOptions o;
   o.switches = r.engine;
+  o.max_slots = r.max_context;  // no sequence holds more: the cache stops growing where the plan counts it
   return o;
 }
 

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/memory.h"
 #include "model/config.h"
 #include "model/transformer.h"
 #include "rollout/sampler.h"
@@ -1341,6 +1342,99 @@ INSTANTIATE_TEST_SUITE_P(Families, DecodeEngineTest,
                          ::testing::Combine(::testing::Values("llama", "qwen3", "gemma2"),
                                             ::testing::Values("cpu", "cpu_fixed", "cuda", "cuda_f32")),
                          [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
+// EngineOptions::max_slots (rollout.max_context): the cache grows to the bound and no further while the
+// sequences fit in it, as the memory plan counts it. Without the bound the same decode grows past it (a
+// quarter more, or slot_chunk, at each growth): the check fails there. Every logit against the sequence's
+// full forward (float64).
+class BoundedCache : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BoundedCache, GrowsToMaxSlotsAndNoFurther) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m = tiny_model("llama", 13, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  for (int64_t bound : {40, 0}) {
+    SCOPED_TRACE("max_slots " + std::to_string(bound));
+    EngineOptions po;
+    po.slot_chunk = 4;
+    po.slot_align = 1;  // the cache sizes as slot_chunk and the bound set them
+    po.max_slots = bound;
+    DecodeEngine engine(m, po);
+    std::vector<std::vector<int64_t>> seqs = {{5, 17, 9}, {1, 2, 3, 4}};
+    engine.start(seqs, 1);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    int64_t most = engine.cache_slots();
+    while (seqs[1].size() < 40) {  // until the longer sequence holds the bound's 40 tokens
+      std::vector<int64_t> tokens;
+      for (auto& seq : seqs) {
+        tokens.push_back(at::randint(400, {1}, gen, at::kLong).item<int64_t>());
+        seq.push_back(tokens.back());
+      }
+      const at::Tensor logits = engine.step({0, 1}, tokens).cpu();
+      for (size_t j = 0; j < seqs.size(); ++j) {
+        EXPECT_LT((logits[j] - full_logits(m, seqs[j])).abs().max().item<double>(), 1e-9) << "sequence " << j;
+      }
+      most = std::max(most, engine.cache_slots());
+    }
+    EXPECT_GE(engine.reallocations(), 2) << "the cache grew";
+    if (bound > 0) {
+      EXPECT_EQ(most, bound);
+    } else {
+      EXPECT_GT(most, 40) << "unbounded, a growth adds a quarter";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, BoundedCache, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+// KvCache::regather, the engine's growth: the same cache as gather(), holding the new cache and about a
+// layer of the old beyond what the old one held (the CPU allocator's peak, within 4 layers); gather(),
+// which keeps the old cache whole until it returns, holds both and fails that bound.
+TEST(KvCacheRegather, EqualsGatherAndHoldsOneLayerOfTheOld) {
+  install_cpu_memory_tracking();
+  const Transformer m = tiny_model("llama", 13, at::Device(at::kCPU));
+  ModelConfig c = m.config();
+  c.num_layers = 8;  // the old cache many layers deep: gather's old copy is what the bound must reject
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  KvCache old = KvCache::allocate(c, 3, 24, opts);
+  at::manual_seed(1);
+  for (size_t i = 0; i < old.k.size(); ++i) {
+    old.k[i].normal_();
+    old.v[i].normal_();
+  }
+  old.positions.copy_(at::arange(24, at::kLong).expand({3, 24}));
+  old.length = 24;
+  const at::Tensor rows = at::tensor({2, 0, 1}, at::kLong);
+  const at::Tensor slots = at::arange(20, at::kLong).flip(0).expand({3, 20}).contiguous();
+  const int64_t layer = old.k[0].nbytes();  // one old layer's keys (or values)
+  const int64_t old_bytes = 2 * c.num_layers * layer, new_bytes = old_bytes / 24 * 64;
+  int64_t gather_extra = 0, regather_extra = 0;
+  KvCache whole;
+  {
+    PeakMemory peak(at::Device(at::kCPU));
+    whole = old.gather(rows, slots, 64);
+    gather_extra = peak.peak_extra_bytes();
+  }
+  KvCache grown;
+  {
+    PeakMemory peak(at::Device(at::kCPU));
+    grown = old.regather(rows, slots, 64);
+    regather_extra = peak.peak_extra_bytes();
+  }
+  const int64_t bound = new_bytes - old_bytes + 4 * layer;
+  EXPECT_LE(regather_extra, bound) << "regather: the new cache, and a layer of the old at a time";
+  EXPECT_GE(gather_extra, new_bytes) << "gather: the new cache beside the old";
+  EXPECT_GT(gather_extra, bound) << "twin: gather fails the bound";
+  EXPECT_TRUE(old.k.empty() && old.v.empty() && !old.positions.defined());
+  ASSERT_EQ(grown.k.size(), whole.k.size());
+  for (size_t i = 0; i < whole.k.size(); ++i) {
+    EXPECT_TRUE(at::equal(grown.k[i], whole.k[i]) && at::equal(grown.v[i], whole.v[i])) << "layer " << i;
+  }
+  EXPECT_TRUE(at::equal(grown.positions, whole.positions));
+  EXPECT_EQ(grown.length, 20);
+  EXPECT_EQ(grown.max_len, 64);
+}
 
 }  // namespace
 }  // namespace rlt
