@@ -69,37 +69,36 @@ void PhaseParking::park(const std::vector<at::Tensor>& moved, const std::vector<
     tensors_.clear();
     devices_.clear();
     zeroed_.clear();
-    zeroed_sizes_.clear();
-    zeroed_options_.clear();
     moved_bytes_ = zeroed_bytes_ = 0;
   }
+  parked_ = true;  // from here on unpark() brings back whatever was recorded, should a buffer fail below
   const size_t base = tensors_.size();
   if (host_.size() < base + moved.size()) host_.resize(base + moved.size());
   if (written_.size() < host_.size()) written_.resize(host_.size(), false);
   for (size_t i = 0; i < moved.size(); ++i) {
     const at::Tensor& t = moved[i];
+    if (t.defined()) {
+      at::Tensor& h = host_[base + i];
+      if (!fits(h, t)) {
+        h = host_buffer(t.sizes(), t.scalar_type());
+        written_[base + i] = false;
+      }
+      if (!written_[base + i] || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
+      written_[base + i] = true;
+      moved_bytes_ += t.nbytes();
+    }
+    // Recorded once its buffer holds it: a tensor is on the host exactly when it is in tensors_.
     tensors_.push_back(t);
     devices_.push_back(t.defined() ? t.device() : at::Device(at::kCPU));
-    if (!t.defined()) continue;
-    at::Tensor& h = host_[base + i];
-    if (!fits(h, t)) {
-      h = host_buffer(t.sizes(), t.scalar_type());
-      written_[base + i] = false;
-    }
-    if (!written_[base + i] || fault_ != Fault::kStaleCopy) h.copy_(t, /*non_blocking=*/t.is_cuda());
-    written_[base + i] = true;
-    moved_bytes_ += t.nbytes();
-    tensors_.back().set_data(h);  // the device storage is freed once nothing else holds it
+    if (t.defined())
+      tensors_.back().set_data(host_[base + i]);  // the device storage is freed once nothing else holds it
   }
   for (const at::Tensor& t : zeroed) {
     if (!t.defined()) continue;
-    zeroed_.push_back(t);
-    zeroed_sizes_.push_back(t.sizes().vec());
-    zeroed_options_.push_back(t.options());
+    zeroed_.push_back({t, t.sizes().vec(), t.options()});
     zeroed_bytes_ += t.nbytes();
-    zeroed_.back().set_data(at::empty({0}, t.options()));
+    zeroed_.back().tensor.set_data(at::empty({0}, t.options()));
   }
-  parked_ = true;
 }
 
 void PhaseParking::unpark() {
@@ -116,7 +115,7 @@ void PhaseParking::unpark() {
     }
     tensors_[i].set_data(d);
   }
-  for (size_t i = 0; i < zeroed_.size(); ++i) zeroed_[i].set_data(at::zeros(zeroed_sizes_[i], zeroed_options_[i]));
+  for (Zeroed& z : zeroed_) z.tensor.set_data(at::zeros(z.sizes, z.options));
   tensors_.clear();
   zeroed_.clear();
   parked_ = false;

@@ -38,7 +38,9 @@ class PhaseParking {
   // shape and dtype match, else one is made), freeing their device memory; the copies run on the current
   // stream. `zeroed` hold zeros (the gradient chunks between steps): freed without a copy and made again as
   // zeros. Undefined tensors are skipped. A park while parked adds to what is parked (its tensors take the
-  // next buffers); unpark() brings everything back, before the next phase's first park.
+  // next buffers); unpark() brings everything back, before the next phase's first park. A park that throws
+  // (a host buffer it cannot make) leaves parked() true with what it moved before: unpark() brings that
+  // back.
   void park(const std::vector<at::Tensor>& moved, const std::vector<at::Tensor>& zeroed = {});
   // Each parked tensor back on the device it left, in fresh device memory (the caching allocator reuses
   // the blocks the phase freed), copied asynchronously on the current stream.
@@ -55,13 +57,17 @@ class PhaseParking {
  private:
   void take_reserved();
 
-  std::vector<at::Tensor> tensors_;  // the parked tensors (sharing each one's impl)
+  // A tensor freed as zeros, with what makes them again.
+  struct Zeroed {
+    at::Tensor tensor;
+    std::vector<int64_t> sizes;
+    at::TensorOptions options;
+  };
+  std::vector<at::Tensor> tensors_;  // the parked tensors (sharing each one's impl), in buffer order
   std::vector<at::Tensor> host_;     // their host buffers, reused
   std::vector<bool> written_;        // per buffer: a park has copied into it (kStaleCopy copies only then)
-  std::vector<at::Device> devices_;
-  std::vector<at::Tensor> zeroed_;  // freed zeros, with their sizes, options and devices below
-  std::vector<std::vector<int64_t>> zeroed_sizes_;
-  std::vector<at::TensorOptions> zeroed_options_;
+  std::vector<at::Device> devices_;  // per parked tensor: the device it left
+  std::vector<Zeroed> zeroed_;
   std::future<std::vector<at::Tensor>> reserving_;
   int64_t moved_bytes_ = 0, zeroed_bytes_ = 0;
   bool parked_ = false;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <iostream>
 
 namespace rlt {
@@ -147,17 +148,30 @@ ParkedTrainingState::ParkedTrainingState(Run& run) {
   }
   run.metrics.phase_moves_s += moves_s;
   run_ = &run;
+  exceptions_ = std::uncaught_exceptions();
 }
 
-ParkedTrainingState::~ParkedTrainingState() {
+ParkedTrainingState::~ParkedTrainingState() noexcept(false) {
   if (!run_) return;
-  whole_.reset();  // the gathered weights go first: they never sit beside the whole state either
-  const auto t0 = std::chrono::steady_clock::now();
-  for (ModelState* m : parked_models(*run_)) {
-    if (m->parking && m->parking->parked()) m->parking->unpark();
+  Run& run = *run_;
+  auto bring_back = [&] {
+    whole_.reset();  // the gathered weights go first: they never sit beside the whole state either
+    const auto t0 = std::chrono::steady_clock::now();
+    for (ModelState* m : parked_models(run)) {
+      if (m->parking && m->parking->parked()) m->parking->unpark();
+    }
+    synchronize_for(run);
+    run.metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (std::uncaught_exceptions() == exceptions_) {
+    bring_back();
+    return;
   }
-  synchronize_for(*run_);
-  run_->metrics.phase_moves_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  try {  // unwinding: a second exception would end the process before the first one is reported
+    bring_back();
+  } catch (const std::exception& e) {
+    std::cerr << "train.phase_offload: the parked training state did not come back: " << e.what() << "\n";
+  }
 }
 
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {

@@ -81,17 +81,20 @@ void reserve_phase_offload(Run& run);
 // has left (the rollout decodes them whole anyway), then its chunks leave; when the scope ends the
 // gathered weights are freed before anything comes back. Each move ends with a device synchronisation,
 // and their seconds (the gather's not) add to run.metrics.phase_moves_s. Nothing with
-// train.phase_offload none, on a rollout rank, or inside another such scope.
+// train.phase_offload none, on a rollout rank, or inside another such scope. Bringing the state back can
+// fail (no device memory for it): the destructor then throws, unless the scope ends by an exception
+// already, which it lets through after reporting its own on stderr.
 class ParkedTrainingState {
  public:
   explicit ParkedTrainingState(Run& run);
-  ~ParkedTrainingState();
+  ~ParkedTrainingState() noexcept(false);
   ParkedTrainingState(const ParkedTrainingState&) = delete;
   ParkedTrainingState& operator=(const ParkedTrainingState&) = delete;
 
  private:
   Run* run_ = nullptr;                      // set while this scope holds the state parked
   std::unique_ptr<GatheredWeights> whole_;  // training_state, shard parameters: held across the scope
+  int exceptions_ = 0;                      // std::uncaught_exceptions() when the scope began
 };
 
 // The learning rate at optimizer step `step` (0-based) of `total`.

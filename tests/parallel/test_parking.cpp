@@ -150,5 +150,22 @@ TEST(PhaseParking, ASecondParkAddsToThePhase) {
   }
 }
 
+// A park that throws halfway (a tensor that cannot be copied: a meta tensor) leaves what it moved
+// parked, and unpark() brings exactly that back. Rejected: a park that only marks the phase at its end
+// (nothing would come back: the first tensor stays on its host buffer), or one that records a tensor
+// before its copy (the meta tensor would come back as an uninitialised host buffer).
+TEST(PhaseParking, APartialParkComesBack) {
+  at::Tensor moved = at::randn({4}), meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
+  const at::Tensor before = moved.clone();
+  PhaseParking parking;
+  EXPECT_THROW(parking.park({moved, meta}), c10::Error);
+  EXPECT_TRUE(parking.parked());
+  EXPECT_EQ(parking.moved_bytes(), 4 * 4);
+  parking.unpark();
+  EXPECT_FALSE(parking.parked());
+  EXPECT_TRUE(at::equal(moved, before));
+  EXPECT_TRUE(meta.is_meta()) << meta.device();
+}
+
 }  // namespace
 }  // namespace rlt
