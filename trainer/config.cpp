@@ -16,10 +16,6 @@ namespace {
 template <class Absolute>
 void check_critic(const ConfigReader<Config>& r, const Absolute& absolute) {
   const Config& c = r.config;
-  if (c.lora.enabled()) {
-    r.fail("critic.shared",
-           "false trains a whole critic model beside LoRA's adapters: keep it true with lora.rank > 0");
-  }
   if (c.critic.init == CriticInit::kRewardModel && c.reward.model_path.empty()) {
     r.fail("critic.init", "reward_model starts the critic from reward.model_path, which is empty");
   }

@@ -88,9 +88,13 @@ void ensure_critic(Run& run) {
     critic->from = dir;
   } else {
     const GatheredWeights whole(run.model.sharded);  // the parameters stage: whole weights to copy
-    critic->state.policy = std::make_unique<Transformer>(run.model.policy->value_model());
+    // Beside LoRA the critic is a whole model: the policy's base with its adapters merged in, every
+    // weight its own and trained (the policy's base stays frozen).
+    const Transformer& policy = *run.model.policy;
+    critic->state.policy =
+        std::make_unique<Transformer>(policy.has_lora() ? policy.merged().value_model() : policy.value_model());
     critic->state.policy->set_residency(nullptr);
-    critic->from = "the policy";
+    critic->from = policy.has_lora() ? "the policy, its adapters merged" : "the policy";
   }
   Transformer& model = *critic->state.policy;
   model.set_activation_checkpointing(c.model.activation_checkpointing, c.model.checkpoint_layers);

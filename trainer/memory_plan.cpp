@@ -439,6 +439,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     cc.train.shard = c.critic.stage(c.train.shard);
     cc.train.offload = Offload::kNone;
     cc.objective.kl_coef = 0;
+    cc.lora = LoraOptions{};  // beside LoRA's adapters, a whole model of its own
     // Its weight chunks stay under the parameters stage: nothing gathers its weights for the rollout.
     if (cc.train.shard == ShardStage::kParameters && cc.train.phase_offload == PhaseOffload::kTrainingState)
       cc.train.phase_offload = PhaseOffload::kOptimizer;

@@ -417,7 +417,7 @@ struct CriticOptions {
   void visit(V&& v) {
     v("shared", shared,
       "true: a value head on the policy's trunk (ppo.value_lr); false: a critic model of its own, its own "
-      "optimizer");
+      "optimizer (a whole model, beside LoRA's adapters too)");
     v("init", init,
       "separate critic's start: policy (a copy as RL starts, value head at 0) | reward_model (reward.model_path) "
       "| path (critic.path)");

@@ -210,7 +210,6 @@ TEST(Config, ASeparateCriticNamesWhatItLacks) {
   expect_error("", {"critic.shared=false", "critic.init=path"}, {"critic.path", "folder is needed"});
   expect_error("", {"critic.path=/somewhere"}, {"critic.path", "critic.init: path"});
   expect_error("", {"critic.shared=false", "critic.init=reward_model"}, {"critic.init", "reward.model_path"});
-  expect_error("", {"critic.shared=false", "lora.rank=8"}, {"critic.shared", "LoRA"});
   expect_error("", {"critic.shared=false", "critic.shard=parameters"}, {"critic.shard", "activation_checkpointing"});
   expect_error("", {"critic.shared=false", "critic.init=path", "critic.path=/nonexistent/critic"},
                {"critic.path", "/nonexistent/critic"});
@@ -227,6 +226,7 @@ TEST(Config, ASeparateCriticNamesWhatItLacks) {
                 "model.checkpoint_layers=2"},
                {"model.checkpoint_layers", "critic"});
   EXPECT_NO_THROW(load_config("", {"critic.shared=false"}));
+  EXPECT_NO_THROW(load_config("", {"critic.shared=false", "lora.rank=8"}));  // a whole critic beside adapters
   EXPECT_NO_THROW(
       load_config("", {"critic.shared=false", "critic.shard=parameters", "model.activation_checkpointing=true"}));
 }

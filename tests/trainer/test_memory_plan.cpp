@@ -180,6 +180,12 @@ TEST(MemoryPlan, CountsTheSeparateCritic) {
   EXPECT_GE(b.device_total() - a.device_total(), b.critic);
   EXPECT_NE(b.table().find("critic"), std::string::npos) << b.table();
   EXPECT_EQ(a.table().find("critic"), std::string::npos);
+  // Beside LoRA's adapters the critic is a whole model of its own: the same bytes as beside a full policy.
+  Config adapters = own;
+  adapters.lora.rank = 8;
+  const MemoryPlan d = plan_memory(adapters, policy, 1);
+  EXPECT_EQ(d.critic, b.critic) << "twin: the critic planned as adapters";
+  EXPECT_EQ(d.critic_gradients, b.critic_gradients);
   // bf16 over 2 ranks, the critic sharded at gradients while the policy is not: its bf16 weights whole and
   // its half of them rounded from the masters (the all-gather's input), its fp32 masters and moments halved.
   own.model.dtype = DType::kBFloat16;

@@ -1135,6 +1135,9 @@ TEST(SeparateCritic, RunsEndToEndAndAResumedRunReproducesItExactly) {
   c.critic.lr = 1e-2;
   c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
   c.rollout.max_batch = 4;
+  // Plain generation: a sandbox reply's timing would change a decode step's rows, and with them the CPU
+  // GEMMs' last bits, between the two runs.
+  c.rollout.tools = false;
   const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
   {
     rlt::Run run = make_run(c, full, /*resume=*/false, value_head_params());
@@ -1192,6 +1195,64 @@ TEST(SeparateCritic, RunsEndToEndAndAResumedRunReproducesItExactly) {
   more.train.steps = 5;
   EXPECT_THROW(run_to(more, part, /*resume=*/true, &train_ppo, value_head_params()), RunError);
   EXPECT_THROW(make_run(c, (tmp.path() / "grpo").string(), false, ExtraParams{}), RunError);
+}
+
+// A critic of its own beside LoRA's adapters: a whole model (every weight trained, none shared with the
+// policy) started from the policy, while the policy's base stays frozen; a run stopped after step 2 and
+// resumed (the adapters from adapter/, the critic from critic/) reproduces the uninterrupted one bit for
+// bit. Rejected: a critic sharing the policy's base tensors (its steps would move the policy's base).
+TEST(SeparateCritic, TrainsAWholeModelBesideLoraAdapters) {
+  TempDir tmp("ppo_critic_lora");
+  Config c = tiny_config();
+  c.critic.shared = false;
+  c.critic.lr = 1e-2;
+  c.lora.rank = 4;
+  c.lora.alpha = 8;
+  c.train.old_logprobs = OldLogprobs::kRecompute;  // bit for bit (see Trainers above)
+  c.rollout.max_batch = 4;
+  c.rollout.tools = false;  // plain generation, as above: the two runs decode the same rows
+  const std::string full = (tmp.path() / "full").string(), part = (tmp.path() / "part").string();
+  {
+    rlt::Run run = make_run(c, full, /*resume=*/false, value_head_params());
+    std::map<std::string, at::Tensor> base;
+    for (const auto& [name, t] : run.model.policy->named_parameters()) base[name] = t.detach().clone();
+    train_ppo(run);
+    ASSERT_TRUE(run.model.critic);
+    const Transformer& critic = *run.model.critic->state.policy;
+    EXPECT_FALSE(critic.has_lora());
+    EXPECT_EQ(critic.trainable_parameters().size(), critic.parameters().size()) << "every weight trained";
+    std::set<const void*> policy_storage;
+    for (const auto& [name, t] : run.model.policy->named_parameters()) {
+      policy_storage.insert(t.data_ptr());
+      EXPECT_TRUE(at::equal(t, base.at(name))) << name << ": the policy's base moved";
+    }
+    int64_t trained = 0;
+    for (const auto& [name, t] : critic.named_parameters()) {
+      EXPECT_EQ(policy_storage.count(t.data_ptr()), 0u) << name << " is the policy's tensor";
+      const auto it = base.find(name);
+      if (it != base.end() && !at::equal(t.detach(), it->second)) ++trained;
+    }
+    EXPECT_GT(trained, 0) << "the critic's trunk trained";
+  }
+  const auto a = read_metrics(full);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a[0]["value_mean"].get<double>(), 0.0) << "the critic's head starts at zero";
+  EXPECT_NE(a[1]["value_mean"].get<double>(), 0.0) << "the critic trained";
+  {
+    rlt::Run run = make_run(c, part, /*resume=*/false, value_head_params());
+    run.stop_after = 2;
+    train_ppo(run);
+  }
+  EXPECT_TRUE(std::filesystem::exists(part + "/checkpoint/adapter/adapter_config.json"));
+  EXPECT_EQ(load_model_config(part + "/checkpoint/critic").head, ModelHead::kTokenScore);
+  run_to(c, part, /*resume=*/true, &train_ppo, value_head_params());
+  const auto b = read_metrics(part);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    for (const char* k : {"loss", "grad_norm", "value_loss", "value_mean", "critic_grad_norm", "reward_mean"}) {
+      EXPECT_EQ(a[i][k].get<double>(), b[i][k].get<double>()) << k << " at step " << i + 1;
+    }
+  }
 }
 
 // The policy's gradient carries no value term with a critic of its own: ppo.vf_coef moves nothing of the
