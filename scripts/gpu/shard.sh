@@ -12,7 +12,10 @@
 #                                     (training_state) and parameters_offload_state (with train.offload);
 #                                     with RANDOM_QWEN=32b, lora_32b and full_32b: configs/retool_32b.yaml
 #                                     as shipped on one GPU and fully fine-tuned over every GPU
-# Usage: [SHARD_TESTS=0] [STAGES=...] bash scripts/gpu/shard.sh small|large [steps] [max_new_tokens]
+# Usage: [SHARD_TESTS=0] [STAGES=...] [SHARD_SETS="--set k=v ..."] bash scripts/gpu/shard.sh small|large
+#        [steps] [max_new_tokens]
+# SHARD_SETS: more settings for every large run (rollout.max_context=512 with max_new_tokens 512 fills
+# every cache row to the context the plan counts).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_shard}
@@ -118,7 +121,7 @@ if [ "$part" = large ]; then
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
           --set sampling.max_new_tokens=$new_tokens --set train.checkpoint_every=0 --set train.steps=$steps
           --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4
-          --set reward.kind=python --set reward.script=$PWD/scripts/gpu/letter_reward.py)
+          --set reward.kind=python --set reward.script=$PWD/scripts/gpu/letter_reward.py ${SHARD_SETS:-})
   # LARGE_RUNS: which of none_1gpu lora64_1gpu parameters gradients gradients_offload parameters_offload
   # parameters_fixed gradients_fixed (default: the 1-GPU runs and the three for 2 GPUs).
   runs=${LARGE_RUNS:-none_1gpu lora64_1gpu parameters gradients_offload parameters_offload}
@@ -150,7 +153,7 @@ if [ "$part" = large ]; then
                                   --set train.phase_offload=training_state ;;
     esac
   done
-  rm -rf "$ckpt"
+  [ "${RANDOM_QWEN_KEEP:-0}" = 1 ] || rm -rf "$ckpt"
 fi
 rm -f "$out/math.jsonl"
 (cd "$out" && tar czf raw.tgz --remove-files raw)
