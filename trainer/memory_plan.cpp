@@ -9,6 +9,8 @@
 #include <sstream>
 #include <vector>
 
+#include <c10/util/llvmMathExtras.h>
+
 #include "loss/cce.h"
 #include "trainer/critic.h"
 #include "trainer/optim.h"
@@ -55,27 +57,42 @@ struct Shape {
   int64_t targeted = 0;     // LoRA: in x out per targeted projection and layer (the merged copy)
 };
 
+// The elements of each parameter tensor of one decoder layer.
+std::vector<int64_t> layer_tensors(const ModelConfig& m) {
+  const int64_t D = m.hidden_size, hd = m.head_dim, qd = m.num_heads * hd, kvd = m.num_kv_heads * hd;
+  std::vector<int64_t> t;
+  for (const Projection& p : projections(m)) t.push_back(p.in * p.out);
+  t.insert(t.end(), {D, D});                          // input and post-attention norms
+  if (m.qkv_bias) t.insert(t.end(), {qd, kvd, kvd});  // q/k/v biases
+  if (m.o_bias) t.push_back(D);                       // o_proj bias
+  if (m.qk_norm) t.insert(t.end(), {hd, hd});         // q and k norms over head_dim
+  if (m.gemma_norms) t.insert(t.end(), {D, D});       // pre- and post-feedforward norms
+  return t;
+}
+
+// The elements of each parameter tensor outside the layers: the embedding, the final norm, and the LM
+// head unless tied (or a score head: its weight, and its bias for token classification).
+std::vector<int64_t> outer_tensors(const ModelConfig& m) {
+  const int64_t D = m.hidden_size, V = m.vocab_size;
+  std::vector<int64_t> t = {V * D, D};
+  if (m.head == ModelHead::kCausalLm) {
+    if (!m.tie_word_embeddings) t.push_back(V * D);
+  } else {
+    t.push_back(m.num_labels * D);
+    if (m.head == ModelHead::kTokenScore) t.push_back(m.num_labels);
+  }
+  return t;
+}
+
 Shape shape_of(const Config& c, const ModelConfig& m) {
   Shape s;
   const int64_t D = m.hidden_size, V = m.vocab_size, F = m.intermediate_size, hd = m.head_dim, qd = m.num_heads * hd,
                 kvd = m.num_kv_heads * hd;
-  int64_t layer = 0;
-  for (const Projection& p : projections(m)) {
-    layer += p.in * p.out;
-    s.largest = std::max(s.largest, p.in * p.out);
-  }
-  layer += 2 * D;                         // input and post-attention norms
-  if (m.qkv_bias) layer += qd + 2 * kvd;  // q/k/v biases
-  if (m.o_bias) layer += D;               // o_proj bias
-  if (m.qk_norm) layer += 2 * hd;         // q and k norms over head_dim
-  if (m.gemma_norms) layer += 2 * D;      // pre- and post-feedforward norms
-  s.layer = layer;
-  const int64_t head = m.head == ModelHead::kCausalLm
-                           ? (m.tie_word_embeddings ? 0 : V * D)
-                           : m.num_labels * D + (m.head == ModelHead::kTokenScore ? m.num_labels : 0);
-  s.outer = V * D + D + head;
+  for (const Projection& p : projections(m)) s.largest = std::max(s.largest, p.in * p.out);
+  for (int64_t n : layer_tensors(m)) s.layer += n;
+  for (int64_t n : outer_tensors(m)) s.outer += n;
   s.largest = std::max(s.largest, V * D);
-  s.P = m.num_layers * layer + s.outer;
+  s.P = m.num_layers * s.layer + s.outer;
   // Transformer::pack_weights: no [q; k; v] for q/k-normed models.
   const int64_t qkv = m.qk_norm ? 0 : (qd + 2 * kvd) * D + (m.qkv_bias ? qd + 2 * kvd : 0);
   s.packed = m.num_layers * (qkv + 2 * F * D);
@@ -312,7 +329,8 @@ std::string MemoryPlan::table() const {
          "(pinned: " +
              std::string(host_optimizer > 0 ? "train.offload's masters and moments " + gib(host_optimizer) : "") +
              (host_optimizer > 0 && parked > 0 ? ", " : "") +
-             (parked > 0 ? "train.phase_offload's parked state " + gib(parked) : "") + ")");
+             (parked > 0 ? "train.phase_offload's parked state " + gib(parked) : "") +
+             ", each buffer rounded up to a power of two " + gib(host_rounding) + ")");
   }
   return o.str();
 }
@@ -395,9 +413,40 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     // adamw_step, whose one temporary (the denominator over at most 2^24 elements, kAtenChunk) is smaller.
     p.optimizer_step = 12 * std::min<int64_t>(int64_t{1} << 24, T / Ns);
   }
+  // The pinned host buffers behind host_optimizer and parked, in bytes.
+  std::vector<int64_t> pinned;
+  const bool sharded_state = !(stage == ShardStage::kNone && c.train.offload == Offload::kNone);
+  // The masters and moments as their buffers: a sharded state's three chunks, or the replicated AdamW's
+  // per trainable tensor (the adapters' with LoRA).
+  auto state_buffers = [&] {
+    if (sharded_state) {
+      pinned.insert(pinned.end(), {p.masters, p.moments / 2, p.moments / 2});
+      return;
+    }
+    const int64_t stepped = p.masters > 0 ? 4 : w;
+    std::vector<int64_t> tensors;
+    if (lora) {
+      const std::vector<std::string> targets = c.lora.target_list();
+      for (const Projection& q : projections(m)) {
+        if (std::find(targets.begin(), targets.end(), q.name) == targets.end()) continue;
+        for (int64_t l = 0; l < m.num_layers; ++l)
+          tensors.insert(tensors.end(), {c.lora.rank * q.in, q.out * c.lora.rank});
+      }
+    } else {
+      for (int64_t l = 0; l < m.num_layers; ++l) {
+        for (int64_t n : layer_tensors(m)) tensors.push_back(n);
+      }
+      for (int64_t n : outer_tensors(m)) tensors.push_back(n);
+    }
+    for (int64_t n : tensors) {
+      if (p.masters > 0) pinned.push_back(4 * n);
+      pinned.insert(pinned.end(), {stepped * n, stepped * n});
+    }
+  };
   if (c.train.offload == Offload::kOptimizer) {
     // OffloadedAdamW: masters and moments in pinned host memory, stepped there (parallel/adamw.h).
     p.host_optimizer = p.masters + p.moments;
+    state_buffers();
     p.masters = p.moments = 0;
   }
   // ensure_reference: a clone of the whole model.
@@ -449,12 +498,23 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.activations = std::max(p.activations, q.activations);
     p.optimizer_step = std::max(p.optimizer_step, q.optimizer_step);
     p.parked += q.parked;
+    p.host_rounding += q.host_rounding;
   }
   // train.phase_offload: the masters and moments in host memory while the rollout runs (the sharded state's
   // gradient chunk too, but that is the update's already: `gradients`); training_state adds the weight
   // chunks.
-  if (c.train.phase_offload != PhaseOffload::kNone) p.parked += p.masters + p.moments;
-  if (c.train.phase_offload == PhaseOffload::kTrainingState) p.parked += chunks;
+  if (c.train.phase_offload != PhaseOffload::kNone) {
+    p.parked += p.masters + p.moments;
+    if (p.masters + p.moments > 0) state_buffers();
+  }
+  if (c.train.phase_offload == PhaseOffload::kTrainingState) {
+    p.parked += chunks;
+    pinned.push_back(chunks);
+  }
+  // torch's pinned allocator (CachingHostAllocator) takes each buffer rounded up to a power of two.
+  for (int64_t b : pinned) {
+    if (b > 0) p.host_rounding += int64_t(c10::llvm::PowerOf2Ceil(uint64_t(b))) - b;
+  }
   return p;
 }
 
