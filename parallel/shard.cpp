@@ -187,18 +187,23 @@ ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Trans
         })));
     accumulators_.push_back(acc);
   }
-  if (stage_ == ShardStage::kParameters) {
-    for (Unit& u : units_) {
-      if (u.layer != -2) free_weights(u);
+  try {
+    if (stage_ == ShardStage::kParameters) {
+      for (Unit& u : units_) {
+        if (u.layer != -2) free_weights(u);
+      }
     }
-  }
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    Group& G = groups_[g];
-    G.grad = at::zeros({sizes[g]}, f32);
-    if (!offload) {
-      G.exp_avg = at::zeros_like(G.master);
-      G.exp_avg_sq = at::zeros_like(G.master);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      Group& G = groups_[g];
+      G.grad = at::zeros({sizes[g]}, f32);
+      if (!offload) {
+        G.exp_avg = at::zeros_like(G.master);
+        G.exp_avg_sq = at::zeros_like(G.master);
+      }
     }
+  } catch (...) {  // no destructor will run: the hooks must not outlive this object
+    for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+    throw;
   }
   if (stage_ == ShardStage::kParameters) model.set_residency(this);
 }
