@@ -709,14 +709,22 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
 void check_host_memory(const MemoryPlan& plan, int ranks, int64_t host_bytes) {
   const int64_t need = int64_t(ranks) * plan.host_total();
   if (host_bytes <= 0 || need <= host_bytes) return;
-  throw RunError("the memory plan needs " + gib(need) + " GiB of pinned host memory on one host (" +
-                 std::to_string(ranks) + " rank" + (ranks == 1 ? "" : "s") + " x " + gib(plan.host_total()) +
-                 " GiB) and the host has " + gib(host_bytes) + " GiB available (MemAvailable):\n" + plan.table() +
+  throw RunError("the memory plan needs " + bytes_text(need) + " of pinned host memory on one host (" +
+                 std::to_string(ranks) + " rank" + (ranks == 1 ? "" : "s") + " x " + bytes_text(plan.host_total()) +
+                 ") and the host has " + bytes_text(host_bytes) + " available (MemAvailable):\n" + plan.table() +
                  "spread the ranks over more hosts (each holds its own ranks' share), train fewer parameters "
                  "(lora.rank), or leave train.offload and train.phase_offload off");
 }
 
+static std::function<int64_t()>& host_memory_probe() {
+  static std::function<int64_t()> probe;
+  return probe;
+}
+
+void set_host_memory_probe(std::function<int64_t()> probe) { host_memory_probe() = std::move(probe); }
+
 int64_t host_memory_bytes() {
+  if (host_memory_probe()) return host_memory_probe()();
   std::ifstream f("/proc/meminfo");
   for (std::string line; std::getline(f, line);) {
     if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;  // "... kB"

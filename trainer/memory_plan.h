@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "model/config.h"
@@ -107,8 +108,10 @@ void check_memory_plan(const MemoryPlan& plan, const Config& c, const ModelConfi
 // no check.
 void check_host_memory(const MemoryPlan& plan, int ranks, int64_t host_bytes);
 // The host memory a run may pin: MemAvailable of /proc/meminfo (free pages plus the page cache that can be
-// dropped), in bytes; 0 where it cannot be read.
+// dropped), in bytes; 0 where it cannot be read. A test replaces it with a fake figure (set_host_memory_probe;
+// nullptr restores it).
 int64_t host_memory_bytes();
+void set_host_memory_probe(std::function<int64_t()> probe);
 
 // With every layer checkpointed (model.activation_checkpointing, model.checkpoint_layers -1), the fewest
 // checkpointed layers whose plan still fits in 90% of device_bytes (the plan is an estimate: the margin

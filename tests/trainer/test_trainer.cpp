@@ -1255,6 +1255,42 @@ TEST(SeparateCritic, TrainsAWholeModelBesideLoraAdapters) {
   }
 }
 
+// The pinned host memory check, through make_run and before any weight loads (a fake MemAvailable):
+// train.offload's masters and moments (unsharded, each rank holds them whole) on a host with 1.5 times one
+// rank's share train on one rank, and two thread ranks of that host are refused alike, naming both
+// figures. Rejected: a check of one rank's share alone (the two ranks would pass).
+TEST(HostMemory, RanksOfOneHostThatCannotPinTheirStateAreRefused) {
+  TempDir tmp("host_memory");
+  Config c = tiny_config();
+  c.sft.steps = 0;
+  c.train.offload = Offload::kOptimizer;
+  c.train.mini_batch_size = 0;  // the whole step: two ranks split it
+  int64_t share = 0;
+  {
+    rlt::Run run = make_run(c, (tmp.path() / "one").string(), /*resume=*/false, {});
+    share = plan_memory(run.config, run.model.policy->config(), 1).host_total();
+  }
+  ASSERT_GT(share, 0);
+  set_host_memory_probe([share] { return share * 3 / 2; });
+  EXPECT_NO_THROW(make_run(c, (tmp.path() / "fits").string(), /*resume=*/false, {}));
+  std::vector<std::string> errors(2);
+  EXPECT_THROW(rlt::testing::on_thread_ranks(2,
+                                             [&](int rank, std::shared_ptr<Collectives> dist) {
+                                               try {
+                                                 make_run(c, (tmp.path() / "two").string(), false, {}, dist);
+                                               } catch (const RunError& e) {
+                                                 errors[rank] = e.what();
+                                                 throw;
+                                               }
+                                             }),
+               RunError);
+  set_host_memory_probe(nullptr);
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("pinned host memory on one host (2 ranks x " + bytes_text(share) + ")"), std::string::npos) << e;
+    EXPECT_NE(e.find("the host has " + bytes_text(share * 3 / 2) + " available"), std::string::npos) << e;
+  }
+}
+
 // The policy's gradient carries no value term with a critic of its own: ppo.vf_coef moves nothing of the
 // first step's policy update (loss, gradient norm) nor the critic's (its loss is the value loss alone). With
 // the shared head (the twin) vf_coef changes the policy's loss and gradient.
