@@ -95,7 +95,7 @@ void PhaseParking::park(const std::vector<at::Tensor>& moved, const std::vector<
   }
   for (const at::Tensor& t : zeroed) {
     if (!t.defined()) continue;
-    zeroed_.push_back({t, t.sizes().vec(), t.options()});
+    zeroed_.push_back({t, t.sizes().vec()});
     zeroed_bytes_ += t.nbytes();
     zeroed_.back().tensor.set_data(at::empty({0}, t.options()));
   }
@@ -115,7 +115,7 @@ void PhaseParking::unpark() {
     }
     tensors_[i].set_data(d);
   }
-  for (Zeroed& z : zeroed_) z.tensor.set_data(at::zeros(z.sizes, z.options));
+  for (Zeroed& z : zeroed_) z.tensor.set_data(at::zeros(z.sizes, z.tensor.options()));
   tensors_.clear();
   zeroed_.clear();
   parked_ = false;

@@ -57,11 +57,11 @@ class PhaseParking {
  private:
   void take_reserved();
 
-  // A tensor freed as zeros, with what makes them again.
+  // A tensor freed as zeros (its storage empty, its dtype and device kept), and its sizes to make them
+  // again.
   struct Zeroed {
     at::Tensor tensor;
     std::vector<int64_t> sizes;
-    at::TensorOptions options;
   };
   std::vector<at::Tensor> tensors_;  // the parked tensors (sharing each one's impl), in buffer order
   std::vector<at::Tensor> host_;     // their host buffers, reused

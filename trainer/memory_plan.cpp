@@ -57,6 +57,17 @@ struct Shape {
   int64_t targeted = 0;     // LoRA: in x out per targeted projection and layer (the merged copy)
 };
 
+// The projections lora.targets names (none without LoRA).
+std::vector<Projection> targeted_projections(const Config& c, const ModelConfig& m) {
+  if (!c.lora.enabled()) return {};
+  const std::vector<std::string> targets = c.lora.target_list();
+  std::vector<Projection> out;
+  for (const Projection& p : projections(m)) {
+    if (std::find(targets.begin(), targets.end(), p.name) != targets.end()) out.push_back(p);
+  }
+  return out;
+}
+
 // The elements of each parameter tensor of one decoder layer.
 std::vector<int64_t> layer_tensors(const ModelConfig& m) {
   const int64_t D = m.hidden_size, hd = m.head_dim, qd = m.num_heads * hd, kvd = m.num_kv_heads * hd;
@@ -96,14 +107,10 @@ Shape shape_of(const Config& c, const ModelConfig& m) {
   // Transformer::pack_weights: no [q; k; v] for q/k-normed models.
   const int64_t qkv = m.qk_norm ? 0 : (qd + 2 * kvd) * D + (m.qkv_bias ? qd + 2 * kvd : 0);
   s.packed = m.num_layers * (qkv + 2 * F * D);
-  if (c.lora.enabled()) {
-    const std::vector<std::string> targets = c.lora.target_list();
-    for (const Projection& p : projections(m)) {
-      if (std::find(targets.begin(), targets.end(), p.name) == targets.end()) continue;
-      s.adapters += m.num_layers * c.lora.rank * (p.in + p.out);
-      s.adapter_max = std::max(s.adapter_max, c.lora.rank * std::max(p.in, p.out));
-      s.targeted += m.num_layers * p.in * p.out;
-    }
+  for (const Projection& p : targeted_projections(c, m)) {
+    s.adapters += m.num_layers * c.lora.rank * (p.in + p.out);
+    s.adapter_max = std::max(s.adapter_max, c.lora.rank * std::max(p.in, p.out));
+    s.targeted += m.num_layers * p.in * p.out;
   }
   return s;
 }
@@ -149,12 +156,8 @@ int64_t layer_bytes_per_token(const Config& c, const ModelConfig& m, int64_t s, 
   if (m.qk_norm) b += norm_saved(qd + kvd, s, fused);
   if (m.gemma_norms) b += 2 * norm_saved(D, s, fused);
   if (m.attn_softcap > 0) b += H * c.rollout.max_context * (s + 4 + (s < 4 ? s : 0)) + 2 * s * qd;
-  if (c.lora.enabled()) {
-    const std::vector<std::string> t = c.lora.target_list();
-    for (const Projection& p : projections(m)) {
-      if (std::find(t.begin(), t.end(), p.name) == t.end()) continue;
-      b += s * c.lora.rank + (c.lora.dropout > 0 ? (s + 1) * p.in : 0);
-    }
+  for (const Projection& p : targeted_projections(c, m)) {
+    b += s * c.lora.rank + (c.lora.dropout > 0 ? (s + 1) * p.in : 0);
   }
   return b;
 }
@@ -426,9 +429,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     const int64_t stepped = p.masters > 0 ? 4 : w;
     std::vector<int64_t> tensors;
     if (lora) {
-      const std::vector<std::string> targets = c.lora.target_list();
-      for (const Projection& q : projections(m)) {
-        if (std::find(targets.begin(), targets.end(), q.name) == targets.end()) continue;
+      for (const Projection& q : targeted_projections(c, m)) {
         for (int64_t l = 0; l < m.num_layers; ++l)
           tensors.insert(tensors.end(), {c.lora.rank * q.in, q.out * c.lora.rank});
       }
