@@ -6,6 +6,12 @@
 // script's reward() call in its interpreter) and each batch's wall time (--repeats batches; the pool's
 // interpreters are started before the first). Bad flags or files are exit code 2.
 //   build/bin/bench_reward --script examples/rewards/math_verify.py --trajectories 256 --workers 4
+// With --reward-model DIR it measures reward.kind model instead (rollout/reward_model.h): each batch's
+// conversations rendered and encoded on the host (RewardModel::encode on ATen's threads, as score_rewards
+// calls it), then scored (RewardModel::score, the device synchronized), with responses of --response-tokens
+// random ids of the reward model's tokenizer decoded to text; the forwards' rate in TFLOP/s (model/flops.h).
+//   build/bin/bench_reward --reward-model DIR --device cuda --dtype bfloat16 --trajectories 256
+#include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -16,10 +22,14 @@
 #include <thread>
 #include <vector>
 
+#include "apps/bench_common.h"
+#include "common/memory.h"
 #include "common/timing.h"
 #include "data/dataset.h"
 #include "data/reward.h"
+#include "model/flops.h"
 #include "rollout/python_reward.h"
+#include "rollout/reward_model.h"
 
 namespace {
 
@@ -58,6 +68,83 @@ std::string make_response(const std::string& answer, int64_t i) {
   }
 }
 
+// reward.kind model over `set`'s prompts: a JSON object of the host's encoding and the device's scoring per
+// batch (the first batch warms the device up and is reported apart).
+nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dataset& set, int64_t trajectories,
+                                          int64_t response_tokens, int64_t token_budget, int64_t repeats,
+                                          const std::string& device_name, const std::string& dtype_name,
+                                          int64_t trace_top) {
+  if (device_name == "cuda" && !at::hasCUDA()) throw std::invalid_argument("--device cuda but no CUDA device");
+  const at::Device device = device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const auto t_load = Clock::now();
+  const rlt::RewardModel rm = rlt::RewardModel::load(dir, dtype, device, token_budget);
+  const double load_ms = ms_since(t_load);
+  // Responses as a random policy writes them: random pieces of the vocabulary, decoded; new ones each batch,
+  // as each step's are (the tokenizer's cache of pre-tokens does not already hold them).
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed=*/7);
+  std::vector<double> encode_ms, score_ms;
+  std::vector<std::vector<int64_t>> sequences;
+  for (int64_t r = 0; r <= repeats; ++r) {
+    std::vector<std::string> responses;
+    for (int64_t i = 0; i < trajectories; ++i) {
+      const at::Tensor ids = at::randint(rm.tokenizer().vocab_size(), {response_tokens}, gen, at::kLong);
+      responses.push_back(rm.tokenizer().decode(
+          std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + response_tokens)));
+    }
+    const auto t_encode = Clock::now();
+    std::vector<rlt::RewardModel::Text> texts;
+    for (int64_t i = 0; i < trajectories; ++i) {
+      const rlt::PromptExample& ex = set.examples[i % set.examples.size()];
+      texts.push_back({ex.messages, ex.prompt, responses[i]});
+    }
+    sequences = rm.encode(texts);
+    encode_ms.push_back(ms_since(t_encode));
+    rlt::device_synchronize(device);
+    const auto t_score = Clock::now();
+    const std::vector<double> scores = rm.score(sequences);
+    rlt::device_synchronize(device);
+    score_ms.push_back(ms_since(t_score));
+  }
+  int64_t tokens = 0;
+  double flops = 0;
+  for (const auto& s : sequences) {
+    tokens += static_cast<int64_t>(s.size());
+    flops += rlt::forward_flops(rm.model().config(), {static_cast<int64_t>(s.size()), 0}).layers();
+  }
+  nlohmann::ordered_json trace;
+  if (trace_top > 0) {
+    // One more scoring under the profiler: the device's busy time and the kernels that take it.
+    const rlt::DeviceTrace t = rlt::trace_device(device, [&] { rm.score(sequences); });
+    trace = {{"busy_ms", t.busy_ms}, {"activities", t.activities}};
+    for (const std::string& name : t.top(static_cast<size_t>(trace_top)))
+      trace["top"].push_back({{"name", name}, {"count", t.by_name.at(name).first}, {"ms", t.by_name.at(name).second}});
+    for (const std::string& name : t.top(static_cast<size_t>(trace_top), &t.runtime))
+      trace["runtime"].push_back(
+          {{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
+  }
+  const std::vector<double> timed_score(score_ms.begin() + 1, score_ms.end());
+  const std::vector<double> timed_encode(encode_ms.begin() + 1, encode_ms.end());
+  const double score_p50 = percentile(timed_score, 0.5);
+  return {{"dir", dir},
+          {"device", device_name},
+          {"dtype", dtype_name},
+          {"token_budget", token_budget},
+          {"trajectories", trajectories},
+          {"response_tokens", response_tokens},
+          {"encode_threads", at::get_num_threads()},
+          {"tokens_scored", tokens},
+          {"load_ms", load_ms},
+          {"warmup_encode_ms", encode_ms.front()},
+          {"warmup_score_ms", score_ms.front()},
+          {"encode_ms", timed_encode},
+          {"score_ms", timed_score},
+          {"encode_us_per_trajectory", 1000 * percentile(timed_encode, 0.5) / static_cast<double>(trajectories)},
+          {"score_tflops", flops / (score_p50 / 1000) / 1e12},
+          {"score_tokens_per_s", static_cast<double>(tokens) / (score_p50 / 1000)},
+          {"trace", trace}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -66,6 +153,8 @@ int main(int argc, char** argv) {
   std::string answer_key = "label";
   int64_t trajectories = 256, repeats = 3;
   rlt::SandboxOptions sandbox;
+  std::string reward_model, device = "cpu", dtype = "float32";
+  int64_t response_tokens = 512, token_budget = 16384, trace_top = 0;
   app.add_option("--script", script, "the reward script (reward.script)")->check(CLI::ExistingFile);
   app.add_option("--data", data, "JSONL problems whose answers the responses are made from")->check(CLI::ExistingFile);
   app.add_option("--answer-key", answer_key, "the answer's key in --data");
@@ -75,6 +164,18 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-s", sandbox.timeout_s, "sandbox.timeout_s, per trajectory")
       ->check(CLI::Range(0.01, 3600.0));
   app.add_option("--memory-mb", sandbox.memory_mb, "sandbox.memory_mb")->check(CLI::Range(16, 10000000));
+  app.add_option("--reward-model", reward_model,
+                 "a sequence-classification folder: measure reward.kind model instead of the two rewards")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--response-tokens", response_tokens, "random tokens a response (--reward-model)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--token-budget", token_budget, "reward.model_batch_tokens (--reward-model)")
+      ->check(CLI::Range(1, 1 << 24));
+  app.add_option("--trace-top", trace_top, "trace one more scoring and list its N longest kernels (--reward-model)")
+      ->check(CLI::Range(0, 100));
+  app.add_option("--device", device, "cpu | cuda (--reward-model)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", dtype, "float32 | bfloat16 (--reward-model)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -85,6 +186,15 @@ int main(int argc, char** argv) {
     d.path = data;
     d.answer_key = answer_key;
     const rlt::Dataset set = rlt::load_jsonl(d);
+    if (!reward_model.empty()) {
+      const nlohmann::ordered_json out{
+          {"repeats", repeats},
+          {"data", data},
+          {"reward_model", bench_reward_model(reward_model, set, trajectories, response_tokens, token_budget, repeats,
+                                              device, dtype, trace_top)}};
+      std::cout << out.dump(2) << "\n";
+      return 0;
+    }
     std::vector<rlt::RewardQuery> queries;
     for (int64_t i = 0; i < trajectories; ++i) {
       const rlt::PromptExample& ex = set.examples[i % set.examples.size()];
@@ -166,6 +276,9 @@ int main(int argc, char** argv) {
   } catch (const rlt::SandboxError& e) {
     std::cerr << "bench_reward: sandbox error: " << e.what() << "\n";
     return 1;
+  } catch (const std::exception& e) {  // the reward model's folder (RewardModelError, ModelConfigError, ...)
+    std::cerr << "bench_reward: " << e.what() << "\n";
+    return 2;
   }
   return 0;
 }

@@ -455,8 +455,14 @@ struct HfTokenizer::Impl {
   };
   std::vector<Decoder> decoders;
 
-  mutable std::mutex cache_mu;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;  // pre-token -> ids
+  // pre-token -> ids, in shards of their own lock by the pre-token's hash: threads encoding at once (a
+  // reward model's batch on every core) would otherwise queue on one lock for every pre-token.
+  struct CacheShard {
+    std::mutex mu;
+    std::unordered_map<std::string, std::vector<int32_t>> ids;
+  };
+  static constexpr size_t kCacheShards = 64;
+  mutable std::array<CacheShard, kCacheShards> cache;
 
   [[noreturn]] void fail(const std::string& what) const { throw DataError(path + ": " + what); }
 
@@ -1024,10 +1030,11 @@ struct HfTokenizer::Impl {
 
   // One pre-token through the BPE model (cached).
   void bpe(const std::string& word, std::vector<int64_t>& out) const {
+    CacheShard& shard = cache[std::hash<std::string>{}(word) % kCacheShards];
     {
-      std::lock_guard<std::mutex> lock(cache_mu);
-      auto it = cache.find(word);
-      if (it != cache.end()) {
+      std::lock_guard<std::mutex> lock(shard.mu);
+      auto it = shard.ids.find(word);
+      if (it != shard.ids.end()) {
         out.insert(out.end(), it->second.begin(), it->second.end());
         return;
       }
@@ -1055,9 +1062,10 @@ struct HfTokenizer::Impl {
       merge(ids);
     }
     out.insert(out.end(), ids.begin(), ids.end());
-    std::lock_guard<std::mutex> lock(cache_mu);
-    if (cache.size() > 200000) cache.clear();  // bounded: a long run never grows it without end
-    cache.emplace(word, std::move(ids));
+    std::lock_guard<std::mutex> lock(shard.mu);
+    // Bounded (200,000 pre-tokens in all): a long run never grows it without end.
+    if (shard.ids.size() > 200000 / kCacheShards) shard.ids.clear();
+    shard.ids.emplace(word, std::move(ids));
   }
 
   // ---------------------------------------------------------------- decode

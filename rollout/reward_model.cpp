@@ -1,9 +1,14 @@
 // RewardModel; see reward_model.h.
 #include "rollout/reward_model.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+#include <atomic>
+#include <exception>
 #include <filesystem>
+#include <thread>
 #include <utility>
 
 #include "data/chat_template.h"
@@ -90,6 +95,31 @@ std::vector<int64_t> RewardModel::encode(const std::vector<ChatMessage>& convers
   return tokenizer_->encode(chat_->render(messages, nlohmann::ordered_json(), /*add_generation_prompt=*/false));
 }
 
+std::vector<std::vector<int64_t>> RewardModel::encode(const std::vector<Text>& texts) const {
+  std::vector<std::vector<int64_t>> out(texts.size());
+  // Threads of its own: at::parallel_for runs serially in code compiled without OpenMP, as this is.
+  const size_t threads = std::min<size_t>(std::max(1, at::get_num_threads()), texts.size());
+  std::atomic<size_t> next{0};
+  std::vector<std::exception_ptr> failed(threads);
+  auto work = [&](size_t w) {
+    try {
+      for (size_t i = next++; i < texts.size(); i = next++)
+        out[i] = encode(texts[i].conversation, texts[i].question, texts[i].response);
+    } catch (...) {
+      failed[w] = std::current_exception();
+      next = texts.size();  // the others stop at their next text
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  for (const std::exception_ptr& e : failed) {
+    if (e) std::rethrow_exception(e);
+  }
+  return out;
+}
+
 std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& sequences) const {
   const int64_t V = model_->config().vocab_size;
   for (size_t s = 0; s < sequences.size(); ++s) {
@@ -103,7 +133,13 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     }
   }
   at::NoGradGuard no_grad;
-  std::vector<double> out(sequences.size());
+  // Host tensors of the packed ids go up from pinned memory without waiting for the device.
+  const bool pin = device_.is_cuda();
+  auto upload = [&](const std::vector<int64_t>& v) {
+    at::Tensor t = at::tensor(v, at::TensorOptions().dtype(at::kLong));
+    return pin ? t.pin_memory().to(device_, /*non_blocking=*/true) : t;
+  };
+  std::vector<at::Tensor> chunks;  // each forward's scores, on the device
   size_t s = 0;
   while (s < sequences.size()) {
     // One forward: sequences s .. e-1, their tokens within the budget (at least one sequence).
@@ -124,17 +160,14 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
       starts.push_back(static_cast<int64_t>(ids.size()));
       last.push_back(starts.back() - 1);
     }
-    const auto longs = at::TensorOptions().dtype(at::kLong);
-    const at::Tensor id_t = at::tensor(ids, longs).view({1, -1}).to(device_);
-    const at::Tensor pos_t = at::tensor(positions, longs).view({1, -1}).to(device_);
-    const at::Tensor hidden = model_->forward_packed(id_t, pos_t, starts);  // (1, T, D)
-    const at::Tensor at_last = hidden[0].index_select(0, at::tensor(last, longs).to(device_));
-    const at::Tensor scores = model_->score(at_last).select(1, 0).to(at::kDouble).cpu().contiguous();
-    const double* v = scores.data_ptr<double>();
-    for (size_t k = s; k < e; ++k) out[k] = v[k - s];
+    const at::Tensor hidden = model_->forward_packed(upload(ids).view({1, -1}), upload(positions).view({1, -1}),
+                                                     starts);  // (1, T, D)
+    chunks.push_back(model_->score(hidden[0].index_select(0, upload(last))).select(1, 0));
     s = e;
   }
-  return out;
+  if (chunks.empty()) return {};
+  const at::Tensor scores = at::cat(chunks).to(at::kCPU, at::kDouble).contiguous();
+  return std::vector<double>(scores.data_ptr<double>(), scores.data_ptr<double>() + scores.numel());
 }
 
 at::Tensor RewardModel::score_padded(const at::Tensor& ids, const at::Tensor& mask) const {

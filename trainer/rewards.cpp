@@ -107,12 +107,12 @@ RewardTally score_rewards(Run& run, std::vector<Trajectory>& trajectories, const
       tally.add(scores);
     } else {
       const std::shared_ptr<RewardModel> rm = reward_model(run);
-      std::vector<std::vector<int64_t>> sequences;
+      std::vector<RewardModel::Text> texts;
       for (const Trajectory& t : trajectories) {
         const PromptExample& ex = examples[t.prompt_index];
-        sequences.push_back(rm->encode(ex.messages, ex.prompt, t.response_text));
+        texts.push_back({ex.messages, ex.prompt, t.response_text});
       }
-      values = rm->score(sequences);
+      values = rm->score(rm->encode(texts));
     }
   };
   std::vector<double> total(n, 0.0), values;

@@ -157,6 +157,35 @@ __global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __
   vc[i + half] = vn[i + half];
 }
 
+// One element of silu(g) * u as ATen computes it: silu(x) = x / (1 + e^-x) rounded to T, then the product.
+template <typename T>
+__device__ __forceinline__ T silu_times(T g, T u) {
+  const float x = to_f(g);
+  const float act = round_to<T>(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x))));
+  return from_f<T>(__fmul_rn(act, to_f(u)));
+}
+
+// V elements a thread in 16-byte loads and stores, for rows whose every start is 16-byte aligned (F, the row
+// strides and the pointers multiples of V elements), with 32-bit index arithmetic (n / V < 2^32). Elementwise
+// work runs at the memory's rate only so: the one-element form below, with its 64-bit division per element,
+// runs at about a quarter of it (110 ms against 25 for a 0.5B forward over 174k tokens on an H200).
+template <typename T, int V>
+__global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out,
+                                    uint32_t n_vec, uint32_t F_vec, int64_t g_row, int64_t u_row) {
+  struct alignas(16) Pack {
+    T v[V];
+  };
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_vec) return;
+  const uint32_t r = i / F_vec, j = (i - r * F_vec) * V;
+  const Pack gp = *reinterpret_cast<const Pack*>(g + int64_t(r) * g_row + j);
+  const Pack up = *reinterpret_cast<const Pack*>(u + int64_t(r) * u_row + j);
+  Pack o;
+#pragma unroll
+  for (int k = 0; k < V; ++k) o.v[k] = silu_times(gp.v[k], up.v[k]);
+  *reinterpret_cast<Pack*>(out + int64_t(i) * V) = o;
+}
+
 // g and u: rows of F elements a fixed stride apart (contiguous, or the halves of a packed gate/up output).
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
@@ -164,9 +193,7 @@ __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t r = i / F, j = i % F;
-  const float x = to_f(g[r * g_row + j]);
-  const float act = round_to<T>(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x))));  // ATen's silu: x / (1 + e^-x)
-  out[i] = from_f<T>(__fmul_rn(act, to_f(u[r * u_row + j])));
+  out[i] = silu_times(g[r * g_row + j], u[r * u_row + j]);
 }
 
 // The stride between consecutive rows of t's last `inner` dims (packed: unit stride inside a row, the
@@ -328,8 +355,17 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(g.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_kernel<T>
-        <<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F, g_row, u_row);
+    constexpr int V = 16 / sizeof(T);
+    auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+    if (F % V == 0 && g_row % V == 0 && u_row % V == 0 && aligned(g) && aligned(u) && aligned(out) &&
+        n / V < (int64_t(1) << 32) - 256) {
+      const int64_t n_vec = n / V;
+      silu_mul_vec_kernel<T, V><<<unsigned((n_vec + 255) / 256), 256, 0, stream>>>(
+          ptr<T>(g), ptr<T>(u), ptr<T>(out), uint32_t(n_vec), uint32_t(F / V), g_row, u_row);
+    } else {
+      silu_mul_kernel<T>
+          <<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F, g_row, u_row);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -101,17 +101,44 @@ __global__ void __launch_bounds__(THREADS)
   }
 }
 
+// Element i of silu_mul's gradients: grad_u = dy silu(g), grad_g = (dy u) silu'(g), each rounded as ATen's
+// autograd of silu(g) * u rounds it.
+template <typename T>
+__device__ __forceinline__ void silu_mul_grads(T grad, T g, T u, T& grad_g, T& grad_u) {
+  const float x = to_f(g), dy = to_f(grad);
+  const float act = round_to<T>(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x))));  // the forward's silu(g), as stored
+  grad_u = from_f<T>(__fmul_rn(dy, act));
+  const float d_act = round_to<T>(__fmul_rn(dy, to_f(u)));
+  const float s = 1.0f / (1.0f + expf(-x));
+  grad_g = from_f<T>(d_act * s * (1.0f + x * (1.0f - s)));
+}
+
 template <typename T>
 __global__ void silu_mul_backward_kernel(const T* __restrict__ grad, const T* __restrict__ g, const T* __restrict__ u,
                                          T* __restrict__ grad_g, T* __restrict__ grad_u, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float x = to_f(g[i]), dy = to_f(grad[i]);
-  const float act = round_to<T>(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x))));  // the forward's silu(g), as stored
-  grad_u[i] = from_f<T>(__fmul_rn(dy, act));
-  const float d_act = round_to<T>(__fmul_rn(dy, to_f(u[i])));
-  const float s = 1.0f / (1.0f + expf(-x));
-  grad_g[i] = from_f<T>(d_act * s * (1.0f + x * (1.0f - s)));
+  silu_mul_grads(grad[i], g[i], u[i], grad_g[i], grad_u[i]);
+}
+
+// V elements a thread in 16-byte loads and stores (every pointer 16-byte aligned, n a multiple of V), as
+// silu_mul's forward does (decode_kernels.cu).
+template <typename T, int V>
+__global__ void silu_mul_backward_vec_kernel(const T* __restrict__ grad, const T* __restrict__ g,
+                                             const T* __restrict__ u, T* __restrict__ grad_g, T* __restrict__ grad_u,
+                                             int64_t n_vec) {
+  struct alignas(16) Pack {
+    T v[V];
+  };
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_vec) return;
+  const Pack dp = reinterpret_cast<const Pack*>(grad)[i], gp = reinterpret_cast<const Pack*>(g)[i],
+             up = reinterpret_cast<const Pack*>(u)[i];
+  Pack gg, gu;
+#pragma unroll
+  for (int k = 0; k < V; ++k) silu_mul_grads(dp.v[k], gp.v[k], up.v[k], gg.v[k], gu.v[k]);
+  reinterpret_cast<Pack*>(grad_g)[i] = gg;
+  reinterpret_cast<Pack*>(grad_u)[i] = gu;
 }
 
 }  // namespace
@@ -177,8 +204,17 @@ std::pair<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_out, 
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(g.scalar_type(), "silu_mul_backward", [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_backward_kernel<T><<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(grad_out), ptr<T>(g), ptr<T>(u),
-                                                                               ptr<T>(grad_g), ptr<T>(grad_u), n);
+    constexpr int V = 16 / sizeof(T);
+    bool aligned = n % V == 0;
+    for (const at::Tensor& t : std::vector<at::Tensor>{grad_out, g, u, grad_g, grad_u})
+      aligned = aligned && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    if (aligned) {
+      silu_mul_backward_vec_kernel<T, V><<<unsigned((n / V + 255) / 256), 256, 0, stream>>>(
+          ptr<T>(grad_out), ptr<T>(g), ptr<T>(u), ptr<T>(grad_g), ptr<T>(grad_u), n / V);
+    } else {
+      silu_mul_backward_kernel<T><<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(grad_out), ptr<T>(g), ptr<T>(u),
+                                                                                 ptr<T>(grad_g), ptr<T>(grad_u), n);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {grad_g, grad_u};

@@ -20,6 +20,7 @@ AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16).save_p
 PY
 cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$rm_dir/"
 TRL=0 OURS_SET="--set reward.kind=model --set reward.model_path=$rm_dir" OUT="$out" bash scripts/gpu/e2e_peer.sh
+tar xzf "$out/raw.tgz" -C "$out" raw/metrics_ours_sync.jsonl || exit 1  # e2e_peer.sh packs raw/ at its end
 python3 - "$out/raw/metrics_ours_sync.jsonl" <<'PY' | tee "$out/reward_model.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]  # the steps after the first

@@ -186,6 +186,19 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     at::Tensor uc = at::randn({7, 3, 131}, o);  // g a packed half, u contiguous
     EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uc), at::silu(gh) * uc)) << dt << " (mixed strides)";
     EXPECT_FALSE(at::equal(cuda::silu_mul(gh, uh), at::silu(uh) * gh)) << "swapped halves must be rejected";
+    // Rows of 136 elements, 16-byte aligned: 16-byte loads, contiguous, packed halves and mixed strides; and
+    // halves of 132 (the second starts 8 bytes off 16), one element a thread again.
+    for (const int64_t F : {136, 132}) {
+      SCOPED_TRACE(::testing::Message() << F << " columns");
+      at::Tensor g2 = at::randn({9, 4, F}, o) * 3, u2 = at::randn({9, 4, F}, o);
+      EXPECT_TRUE(at::equal(cuda::silu_mul(g2, u2), at::silu(g2) * u2)) << dt;
+      at::Tensor gu2 = at::randn({9, 4, 2 * F}, o) * 3;
+      at::Tensor gh2 = gu2.narrow(-1, 0, F), uh2 = gu2.narrow(-1, F, F);
+      EXPECT_TRUE(at::equal(cuda::silu_mul(gh2, uh2), at::silu(gh2) * uh2)) << dt << " (packed halves)";
+      EXPECT_TRUE(at::equal(cuda::silu_mul(gh2, u2), at::silu(gh2) * u2)) << dt << " (mixed strides)";
+      EXPECT_FALSE(at::equal(cuda::silu_mul(gh2, uh2), at::silu(gh2) * uh2.roll(1, -1)))
+          << "u read one column off must be rejected";
+    }
   }
 #endif
 }

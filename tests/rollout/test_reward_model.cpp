@@ -3,6 +3,7 @@
 // every token budget, left- and right-padded batches, and whole conversations through Qwen3's published
 // tokenizer and chat template. Each check has a wrong twin it must reject: the score read at the last pad
 // instead of the last real token, a conversation scored one token short.
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
@@ -113,6 +114,38 @@ TEST(RewardModel, ConversationsThroughItsOwnTemplateMatchTransformers) {
   // Twin: each conversation one token short (its template's closing newline dropped).
   for (auto& s : sequences) s.pop_back();
   EXPECT_GT(max_error(rm.score(sequences), ref["scores"]), 1e-3);
+}
+
+// A batch encoded on several threads: each text's ids in its own place, as one by one. The twin: a batch
+// whose texts are the same but in another order gives other ids in each place.
+TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
+  RLT_SKIP_WITHOUT_FIXTURES();
+  const fs::path dir = references() / "qwen3_chat";
+  const json ref = read_json(dir / "reference.json");
+  const RewardModel rm = RewardModel::load(dir.string(), at::kFloat, at::kCPU, 4096);
+  std::vector<std::vector<ChatMessage>> prompts;
+  std::vector<std::string> responses;
+  for (int repeat = 0; repeat < 8; ++repeat) {
+    for (const json& messages : ref["conversations"]) {
+      std::vector<ChatMessage> prompt;
+      for (size_t m = 0; m + 1 < messages.size(); ++m) prompt.push_back({messages[m]["role"], messages[m]["content"]});
+      prompts.push_back(prompt);
+      responses.push_back(messages.back()["content"].get<std::string>() + std::string(repeat, '!'));
+    }
+  }
+  const std::string none;
+  std::vector<RewardModel::Text> texts, reversed;
+  for (size_t i = 0; i < prompts.size(); ++i) texts.push_back({prompts[i], none, responses[i]});
+  for (size_t i = prompts.size(); i-- > 0;) reversed.push_back({prompts[i], none, responses[i]});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(4);
+  const std::vector<std::vector<int64_t>> got = rm.encode(texts), got_reversed = rm.encode(reversed);
+  at::set_num_threads(threads);
+  ASSERT_EQ(got.size(), texts.size());
+  for (size_t i = 0; i < texts.size(); ++i) {
+    EXPECT_EQ(got[i], rm.encode(prompts[i], none, responses[i])) << "text " << i;
+    EXPECT_NE(got_reversed[i], got[i]) << "text " << i;
+  }
 }
 
 // A copy of the qwen2 folder with config.json edited by `edit`.
