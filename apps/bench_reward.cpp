@@ -73,12 +73,13 @@ std::string make_response(const std::string& answer, int64_t i) {
 nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dataset& set, int64_t trajectories,
                                           int64_t response_tokens, int64_t token_budget, int64_t repeats,
                                           const std::string& device_name, const std::string& dtype_name,
-                                          int64_t trace_top) {
+                                          int64_t trace_top, bool share_prefixes, int64_t samples) {
   if (device_name == "cuda" && !at::hasCUDA()) throw std::invalid_argument("--device cuda but no CUDA device");
   const at::Device device = device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
   const auto t_load = Clock::now();
-  const rlt::RewardModel rm = rlt::RewardModel::load(dir, dtype, device, token_budget);
+  rlt::RewardModel rm = rlt::RewardModel::load(dir, dtype, device, token_budget);
+  rm.set_share_prefixes(share_prefixes);
   const double load_ms = ms_since(t_load);
   // Responses as a random policy writes them: random pieces of the vocabulary, decoded; new ones each batch,
   // as each step's are (the tokenizer's cache of pre-tokens does not already hold them).
@@ -95,7 +96,7 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
     const auto t_encode = Clock::now();
     std::vector<rlt::RewardModel::Text> texts;
     for (int64_t i = 0; i < trajectories; ++i) {
-      const rlt::PromptExample& ex = set.examples[i % set.examples.size()];
+      const rlt::PromptExample& ex = set.examples[(i / samples) % set.examples.size()];
       texts.push_back({ex.messages, ex.prompt, responses[i]});
     }
     sequences = rm.encode(texts);
@@ -130,7 +131,9 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
           {"device", device_name},
           {"dtype", dtype_name},
           {"token_budget", token_budget},
+          {"share_prefixes", share_prefixes},
           {"trajectories", trajectories},
+          {"samples", samples},
           {"response_tokens", response_tokens},
           {"encode_threads", at::get_num_threads()},
           {"tokens_scored", tokens},
@@ -140,7 +143,7 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
           {"encode_ms", timed_encode},
           {"score_ms", timed_score},
           {"encode_us_per_trajectory", 1000 * percentile(timed_encode, 0.5) / static_cast<double>(trajectories)},
-          {"score_tflops", flops / (score_p50 / 1000) / 1e12},
+          {"score_whole_sequence_tflops", flops / (score_p50 / 1000) / 1e12},
           {"score_tokens_per_s", static_cast<double>(tokens) / (score_p50 / 1000)},
           {"trace", trace}};
 }
@@ -154,7 +157,8 @@ int main(int argc, char** argv) {
   int64_t trajectories = 256, repeats = 3;
   rlt::SandboxOptions sandbox;
   std::string reward_model, device = "cpu", dtype = "float32";
-  int64_t response_tokens = 512, token_budget = 16384, trace_top = 0;
+  int64_t response_tokens = 512, token_budget = 16384, trace_top = 0, samples = 8;
+  bool share_prefixes = true;
   app.add_option("--script", script, "the reward script (reward.script)")->check(CLI::ExistingFile);
   app.add_option("--data", data, "JSONL problems whose answers the responses are made from")->check(CLI::ExistingFile);
   app.add_option("--answer-key", answer_key, "the answer's key in --data");
@@ -171,6 +175,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--token-budget", token_budget, "reward.model_batch_tokens (--reward-model)")
       ->check(CLI::Range(1, 1 << 24));
+  app.add_option("--share-prefixes", share_prefixes, "answers to one prompt run its tokens once (--reward-model)");
+  app.add_option("--samples", samples, "answers a prompt, consecutive as a step lists them (--reward-model)")
+      ->check(CLI::Range(1, 1 << 16));
   app.add_option("--trace-top", trace_top, "trace one more scoring and list its N longest kernels (--reward-model)")
       ->check(CLI::Range(0, 100));
   app.add_option("--device", device, "cpu | cuda (--reward-model)")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -191,7 +198,7 @@ int main(int argc, char** argv) {
           {"repeats", repeats},
           {"data", data},
           {"reward_model", bench_reward_model(reward_model, set, trajectories, response_tokens, token_budget, repeats,
-                                              device, dtype, trace_top)}};
+                                              device, dtype, trace_top, share_prefixes, samples)}};
       std::cout << out.dump(2) << "\n";
       return 0;
     }

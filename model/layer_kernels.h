@@ -103,6 +103,12 @@ struct ForwardPlan {
   std::vector<int64_t> starts;
   at::Tensor cu_seqlens;  // starts as (S + 1) int32 on the device (the varlen attention kernel's form)
   int64_t longest = 0;    // the longest sequence's tokens
+  // Shared prefixes (forward_packed's prefix_of; empty: none): sequence s attends over sequence
+  // prefix_of[s]'s tokens, then its own. kv_index lists, sequence after sequence, the packed tokens each
+  // attends over (the keys' gather), cu_seqlens_k their cumulative counts (int32), both on the device.
+  std::vector<int64_t> prefix_of;
+  at::Tensor kv_index, cu_seqlens_k;
+  int64_t longest_context = 0;  // the most tokens a sequence attends over (its prefix's and its own)
 };
 
 }  // namespace rlt

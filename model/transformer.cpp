@@ -62,39 +62,48 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // Attention of sequences laid end to end (ForwardPlan::starts): q (1, H, T, hd) over k, v (1, Hkv, T, hd),
-// each sequence causal within itself, on sliding layers (`sliding`) within the window too. Returns
-// (1, T, H, hd). On CUDA in bf16/fp16 one variable-length flash kernel takes every sequence (its
-// autograd formula is ATen's); elsewhere (CPU, fp32, soft-capped scores, a restricting window) each
-// sequence goes through attention() as a row of its own, which is what the padded forward computes for it.
+// each sequence causal within itself (after its prefix's tokens where it has one), on sliding layers
+// (`sliding`) within the window too. Returns (1, T, H, hd). On CUDA in bf16/fp16 one variable-length flash
+// kernel takes every sequence (its autograd formula is ATen's; the keys gathered by kv_index where
+// prefixes are shared, the causal mask then aligned to each sequence's last key); elsewhere (CPU, fp32,
+// soft-capped scores, a restricting window) each sequence goes through attention() as a row of its own,
+// which is what the padded forward computes for it.
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ForwardPlan& p,
                             bool sliding, const ModelConfig& c) {
   const int64_t hd = q.size(3);
   const at::ScalarType dt = q.scalar_type();
+  const bool shared = p.kv_index.defined();
   if (q.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && hd % 8 == 0 && hd <= 256 && c.attn_softcap == 0 &&
       !sliding) {
     auto tokens_major = [](const at::Tensor& x) {  // (1, heads, T, hd) -> (T, heads, hd), rows contiguous
       at::Tensor y = x.squeeze(0).transpose(0, 1);
       return y.stride(-1) == 1 ? y : y.contiguous();
     };
+    auto keys = [&](const at::Tensor& x) {
+      return shared ? tokens_major(x).index_select(0, p.kv_index) : tokens_major(x);
+    };
     at::Tensor out = std::get<0>(at::_flash_attention_forward(
-        tokens_major(q), tokens_major(k), tokens_major(v), p.cu_seqlens, p.cu_seqlens, p.longest, p.longest,
-        /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false, c.attn_scale));
+        tokens_major(q), keys(k), keys(v), p.cu_seqlens, shared ? p.cu_seqlens_k : p.cu_seqlens, p.longest,
+        p.longest_context, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false, c.attn_scale));
     return out.unsqueeze(0);  // (1, T, H, hd)
   }
   std::vector<at::Tensor> parts;
   parts.reserve(p.starts.size() - 1);
   for (size_t s = 0; s + 1 < p.starts.size(); ++s) {
     const int64_t b = p.starts[s], n = p.starts[s + 1] - b;
-    at::Tensor mask;  // (1, 1, n, n): needed for soft-capped scores and a window shorter than the sequence
-    if (c.attn_softcap > 0 || (sliding && n > c.sliding_window)) {
-      // Positions run 0, 1, ... within a packed sequence, so the window counts tokens.
-      at::Tensor idx = at::arange(n, at::TensorOptions().dtype(at::kLong).device(q.device()));
-      at::Tensor dist = idx.view({n, 1}) - idx.view({1, n});  // query - key
-      mask = (dist >= 0).view({1, 1, n, n});
-      if (sliding) mask = mask & (dist < c.sliding_window).view({1, 1, n, n});
+    const int64_t f = shared ? p.prefix_of[s] : -1, fb = f < 0 ? 0 : p.starts[f], m = f < 0 ? 0 : p.starts[f + 1] - fb;
+    at::Tensor ks = k.narrow(2, b, n), vs = v.narrow(2, b, n);
+    if (m > 0) ks = at::cat({k.narrow(2, fb, m), ks}, 2), vs = at::cat({v.narrow(2, fb, m), vs}, 2);
+    // (1, 1, n, m + n): needed after a prefix, for soft-capped scores and for a window shorter than the context.
+    at::Tensor mask;
+    if (m > 0 || c.attn_softcap > 0 || (sliding && m + n > c.sliding_window)) {
+      // Positions run on from the prefix's, so the window counts tokens.
+      const auto longs = at::TensorOptions().dtype(at::kLong).device(q.device());
+      at::Tensor dist = (at::arange(n, longs) + m).view({n, 1}) - at::arange(m + n, longs).view({1, m + n});
+      mask = (dist >= 0).view({1, 1, n, m + n});
+      if (sliding) mask = mask & (dist < c.sliding_window).view({1, 1, n, m + n});
     }
-    parts.push_back(attention(q.narrow(2, b, n), k.narrow(2, b, n), v.narrow(2, b, n), mask,
-                              /*is_causal=*/!mask.defined() && n > 1, c)
+    parts.push_back(attention(q.narrow(2, b, n), ks, vs, mask, /*is_causal=*/!mask.defined() && n > 1, c)
                         .transpose(1, 2));  // (1, n, H, hd)
   }
   return at::cat(parts, 1);
@@ -180,7 +189,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
 }
 
 at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& positions,
-                                       const std::vector<int64_t>& starts) const {
+                                       const std::vector<int64_t>& starts,
+                                       const std::vector<int64_t>& prefix_of) const {
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == at::kLong,
               "forward_packed: ids must be (1, T) int64, got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "forward_packed: positions must be shaped like ids");
@@ -197,8 +207,31 @@ at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& 
   p.S = p.longest;                   // a sliding window restricts only a sequence longer than it
   p.starts = starts;
   // From pinned memory without waiting: a pageable copy would wait for the stream to drain.
-  const at::Tensor cu = at::tensor(starts, at::kLong).to(at::kInt);
-  p.cu_seqlens = embed_.is_cuda() ? cu.pin_memory().to(embed_.device(), /*non_blocking=*/true) : cu;
+  auto upload = [&](const at::Tensor& t) {
+    return embed_.is_cuda() ? t.pin_memory().to(embed_.device(), /*non_blocking=*/true) : t;
+  };
+  p.cu_seqlens = upload(at::tensor(starts, at::kLong).to(at::kInt));
+  p.longest_context = p.longest;
+  if (!prefix_of.empty()) {
+    const int64_t S = static_cast<int64_t>(starts.size()) - 1;
+    TORCH_CHECK(static_cast<int64_t>(prefix_of.size()) == S, "forward_packed: prefix_of must name one prefix (or -1) ",
+                "for each of the ", S, " sequences, got ", prefix_of.size());
+    std::vector<int64_t> index, cu_k{0};
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t f = prefix_of[s];
+      TORCH_CHECK(f >= -1 && f < s && (f < 0 || prefix_of[f] < 0), "forward_packed: sequence ", s, "'s prefix ", f,
+                  " is not an earlier sequence without a prefix of its own");
+      for (const int64_t part : {f, s}) {
+        if (part < 0) continue;
+        for (int64_t t = starts[part]; t < starts[part + 1]; ++t) index.push_back(t);
+      }
+      cu_k.push_back(static_cast<int64_t>(index.size()));
+      p.longest_context = std::max(p.longest_context, cu_k.back() - cu_k[cu_k.size() - 2]);
+    }
+    p.prefix_of = prefix_of;
+    p.kv_index = upload(at::tensor(index, at::kLong));
+    p.cu_seqlens_k = upload(at::tensor(cu_k, at::kLong).to(at::kInt));
+  }
   p.ops = cacheless_kernels();
   rope_tables(positions, h.scalar_type(), p);
   return run_layers(h, p);
@@ -309,7 +342,8 @@ at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& pendi
   } else if (!p.starts.empty()) {
     // Packed sequences (forward_packed): each attends causally within itself.
     std::tie(q, k, v) = p.ops->rope_and_cache(i, q, k, v, p.cos, p.sin, nullptr);  // (1, H, T, hd), (1, Hkv, T, hd) x 2
-    attn = packed_attention(q, k, v, p, c.sliding_layers[i] && p.longest > c.sliding_window, c).view({B, L, H * hd});
+    attn = packed_attention(q, k, v, p, c.sliding_layers[i] && p.longest_context > c.sliding_window, c)
+               .view({B, L, H * hd});
   } else {
     // The window restricts nothing while all C slots fit in it. Without a mask: causal for a prefill, every
     // slot for a decode step.

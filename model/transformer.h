@@ -72,8 +72,12 @@ class Transformer {
   // from 0). Returns hidden states (1, T, D) after the final norm, equal to forward()'s over the same
   // sequences right-padded into rows. Attention runs as one variable-length kernel on CUDA in bf16 and
   // fp16 (ATen's flash attention over cumulative lengths), else sequence by sequence.
-  at::Tensor forward_packed(const at::Tensor& ids, const at::Tensor& positions,
-                            const std::vector<int64_t>& starts) const;
+  // prefix_of (empty, or one entry a sequence): sequence s continues sequence prefix_of[s] (an earlier one
+  // of the pack that continues none; -1: none), attending over its tokens and then causally over its own,
+  // at the positions given (continuing the prefix's). Its hidden states are those of the prefix's tokens
+  // followed by its own, forwarded as one sequence: answers to one prompt run the prompt's tokens once.
+  at::Tensor forward_packed(const at::Tensor& ids, const at::Tensor& positions, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& prefix_of = {}) const;
 
   // A decode step and a feed in one forward (DecodeEngine's merged pass): each of the cache's Bc rows takes
   // one token (step_ids, step_pos (Bc, 1)) at slot cache.step_slot (1), attending over step_mask (Bc, span)

@@ -139,35 +139,76 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     at::Tensor t = at::tensor(v, at::TensorOptions().dtype(at::kLong));
     return pin ? t.pin_memory().to(device_, /*non_blocking=*/true) : t;
   };
-  std::vector<at::Tensor> chunks;  // each forward's scores, on the device
-  size_t s = 0;
-  while (s < sequences.size()) {
-    // One forward: sequences s .. e-1, their tokens within the budget (at least one sequence).
-    size_t e = s;
-    int64_t tokens = 0;
-    while (e < sequences.size() && (e == s || tokens + static_cast<int64_t>(sequences[e].size()) <= token_budget_)) {
-      tokens += static_cast<int64_t>(sequences[e].size());
-      ++e;
+  // Runs of consecutive sequences that begin with the same kMinSharedTokens tokens or more (the answers to
+  // one prompt, as a step lists them): their common first tokens, leaving each one token of its own, run
+  // once as a prefix that each continues (Transformer::forward_packed's prefix_of).
+  struct Group {
+    size_t begin = 0, end = 0;
+    int64_t shared = 0;
+  };
+  std::vector<Group> groups;
+  for (size_t b = 0; b < sequences.size();) {
+    Group g{b, b + 1, static_cast<int64_t>(sequences[b].size()) - 1};
+    while (share_prefixes_ && g.end < sequences.size()) {
+      const std::vector<int64_t>& first = sequences[b];
+      const std::vector<int64_t>& next = sequences[g.end];
+      const int64_t most = std::min<int64_t>(g.shared, static_cast<int64_t>(next.size()) - 1);
+      int64_t common = 0;
+      while (common < most && first[common] == next[common]) ++common;
+      if (common < kMinSharedTokens) break;
+      g.shared = common;
+      ++g.end;
     }
-    std::vector<int64_t> ids, positions, starts{0}, last;
-    ids.reserve(tokens);
-    positions.reserve(tokens);
-    for (size_t k = s; k < e; ++k) {
-      for (size_t i = 0; i < sequences[k].size(); ++i) {
-        ids.push_back(sequences[k][i]);
-        positions.push_back(static_cast<int64_t>(i));
-      }
-      starts.push_back(static_cast<int64_t>(ids.size()));
-      last.push_back(starts.back() - 1);
-    }
-    const at::Tensor hidden = model_->forward_packed(upload(ids).view({1, -1}), upload(positions).view({1, -1}),
-                                                     starts);  // (1, T, D)
-    chunks.push_back(model_->score(hidden[0].index_select(0, upload(last))).select(1, 0));
-    s = e;
+    if (g.end - g.begin < 2) g.shared = 0;
+    groups.push_back(g);
+    b = g.end;
   }
+  // Forwards of at most token_budget tokens (a sequence longer than that alone); a group split between two
+  // forwards runs its prefix in each.
+  std::vector<at::Tensor> chunks;  // each forward's scores, on the device
+  std::vector<size_t> order;       // the sequence each score belongs to, forward after forward
+  std::vector<int64_t> ids, positions, starts{0}, prefix_of, last;
+  bool prefixed = false;
+  auto flush = [&] {
+    if (last.empty()) return;
+    if (!prefixed) prefix_of.clear();
+    const at::Tensor hidden = model_->forward_packed(upload(ids).view({1, -1}), upload(positions).view({1, -1}), starts,
+                                                     prefix_of);  // (1, T, D)
+    chunks.push_back(model_->score(hidden[0].index_select(0, upload(last))).select(1, 0));
+    ids.clear(), positions.clear(), starts.assign(1, 0), prefix_of.clear(), last.clear();
+    prefixed = false;
+  };
+  auto append = [&](const std::vector<int64_t>& seq, int64_t from, int64_t to, int64_t prefix) {
+    for (int64_t i = from; i < to; ++i) ids.push_back(seq[i]), positions.push_back(i);
+    starts.push_back(static_cast<int64_t>(ids.size()));
+    prefix_of.push_back(prefix);
+  };
+  for (const Group& g : groups) {
+    int64_t prefix = -1;  // the group's prefix in the forward being packed
+    for (size_t k = g.begin; k < g.end; ++k) {
+      const std::vector<int64_t>& seq = sequences[k];
+      const int64_t length = static_cast<int64_t>(seq.size());
+      const int64_t need = length - g.shared + (prefix < 0 ? g.shared : 0);
+      if (!last.empty() && static_cast<int64_t>(ids.size()) + need > token_budget_) {
+        flush();
+        prefix = -1;
+      }
+      if (g.shared > 0 && prefix < 0) {
+        prefix = static_cast<int64_t>(starts.size()) - 1;
+        append(seq, 0, g.shared, -1);
+        prefixed = true;
+      }
+      append(seq, g.shared, length, prefix);
+      last.push_back(static_cast<int64_t>(ids.size()) - 1);
+      order.push_back(k);
+    }
+  }
+  flush();
   if (chunks.empty()) return {};
   const at::Tensor scores = at::cat(chunks).to(at::kCPU, at::kDouble).contiguous();
-  return std::vector<double>(scores.data_ptr<double>(), scores.data_ptr<double>() + scores.numel());
+  std::vector<double> out(sequences.size());
+  for (size_t i = 0; i < order.size(); ++i) out[order[i]] = scores.data_ptr<double>()[i];
+  return out;
 }
 
 at::Tensor RewardModel::score_padded(const at::Tensor& ids, const at::Tensor& mask) const {

@@ -3,7 +3,8 @@
 // at its last token, what transformers' AutoModelForSequenceClassification returns as logits[:, 0]. The
 // conversation is rendered through the reward model's own chat template and encoded by its own tokenizer,
 // which may differ from the policy's. Scoring runs without gradients, packed: sequences laid end to end
-// into forwards of at most a token budget (Transformer::forward_packed), so no padding reaches a GEMM.
+// into forwards of at most a token budget (Transformer::forward_packed), so no padding reaches a GEMM, and
+// the answers to one prompt run the prompt's tokens once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -68,9 +69,14 @@ class RewardModel {
 
   // One score per sequence of ids, read at its last token. Sequences are packed in order into forwards
   // of at most token_budget tokens, queued without waiting (ids through pinned memory, the scores read
-  // back once at the end), so the host packs the next forward while the device runs this one. An empty
-  // sequence or an id outside the vocabulary throws std::invalid_argument naming it.
+  // back once at the end), so the host packs the next forward while the device runs this one. Consecutive
+  // sequences that begin with the same kMinSharedTokens tokens or more share them: those run once as a
+  // prefix each continues (the scores are the same; a step's answers to one prompt run the prompt once).
+  // An empty sequence or an id outside the vocabulary throws std::invalid_argument naming it.
   std::vector<double> score(const std::vector<std::vector<int64_t>>& sequences) const;
+  static constexpr int64_t kMinSharedTokens = 16;
+  // Off: every sequence runs whole (what the shared prefixes save is measured against it).
+  void set_share_prefixes(bool on) { share_prefixes_ = on; }
 
   // A padded batch as transformers scores it: ids (B, T) int64, mask (B, T) 0/1 (1 = real token), RoPE
   // positions counting real tokens from 0. Returns (B) float32 scores, each row's at last_real_tokens.
@@ -86,6 +92,7 @@ class RewardModel {
   std::shared_ptr<HfChatTemplate> chat_;
   at::Device device_ = at::kCPU;
   int64_t token_budget_ = 0;
+  bool share_prefixes_ = true;
 };
 
 }  // namespace rlt

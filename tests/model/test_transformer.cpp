@@ -218,6 +218,68 @@ TEST(Transformer, PackedSequencesEqualEachSequencesForward) {
   EXPECT_THROW(model.forward_packed(four, four, {0, 3}), c10::Error) << "starts that stop short of T";
 }
 
+// Shared prefixes (forward_packed's prefix_of) laid out as a reward model's batch lays them: prompts P1
+// (10 tokens, past gemma2's window of 8) and P2 (4), answers A (5) and B (1) to P1 and C (12) to P2, and D
+// (3) alone: [P1, A, B, D, P2, C]. Each answer's hidden states must be the last tokens of its prompt and
+// answer forwarded as one sequence, each prompt's its own forward's (float64, 1e-10); `ids` (24 tokens)
+// supplies every part's tokens. Wrong twins: the answers without their prompts (prefix_of all -1), and C
+// continuing P1 instead of P2.
+struct SharedPrefixPack {
+  at::Tensor flat, flat_pos;
+  std::vector<int64_t> starts, prefix_of;
+  std::vector<at::Tensor> whole;  // each packed sequence as one sequence: its prefix's tokens, then its own
+};
+SharedPrefixPack shared_prefix_pack(const at::Tensor& ids) {
+  const at::Tensor p1 = ids.narrow(0, 0, 10), p2 = ids.roll(7).narrow(0, 0, 4);
+  const std::vector<at::Tensor> parts = {
+      p1, ids.roll(3).narrow(0, 0, 5),  ids.roll(11).narrow(0, 0, 1), ids.roll(5).narrow(0, 0, 3),
+      p2, ids.roll(13).narrow(0, 0, 12)};
+  SharedPrefixPack k;
+  k.prefix_of = {-1, 0, 0, -1, -1, 4};
+  k.starts = {0};
+  std::vector<at::Tensor> pos;
+  for (size_t s = 0; s < parts.size(); ++s) {
+    const int64_t f = k.prefix_of[s], from = f < 0 ? 0 : parts[f].size(0), n = parts[s].size(0);
+    pos.push_back(at::arange(from, from + n, at::TensorOptions().dtype(at::kLong).device(ids.device())));
+    k.whole.push_back(f < 0 ? parts[s] : at::cat({parts[f], parts[s]}));
+    k.starts.push_back(k.starts.back() + n);
+  }
+  k.flat = at::cat(parts).view({1, -1});
+  k.flat_pos = at::cat(pos).view({1, -1});
+  return k;
+}
+
+// The hidden states forward_packed must give k's sequences: each one's own tokens' rows of its whole forward.
+at::Tensor shared_prefix_truth(const Transformer& m, const SharedPrefixPack& k) {
+  std::vector<at::Tensor> rows;
+  for (size_t s = 0; s < k.whole.size(); ++s) {
+    const int64_t n = k.starts[s + 1] - k.starts[s], L = k.whole[s].size(0);
+    const at::Tensor h = m.forward(k.whole[s].view({1, -1}), arange_positions(1, L).to(k.whole[s].device()), {})[0];
+    rows.push_back(h.narrow(0, L - n, n));
+  }
+  return at::cat(rows);
+}
+
+TEST(Transformer, SharedPrefixesEqualEachWholeSequencesForward) {
+  at::NoGradGuard ng;
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c);
+    const Transformer model = Transformer::load(case_dir(c).string(), at::kDouble, at::kCPU);
+    const SharedPrefixPack k = shared_prefix_pack(tensor_of(reference(c)["ids"], at::kLong));
+    const at::Tensor want = shared_prefix_truth(model, k);
+    const at::Tensor got = model.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of)[0];
+    const at::Tensor alone = model.forward_packed(k.flat, k.flat_pos, k.starts, {-1, -1, -1, -1, -1, -1})[0];
+    const at::Tensor crossed = model.forward_packed(k.flat, k.flat_pos, k.starts, {-1, 0, 0, -1, -1, 0})[0];
+    RLT_EXPECT_CLOSE_REJECTING(got, alone, "the answers without their prompts", want, 1e-10, 0.0, c);
+    RLT_EXPECT_CLOSE_REJECTING(got, crossed, "C continuing the other prompt", want, 1e-10, 0.0, c);
+  }
+  const Transformer model = Transformer::load(case_dir("qwen2").string(), at::kFloat, at::kCPU);
+  const at::Tensor six = at::zeros({1, 6}, at::kLong);
+  EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 0}), c10::Error) << "a prefix for two of three";
+  EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 2, -1}), c10::Error) << "a later sequence";
+  EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 0, 1}), c10::Error) << "a prefix with a prefix";
+}
+
 // The rollout's decode: a left-padded batch, prefilled with its padding mask, then one-token steps that
 // pass the mask (the masked attention path, where grouped query heads are folded into the query length).
 // Row 0 holds all 24 reference ids; row 1 the last 20, left-padded by 4 (pad id 0, position 0, mask 0).
@@ -483,6 +545,33 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
               << rel(padded.second) << ", one sequence " << rel(wrong.second) << "\n";
     EXPECT_LE(rel(packed.second), gbound);
     EXPECT_GT(rel(wrong.second), gbound) << "attention over the sequence before";
+  }
+}
+
+// Shared prefixes in bf16 on the GPU: one flash kernel over the gathered keys, its causal mask aligned to
+// each sequence's last key. Ground truth: each whole sequence's forward in fp32 of the same weights; the
+// packed bf16 hidden states must be as accurate as the whole sequences' own bf16 forwards (within 25% plus
+// one bf16 ulp of the largest value); the answers without their prompts must fail that bound.
+TEST(TransformerCuda, SharedPrefixesInBf16AreAsAccurateAsWholeSequences) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device gpu(at::kCUDA, 0);
+  at::NoGradGuard ng;
+  for (const std::string c : {"qwen2", "llama_tied"}) {
+    SCOPED_TRACE(c);
+    const SharedPrefixPack k = shared_prefix_pack(tensor_of(reference(c)["ids"], at::kLong).to(gpu));
+    Transformer f32 = Transformer::load(case_dir(c).string(), at::kFloat, gpu);
+    const Transformer bf16 = Transformer::load(case_dir(c).string(), at::kBFloat16, gpu);
+    for (auto& p : f32.parameters()) p.detach().copy_(p.to(at::kBFloat16).to(at::kFloat));  // the same weights
+    const at::Tensor truth = shared_prefix_truth(f32, k);
+    auto err = [&](const at::Tensor& h) { return (h.to(at::kFloat) - truth).abs().max().item<double>(); };
+    const double whole = err(shared_prefix_truth(bf16, k));
+    const double got = err(bf16.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of)[0]);
+    const double alone = err(bf16.forward_packed(k.flat, k.flat_pos, k.starts, {-1, -1, -1, -1, -1, -1})[0]);
+    const double bound = 1.25 * whole + truth.abs().max().item<double>() / 256;
+    std::cout << "shared prefixes bf16 " << c << ": max |hidden error| packed " << got << ", whole sequences " << whole
+              << ", without the prompts " << alone << "\n";
+    EXPECT_LE(got, bound);
+    EXPECT_GT(alone, bound) << "the answers without their prompts";
   }
 }
 

@@ -64,6 +64,55 @@ TEST_P(TinyRewardModel, PackedScoresMatchTransformersAtEveryTokenBudget) {
   }
 }
 
+// A step's batch: three prompts (20, 17 and 40 tokens) with four answers each (1 to 9 tokens), one
+// sequence alone, and two that share only 10 first tokens (under kMinSharedTokens: not shared). Scores
+// with shared prefixes equal each sequence scored alone, at budgets that split groups between forwards
+// (their prefix then runs in each) and that hold everything. The comparison tells two answers' scores
+// apart: the batch with two answers swapped differs from the sequences' own scores at those places.
+TEST_P(TinyRewardModel, SharedPrefixesScoreAsEachSequenceAlone) {
+  const fs::path dir = references() / GetParam();
+  RewardModel rm(Transformer::load(dir.string(), at::kFloat, at::kCPU), 4096);
+  at::manual_seed(3);
+  const int64_t V = rm.model().config().vocab_size;
+  auto random_ids = [&](int64_t n) {
+    const at::Tensor t = at::randint(V, {n}, at::kLong);
+    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  };
+  std::vector<std::vector<int64_t>> sequences;
+  for (const int64_t prompt : {20, 17, 40}) {
+    const std::vector<int64_t> p = random_ids(prompt);
+    for (int64_t a = 0; a < 4; ++a) {
+      std::vector<int64_t> seq = p;
+      for (int64_t id : random_ids(1 + 2 * a + prompt % 2)) seq.push_back(id);
+      sequences.push_back(seq);
+    }
+  }
+  sequences.push_back(random_ids(11));
+  std::vector<int64_t> near = random_ids(10);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<int64_t> seq = near;
+    for (int64_t id : random_ids(8)) seq.push_back(id);
+    sequences.push_back(seq);
+  }
+  std::vector<double> alone;
+  for (const auto& seq : sequences) alone.push_back(rm.score({seq})[0]);
+  auto worst = [&](const std::vector<double>& got) {
+    double w = 0;
+    for (size_t i = 0; i < got.size(); ++i) w = std::max(w, std::abs(got[i] - alone[i]));
+    return w;
+  };
+  // 30: a prompt and one to three of its answers a forward; 64: groups split after their first answers.
+  for (const int64_t budget : {1, 30, 64, 4096}) {
+    RewardModel packed(Transformer(rm.model()), budget);
+    EXPECT_LT(worst(packed.score(sequences)), 1e-5) << GetParam() << " budget " << budget;
+    packed.set_share_prefixes(false);
+    EXPECT_LT(worst(packed.score(sequences)), 1e-5) << GetParam() << " budget " << budget << ", unshared";
+  }
+  std::vector<std::vector<int64_t>> swapped = sequences;
+  std::swap(swapped[1], swapped[2]);
+  EXPECT_GT(worst(rm.score(swapped)), 1e-3) << "two answers' scores swapped";
+}
+
 TEST_P(TinyRewardModel, PaddedBatchesReadTheLastRealToken) {
   const fs::path dir = references() / GetParam();
   const json ref = read_json(dir / "reference.json");
