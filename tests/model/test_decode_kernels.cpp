@@ -17,6 +17,7 @@
 #include "model/cuda/decode_kernels.h"
 #endif
 #include "model/transformer.h"
+#include "tests/model/kernel_types.h"
 
 namespace rlt {
 namespace {
@@ -46,7 +47,8 @@ double ulps(const at::Tensor& a, const at::Tensor& b) {
   return ((ad - bd).abs() / (bd.abs().clamp_min(tiny) * eps)).max().item<double>();
 }
 
-const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+using testing::kinds;
+using testing::kTypes;
 #endif
 
 TEST(DecodeKernelsCuda, RmsNormMatchesTheAtenFormAndFloat64) {
@@ -102,9 +104,12 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
 #else
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(2);
-  for (auto dt : kTypes) {
+  // Head dims 10: one pair a thread; 16: 16-byte loads of each half (the packed views' heads start at
+  // multiples of 16 elements too).
+  for (const auto& [dt, hd] : kinds({10, 16})) {
+    SCOPED_TRACE(::testing::Message() << dt << ", head dim " << hd);
     auto o = at::TensorOptions().device(at::kCUDA).dtype(dt);
-    const int64_t B = 3, L = 5, H = 6, Hkv = 2, hd = 10;
+    const int64_t B = 3, L = 5, H = 6, Hkv = 2;
     at::Tensor q = at::randn({B, L, H, hd}, o), k = at::randn({B, L, Hkv, hd}, o);
     at::Tensor pos = at::randint(0, 4000, {B, L}, o.dtype(at::kFloat)).unsqueeze(-1);
     at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));

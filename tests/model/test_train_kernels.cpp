@@ -19,6 +19,7 @@
 #include "model/cuda/decode_kernels.h"
 #include "model/cuda/train_kernels.h"
 #endif
+#include "tests/model/kernel_types.h"
 
 namespace rlt {
 namespace {
@@ -47,7 +48,8 @@ double unit(at::ScalarType dt) {
   return dt == at::kFloat ? std::ldexp(1.0, -24) : dt == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
 }
 
-const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+using testing::kinds;
+using testing::kTypes;
 #endif
 
 TEST(TrainKernelsCuda, RmsNormBackwardMatchesAutogradAndFloat64) {
@@ -136,10 +138,11 @@ TEST(TrainKernelsCuda, RopeGradientIsAutogradsBitForBit) {
 #else
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(4);
-  for (auto dt : kTypes) {
-    SCOPED_TRACE(::testing::Message() << dt);
+  // Head dims 10: one pair a thread; 16: 16-byte loads of each half.
+  for (const auto& [dt, hd] : kinds({10, 16})) {
+    SCOPED_TRACE(::testing::Message() << dt << ", head dim " << hd);
     auto o = at::TensorOptions().device(at::kCUDA).dtype(dt);
-    const int64_t B = 3, L = 7, H = 6, Hkv = 2, hd = 10;
+    const int64_t B = 3, L = 7, H = 6, Hkv = 2;
     const at::Tensor q = at::randn({B, L, H, hd}, o), k = at::randn({B, L, Hkv, hd}, o);
     at::Tensor pos = at::randint(0, 4000, {B, L}, o.dtype(at::kFloat)).unsqueeze(-1);
     at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
@@ -174,8 +177,7 @@ TEST(TrainKernelsCuda, SiluGateBackwardMatchesAutogradAndFloat64) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
   // 301 columns: one element a thread; 304: 16-byte loads (the element count a multiple of 8).
-  for (auto [dt, F] : {std::pair{at::kFloat, 301}, std::pair{at::kBFloat16, 301}, std::pair{at::kFloat, 304},
-                       std::pair{at::kBFloat16, 304}}) {
+  for (const auto& [dt, F] : kinds({301, 304})) {
     SCOPED_TRACE(::testing::Message() << dt << ", " << F << " columns");
     auto o = at::TensorOptions().device(at::kCUDA).dtype(dt);
     const at::Tensor g = at::randn({5, 37, F}, o) * 3, u = at::randn_like(g), dy = at::randn_like(g);
