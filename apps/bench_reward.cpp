@@ -84,7 +84,7 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
   // Responses as a random policy writes them: random pieces of the vocabulary, decoded; new ones each batch,
   // as each step's are (the tokenizer's cache of pre-tokens does not already hold them).
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed=*/7);
-  std::vector<double> encode_ms, score_ms;
+  std::vector<double> encode_ms, score_ms, tokens, forwarded, tflops;  // per batch
   std::vector<std::vector<int64_t>> sequences;
   for (int64_t r = 0; r <= repeats; ++r) {
     std::vector<std::string> responses;
@@ -103,15 +103,20 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
     encode_ms.push_back(ms_since(t_encode));
     rlt::device_synchronize(device);
     const auto t_score = Clock::now();
-    const std::vector<double> scores = rm.score(sequences);
+    int64_t ran = 0;
+    rm.score(sequences, &ran);
     rlt::device_synchronize(device);
     score_ms.push_back(ms_since(t_score));
-  }
-  int64_t tokens = 0;
-  double flops = 0;
-  for (const auto& s : sequences) {
-    tokens += static_cast<int64_t>(s.size());
-    flops += rlt::forward_flops(rm.model().config(), {static_cast<int64_t>(s.size()), 0}).layers();
+    // The batch's whole sequences: their tokens and FLOPs (what the forwards would run without shared
+    // prefixes), and the tokens the forwards did run.
+    double n = 0, flops = 0;
+    for (const auto& seq : sequences) {
+      n += static_cast<double>(seq.size());
+      flops += rlt::forward_flops(rm.model().config(), {static_cast<int64_t>(seq.size()), 0}).layers();
+    }
+    tokens.push_back(n);
+    forwarded.push_back(static_cast<double>(ran));
+    tflops.push_back(flops / (score_ms.back() / 1000) / 1e12);
   }
   nlohmann::ordered_json trace;
   if (trace_top > 0) {
@@ -124,9 +129,9 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
       trace["runtime"].push_back(
           {{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
   }
-  const std::vector<double> timed_score(score_ms.begin() + 1, score_ms.end());
-  const std::vector<double> timed_encode(encode_ms.begin() + 1, encode_ms.end());
-  const double score_p50 = percentile(timed_score, 0.5);
+  // The batches after the first (it warms the device up).
+  auto timed = [](const std::vector<double>& v) { return std::vector<double>(v.begin() + 1, v.end()); };
+  const std::vector<double> timed_encode = timed(encode_ms);
   return {{"dir", dir},
           {"device", device_name},
           {"dtype", dtype_name},
@@ -136,15 +141,15 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
           {"samples", samples},
           {"response_tokens", response_tokens},
           {"encode_threads", at::get_num_threads()},
-          {"tokens_scored", tokens},
           {"load_ms", load_ms},
           {"warmup_encode_ms", encode_ms.front()},
           {"warmup_score_ms", score_ms.front()},
+          {"tokens_scored", timed(tokens)},
+          {"tokens_forwarded", timed(forwarded)},
           {"encode_ms", timed_encode},
-          {"score_ms", timed_score},
+          {"score_ms", timed(score_ms)},
           {"encode_us_per_trajectory", 1000 * percentile(timed_encode, 0.5) / static_cast<double>(trajectories)},
-          {"score_whole_sequence_tflops", flops / (score_p50 / 1000) / 1e12},
-          {"score_tokens_per_s", static_cast<double>(tokens) / (score_p50 / 1000)},
+          {"score_whole_sequence_tflops", timed(tflops)},
           {"trace", trace}};
 }
 

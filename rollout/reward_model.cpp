@@ -111,7 +111,13 @@ std::vector<std::vector<int64_t>> RewardModel::encode(const std::vector<Text>& t
     }
   };
   std::vector<std::thread> pool;
-  for (size_t w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  try {
+    for (size_t w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  } catch (...) {  // a thread the system refused: the ones started stop at their next text
+    next = texts.size();
+    for (std::thread& t : pool) t.join();
+    throw;
+  }
   work(0);
   for (std::thread& t : pool) t.join();
   for (const std::exception_ptr& e : failed) {
@@ -120,7 +126,8 @@ std::vector<std::vector<int64_t>> RewardModel::encode(const std::vector<Text>& t
   return out;
 }
 
-std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& sequences) const {
+std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& sequences,
+                                       int64_t* tokens_forwarded) const {
   const int64_t V = model_->config().vocab_size;
   for (size_t s = 0; s < sequences.size(); ++s) {
     if (sequences[s].empty())
@@ -141,33 +148,48 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
   };
   // Runs of consecutive sequences that begin with the same kMinSharedTokens tokens or more (the answers to
   // one prompt, as a step lists them): their common first tokens, leaving each one token of its own, run
-  // once as a prefix that each continues (Transformer::forward_packed's prefix_of).
+  // once as a prefix that each continues (Transformer::forward_packed's prefix_of). Answers to the next
+  // prompt share with these only what the two prompts have in common (a chat template's header, an
+  // instruction): where the tokens a sequence shares with the run's first fall below 3/4 of what the run's
+  // first two share, the next run begins. A sequence that shares much less with the next than the next
+  // shares with the one after it (a prompt's last answer before the next prompt's) runs alone.
+  auto common = [&](size_t a, size_t b, int64_t most) {
+    int64_t c = 0;
+    while (c < most && sequences[a][c] == sequences[b][c]) ++c;
+    return c;
+  };
+  auto own_most = [&](size_t k) { return static_cast<int64_t>(sequences[k].size()) - 1; };
   struct Group {
     size_t begin = 0, end = 0;
     int64_t shared = 0;
   };
   std::vector<Group> groups;
   for (size_t b = 0; b < sequences.size();) {
-    Group g{b, b + 1, static_cast<int64_t>(sequences[b].size()) - 1};
+    Group g{b, b + 1, own_most(b)};
+    int64_t first_two = -1;  // what the run's first two sequences share
     while (share_prefixes_ && g.end < sequences.size()) {
-      const std::vector<int64_t>& first = sequences[b];
-      const std::vector<int64_t>& next = sequences[g.end];
-      const int64_t most = std::min<int64_t>(g.shared, static_cast<int64_t>(next.size()) - 1);
-      int64_t common = 0;
-      while (common < most && first[common] == next[common]) ++common;
-      if (common < kMinSharedTokens) break;
-      g.shared = common;
+      const int64_t c = common(b, g.end, std::min(g.shared, own_most(g.end)));
+      if (c < kMinSharedTokens || (first_two >= 0 && 4 * c < 3 * first_two)) break;
+      if (first_two < 0 && g.end + 1 < sequences.size()) {
+        const int64_t next_two = common(g.end, g.end + 1, std::min(own_most(g.end), own_most(g.end + 1)));
+        if (4 * c < 3 * next_two) break;
+      }
+      if (first_two < 0) first_two = c;
+      g.shared = c;
       ++g.end;
     }
     if (g.end - g.begin < 2) g.shared = 0;
     groups.push_back(g);
     b = g.end;
   }
-  // Forwards of at most token_budget tokens (a sequence longer than that alone); a group split between two
-  // forwards runs its prefix in each.
+  // Forwards of at most token_budget tokens (a sequence longer than that alone), and of at most
+  // kKeysPerToken x token_budget keys over all sequences (each answer attends over its prefix's keys, which
+  // every layer gathers for it); a group split between two forwards runs its prefix in each.
+  const int64_t most_keys = kKeysPerToken * token_budget_;
   std::vector<at::Tensor> chunks;  // each forward's scores, on the device
   std::vector<size_t> order;       // the sequence each score belongs to, forward after forward
   std::vector<int64_t> ids, positions, starts{0}, prefix_of, last;
+  int64_t keys = 0, forwarded = 0;
   bool prefixed = false;
   auto flush = [&] {
     if (last.empty()) return;
@@ -175,21 +197,25 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     const at::Tensor hidden = model_->forward_packed(upload(ids).view({1, -1}), upload(positions).view({1, -1}), starts,
                                                      prefix_of);  // (1, T, D)
     chunks.push_back(model_->score(hidden[0].index_select(0, upload(last))).select(1, 0));
+    forwarded += static_cast<int64_t>(ids.size());
     ids.clear(), positions.clear(), starts.assign(1, 0), prefix_of.clear(), last.clear();
+    keys = 0;
     prefixed = false;
   };
   auto append = [&](const std::vector<int64_t>& seq, int64_t from, int64_t to, int64_t prefix) {
     for (int64_t i = from; i < to; ++i) ids.push_back(seq[i]), positions.push_back(i);
     starts.push_back(static_cast<int64_t>(ids.size()));
     prefix_of.push_back(prefix);
+    keys += to;  // its own tokens and those of the prefix before them
   };
   for (const Group& g : groups) {
     int64_t prefix = -1;  // the group's prefix in the forward being packed
     for (size_t k = g.begin; k < g.end; ++k) {
       const std::vector<int64_t>& seq = sequences[k];
       const int64_t length = static_cast<int64_t>(seq.size());
-      const int64_t need = length - g.shared + (prefix < 0 ? g.shared : 0);
-      if (!last.empty() && static_cast<int64_t>(ids.size()) + need > token_budget_) {
+      const int64_t more = prefix < 0 ? g.shared : 0;  // the prefix, where this forward lacks it
+      if (!last.empty() && (static_cast<int64_t>(ids.size()) + length - g.shared + more > token_budget_ ||
+                            keys + length + more > most_keys)) {
         flush();
         prefix = -1;
       }
@@ -204,6 +230,7 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     }
   }
   flush();
+  if (tokens_forwarded) *tokens_forwarded = forwarded;
   if (chunks.empty()) return {};
   const at::Tensor scores = at::cat(chunks).to(at::kCPU, at::kDouble).contiguous();
   std::vector<double> out(sequences.size());

@@ -70,11 +70,17 @@ class RewardModel {
   // One score per sequence of ids, read at its last token. Sequences are packed in order into forwards
   // of at most token_budget tokens, queued without waiting (ids through pinned memory, the scores read
   // back once at the end), so the host packs the next forward while the device runs this one. Consecutive
-  // sequences that begin with the same kMinSharedTokens tokens or more share them: those run once as a
-  // prefix each continues (the scores are the same; a step's answers to one prompt run the prompt once).
-  // An empty sequence or an id outside the vocabulary throws std::invalid_argument naming it.
-  std::vector<double> score(const std::vector<std::vector<int64_t>>& sequences) const;
+  // sequences that begin with the same kMinSharedTokens tokens or more (a step's answers to one prompt)
+  // share them: those run once as a prefix each continues, with the same scores. tokens_forwarded: where
+  // given, the tokens the forwards ran. An empty sequence or an id outside the vocabulary throws
+  // std::invalid_argument naming it.
+  std::vector<double> score(const std::vector<std::vector<int64_t>>& sequences,
+                            int64_t* tokens_forwarded = nullptr) const;
   static constexpr int64_t kMinSharedTokens = 16;
+  // The keys a forward's sequences attend over, prefixes counted for each, at most this many times
+  // token_budget: the gathered keys and values stay a fraction of the forward's activations (a key holds
+  // 2 Hkv hd values, a token's MLP 2 x intermediate: 512 bytes against 19 KB at Qwen2.5-0.5B).
+  static constexpr int64_t kKeysPerToken = 8;
   // Off: every sequence runs whole (what the shared prefixes save is measured against it).
   void set_share_prefixes(bool on) { share_prefixes_ = on; }
 

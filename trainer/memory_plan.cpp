@@ -12,6 +12,7 @@
 #include <c10/util/llvmMathExtras.h>
 
 #include "loss/cce.h"
+#include "rollout/reward_model.h"
 #include "trainer/critic.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
@@ -343,9 +344,11 @@ int64_t reward_model_bytes(const Config& c) {
   const ModelConfig rm = load_model_config(c.reward.model_path);
   const int64_t s = c.model.dtype == DType::kBFloat16 ? 2 : 4;
   // The weights, and one scoring forward without gradients: the hidden states and the residual, and the
-  // largest layer temporaries (q/k/v and attention's output, or gate/up and their product).
+  // largest layer temporaries (q/k/v, attention's output and the keys and values gathered for shared
+  // prefixes, up to RewardModel::kKeysPerToken a token; or gate/up and their product).
   const int64_t D = rm.hidden_size, F = rm.intermediate_size, qkv = (rm.num_heads + 2 * rm.num_kv_heads) * rm.head_dim;
-  const int64_t per_token = 2 * D + std::max(qkv + rm.num_heads * rm.head_dim, 3 * F);
+  const int64_t gathered = RewardModel::kKeysPerToken * 2 * rm.num_kv_heads * rm.head_dim;
+  const int64_t per_token = 2 * D + std::max(qkv + rm.num_heads * rm.head_dim + gathered, 3 * F);
   return s * parameter_count(rm) + s * c.reward.model_batch_tokens * per_token;
 }
 

@@ -192,7 +192,7 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     EXPECT_TRUE(at::equal(cuda::silu_mul(gh, uc), at::silu(gh) * uc)) << dt << " (mixed strides)";
     EXPECT_FALSE(at::equal(cuda::silu_mul(gh, uh), at::silu(uh) * gh)) << "swapped halves must be rejected";
     // Rows of 136 elements, 16-byte aligned: 16-byte loads, contiguous, packed halves and mixed strides; and
-    // halves of 132 (the second starts 8 bytes off 16), one element a thread again.
+    // halves of 132 (in 2-byte types the second starts 8 bytes off 16: one element a thread again).
     for (const int64_t F : {136, 132}) {
       SCOPED_TRACE(::testing::Message() << F << " columns");
       at::Tensor g2 = at::randn({9, 4, F}, o) * 3, u2 = at::randn({9, 4, F}, o);

@@ -64,7 +64,7 @@ TEST_P(TinyRewardModel, PackedScoresMatchTransformersAtEveryTokenBudget) {
   }
 }
 
-// A step's batch: three prompts (20, 17 and 40 tokens) with four answers each (1 to 9 tokens), one
+// A step's batch: three prompts (20, 17 and 40 tokens) with four answers each (1 to 8 tokens), one
 // sequence alone, and two that share only 10 first tokens (under kMinSharedTokens: not shared). Scores
 // with shared prefixes equal each sequence scored alone, at budgets that split groups between forwards
 // (their prefix then runs in each) and that hold everything. The comparison tells two answers' scores
@@ -111,6 +111,64 @@ TEST_P(TinyRewardModel, SharedPrefixesScoreAsEachSequenceAlone) {
   std::vector<std::vector<int64_t>> swapped = sequences;
   std::swap(swapped[1], swapped[2]);
   EXPECT_GT(worst(rm.score(swapped)), 1e-3) << "two answers' scores swapped";
+}
+
+// Prompts that begin with one 20-token header (a chat template's, an instruction) and go on for 30 tokens
+// of their own, four answers of 5 tokens each, as a step lists them, then a last prompt's single answer:
+// each prompt's 50 tokens run once for its answers (the header is not what they share), so the forwards
+// run 3 x (50 + 4 x 5) + 55 tokens. Scores as each sequence alone. The twin: grouping every sequence over
+// the header alone runs 20 + 13 x 35 tokens, which the count rejects. A budget holding one prompt and two
+// answers splits each group in two: its prefix runs twice. So does a forward's keys, past kKeysPerToken x
+// the budget.
+TEST_P(TinyRewardModel, AnswersShareTheirPromptNotThePromptsCommonHeader) {
+  const fs::path dir = references() / GetParam();
+  at::manual_seed(4);
+  const Transformer model = Transformer::load(dir.string(), at::kFloat, at::kCPU);
+  const int64_t V = model.config().vocab_size;
+  auto random_ids = [&](int64_t n) {
+    const at::Tensor t = at::randint(V, {n}, at::kLong);
+    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  };
+  const std::vector<int64_t> header = random_ids(20);
+  std::vector<std::vector<int64_t>> sequences;
+  for (int p = 0; p < 4; ++p) {
+    std::vector<int64_t> prompt = header;
+    for (int64_t id : random_ids(30)) prompt.push_back(id);
+    for (int a = 0; a < (p < 3 ? 4 : 1); ++a) {
+      std::vector<int64_t> seq = prompt;
+      seq.push_back(a + 1);  // answers differ from their first token on
+      for (int64_t id : random_ids(4)) seq.push_back(id);
+      sequences.push_back(seq);
+    }
+  }
+  const RewardModel rm(Transformer(model), 4096);
+  std::vector<double> alone;
+  for (const auto& seq : sequences) alone.push_back(rm.score({seq})[0]);
+  int64_t forwarded = 0;
+  const std::vector<double> got = rm.score(sequences, &forwarded);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], alone[i], 1e-5) << GetParam() << " sequence " << i;
+  EXPECT_EQ(forwarded, 3 * (50 + 4 * 5) + 55);
+  EXPECT_NE(forwarded, 20 + 13 * 35) << "every sequence grouped over the header";
+  const RewardModel split(Transformer(model), 50 + 2 * 5);
+  const std::vector<double> split_got = split.score(sequences, &forwarded);
+  EXPECT_EQ(forwarded, 3 * 2 * (50 + 2 * 5) + 55);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(split_got[i], alone[i], 1e-5) << "split, sequence " << i;
+  // Forty 2-token answers to one 40-token prompt under a budget of 200: their ids fit one forward (120),
+  // their keys (40 + 40 x 42) pass kKeysPerToken x 200 = 1,600, so 37 answers go in a first forward with
+  // the prompt and 3 in a second with it again.
+  const std::vector<int64_t> prompt = random_ids(40);
+  std::vector<std::vector<int64_t>> many;
+  for (int a = 0; a < 40; ++a) {
+    std::vector<int64_t> seq = prompt;
+    seq.push_back(a + 1);
+    seq.push_back(random_ids(1)[0]);
+    many.push_back(seq);
+  }
+  ASSERT_EQ(RewardModel::kKeysPerToken, 8);
+  const RewardModel keyed(Transformer(model), 200);
+  const std::vector<double> many_got = keyed.score(many, &forwarded);
+  EXPECT_EQ(forwarded, (40 + 37 * 2) + (40 + 3 * 2));
+  for (size_t i = 0; i < many.size(); i += 13) EXPECT_NEAR(many_got[i], keyed.score({many[i]})[0], 1e-5) << i;
 }
 
 TEST_P(TinyRewardModel, PaddedBatchesReadTheLastRealToken) {
