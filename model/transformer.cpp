@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/memory.h"
 #include "model/layer_kernels.h"
 
 namespace rlt {
@@ -207,10 +208,7 @@ at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& 
   p.S = p.longest;                   // a sliding window restricts only a sequence longer than it
   p.starts = starts;
   // From pinned memory without waiting: a pageable copy would wait for the stream to drain.
-  auto upload = [&](const at::Tensor& t) {
-    return embed_.is_cuda() ? t.pin_memory().to(embed_.device(), /*non_blocking=*/true) : t;
-  };
-  p.cu_seqlens = upload(at::tensor(starts, at::kLong).to(at::kInt));
+  p.cu_seqlens = to_device_async(at::tensor(starts, at::kLong).to(at::kInt), embed_.device());
   p.longest_context = p.longest;
   if (!prefix_of.empty()) {
     const int64_t S = static_cast<int64_t>(starts.size()) - 1;
@@ -229,8 +227,8 @@ at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& 
       p.longest_context = std::max(p.longest_context, cu_k.back() - cu_k[cu_k.size() - 2]);
     }
     p.prefix_of = prefix_of;
-    p.kv_index = upload(at::tensor(index, at::kLong));
-    p.cu_seqlens_k = upload(at::tensor(cu_k, at::kLong).to(at::kInt));
+    p.kv_index = to_device_async(index, embed_.device());
+    p.cu_seqlens_k = to_device_async(at::tensor(cu_k, at::kLong).to(at::kInt), embed_.device());
   }
   p.ops = cacheless_kernels();
   rope_tables(positions, h.scalar_type(), p);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <utility>
 
+#include "common/memory.h"
 #include "data/chat_template.h"
 
 namespace rlt {
@@ -140,12 +141,6 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     }
   }
   at::NoGradGuard no_grad;
-  // Host tensors of the packed ids go up from pinned memory without waiting for the device.
-  const bool pin = device_.is_cuda();
-  auto upload = [&](const std::vector<int64_t>& v) {
-    at::Tensor t = at::tensor(v, at::TensorOptions().dtype(at::kLong));
-    return pin ? t.pin_memory().to(device_, /*non_blocking=*/true) : t;
-  };
   // Runs of consecutive sequences that begin with the same kMinSharedTokens tokens or more (the answers to
   // one prompt, as a step lists them): their common first tokens, leaving each one token of its own, run
   // once as a prefix that each continues (Transformer::forward_packed's prefix_of). Answers to the next
@@ -194,9 +189,11 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
   auto flush = [&] {
     if (last.empty()) return;
     if (!prefixed) prefix_of.clear();
-    const at::Tensor hidden = model_->forward_packed(upload(ids).view({1, -1}), upload(positions).view({1, -1}), starts,
+    // The packed ids go up through pinned memory without waiting for the device.
+    const at::Tensor hidden = model_->forward_packed(to_device_async(ids, device_).view({1, -1}),
+                                                     to_device_async(positions, device_).view({1, -1}), starts,
                                                      prefix_of);  // (1, T, D)
-    chunks.push_back(model_->score(hidden[0].index_select(0, upload(last))).select(1, 0));
+    chunks.push_back(model_->score(hidden[0].index_select(0, to_device_async(last, device_))).select(1, 0));
     forwarded += static_cast<int64_t>(ids.size());
     ids.clear(), positions.clear(), starts.assign(1, 0), prefix_of.clear(), last.clear();
     keys = 0;

@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 namespace rlt::cuda {
 
 template <typename T>
@@ -40,6 +42,24 @@ template <typename T>
 __device__ __forceinline__ float round_to(float x) {
   return to_f(from_f<T>(x));
 }
+
+// N elements of T moved as one load or store (N sizeof(T) bytes, at most 16: one vector instruction), from or
+// to an address aligned to its size.
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Pack {
+  T v[N];
+};
+template <int N, typename T>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+// Whether `p` may take 16-byte loads and stores; a null pointer (an operand not given) does not stop them.
+inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Calls f(T{}) with T the device type of `t`: float, __nv_bfloat16 or __half; other dtypes are an error
 // naming `what`.

@@ -136,9 +136,6 @@ template <typename T, int W, typename I>
 __global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __restrict__ sin_t, int64_t rows,
                             int64_t L, int64_t H, int64_t Hkv, int64_t hd, int64_t q_row, int64_t k_row, CacheWrite cw,
                             RopeOut<T> ro) {
-  struct alignas(W * sizeof(T)) Pack {
-    T v[W];
-  };
   const I chunks = I(hd / 2 / W), heads = I(H + Hkv);
   const I n = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x);
   if (int64_t(n) >= rows * int64_t(heads) * int64_t(chunks)) return;
@@ -149,23 +146,21 @@ __global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __
   T* x = is_q ? q + row * q_row + head * hd : k + row * k_row + kv * hd;
   const T* cs = cos_t + row * hd;
   const T* sn = sin_t + row * hd;
-  auto load = [](const T* p) { return *reinterpret_cast<const Pack*>(p); };
-  const Pack x1 = load(x + i), x2 = load(x + i + half), c1 = load(cs + i), c2 = load(cs + i + half), s1 = load(sn + i),
-             s2 = load(sn + i + half);
-  Pack y1, y2;
+  const Pack<T, W> x1 = load_pack<W>(x + i), x2 = load_pack<W>(x + i + half), c1 = load_pack<W>(cs + i),
+                   c2 = load_pack<W>(cs + i + half), s1 = load_pack<W>(sn + i), s2 = load_pack<W>(sn + i + half);
+  Pack<T, W> y1, y2;
 #pragma unroll
   for (int e = 0; e < W; ++e)
     rope_pair(x1.v[e], x2.v[e], c1.v[e], c2.v[e], s1.v[e], s2.v[e], ro.inverse, y1.v[e], y2.v[e]);
-  auto store = [](T* p, const Pack& v) { *reinterpret_cast<Pack*>(p) = v; };
   if (ro.q) {
     T* y = is_q ? ro.q + (row * H + head) * hd : ro.k + (row * Hkv + kv) * hd;
-    store(y + i, y1);
-    store(y + i + half, y2);
+    store_pack(y + i, y1);
+    store_pack(y + i + half, y2);
     return;
   }
   if (is_q || !cw.k) {
-    store(x + i, y1);
-    store(x + i + half, y2);
+    store_pack(x + i, y1);
+    store_pack(x + i + half, y2);
     return;
   }
   const int64_t b = row / L, l = row % L, cache_row = cw.rows ? cw.rows[b] : b;
@@ -173,10 +168,10 @@ __global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __
   T* kc = static_cast<T*>(cw.k) + dst;
   T* vc = static_cast<T*>(cw.v) + dst;
   const T* vn = static_cast<const T*>(cw.v_new) + row * cw.v_row + kv * hd;
-  store(kc + i, y1);
-  store(kc + i + half, y2);
-  store(vc + i, load(vn + i));
-  store(vc + i + half, load(vn + i + half));
+  store_pack(kc + i, y1);
+  store_pack(kc + i + half, y2);
+  store_pack(vc + i, load_pack<W>(vn + i));
+  store_pack(vc + i + half, load_pack<W>(vn + i + half));
 }
 
 // One element of silu(g) * u as ATen computes it: silu(x) = x / (1 + e^-x) rounded to T, then the product.
@@ -194,18 +189,14 @@ __device__ __forceinline__ T silu_times(T g, T u) {
 template <typename T, int V>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out,
                                     uint32_t n_vec, uint32_t F_vec, int64_t g_row, int64_t u_row) {
-  struct alignas(16) Pack {
-    T v[V];
-  };
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
   const uint32_t r = i / F_vec, j = (i - r * F_vec) * V;
-  const Pack gp = *reinterpret_cast<const Pack*>(g + int64_t(r) * g_row + j);
-  const Pack up = *reinterpret_cast<const Pack*>(u + int64_t(r) * u_row + j);
-  Pack o;
+  const Pack<T, V> gp = load_pack<V>(g + int64_t(r) * g_row + j), up = load_pack<V>(u + int64_t(r) * u_row + j);
+  Pack<T, V> o;
 #pragma unroll
   for (int k = 0; k < V; ++k) o.v[k] = silu_times(gp.v[k], up.v[k]);
-  *reinterpret_cast<Pack*>(out + int64_t(i) * V) = o;
+  store_pack(out + int64_t(i) * V, o);
 }
 
 // g and u: rows of F elements a fixed stride apart (contiguous, or the halves of a packed gate/up output).
@@ -321,10 +312,9 @@ void launch_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
     constexpr int W = 16 / sizeof(T);
     // 16-byte loads where every row, head and half starts 16-byte aligned.
     bool wide = (hd / 2) % W == 0 && q_row % W == 0 && k_row % W == 0 && n / W < (int64_t(1) << 32) - 256;
-    auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const std::array<const void*, 9> starts{ptr<T>(q), ptr<T>(k), ptr<T>(cos), ptr<T>(sin), ro.q,
                                             ro.k,      cw.k,      cw.v,        cw.v_new};
-    for (const void* p : starts) wide = wide && aligned(p);
+    for (const void* p : starts) wide = wide && aligned_16(p);
     if (cw.k) wide = wide && cw.v_row % W == 0;
     if (wide) {
       const int64_t threads = n / W;
@@ -392,9 +382,8 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   dispatch_float_types(g.scalar_type(), "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
-    auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-    if (F % V == 0 && g_row % V == 0 && u_row % V == 0 && aligned(g) && aligned(u) && aligned(out) &&
-        n / V < (int64_t(1) << 32) - 256) {
+    if (F % V == 0 && g_row % V == 0 && u_row % V == 0 && aligned_16(g.data_ptr()) && aligned_16(u.data_ptr()) &&
+        aligned_16(out.data_ptr()) && n / V < (int64_t(1) << 32) - 256) {
       const int64_t n_vec = n / V;
       silu_mul_vec_kernel<T, V><<<unsigned((n_vec + 255) / 256), 256, 0, stream>>>(
           ptr<T>(g), ptr<T>(u), ptr<T>(out), uint32_t(n_vec), uint32_t(F / V), g_row, u_row);

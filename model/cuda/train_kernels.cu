@@ -127,18 +127,14 @@ template <typename T, int V>
 __global__ void silu_mul_backward_vec_kernel(const T* __restrict__ grad, const T* __restrict__ g,
                                              const T* __restrict__ u, T* __restrict__ grad_g, T* __restrict__ grad_u,
                                              int64_t n_vec) {
-  struct alignas(16) Pack {
-    T v[V];
-  };
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n_vec) return;
-  const Pack dp = reinterpret_cast<const Pack*>(grad)[i], gp = reinterpret_cast<const Pack*>(g)[i],
-             up = reinterpret_cast<const Pack*>(u)[i];
-  Pack gg, gu;
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  if (i >= n_vec * V) return;
+  const Pack<T, V> dp = load_pack<V>(grad + i), gp = load_pack<V>(g + i), up = load_pack<V>(u + i);
+  Pack<T, V> gg, gu;
 #pragma unroll
   for (int k = 0; k < V; ++k) silu_mul_grads(dp.v[k], gp.v[k], up.v[k], gg.v[k], gu.v[k]);
-  reinterpret_cast<Pack*>(grad_g)[i] = gg;
-  reinterpret_cast<Pack*>(grad_u)[i] = gu;
+  store_pack(grad_g + i, gg);
+  store_pack(grad_u + i, gu);
 }
 
 }  // namespace
@@ -207,7 +203,7 @@ std::pair<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_out, 
     constexpr int V = 16 / sizeof(T);
     bool aligned = n % V == 0;
     for (const at::Tensor& t : std::vector<at::Tensor>{grad_out, g, u, grad_g, grad_u})
-      aligned = aligned && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+      aligned = aligned && aligned_16(t.data_ptr());
     if (aligned) {
       silu_mul_backward_vec_kernel<T, V><<<unsigned((n / V + 255) / 256), 256, 0, stream>>>(
           ptr<T>(grad_out), ptr<T>(g), ptr<T>(u), ptr<T>(grad_g), ptr<T>(grad_u), n / V);

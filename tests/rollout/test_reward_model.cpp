@@ -49,6 +49,19 @@ std::vector<double> to_vector(const at::Tensor& t) {
   return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
 }
 
+// n ids drawn uniformly from [0, V) by ATen's global generator.
+std::vector<int64_t> random_tokens(int64_t V, int64_t n) {
+  const at::Tensor t = at::randint(V, {n}, at::kLong);
+  return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+}
+
+// A reference conversation's prompt: its messages but the last (the response).
+std::vector<ChatMessage> prompt_of(const json& messages) {
+  std::vector<ChatMessage> prompt;
+  for (size_t m = 0; m + 1 < messages.size(); ++m) prompt.push_back({messages[m]["role"], messages[m]["content"]});
+  return prompt;
+}
+
 class TinyRewardModel : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(TinyRewardModel, PackedScoresMatchTransformersAtEveryTokenBudget) {
@@ -74,10 +87,7 @@ TEST_P(TinyRewardModel, SharedPrefixesScoreAsEachSequenceAlone) {
   RewardModel rm(Transformer::load(dir.string(), at::kFloat, at::kCPU), 4096);
   at::manual_seed(3);
   const int64_t V = rm.model().config().vocab_size;
-  auto random_ids = [&](int64_t n) {
-    const at::Tensor t = at::randint(V, {n}, at::kLong);
-    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  };
+  auto random_ids = [&](int64_t n) { return random_tokens(V, n); };
   std::vector<std::vector<int64_t>> sequences;
   for (const int64_t prompt : {20, 17, 40}) {
     const std::vector<int64_t> p = random_ids(prompt);
@@ -125,10 +135,7 @@ TEST_P(TinyRewardModel, AnswersShareTheirPromptNotThePromptsCommonHeader) {
   at::manual_seed(4);
   const Transformer model = Transformer::load(dir.string(), at::kFloat, at::kCPU);
   const int64_t V = model.config().vocab_size;
-  auto random_ids = [&](int64_t n) {
-    const at::Tensor t = at::randint(V, {n}, at::kLong);
-    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
-  };
+  auto random_ids = [&](int64_t n) { return random_tokens(V, n); };
   const std::vector<int64_t> header = random_ids(20);
   std::vector<std::vector<int64_t>> sequences;
   for (int p = 0; p < 4; ++p) {
@@ -208,9 +215,7 @@ TEST(RewardModel, ConversationsThroughItsOwnTemplateMatchTransformers) {
   std::vector<std::vector<int64_t>> sequences;
   for (size_t c = 0; c < ref["conversations"].size(); ++c) {
     const json& messages = ref["conversations"][c];
-    std::vector<ChatMessage> prompt;
-    for (size_t m = 0; m + 1 < messages.size(); ++m) prompt.push_back({messages[m]["role"], messages[m]["content"]});
-    const std::vector<int64_t> ids = rm.encode(prompt, "", messages.back()["content"]);
+    const std::vector<int64_t> ids = rm.encode(prompt_of(messages), "", messages.back()["content"]);
     EXPECT_EQ(ids, ref["ids"][c].get<std::vector<int64_t>>()) << "conversation " << c;
     sequences.push_back(ids);
   }
@@ -234,9 +239,7 @@ TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
   std::vector<std::string> responses;
   for (int repeat = 0; repeat < 8; ++repeat) {
     for (const json& messages : ref["conversations"]) {
-      std::vector<ChatMessage> prompt;
-      for (size_t m = 0; m + 1 < messages.size(); ++m) prompt.push_back({messages[m]["role"], messages[m]["content"]});
-      prompts.push_back(prompt);
+      prompts.push_back(prompt_of(messages));
       responses.push_back(messages.back()["content"].get<std::string>() + std::string(repeat, '!'));
     }
   }
