@@ -70,13 +70,15 @@ inline void write_json_records(const std::string& path, const nlohmann::json& re
 }
 
 // The device activities (kernels, copies) of a traced run: how many, their union's length (GPU-busy time),
-// and count and time by name (names cut at 90 characters); and the host's CUDA runtime calls by name
-// (cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize...), where a host that waits shows.
+// and count and time by name (names cut at 90 characters); the host's CUDA runtime calls by name
+// (cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize...), where a host that waits shows; and the
+// host's operators (aten::mm, autograd nodes...) by name, each with the time it took inside and out (a
+// nested call counts in its caller's too), where a host that cannot keep the device fed shows.
 struct DeviceTrace {
   using ByName = std::map<std::string, std::pair<int64_t, double>>;  // name -> count, ms
   int64_t activities = 0;
   double busy_ms = 0;
-  ByName by_name, runtime;
+  ByName by_name, runtime, host_ops;
   // The `n` names of `m` (by_name by default) that took the most time, longest first.
   std::vector<std::string> top(size_t n, const ByName* m = nullptr) const {
     std::vector<std::pair<double, std::string>> order;
@@ -104,8 +106,8 @@ DeviceTrace trace_device(const at::Device& dev, F&& fn) {
   DeviceTrace t;
   std::vector<std::pair<uint64_t, uint64_t>> iv;
   for (const auto& e : result->events()) {
-    if (e.deviceType() != c10::DeviceType::CUDA && e.name().rfind("cuda", 0) == 0) {
-      auto& [count, ms] = t.runtime[e.name()];
+    if (e.deviceType() != c10::DeviceType::CUDA) {
+      auto& [count, ms] = (e.name().rfind("cuda", 0) == 0 ? t.runtime : t.host_ops)[e.name().substr(0, 90)];
       count += 1;
       ms += double(e.durationNs()) / 1e6;
       continue;

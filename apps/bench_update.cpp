@@ -1,13 +1,14 @@
 // bench_update: one GRPO policy update (forward, log-probs of the response rows through the loss module,
 // clipped-surrogate loss, backward) of B sequences in micro-batches of --micro, under each memory setting
-// of the trainer and each layout (right-padded rows, or sequences packed end to end), so the cost of every
-// switch is measured on the same model, batch and GPU. Each sequence is a prompt of P tokens and a response
-// of L - P tokens (or, with --min-response, a length drawn from [min, L - P]) in which a share of tokens
-// (tool output, in spans) has loss_mask = 0. Reports per setting: milliseconds (median of --reps), real
-// tokens a second, model TFLOP/s and MFU (model/flops.h), peak extra memory over the weights and their
-// gradient buffers, and the mean response log-prob, which must agree across settings. --trace-top N
-// traces one update per setting (Kineto): GPU-busy and idle time, time by kernel family (GEMMs, attention,
-// the loss module's kernels, the rest) and the N kernels that took the most.
+// of the trainer and each layout (right-padded rows, sequences packed end to end, or packed with a prompt
+// run once for its answers: --samples answers a prompt), so the cost of every switch is measured on the
+// same model, batch and GPU. Each sequence is a prompt of P tokens and a response of L - P tokens (or,
+// with --min-response, a length drawn from [min, L - P]) in which a share of tokens (tool output, in
+// spans) has loss_mask = 0. Reports per setting: milliseconds (median of --reps), the batch's tokens a
+// second, model TFLOP/s and MFU (model/flops.h, over the tokens forwarded), peak extra memory over the
+// weights and their gradient buffers, and the mean response log-prob, which must agree across settings.
+// --trace-top N traces one update per setting (Kineto): GPU-busy and idle time, time by kernel family
+// (GEMMs, attention, the loss module's kernels, the rest) and the N kernels that took the most.
 // The transformers peer is scripts/bench_update_peer.py, run in the same command (scripts/gpu/train.sh).
 #include <ATen/core/grad_mode.h>
 
@@ -45,9 +46,9 @@ struct Setting {
 
 // B trajectories: random prompt and response ids, responses of L - P tokens or, with min_response < L - P,
 // of lengths drawn uniformly from [min_response, L - P]; loss_mask 0 on spans of 64 tool tokens,
-// tool_fraction of the response in all.
+// tool_fraction of the response in all. Each run of `samples` trajectories answers one prompt (the first's).
 std::vector<Trajectory> make_batch(int64_t B, int64_t L, int64_t P, int64_t min_response, double tool_fraction,
-                                   int64_t vocab) {
+                                   int64_t vocab, int64_t samples) {
   at::manual_seed(7);
   const at::Tensor ids = at::randint(0, vocab, {B, L}, at::kLong);
   const at::Tensor lengths = at::randint(std::min(min_response, L - P), L - P + 1, {B}, at::kLong);
@@ -55,7 +56,11 @@ std::vector<Trajectory> make_batch(int64_t B, int64_t L, int64_t P, int64_t min_
   const int64_t span = 64, period = tool_fraction > 0 ? std::max<int64_t>(span + 1, int64_t(span / tool_fraction)) : 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* row = ids[b].data_ptr<int64_t>();
-    out[b].prompt_ids.assign(row, row + P);
+    if (b % samples == 0) {
+      out[b].prompt_ids.assign(row, row + P);
+    } else {
+      out[b].prompt_ids = out[b - 1].prompt_ids;
+    }
     for (int64_t j = 0; j < lengths[b].item<int64_t>(); ++j) {
       out[b].response_ids.push_back(row[P + j]);
       const bool tool = period > 0 && (j % period) >= period - span;
@@ -128,7 +133,7 @@ int main(int argc, char** argv) {
   add_config_flags(app, cc);
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, only;
   std::vector<std::string> layouts = {"padded", "packed"}, kernel_sets = {"fused"};
-  int64_t B = 8, L = 4096, P = 256, micro = 0, min_response = -1;
+  int64_t B = 8, L = 4096, P = 256, micro = 0, min_response = -1, samples = 1;
   double tool_fraction = 0.2;
   int reps = 3, trace_top = -1;
   add_model_options(app, model_dir, device, dtype, B);
@@ -140,9 +145,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 22));
   app.add_option("--micro", micro, "sequences per micro-batch (forward/backward); 0: the whole batch")
       ->check(CLI::Range(0, 4096));
-  app.add_option("--layouts", layouts, "padded (right-padded rows), packed (end to end), or both")
+  app.add_option("--samples", samples, "answers a prompt: each run of this many sequences shares its prompt")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--layouts", layouts,
+                 "padded (right-padded rows), packed (end to end), shared (packed, a prompt once for its answers in "
+                 "a micro-batch: train.share_prompts); comma-separated")
       ->delimiter(',')
-      ->check(CLI::IsMember({"padded", "packed"}));
+      ->check(CLI::IsMember({"padded", "packed", "shared"}));
   app.add_option("--kernels", kernel_sets,
                  "fused (the fused RMSNorm, RoPE and SiLU-gate kernels with their backwards, on CUDA), aten (the "
                  "ATen forms), or both")
@@ -163,8 +172,7 @@ int main(int argc, char** argv) {
     std::cerr << "bench_update: --prompt-len " << P << " leaves no response in --seq-len " << L << "\n";
     return 2;
   }
-  std::vector<bool> packed_layouts;
-  for (const std::string& l : layouts) packed_layouts.push_back(l == "packed");
+
   if (min_response < 0) min_response = L - P;
   if (micro == 0) micro = B;
   std::optional<BenchModel> bench = load_bench_model("bench_update", model_dir, device, dtype);
@@ -172,7 +180,7 @@ int main(int argc, char** argv) {
   const at::Device dev = bench->device;
   std::optional<Transformer>& model = bench->model;
   const ModelConfig& mc = model->config();
-  const std::vector<Trajectory> trajs = make_batch(B, L, P, min_response, tool_fraction, mc.vocab_size);
+  const std::vector<Trajectory> trajs = make_batch(B, L, P, min_response, tool_fraction, mc.vocab_size, samples);
   int64_t real_tokens = 0;
   for (const Trajectory& t : trajs) real_tokens += t.window_end();
   at::manual_seed(11);
@@ -190,8 +198,8 @@ int main(int argc, char** argv) {
       {"cce_response_mask_no_ckpt", LogprobImpl::kCce, true, true, false},
   };
   std::cout << "bench_update: " << mc.model_type << ", B=" << B << " in micro-batches of " << micro << ", L=" << L
-            << " P=" << P << " response " << min_response << ".." << L - P << " (" << real_tokens
-            << " tokens) tool_fraction=" << tool_fraction << ", " << dtype << " on " << device
+            << " P=" << P << " (" << samples << " answers a prompt) response " << min_response << ".." << L - P << " ("
+            << real_tokens << " tokens) tool_fraction=" << tool_fraction << ", " << dtype << " on " << device
             << " (peak: extra over weights and gradient buffers)\n";
   std::cout << std::left << std::setw(28) << "setting" << std::setw(13) << "layout" << std::right << std::setw(10)
             << "ms" << std::setw(12) << "tokens/s" << std::setw(8) << "MFU" << std::setw(12) << "peak_MiB"
@@ -199,11 +207,14 @@ int main(int argc, char** argv) {
             << "\n";
   json records = json::array();
   for (const std::string& kernels : kernel_sets)
-    for (bool packed : packed_layouts) {
+    for (const std::string& layout_name : layouts) {
       model->set_training_kernels(kernels == "fused");
-      const std::string layout = std::string(packed ? "packed" : "padded") + (kernels == "fused" ? "" : "/aten");
+      const bool packed = layout_name != "padded", shared = layout_name == "shared";
+      const std::string layout = layout_name + (kernels == "fused" ? "" : "/aten");
       std::vector<PackedBatch> batches;
-      for (int64_t b = 0; b < B; b += micro) batches.push_back(pack(trajs, b, std::min(B, b + micro), dev, packed));
+      for (int64_t b = 0; b < B; b += micro) {
+        batches.push_back(pack(trajs, b, std::min(B, b + micro), dev, packed, shared));
+      }
       int64_t grid = 0;  // tokens the forwards take, padding included
       for (const PackedBatch& b : batches) grid += b.ids.numel();
       for (const Setting& s : settings) {
@@ -232,12 +243,9 @@ int main(int argc, char** argv) {
         };
         const double ms = median([](const Result& r) { return r.ms; });
         const double peak_mib = median([](const Result& r) { return r.peak_mib; });
-        // Model FLOPs of the real tokens: the LM head over the rows the setting scores.
-        std::vector<SequenceWork> work;
-        for (const Trajectory& t : trajs) {
-          const int64_t response = static_cast<int64_t>(t.response_ids.size());
-          work.push_back({t.window_end(), scored_rows(lo, t.window_end(), response, t.sampled_tokens())});
-        }
+        // Model FLOPs of the tokens forwarded (a shared prompt once): the LM head over the rows the setting
+        // scores.
+        const std::vector<SequenceWork> work = update_work(lo, trajs, batches);
         const PassFlops flops = training_flops(mc, work, /*weight_grads=*/true, s.checkpointing ? mc.num_layers : 0);
         const double tflops = flops.model / (ms / 1000) / 1e12, mfu = peak > 0 ? flops.model / (ms / 1000) / peak : 0;
         std::cout << std::left << std::setw(28) << s.name << std::setw(13) << layout << std::right << std::fixed
@@ -247,6 +255,8 @@ int main(int argc, char** argv) {
         json rec = {{"impl", "rlt"},
                     {"setting", s.name},
                     {"packed", packed},
+                    {"shared_prompts", shared},
+                    {"samples", samples},
                     {"kernels", kernels},
                     {"loss_impl", enum_to_string(s.impl)},
                     {"response_only", s.response_only},
@@ -282,9 +292,18 @@ int main(int argc, char** argv) {
           for (const std::string& name : t.top(8, &t.runtime)) {
             runtime.push_back({{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
           }
-          rec["trace"] = {{"host_cuda_calls", runtime}, {"activities", t.activities},
-                          {"busy_ms", t.busy_ms},       {"idle_ms", std::max(0.0, ms - t.busy_ms)},
-                          {"families_ms", family},      {"top", top}};
+          json host_ops = json::array();  // the host's operators that took the most time, callees included
+          for (const std::string& name : t.top(16, &t.host_ops)) {
+            host_ops.push_back(
+                {{"name", name}, {"count", t.host_ops.at(name).first}, {"ms", t.host_ops.at(name).second}});
+          }
+          rec["trace"] = {{"host_cuda_calls", runtime},
+                          {"host_ops", host_ops},
+                          {"activities", t.activities},
+                          {"busy_ms", t.busy_ms},
+                          {"idle_ms", std::max(0.0, ms - t.busy_ms)},
+                          {"families_ms", family},
+                          {"top", top}};
           std::cout << "  trace: busy " << std::setprecision(1) << t.busy_ms << " ms of " << ms << " (" << t.activities
                     << " activities);";
           for (const auto& [f, v] : family) std::cout << " " << f << " " << v;

@@ -15,12 +15,14 @@ ForwardFlops forward_flops(const ModelConfig& c, const SequenceWork& s) {
   f.projections = per_token * L * double(c.num_layers);
   for (int64_t i = 0; i < c.num_layers; ++i) {
     // Position t (1-based) sees t keys, or the window's on a sliding layer: scores and the value product
-    // are 2 hd FLOPs a key and head each.
+    // are 2 hd FLOPs a key and head each. keys(n): the keys positions 1..n see.
     const bool sliding = c.sliding_window > 0 && i < int64_t(c.sliding_layers.size()) && c.sliding_layers[i];
-    const double W = sliding ? double(c.sliding_window) : L;
-    const double full = std::min(L, W);  // positions 1..full see t keys, the rest W
-    const double keys = full * (full + 1) / 2 + (L - full) * W;
-    f.attention += 4.0 * H * hd * keys;
+    auto keys = [&](double n) {
+      const double W = sliding ? double(c.sliding_window) : n, full = std::min(n, W);
+      return full * (full + 1) / 2 + (n - full) * W;  // positions 1..full see t keys, the rest W
+    };
+    const double before = double(s.context);
+    f.attention += 4.0 * H * hd * (keys(before + L) - keys(before));
   }
   f.head = 2.0 * double(c.vocab_size) * D * double(s.scored);
   return f;

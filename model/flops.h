@@ -14,10 +14,13 @@
 
 namespace rlt {
 
-// One sequence of a training pass: its tokens, and the rows of them whose logits the LM head computes.
+// One sequence of a training pass: its tokens, and the rows of them whose logits the LM head computes;
+// `context` tokens before them (a prompt another sequence of the pass ran, trainer/batch.h) are attended
+// over and not computed: the sequence's positions run from context + 1 to context + tokens.
 struct SequenceWork {
   int64_t tokens = 0;
   int64_t scored = 0;
+  int64_t context = 0;
 };
 
 // A forward over one sequence, split by part.

@@ -10,6 +10,15 @@
 // sequence s's response token j (at position P_s + j) is scored by row start_s + P_s - 1 + j. The
 // policy loss reads (S, R) response-aligned tensors, R the longest response.
 //
+// Shared prompts (`share_prompts`, packed only): answers to one prompt next to each other in a micro-batch
+// run the prompt once. The prompt but its last token goes first as a sequence of its own (positions 0 ..
+// P - 2); each answer follows as a sequence that continues it (Transformer::forward_packed's prefix_of):
+// the prompt's last token, then the response, at positions P - 1 onward. Each answer keeps its own first
+// row, so row t still scores ids[t + 1]: the answer's response token j is scored by row start + j. The
+// hidden states of every scored row equal the unshared layout's. The prompt's first P - 1 tokens count as
+// the first answer's; each answer after it reuses them (`reused`), so the pack is P - 1 tokens shorter
+// for each.
+//
 // The row index links the two: for each response token, in (sequence, position) order, the row that
 // scores it and its slot s * R + j in the (S, R) layout. The loss module computes exactly those rows and
 // returns them in that order (loss/logprob.h); one index_copy places them in the (S, R) layout.
@@ -32,21 +41,28 @@ struct ResponseRows {
 };
 
 struct PackedBatch {
-  at::Tensor ids;               // (S, L) int64, right-padded; packed: (1, T)
-  at::Tensor positions;         // (S, L) int64; packed: (1, T), each sequence's from 0
-  std::vector<int64_t> starts;  // packed: S + 1 token offsets, from 0 to T; padded: empty
-  at::Tensor targets;           // (T) int64: ids shifted left by one (a row past its sequence is never listed)
-  ResponseRows response;        // every response token (sampled or tool output)
-  ResponseRows sampled;         // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
-  at::Tensor loss_mask;         // (S, R) float: 1 = a sampled token that counts in the loss
-  at::Tensor logprobs_rollout;  // (S, R) float: the rollout's sampling log-probs (0 on tool tokens and padding)
-  int64_t S = 0, L = 0, R = 0;  // packed: L = T, the tokens of the one row
+  at::Tensor ids;                  // (S, L) int64, right-padded; packed: (1, T)
+  at::Tensor positions;            // (S, L) int64; packed: (1, T), each sequence's from 0
+  std::vector<int64_t> starts;     // packed: S + 1 token offsets, from 0 to T; padded: empty
+  at::Tensor targets;              // (T) int64: ids shifted left by one (a row past its sequence is never listed)
+  ResponseRows response;           // every response token (sampled or tool output)
+  ResponseRows sampled;            // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset
+  at::Tensor loss_mask;            // (S, R) float: 1 = a sampled token that counts in the loss
+  at::Tensor logprobs_rollout;     // (S, R) float: the rollout's sampling log-probs (0 on tool tokens and padding)
+  std::vector<int64_t> prefix_of;  // shared prompts: per packed sequence (starts), the one it continues or -1
+  std::vector<int64_t> reused;     // (S): tokens of each trajectory that another's forward ran (its prompt's)
+  int64_t S = 0, L = 0, R = 0;     // packed: L = T, the tokens of the one row
   bool packed() const { return !starts.empty(); }
 };
 
+// The prompt tokens trajectory b can take from a over a shared prompt: P - 1 where the two prompts are
+// equal and P >= 2, else 0.
+int64_t shared_prompt_tokens(const Trajectory& a, const Trajectory& b);
+
 // Lays trajectories [begin, end) of `trajs` out, end to end (`packed`) or right-padded; tensors on `device`.
+// `share_prompts` (packed only): neighbours with one prompt run it once (above).
 PackedBatch pack(const std::vector<Trajectory>& trajs, int64_t begin, int64_t end, at::Device device,
-                 bool packed = false);
+                 bool packed = false, bool share_prompts = false);
 
 struct ResponseLogprobs {
   at::Tensor logprobs;  // (S, R) float32, differentiable when grad mode is on; 0 on slots not computed

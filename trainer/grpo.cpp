@@ -141,7 +141,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or
     // with train.micro_batch_tokens each mini-batch longest first, under that token budget.
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,
-                                        train.balance_tokens ? run.dist.get() : nullptr);
+                                        train.share_prompts, train.balance_tokens ? run.dist.get() : nullptr);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
 
     // 3. Advantages: one per sequence, broadcast over its tokens by the policy loss; from the step's every
@@ -156,7 +156,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
     const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences));
+    for (const auto& [b, e] : micro_ranges)
+      batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences, train.share_prompts));
 
     // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
     // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent. Off-policy,
@@ -241,8 +242,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
       extra["overlong_penalty_mean"] = rb.table.select(1, kOverlongPenalty).mean().item<double>();
     check_old_logprobs(run, use_rollout, extra);
     const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
-    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
-                    extra);
+    m = finish_step(run, rb, um, update_work(cfg.loss, trajs, batches), peaks,
+                    {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps, extra);
   }
   end_training(run, eval_start, m);
   return m;

@@ -157,35 +157,51 @@ double device_bf16_peak_flops(const at::Device& device) {
   return 0;
 }
 
-std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s) {
-  const at::Tensor t = table.contiguous();
-  auto row = t.accessor<double, 2>();
-  const LossOptions& loss = run.config.loss;
-  std::vector<SequenceWork> seqs(t.size(0));
-  for (int64_t s = 0; s < t.size(0); ++s) {
-    seqs[s].tokens = int64_t(row[s][kTokens]);
-    seqs[s].scored =
-        scored_rows(loss, seqs[s].tokens, int64_t(row[s][kResponseTokens]), int64_t(row[s][kSampledTokens]));
+std::vector<SequenceWork> update_work(const LossOptions& loss, const std::vector<Trajectory>& trajs,
+                                      const std::vector<PackedBatch>& batches) {
+  std::vector<SequenceWork> work;
+  work.reserve(trajs.size());
+  for (const PackedBatch& b : batches) {
+    for (int64_t s = 0; s < b.S; ++s) {
+      TORCH_CHECK(work.size() < trajs.size(), "update_work: the micro-batches hold more sequences than trajs");
+      const Trajectory& t = trajs[work.size()];
+      const int64_t reused = b.reused.empty() ? 0 : b.reused[s], tokens = t.window_end() - reused;
+      const int64_t response = static_cast<int64_t>(t.response_ids.size());
+      work.push_back({tokens, scored_rows(loss, tokens, response, t.sampled_tokens()), reused});
+    }
   }
+  TORCH_CHECK(work.size() == trajs.size(), "update_work: ", trajs.size(), " trajectories, ", work.size(),
+              " in the micro-batches");
+  return work;
+}
+
+std::map<std::string, double> update_flop_metrics(const Run& run, const std::vector<SequenceWork>& work,
+                                                  double update_s) {
   const Transformer& m = *run.model.policy;
-  const PassFlops pass = training_flops(m.config(), seqs, /*weight_grads=*/!m.has_lora(),
+  const PassFlops pass = training_flops(m.config(), work, /*weight_grads=*/!m.has_lora(),
                                         checkpointed_layers(run.config.model, m.config().num_layers));
+  double forwarded = 0;
+  for (const SequenceWork& w : work) forwarded += double(w.tokens);
+  at::Tensor sums = at::tensor({pass.model, pass.hardware, forwarded}, at::kDouble);  // this rank's
+  if (run.dist->world() > 1) run.dist->all_reduce({sums}, ReduceOp::kSum);
+  const double* v = sums.data_ptr<double>();
   const double iterations = double(run.config.train.num_iterations);
-  std::map<std::string, double> out = {{"update_flops", pass.model * iterations}};
+  std::map<std::string, double> out = {{"update_flops", v[0] * iterations}, {"update_forwarded_tokens", v[2]}};
   // The rank's bf16 peak: train.peak_tflops, else the GPU's from the table; 0 when neither knows it.
   const double peak =
       run.config.train.peak_tflops > 0 ? run.config.train.peak_tflops * 1e12 : device_bf16_peak_flops(run.device);
   if (peak > 0 && update_s > 0) {
     const double available = update_s * peak * double(run.dist->world());
-    out["update_mfu"] = pass.model * iterations / available;
-    out["update_hfu"] = pass.hardware * iterations / available;
+    out["update_mfu"] = v[0] * iterations / available;
+    out["update_hfu"] = v[1] * iterations / available;
   }
   return out;
 }
 
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
-                                          const PhasePeaks& peaks, const StepTimes& times,
-                                          int64_t total_optimizer_steps, std::map<std::string, double> extra) {
+                                          const std::vector<SequenceWork>& work, const PhasePeaks& peaks,
+                                          const StepTimes& times, int64_t total_optimizer_steps,
+                                          std::map<std::string, double> extra) {
   const TrainOptions& train = run.config.train;
   std::map<std::string, double> m = rollout_metrics(run, rb);
   // reward.kind python: reward_errors, reward/<field>
@@ -196,7 +212,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
   m.merge(extra);
   m.merge(periodic_evaluation(run));
   m.merge(peaks.metrics());
-  m.merge(update_flop_metrics(run, rb.table, times.update));
+  m.merge(update_flop_metrics(run, work, times.update));
   m.insert({{"step", double(run.counters.step)},
             {"steps", double(train.steps)},
             {"lr", learning_rate(train, std::max<int64_t>(0, run.counters.optimizer_steps - 1), total_optimizer_steps)},

@@ -17,6 +17,8 @@
 #include "common/memory.h"
 #include "common/tensorboard.h"
 #include "loss/policy_loss.h"
+#include "model/flops.h"
+#include "trainer/batch.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -116,13 +118,21 @@ struct StepTimes {
   double scoring = 0, update = 0, step = 0, comm = 0;
 };
 
-// The update's FLOPs over a step's trajectories (table: every rank's, TableColumn), from the policy's shape
-// (model/flops.h): each trajectory's tokens through the layers, the rows the loss module scores through the
-// LM head, forward and backward, train.num_iterations times. update_flops: that count (model FLOPs);
-// update_mfu: it over update_s x the rank's bf16 peak x the ranks; update_hfu: the same with the layers'
+// The update's work on this rank: each of `trajs` (the update's order) as the forwards of `batches` (its
+// micro-batches over that order) ran it: its tokens less those another answer's forward ran
+// (PackedBatch::reused, train.share_prompts), which it attends over as context, and the rows the loss
+// module scores (scored_rows).
+std::vector<SequenceWork> update_work(const LossOptions& loss, const std::vector<Trajectory>& trajs,
+                                      const std::vector<PackedBatch>& batches);
+// The update's FLOPs over every rank's work (model/flops.h; each rank's `work`, summed over the ranks): the
+// forwarded tokens through the layers, the scored rows through the LM head, forward and backward,
+// train.num_iterations times. update_flops: that count (model FLOPs of the work done: a prompt an answer
+// shares is counted once); update_forwarded_tokens: the tokens the forwards took, an iteration; update_mfu:
+// the FLOPs over update_s x the rank's bf16 peak x the ranks; update_hfu: the same with the layers'
 // recompute under model.activation_checkpointing. The two rates only where the peak is known
-// (train.peak_tflops, or the GPU's name in model/flops.h's table).
-std::map<std::string, double> update_flop_metrics(const Run& run, const at::Tensor& table, double update_s);
+// (train.peak_tflops, or the GPU's name in model/flops.h's table). Every rank calls it.
+std::map<std::string, double> update_flop_metrics(const Run& run, const std::vector<SequenceWork>& work,
+                                                  double update_s);
 // The rows the loss module scores of a sequence of `tokens` tokens, `response` of them the response and
 // `sampled` of those sampled: every position, the response (loss.response_only), or the sampled tokens
 // (with loss.loss_mask_only).
@@ -136,8 +146,9 @@ double device_bf16_peak_flops(const at::Device& device);
 // samples.jsonl; run.counters.step advanced; the checkpoint when one is due. Returns the step's metrics. Every rank
 // calls it (the metrics are reduced over the ranks); rank 0 writes.
 std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, const UpdateMetrics& um,
-                                          const PhasePeaks& peaks, const StepTimes& times,
-                                          int64_t total_optimizer_steps, std::map<std::string, double> extra = {});
+                                          const std::vector<SequenceWork>& work, const PhasePeaks& peaks,
+                                          const StepTimes& times, int64_t total_optimizer_steps,
+                                          std::map<std::string, double> extra = {});
 
 // Per-step rollout metrics of a batch, from its table (every rank's trajectories): accuracy, tool use,
 // lengths, truncation, rewards, sampled_tokens and tokens (prompt + response), rollout tokens/s and where the

@@ -5,6 +5,7 @@
 #include "parallel/parking.h"
 #include "parallel/shard.h"
 #include "parallel/transfer.h"
+#include "trainer/batch.h"
 #include "trainer/critic.h"
 
 #include <torch/nn/utils/clip_grad.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <exception>
 #include <iostream>
+#include <map>
 
 namespace rlt {
 
@@ -207,7 +209,8 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 }
 
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
-                                                            int64_t micro, int64_t budget, bool packed) {
+                                                            int64_t micro, int64_t budget, bool packed,
+                                                            const std::vector<int64_t>& shared) {
   const int64_t S = static_cast<int64_t>(lengths.size());
   if (budget <= 0) return micro_batch_ranges(S, mini, micro);
   std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -216,14 +219,15 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
     int64_t begin = mb, longest = 0, sum = 0;
     for (int64_t i = mb; i < mb_end; ++i) {
       const int64_t rows = i - begin + 1, top = std::max(longest, lengths[i]);
-      const int64_t tokens = packed ? sum + lengths[i] : rows * top;
+      const int64_t reused = rows > 1 && !shared.empty() ? shared[i] : 0;  // its prompt, already in the pack
+      const int64_t tokens = packed ? sum + lengths[i] - reused : rows * top;
       if (rows > 1 && (rows > micro || tokens > budget)) {
         ranges.push_back({begin, i});
         begin = i;
         longest = sum = lengths[i];
       } else {
         longest = top;
-        sum += lengths[i];
+        sum = tokens;
       }
     }
     ranges.push_back({begin, mb_end});
@@ -319,24 +323,48 @@ void balance_over_ranks(const std::vector<Trajectory>& trajs, const std::vector<
 
 }  // namespace
 
-UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed,
+namespace {
+
+struct PromptLess {  // prompts by their ids
+  bool operator()(const std::vector<int64_t>* a, const std::vector<int64_t>* b) const { return *a < *b; }
+};
+
+}  // namespace
+
+UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed, bool share,
                          Collectives* balance) {
   const int64_t S = static_cast<int64_t>(rb.trajs.size());
   TORCH_CHECK(rb.index.size() == rb.trajs.size(), "update_batch: one place per trajectory");
   UpdateBatch u;
   u.source_ = &rb.trajs;
   u.index = rb.index;
-  if (balance && balance->world() > 1) {
+  const bool balanced = balance && balance->world() > 1;
+  if (balanced) {
     balance_over_ranks(rb.trajs, rb.index, mini, *balance, u.reordered_, u.index);  // each mini-batch longest first
   }
+  share = share && packed;
   std::vector<int64_t> lengths;  // each trajectory's tokens, prompt and response
   for (const Trajectory& t : u.trajs()) lengths.push_back(t.window_end());
-  if (budget > 0 && S > 0) {
-    std::vector<int64_t> order(S);
+  if ((budget > 0 || (share && balanced)) && S > 0) {
+    // Each mini-batch longest first; sharing prompts, its prompts' groups longest (most tokens) first and
+    // each group's answers longest first, so that a prompt's answers stay next to each other.
+    std::vector<int64_t> order(S), group(S), group_tokens;
     for (int64_t i = 0; i < S; ++i) order[i] = i;
     for (int64_t mb = 0; mb < S; mb += mini) {
-      std::stable_sort(order.begin() + mb, order.begin() + std::min(S, mb + mini),
-                       [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+      const int64_t mb_end = std::min(S, mb + mini);
+      group_tokens.assign(mb_end - mb, 0);
+      std::map<const std::vector<int64_t>*, int64_t, PromptLess> first;  // a prompt's first sequence here
+      for (int64_t i = mb; i < mb_end; ++i) {  // a sequence's group: the first of the mini-batch with its prompt
+        group[i] = share ? first.emplace(&u.trajs()[i].prompt_ids, i - mb).first->second : i - mb;
+        group_tokens[group[i]] += lengths[i];
+      }
+      std::stable_sort(order.begin() + mb, order.begin() + mb_end, [&](int64_t a, int64_t b) {
+        if (group[a] != group[b]) {
+          return group_tokens[group[a]] != group_tokens[group[b]] ? group_tokens[group[a]] > group_tokens[group[b]]
+                                                                  : group[a] < group[b];
+        }
+        return lengths[a] > lengths[b];
+      });
     }
     std::vector<Trajectory> sorted_trajs;
     std::vector<int64_t> sorted(S), index(S);
@@ -350,7 +378,12 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
     u.index = std::move(index);
     lengths = std::move(sorted);
   }
-  u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget, packed);
+  std::vector<int64_t> shared;  // the prompt tokens each sequence takes from the one before it
+  if (share) {
+    shared.assign(S, 0);
+    for (int64_t i = 1; i < S; ++i) shared[i] = shared_prompt_tokens(u.trajs()[i - 1], u.trajs()[i]);
+  }
+  u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget, packed, shared);
   return u;
 }
 

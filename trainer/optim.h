@@ -118,10 +118,12 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 // Micro-batch ranges under a token budget (train.micro_batch_tokens): mini-batches of `mini` sequences as
 // above, each cut where one more sequence would take its micro-batch past `budget` tokens or past `micro`
 // rows; a sequence longer than the budget makes a micro-batch of its own. A micro-batch's tokens, lengths[i]
-// a sequence: padded, its rows times its longest sequence; packed (train.pack_sequences), their sum.
-// budget 0: micro_batch_ranges(lengths.size(), mini, micro).
+// a sequence: padded, its rows times its longest sequence; packed (train.pack_sequences), their sum,
+// less shared[i] (empty: none) for each sequence after the first, the prompt tokens it takes from the one
+// before (train.share_prompts). budget 0: micro_batch_ranges(lengths.size(), mini, micro).
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
-                                                            int64_t micro, int64_t budget, bool packed = false);
+                                                            int64_t micro, int64_t budget, bool packed = false,
+                                                            const std::vector<int64_t>& shared = {});
 
 // Data parallelism with token-balanced ranks (train.balance_tokens): every rank's k-th mini-batch of `mini`
 // sequences makes one of the step's, whose sequences are dealt over the ranks again, longest first (ties:
@@ -139,7 +141,10 @@ std::vector<std::vector<std::pair<int, int64_t>>> deal_by_tokens(const std::vect
 // denominator are unchanged. Without one, the batch's own order and micro_batch_size ranges. With
 // `balance` over several ranks, each mini-batch first takes the sequences deal_by_tokens gives this rank
 // (the others' sent between the ranks, places and all), longest first: every step-wide mini-batch keeps its
-// sequences, so the step's loss and gradient are unchanged, and no rank waits on a longer share.
+// sequences, so the step's loss and gradient are unchanged, and no rank waits on a longer share. With
+// `share` (packed: train.share_prompts), the sort keeps a prompt's answers together (its group by the
+// group's tokens, then each answer longest first; it runs under balance too), and a budget counts each
+// prompt once a micro-batch.
 struct UpdateBatch {
   const std::vector<Trajectory>& trajs() const { return reordered_.empty() ? *source_ : reordered_; }
   std::vector<int64_t> index;
@@ -147,12 +152,12 @@ struct UpdateBatch {
 
  private:
   friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed,
-                                  Collectives* balance);
+                                  bool share, Collectives* balance);
   const std::vector<Trajectory>* source_ = nullptr;
   std::vector<Trajectory> reordered_;
 };
 UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed = false,
-                         Collectives* balance = nullptr);
+                         bool share = false, Collectives* balance = nullptr);
 
 // The denominator of mini-batch [begin, end) for aggregate_loss's global_denominator, so the
 // micro-batch losses add up to the mini-batch loss (see LossAgg in loss/policy_loss.h).

@@ -180,6 +180,9 @@ struct TrainOptions {
   int64_t micro_batch_tokens = 0;
   // Micro-batches lay their sequences end to end, with no padding (trainer/batch.h); off: right-padded rows.
   bool pack_sequences = false;
+  // Packed: answers to one prompt that share a micro-batch run the prompt once, each continuing it
+  // (trainer/batch.h); budgeted micro-batches keep a prompt's answers together.
+  bool share_prompts = true;
   // Over several ranks, each step-wide mini-batch's sequences are dealt over the ranks by tokens (longest
   // first, to the rank with the fewest) rather than kept where they were sampled; each rank keeps its count.
   // Off by default until a multi-GPU run measures it (docs/training.md).
@@ -251,6 +254,9 @@ struct TrainOptions {
       FieldRange{0, 1e12});
     v("pack_sequences", pack_sequences,
       "forwards take their sequences end to end with no padding (varlen attention); false = right-padded rows");
+    v("share_prompts", share_prompts,
+      "with pack_sequences: a micro-batch's answers to one prompt run it once, each attending over its keys; "
+      "false = every answer forwards its prompt");
     v("balance_tokens", balance_tokens,
       "over several ranks: deal each mini-batch's sequences over the ranks by tokens; false = train where sampled");
     v("old_logprobs", old_logprobs,

@@ -160,11 +160,12 @@ std::map<std::string, double> train_ppo(Run& run) {
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,
-                                        train.balance_tokens ? run.dist.get() : nullptr);
+                                        train.share_prompts, train.balance_tokens ? run.dist.get() : nullptr);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
     const auto& micro_ranges = ub.micro_ranges;
     std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences));
+    for (const auto& [b, e] : micro_ranges)
+      batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences, train.share_prompts));
 
     // 2. Scoring: old values and the policy's log-probs from one forward; reference log-probs. The values
     // need the forward whatever train.old_logprobs says, so the rollout's old log-probs save nothing here:
@@ -291,8 +292,8 @@ std::map<std::string, double> train_ppo(Run& run) {
           critic_learning_rate(cfg, std::max<int64_t>(0, critic->counters.optimizer_steps - 1), total_optimizer_steps);
     }
     const double t_comm = update_comm_seconds(run.model, reducer.get()) - comm_before;
-    m = finish_step(run, rb, um, peaks, {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps,
-                    extra);
+    m = finish_step(run, rb, um, update_work(cfg.loss, trajs, batches), peaks,
+                    {t_scoring, t_upd, seconds_since(t_step), t_comm}, total_optimizer_steps, extra);
   }
   end_training(run, eval_start, m);
   return m;

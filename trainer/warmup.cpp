@@ -115,7 +115,8 @@ double sft_warmup(Run& run) {
     }
     set_learning_rate(opt, learning_rate(sched, step, o.steps));
     opt.zero_grad();
-    PackedBatch b = pack(batch, 0, static_cast<int64_t>(batch.size()), run.device, run.config.train.pack_sequences);
+    PackedBatch b = pack(batch, 0, static_cast<int64_t>(batch.size()), run.device, run.config.train.pack_sequences,
+                         run.config.train.share_prompts);
     ResponseLogprobs r = response_logprobs(*run.model.policy, b, lo);
     at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / b.loss_mask.sum().clamp_min(1);  // token-mean NLL
     loss.backward();

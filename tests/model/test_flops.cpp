@@ -1,7 +1,7 @@
 // The training FLOP count (model/flops.h) against a hand count for small shapes, product by product, and the
 // peak table's lookups. Wrong twins it must tell apart: attention counted over every key (not the causal
 // prefix), the window ignored on a sliding layer, the head over every row instead of the scored ones, and
-// LoRA's backward counted as full fine-tuning's.
+// LoRA's backward counted as full fine-tuning's, and a continuation's context ignored.
 #include "model/flops.h"
 
 #include <gtest/gtest.h>
@@ -47,6 +47,22 @@ TEST(Flops, ASlidingLayerSeesItsWindowOnly) {
   // Layer 0: positions 1..4 see 1..4 keys (10), positions 5..10 see 4 each (24): 34. Layer 1: 55.
   EXPECT_DOUBLE_EQ(f.attention, 4.0 * 8 * 4 * (34 + 55));
   EXPECT_NE(f.attention, 4.0 * 8 * 4 * (55 + 55)) << "the window ignored";
+}
+
+// A sequence that continues a shared prompt (trainer/batch.h): 4 tokens after 6 of context see 7..10 keys
+// (34) on a full layer and 4 each on a window of 4; the prompt's forward plus the continuation's equal the
+// whole sequence's. Wrong twin: the context ignored (1..4 keys, 10).
+TEST(Flops, AContinuationAttendsOverItsContext) {
+  ModelConfig c = small_shape();
+  c.sliding_window = 4;
+  c.sliding_layers = {true, false};
+  const ForwardFlops f = forward_flops(c, SequenceWork{4, 2, 6});
+  EXPECT_DOUBLE_EQ(f.attention, 4.0 * 8 * 4 * (16 + 34));
+  EXPECT_NE(f.attention, 4.0 * 8 * 4 * (10 + 10)) << "the context ignored";
+  const ForwardFlops prompt = forward_flops(c, SequenceWork{6, 0}), whole = forward_flops(c, SequenceWork{10, 2});
+  EXPECT_DOUBLE_EQ(prompt.attention + f.attention, whole.attention);
+  EXPECT_DOUBLE_EQ(prompt.projections + f.projections, whole.projections);
+  EXPECT_DOUBLE_EQ(f.head, whole.head);
 }
 
 TEST(Flops, ABackwardTakesTwiceTheForwardAndARecomputeOnceMore) {

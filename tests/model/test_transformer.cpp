@@ -218,6 +218,29 @@ TEST(Transformer, PackedSequencesEqualEachSequencesForward) {
   EXPECT_THROW(model.forward_packed(four, four, {0, 3}), c10::Error) << "starts that stop short of T";
 }
 
+// The hidden states `hidden` gives (as fp32) and every parameter's gradient of sum(hidden * r) (as fp32;
+// undefined where a parameter has none).
+std::pair<at::Tensor, std::vector<at::Tensor>> hidden_and_grads(Transformer& m, const at::Tensor& r,
+                                                                const std::function<at::Tensor()>& hidden) {
+  for (auto& p : m.parameters()) p.mutable_grad().reset();
+  at::Tensor h = hidden();
+  (h.to(at::kFloat) * r).sum().backward();
+  std::vector<at::Tensor> g;
+  for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().to(at::kFloat) : at::Tensor());
+  return {h.detach().to(at::kFloat), g};
+}
+
+// |g - truth| / |truth| over every parameter that has a gradient.
+double gradient_error(const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& truth) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!g[i].defined()) continue;
+    d += (g[i] - truth[i]).pow(2).sum().item<double>();
+    n += truth[i].pow(2).sum().item<double>();
+  }
+  return std::sqrt(d / n);
+}
+
 // Shared prefixes (forward_packed's prefix_of) laid out as a reward model's batch lays them: prompts P1
 // (10 tokens, past gemma2's window of 8) and P2 (4), answers A (5) and B (1) to P1 and C (12) to P2, and D
 // (3) alone: [P1, A, B, D, P2, C]. Each answer's hidden states must be the last tokens of its prompt and
@@ -495,14 +518,8 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
     for (auto& p : f32.parameters()) p.detach().copy_(p.to(at::kBFloat16).to(at::kFloat));  // the same weights
     at::manual_seed(5);
     const at::Tensor r = at::randn({T, f32.config().hidden_size}, at::TensorOptions().device(gpu));
-    // (hidden (T, D) fp32, gradients as fp32) of sum(hidden * r).
     auto run = [&](Transformer& m, const std::function<at::Tensor()>& hidden) {
-      for (auto& p : m.parameters()) p.mutable_grad().reset();
-      at::Tensor h = hidden();
-      (h.to(at::kFloat) * r).sum().backward();
-      std::vector<at::Tensor> g;
-      for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().to(at::kFloat) : at::Tensor());
-      return std::make_pair(h.detach().to(at::kFloat), g);
+      return hidden_and_grads(m, r, hidden);
     };
     auto alone = [&](Transformer& m) {
       return [&] {
@@ -531,15 +548,7 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
     EXPECT_LE(err(packed.first), bound);
     EXPECT_GT(err(wrong.first), bound) << "attention over the sequence before";
     // Gradients: |g - truth| / |truth| over all parameters.
-    auto rel = [&](const std::vector<at::Tensor>& g) {
-      double d = 0, n = 0;
-      for (size_t i = 0; i < g.size(); ++i) {
-        if (!g[i].defined()) continue;
-        d += (g[i] - truth.second[i]).pow(2).sum().item<double>();
-        n += truth.second[i].pow(2).sum().item<double>();
-      }
-      return std::sqrt(d / n);
-    };
+    auto rel = [&](const std::vector<at::Tensor>& g) { return gradient_error(g, truth.second); };
     const double gbound = 1.25 * rel(padded.second) + 1.0 / 256;
     std::cout << "packed bf16 " << c << ": gradient relative error packed " << rel(packed.second) << ", padded "
               << rel(padded.second) << ", one sequence " << rel(wrong.second) << "\n";
@@ -549,29 +558,43 @@ TEST(TransformerCuda, PackedBf16IsAsAccurateAsPadded) {
 }
 
 // Shared prefixes in bf16 on the GPU: one flash kernel over the gathered keys, its causal mask aligned to
-// each sequence's last key. Ground truth: each whole sequence's forward in fp32 of the same weights; the
-// packed bf16 hidden states must be as accurate as the whole sequences' own bf16 forwards (within 25% plus
-// one bf16 ulp of the largest value); the answers without their prompts must fail that bound.
+// each sequence's last key, forward and backward (the update's shared prompts, train.share_prompts). Ground
+// truth: each whole sequence's forward in fp32 of the same weights. The packed bf16 hidden states must be as
+// accurate as the whole sequences' own bf16 forwards (within 25% plus one bf16 ulp of the largest value),
+// and the gradients of sum(hidden * r) over every parameter as well (normwise, within 25% plus 1/256); the
+// answers without their prompts must fail both bounds.
 TEST(TransformerCuda, SharedPrefixesInBf16AreAsAccurateAsWholeSequences) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const at::Device gpu(at::kCUDA, 0);
-  at::NoGradGuard ng;
   for (const std::string c : {"qwen2", "llama_tied"}) {
     SCOPED_TRACE(c);
     const SharedPrefixPack k = shared_prefix_pack(tensor_of(reference(c)["ids"], at::kLong).to(gpu));
     Transformer f32 = Transformer::load(case_dir(c).string(), at::kFloat, gpu);
-    const Transformer bf16 = Transformer::load(case_dir(c).string(), at::kBFloat16, gpu);
+    Transformer bf16 = Transformer::load(case_dir(c).string(), at::kBFloat16, gpu);
     for (auto& p : f32.parameters()) p.detach().copy_(p.to(at::kBFloat16).to(at::kFloat));  // the same weights
-    const at::Tensor truth = shared_prefix_truth(f32, k);
-    auto err = [&](const at::Tensor& h) { return (h.to(at::kFloat) - truth).abs().max().item<double>(); };
-    const double whole = err(shared_prefix_truth(bf16, k));
-    const double got = err(bf16.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of)[0]);
-    const double alone = err(bf16.forward_packed(k.flat, k.flat_pos, k.starts, {-1, -1, -1, -1, -1, -1})[0]);
-    const double bound = 1.25 * whole + truth.abs().max().item<double>() / 256;
-    std::cout << "shared prefixes bf16 " << c << ": max |hidden error| packed " << got << ", whole sequences " << whole
-              << ", without the prompts " << alone << "\n";
-    EXPECT_LE(got, bound);
-    EXPECT_GT(alone, bound) << "the answers without their prompts";
+    at::manual_seed(5);
+    const at::Tensor r = at::randn({k.starts.back(), f32.config().hidden_size}, at::TensorOptions().device(gpu));
+    auto run = [&](Transformer& m, const std::function<at::Tensor()>& hidden) {
+      return hidden_and_grads(m, r, hidden);
+    };
+    const auto truth = run(f32, [&] { return shared_prefix_truth(f32, k); });
+    const auto whole = run(bf16, [&] { return shared_prefix_truth(bf16, k); });
+    const auto got = run(bf16, [&] { return bf16.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of)[0]; });
+    const auto alone = run(bf16, [&] {
+      return bf16.forward_packed(k.flat, k.flat_pos, k.starts, {-1, -1, -1, -1, -1, -1})[0];
+    });
+    auto err = [&](const at::Tensor& h) { return (h - truth.first).abs().max().item<double>(); };
+    const double bound = 1.25 * err(whole.first) + truth.first.abs().max().item<double>() / 256;
+    std::cout << "shared prefixes bf16 " << c << ": max |hidden error| packed " << err(got.first)
+              << ", whole sequences " << err(whole.first) << ", without the prompts " << err(alone.first) << "\n";
+    EXPECT_LE(err(got.first), bound);
+    EXPECT_GT(err(alone.first), bound) << "the answers without their prompts";
+    auto rel = [&](const std::vector<at::Tensor>& g) { return gradient_error(g, truth.second); };
+    const double gbound = 1.25 * rel(whole.second) + 1.0 / 256;
+    std::cout << "shared prefixes bf16 " << c << ": gradient relative error packed " << rel(got.second)
+              << ", whole sequences " << rel(whole.second) << ", without the prompts " << rel(alone.second) << "\n";
+    EXPECT_LE(rel(got.second), gbound);
+    EXPECT_GT(rel(alone.second), gbound) << "the answers without their prompts";
   }
 }
 

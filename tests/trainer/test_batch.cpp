@@ -61,6 +61,18 @@ at::Tensor logprobs(const Transformer& model, const PackedBatch& b, const LossOp
   return response_logprobs(model, b, o).logprobs;
 }
 
+// Log-probs (S, R), the loss -sum(mask * logp) and the gradient of every parameter, for batch `b`.
+std::tuple<at::Tensor, double, std::vector<at::Tensor>> logprobs_loss_grads(Transformer& model, const PackedBatch& b,
+                                                                            const LossOptions& o) {
+  for (auto& p : model.parameters()) p.mutable_grad().reset();
+  const ResponseLogprobs r = response_logprobs(model, b, o);
+  const at::Tensor loss = -(r.logprobs * b.loss_mask).sum();
+  loss.backward();
+  std::vector<at::Tensor> g;
+  for (const auto& p : model.parameters()) g.push_back(p.grad().clone());
+  return {r.logprobs.detach(), loss.item<double>(), g};
+}
+
 TEST(Batch, RowIndexLinksEachResponseTokenToItsScoringRow) {
   const Transformer model(testing::tiny_llama(50), at::kFloat, at::kCPU, /*seed=*/3);
   const auto trajs = trajectories();
@@ -130,16 +142,7 @@ TEST(Batch, PackedSequencesGiveThePaddedLogprobsLossAndGradients) {
     LossOptions o;
     o.impl = impl;
     const std::string what = enum_to_string(impl);
-    // Log-probs, the loss -sum(mask * logp) and the gradients of every parameter, in each layout.
-    auto run = [&](const PackedBatch& x) {
-      for (auto& p : model.parameters()) p.mutable_grad().reset();
-      const ResponseLogprobs r = response_logprobs(model, x, o);
-      const at::Tensor loss = -(r.logprobs * x.loss_mask).sum();
-      loss.backward();
-      std::vector<at::Tensor> g;
-      for (const auto& p : model.parameters()) g.push_back(p.grad().clone());
-      return std::make_tuple(r.logprobs.detach(), loss.item<double>(), g);
-    };
+    auto run = [&](const PackedBatch& x) { return logprobs_loss_grads(model, x, o); };  // in each layout
     const auto [want, want_loss, want_g] = run(padded);
     const auto [got, got_loss, got_g] = run(b);
     const auto [wrong, wrong_loss, wrong_g] = run(off_row);
@@ -153,6 +156,95 @@ TEST(Batch, PackedSequencesGiveThePaddedLogprobsLossAndGradients) {
     }
     EXPECT_GT(moved, 0) << what << ": the gradient bound accepts a boundary row off by one";
   }
+}
+
+// Shared prompts (train.share_prompts): three answers to one 4-token prompt, an answer to another prompt,
+// and two answers to a 1-token prompt (nothing to share: its last token is each answer's own first row).
+// The three run the prompt's first 3 tokens once as a sequence of their own, and each continues it from the
+// prompt's last token at position 3. Log-probs (every response row, and the sampled ones alone), the loss
+// and every parameter's gradient equal the padded layout's in fp32. Wrong twins: the answers without their
+// prompt (prefix_of all -1), and the answers' positions restarting at 0.
+TEST(Batch, SharedPromptsGiveThePaddedLogprobsLossAndGradients) {
+  Transformer model(testing::tiny_llama(50), at::kFloat, at::kCPU, /*seed=*/6);
+  std::vector<Trajectory> trajs(6);
+  const std::vector<std::vector<int64_t>> prompts = {{1, 7, 9, 3},    {1, 7, 9, 3}, {1, 7, 9, 3},
+                                                     {1, 4, 4, 8, 2}, {1},          {1}};
+  const std::vector<std::vector<int64_t>> responses = {{11, 12, 13}, {30}, {21, 22, 23, 24, 25}, {16, 17}, {5, 6}, {7}};
+  const std::vector<std::vector<uint8_t>> masks = {{1, 0, 1}, {1}, {1, 1, 0, 0, 1}, {1, 1}, {0, 1}, {1}};
+  for (size_t s = 0; s < trajs.size(); ++s) {
+    trajs[s].prompt_ids = prompts[s];
+    trajs[s].response_ids = responses[s];
+    trajs[s].loss_mask = masks[s];
+    trajs[s].logprobs.assign(responses[s].size(), 0.f);
+  }
+  EXPECT_EQ(shared_prompt_tokens(trajs[0], trajs[1]), 3);
+  EXPECT_EQ(shared_prompt_tokens(trajs[2], trajs[3]), 0);
+  EXPECT_EQ(shared_prompt_tokens(trajs[4], trajs[5]), 0) << "a one-token prompt has nothing to share";
+  const PackedBatch padded = pack(trajs, 0, 6, at::kCPU);
+  const PackedBatch plain = pack(trajs, 0, 6, at::kCPU, /*packed=*/true);
+  const PackedBatch b = pack(trajs, 0, 6, at::kCPU, /*packed=*/true, /*share_prompts=*/true);
+  EXPECT_TRUE(plain.prefix_of.empty());
+  EXPECT_EQ(plain.starts, (std::vector<int64_t>{0, 7, 12, 21, 28, 31, 33}));
+  // [1 7 9] [3 11 12 13] [3 30] [3 21 .. 25] [1 4 4 8 2 16 17] [1 5 6] [1 7]
+  EXPECT_EQ(b.starts, (std::vector<int64_t>{0, 3, 7, 9, 15, 22, 25, 27}));
+  EXPECT_EQ(b.prefix_of, (std::vector<int64_t>{-1, 0, 0, 0, -1, -1, -1}));
+  EXPECT_EQ(b.L, 27);
+  EXPECT_TRUE(at::equal(
+      b.ids, at::tensor({1, 7, 9, 3, 11, 12, 13, 3, 30, 3, 21, 22, 23, 24, 25, 1, 4, 4, 8, 2, 16, 17, 1, 5, 6, 1, 7},
+                        at::kLong)
+                 .view({1, 27})));
+  EXPECT_TRUE(
+      at::equal(b.positions,
+                at::tensor({0, 1, 2, 3, 4, 5, 6, 3, 4, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1}, at::kLong)
+                    .view({1, 27})));
+  // Each answer's first row is its own copy of the prompt's last token.
+  EXPECT_TRUE(at::equal(b.response.rows, at::tensor({3, 4, 5, 7, 9, 10, 11, 12, 13, 19, 20, 22, 23, 25}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.response.slots, padded.response.slots));
+  EXPECT_TRUE(at::equal(b.loss_mask, padded.loss_mask));
+
+  PackedBatch unprompted = b, restarted = b;
+  unprompted.prefix_of.assign(b.prefix_of.size(), -1);
+  restarted.positions = b.positions.clone();
+  for (int64_t s = 1; s <= 3; ++s) {
+    restarted.positions[0]
+        .narrow(0, b.starts[s], b.starts[s + 1] - b.starts[s])
+        .copy_(at::arange(b.starts[s + 1] - b.starts[s], at::kLong));
+  }
+  for (bool mask_only : {false, true}) {
+    LossOptions o;
+    o.impl = LogprobImpl::kCce;
+    o.loss_mask_only = mask_only;
+    const std::string what = mask_only ? "sampled rows" : "response rows";
+    auto run = [&](const PackedBatch& x) { return logprobs_loss_grads(model, x, o); };  // in each layout
+    const auto [want, want_loss, want_g] = run(padded);
+    const auto [got, got_loss, got_g] = run(b);
+    RLT_EXPECT_CLOSE_REJECTING(got, std::get<0>(run(unprompted)), "the answers without their prompt", want, 1e-6, 0.0,
+                               what);
+    RLT_EXPECT_CLOSE_REJECTING(got, std::get<0>(run(restarted)), "positions restarting in each answer", want, 1e-6, 0.0,
+                               what);
+    EXPECT_NEAR(got_loss, want_loss, 1e-5) << what;
+    for (size_t i = 0; i < got_g.size(); ++i) {
+      RLT_EXPECT_CLOSE(got_g[i], want_g[i], 1e-6, 1e-5, what + " grad " + std::to_string(i));
+    }
+  }
+  // The update's work (trainer/metrics.h): the first answer forwards the prompt and its own tokens; the
+  // others their own, attending over the 3 they reuse; the tokens sum to the pack's.
+  EXPECT_EQ(b.reused, (std::vector<int64_t>{0, 3, 3, 0, 0, 0}));
+  LossOptions o;
+  o.response_only = true;
+  const std::vector<SequenceWork> work = update_work(o, trajs, {b});
+  ASSERT_EQ(work.size(), 6u);
+  EXPECT_EQ(work[0].tokens, 7);
+  EXPECT_EQ(work[0].context, 0);
+  EXPECT_EQ(work[1].tokens, 2);
+  EXPECT_EQ(work[1].context, 3);
+  EXPECT_EQ(work[1].scored, 1);
+  EXPECT_EQ(work[2].tokens, 6);
+  EXPECT_EQ(work[3].tokens, 7);
+  EXPECT_EQ(work[3].context, 0);
+  int64_t forwarded = 0;
+  for (const SequenceWork& w : work) forwarded += w.tokens;
+  EXPECT_EQ(forwarded, b.L) << "the prompt's 3 shared tokens are forwarded once";
 }
 
 TEST(Batch, LossMaskOnlyScoresTheSampledTokensAlone) {

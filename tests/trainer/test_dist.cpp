@@ -261,7 +261,7 @@ TEST(BalanceTokens, UpdateBatchSendsTrajectoriesWithTheirPlaces) {
   std::vector<std::vector<Trajectory>> got(2);
   std::vector<std::vector<int64_t>> places(2);
   on_thread_ranks(2, [&](int r, std::shared_ptr<Collectives> c) {
-    const UpdateBatch ub = update_batch(rb[r], /*mini=*/2, /*micro=*/2, /*budget=*/0, false, c.get());
+    const UpdateBatch ub = update_batch(rb[r], /*mini=*/2, /*micro=*/2, /*budget=*/0, false, false, c.get());
     got[r] = ub.trajs();
     places[r] = ub.index;
   });

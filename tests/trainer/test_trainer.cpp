@@ -253,6 +253,36 @@ TEST(MicroBatches, TokenBudgetsHoldEverySequenceOnceWithinTheBudget) {
   EXPECT_EQ(plain.micro_ranges, micro_batch_ranges(6, 4, 2));
 }
 
+// Shared prompts (train.share_prompts) under a token budget: the sort keeps each prompt's answers together
+// (the groups by their tokens, A 28, C 23, B 18; each answer longest first), and a packed micro-batch
+// counts the prompt once: A's answers of 14, 8 and 6 tokens over a 5-token prompt take 14 + 4 + 2 = 20
+// tokens (pack()'s own count), within a budget of 20 that their summed lengths (28) exceed.
+TEST(MicroBatches, SharedPromptsKeepAPromptsAnswersTogetherAndCountItOnce) {
+  const std::vector<int64_t> A = {1, 2, 3, 4, 5}, B = {1, 6}, C = {1, 7, 8};
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> seqs = {{A, 3}, {B, 9}, {A, 9}, {C, 20}, {B, 5}, {A, 1}};
+  RolloutBatch rb;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Trajectory t;
+    t.prompt_ids = seqs[i].first;
+    t.response_ids.assign(seqs[i].second, 9);
+    t.loss_mask.assign(seqs[i].second, 1);
+    t.logprobs.assign(seqs[i].second, 0.f);
+    rb.trajs.push_back(t);
+    rb.index.push_back(int64_t(i));
+  }
+  const UpdateBatch u = update_batch(rb, /*mini=*/6, /*micro=*/6, /*budget=*/20, /*packed=*/true, /*share=*/true);
+  EXPECT_EQ(u.index, std::vector<int64_t>({2, 0, 5, 3, 1, 4}));
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 3}, {3, 4}, {4, 6}};
+  EXPECT_EQ(u.micro_ranges, want);
+  EXPECT_EQ(pack(u.trajs(), 0, 3, at::kCPU, /*packed=*/true, /*share_prompts=*/true).L, 20);
+  EXPECT_EQ(pack(u.trajs(), 4, 6, at::kCPU, true, true).L, 17);
+  // Without sharing: longest first across prompts, and each answer's prompt counted.
+  const UpdateBatch apart = update_batch(rb, 6, 6, 20, /*packed=*/true, /*share=*/false);
+  EXPECT_EQ(apart.index, std::vector<int64_t>({3, 2, 1, 0, 4, 5}));
+  const std::vector<int64_t> lengths = {14, 8, 6, 23, 11, 7};
+  EXPECT_NE(micro_batch_ranges(lengths, 6, 6, 20, /*packed=*/true), want) << "the prompt counted for every answer";
+}
+
 // Two optimizer steps of two micro-batches each, with hand-made policy-loss outputs. policy_loss()
 // already divides each micro-batch by its mini-batch's denominator, so a mini-batch's loss and pg_loss
 // are the SUMS of its micro-batch terms, and the step reports their mean over optimizer steps. Token
@@ -468,6 +498,7 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
   for (const auto& row : a) {
     const double t = row["time_update_s"].get<double>(), tokens = row["tokens"].get<double>();
     EXPECT_NEAR(row["update_tokens_per_s"].get<double>(), tokens * 2 / t, 1e-9 * tokens / t);
+    EXPECT_EQ(row["update_forwarded_tokens"].get<double>(), tokens) << "rows, not packed: every token forwarded";
     const double flops = row["update_flops"].get<double>();
     EXPECT_NEAR(row["update_mfu"].get<double>(), flops / (t * 0.5e12), 1e-12 * flops / t);
     EXPECT_EQ(row["update_hfu"].get<double>(), row["update_mfu"].get<double>()) << "no checkpointing: no recompute";
