@@ -206,6 +206,15 @@ int main(int argc, char** argv) {
             << std::setw(16) << "logprob_mean"
             << "\n";
   json records = json::array();
+  struct PendingTrace {  // a timed run to trace once every run is timed
+    size_t record;
+    std::string label;
+    std::vector<PackedBatch> batches;
+    LossOptions lo;
+    bool fused, checkpointing;
+    double ms;
+  };
+  std::vector<PendingTrace> traces;
   for (const std::string& kernels : kernel_sets)
     for (const std::string& layout_name : layouts) {
       model->set_training_kernels(kernels == "fused");
@@ -281,42 +290,44 @@ int main(int argc, char** argv) {
                     {"peak_extra_mib", peak_mib},
                     {"logprob_mean", runs[0].logprob_mean}};
         if (trace_top >= 0 && dev.is_cuda()) {
-          const DeviceTrace t = trace_device(dev, [&] { run_once(*model, batches, lo, adv); });
-          std::map<std::string, double> family;
-          for (const auto& [name, v] : t.by_name) family[kernel_family(name)] += v.second;
-          json top = json::array();
-          for (const std::string& name : t.top(static_cast<size_t>(trace_top))) {
-            top.push_back({{"name", name}, {"count", t.by_name.at(name).first}, {"ms", t.by_name.at(name).second}});
-          }
-          json runtime = json::array();  // the host's CUDA calls that took the most time
-          for (const std::string& name : t.top(8, &t.runtime)) {
-            runtime.push_back({{"name", name}, {"count", t.runtime.at(name).first}, {"ms", t.runtime.at(name).second}});
-          }
-          json host_ops = json::array();  // the host's operators that took the most time, callees included
-          for (const std::string& name : t.top(16, &t.host_ops)) {
-            host_ops.push_back(
-                {{"name", name}, {"count", t.host_ops.at(name).first}, {"ms", t.host_ops.at(name).second}});
-          }
-          rec["trace"] = {{"host_cuda_calls", runtime},
-                          {"host_ops", host_ops},
-                          {"activities", t.activities},
-                          {"busy_ms", t.busy_ms},
-                          {"idle_ms", std::max(0.0, ms - t.busy_ms)},
-                          {"families_ms", family},
-                          {"top", top}};
-          std::cout << "  trace: busy " << std::setprecision(1) << t.busy_ms << " ms of " << ms << " (" << t.activities
-                    << " activities);";
-          for (const auto& [f, v] : family) std::cout << " " << f << " " << v;
-          std::cout << "\n  host:";
-          for (const auto& r : runtime) {
-            std::cout << " " << r["name"].get<std::string>() << " " << r["count"].get<int64_t>() << "x "
-                      << r["ms"].get<double>() << " ms;";
-          }
-          std::cout << "\n";
+          traces.push_back(
+              {records.size(), s.name + " " + layout, batches, lo, kernels == "fused", s.checkpointing, ms});
         }
         records.push_back(rec);
       }
     }
+  // The traces after every timed run, so that no timed run follows the profiler in the process.
+  for (const PendingTrace& p : traces) {
+    model->set_training_kernels(p.fused);
+    model->set_activation_checkpointing(p.checkpointing);
+    const DeviceTrace t = trace_device(dev, [&] { run_once(*model, p.batches, p.lo, adv); });
+    std::map<std::string, double> family;
+    for (const auto& [name, v] : t.by_name) family[kernel_family(name)] += v.second;
+    auto listed = [&](const DeviceTrace::ByName& m, size_t n) {  // the n names that took the most time
+      json out = json::array();
+      for (const std::string& name : t.top(n, &m)) {
+        out.push_back({{"name", name}, {"count", m.at(name).first}, {"ms", m.at(name).second}});
+      }
+      return out;
+    };
+    const json runtime = listed(t.runtime, 8);  // the host's CUDA calls
+    records[p.record]["trace"] = {{"host_cuda_calls", runtime},
+                                  {"host_ops", listed(t.host_ops, 16)},  // the host's operators, callees included
+                                  {"activities", t.activities},
+                                  {"busy_ms", t.busy_ms},
+                                  {"idle_ms", std::max(0.0, p.ms - t.busy_ms)},
+                                  {"families_ms", family},
+                                  {"top", listed(t.by_name, static_cast<size_t>(trace_top))}};
+    std::cout << "trace " << p.label << ": busy " << std::fixed << std::setprecision(1) << t.busy_ms << " ms of "
+              << p.ms << " (" << t.activities << " activities);";
+    for (const auto& [f, v] : family) std::cout << " " << f << " " << v;
+    std::cout << "\n  host:";
+    for (const auto& r : runtime) {
+      std::cout << " " << r["name"].get<std::string>() << " " << r["count"].get<int64_t>() << "x "
+                << r["ms"].get<double>() << " ms;";
+    }
+    std::cout << "\n";
+  }
   if (!json_path.empty()) write_json_records(json_path, records);
   return 0;
 }
