@@ -231,7 +231,16 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   const int64_t G = m.num_heads / std::max<int64_t>(1, m.num_kv_heads);
   const int64_t masks = m.attn_softcap > 0 || sliding ? 2 * S * (cpu ? 1 : s) * (m.attn_softcap > 0 ? 1 : G) : 0;
   const int64_t kept = T * (2 * s * m.head_dim + masks);
-  const int64_t saved = T * (ckpt * s * D + (layers - ckpt) * per_layer) + kept;
+  // Shared prompts (train.share_prompts): attention gathers each answer's prompt keys and values before
+  // its own, up to kSharedKeysPerToken x the budget (micro_batch_ranges), or every sequence's whole length
+  // without one; a layer saves them for its backward, beyond the T tokens' own.
+  const bool shared = c.train.pack_sequences && c.train.share_prompts;
+  const int64_t rows_keys = step_shape(c, world).micro * c.rollout.max_context;
+  const int64_t keys = c.train.micro_batch_tokens > 0
+                           ? std::min(rows_keys, kSharedKeysPerToken * c.train.micro_batch_tokens)
+                           : rows_keys;
+  const int64_t gathered = shared ? std::max<int64_t>(0, keys - T) * 2 * m.num_kv_heads * m.head_dim * s : 0;
+  const int64_t saved = T * (ckpt * s * D + (layers - ckpt) * per_layer) + (layers - ckpt) * gathered + kept;
   const bool fused = fused_forms(c, m, cpu);
   const int64_t head = T * (norm_saved(D, s, fused) + 2 * s * D + 10 * 4) + loss_bytes(c, m, T, s, cpu);
   const int64_t working = T * (2 * s * F + 2 * s * D);
@@ -242,7 +251,7 @@ int64_t activation_bytes(const Config& c, const ModelConfig& m, int world, int64
   if (ckpt > 0) {
     // Less the recompute's input, which CheckpointFn saved: the fused input norm saves that tensor, and so
     // does the ATen one in fp32 (x.to(fp32) is x itself).
-    const int64_t recompute = T * (per_layer - (fused ? s * D : s == 4 ? 4 * D : 0));
+    const int64_t recompute = T * (per_layer - (fused ? s * D : s == 4 ? 4 * D : 0)) + gathered;
     peak = std::max(peak, T * ckpt * s * D + kept + recompute + working);
   }
   return peak;

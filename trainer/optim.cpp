@@ -216,18 +216,20 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t mb = 0; mb < S; mb += mini) {
     const int64_t mb_end = std::min(S, mb + mini);
-    int64_t begin = mb, longest = 0, sum = 0;
+    int64_t begin = mb, longest = 0, sum = 0, keys = 0;
     for (int64_t i = mb; i < mb_end; ++i) {
       const int64_t rows = i - begin + 1, top = std::max(longest, lengths[i]);
       const int64_t reused = rows > 1 && !shared.empty() ? shared[i] : 0;  // its prompt, already in the pack
       const int64_t tokens = packed ? sum + lengths[i] - reused : rows * top;
-      if (rows > 1 && (rows > micro || tokens > budget)) {
+      const bool too_many_keys = !shared.empty() && keys + lengths[i] > kSharedKeysPerToken * budget;
+      if (rows > 1 && (rows > micro || tokens > budget || too_many_keys)) {
         ranges.push_back({begin, i});
         begin = i;
-        longest = sum = lengths[i];
+        longest = sum = keys = lengths[i];
       } else {
         longest = top;
         sum = tokens;
+        keys += lengths[i];
       }
     }
     ranges.push_back({begin, mb_end});

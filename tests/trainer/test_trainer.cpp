@@ -256,7 +256,8 @@ TEST(MicroBatches, TokenBudgetsHoldEverySequenceOnceWithinTheBudget) {
 // Shared prompts (train.share_prompts) under a token budget: the sort keeps each prompt's answers together
 // (the groups by their tokens, A 28, C 23, B 18; each answer longest first), and a packed micro-batch
 // counts the prompt once: A's answers of 14, 8 and 6 tokens over a 5-token prompt take 14 + 4 + 2 = 20
-// tokens (pack()'s own count), within a budget of 20 that their summed lengths (28) exceed.
+// tokens (pack()'s own count), within a budget of 20 that their summed lengths (28) exceed; and the keys
+// attention gathers stay bounded.
 TEST(MicroBatches, SharedPromptsKeepAPromptsAnswersTogetherAndCountItOnce) {
   const std::vector<int64_t> A = {1, 2, 3, 4, 5}, B = {1, 6}, C = {1, 7, 8};
   const std::vector<std::pair<std::vector<int64_t>, int64_t>> seqs = {{A, 3}, {B, 9}, {A, 9}, {C, 20}, {B, 5}, {A, 1}};
@@ -281,6 +282,12 @@ TEST(MicroBatches, SharedPromptsKeepAPromptsAnswersTogetherAndCountItOnce) {
   EXPECT_EQ(apart.index, std::vector<int64_t>({3, 2, 1, 0, 4, 5}));
   const std::vector<int64_t> lengths = {14, 8, 6, 23, 11, 7};
   EXPECT_NE(micro_batch_ranges(lengths, 6, 6, 20, /*packed=*/true), want) << "the prompt counted for every answer";
+  // The keys attention gathers stay within kSharedKeysPerToken x the budget: 8 answers of 30 tokens over a
+  // shared 28 take 30 + 2 a further answer, within a budget of 40 for 6 of them, but 6 x 30 keys pass 4 x 40.
+  ASSERT_EQ(kSharedKeysPerToken, 4);
+  const std::vector<int64_t> thirty(8, 30), share28 = {0, 28, 28, 28, 28, 28, 28, 28};
+  const std::vector<std::pair<int64_t, int64_t>> by_keys = {{0, 5}, {5, 8}};  // the tokens alone: {0, 6}, {6, 8}
+  EXPECT_EQ(micro_batch_ranges(thirty, 8, 8, 40, /*packed=*/true, share28), by_keys);
 }
 
 // Two optimizer steps of two micro-batches each, with hand-made policy-loss outputs. policy_loss()
