@@ -36,14 +36,15 @@ namespace rlt {
 
 // Response tokens of a batch, in (sequence, position) order.
 struct ResponseRows {
-  at::Tensor rows;   // (N) int64: the flattened row s * L + P_s - 1 + j that scores the token
+  at::Tensor rows;   // (N) int64: the flattened row that scores the token (padded: s * L + P_s - 1 + j)
   at::Tensor slots;  // (N) int64: its slot s * R + j in the (S, R) response layout
 };
 
 struct PackedBatch {
   at::Tensor ids;                  // (S, L) int64, right-padded; packed: (1, T)
-  at::Tensor positions;            // (S, L) int64; packed: (1, T), each sequence's from 0
-  std::vector<int64_t> starts;     // packed: S + 1 token offsets, from 0 to T; padded: empty
+  at::Tensor positions;            // (S, L) int64; packed: (1, T), each sequence's own (a shared answer's from P - 1)
+  std::vector<int64_t> starts;     // packed: token offsets of the packed sequences (S, and a shared prompt's
+                                   // prefix sequence a run), from 0 to T; padded: empty
   at::Tensor targets;              // (T) int64: ids shifted left by one (a row past its sequence is never listed)
   ResponseRows response;           // every response token (sampled or tool output)
   ResponseRows sampled;            // the response tokens with loss_mask = 1 (loss.loss_mask_only), a subset

@@ -139,7 +139,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
     // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or
-    // with train.micro_batch_tokens each mini-batch longest first, under that token budget.
+    // with train.micro_batch_tokens each mini-batch longest first (sharing prompts, a prompt's answers
+    // together), under that token budget.
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,
                                         train.share_prompts, train.balance_tokens ? run.dist.get() : nullptr);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)

@@ -221,7 +221,11 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
       const int64_t rows = i - begin + 1, top = std::max(longest, lengths[i]);
       const int64_t reused = rows > 1 && !shared.empty() ? shared[i] : 0;  // its prompt, already in the pack
       const int64_t tokens = packed ? sum + lengths[i] - reused : rows * top;
-      const bool too_many_keys = !shared.empty() && keys + lengths[i] > kSharedKeysPerToken * budget;
+      // Keys: each sequence's whole length, and a run's prefix sequence's own once (i continues the run
+      // that i - 1 opens).
+      const bool opens_prefix = reused > 0 && (i - 1 == begin || shared[i - 1] == 0);
+      const int64_t more_keys = lengths[i] + (opens_prefix ? reused : 0);
+      const bool too_many_keys = !shared.empty() && keys + more_keys > kSharedKeysPerToken * budget;
       if (rows > 1 && (rows > micro || tokens > budget || too_many_keys)) {
         ranges.push_back({begin, i});
         begin = i;
@@ -229,7 +233,7 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<in
       } else {
         longest = top;
         sum = tokens;
-        keys += lengths[i];
+        keys += more_keys;
       }
     }
     ranges.push_back({begin, mb_end});

@@ -120,9 +120,10 @@ std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(int64_t S, int64_t m
 // rows; a sequence longer than the budget makes a micro-batch of its own. A micro-batch's tokens, lengths[i]
 // a sequence: padded, its rows times its longest sequence; packed (train.pack_sequences), their sum,
 // less shared[i] (empty: none) for each sequence after the first, the prompt tokens it takes from the one
-// before (train.share_prompts). Sharing, a micro-batch's keys (its summed lengths: what attention gathers,
-// each answer's prompt counted) also stay within kSharedKeysPerToken x budget, unless one sequence
-// passes it. budget 0: micro_batch_ranges(lengths.size(), mini, micro).
+// before (train.share_prompts). Sharing, a micro-batch's keys (what attention gathers: its summed
+// lengths, each answer's prompt counted, and each run's prompt once more for its own sequence) also stay
+// within kSharedKeysPerToken x budget, unless one sequence passes it. budget 0: micro_batch_ranges(lengths.size(),
+// mini, micro).
 constexpr int64_t kSharedKeysPerToken = 4;
 std::vector<std::pair<int64_t, int64_t>> micro_batch_ranges(const std::vector<int64_t>& lengths, int64_t mini,
                                                             int64_t micro, int64_t budget, bool packed = false,

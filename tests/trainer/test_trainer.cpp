@@ -283,10 +283,11 @@ TEST(MicroBatches, SharedPromptsKeepAPromptsAnswersTogetherAndCountItOnce) {
   const std::vector<int64_t> lengths = {14, 8, 6, 23, 11, 7};
   EXPECT_NE(micro_batch_ranges(lengths, 6, 6, 20, /*packed=*/true), want) << "the prompt counted for every answer";
   // The keys attention gathers stay within kSharedKeysPerToken x the budget: 8 answers of 30 tokens over a
-  // shared 28 take 30 + 2 a further answer, within a budget of 40 for 6 of them, but 6 x 30 keys pass 4 x 40.
+  // shared 28 take 30 + 2 tokens a further answer, within a budget of 40 for 6 of them; their keys, 30 an
+  // answer and the prompt's 28 once for its own sequence, reach 148 with 4 and would pass 4 x 40 with 5.
   ASSERT_EQ(kSharedKeysPerToken, 4);
   const std::vector<int64_t> thirty(8, 30), share28 = {0, 28, 28, 28, 28, 28, 28, 28};
-  const std::vector<std::pair<int64_t, int64_t>> by_keys = {{0, 5}, {5, 8}};  // the tokens alone: {0, 6}, {6, 8}
+  const std::vector<std::pair<int64_t, int64_t>> by_keys = {{0, 4}, {4, 8}};  // the tokens alone: {0, 6}, {6, 8}
   EXPECT_EQ(micro_batch_ranges(thirty, 8, 8, 40, /*packed=*/true, share28), by_keys);
 }
 
