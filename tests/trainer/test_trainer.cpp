@@ -1009,9 +1009,11 @@ TEST(UpdateMetrics, HfuCountsTheCheckpointedLayersRecompute) {
   EXPECT_GT(std::abs(got - ratio(0)), 1e-3) << "no recompute must be rejected";
 }
 
-// Packed micro-batches (train.pack_sequences, 60 tokens each) against right-padded rows of 2 on the same
-// first RL step, GRPO and PPO (whose value head reads the packed hidden states by row): the same loss,
-// value loss, log-prob mean and gradient norm. One mini-batch in one pass, so that every forward runs on the
+// Packed micro-batches (train.pack_sequences) of 60 tokens, and of 160 with each prompt run once for its
+// answers (train.share_prompts, the default), against right-padded rows of 2 on the same first RL
+// step, GRPO and PPO (whose value head reads the packed hidden states by row): the same loss, value loss,
+// log-prob mean and gradient norm; the shared layout forwards fewer tokens than the step holds, the
+// others all of them (update_forwarded_tokens). One mini-batch in one pass, so that every forward runs on the
 // rollout's weights: after an optimizer step AdamW's first update, about lr times the sign of each gradient element,
 // turns the layouts' float32 rounding in near-zero elements into differences of 2 lr. The warm-up that
 // make_run trains keeps one layout, so both runs start from the same weights.
@@ -1019,25 +1021,33 @@ TEST(MicroBatches, PackedMicroBatchesTrainTheFirstStepAsPaddedRowsDo) {
   TempDir tmp("micro_packed");
   for (bool ppo : {false, true}) {
     std::vector<std::map<std::string, double>> m;
-    for (bool packed : {false, true}) {
+    for (int layout : {0, 1, 2}) {  // padded, packed, packed with shared prompts
+      const bool packed = layout > 0;
       Config c = varied_first_step_config(/*steps=*/1);
       c.train.mini_batch_size = 0;  // all, in one pass
       c.train.num_iterations = 1;
-      c.train.micro_batch_tokens = packed ? 60 : 0;
+      c.train.micro_batch_tokens = layout == 2 ? 160 : packed ? 60 : 0;  // shared: room for a prompt's answers
       c.train.micro_batch_size = packed ? 8 : 2;
-      rlt::Run run = make_run(c, (tmp.path() / (std::to_string(ppo) + "_" + std::to_string(packed))).string(), false,
+      rlt::Run run = make_run(c, (tmp.path() / (std::to_string(ppo) + "_" + std::to_string(layout))).string(), false,
                               ppo ? value_head_params() : ExtraParams{});
       run.config.train.pack_sequences = packed;
+      run.config.train.share_prompts = layout == 2;
       m.push_back(ppo ? train_ppo(run) : train_grpo(run));
     }
     const std::string what = ppo ? "ppo" : "grpo";
     ASSERT_GT(m[0]["reward_std"], 0) << "the first step needs unequal rewards for a non-zero gradient";
-    EXPECT_EQ(m[1]["reward_mean"], m[0]["reward_mean"]) << what << ": the same rollout";
-    EXPECT_NEAR(m[1]["loss"], m[0]["loss"], 1e-6) << what;
-    EXPECT_NEAR(m[1]["logprob_mean"], m[0]["logprob_mean"], 1e-6) << what;
-    EXPECT_NEAR(m[1]["grad_norm"], m[0]["grad_norm"], 1e-4 * m[0]["grad_norm"]) << what;
     EXPECT_GT(m[0]["grad_norm"], 1e-3) << what << ": a gradient to compare";
-    if (ppo) EXPECT_NEAR(m[1]["value_loss"], m[0]["value_loss"], 1e-6) << what;
+    EXPECT_EQ(m[0]["update_forwarded_tokens"], m[0]["tokens"]) << what;
+    EXPECT_EQ(m[1]["update_forwarded_tokens"], m[1]["tokens"]) << what;
+    EXPECT_LT(m[2]["update_forwarded_tokens"], m[2]["tokens"]) << what << ": no prompt was shared";
+    for (int layout : {1, 2}) {
+      const std::string w = what + (layout == 2 ? " shared" : " packed");
+      EXPECT_EQ(m[layout]["reward_mean"], m[0]["reward_mean"]) << w << ": the same rollout";
+      EXPECT_NEAR(m[layout]["loss"], m[0]["loss"], 1e-6) << w;
+      EXPECT_NEAR(m[layout]["logprob_mean"], m[0]["logprob_mean"], 1e-6) << w;
+      EXPECT_NEAR(m[layout]["grad_norm"], m[0]["grad_norm"], 1e-4 * m[0]["grad_norm"]) << w;
+      if (ppo) EXPECT_NEAR(m[layout]["value_loss"], m[0]["value_loss"], 1e-6) << w;
+    }
   }
 }
 
