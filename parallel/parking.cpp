@@ -1,6 +1,8 @@
 // PhaseParking; see parking.h.
 #include "parallel/parking.h"
 
+#include "common/memory.h"
+
 #include <ATen/core/grad_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -11,9 +13,9 @@ namespace rlt {
 
 namespace {
 
-at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) {
-  return at::empty(sizes, at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(at::hasCUDA()));
-}
+// Exactly the tensor's size, page-locked where CUDA is present. A buffer is replaced (and freed) only in
+// park(), a phase after the copies that read it.
+at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) { return pinned_host_empty(sizes, dtype); }
 
 bool fits(const at::Tensor& buffer, const at::Tensor& t) {
   return buffer.defined() && buffer.sizes() == t.sizes() && buffer.scalar_type() == t.scalar_type();
@@ -43,7 +45,7 @@ void PhaseParking::reserve(const std::vector<at::Tensor>& like) {
     if (t.is_cuda() && !cuda) cuda = t.device();
   }
   reserving_ = std::async(std::launch::async, [shapes = std::move(shapes), cuda] {
-    // The thread's device is the tensors' own: the pinned allocator's calls would make a context on
+    // The thread's device is the tensors' own: registering the pages would make a context on
     // device 0 otherwise.
     std::optional<c10::DeviceGuard> guard;
     if (cuda) guard.emplace(*cuda);

@@ -9,8 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include <c10/util/llvmMathExtras.h>
-
+#include "common/memory.h"
 #include "loss/cce.h"
 #include "rollout/reward_model.h"
 #include "trainer/critic.h"
@@ -342,8 +341,8 @@ std::string MemoryPlan::table() const {
          "(pinned: " +
              std::string(host_optimizer > 0 ? "train.offload's masters and moments " + gib(host_optimizer) : "") +
              (host_optimizer > 0 && parked > 0 ? ", " : "") +
-             (parked > 0 ? "train.phase_offload's parked state " + gib(parked) : "") +
-             ", each buffer rounded up to a power of two " + gib(host_rounding) + ")");
+             (parked > 0 ? "train.phase_offload's parked state " + gib(parked) : "") + ", each buffer whole pages " +
+             gib(host_rounding) + ")");
   }
   return o.str();
 }
@@ -524,10 +523,8 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.parked += chunks;
     pinned.push_back(chunks);
   }
-  // torch's pinned allocator (CachingHostAllocator) takes each buffer rounded up to a power of two.
-  for (int64_t b : pinned) {
-    if (b > 0) p.host_rounding += int64_t(c10::llvm::PowerOf2Ceil(uint64_t(b))) - b;
-  }
+  // Each buffer whole pages (pinned_host_empty).
+  for (int64_t b : pinned) p.host_rounding += pinned_host_bytes(b) - b;
   return p;
 }
 

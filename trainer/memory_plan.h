@@ -35,8 +35,8 @@ struct MemoryPlan {
   int64_t kv_cache = 0;          // every cache row at rollout.max_context
   int64_t activations = 0;       // one micro-batch's forward/backward, the loss module's working set included
   int64_t host_optimizer = 0;    // train.offload optimizer: masters and moments in pinned host memory
-  int64_t host_rounding = 0;     // what torch's pinned allocator adds to those and to `parked`'s buffers:
-                                 // each is rounded up to a power of two
+  int64_t host_rounding = 0;     // what the pages add to those and to `parked`'s buffers: each buffer is
+                                 // whole pages of host memory (pinned_host_empty)
   int64_t reward_model = 0;      // reward.kind model: its weights in model.dtype and one scoring forward
   int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
                                  // moments at critic.shard's stage
@@ -69,7 +69,7 @@ struct MemoryPlan {
   }
   int64_t device_total() const;
   // Pinned host memory per rank: train.offload's masters and moments, and the buffers that hold what
-  // train.phase_offload parks (made before the first rollout, kept), as the pinned allocator rounds them.
+  // train.phase_offload parks (made before the first rollout, kept), in whole pages.
   int64_t host_total() const { return host_optimizer + parked + host_rounding; }
   // The lines the run prints: one per item in GiB with two decimals, then the device total (and the pinned
   // host memory, where the run pins any).
