@@ -16,10 +16,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -159,47 +161,63 @@ at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device&
       at::from_blob(const_cast<int64_t*>(values.data()), {static_cast<int64_t>(values.size())}, at::kLong), device);
 }
 
-at::Tensor pinned_host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+at::Tensor pinned_host_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
   const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(at::kCPU);
 #ifdef RLT_HAVE_CUDA
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
   if (at::hasCUDA() && bytes > 0) {
     at::globalContext().lazyInitDevice(at::kCUDA);  // torch's CUDA state first: is_pinned asks it
+    // Registered from a device whose context exists (none is made on device 0 for a run on another).
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (const auto with_context = c10::cuda::getDeviceIndexWithPrimaryContext()) guard.emplace(*with_context);
     const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     const size_t length = (static_cast<size_t>(bytes) + page - 1) / page * page;
     void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(data != MAP_FAILED, "pinned_host_empty: mapping ", length,
+    TORCH_CHECK(data != MAP_FAILED, "pinned_host_zeros: mapping ", length,
                 " bytes of host memory failed: ", std::strerror(errno));
-    // Registration locks the pages, faulting in those not yet touched one at a time; touched first by
-    // several threads (one write a page), a buffer registers several times faster. Threads from 8 MiB up,
-    // where the faults outlast starting them.
-    const size_t pages = length / page;
-    const size_t threads =
-        length >= (size_t{8} << 20) ? std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8) : 1;
-    auto touch = [&](size_t first, size_t last) {
-      for (size_t i = first; i < last; ++i) static_cast<volatile char*>(data)[i * page] = 0;
-    };
-    std::vector<std::thread> workers;
-    for (size_t w = 1; w < threads; ++w) workers.emplace_back(touch, pages * w / threads, pages * (w + 1) / threads);
-    touch(0, pages / threads);
-    for (std::thread& th : workers) th.join();
-    const cudaError_t status = cudaHostRegister(data, length, cudaHostRegisterDefault);
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: leave no error for the next call to find
+    try {
+      // Registration locks the pages, faulting in those not yet touched one at a time; touched first by
+      // several threads (one write a page), a buffer registers several times faster. Threads from 8 MiB
+      // up, where the faults outlast starting them.
+      const size_t pages = length / page;
+      const size_t threads =
+          length >= (size_t{8} << 20) ? std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8) : 1;
+      auto touch = [data, page](size_t first, size_t last) {
+        for (size_t i = first; i < last; ++i) static_cast<volatile char*>(data)[i * page] = 0;
+      };
+      std::vector<std::thread> workers;
+      try {
+        for (size_t w = 1; w < threads; ++w)
+          workers.emplace_back(touch, pages * w / threads, pages * (w + 1) / threads);
+      } catch (...) {
+        for (std::thread& th : workers) th.join();
+        throw;
+      }
+      touch(0, pages / threads);
+      for (std::thread& th : workers) th.join();
+      const cudaError_t status = cudaHostRegister(data, length, cudaHostRegisterPortable);
+      if (status != cudaSuccess) {
+        (void)cudaGetLastError();  // not sticky: leave no error for the next call to find
+        TORCH_CHECK(false, "pinned_host_zeros: locking ", length,
+                    " bytes of host memory failed: ", cudaGetErrorString(status));
+      }
+    } catch (...) {
       munmap(data, length);
-      TORCH_CHECK(false, "pinned_host_empty: locking ", length,
-                  " bytes of host memory failed: ", cudaGetErrorString(status));
+      throw;
     }
-    return at::from_blob(
-        data, sizes,
-        [length](void* p) {
-          (void)cudaHostUnregister(p);
-          munmap(p, length);
-        },
-        options);
+    auto release = [length](void* p) {
+      if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();
+      munmap(p, length);
+    };
+    try {
+      return at::from_blob(data, sizes, release, options);
+    } catch (...) {
+      release(data);
+      throw;
+    }
   }
 #endif
-  return at::empty(sizes, options);
+  return at::zeros(sizes, options);
 }
 
 void release_cached_memory(const at::Device& device) {

@@ -41,14 +41,17 @@ void stream_synchronize(const at::Device& device);
 // the tensor itself.
 at::Tensor to_device_async(const at::Tensor& cpu, const at::Device& device);
 at::Tensor to_device_async(const std::vector<int64_t>& values, const at::Device& device);
-// A host tensor of exactly `sizes`, page-locked where CUDA is present (plain host memory otherwise), for
-// state that lives in host memory for a run and moves to and from a GPU asynchronously: its own pages
-// (mmap), faulted in by several threads, then registered with CUDA once. torch's pinned allocator would
-// take each buffer rounded up to a power of two (a 65 GiB buffer holds 128 GiB) and keep it cached after
-// it is freed. No event guards the pages: the owner keeps the tensor alive until the copies that read or
-// write it have run. Throws c10::Error, naming the size, where the host cannot map or lock it.
-at::Tensor pinned_host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
-// The host memory a pinned_host_empty of `bytes` takes: whole pages of kHostPageBytes (0 for 0).
+// A host tensor of exactly `sizes`, zeros, page-locked where CUDA is present (plain host memory
+// otherwise), for state that lives in host memory for a run and moves to and from a GPU asynchronously: its
+// own pages (mmap, zeros already), faulted in by several threads, then registered with CUDA once for every
+// context (portable), from a device that already has one. torch's pinned allocator would take each buffer
+// rounded up to a power of two (a 65 GiB buffer holds 128 GiB) and keep it cached after it is freed. No
+// event guards the pages: the owner keeps the tensor alive until the copies that read or write it have
+// run. Throws c10::Error, naming the size, where the host cannot map or lock it (an overcommitted host may
+// instead stop the process while the pages are touched).
+at::Tensor pinned_host_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+// The host memory the plan counts for a pinned_host_zeros of `bytes`: whole 4 KiB pages (0 for 0), x86-64's;
+// a host of larger pages takes up to one page more a buffer.
 constexpr int64_t kHostPageBytes = 4096;
 constexpr int64_t pinned_host_bytes(int64_t bytes) {
   return (bytes + kHostPageBytes - 1) / kHostPageBytes * kHostPageBytes;

@@ -252,11 +252,11 @@ OffloadedAdamW::OffloadedAdamW(const at::Tensor& master, OffloadOptions options)
 OffloadedAdamW::OffloadedAdamW(int64_t numel, OffloadOptions options) : options_(options) {
   TORCH_CHECK(numel >= 0, "OffloadedAdamW: numel must be >= 0, got ", numel);
   TORCH_CHECK(options.chunk_elems >= 1, "OffloadedAdamW: chunk_elems must be >= 1, got ", options.chunk_elems);
-  // The run's state, kept to its end: exactly its size (pinned_host_empty). The staging chunks below come
-  // from torch's pinned allocator, whose events keep a chunk until its copies have run.
-  master_ = pinned_host_empty({numel}, at::kFloat).zero_();
-  exp_avg_ = pinned_host_empty({numel}, at::kFloat).zero_();
-  exp_avg_sq_ = pinned_host_empty({numel}, at::kFloat).zero_();
+  // The run's state, kept to its end: exactly its size, zeros as mapped (pinned_host_zeros). The staging
+  // chunks below come from torch's pinned allocator, whose events keep a chunk until its copies have run.
+  master_ = pinned_host_zeros({numel}, at::kFloat);
+  exp_avg_ = pinned_host_zeros({numel}, at::kFloat);
+  exp_avg_sq_ = pinned_host_zeros({numel}, at::kFloat);
 }
 
 int64_t OffloadedAdamW::host_bytes() const {

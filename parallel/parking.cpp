@@ -13,9 +13,16 @@ namespace rlt {
 
 namespace {
 
-// Exactly the tensor's size, page-locked where CUDA is present. A buffer is replaced (and freed) only in
-// park(), a phase after the copies that read it.
-at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) { return pinned_host_empty(sizes, dtype); }
+// Exactly the tensor's size, page-locked where CUDA is present. No event guards it: a buffer is freed (replaced
+// in park(), or with the parking) only once the device has run the copies that read or write it.
+at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) { return pinned_host_zeros(sizes, dtype); }
+
+// Waits for the copies queued on `devices`' streams (CUDA ones; a CPU device has none).
+void wait_for_copies(const std::vector<at::Device>& devices) {
+  for (const at::Device& d : devices) {
+    if (d.is_cuda()) device_synchronize(d);
+  }
+}
 
 bool fits(const at::Tensor& buffer, const at::Tensor& t) {
   return buffer.defined() && buffer.sizes() == t.sizes() && buffer.scalar_type() == t.scalar_type();
@@ -25,6 +32,10 @@ bool fits(const at::Tensor& buffer, const at::Tensor& t) {
 
 PhaseParking::~PhaseParking() {
   if (reserving_.valid()) reserving_.wait();
+  try {
+    wait_for_copies(devices_);  // an unpark's copies may still read the buffers (an error path ends here)
+  } catch (...) {
+  }
 }
 
 void PhaseParking::reserve(const std::vector<at::Tensor>& like) {
@@ -82,6 +93,7 @@ void PhaseParking::park(const std::vector<at::Tensor>& moved, const std::vector<
     if (t.defined()) {
       at::Tensor& h = host_[base + i];
       if (!fits(h, t)) {
+        if (h.defined()) wait_for_copies({t.device()});  // the last unpark may still read it
         h = host_buffer(t.sizes(), t.scalar_type());
         written_[base + i] = false;
       }

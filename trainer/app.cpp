@@ -23,7 +23,7 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
   // The caching allocator grows its segments in place (PyTorch's expandable segments) unless the
   // environment configures it: a step's tensors change size from phase to phase, and fixed-size segments
   // fragment into a reserve far above what is allocated (docs/training.md, "Memory"). torch's pinned host
-  // memory (staging buffers; the run's offloaded and parked state is pinned_host_empty's, exactly its
+  // memory (staging buffers; the run's offloaded and parked state is pinned_host_zeros's, exactly its
   // size) is malloc'ed and registered by 8 threads: 10 GB/s on an H200 host, where cudaHostAlloc pins 2
   // GB/s whatever the threads.
   setenv("PYTORCH_CUDA_ALLOC_CONF",

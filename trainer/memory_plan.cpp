@@ -523,7 +523,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.parked += chunks;
     pinned.push_back(chunks);
   }
-  // Each buffer whole pages (pinned_host_empty).
+  // Each buffer whole pages (pinned_host_zeros).
   for (int64_t b : pinned) p.host_rounding += pinned_host_bytes(b) - b;
   return p;
 }

@@ -36,7 +36,7 @@ struct MemoryPlan {
   int64_t activations = 0;       // one micro-batch's forward/backward, the loss module's working set included
   int64_t host_optimizer = 0;    // train.offload optimizer: masters and moments in pinned host memory
   int64_t host_rounding = 0;     // what the pages add to those and to `parked`'s buffers: each buffer is
-                                 // whole pages of host memory (pinned_host_empty)
+                                 // whole pages of host memory (pinned_host_zeros)
   int64_t reward_model = 0;      // reward.kind model: its weights in model.dtype and one scoring forward
   int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
                                  // moments at critic.shard's stage

@@ -35,8 +35,8 @@ TEST(CpuMemoryTracking, CountsAllocationsAndFreesAndServesOneDnn) {
 }
 
 // A buffer's host memory is its bytes in whole 4 KiB pages, not torch's pinned allocator's power of two:
-// a 65 GiB buffer takes 65 GiB, not 128. The tensor has the sizes and dtype asked for and holds what is
-// written to it.
+// a 65 GiB buffer takes 65 GiB, not 128. The tensor has the sizes and dtype asked for, starts as zeros and
+// holds what is written to it.
 TEST(PinnedHostMemory, TakesWholePagesOfTheSizeAskedFor) {
   EXPECT_EQ(pinned_host_bytes(0), 0);
   EXPECT_EQ(pinned_host_bytes(1), 4096);
@@ -44,17 +44,18 @@ TEST(PinnedHostMemory, TakesWholePagesOfTheSizeAskedFor) {
   EXPECT_EQ(pinned_host_bytes(4097), 8192);
   const int64_t gib = int64_t{1} << 30;
   EXPECT_EQ(pinned_host_bytes(65 * gib), 65 * gib) << "torch's pinned allocator would take 128 GiB";
-  at::Tensor t = pinned_host_empty({3, 1001}, at::kFloat);
+  at::Tensor t = pinned_host_zeros({3, 1001}, at::kFloat);
   EXPECT_TRUE(t.is_cpu());
   EXPECT_EQ(t.sizes(), at::IntArrayRef({3, 1001}));
   EXPECT_EQ(t.scalar_type(), at::kFloat);
+  EXPECT_EQ(t.count_nonzero().item<int64_t>(), 0) << "zeros";
   t.copy_(at::arange(3 * 1001, at::kFloat).view({3, 1001}));
   EXPECT_TRUE(at::equal(t, at::arange(3 * 1001, at::kFloat).view({3, 1001})));
-  EXPECT_EQ(pinned_host_empty({0}, at::kBFloat16).numel(), 0);
+  EXPECT_EQ(pinned_host_zeros({0}, at::kBFloat16).numel(), 0);
 }
 
 // Where CUDA is present the pages are locked (is_pinned), so copies to and from the device run
-// asynchronously and come back whole; a buffer past 256 MiB (its pages touched by several threads first)
+// asynchronously and come back whole; a buffer past 8 MiB (its pages touched by several threads first)
 // too. Freed, its pages go back to the host (no error left behind for the next CUDA call).
 TEST(PinnedHostMemoryCuda, IsPageLockedAndCopiesBothWays) {
 #ifndef RLT_HAVE_CUDA
@@ -62,11 +63,12 @@ TEST(PinnedHostMemoryCuda, IsPageLockedAndCopiesBothWays) {
 #else
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (int64_t n : {int64_t{1001}, (int64_t{300} << 20) / 4 + 7}) {
-    at::Tensor h = pinned_host_empty({n}, at::kFloat);
+    at::Tensor h = pinned_host_zeros({n}, at::kFloat);
     EXPECT_TRUE(h.is_pinned()) << n << " floats";
+    EXPECT_EQ(h.count_nonzero().item<int64_t>(), 0) << n << " floats: zeros";
     h.copy_(at::arange(n, at::kFloat));
     at::Tensor d = h.to(at::kCUDA, /*non_blocking=*/true).mul_(2);
-    at::Tensor back = pinned_host_empty({n}, at::kFloat);
+    at::Tensor back = pinned_host_zeros({n}, at::kFloat);
     back.copy_(d, /*non_blocking=*/true);
     device_synchronize(d.device());
     EXPECT_TRUE(at::equal(back, at::arange(n, at::kFloat) * 2)) << n << " floats";

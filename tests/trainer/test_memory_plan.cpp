@@ -136,7 +136,7 @@ TEST(MemoryPlan, ParameterCountIsTheBuiltModels) {
 }
 
 // The host memory of a replicated AdamW's parked state: one buffer per moment of every parameter of the
-// built model (and per fp32 master of a bf16 one), each whole pages (pinned_host_empty); with LoRA, the
+// built model (and per fp32 master of a bf16 one), each whole pages (pinned_host_zeros); with LoRA, the
 // adapters' moments alone. Twins: torch's pinned allocator's power-of-two rounding of each buffer, and one
 // buffer the size of them all.
 TEST(MemoryPlan, PinnedBuffersAreWholePages) {
@@ -313,7 +313,7 @@ TEST(MemoryPlan, TheThirtyTwoBRecipeFitsItsGpus) {
 // The 32B recipe's full fine-tune pins its masters and moments (12 bytes a parameter) and its parked bf16
 // chunks (2) in host memory, whatever the ranks of one host: 3 fp32 chunks and a bf16 one on each rank, each
 // exactly its size in whole pages, 427 GiB on the host. A 2 x H200 host (256 GB) is refused before anything
-// loads, a 4 x H200 host (512 GB, 477 GiB available) is not. Twin: torch's pinned allocator, which would
+// loads, a 4 x H200 host (512 GB: 477 GiB of memory) is not. Twin: torch's pinned allocator, which would
 // round the chunks up to 64, 64, 64 and 32 GiB on each of 2 ranks (448 GiB on the host).
 TEST(MemoryPlan, RefusesPinnedHostMemoryTheHostLacks) {
   const std::string root = RLT_SOURCE_DIR;
