@@ -17,10 +17,12 @@ namespace {
 // in park(), or with the parking) only once the device has run the copies that read or write it.
 at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) { return pinned_host_zeros(sizes, dtype); }
 
-// Waits for the copies queued on `devices`' streams (CUDA ones; a CPU device has none).
+// Waits for the copies queued on `devices` (CUDA ones; a CPU device has none), each made current for it.
 void wait_for_copies(const std::vector<at::Device>& devices) {
   for (const at::Device& d : devices) {
-    if (d.is_cuda()) device_synchronize(d);
+    if (!d.is_cuda()) continue;
+    const c10::DeviceGuard guard(d);
+    device_synchronize(d);
   }
 }
 
