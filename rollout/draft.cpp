@@ -45,7 +45,7 @@ uint64_t SuffixDrafter::key(int64_t group, int64_t a, int64_t b) {
 int64_t SuffixDrafter::add(int64_t group, const std::vector<int64_t>& ids, const std::vector<uint8_t>& sampled) {
   const int64_t t = static_cast<int64_t>(texts_.size());
   texts_.push_back({group, ids, sampled});
-  for (int64_t at = 2; at < static_cast<int64_t>(ids.size()); ++at) index(t, at);
+  for (int64_t at = 2; at < static_cast<int64_t>(ids.size()); ++at) pending_.emplace_back(t, at);
   return t;
 }
 
@@ -53,7 +53,12 @@ void SuffixDrafter::append(int64_t text, int64_t id, bool sampled) {
   Text& t = texts_[text];
   t.ids.push_back(id);
   t.sampled.push_back(sampled);
-  if (t.ids.size() >= 3) index(text, static_cast<int64_t>(t.ids.size()) - 1);
+  if (t.ids.size() >= 3) pending_.emplace_back(text, static_cast<int64_t>(t.ids.size()) - 1);
+}
+
+void SuffixDrafter::catch_up() {
+  for (const auto& [t, at] : pending_) index(t, at);
+  pending_.clear();
 }
 
 void SuffixDrafter::index(int64_t t, int64_t at) {
@@ -64,7 +69,8 @@ void SuffixDrafter::index(int64_t t, int64_t at) {
   p.count = std::min(p.count + 1, kPlaces);
 }
 
-std::vector<int64_t> SuffixDrafter::draft(int64_t text, int64_t max_tokens) const {
+std::vector<int64_t> SuffixDrafter::draft(int64_t text, int64_t max_tokens) {
+  catch_up();
   last_match_ = 0;
   std::vector<int64_t> out;
   const Text& x = texts_[text];

@@ -9,7 +9,9 @@
 // max_match tokens; the latest of equals), in its own text or another of its group, up to the draft's
 // length. A continuation stops where the model's text gave way to a tool's reply (a sampled token followed
 // by a forced one): the reply is the tool's, never the model's to sample. One index entry a token: the
-// index of 64 texts of 768 tokens costs the development machine's host about 10 ms.
+// index of 64 texts of 768 tokens costs the development machine's host about 10 ms. Text is indexed when a
+// draft is next asked for, in the order it arrived (the same index as one kept up to date token by token), so
+// a rollout that never drafts (more rows than rollout.speculative_max_rows throughout) never builds it.
 #pragma once
 
 #include <array>
@@ -18,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace rlt {
@@ -60,8 +63,10 @@ class SuffixDrafter {
   // Text `text` gets one more token.
   void append(int64_t text, int64_t id, bool sampled);
   // Up to max_tokens tokens that may follow text `text`; empty when its last two tokens never occurred
-  // before (followed by a token).
-  std::vector<int64_t> draft(int64_t text, int64_t max_tokens) const;
+  // before (followed by a token). Indexes the text added since the last draft first.
+  std::vector<int64_t> draft(int64_t text, int64_t max_tokens);
+  // Tokens added or appended and not yet indexed (each is once a draft is asked for).
+  int64_t unindexed() const { return static_cast<int64_t>(pending_.size()); }
   // The length of the match the latest draft() continued (0: none; at most max_match).
   int64_t last_match() const { return last_match_; }
 
@@ -82,12 +87,15 @@ class SuffixDrafter {
   };
   // Indexes the pair just before token `at` of text t (that token follows it).
   void index(int64_t t, int64_t at);
+  // Indexes pending_, in order.
+  void catch_up();
   static uint64_t key(int64_t group, int64_t a, int64_t b);
 
   DraftOptions options_;
   std::vector<Text> texts_;
-  std::unordered_map<uint64_t, Places> index_;  // (group, pair) -> the last places it was followed
-  mutable int64_t last_match_ = 0;
+  std::unordered_map<uint64_t, Places> index_;        // (group, pair) -> the last places it was followed
+  std::vector<std::pair<int64_t, int64_t>> pending_;  // (text, at) to index, in the order they arrived
+  int64_t last_match_ = 0;
 };
 
 }  // namespace rlt

@@ -1274,6 +1274,33 @@ TEST(SuffixDrafter, DraftsContinueTheLongestEarlierMatchOfTheGroup) {
   EXPECT_EQ(d.draft(c, 4), (std::vector<int64_t>{5, 6, 7})) << "from inside a reply into the next turn";
 }
 
+// Text is indexed when a draft is next asked for, in the order it arrived: the drafts are those of an index
+// kept up to date token by token, and a drafter never asked for one indexes nothing. Two texts of a group
+// get their tokens in turn; B's pair (1, 2) is followed first (60), then A's (50), so A's is the latest
+// place of equal match and Q's draft is 50. Twin: indexing text by text, which puts B's last (60).
+TEST(SuffixDrafter, IndexesTextInTheOrderItArrivedWhenADraftIsAskedFor) {
+  auto grow = [](SuffixDrafter& d, bool draft_each_token) {
+    const int64_t a = d.add(0, {9}, {1}), b = d.add(0, {8}, {1});
+    const std::vector<std::pair<int64_t, int64_t>> arrivals = {{a, 1}, {b, 1}, {a, 2}, {b, 2}, {b, 60}, {a, 50}};
+    for (const auto& [text, id] : arrivals) {
+      d.append(text, id, true);
+      if (draft_each_token) d.draft(text, 4);
+    }
+    return d.add(0, {7, 1, 2}, {1, 1, 1});
+  };
+  SuffixDrafter deferred, eager;
+  const int64_t q = grow(deferred, false);
+  EXPECT_EQ(deferred.unindexed(), 2 + 2 + 1) << "A's two pairs followed by a token, B's two, Q's one";
+  EXPECT_EQ(deferred.draft(q, 4), (std::vector<int64_t>{50}));
+  EXPECT_EQ(deferred.unindexed(), 0);
+  EXPECT_EQ(eager.draft(grow(eager, true), 4), (std::vector<int64_t>{50})) << "kept up to date token by token";
+  SuffixDrafter text_by_text;
+  text_by_text.add(0, {9, 1, 2, 50}, {1, 1, 1, 1});
+  text_by_text.add(0, {8, 1, 2, 60}, {1, 1, 1, 1});
+  EXPECT_EQ(text_by_text.draft(text_by_text.add(0, {7, 1, 2}, {1, 1, 1}), 4), (std::vector<int64_t>{60}))
+      << "twin: text by text";
+}
+
 TEST(DraftHistory, KeepsTheLatestRolloutOfEachPromptWithinItsTokens) {
   DraftHistory h(25);
   auto text = [](int64_t n, int64_t v) {
