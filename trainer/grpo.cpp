@@ -156,9 +156,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
 
     // Micro-batches, packed once: [begin, end) never crosses a mini-batch boundary.
     const auto& micro_ranges = ub.micro_ranges;
-    std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges)
-      batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences, train.share_prompts));
+    const std::vector<PackedBatch> batches = ub.micro_batches(run.device);
 
     // 4. Old and reference log-probs. With one iteration over one mini-batch the update is on-policy:
     // the old log-probs are the new ones, detached (ratio 1), and no extra forward is spent. Off-policy,

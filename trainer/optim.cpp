@@ -349,6 +349,8 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
     balance_over_ranks(rb.trajs, rb.index, mini, *balance, u.reordered_, u.index);  // each mini-batch longest first
   }
   share = share && packed;
+  u.packed_ = packed;
+  u.share_ = share;
   std::vector<int64_t> lengths;  // each trajectory's tokens, prompt and response
   for (const Trajectory& t : u.trajs()) lengths.push_back(t.window_end());
   if ((budget > 0 || (share && balanced)) && S > 0) {
@@ -391,6 +393,12 @@ UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, in
   }
   u.micro_ranges = micro_batch_ranges(lengths, mini, micro, budget, packed, shared);
   return u;
+}
+
+std::vector<PackedBatch> UpdateBatch::micro_batches(at::Device device) const {
+  std::vector<PackedBatch> batches;
+  for (const auto& [b, e] : micro_ranges) batches.push_back(pack(trajs(), b, e, device, packed_, share_));
+  return batches;
 }
 
 namespace {

@@ -12,6 +12,7 @@
 
 #include "parallel/grad_reducer.h"
 #include "parallel/shard.h"
+#include "trainer/batch.h"
 #include "trainer/run.h"
 
 namespace rlt {
@@ -153,12 +154,15 @@ struct UpdateBatch {
   const std::vector<Trajectory>& trajs() const { return reordered_.empty() ? *source_ : reordered_; }
   std::vector<int64_t> index;
   std::vector<std::pair<int64_t, int64_t>> micro_ranges;
+  // Each micro-range packed on `device` in the layout update_batch was given (packed, sharing prompts).
+  std::vector<PackedBatch> micro_batches(at::Device device) const;
 
  private:
   friend UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed,
                                   bool share, Collectives* balance);
   const std::vector<Trajectory>* source_ = nullptr;
   std::vector<Trajectory> reordered_;
+  bool packed_ = false, share_ = false;
 };
 UpdateBatch update_batch(const RolloutBatch& rb, int64_t mini, int64_t micro, int64_t budget, bool packed = false,
                          bool share = false, Collectives* balance = nullptr);

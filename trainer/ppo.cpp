@@ -163,9 +163,7 @@ std::map<std::string, double> train_ppo(Run& run) {
                                         train.share_prompts, train.balance_tokens ? run.dist.get() : nullptr);
     const std::vector<Trajectory>& trajs = ub.trajs();  // (S)
     const auto& micro_ranges = ub.micro_ranges;
-    std::vector<PackedBatch> batches;
-    for (const auto& [b, e] : micro_ranges)
-      batches.push_back(pack(trajs, b, e, run.device, train.pack_sequences, train.share_prompts));
+    const std::vector<PackedBatch> batches = ub.micro_batches(run.device);
 
     // 2. Scoring: old values and the policy's log-probs from one forward; reference log-probs. The values
     // need the forward whatever train.old_logprobs says, so the rollout's old log-probs save nothing here:
