@@ -106,8 +106,7 @@ int main(int argc, char** argv) {
                              {"chunk", chunk},
                              {"ms", ms},
                              {"pcie_GBps", pcie / ms / 1e6},
-                             {"host_bytes", off.host_bytes()},
-                             {"device_bytes", off.device_bytes()}});
+                             {"host_bytes", off.host_bytes()}});
         }
       }
       result["offload"] = offload;

@@ -266,8 +266,6 @@ int64_t OffloadedAdamW::host_bytes() const {
   return bytes;
 }
 
-int64_t OffloadedAdamW::device_bytes() const { return device_slots_.defined() ? device_slots_.nbytes() : 0; }
-
 void OffloadedAdamW::step(const at::Tensor& grad, const AdamWStep& s, at::Tensor out) {
   const int64_t n = master_.numel();
   TORCH_CHECK(grad.defined() && grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == n,
@@ -370,7 +368,8 @@ void OffloadedAdamW::step_on_host(const at::Tensor& grad, const AdamWStep& s, at
 
 // Chunk k passes through device slot k % 3: uploaded on one side stream, stepped by adamw_step on the
 // caller's stream (which also rounds it into `out`), downloaded on another side stream; three slots keep
-// upload, step and download of consecutive chunks in flight together.
+// upload, step and download of consecutive chunks in flight together. The slots (9 chunks of fp32, 144 MiB
+// at 4M elements) live through the step only: between steps the device holds none of the optimizer.
 void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep& s, at::Tensor& out) {
   TORCH_CHECK(grad.is_cuda() && out.is_cuda(),
               "OffloadedAdamW::step: OffloadMode::kStreamDevice needs grad and out on a CUDA device, got ",
@@ -384,8 +383,7 @@ void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep
   const int64_t chunks = (n + C - 1) / C;
   const at::Device device = grad.device();
   c10::cuda::CUDAGuard guard(device);
-  if (!device_slots_.defined() || device_slots_.size(2) != C || device_slots_.device() != device)
-    device_slots_ = at::empty({3, 3, C}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const at::Tensor slots = at::empty({3, 3, C}, at::TensorOptions().dtype(at::kFloat).device(device));
   const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
   const c10::cuda::CUDAStream h2d = c10::cuda::getStreamFromPool(false, device.index());
   const c10::cuda::CUDAStream d2h = c10::cuda::getStreamFromPool(false, device.index());
@@ -394,7 +392,7 @@ void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t b = k * C, len = std::min(C, n - b), slot = k % 3;
     at::Tensor dev[3];
-    for (int j = 0; j < 3; ++j) dev[j] = device_slots_[slot][j].narrow(0, 0, len);
+    for (int j = 0; j < 3; ++j) dev[j] = slots[slot][j].narrow(0, 0, len);
     {
       c10::cuda::CUDAStreamGuard on(h2d);
       if (k >= 3) stored[slot].block(h2d);  // chunk k - 3 has left the slot
@@ -412,7 +410,9 @@ void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep
       stored[slot].record(d2h);
     }
   }
-  d2h.synchronize();  // the host state is current when step returns
+  // The host state is current when step returns, and the slots free: every side-stream use of them ends
+  // before the download stream's last copy.
+  d2h.synchronize();
 #else
   TORCH_CHECK(false, "OffloadedAdamW::step: OffloadMode::kStreamDevice needs a build with CUDA");
 #endif

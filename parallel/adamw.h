@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "parallel/options.h"
+
 namespace rlt {
 
 // One AdamW step's hyper-parameters; the defaults are torch::optim::AdamWOptions'.
@@ -36,21 +38,16 @@ constexpr int64_t kAdamWCpuGrain = int64_t(1) << 15;
 void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 const AdamWStep& s);
 
-// Where OffloadedAdamW::step computes: both keep the masters and moments in pinned host memory.
+// Where OffloadedAdamW::step computes (OffloadMode, parallel/options.h): both keep the masters and moments
+// in pinned host memory. kHostStep: the gradient slice comes to the host in chunks, the host steps each
+// (all cores) and sends the weights back: 4 + 2 bytes over PCIe per element with bf16 weights, host memory
+// traffic 28. kStreamDevice: masters and moments stream through the GPU in chunks, up, adamw_step on the
+// device, back down: 24 bytes over PCIe per element, none through the host's cores.
 // Measured by apps/bench_adamw (one H100, 16 Xeon cores, bf16 weights, 4M-element chunks, median of 15):
 // 1e8 elements: kHostStep 20.9 ms, kStreamDevice 25.2 ms (PCIe at 95 GB/s both ways together);
 // 4e8: 78.5 ms and 98.7 ms. kHostStep is the default, ~20% faster. It is bound by host memory (~150
 // GB/s), which every rank of a host shares, while each GPU streams over its own PCIe link: with several
 // ranks per host kStreamDevice can be the faster, so measure there.
-enum class OffloadMode {
-  // The gradient slice comes to the host in chunks, the host steps each (all cores) and sends the weights
-  // back: 4 + 2 bytes over PCIe per element with bf16 weights, host memory traffic 28.
-  kHostStep,
-  // Masters and moments stream through the GPU in chunks: up, adamw_step on the device, back down:
-  // 24 bytes over PCIe per element, none through the host's cores.
-  kStreamDevice,
-};
-
 struct OffloadOptions {
   OffloadMode mode = OffloadMode::kHostStep;
   // Elements per copy (16 MiB of fp32); of 1M, 4M and 16M, 4M is kHostStep's fastest (21.3 ms against
@@ -81,8 +78,6 @@ class OffloadedAdamW {
   const OffloadOptions& options() const { return options_; }
   // Host bytes held: masters, moments and the pinned staging chunks.
   int64_t host_bytes() const;
-  // Device bytes held between steps: the kStreamDevice chunk slots (0 for kHostStep).
-  int64_t device_bytes() const;
 
  private:
   void step_on_host(const at::Tensor& grad, const AdamWStep& s, at::Tensor& out);
@@ -92,7 +87,6 @@ class OffloadedAdamW {
   at::Tensor master_, exp_avg_, exp_avg_sq_;  // (n) host fp32
   at::Tensor grad_stage_;                     // (2, chunk) pinned fp32: gradient chunks from the device
   at::Tensor out_stage_;                      // (2, chunk) pinned, out's dtype: weight chunks to the device
-  at::Tensor device_slots_;                   // (3, 3, chunk) fp32 on the device: kStreamDevice's p, m, v
 };
 
 }  // namespace rlt

@@ -28,6 +28,21 @@ inline const EnumNames<Offload>& enum_names(Offload) {
   return names;
 }
 
+// OffloadedAdamW's two drivers (parallel/adamw.h), both over masters and moments in pinned host memory:
+// kHostStep, all of the host's cores step them (the gradient comes down and the weights go up, 6 bytes an
+// element over PCIe; host memory bandwidth, shared by every rank of a host, is the limit); kStreamDevice,
+// they stream through the GPU in chunks (24 bytes an element over the rank's own PCIe link).
+enum class OffloadMode { kHostStep, kStreamDevice };
+
+// train.offload_step: which driver steps train.offload's optimizer. auto: the device when several ranks of
+// the run share a host (their host steps would share its memory bandwidth), the host otherwise.
+enum class OffloadStep { kAuto, kHost, kDevice };
+inline const EnumNames<OffloadStep>& enum_names(OffloadStep) {
+  static const EnumNames<OffloadStep> names{
+      {"auto", OffloadStep::kAuto}, {"host", OffloadStep::kHost}, {"device", OffloadStep::kDevice}};
+  return names;
+}
+
 // What leaves the device while the rollout runs (train.phase_offload), moved to pinned host memory and back
 // before the update: nothing; the optimizer's fp32 masters and AdamW moments (and a sharded state's
 // gradient chunks, zeros between steps: freed, not copied); or the training state, which adds the sharded

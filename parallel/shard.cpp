@@ -169,7 +169,8 @@ ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Trans
     Group& G = groups_[g];
     G.weights = at::empty({sizes[g]}, f32.dtype(weight_dtype_));
     if (offload)
-      G.offload = std::make_unique<OffloadedAdamW>(sizes[g]);  // the host copy is the one that steps
+      G.offload =
+          std::make_unique<OffloadedAdamW>(sizes[g], OffloadOptions{options.offload_step});  // the host copy steps
     else
       G.master = at::zeros({sizes[g]}, f32);
   }

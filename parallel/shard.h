@@ -110,6 +110,7 @@ struct ShardOptions {
   Offload offload = Offload::kNone;
   bool keep_weights = false;
   bool lead = true;
+  OffloadMode offload_step = OffloadMode::kHostStep;  // where train.offload's optimizer steps
 };
 
 // One optimizer step's settings: AdamW's for the policy's group (its step count is the counters'), the

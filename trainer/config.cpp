@@ -113,6 +113,16 @@ void check_sections(const ConfigReader<Config>& r) {
            "with LoRA the frozen base is replicated (the rollout decodes it); optimizer or gradients shard the "
            "adapters' state");
   }
+  // The streamed step runs on the GPU the gradients are on: it needs train.offload's host state and CUDA.
+  if (c.train.offload_step == OffloadStep::kDevice) {
+    if (c.train.offload != Offload::kOptimizer) {
+      r.fail("train.offload_step",
+             "device streams train.offload's host state through the GPU: set train.offload: optimizer");
+    }
+    if (c.model.device.rfind("cuda", 0) != 0) {
+      r.fail("train.offload_step", "device steps on the GPU, and model.device is " + c.model.device + ": use host");
+    }
+  }
   // train.phase_offload moves the optimizer state out while the rollout runs, between updates.
   if (c.train.phase_offload != PhaseOffload::kNone) {
     if (c.train.async != AsyncMode::kOff) {

@@ -11,6 +11,7 @@
 
 #include "common/memory.h"
 #include "loss/cce.h"
+#include "parallel/adamw.h"
 #include "rollout/reward_model.h"
 #include "trainer/critic.h"
 #include "trainer/optim.h"
@@ -460,6 +461,13 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.host_optimizer = p.masters + p.moments;
     state_buffers();
     p.masters = p.moments = 0;
+    // offload_step device: a step streams the masters and moments through three slots of a chunk each
+    // (OffloadOptions::chunk_elems), fp32, made for the step, and adamw_step's denominator over one chunk.
+    // The run resolves auto before it plans; unresolved, the plan counts the slots as the bound.
+    if (cuda && c.train.offload_step != OffloadStep::kHost) {
+      const int64_t chunk = std::min(OffloadOptions{}.chunk_elems, T / (stage == ShardStage::kNone ? 1 : N));
+      p.optimizer_step = std::max(p.optimizer_step, (9 + 1) * 4 * chunk);
+    }
   }
   // ensure_reference: a clone of the whole model.
   if (c.objective.kl_coef > 0) p.reference = s * sh.P;

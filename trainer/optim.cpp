@@ -20,7 +20,8 @@
 namespace rlt {
 
 std::shared_ptr<ShardedState> make_sharded_state(Run& run, ShardFault fault) {
-  const ShardOptions o{run.config.train.shard, run.config.train.offload, run.config.rollout.keep_weights, run.lead()};
+  const ShardOptions o{run.config.train.shard, run.config.train.offload, run.config.rollout.keep_weights, run.lead(),
+                       offload_mode(run.config.train.offload_step, run.device.is_cuda(), 1)};
   const std::vector<std::pair<std::string, at::Tensor>> extra(run.model.extra.begin(), run.model.extra.end());
   return std::make_shared<ShardedState>(o, *run.dist, *run.model.policy, extra, run.counters, fault);
 }
@@ -511,6 +512,12 @@ void copy_master_weights_to_model(ModelState& model) {
   at::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = model.policy->trainable_parameters();
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(model.master[i]);  // rounded to nearest
+}
+
+OffloadMode offload_mode(OffloadStep step, bool cuda, int ranks_on_host) {
+  if (step == OffloadStep::kAuto)
+    return cuda && ranks_on_host > 1 ? OffloadMode::kStreamDevice : OffloadMode::kHostStep;
+  return step == OffloadStep::kDevice ? OffloadMode::kStreamDevice : OffloadMode::kHostStep;
 }
 
 int64_t optimizer_memory_bytes(const ModelState& model) {

@@ -60,6 +60,11 @@ double update_comm_seconds(const ModelState& model, const GradReducer* reducer);
 // Whatever trains model.master (the RL optimizer, the warm-up) calls it after each step.
 void copy_master_weights_to_model(ModelState& model);
 
+// The driver of train.offload's optimizer: train.offload_step as set; auto: the device when the run is on
+// CUDA and more than one of its ranks share a host (`ranks_on_host`: the most on any of its hosts), whose
+// host steps would share the host's memory bandwidth.
+OffloadMode offload_mode(OffloadStep step, bool cuda, int ranks_on_host);
+
 // Bytes the optimizer holds beside the model: master weights, their gradients and AdamW's two moments
 // (for every parameter it updates, model.extra included); with model.sharded, what it holds on the device.
 int64_t optimizer_memory_bytes(const ModelState& model);

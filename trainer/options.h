@@ -236,6 +236,7 @@ struct TrainOptions {
   int64_t dist_bucket_mb = 25;
   ShardStage shard = ShardStage::kNone;
   Offload offload = Offload::kNone;
+  OffloadStep offload_step = OffloadStep::kAuto;
   PhaseOffload phase_offload = PhaseOffload::kNone;
 
   template <class V>
@@ -317,7 +318,11 @@ struct TrainOptions {
     v("shard", shard,
       "training state split over the ranks: none | optimizer (masters, moments) | gradients (and gradients) | "
       "parameters (and weights)");
-    v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory, stepped there");
+    v("offload", offload, "none | optimizer: fp32 masters and AdamW moments in pinned host memory");
+    v("offload_step", offload_step,
+      "where train.offload optimizer steps: host (every core; the ranks of a host share its memory bandwidth) | "
+      "device (masters and moments stream through the GPU in chunks over its own PCIe link; CUDA) | auto (device "
+      "when several ranks share a host, else host)");
     v("phase_offload", phase_offload,
       "none | optimizer: fp32 masters and AdamW moments (sharded: gradient chunks too) in pinned host memory "
       "while the rollout and evaluations run, back on the device for the update | training_state: with "

@@ -187,6 +187,15 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   if (run.device.is_cuda() && !at::hasCUDA()) {
     throw RunError("model.device: " + config.model.device + " requested, but no CUDA device is available");
   }
+  // train.offload_step auto, decided from the most ranks any host of the run has, so that every rank steps
+  // alike; the memory plan and the optimizer then see host or device.
+  if (config.train.offload == Offload::kOptimizer && config.train.offload_step == OffloadStep::kAuto) {
+    at::Tensor most = at::tensor({double(ranks_on_this_host(*run.dist))}, at::kDouble);
+    run.dist->all_reduce({most}, ReduceOp::kMax);
+    const bool streams =
+        offload_mode(OffloadStep::kAuto, run.device.is_cuda(), int(most.item<double>())) == OffloadMode::kStreamDevice;
+    run.config.train.offload_step = streams ? OffloadStep::kDevice : OffloadStep::kHost;
+  }
   // Tokenizer: model.tokenizer (a file or a folder) when set; else the checkpoint's own (tokenizer.json,
   // then tokenizer.model); only the built-in demo, with no checkpoint, trains one.
   if (!config.model.tokenizer.empty()) {
@@ -334,10 +343,13 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
   }
   make_optimizer(run, extra);
   if (run.lead() && run.model.sharded) {
-    const TrainOptions& t = config.train;
+    const TrainOptions& t = run.config.train;  // offload_step resolved
     std::cerr << "optimizer: AdamW on fp32 masters, train.shard " << enum_to_string(t.shard) << " over "
-              << run.dist->world() << " rank(s)" << (t.offload == Offload::kOptimizer ? ", offloaded" : "") << ": "
-              << (run.model.sharded->device_bytes() >> 20) << " MiB on the device, "
+              << run.dist->world() << " rank(s)"
+              << (t.offload == Offload::kOptimizer
+                      ? std::string(", offloaded, stepped on the ") + enum_to_string(t.offload_step)
+                      : "")
+              << ": " << (run.model.sharded->device_bytes() >> 20) << " MiB on the device, "
               << (run.model.sharded->host_bytes() >> 20) << " MiB in host memory, per rank\n";
   } else if (run.lead()) {
     int64_t n = 0;

@@ -9,7 +9,8 @@
 #                                     LoRA rank 64 on one GPU, and train.shard parameters over every GPU;
 #                                     LARGE_RUNS picks them, with the phase-wise residency runs
 #                                     parameters_phase (phase_offload optimizer), parameters_state
-#                                     (training_state) and parameters_offload_state (with train.offload);
+#                                     (training_state), parameters_offload_state (with train.offload) and
+#                                     parameters_offload_state_host (its optimizer stepped by the host);
 #                                     with RANDOM_QWEN=32b, lora_32b and full_32b: configs/retool_32b.yaml
 #                                     as shipped on one GPU and fully fine-tuned over every GPU
 # Usage: [SHARD_TESTS=0] [STAGES=...] [SHARD_SETS="--set k=v ..."] bash scripts/gpu/shard.sh small|large
@@ -123,7 +124,8 @@ if [ "$part" = large ]; then
           --set data.eval_path= --set train.eval_prompts=0 --set train.prompts_per_step=8 --set train.micro_batch_size=4
           --set reward.kind=python --set reward.script=$PWD/scripts/gpu/letter_reward.py ${SHARD_SETS:-})
   # LARGE_RUNS: which of none_1gpu lora64_1gpu parameters gradients gradients_offload parameters_offload
-  # parameters_fixed gradients_fixed (default: the 1-GPU runs and the three for 2 GPUs).
+  # parameters_fixed gradients_fixed, the phase-wise runs of the header, lora_32b and full_32b (default: the
+  # 1-GPU runs and the three for 2 GPUs).
   runs=${LARGE_RUNS:-none_1gpu lora64_1gpu parameters gradients_offload parameters_offload}
   for r in $runs; do
     case $r in
@@ -151,6 +153,11 @@ if [ "$part" = large ]; then
       parameters_offload_state) run "s7_parameters_offload_state_${ngpu}gpu" "$ngpu" "${common[@]}" \
                                   --set train.shard=parameters --set train.offload=optimizer \
                                   --set train.phase_offload=training_state ;;
+      # The same with the optimizer stepped by the host's cores (train.offload_step auto streams it through
+      # each GPU when several ranks share a host).
+      parameters_offload_state_host) run "s7_parameters_offload_state_host_${ngpu}gpu" "$ngpu" "${common[@]}" \
+                                       --set train.shard=parameters --set train.offload=optimizer \
+                                       --set train.offload_step=host --set train.phase_offload=training_state ;;
     esac
   done
   [ "${RANDOM_QWEN_KEEP:-0}" = 1 ] || rm -rf "$ckpt"

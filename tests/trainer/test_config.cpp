@@ -191,6 +191,14 @@ TEST(Config, CrossFieldRulesNameTheKeyAndWhereItWasSet) {
       "", {"train.phase_offload=training_state", "train.shard=parameters", "model.activation_checkpointing=true"}));
   EXPECT_NO_THROW(load_config("", {"train.phase_offload=training_state", "train.offload=optimizer"}))
       << "the chunks offload leaves on the device";
+  // train.offload_step device streams train.offload's host state through the run's GPU.
+  expect_error("", {"train.offload_step=device", "model.device=cuda"},
+               {"train.offload_step", "train.offload: optimizer"});
+  expect_error("", {"train.offload_step=device", "train.offload=optimizer"},
+               {"train.offload_step", "model.device is cpu"});
+  expect_error("", {"train.offload_step=gpu"}, {"train.offload_step", "gpu"});
+  EXPECT_NO_THROW(load_config("", {"train.offload_step=device", "train.offload=optimizer", "model.device=cuda:1"}));
+  EXPECT_NO_THROW(load_config("", {"train.offload_step=host", "train.offload=optimizer"}));
   // Partial rollouts carry groups into the next step's rollout, which runs beside the update; dynamic
   // sampling's rounds draw whole groups. A trajectory spans at least its own version and the next.
   expect_error("", {"rollout.partial=true"}, {"rollout.partial", "train.async: one_step"});

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -583,6 +584,52 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeakOnCuda) {
       EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as the ATen forms";
     }
   }
+}
+
+// train.offload_step device: the optimizer step streams the host state through chunk slots made for the
+// step. Its peak over the step's start is the plan's optimizer_step, and the device holds none of it after.
+// The host step's peak is the gradient norm's temporaries, which the plan bounds (it counts the CPU's cast
+// of the squares to float64; a CUDA reduction casts as it reads).
+TEST(MemoryPlan, OffloadStepOnCudaHoldsItsSlotsOnlyWhileItRuns) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device cuda(at::kCUDA, 0);
+  const ModelConfig m = small_config("llama", false, /*vocab=*/256, /*hidden=*/256, /*layers=*/4, 768);
+  const std::vector<Trajectory> trajs = trajectories(4, 8, m.vocab_size);
+  Config c = small_run_config(DType::kBFloat16, 4, /*context=*/8);
+  c.model.device = "cuda";
+  c.train.offload = Offload::kOptimizer;
+  std::map<OffloadStep, int64_t> peak, planned;
+  for (const OffloadStep mode : {OffloadStep::kHost, OffloadStep::kDevice}) {
+    const std::string name = enum_to_string(mode);
+    c.train.offload_step = mode;
+    rlt::Run run;
+    run.config = c;
+    run.device = cuda;
+    run.model.policy = std::make_unique<Transformer>(m, at::kBFloat16, cuda, /*seed=*/0);
+    make_optimizer(run, {});
+    int64_t after = 0;
+    for (int step = 0; step < 2; ++step) {  // the second: every lazily made buffer exists
+      zero_gradients(run.model);
+      micro_batch(run, trajs, 0, 4, /*ends_step=*/true);
+      device_synchronize(cuda);
+      PeakMemory measured(cuda);
+      apply_gradients(run, at::zeros({}), /*total_optimizer_steps=*/10);
+      device_synchronize(cuda);
+      peak[mode] = measured.peak_extra_bytes();
+      after = PeakMemory::allocated_bytes(cuda) - (measured.peak_bytes() - peak[mode]);
+    }
+    planned[mode] = plan_memory(c, m, 1).optimizer_step;
+    std::cout << name << ": optimizer step planned " << planned[mode] << ", measured " << peak[mode] << ", held after "
+              << after << "\n";
+    EXPECT_LE(after, 0) << name << ": the step leaves nothing of its own on the device";
+  }
+  const OffloadStep host = OffloadStep::kHost, device = OffloadStep::kDevice;
+  EXPECT_LT(off(planned[device], peak[device]), 0.10);
+  EXPECT_LE(peak[host], planned[host]);
+  // Twins: the streamed step planned as the host's (the slots forgotten), and measured as if nothing
+  // streamed (the host step's peak).
+  EXPECT_GT(off(planned[host], peak[device]), 0.10) << "the slots forgotten";
+  EXPECT_GT(off(planned[device], peak[host]), 0.10) << "nothing streamed through the device";
 }
 
 // The suggestions of a refusal: "key: value" lines after "What fits", as --set overrides.

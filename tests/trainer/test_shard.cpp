@@ -203,6 +203,15 @@ TEST(ShardedState, TiedEmbeddingsKeptWeightsAndOffloadEqualTheReplicatedRun) {
   for (const auto& w : sharded(s, 2)) EXPECT_LT(rel_diff(w, ref), 1e-6);
 }
 
+// train.offload_step: auto streams through the GPU where the run's ranks share a host; set, as set.
+TEST(OffloadStep, AutoStreamsThroughTheDeviceWhereRanksShareAHost) {
+  EXPECT_EQ(offload_mode(OffloadStep::kAuto, /*cuda=*/true, /*ranks_on_host=*/2), OffloadMode::kStreamDevice);
+  EXPECT_EQ(offload_mode(OffloadStep::kAuto, true, 1), OffloadMode::kHostStep);
+  EXPECT_EQ(offload_mode(OffloadStep::kAuto, false, 8), OffloadMode::kHostStep) << "no GPU to stream through";
+  EXPECT_EQ(offload_mode(OffloadStep::kHost, true, 8), OffloadMode::kHostStep);
+  EXPECT_EQ(offload_mode(OffloadStep::kDevice, true, 1), OffloadMode::kStreamDevice);
+}
+
 // LoRA: the base is frozen and replicated, the adapters train; replicated over 2 ranks (the GradReducer)
 // and sharded (optimizer, gradients) over 2 and 3, against one process. The base must not move.
 TEST(ShardedState, LoraAdaptersEqualTheReplicatedRunWithAndWithoutSharding) {
