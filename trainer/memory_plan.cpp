@@ -753,6 +753,11 @@ int64_t host_memory_bytes() {
 int64_t fewest_checkpointed_layers(const Config& c, const ModelConfig& m, int world, int64_t device_bytes) {
   const int64_t layers = m.num_layers;
   if (device_bytes <= 0 || checkpointed_layers(c.model, layers) < layers || layers == 0) return -1;
+  // Sharded at parameters (the policy, or a separate critic) a layer's weights are gathered again for its
+  // backward, so every layer recomputes: a count is a config error there.
+  if (c.train.shard == ShardStage::kParameters ||
+      (!c.critic.shared && c.critic.stage(c.train.shard) == ShardStage::kParameters))
+    return -1;
   auto fits = [&](int64_t n) {
     Config x = c;
     x.model.checkpoint_layers = n;

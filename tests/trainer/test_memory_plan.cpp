@@ -890,7 +890,17 @@ TEST(MemoryPlan, CheckpointedLayersTradeMemoryForRecompute) {
   Config none = all;
   none.model.activation_checkpointing = false;
   EXPECT_EQ(fewest_checkpointed_layers(none, m, 1, device), -1) << "nothing is checkpointed";
-  // train.shard parameters recomputes every layer: a count is refused.
+  // train.shard parameters recomputes every layer: a count is refused, so none is suggested.
+  Config sharded = all;
+  sharded.train.shard = ShardStage::kParameters;
+  ASSERT_GT(fewest_checkpointed_layers(all, m, 1, device), 0) << "the same plan unsharded names a count";
+  EXPECT_EQ(fewest_checkpointed_layers(sharded, m, 1, plan(L).device_total() * 4), -1);
+  Config critic = all;  // a separate critic sharded at parameters recomputes every layer too
+  critic.critic.shared = false;
+  critic.critic.shard = CriticShard::kParameters;
+  EXPECT_EQ(fewest_checkpointed_layers(critic, m, 1, plan(L).device_total() * 4), -1);
+  critic.critic.shared = true;  // then no critic is made: its shard is not read
+  EXPECT_GT(fewest_checkpointed_layers(critic, m, 1, device), 0);
   EXPECT_THROW(
       load_config("", {"model.activation_checkpointing=true", "train.shard=parameters", "model.checkpoint_layers=3"}),
       std::exception);
