@@ -18,6 +18,7 @@
 #include "tests/common/tiny_model.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
+#include "tests/trainer/tiny_run.h"
 #include "trainer/config.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
@@ -210,6 +211,23 @@ TEST(OffloadStep, AutoStreamsThroughTheDeviceWhereRanksShareAHost) {
   EXPECT_EQ(offload_mode(OffloadStep::kAuto, false, 8), OffloadMode::kHostStep) << "no GPU to stream through";
   EXPECT_EQ(offload_mode(OffloadStep::kHost, true, 8), OffloadMode::kHostStep);
   EXPECT_EQ(offload_mode(OffloadStep::kDevice, true, 1), OffloadMode::kStreamDevice);
+}
+
+// make_run decides auto once, alike on every rank: two ranks of one host on the CPU step on the host.
+TEST(OffloadStep, TheRunDecidesAutoOnEveryRank) {
+  const testing::TempDir tmp("offload_step");
+  Config c = rlt::testing::tiny_task_config();
+  c.train.offload = Offload::kOptimizer;
+  c.train.mini_batch_size = 8;  // a prompt for each rank
+  std::vector<OffloadStep> decided(2, OffloadStep::kAuto);
+  rlt::testing::on_thread_ranks(2, [&](int rank, std::shared_ptr<Collectives> dist) {
+    const rlt::Run run = make_run(c, (tmp.path() / "run").string(), /*resume=*/false, {}, dist);
+    decided[rank] = run.config.train.offload_step;
+  });
+  for (const OffloadStep s : decided) EXPECT_EQ(s, OffloadStep::kHost) << enum_to_string(s);
+  c.train.offload = Offload::kNone;  // nothing offloaded: nothing to decide
+  const rlt::Run run = make_run(c, (tmp.path() / "none").string(), /*resume=*/false, {});
+  EXPECT_EQ(run.config.train.offload_step, OffloadStep::kAuto);
 }
 
 // LoRA: the base is frozen and replicated, the adapters train; replicated over 2 ranks (the GradReducer)
