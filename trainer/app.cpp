@@ -1,6 +1,7 @@
 // train_main; see app.h.
 #include "trainer/app.h"
 
+#include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>
@@ -121,16 +122,25 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       dist = connect(env, at::Device(cfg.model.device),
                      std::chrono::milliseconds(static_cast<int64_t>(1000 * cfg.train.dist_timeout_s)));
       placement = place(cfg, dist);  // train.rollout_ranks: the two sides and their groups
+      // train.cpu_threads: torchrun gives every rank OMP_NUM_THREADS=1 (the host step of train.offload then
+      // runs on one core a rank), and ranks launched without it would each take every CPU. An
+      // OMP_NUM_THREADS the user set is kept.
+      const int threads = rank_cpu_threads(cfg.train.cpu_threads, user_omp_threads(std::getenv), available_cpus(),
+                                           ranks_on_this_host(*dist));
+      at::set_num_threads(threads);
       if (env.rank == 0) {
         const int64_t k = cfg.train.rollout_ranks;
         std::cerr << name << ": rank 0 of " << env.world << " ("
                   << (at::Device(cfg.model.device).is_cuda() ? "NCCL" : "store collectives, CPU") << "); "
                   << (k > 0 ? "ranks " + std::to_string(env.world - k) + ".." + std::to_string(env.world - 1) +
                                   " sample train.prompts_per_step / " + std::to_string(k) +
-                                  " prompts a step, ranks 0.." + std::to_string(env.world - k - 1) + " train on them\n"
+                                  " prompts a step, ranks 0.." + std::to_string(env.world - k - 1) + " train on them"
                             : "every rank samples train.prompts_per_step / " + std::to_string(env.world) +
-                                  " prompts a step\n");
+                                  " prompts a step")
+                  << "; " << threads << " CPU threads a rank\n";
       }
+    } else if (cfg.train.cpu_threads > 0) {
+      at::set_num_threads(int(cfg.train.cpu_threads));
     }
     if (!merge.empty()) {
       Run run = make_run(cfg, out, /*resume=*/true, extra);

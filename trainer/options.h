@@ -216,6 +216,11 @@ struct TrainOptions {
   // Each bucket's broadcast waits for the last, so a few large ones keep the link busy (2 x H200, 7B
   // shape: 25 MiB buckets 64 GB/s, 400 MiB 209 GB/s).
   int64_t rollout_sync_mb = 400;
+  // A rank's ATen CPU threads (the host step of train.offload, the reward model's encoding, CPU kernels).
+  // 0: a launched rank keeps an OMP_NUM_THREADS the user set, else takes the host's CPUs divided by the
+  // run's ranks on it (torchrun's OMP_NUM_THREADS=1 for every rank is not the user's); a lone process keeps
+  // ATen's own count.
+  int64_t cpu_threads = 0;
   int64_t checkpoint_every = 0;
   // The bf16 peak update_mfu divides by, TFLOP/s per rank; 0: the GPU's from model/flops.h's table (a
   // device outside it, or the CPU, logs no update_mfu).
@@ -299,6 +304,11 @@ struct TrainOptions {
     v("peak_tflops", peak_tflops,
       "a rank's peak bf16 TFLOP/s for update_mfu; 0 = the GPU's from the table in docs/training.md",
       FieldRange{0, 1e6});
+    v("cpu_threads", cpu_threads,
+      "a rank's CPU threads (train.offload's host step, encoding, CPU kernels); 0 = a launched rank keeps the "
+      "user's OMP_NUM_THREADS, else takes the host's CPUs over its ranks (torchrun's default 1 is not kept); a "
+      "lone process keeps ATen's count",
+      FieldRange{0, 4096});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});
     v("eval_prompts", eval_prompts,

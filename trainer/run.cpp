@@ -7,13 +7,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <iomanip>
 #include <iostream>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include "common/files.h"
@@ -65,18 +68,6 @@ ModelConfig new_model_config(const Config& c, int64_t vocab) {
 std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Device device) {
   return std::make_unique<Transformer>(new_model_config(c, vocab), scalar_type(c.model.dtype), device,
                                        static_cast<uint64_t>(c.model.init_seed));
-}
-
-// The ranks of the run on this rank's host: every rank's host name, hashed into a slot of its own and
-// gathered by a sum.
-int ranks_on_this_host(Collectives& dist) {
-  char name[256] = {};
-  gethostname(name, sizeof name - 1);
-  const double mine = double(std::hash<std::string>{}(name) & ((uint64_t{1} << 52) - 1)) + 1;  // exact, never 0
-  at::Tensor all = at::zeros({dist.world()}, at::kDouble);
-  all[dist.rank()] = mine;
-  dist.all_reduce({all}, ReduceOp::kSum);
-  return int((all == mine).sum().item<int64_t>());
 }
 
 // The memory plan (trainer/memory_plan.h), before any weight is loaded: printed by rank 0, and a run that
@@ -154,6 +145,40 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
 }
 
 }  // namespace
+
+// Every rank's host name, hashed into a slot of its own and gathered by a sum.
+int ranks_on_this_host(Collectives& dist) {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  const double mine = double(std::hash<std::string>{}(name) & ((uint64_t{1} << 52) - 1)) + 1;  // exact, never 0
+  at::Tensor all = at::zeros({dist.world()}, at::kDouble);
+  all[dist.rank()] = mine;
+  dist.all_reduce({all}, ReduceOp::kSum);
+  return int((all == mine).sum().item<int64_t>());
+}
+
+int rank_cpu_threads(int64_t configured, int user, int cpus, int ranks_on_host) {
+  if (configured > 0) return int(configured);
+  if (user > 0) return user;
+  return std::max(1, cpus / std::max(1, ranks_on_host));
+}
+
+int user_omp_threads(const std::function<const char*(const char*)>& env) {
+  const char* v = env("OMP_NUM_THREADS");
+  if (!v) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || n <= 0 || n > 4096) return 0;
+  if (n == 1 && env("TORCHELASTIC_RUN_ID")) return 0;  // torchrun's default for every rank
+  return int(n);
+}
+
+int available_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, int(std::thread::hardware_concurrency()));
+}
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra,
              std::shared_ptr<Collectives> dist, std::shared_ptr<Placement> placement) {

@@ -455,5 +455,32 @@ TEST(GradReducerCuda, NcclOfOneRankFromTheDeviceThread) {
   reducer_matches_plain_backward(dev, nccl);
 }
 
+// train.cpu_threads: a launched rank keeps the user's OMP_NUM_THREADS, not torchrun's default 1, and
+// otherwise shares the host's CPUs with the run's other ranks there.
+TEST(CpuThreads, ALaunchedRankKeepsTheUsersCountElseSharesTheHost) {
+  EXPECT_EQ(rank_cpu_threads(/*configured=*/0, /*user=*/0, /*cpus=*/32, /*ranks_on_host=*/2), 16);
+  EXPECT_EQ(rank_cpu_threads(0, 0, 32, 1), 32);
+  EXPECT_EQ(rank_cpu_threads(0, 0, 4, 8), 1) << "at least one";
+  EXPECT_EQ(rank_cpu_threads(0, 3, 32, 2), 3) << "the user's count";
+  EXPECT_EQ(rank_cpu_threads(6, 3, 32, 2), 6) << "train.cpu_threads over all";
+  std::map<std::string, std::string> vars;
+  auto env = [&](const char* k) -> const char* {
+    const auto it = vars.find(k);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  EXPECT_EQ(user_omp_threads(env), 0) << "unset";
+  vars["OMP_NUM_THREADS"] = "1";
+  EXPECT_EQ(user_omp_threads(env), 1) << "set by the user, no torchrun";
+  vars["TORCHELASTIC_RUN_ID"] = "none";
+  EXPECT_EQ(user_omp_threads(env), 0) << "torchrun's default";
+  vars["OMP_NUM_THREADS"] = "4";
+  EXPECT_EQ(user_omp_threads(env), 4) << "set by the user under torchrun";
+  for (const char* bad : {"", "0", "-2", "4x", "all"}) {
+    vars["OMP_NUM_THREADS"] = bad;
+    EXPECT_EQ(user_omp_threads(env), 0) << "'" << bad << "'";
+  }
+  EXPECT_GE(available_cpus(), 1);
+}
+
 }  // namespace
 }  // namespace rlt
