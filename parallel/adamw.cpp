@@ -387,6 +387,11 @@ void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep
   const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
   const c10::cuda::CUDAStream h2d = c10::cuda::getStreamFromPool(false, device.index());
   const c10::cuda::CUDAStream d2h = c10::cuda::getStreamFromPool(false, device.index());
+  // The slots come from the caller's stream, whose queued kernels may still use their memory: the uploads
+  // start once that stream reaches this point.
+  at::cuda::CUDAEvent free_to_write;
+  free_to_write.record(compute);
+  free_to_write.block(h2d);
   at::cuda::CUDAEvent loaded[3], stepped[3], stored[3];
   at::Tensor host[3] = {master_, exp_avg_, exp_avg_sq_};
   for (int64_t k = 0; k < chunks; ++k) {

@@ -125,7 +125,7 @@ int train_main(int argc, char** argv, const std::string& name, const std::string
       // train.cpu_threads: torchrun gives every rank OMP_NUM_THREADS=1 (the host step of train.offload then
       // runs on one core a rank), and ranks launched without it would each take every CPU. An
       // OMP_NUM_THREADS the user set is kept.
-      const int threads = rank_cpu_threads(cfg.train.cpu_threads, user_omp_threads(std::getenv), available_cpus(),
+      const int threads = rank_cpu_threads(cfg.train.cpu_threads, user_omp_threads(std::getenv), host_cpus(),
                                            ranks_on_this_host(*dist));
       at::set_num_threads(threads);
       if (env.rank == 0) {

@@ -217,9 +217,9 @@ struct TrainOptions {
   // shape: 25 MiB buckets 64 GB/s, 400 MiB 209 GB/s).
   int64_t rollout_sync_mb = 400;
   // A rank's ATen CPU threads (the host step of train.offload, the reward model's encoding, CPU kernels).
-  // 0: a launched rank keeps an OMP_NUM_THREADS the user set, else takes the host's CPUs divided by the
-  // run's ranks on it (torchrun's OMP_NUM_THREADS=1 for every rank is not the user's); a lone process keeps
-  // ATen's own count.
+  // 0: a launched rank keeps an OMP_NUM_THREADS the user set, else takes the CPUs it may run on, divided by
+  // the run's ranks on its host unless it is bound to CPUs of its own (torchrun's OMP_NUM_THREADS=1 for
+  // every rank is not the user's); a lone process keeps ATen's own count.
   int64_t cpu_threads = 0;
   int64_t checkpoint_every = 0;
   // The bf16 peak update_mfu divides by, TFLOP/s per rank; 0: the GPU's from model/flops.h's table (a
@@ -306,8 +306,8 @@ struct TrainOptions {
       FieldRange{0, 1e6});
     v("cpu_threads", cpu_threads,
       "a rank's CPU threads (train.offload's host step, encoding, CPU kernels); 0 = a launched rank keeps the "
-      "user's OMP_NUM_THREADS, else takes the host's CPUs over its ranks (torchrun's default 1 is not kept); a "
-      "lone process keeps ATen's count",
+      "user's OMP_NUM_THREADS, else takes its CPUs over the host's ranks, or all where bound to its own "
+      "(torchrun's default 1 is not kept); a lone process keeps ATen's count",
       FieldRange{0, 4096});
     v("checkpoint_every", checkpoint_every, "steps between checkpoints; 0 = at the end only", FieldRange{0, 1e9});
     v("seed", seed, "the run's seed: prompt order and sampling noise", FieldRange{0, 9.0e18});

@@ -14,7 +14,6 @@
 #include <iostream>
 #include <numeric>
 #include <sstream>
-#include <thread>
 
 #include <sched.h>
 #include <unistd.h>
@@ -157,10 +156,11 @@ int ranks_on_this_host(Collectives& dist) {
   return int((all == mine).sum().item<int64_t>());
 }
 
-int rank_cpu_threads(int64_t configured, int user, int cpus, int ranks_on_host) {
+int rank_cpu_threads(int64_t configured, int user, const HostCpus& cpus, int ranks_on_host) {
   if (configured > 0) return int(configured);
   if (user > 0) return user;
-  return std::max(1, cpus / std::max(1, ranks_on_host));
+  if (cpus.allowed < cpus.online) return std::max(1, cpus.allowed);
+  return std::max(1, cpus.allowed / std::max(1, ranks_on_host));
 }
 
 int user_omp_threads(const std::function<const char*(const char*)>& env) {
@@ -173,11 +173,13 @@ int user_omp_threads(const std::function<const char*(const char*)>& env) {
   return int(n);
 }
 
-int available_cpus() {
+HostCpus host_cpus() {
+  HostCpus c;
+  c.online = std::max(1, int(sysconf(_SC_NPROCESSORS_ONLN)));
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1, int(std::thread::hardware_concurrency()));
+  c.allowed = sched_getaffinity(0, sizeof set, &set) == 0 ? std::max(1, CPU_COUNT(&set)) : c.online;
+  return c;
 }
 
 Run make_run(const Config& config, const std::string& out_dir, bool resume, const ExtraParams& extra,

@@ -181,14 +181,18 @@ Run make_run(const Config& config, const std::string& out_dir, bool resume, cons
 
 // The ranks of the run on this rank's host (a collective: every rank of `dist` calls it).
 int ranks_on_this_host(Collectives& dist);
+// The CPUs this process may run on (its affinity mask) and the host's online ones.
+struct HostCpus {
+  int allowed = 1, online = 1;
+};
+HostCpus host_cpus();
 // train.cpu_threads for a rank of a launched run: `configured` when set; else `user` (user_omp_threads) when
-// set; else the host's `cpus` shared by its `ranks_on_host`, at least one each.
-int rank_cpu_threads(int64_t configured, int user, int cpus, int ranks_on_host);
+// set; else the CPUs the rank may run on, shared by the run's `ranks_on_host` where the rank may run on
+// all of the host's (a rank bound to CPUs of its own, by srun or numactl, takes them all), at least one.
+int rank_cpu_threads(int64_t configured, int user, const HostCpus& cpus, int ranks_on_host);
 // OMP_NUM_THREADS as the user set it, read through `env`: 0 when unset or not a positive count, and 0 for
 // the 1 torchrun gives every rank of a job (TORCHELASTIC_RUN_ID set) whose environment has none.
 int user_omp_threads(const std::function<const char*(const char*)>& env);
-// The CPUs this process may run on (its affinity mask).
-int available_cpus();
 
 // A step's trajectories (train.prompts_per_step x samples_per_prompt) and its mini-batches must split
 // evenly over `world` ranks, whole prompts each: RunError naming the keys otherwise.

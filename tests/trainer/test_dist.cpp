@@ -458,11 +458,13 @@ TEST(GradReducerCuda, NcclOfOneRankFromTheDeviceThread) {
 // train.cpu_threads: a launched rank keeps the user's OMP_NUM_THREADS, not torchrun's default 1, and
 // otherwise shares the host's CPUs with the run's other ranks there.
 TEST(CpuThreads, ALaunchedRankKeepsTheUsersCountElseSharesTheHost) {
-  EXPECT_EQ(rank_cpu_threads(/*configured=*/0, /*user=*/0, /*cpus=*/32, /*ranks_on_host=*/2), 16);
-  EXPECT_EQ(rank_cpu_threads(0, 0, 32, 1), 32);
-  EXPECT_EQ(rank_cpu_threads(0, 0, 4, 8), 1) << "at least one";
-  EXPECT_EQ(rank_cpu_threads(0, 3, 32, 2), 3) << "the user's count";
-  EXPECT_EQ(rank_cpu_threads(6, 3, 32, 2), 6) << "train.cpu_threads over all";
+  const HostCpus all{32, 32};
+  EXPECT_EQ(rank_cpu_threads(/*configured=*/0, /*user=*/0, all, /*ranks_on_host=*/2), 16);
+  EXPECT_EQ(rank_cpu_threads(0, 0, all, 1), 32);
+  EXPECT_EQ(rank_cpu_threads(0, 0, HostCpus{4, 4}, 8), 1) << "at least one";
+  EXPECT_EQ(rank_cpu_threads(0, 0, HostCpus{16, 128}, 8), 16) << "bound to 16 CPUs of its own: not shared again";
+  EXPECT_EQ(rank_cpu_threads(0, 3, all, 2), 3) << "the user's count";
+  EXPECT_EQ(rank_cpu_threads(6, 3, all, 2), 6) << "train.cpu_threads over all";
   std::map<std::string, std::string> vars;
   auto env = [&](const char* k) -> const char* {
     const auto it = vars.find(k);
@@ -479,7 +481,9 @@ TEST(CpuThreads, ALaunchedRankKeepsTheUsersCountElseSharesTheHost) {
     vars["OMP_NUM_THREADS"] = bad;
     EXPECT_EQ(user_omp_threads(env), 0) << "'" << bad << "'";
   }
-  EXPECT_GE(available_cpus(), 1);
+  const HostCpus here = host_cpus();
+  EXPECT_GE(here.allowed, 1);
+  EXPECT_LE(here.allowed, here.online);
 }
 
 }  // namespace
