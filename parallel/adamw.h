@@ -45,9 +45,9 @@ void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at
 // device, back down: 24 bytes over PCIe per element, none through the host's cores.
 // Measured by apps/bench_adamw (one H100, 16 Xeon cores, bf16 weights, 4M-element chunks, median of 15):
 // 1e8 elements: kHostStep 20.9 ms, kStreamDevice 25.2 ms (PCIe at 95 GB/s both ways together);
-// 4e8: 78.5 ms and 98.7 ms. kHostStep is the default, ~20% faster. It is bound by host memory (~150
-// GB/s), which every rank of a host shares, while each GPU streams over its own PCIe link: with several
-// ranks per host kStreamDevice can be the faster, so measure there.
+// 4e8: 78.5 ms and 98.7 ms: kHostStep ~20% faster for a rank alone on its host. It is bound by host memory
+// (~150 GB/s), which every rank of a host shares, while each GPU streams over its own PCIe link:
+// train.offload_step auto takes kStreamDevice where several ranks share a host.
 struct OffloadOptions {
   OffloadMode mode = OffloadMode::kHostStep;
   // Elements per copy (16 MiB of fp32); of 1M, 4M and 16M, 4M is kHostStep's fastest (21.3 ms against
