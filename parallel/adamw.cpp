@@ -266,6 +266,18 @@ int64_t OffloadedAdamW::host_bytes() const {
   return bytes;
 }
 
+namespace {
+// Elements per chunk of a step over n elements.
+int64_t chunk_of(int64_t n, const OffloadOptions& options) {
+  return std::max<int64_t>(1, std::min(options.chunk_elems, n));
+}
+}  // namespace
+
+int64_t stream_step_device_bytes(int64_t n, const OffloadOptions& options) {
+  const int64_t C = chunk_of(n, options);
+  return int64_t(sizeof(float)) * (3 * 3 * C + std::min(C, kAtenChunk));
+}
+
 void OffloadedAdamW::step(const at::Tensor& grad, const AdamWStep& s, at::Tensor out) {
   const int64_t n = master_.numel();
   TORCH_CHECK(grad.defined() && grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == n,
@@ -296,7 +308,7 @@ void OffloadedAdamW::step(const at::Tensor& grad, const AdamWStep& s, at::Tensor
 // written in place.
 void OffloadedAdamW::step_on_host(const at::Tensor& grad, const AdamWStep& s, at::Tensor& out) {
   const int64_t n = master_.numel();
-  const int64_t C = std::max<int64_t>(1, std::min(options_.chunk_elems, n));
+  const int64_t C = chunk_of(n, options_);
   const int64_t chunks = (n + C - 1) / C;
   const bool stage_grad = !grad.is_cpu(), stage_out = !out.is_cpu();
   const OutKind fused = fused_out_kind(out.scalar_type());
@@ -379,7 +391,7 @@ void OffloadedAdamW::step_through_device(const at::Tensor& grad, const AdamWStep
               "OffloadedAdamW::step: kStreamDevice needs the host state pinned (CUDA was not "
               "available when this OffloadedAdamW was made)");
   const int64_t n = master_.numel();
-  const int64_t C = std::max<int64_t>(1, std::min(options_.chunk_elems, n));
+  const int64_t C = chunk_of(n, options_);
   const int64_t chunks = (n + C - 1) / C;
   const at::Device device = grad.device();
   c10::cuda::CUDAGuard guard(device);

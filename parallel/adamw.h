@@ -55,6 +55,11 @@ struct OffloadOptions {
   int64_t chunk_elems = int64_t(1) << 22;
 };
 
+// Device bytes a kStreamDevice step over n elements allocates while it runs (none are held between steps):
+// three slots of a chunk of masters, moments and second moments, and adamw_step's denominator over one
+// chunk. The memory plan's figure for train.offload_step device.
+int64_t stream_step_device_bytes(int64_t n, const OffloadOptions& options = {});
+
 // Masters and moments of one rank's slice in pinned host memory (plain host memory when CUDA is not
 // available), stepped for train.offload: optimizer. The gradient slice comes from the device; the updated
 // weights go back to the device rounded to the weights' dtype.

@@ -461,12 +461,10 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.host_optimizer = p.masters + p.moments;
     state_buffers();
     p.masters = p.moments = 0;
-    // offload_step device: a step streams the masters and moments through three slots of a chunk each
-    // (OffloadOptions::chunk_elems), fp32, made for the step, and adamw_step's denominator over one chunk.
+    // offload_step device: a step streams the masters and moments through chunk slots made for the step.
     // The run resolves auto before it plans; unresolved, the plan counts the slots as the bound.
     if (cuda && c.train.offload_step != OffloadStep::kHost) {
-      const int64_t chunk = std::min(OffloadOptions{}.chunk_elems, T / (stage == ShardStage::kNone ? 1 : N));
-      p.optimizer_step = std::max(p.optimizer_step, (9 + 1) * 4 * chunk);
+      p.optimizer_step = std::max(p.optimizer_step, stream_step_device_bytes(T / (stage == ShardStage::kNone ? 1 : N)));
     }
   }
   // ensure_reference: a clone of the whole model.
