@@ -14,7 +14,8 @@
 //                 (launch gaps between a graph's kernels count as idle), with --top-kernels the activities
 //                 that take the most time;
 //   mode          default (the rollout's path), and with --variants the same cell with one part off:
-//                 no_graph_draw (the head and the draw outside the step's graph).
+//                 no_graph_draw (the head and the draw outside the step's graph), no_dependent_launch (the
+//                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -169,9 +170,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   app.add_option("--variants", variants,
                  "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
-                 "graph)")
+                 "graph), no_dependent_launch (no programmatic edges in the graph)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"default", "no_graph_draw"}));
+      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
@@ -192,6 +193,7 @@ int main(int argc, char** argv) {
         for (const std::string& mode : variants) {
           EngineSwitches sw;
           sw.graph_draw = mode != "no_graph_draw";
+          sw.dependent_launch = mode != "no_dependent_launch";
           const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);
           const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;

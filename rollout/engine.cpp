@@ -19,6 +19,8 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "common/cuda/launch.h"
 #endif
 
 namespace rlt {
@@ -840,6 +842,7 @@ std::unique_ptr<DecodeEngine::StepGraph> DecodeEngine::capture(const at::Tensor&
     // stream while this one captures, which a global capture would forbid.
     if (!any_graph()) graph_pool_ = at::cuda::graph_pool_handle();
     g->graph.capture_begin(graph_pool_, cudaStreamCaptureModeThreadLocal);
+    const cuda::DependentLaunchScope dependent(options_.switches.dependent_launch);
     try {
       g->hidden = run(g->inputs);
     } catch (const std::exception& e) {

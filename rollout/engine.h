@@ -105,6 +105,10 @@ struct EngineSwitches {
   // over every cache row, and one copy brings the ids and log-probs to the host. Off: the graph ends at
   // the hidden states, and the head and the draw run eagerly over the fed rows.
   bool graph_draw = true;
+  // With cuda_graphs on a Hopper GPU: the captured graphs join each fused kernel to the kernel before it by
+  // a programmatic edge (programmatic dependent launch, common/cuda/launch.h), so that it is resident and
+  // waiting when its predecessor ends instead of launching after it. Off: plain edges.
+  bool dependent_launch = true;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
   // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
@@ -129,6 +133,8 @@ struct EngineSwitches {
       "a decode step attends over each row's cache in place, split over the keys (false: SDPA over the span; GPU)");
     v("graph_draw", graph_draw,
       "a graphed decode step also runs the LM head and the draw of the next tokens inside its graph (GPU only)");
+    v("dependent_launch", dependent_launch,
+      "the captured graphs launch each fused kernel while the kernel before it ends (Hopper GPUs)");
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");

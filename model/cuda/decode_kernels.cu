@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/cuda/dtypes.cuh"
+#include "common/cuda/launch.cuh"
 #include "model/cuda/decode_kernels.h"
 
 namespace rlt::cuda {
@@ -49,11 +50,18 @@ __global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ h, const T* __restrict__ w,
                     int64_t D, float eps, bool gemma, T* __restrict__ out) {
   const int64_t off = int64_t(blockIdx.x) * D;
-  auto scaled = [&](float y, int64_t i) {  // y = x * rsqrt(mean(x^2) + eps)
-    return gemma ? from_f<T>(__fmul_rn(y, __fadd_rn(1.0f, to_f(w[i]))))
-                 : from_f<T>(__fmul_rn(to_f(w[i]), round_to<T>(y)));
+  auto scaled = [&](float y, T wi) {  // y = x * rsqrt(mean(x^2) + eps), wi the weight
+    return gemma ? from_f<T>(__fmul_rn(y, __fadd_rn(1.0f, to_f(wi)))) : from_f<T>(__fmul_rn(to_f(wi), round_to<T>(y)));
   };
   if constexpr (PER > 0) {
+    T wk[PER];  // the weights, constant: loaded while the kernel ahead may still run
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
+      wk[k] = i < D ? w[i] : from_f<T>(0.f);
+    }
+    wait_for_inputs();
+    allow_dependents();
     float v[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
@@ -72,9 +80,11 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
-      if (i < D) out[off + i] = scaled(__fmul_rn(v[k], r), i);
+      if (i < D) out[off + i] = scaled(__fmul_rn(v[k], r), wk[k]);
     }
   } else {
+    wait_for_inputs();
+    allow_dependents();
     const T* x = b ? h + off : a + off;
     float sq = 0.f;
     for (int64_t i = threadIdx.x; i < D; i += kNormThreads) {
@@ -88,7 +98,7 @@ __global__ void __launch_bounds__(kNormThreads)
       sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
     const float r = rsqrtf(__fadd_rn(__fmul_rn(block_sum(sq), 1.0f / float(D)), eps));
-    for (int64_t i = threadIdx.x; i < D; i += kNormThreads) out[off + i] = scaled(__fmul_rn(to_f(x[i]), r), i);
+    for (int64_t i = threadIdx.x; i < D; i += kNormThreads) out[off + i] = scaled(__fmul_rn(to_f(x[i]), r), w[i]);
   }
 }
 
@@ -136,6 +146,8 @@ template <typename T, int W, typename I>
 __global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __restrict__ sin_t, int64_t rows,
                             int64_t L, int64_t H, int64_t Hkv, int64_t hd, int64_t q_row, int64_t k_row, CacheWrite cw,
                             RopeOut<T> ro) {
+  wait_for_inputs();
+  allow_dependents();
   const I chunks = I(hd / 2 / W), heads = I(H + Hkv);
   const I n = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x);
   if (int64_t(n) >= rows * int64_t(heads) * int64_t(chunks)) return;
@@ -189,6 +201,8 @@ __device__ __forceinline__ T silu_times(T g, T u) {
 template <typename T, int V>
 __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out,
                                     uint32_t n_vec, uint32_t F_vec, int64_t g_row, int64_t u_row) {
+  wait_for_inputs();
+  allow_dependents();
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
   const uint32_t r = i / F_vec, j = (i - r * F_vec) * V;
@@ -203,6 +217,8 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
                                 int64_t F, int64_t g_row, int64_t u_row) {
+  wait_for_inputs();
+  allow_dependents();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t r = i / F, j = i % F;
@@ -248,22 +264,21 @@ void launch_norm(const at::Tensor& a, const at::Tensor* b, const at::Tensor* h, 
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(a.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto per) {
-      rms_norm_kernel<T, decltype(per)::value>
-          <<<unsigned(rows), kNormThreads, 0, stream>>>(ptr<T>(a), b ? ptr<T>(*b) : nullptr, h ? ptr<T>(*h) : nullptr,
-                                                        ptr<T>(w), D, static_cast<float>(eps), gemma, ptr<T>(out));
+    auto launch_per = [&](auto per) {
+      launch(rms_norm_kernel<T, decltype(per)::value>, unsigned(rows), kNormThreads, 0, stream, ptr<T>(a),
+             b ? ptr<T>(*b) : nullptr, h ? ptr<T>(*h) : nullptr, ptr<T>(w), D, static_cast<float>(eps), gemma,
+             ptr<T>(out));
     };
     // Rows of up to 2,048 in registers (8 or 16 a thread); wider ones through the loop. At 32 a thread
     // (D = 3,584) the registers' form measured slower than the loop: 8.5 us a norm against 6.9 (H200).
     if (D <= 8 * kNormThreads) {
-      launch(std::integral_constant<int, 8>{});
+      launch_per(std::integral_constant<int, 8>{});
     } else if (D <= 16 * kNormThreads) {
-      launch(std::integral_constant<int, 16>{});
+      launch_per(std::integral_constant<int, 16>{});
     } else {
-      launch(std::integral_constant<int, 0>{});
+      launch_per(std::integral_constant<int, 0>{});
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -318,14 +333,13 @@ void launch_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
     if (cw.k) wide = wide && cw.v_row % W == 0;
     if (wide) {
       const int64_t threads = n / W;
-      rope_kernel<T, W, uint32_t><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(
-          ptr<T>(q), ptr<T>(k), ptr<T>(cos), ptr<T>(sin), B * L, L, H, Hkv, hd, q_row, k_row, cw, ro);
+      launch(rope_kernel<T, W, uint32_t>, unsigned((threads + 255) / 256), 256, 0, stream, ptr<T>(q), ptr<T>(k),
+             ptr<T>(cos), ptr<T>(sin), B * L, L, H, Hkv, hd, q_row, k_row, cw, ro);
     } else {
-      rope_kernel<T, 1, int64_t><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
-          ptr<T>(q), ptr<T>(k), ptr<T>(cos), ptr<T>(sin), B * L, L, H, Hkv, hd, q_row, k_row, cw, ro);
+      launch(rope_kernel<T, 1, int64_t>, unsigned((n + 255) / 256), 256, 0, stream, ptr<T>(q), ptr<T>(k), ptr<T>(cos),
+             ptr<T>(sin), B * L, L, H, Hkv, hd, q_row, k_row, cw, ro);
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -385,14 +399,13 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
     if (F % V == 0 && g_row % V == 0 && u_row % V == 0 && aligned_16(g.data_ptr()) && aligned_16(u.data_ptr()) &&
         aligned_16(out.data_ptr()) && n / V < (int64_t(1) << 32) - 256) {
       const int64_t n_vec = n / V;
-      silu_mul_vec_kernel<T, V><<<unsigned((n_vec + 255) / 256), 256, 0, stream>>>(
-          ptr<T>(g), ptr<T>(u), ptr<T>(out), uint32_t(n_vec), uint32_t(F / V), g_row, u_row);
+      launch(silu_mul_vec_kernel<T, V>, unsigned((n_vec + 255) / 256), 256, 0, stream, ptr<T>(g), ptr<T>(u),
+             ptr<T>(out), uint32_t(n_vec), uint32_t(F / V), g_row, u_row);
     } else {
-      silu_mul_kernel<T>
-          <<<unsigned((n + 255) / 256), 256, 0, stream>>>(ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F, g_row, u_row);
+      launch(silu_mul_kernel<T>, unsigned((n + 255) / 256), 256, 0, stream, ptr<T>(g), ptr<T>(u), ptr<T>(out), n, F,
+             g_row, u_row);
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -457,6 +470,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   T* probs = reinterpret_cast<T*>(scratch + kAttnWarps * 16 * SLD);
   bool* keep_s = reinterpret_cast<bool*>(probs + kAttnWarps * 16 * PLD);  // stage s: keep_s + s BK
 
+  wait_for_inputs();
+  allow_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t e = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z % splits;
   const int64_t first = int64_t(blockIdx.z / splits) * kAttnRows, GL = G * L;
@@ -667,6 +682,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 template <typename T>
 __global__ void cache_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
                                         int64_t rows_all, int HD, T* __restrict__ out) {
+  wait_for_inputs();
+  allow_dependents();
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows_all) return;
   float top = -INFINITY;
@@ -750,25 +767,23 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   }
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(unsigned(E), unsigned(Hkv), unsigned(tiles * splits));
-  auto launch = [&](auto split_tag) {
-    cache_attention_kernel<T, HD, decltype(split_tag)::value><<<grid, kAttnWarps * 32, smem, stream>>>(
-        ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr,
-        keep.data_ptr<bool>(), keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span,
-        scale * static_cast<float>(M_LOG2E), int(splits), per_split, ptr<T>(out),
-        splits > 1 ? part_o.data_ptr<float>() : nullptr, splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+  auto launch_split = [&](auto split_tag) {
+    launch(cache_attention_kernel<T, HD, decltype(split_tag)::value>, grid, kAttnWarps * 32, smem, stream, ptr<T>(q),
+           q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr, keep.data_ptr<bool>(),
+           keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E),
+           int(splits), per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
+           splits > 1 ? part_ml.data_ptr<float>() : nullptr);
   };
   if (split_keys) {
-    launch(std::true_type{});
+    launch_split(std::true_type{});
   } else {
-    launch(std::false_type{});
+    launch_split(std::false_type{});
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     constexpr int kRowsPerBlock = 4;
-    cache_attention_combine<T>
-        <<<unsigned((rows_all + kRowsPerBlock - 1) / kRowsPerBlock), dim3(HD, kRowsPerBlock), 0, stream>>>(
-            part_o.data_ptr<float>(), part_ml.data_ptr<float>(), int(splits), rows_all, HD, ptr<T>(out));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(cache_attention_combine<T>, unsigned((rows_all + kRowsPerBlock - 1) / kRowsPerBlock),
+           dim3(HD, kRowsPerBlock), 0, stream, part_o.data_ptr<float>(), part_ml.data_ptr<float>(), int(splits),
+           rows_all, HD, ptr<T>(out));
   }
 }
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "common/cuda/launch.cuh"
 #include "rollout/cuda/sample_kernels.h"
 #include "rollout/hash.h"
 
@@ -41,6 +42,8 @@ __device__ __forceinline__ uint64_t pack(float score, int64_t v) {
 __global__ void __launch_bounds__(kThreads)
     gumbel_argmax_kernel(const float* __restrict__ x, int64_t row_stride, int64_t V, int64_t chunk,
                          const int64_t* __restrict__ row_keys, float inv_t, unsigned long long* __restrict__ best) {
+  wait_for_inputs();
+  allow_dependents();
   const int64_t n = blockIdx.x;
   const int64_t begin = int64_t(blockIdx.y) * chunk, end = min(V, begin + chunk);
   const float* row = x + n * row_stride;
@@ -73,6 +76,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void unpack_kernel(const unsigned long long* __restrict__ best, int64_t N, int64_t* __restrict__ ids) {
+  wait_for_inputs();
+  allow_dependents();
   const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (n < N) ids[n] = int64_t(0xffffffffu - uint32_t(best[n] & 0xffffffffull));
 }
@@ -101,11 +106,9 @@ at::Tensor gumbel_argmax(const at::Tensor& x, const at::Tensor& row_keys, double
   const float inv_t = 1.0f / static_cast<float>(temperature);  // ATen: opmath 1 / float(T)
   auto stream = at::cuda::getCurrentCUDAStream();
   auto* b = reinterpret_cast<unsigned long long*>(best.data_ptr<int64_t>());
-  gumbel_argmax_kernel<<<dim3(unsigned(N), unsigned(splits)), kThreads, 0, stream>>>(
-      x.data_ptr<float>(), x.stride(0), V, chunk, row_keys.data_ptr<int64_t>(), inv_t, b);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  unpack_kernel<<<unsigned((N + 255) / 256), 256, 0, stream>>>(b, N, ids.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(gumbel_argmax_kernel, dim3(unsigned(N), unsigned(splits)), kThreads, 0, stream, x.data_ptr<float>(),
+         x.stride(0), V, chunk, row_keys.data_ptr<int64_t>(), inv_t, b);
+  launch(unpack_kernel, unsigned((N + 255) / 256), 256, 0, stream, b, N, ids.data_ptr<int64_t>());
   return ids;
 }
 

@@ -14,6 +14,13 @@
 #include <vector>
 
 #ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include "common/cuda/launch.h"
 #include "model/cuda/decode_kernels.h"
 #endif
 #include "model/transformer.h"
@@ -428,6 +435,79 @@ TEST(DecodeKernelsCuda, SqueezeMovesEveryLayersKeptSlotsInPlaceAsAtenGathersThem
       cuda::squeeze_slots_(kb, vb, bad.contiguous());
       EXPECT_FALSE(agrees(kb, k0, order)) << "a wrong order passed";
     }
+  }
+#endif
+}
+
+// Programmatic dependent launch (common/cuda/launch.h): captured under DependentLaunchScope, each of a chain
+// of fused kernels (residual add + RMSNorm, RoPE with the cache write, in-place attention and its split
+// combine, the SiLU gate, RMSNorm) joins the kernel before it by a programmatic edge, and the graph's
+// replay computes what eager launches do, bit for bit; captured without the scope, every edge is plain. The
+// wrong twin it rejects: the same capture with the scope off, whose graph has no programmatic edge.
+TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t B = 16, H = 4, Hkv = 2, hd = 64, S = 640, D = H * hd, span = 600;
+  const at::Tensor x = at::randn({B, 1, D}, o), r = at::randn({B, 1, D}, o), w = at::rand({D}, o) + 0.5;
+  const at::Tensor w_qkv = at::randn({(H + 2 * Hkv) * hd, D}, o) * 0.05;
+  at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
+  at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
+  at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
+  const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
+  const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
+  const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9,
+                   slots = at::full({1}, span - 1, o.dtype(at::kLong));
+  at::Tensor kc, vc;
+  // One layer's chain as a decode step runs it (the projections by cuBLAS between the fused kernels).
+  auto chain = [&] {
+    kc.copy_(k0);
+    vc.copy_(v0);
+    auto [h, n] = cuda::add_rms_norm(x, r, w, 1e-6, false);
+    at::Tensor qkv = at::linear(n, w_qkv);
+    at::Tensor q = qkv.narrow(-1, 0, H * hd).view({B, 1, H, hd}),
+               k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, 1, Hkv, hd}),
+               v = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, 1, Hkv, hd});
+    cuda::rope_write_cache(q, k, v, cos, sin, kc, vc, slots);
+    at::Tensor a = cuda::cache_attention(q, kc, vc, at::Tensor(), keep, slots, span, 0.125).view({B, 1, D});
+    at::Tensor g = cuda::silu_mul(a, h);
+    return cuda::rms_norm(g, w, 1e-6, false);
+  };
+  kc = at::empty_like(k0);
+  vc = at::empty_like(v0);
+  const at::Tensor eager = chain().clone();
+  for (bool on : {false, true}) {
+    SCOPED_TRACE(on ? "dependent launch" : "plain launch");
+    const int64_t launched = cuda::dependent_launch_count();
+    at::cuda::CUDAGraph graph(/*keep_graph=*/true);
+    at::Tensor out;
+    {
+      c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+      graph.capture_begin();
+      {
+        const cuda::DependentLaunchScope scope(on);
+        out = chain();
+      }
+      graph.capture_end();
+    }
+    size_t n_edges = 0;
+    C10_CUDA_CHECK(cudaGraphGetEdges(graph.raw_cuda_graph(), nullptr, nullptr, nullptr, &n_edges));
+    std::vector<cudaGraphNode_t> from(n_edges), to(n_edges);
+    std::vector<cudaGraphEdgeData> data(n_edges);
+    C10_CUDA_CHECK(cudaGraphGetEdges(graph.raw_cuda_graph(), from.data(), to.data(), data.data(), &n_edges));
+    int64_t programmatic = 0;
+    for (const cudaGraphEdgeData& e : data) programmatic += e.type == cudaGraphDependencyTypeProgrammatic;
+    // add_rms_norm follows the copies, the GEMM follows it: the rope, attention, combine, gate and norm
+    // kernels each follow a kernel.
+    EXPECT_EQ(programmatic, on ? 5 : 0) << n_edges << " edges";
+    EXPECT_EQ(cuda::dependent_launch_count() - launched, on ? 6 : 0);
+    graph.instantiate();
+    out.zero_();
+    graph.replay();
+    EXPECT_TRUE(at::equal(out, eager)) << "the replay differs from the eager launches";
   }
 #endif
 }

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cuda/launch.h"
 #include "common/memory.h"
 #include "model/config.h"
 #include "model/transformer.h"
@@ -1111,6 +1112,52 @@ TEST_P(ReservedRows, OutliveAGrowthSoThatTheNextAdmitStaysInPlace) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, ReservedRows, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
+
+// EngineSwitches::dependent_launch: a rollout whose captured graphs join the fused kernels by programmatic
+// edges draws the ids, with the log-probs, and feeds the logits of one whose graphs have plain edges, bit for
+// bit: a bf16 model at a head size the in-place attention takes, so that every fused kernel of a step runs
+// (the norms, RoPE with the cache write, the attention and its split combine, the SiLU gate, the draw), with
+// a feed graph every third step. The switch reaches the kernels: launches with the attribute are counted
+// while the first run captures, and none while the second does.
+TEST(DecodeEngineCuda, DependentLaunchDrawsWhatPlainLaunchesDraw) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  std::unique_ptr<Transformer> ref_model;
+  const Transformer m = bf16_hd64_model(ref_model);
+  SamplingOptions so;
+  so.seed = 3;
+  auto run = [&](bool on, int64_t& launched) {
+    EngineOptions po;
+    po.switches.dependent_launch = on;
+    po.switches.feed_graphs = true;
+    const int64_t before = cuda::dependent_launch_count();
+    DecodeEngine engine(m, po);
+    const int64_t N = 5;
+    engine.start({{5, 17, 9}, {1, 2, 3, 4, 5, 6}, {250, 8}, {7, 7, 7, 7, 7}, {30, 31}}, 1);
+    std::vector<int64_t> rows(N), next = {3, 4, 5, 6, 7};
+    std::iota(rows.begin(), rows.end(), 0);
+    std::vector<at::Tensor> out;
+    for (int64_t t = 0; t < 24; ++t) {
+      if (t % 3 == 2) {
+        at::Tensor logits = engine.extend({t % N, (t + 2) % N}, {{40 + t, 41, 42}, {9, int64_t(100 + t)}});
+        out.push_back(logits.cpu().to(at::kDouble).flatten());
+        continue;
+      }
+      const at::Tensor streams = at::arange(N, at::kLong) + 100, counters = at::full({N}, t, at::kLong);
+      const SampleOutput got = engine.step_draw(rows, next, so, sample_row_keys(so.seed, streams, counters), 400);
+      for (int64_t n = 0; n < N; ++n) next[n] = got.ids[n].item<int64_t>();
+      out.push_back(got.ids.cpu().to(at::kDouble));
+      out.push_back(got.logprobs.cpu().to(at::kDouble));
+    }
+    EXPECT_GT(engine.graph_captures(), 1);
+    launched = cuda::dependent_launch_count() - before;
+    return at::cat(out);
+  };
+  int64_t with = 0, without = 0;
+  const at::Tensor a = run(true, with), b = run(false, without);
+  EXPECT_TRUE(at::equal(a, b)) << "max difference " << (a - b).abs().max().item<double>();
+  EXPECT_GT(with, 0) << "the switch did not reach the kernels";
+  EXPECT_EQ(without, 0) << "kernels launched with the attribute while the switch was off";
+}
 
 // step_draw inside the step (graph_draw: on the CPU at the graphs' fixed shape, on CUDA inside the replayed
 // graph) against a step's logits drawn from by sample_tokens, with the same noise keys: the same ids and the
