@@ -47,8 +47,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // between the write and the read). Both sum each thread's squares in the same order.
 template <typename T, int PER>
 __global__ void __launch_bounds__(kNormThreads)
-    rms_norm_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ h, const T* __restrict__ w,
-                    int64_t D, float eps, bool gemma, T* __restrict__ out) {
+    rms_norm_kernel(const T* a, const T* b, T* h, const T* __restrict__ w, int64_t D, float eps, bool gemma, T* out) {
   const int64_t off = int64_t(blockIdx.x) * D;
   auto scaled = [&](float y, T wi) {  // y = x * rsqrt(mean(x^2) + eps), wi the weight
     return gemma ? from_f<T>(__fmul_rn(y, __fadd_rn(1.0f, to_f(wi)))) : from_f<T>(__fmul_rn(to_f(wi), round_to<T>(y)));
@@ -143,9 +142,8 @@ __device__ __forceinline__ void rope_pair(T x1_t, T x2_t, T c1, T c2, T s1_t, T 
 // index arithmetic. In a 0.5B scoring forward over 176k tokens on an H200 the 16-byte form takes 5.8 ms,
 // the one-pair form 19.
 template <typename T, int W, typename I>
-__global__ void rope_kernel(T* q, T* k, const T* __restrict__ cos_t, const T* __restrict__ sin_t, int64_t rows,
-                            int64_t L, int64_t H, int64_t Hkv, int64_t hd, int64_t q_row, int64_t k_row, CacheWrite cw,
-                            RopeOut<T> ro) {
+__global__ void rope_kernel(T* q, T* k, const T* cos_t, const T* sin_t, int64_t rows, int64_t L, int64_t H, int64_t Hkv,
+                            int64_t hd, int64_t q_row, int64_t k_row, CacheWrite cw, RopeOut<T> ro) {
   wait_for_inputs();
   allow_dependents();
   const I chunks = I(hd / 2 / W), heads = I(H + Hkv);
@@ -199,8 +197,8 @@ __device__ __forceinline__ T silu_times(T g, T u) {
 // work runs near the memory's rate only so: the one-element form below, with its 64-bit division per
 // element, takes 110 ms of a 0.5B scoring forward over 176k tokens on an H200, this one 33.
 template <typename T, int V>
-__global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out,
-                                    uint32_t n_vec, uint32_t F_vec, int64_t g_row, int64_t u_row) {
+__global__ void silu_mul_vec_kernel(const T* g, const T* u, T* out, uint32_t n_vec, uint32_t F_vec, int64_t g_row,
+                                    int64_t u_row) {
   wait_for_inputs();
   allow_dependents();
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -215,8 +213,7 @@ __global__ void silu_mul_vec_kernel(const T* __restrict__ g, const T* __restrict
 
 // g and u: rows of F elements a fixed stride apart (contiguous, or the halves of a packed gate/up output).
 template <typename T>
-__global__ void silu_mul_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out, int64_t n,
-                                int64_t F, int64_t g_row, int64_t u_row) {
+__global__ void silu_mul_kernel(const T* g, const T* u, T* out, int64_t n, int64_t F, int64_t g_row, int64_t u_row) {
   wait_for_inputs();
   allow_dependents();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -455,11 +452,10 @@ __device__ __forceinline__ void cp_async_wait() {
 
 template <typename T, int HD, bool SPLIT>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    cache_attention_kernel(const T* __restrict__ q, int64_t q_row, const T* __restrict__ kc, const T* __restrict__ vc,
-                           const int64_t* __restrict__ rows, const bool* __restrict__ keep, int64_t keep_row,
-                           const int64_t* __restrict__ slots, int64_t L, int64_t G, int64_t Hkv, int64_t S,
-                           int64_t span, float scale, int splits, int64_t per_split, T* __restrict__ out,
-                           float* __restrict__ part_o, float* __restrict__ part_ml) {
+    cache_attention_kernel(const T* q, int64_t q_row, const T* kc, const T* vc, const int64_t* rows, const bool* keep,
+                           int64_t keep_row, const int64_t* slots, int64_t L, int64_t G, int64_t Hkv, int64_t S,
+                           int64_t span, float scale, int splits, int64_t per_split, T* out, float* part_o,
+                           float* part_ml) {
   using namespace nvcuda;
   using A = AttnShape<HD>;
   constexpr int BK = A::BK, KLD = A::KLD, SLD = A::SLD, PLD = A::PLD, V8 = HD / 8;  // V8: 16-byte vectors a row
@@ -680,8 +676,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // The splits' shares of each output row added up, each weighted by 2^(its maximum - the row's maximum).
 // A block of (HD, 4) threads takes four rows.
 template <typename T>
-__global__ void cache_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, int splits,
-                                        int64_t rows_all, int HD, T* __restrict__ out) {
+__global__ void cache_attention_combine(const float* part_o, const float* part_ml, int splits, int64_t rows_all, int HD,
+                                        T* out) {
   wait_for_inputs();
   allow_dependents();
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;

@@ -40,8 +40,8 @@ __device__ __forceinline__ uint64_t pack(float score, int64_t v) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    gumbel_argmax_kernel(const float* __restrict__ x, int64_t row_stride, int64_t V, int64_t chunk,
-                         const int64_t* __restrict__ row_keys, float inv_t, unsigned long long* __restrict__ best) {
+    gumbel_argmax_kernel(const float* x, int64_t row_stride, int64_t V, int64_t chunk, const int64_t* row_keys,
+                         float inv_t, unsigned long long* best) {
   wait_for_inputs();
   allow_dependents();
   const int64_t n = blockIdx.x;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void unpack_kernel(const unsigned long long* __restrict__ best, int64_t N, int64_t* __restrict__ ids) {
+__global__ void unpack_kernel(const unsigned long long* best, int64_t N, int64_t* ids) {
   wait_for_inputs();
   allow_dependents();
   const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;

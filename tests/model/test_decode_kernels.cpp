@@ -56,6 +56,15 @@ double ulps(const at::Tensor& a, const at::Tensor& b) {
 
 using testing::kinds;
 using testing::kTypes;
+
+// A graph's edges with their types: cudaGraphGetEdges from CUDA 13, its _v2 form before.
+cudaError_t graph_edges(cudaGraph_t g, cudaGraphNode_t* from, cudaGraphNode_t* to, cudaGraphEdgeData* data, size_t* n) {
+#if CUDART_VERSION >= 13000
+  return cudaGraphGetEdges(g, from, to, data, n);
+#else
+  return cudaGraphGetEdges_v2(g, from, to, data, n);
+#endif
+}
 #endif
 
 TEST(DecodeKernelsCuda, RmsNormMatchesTheAtenFormAndFloat64) {
@@ -440,10 +449,13 @@ TEST(DecodeKernelsCuda, SqueezeMovesEveryLayersKeptSlotsInPlaceAsAtenGathersThem
 }
 
 // Programmatic dependent launch (common/cuda/launch.h): captured under DependentLaunchScope, each of a chain
-// of fused kernels (residual add + RMSNorm, RoPE with the cache write, in-place attention and its split
-// combine, the SiLU gate, RMSNorm) joins the kernel before it by a programmatic edge, and the graph's
-// replay computes what eager launches do, bit for bit; captured without the scope, every edge is plain. The
-// wrong twin it rejects: the same capture with the scope off, whose graph has no programmatic edge.
+// of fused kernels (residual add + RMSNorm, RoPE with the cache write, in-place attention and, where it
+// splits the keys, its combine, the SiLU gate, RMSNorm) that follows another kernel joins it by a
+// programmatic edge, and the graph's replays compute what eager launches do, bit for bit; captured without
+// the scope, every edge is plain. Three widths: D = 256 (the norm's 8 elements a thread in registers, one
+// warp's query rows split the keys), 1,536 (16 a thread) and 3,584 (the norm's loop; 28 query heads over
+// one KV head, past one warp's 16 query rows). The wrong twin it rejects: the same capture with the scope off, whose
+// graph has no programmatic edge.
 TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
 #ifndef RLT_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
@@ -451,63 +463,81 @@ TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
   auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  const int64_t B = 16, H = 4, Hkv = 2, hd = 64, S = 640, D = H * hd, span = 600;
-  const at::Tensor x = at::randn({B, 1, D}, o), r = at::randn({B, 1, D}, o), w = at::rand({D}, o) + 0.5;
-  const at::Tensor w_qkv = at::randn({(H + 2 * Hkv) * hd, D}, o) * 0.05;
-  at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
-  at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
-  at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
-  const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
-  const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
-  const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9,
-                   slots = at::full({1}, span - 1, o.dtype(at::kLong));
-  at::Tensor kc, vc;
-  // One layer's chain as a decode step runs it (the projections by cuBLAS between the fused kernels).
-  auto chain = [&] {
-    kc.copy_(k0);
-    vc.copy_(v0);
-    auto [h, n] = cuda::add_rms_norm(x, r, w, 1e-6, false);
-    at::Tensor qkv = at::linear(n, w_qkv);
-    at::Tensor q = qkv.narrow(-1, 0, H * hd).view({B, 1, H, hd}),
-               k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, 1, Hkv, hd}),
-               v = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, 1, Hkv, hd});
-    cuda::rope_write_cache(q, k, v, cos, sin, kc, vc, slots);
-    at::Tensor a = cuda::cache_attention(q, kc, vc, at::Tensor(), keep, slots, span, 0.125).view({B, 1, D});
-    at::Tensor g = cuda::silu_mul(a, h);
-    return cuda::rms_norm(g, w, 1e-6, false);
+  struct Shape {
+    int64_t H, Hkv, hd;
   };
-  kc = at::empty_like(k0);
-  vc = at::empty_like(v0);
-  const at::Tensor eager = chain().clone();
-  for (bool on : {false, true}) {
-    SCOPED_TRACE(on ? "dependent launch" : "plain launch");
-    const int64_t launched = cuda::dependent_launch_count();
-    at::cuda::CUDAGraph graph(/*keep_graph=*/true);
-    at::Tensor out;
-    {
-      c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
-      graph.capture_begin();
+  for (const Shape sh : {Shape{4, 2, 64}, Shape{12, 2, 128}, Shape{28, 1, 128}}) {
+    const int64_t B = 16, H = sh.H, Hkv = sh.Hkv, hd = sh.hd, S = 640, D = H * hd, span = 600;
+    SCOPED_TRACE(::testing::Message() << "D " << D);
+    const at::Tensor x = at::randn({B, 1, D}, o), r = at::randn({B, 1, D}, o), w = at::rand({D}, o) + 0.5;
+    const at::Tensor w_qkv = at::randn({(H + 2 * Hkv) * hd, D}, o) / std::sqrt(double(D));
+    at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
+    at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
+    at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
+    const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
+    const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
+    const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9,
+                     slots = at::full({1}, span - 1, o.dtype(at::kLong));
+    at::Tensor kc = at::empty_like(k0), vc = at::empty_like(v0);
+    // One layer's chain as a decode step runs it (the projection by cuBLAS between the fused kernels).
+    auto chain = [&] {
+      kc.copy_(k0);
+      vc.copy_(v0);
+      auto [h, n] = cuda::add_rms_norm(x, r, w, 1e-6, false);
+      at::Tensor qkv = at::linear(n, w_qkv);
+      at::Tensor q = qkv.narrow(-1, 0, H * hd).view({B, 1, H, hd}),
+                 k = qkv.narrow(-1, H * hd, Hkv * hd).view({B, 1, Hkv, hd}),
+                 v = qkv.narrow(-1, (H + Hkv) * hd, Hkv * hd).view({B, 1, Hkv, hd});
+      cuda::rope_write_cache(q, k, v, cos, sin, kc, vc, slots);
+      at::Tensor a = cuda::cache_attention(q, kc, vc, at::Tensor(), keep, slots, span, 1.0 / std::sqrt(double(hd)))
+                         .view({B, 1, D});
+      at::Tensor g = cuda::silu_mul(a, h);
+      return cuda::rms_norm(g, w, 1e-6, false);
+    };
+    const at::Tensor eager = chain().clone();
+    // cuBLAS launches its own kernels with the attribute on some versions: its edges are the same in both
+    // captures, so the fused kernels' are the difference.
+    int64_t plain_programmatic = -1;
+    for (bool on : {false, true}) {
+      SCOPED_TRACE(on ? "dependent launch" : "plain launch");
+      const int64_t before = cuda::dependent_launch_count();
+      at::cuda::CUDAGraph graph(/*keep_graph=*/true);
+      at::Tensor out;
       {
-        const cuda::DependentLaunchScope scope(on);
-        out = chain();
+        c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+        graph.capture_begin();
+        {
+          const cuda::DependentLaunchScope scope(on);
+          out = chain();
+        }
+        graph.capture_end();
       }
-      graph.capture_end();
+      const int64_t launched = cuda::dependent_launch_count() - before;
+      size_t n_edges = 0;
+      C10_CUDA_CHECK(graph_edges(graph.raw_cuda_graph(), nullptr, nullptr, nullptr, &n_edges));
+      std::vector<cudaGraphNode_t> from(n_edges), to(n_edges);
+      std::vector<cudaGraphEdgeData> data(n_edges);
+      C10_CUDA_CHECK(graph_edges(graph.raw_cuda_graph(), from.data(), to.data(), data.data(), &n_edges));
+      int64_t programmatic = 0;
+      for (const cudaGraphEdgeData& e : data) programmatic += e.type == cudaGraphDependencyTypeProgrammatic;
+      if (on) {
+        // Five or six fused kernels (the combine where the keys are split); add_rms_norm follows the copies,
+        // each of the others a kernel.
+        EXPECT_GE(launched, 5);
+        EXPECT_EQ(programmatic - plain_programmatic, launched - 1) << n_edges << " edges";
+      } else {
+        EXPECT_EQ(launched, 0);
+        plain_programmatic = programmatic;
+      }
+      graph.instantiate();
+      for (int rep = 0; rep < 20; ++rep) {
+        out.zero_();
+        graph.replay();
+        ASSERT_TRUE(at::equal(out, eager)) << "replay " << rep << " differs from the eager launches";
+      }
+      std::cout << "D " << D << (on ? ", dependent launch: " : ", plain: ") << n_edges << " edges, " << programmatic
+                << " programmatic\n";
     }
-    size_t n_edges = 0;
-    C10_CUDA_CHECK(cudaGraphGetEdges(graph.raw_cuda_graph(), nullptr, nullptr, nullptr, &n_edges));
-    std::vector<cudaGraphNode_t> from(n_edges), to(n_edges);
-    std::vector<cudaGraphEdgeData> data(n_edges);
-    C10_CUDA_CHECK(cudaGraphGetEdges(graph.raw_cuda_graph(), from.data(), to.data(), data.data(), &n_edges));
-    int64_t programmatic = 0;
-    for (const cudaGraphEdgeData& e : data) programmatic += e.type == cudaGraphDependencyTypeProgrammatic;
-    // add_rms_norm follows the copies, the GEMM follows it: the rope, attention, combine, gate and norm
-    // kernels each follow a kernel.
-    EXPECT_EQ(programmatic, on ? 5 : 0) << n_edges << " edges";
-    EXPECT_EQ(cuda::dependent_launch_count() - launched, on ? 6 : 0);
-    graph.instantiate();
-    out.zero_();
-    graph.replay();
-    EXPECT_TRUE(at::equal(out, eager)) << "the replay differs from the eager launches";
   }
 #endif
 }
