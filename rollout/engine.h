@@ -105,9 +105,10 @@ struct EngineSwitches {
   // over every cache row, and one copy brings the ids and log-probs to the host. Off: the graph ends at
   // the hidden states, and the head and the draw run eagerly over the fed rows.
   bool graph_draw = true;
-  // With cuda_graphs on a Hopper GPU: the captured graphs join each fused kernel to the kernel before it by
-  // a programmatic edge (programmatic dependent launch, common/cuda/launch.h), so that it is resident and
-  // waiting when its predecessor ends instead of launching after it. Off: plain edges.
+  // With cuda_graphs on a Hopper GPU: the captured graphs join each fused kernel to the kernel before it
+  // (where that is a kernel) by a programmatic edge (programmatic dependent launch, common/cuda/launch.h),
+  // so that it is resident and waiting when its predecessor ends instead of launching after it. Off: plain
+  // edges.
   bool dependent_launch = true;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
