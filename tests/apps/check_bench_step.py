@@ -43,7 +43,7 @@ def main():
             json.dump(config(tied), open(os.path.join(d, "config.json"), "w"))
             dirs.append(d)
         out = os.path.join(tmp, "step.json")
-        rows, contexts, variants = [1, 3], [8, 20], ["default", "no_graph_draw"]
+        rows, contexts, variants = [1, 3], [8, 20], ["default", "no_graph_draw", "no_dependent_launch"]
         subprocess.run([exe, "--models", ",".join(dirs), "--device", "cpu", "--dtype", "float32", "--rows",
                         ",".join(map(str, rows)), "--contexts", ",".join(map(str, contexts)), "--steps", "2",
                         "--reps", "1", "--variants", ",".join(variants), "--json", out], check=True,
