@@ -2,9 +2,9 @@
 // A kernel launched through launch() must call wait_for_inputs() before its first access to global
 // memory that another kernel writes or reads (its inputs, its outputs, any workspace): until then the
 // kernel ahead of it may still be running. Weights, constant for the launch, may be read before it.
-// Pointers read after the wait are not `const __restrict__`: the compiler may load such data through the
+// Inputs other kernels write are not `const __restrict__`: the compiler may load such data through the
 // read-only cache and move the loads above the wait, whose memory clobber does not cover data it takes
-// as unchanging for the whole kernel.
+// as unchanging for the whole kernel (constant weights may keep it).
 // allow_dependents() lets the next kernel launch early; it only brings that kernel's launch forward,
 // whose own wait_for_inputs() still waits for this kernel to finish and its writes to be visible. Both
 // are no-ops for a kernel launched without the attribute, and compiled out before Hopper.
