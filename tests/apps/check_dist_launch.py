@@ -22,17 +22,12 @@ import sys
 import tempfile
 import time
 
+from checks import LAUNCH_SMALL as SMALL  # the launch checks' shrunken run
+
 grpo, src = sys.argv[1:3]
 ppo = sys.argv[3] if len(sys.argv) > 3 else None
 tiny = os.path.join(src, "configs", "retool_tiny.yaml")
 failures = []
-SMALL = ["--set", "model.init_hidden=32", "--set", "model.init_layers=2", "--set", "model.init_heads=2",
-         "--set", "model.init_kv_heads=1", "--set", "model.init_intermediate=64", "--set", "model.tokenizer_vocab=320",
-         "--set", "sft.steps=30", "--set", "train.prompts_per_step=4", "--set", "sampling.samples_per_prompt=4",
-         "--set", "sampling.max_new_tokens=24", "--set", "train.eval_prompts=0", "--set", "train.checkpoint_every=2",
-         # One CPU thread a rank under every launcher, as OMP_NUM_THREADS=1 gives the one-process runs: under
-         # torchrun that 1 reads as torchrun's own default, and a rank would take its share of the host's CPUs.
-         "--set", "train.cpu_threads=1"]
 
 
 def rows(run_dir):
