@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <vector>
@@ -22,6 +23,7 @@
 
 #include "common/cuda/launch.h"
 #include "model/cuda/decode_kernels.h"
+#include "tests/common/slow_producer.h"
 #endif
 #include "model/transformer.h"
 #include "tests/model/kernel_types.h"
@@ -542,5 +544,127 @@ TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
 #endif
 }
 
+// Each fused kernel waits for the kernel ahead of it before it reads what that kernel writes
+// (cuda::wait_for_inputs). Here the kernel ahead is a slow producer (tests/common/slow_producer.h): it lets
+// the next kernel launch at once and writes one of that kernel's inputs 200 us later. Each case is captured
+// with dependent launch on and replayed, as the engine's step graphs are (launched on a stream, the next
+// kernel on an H200 does not start early). Every fused kernel must compute, bit for bit, what it computes
+// from inputs written beforehand, whichever of its inputs comes late. The wrong twin it must catch: a copy
+// kernel that does not wait, which reads its input before the producer has written it.
+TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(6);
+  auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  // A zeroed tensor the slow producer fills with t: the input of the kernel launched next.
+  auto late = [](const at::Tensor& t) {
+    at::Tensor x = at::zeros_like(t);
+    probe::slow_copy_(x, t, 200);
+    return x;
+  };
+  // body()'s outputs, captured as one CUDA graph with dependent launch on and replayed once (cloned: the
+  // graph goes).
+  auto replayed = [](const std::function<std::vector<at::Tensor>()>& body) {
+    at::cuda::CUDAGraph graph;
+    std::vector<at::Tensor> out;
+    {
+      c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+      graph.capture_begin();
+      {
+        const cuda::DependentLaunchScope scope(true);
+        out = body();
+      }
+      graph.capture_end();
+    }
+    graph.replay();
+    std::vector<at::Tensor> kept;
+    for (const at::Tensor& t : out) kept.push_back(t.clone());
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    return kept;
+  };
+  {
+    const at::Tensor src = at::randn({1 << 16}, o);
+    const int64_t before = cuda::dependent_launch_count();
+    const at::Tensor early = replayed([&] { return std::vector<at::Tensor>{probe::copy_without_wait(late(src))}; })[0];
+    ASSERT_EQ(cuda::dependent_launch_count() - before, 1);
+    EXPECT_FALSE(at::equal(early, src)) << "a kernel that does not wait read the late input as written";
+  }
+  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!at::equal(a[i], b[i])) return false;
+    }
+    return true;
+  };
+  // Norms: 8 elements a thread in registers (D 256), and the loop of rows past 2,048 (D 3,584).
+  for (const int64_t D : {int64_t(256), int64_t(3584)}) {
+    SCOPED_TRACE(::testing::Message() << "D " << D);
+    const at::Tensor x = at::randn({16, D}, o), r = at::randn({16, D}, o), w = at::rand({D}, o) + 0.5;
+    const at::Tensor norm = cuda::rms_norm(x, w, 1e-6, false);
+    EXPECT_TRUE(
+        at::equal(replayed([&] { return std::vector<at::Tensor>{cuda::rms_norm(late(x), w, 1e-6, false)}; })[0], norm))
+        << "rms_norm";
+    const auto [h, n] = cuda::add_rms_norm(x, r, w, 1e-6, false);
+    for (int which = 0; which < 2; ++which) {
+      const std::vector<at::Tensor> out = replayed([&] {
+        const auto [h2, n2] = which == 0 ? cuda::add_rms_norm(late(x), r, w, 1e-6, false)
+                                         : cuda::add_rms_norm(x, late(r), w, 1e-6, false);
+        return std::vector<at::Tensor>{h2, n2};
+      });
+      EXPECT_TRUE(same(out, {h, n})) << "add_rms_norm, input " << which << " late";
+    }
+  }
+  // A decode step's RoPE with the cache write, its attention (split over the keys) and the SiLU gate.
+  const int64_t B = 16, H = 4, Hkv = 2, hd = 64, S = 640, span = 600;
+  const at::Tensor q0 = at::randn({B, 1, H, hd}, o), v = at::randn({B, 1, Hkv, hd}, o);
+  at::Tensor k = at::randn({B, 1, Hkv, hd}, o);  // rope_write_cache takes it by reference, and leaves it
+  at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
+  at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
+  at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
+  const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
+  const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
+  const at::Tensor slots = at::full({1}, span - 1, o.dtype(at::kLong));
+  at::Tensor q_ref = q0.clone(), kc_ref = k0.clone(), vc_ref = v0.clone();
+  cuda::rope_write_cache(q_ref, k, v, cos, sin, kc_ref, vc_ref, slots);
+  const char* rope_inputs[] = {"q", "k", "v", "cos", "sin", "slots"};
+  for (int which = 0; which < 6; ++which) {
+    const std::vector<at::Tensor> out = replayed([&] {
+      at::Tensor q = q0.clone(), kc = k0.clone(), vc = v0.clone();
+      at::Tensor in[] = {q, k, v, cos, sin, slots};
+      if (which == 0) {
+        q.zero_();  // q is rotated in place: the producer writes it itself
+        probe::slow_copy_(q, q0, 200);
+      } else {
+        in[which] = late(in[which]);
+      }
+      cuda::rope_write_cache(q, in[1], in[2], in[3], in[4], kc, vc, in[5]);
+      return std::vector<at::Tensor>{q, kc, vc};
+    });
+    EXPECT_TRUE(same(out, {q_ref, kc_ref, vc_ref})) << "rope_write_cache, " << rope_inputs[which] << " late";
+  }
+  const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const at::Tensor attn = cuda::cache_attention(q_ref, kc_ref, vc_ref, at::Tensor(), keep, slots, span, scale);
+  const char* attention_inputs[] = {"q", "k cache", "v cache", "keep", "slots"};
+  for (int which = 0; which < 5; ++which) {
+    const at::Tensor out = replayed([&] {
+      at::Tensor in[] = {q_ref, kc_ref, vc_ref, keep, slots};
+      in[which] = late(in[which]);
+      return std::vector<at::Tensor>{
+          cuda::cache_attention(in[0], in[1], in[2], at::Tensor(), in[3], in[4], span, scale)};
+    })[0];
+    EXPECT_TRUE(at::equal(out, attn)) << "cache_attention, " << attention_inputs[which] << " late";
+  }
+  const at::Tensor g = at::randn({B, 1, 1024}, o), u = at::randn({B, 1, 1024}, o);
+  const at::Tensor gated = cuda::silu_mul(g, u);
+  for (int which = 0; which < 2; ++which) {
+    const at::Tensor out = replayed([&] {
+      return std::vector<at::Tensor>{which == 0 ? cuda::silu_mul(late(g), u) : cuda::silu_mul(g, late(u))};
+    })[0];
+    EXPECT_TRUE(at::equal(out, gated)) << "silu_mul, input " << which << " late";
+  }
+#endif
+}
 }  // namespace
 }  // namespace rlt
