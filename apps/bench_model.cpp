@@ -13,7 +13,8 @@
 //                                   span instead of cuda::cache_attention in place.
 // Every cache forward here (prefill included) runs the fused kernels unless said otherwise.
 // Prints a table and writes JSON records {impl, mode, batch, prompt_len, new_tokens, dtype, tokens_per_s,
-// seconds, peak_extra_mb}. The transformers peer is scripts/bench_model_peers.py, run in the same command
+// seconds, peak_extra_mb}, and for the graphed rollout modes graph_pool_mb (the memory pool its CUDA graphs
+// share, at the run's end). The transformers peer is scripts/bench_model_peers.py, run in the same command
 // (scripts/gpu/model.sh).
 // --trace FILE profiles one short run of each mode, plus a multi-token extend (a tool reply's feed), with
 // the Kineto profiler (CPU ops and CUDA kernels) into a Chrome trace; scripts/dev/trace_summary.py splits it
@@ -48,6 +49,7 @@ namespace {
 struct Run {
   double prefill_s = 0, decode_s = 0;
   int64_t peak = 0;
+  int64_t graph_pool = 0;  // the rollout's path: what its graphs' memory pool reserves at the end
 };
 
 // One prefill of (B, P) and N decode steps on a fresh cache.
@@ -128,6 +130,7 @@ Run run_engine_once(Transformer& m, const at::Device& dev, int64_t B, int64_t P,
   device_synchronize(dev);
   r.decode_s = seconds_since(t0);
   r.peak = mem.peak_extra_bytes();
+  r.graph_pool = engine.graph_pool_bytes();
   m.set_fused_kernels(true);
   return r;
 }
@@ -351,6 +354,7 @@ int main(int argc, char** argv) {
     const double pre = median([](const Run& r) { return r.prefill_s; });
     const double dec = median([](const Run& r) { return r.decode_s; });
     const double peak = median([](const Run& r) { return double(r.peak); }) / (1024.0 * 1024.0);
+    const double pool = median([](const Run& r) { return double(r.graph_pool); }) / (1024.0 * 1024.0);
     std::vector<std::tuple<std::string, double, double>> rows;
     if (kind == 0) rows.push_back({"prefill", double(B * P) / pre, pre});
     rows.push_back({names[kind], double(B * N) / dec, dec});
@@ -358,20 +362,22 @@ int main(int argc, char** argv) {
       std::cout << std::left << std::setw(16) << mode << std::right << std::setw(7) << B << std::setw(8) << P
                 << std::setw(6) << N << std::setw(14) << std::fixed << std::setprecision(1) << tps << std::setw(11)
                 << std::setprecision(4) << secs << std::setw(14) << std::setprecision(1) << peak << "\n";
-      records.push_back({{"impl", "rlt"},
-                         {"mode", mode},
-                         {"batch", B},
-                         {"prompt_len", P},
-                         {"new_tokens", N},
-                         {"dtype", dtype},
-                         {"tokens_per_s", tps},
-                         {"seconds", secs},
-                         {"peak_extra_mb", peak},
-                         {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
-                                  : kind < 4 ? "DecodeEngine + sample_tokens; peak covers prefill + decode"
-                                  : kind < 5 ? "rollout_graph with the fused decode and sampling kernels off"
-                                  : kind < 6 ? "rollout_graph without packed q/k/v and gate/up weights"
-                                             : "rollout_graph with the steps' attention through SDPA over the span"}});
+      json record = {{"impl", "rlt"},
+                     {"mode", mode},
+                     {"batch", B},
+                     {"prompt_len", P},
+                     {"new_tokens", N},
+                     {"dtype", dtype},
+                     {"tokens_per_s", tps},
+                     {"seconds", secs},
+                     {"peak_extra_mb", peak},
+                     {"note", kind < 2   ? "peak covers prefill + decode with the KV cache"
+                              : kind < 4 ? "DecodeEngine + sample_tokens; peak covers prefill + decode"
+                              : kind < 5 ? "rollout_graph with the fused decode and sampling kernels off"
+                              : kind < 6 ? "rollout_graph without packed q/k/v and gate/up weights"
+                                         : "rollout_graph with the steps' attention through SDPA over the span"}};
+      if (kind >= 3) record["graph_pool_mb"] = pool;
+      records.push_back(record);
     }
   }
   if (!json_path.empty()) write_json_records(json_path, records);

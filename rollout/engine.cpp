@@ -17,6 +17,7 @@
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -917,6 +918,18 @@ bool DecodeEngine::any_graph() const {
   };
   return holds(step_graphs_) || holds(draw_graphs_) || holds(feed_graphs_) || holds(merged_graphs_) ||
          holds(verify_graphs_);
+}
+
+int64_t DecodeEngine::graph_pool_bytes() const {
+  int64_t bytes = 0;
+#ifdef RLT_HAVE_CUDA
+  if (!any_graph()) return 0;
+  const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot(graph_pool_, /*include_traces=*/false);
+  for (const auto& s : snapshot.segments) {
+    if (s.owner_private_pool_id == graph_pool_) bytes += static_cast<int64_t>(s.total_size);
+  }
+#endif
+  return bytes;
 }
 
 bool DecodeEngine::graphed() const {

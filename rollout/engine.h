@@ -254,6 +254,9 @@ class DecodeEngine : public TokenPolicy {
   };
   const std::map<int64_t, ReplayTime>& step_replay_times();  // span -> steps, device seconds
   ReplayTime feed_replay_time();
+  // Device bytes the memory pool of the captured graphs reserves now (its segments: every graph's
+  // intermediates, which the graphs share), 0 while no graph lives or on the CPU.
+  int64_t graph_pool_bytes() const;
 
  private:
   struct StepGraph;    // a captured decode step and its input/output buffers (CUDA builds)
