@@ -85,6 +85,10 @@ struct StepFields {
 
 }  // namespace
 
+int64_t verify_bucket_positions(int64_t rows, int64_t tokens, int64_t cache_rows) {
+  return feed_rows(rows, cache_rows) * feed_cols(tokens, /*verify=*/true);
+}
+
 #ifdef RLT_HAVE_CUDA
 struct DecodeEngine::StepGraph {
   at::cuda::CUDAGraph graph;

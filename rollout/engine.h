@@ -176,6 +176,11 @@ struct EngineOptions {
   bool fixed_shape_extend = false;
 };
 
+// The positions a verifying forward (DecodeEngine::extend_each_draw) of `rows` rows, with runs of up to
+// `tokens` (<= 8) tokens, runs at on a GPU: its bucket, rows to a power of two of at least 8 and at most
+// cache_rows, times the run to 2, 4 or 8. Its graph draws at every one of them.
+int64_t verify_bucket_positions(int64_t rows, int64_t tokens, int64_t cache_rows);
+
 class DecodeEngine : public TokenPolicy {
  public:
   DecodeEngine(const Transformer& model, EngineOptions options = {});

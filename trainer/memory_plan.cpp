@@ -12,6 +12,7 @@
 #include "common/memory.h"
 #include "loss/cce.h"
 #include "parallel/adamw.h"
+#include "rollout/engine.h"
 #include "rollout/reward_model.h"
 #include "trainer/critic.h"
 #include "trainer/optim.h"
@@ -329,6 +330,7 @@ std::string MemoryPlan::table() const {
   line("reference", reference);
   line("rollout weights", rollout_weights);
   line("kv cache", kv_cache);
+  if (graph_pool > 0) line("graph pool", graph_pool, "(the rollout's CUDA graphs: logits and temporaries)");
   line("activations", activations);
   if (reward_model > 0) line("reward model", reward_model, "(reward.model_path: its weights and one scoring forward)");
   if (critic > 0) line("critic", critic, "(critic.shared false: its weights, masters and moments)");
@@ -359,6 +361,17 @@ int64_t reward_model_bytes(const Config& c) {
   const int64_t gathered = RewardModel::kKeysPerToken * 2 * rm.num_kv_heads * rm.head_dim;
   const int64_t per_token = 2 * D + std::max(qkv + rm.num_heads * rm.head_dim + gathered, 3 * F);
   return s * parameter_count(rm) + s * c.reward.model_batch_tokens * per_token;
+}
+
+int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows) {
+  const bool cuda = c.model.device.rfind("cuda", 0) == 0;
+  if (!cuda || !c.rollout.engine.cuda_graphs || rows <= 0) return 0;
+  int64_t positions = rows;
+  if (c.rollout.speculative != Speculative::kNone) {
+    positions = std::max(positions,
+                         verify_bucket_positions(c.rollout.speculative_max_rows, c.rollout.draft_tokens + 1, rows));
+  }
+  return 2 * positions * m.vocab_size * 4 + (int64_t(64) << 20);
 }
 
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
@@ -492,8 +505,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t k = c.train.eval_samples;
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
+  p.graph_pool = graph_pool_bytes(c, m, std::max(train_rows, eval_rows));
   if (c.rollout.engine.keep_cache && samples)
-    p.held_through_update += train_rows * c.rollout.max_context * slot + packed;
+    p.held_through_update += train_rows * c.rollout.max_context * slot + packed + graph_pool_bytes(c, m, train_rows);
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
@@ -551,6 +565,7 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
   const int64_t slot = 2 * m.num_layers * m.num_kv_heads * m.head_dim * s + 8 + 1;
   const int64_t rows = cache_rows(c.rollout, c.train.prompts_per_step * G / std::max(1, rollout_ranks), G);
   p.kv_cache = rows * c.rollout.max_context * slot;
+  p.graph_pool = graph_pool_bytes(c, m, rows);
   p.reward_model = reward_model_bytes(c);
   return p;
 }

@@ -33,6 +33,7 @@ struct MemoryPlan {
   int64_t rollout_weights = 0;   // the rollout's packed q/k/v and gate/up, its merged LoRA projections, the
                                  // weights it gathers under shard parameters
   int64_t kv_cache = 0;          // every cache row at rollout.max_context
+  int64_t graph_pool = 0;        // the memory pool the rollout's CUDA graphs share (graph_pool_bytes)
   int64_t activations = 0;       // one micro-batch's forward/backward, the loss module's working set included
   int64_t host_optimizer = 0;    // train.offload optimizer: masters and moments in pinned host memory
   int64_t host_rounding = 0;     // what the pages add to those and to `parked`'s buffers: each buffer is
@@ -45,7 +46,7 @@ struct MemoryPlan {
   // chunks too), what leaves the device while the rollout runs (in pinned host memory then): counted in
   // the update's phase, not in both.
   int64_t parked = 0;
-  // Of rollout_weights + kv_cache, what stays allocated through the update (rollout.keep_cache,
+  // Of rollout_weights + kv_cache + graph_pool, what stays allocated through the update (rollout.keep_cache,
   // rollout.keep_weights).
   int64_t held_through_update = 0;
   // train.async: the rollout runs beside the update, so the two phases add up instead of taking turns.
@@ -56,12 +57,12 @@ struct MemoryPlan {
   int world = 1;
 
   // Both phases: weights, masters, moments, the reference, the reward model and the critic, plus the larger of
-  // the rollout's part (rollout_weights + kv_cache) and the update's: gradients (the critic's too), what
+  // the rollout's part (rollout_weights + kv_cache + graph_pool) and the update's: gradients (the critic's too), what
   // train.phase_offload parks during the rollout, what the rollout keeps, and the larger of a backward's (activations,
   // gradient buffers) and the optimizer step's temporaries (the step follows the last backward). A separate critic's
   // forward and backward follow the policy's backward, so `activations` is the larger of the two.
   int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic - parked; }
-  int64_t rollout_phase() const { return rollout_weights + kv_cache; }
+  int64_t rollout_phase() const { return rollout_weights + kv_cache + graph_pool; }
   int64_t update_phase() const {
     const int64_t backward = activations + grad_buffers;
     return gradients + critic_gradients + parked + held_through_update +
@@ -78,6 +79,17 @@ struct MemoryPlan {
 
 // reward.kind model: the bytes MemoryPlan::reward_model counts (0 without a model term).
 int64_t reward_model_bytes(const Config& c);
+
+// The memory pool that DecodeEngine's CUDA graphs share (rollout.cuda_graphs on a CUDA device; 0
+// otherwise), for a cache of `rows` rows: as large as the largest captured forward's working set, which the
+// LM head's float32 logits dominate. A decode step draws at every cache row; a speculative rollout's
+// verifying forward at up to rollout.speculative_max_rows rows (a power of two of at least 8, at most the
+// cache's) x its bucket of positions (2, 4 or 8: the draft and the token before it). Two float32
+// tensors of positions x vocabulary (the logits and the log-prob's working copy) and 64 MiB for the
+// layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. Measured on the 0.5B at 16
+// to 256 rows (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and
+// 44-68 MiB of those segments.
+int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows);
 
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and
 // q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied (or a score

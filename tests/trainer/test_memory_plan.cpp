@@ -18,6 +18,8 @@
 #include "common/memory.h"
 #include "model/transformer.h"
 #include "parallel/shard.h"
+#include "rollout/engine.h"
+#include "rollout/sampler.h"
 #include "tests/common/tiny_model.h"
 #include "tests/common/tmpdir.h"
 #include "trainer/batch.h"
@@ -583,6 +585,80 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeakOnCuda) {
       x.model.fused_kernels = false;
       EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as the ATen forms";
     }
+  }
+}
+
+// graph_pool_bytes: the pool of the rollout's CUDA graphs, counted by hand. A decode step draws at every
+// cache row; a speculative rollout's verifying forward at its rows (speculative_max_rows to a power of two
+// of at least 8, at most the cache's) x its bucket of positions. Nothing on the CPU or without graphs. The
+// wrong twins it rejects: the verifying forward's bucket left out (its rows alone), and the pool left out of
+// the rollout's phase.
+TEST(MemoryPlan, CountsTheGraphPool) {
+  const ModelConfig m = qwen25_7b();
+  Config c;
+  c.model.device = "cuda";
+  const int64_t V = m.vocab_size, base = int64_t(64) << 20;
+  EXPECT_EQ(graph_pool_bytes(c, m, 64), 2 * 64 * V * 4 + base);
+  c.rollout.speculative = Speculative::kSuffix;
+  c.rollout.speculative_max_rows = 20;  // 32 rows, 4 + 1 tokens a run: the bucket of 8
+  c.rollout.draft_tokens = 4;
+  EXPECT_EQ(graph_pool_bytes(c, m, 64), 2 * 32 * 8 * V * 4 + base);
+  EXPECT_EQ(graph_pool_bytes(c, m, 16), 2 * 16 * 8 * V * 4 + base) << "at most the cache's rows";
+  EXPECT_EQ(graph_pool_bytes(c, m, 512), 2 * 512 * V * 4 + base) << "the step's rows when they are more";
+  c.rollout.draft_tokens = 1;
+  EXPECT_EQ(graph_pool_bytes(c, m, 64), 2 * 64 * V * 4 + base) << "runs of 2 at 32 rows: the step's 64 rows";
+  EXPECT_NE(graph_pool_bytes(c, m, 16), 2 * 16 * V * 4 + base);
+  c.rollout.engine.cuda_graphs = false;
+  EXPECT_EQ(graph_pool_bytes(c, m, 64), 0);
+  c.rollout.engine.cuda_graphs = true;
+  c.model.device = "cpu";
+  EXPECT_EQ(graph_pool_bytes(c, m, 64), 0);
+  // In the plan: the rollout's phase, at the cache's rows.
+  Config r;
+  r.model.device = "cuda";
+  r.train.prompts_per_step = 4;
+  r.sampling.samples_per_prompt = 8;
+  const MemoryPlan p = plan_memory(r, m, 1);
+  EXPECT_EQ(p.graph_pool, graph_pool_bytes(r, m, 32));
+  EXPECT_EQ(p.rollout_phase(), p.rollout_weights + p.kv_cache + p.graph_pool);
+  EXPECT_NE(p.table().find("graph pool"), std::string::npos);
+}
+
+// The plan's graph pool against DecodeEngine's own (graph_pool_bytes, the allocator's segments of the
+// pool), after 300 sampled steps over two spans at 16, 64 and 256 rows, on a bf16 model with Qwen2.5's
+// vocabulary, whose logits dominate the pool: the plan covers it. The wrong twin it rejects: the step's
+// logits counted once, in the model's dtype.
+TEST(MemoryPlan, GraphPoolCoversTheEnginesOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig m = small_config("qwen2", false, 151936, 256, 2, 512);
+  const Transformer model(m, at::kBFloat16, at::Device(at::kCUDA), 3);
+  Config c;
+  c.model.device = "cuda";
+  at::manual_seed(3);
+  for (const int64_t rows : {int64_t(16), int64_t(64), int64_t(256)}) {
+    DecodeEngine engine(model);
+    const at::Tensor ids = at::randint(0, m.vocab_size, {rows, 8}, at::kLong);
+    std::vector<std::vector<int64_t>> prompts(rows);
+    std::vector<int64_t> seqs(rows);
+    for (int64_t b = 0; b < rows; ++b) {
+      prompts[b].assign(ids[b].data_ptr<int64_t>(), ids[b].data_ptr<int64_t>() + 8);
+      seqs[b] = b;
+    }
+    engine.start(prompts, 1);
+    SamplingOptions so;
+    std::vector<int64_t> next(rows, 1);
+    const at::Tensor streams = at::arange(rows, at::kLong);
+    for (int64_t t = 0; t < 300; ++t) {
+      const SampleOutput d =
+          engine.step_draw(seqs, next, so, sample_row_keys(7, streams, at::full({rows}, t, at::kLong)), 0);
+      next.assign(d.ids.data_ptr<int64_t>(), d.ids.data_ptr<int64_t>() + rows);
+    }
+    const int64_t measured = engine.graph_pool_bytes(), planned = graph_pool_bytes(c, m, rows);
+    std::cout << rows << " rows: graph pool planned " << bytes_text(planned) << ", measured " << bytes_text(measured)
+              << "\n";
+    EXPECT_GT(engine.graph_captures(), 1) << rows << " rows";
+    EXPECT_LE(measured, planned) << rows << " rows";
+    EXPECT_GT(measured, rows * m.vocab_size * 2) << rows << " rows: the logits once, in bf16";
   }
 }
 
