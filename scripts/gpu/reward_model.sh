@@ -3,7 +3,7 @@
 # TRL off) with reward.kind model, scored by a random Qwen2.5-0.5B-shaped Qwen2ForSequenceClassification saved
 # by transformers in bf16 with the published Qwen tokenizer and chat template. metrics.jsonl's time_reward_s
 # against time_rollout_s is the figure; raw/metrics_ours_sync.jsonl keeps them.
-# Usage: OUT=... bash scripts/gpu/reward_model.sh
+# Usage: OUT=... bash scripts/gpu/reward_model.sh; REWARD_SET="--set k=v ..." adds settings to the run.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 out=${OUT:-runs/gpu_reward_model}
@@ -19,7 +19,7 @@ torch.manual_seed(1)
 AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[2])
 PY
 cp "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer.json" "$RLT_FIXTURES_DIR/tokenizers/qwen3/tokenizer_config.json" "$rm_dir/"
-TRL=0 OURS_SET="--set reward.kind=model --set reward.model_path=$rm_dir" OUT="$out" bash scripts/gpu/e2e_peer.sh
+TRL=0 OURS_SET="--set reward.kind=model --set reward.model_path=$rm_dir ${REWARD_SET:-}" OUT="$out" bash scripts/gpu/e2e_peer.sh
 tar xzf "$out/raw.tgz" -C "$out" raw/metrics_ours_sync.jsonl || exit 1  # e2e_peer.sh packs raw/ at its end
 python3 - "$out/raw/metrics_ours_sync.jsonl" <<'PY' | tee "$out/reward_model.txt"
 import json, sys
