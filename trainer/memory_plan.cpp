@@ -368,10 +368,10 @@ int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows) {
   if (!cuda || !c.rollout.engine.cuda_graphs || rows <= 0) return 0;
   int64_t positions = rows;
   if (c.rollout.speculative != Speculative::kNone) {
-    positions = std::max(positions,
-                         verify_bucket_positions(c.rollout.speculative_max_rows, c.rollout.draft_tokens + 1, rows));
+    positions =
+        std::max(positions, verify_bucket_positions(c.rollout.speculative_max_rows, c.rollout.draft_tokens + 1, rows));
   }
-  return 2 * positions * m.vocab_size * 4 + (int64_t(64) << 20);
+  return 2 * positions * m.vocab_size * 4 + kGraphPoolTemporaries;
 }
 
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {

@@ -85,10 +85,12 @@ int64_t reward_model_bytes(const Config& c);
 // LM head's float32 logits dominate. A decode step draws at every cache row; a speculative rollout's
 // verifying forward at up to rollout.speculative_max_rows rows (a power of two of at least 8, at most the
 // cache's) x its bucket of positions (2, 4 or 8: the draft and the token before it). Two float32
-// tensors of positions x vocabulary (the logits and the log-prob's working copy) and 64 MiB for the
-// layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. Measured on the 0.5B at 16
-// to 256 rows (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and
-// 44-68 MiB of those segments.
+// tensors of positions x vocabulary (the logits and the log-prob's working copy) and kGraphPoolTemporaries
+// for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. Measured on the 0.5B
+// (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and 52-66 MiB of
+// those segments at 64 and 256 rows. The multi-token feeds' and merged passes' graphs (rollout.feed_graphs,
+// rollout.merge_feeds, off by default) are not counted.
+constexpr int64_t kGraphPoolTemporaries = int64_t(96) << 20;
 int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows);
 
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and

@@ -546,11 +546,13 @@ TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
 
 // Each fused kernel waits for the kernel ahead of it before it reads what that kernel writes
 // (cuda::wait_for_inputs). Here the kernel ahead is a slow producer (tests/common/slow_producer.h): it lets
-// the next kernel launch at once and writes one of that kernel's inputs 200 us later. Each case is captured
+// the next kernel launch at once and writes one of that kernel's inputs (or outputs written in place) 200 us
+// later. Each case is captured
 // with dependent launch on and replayed, as the engine's step graphs are (launched on a stream, the next
 // kernel on an H200 does not start early). Every fused kernel must compute, bit for bit, what it computes
 // from inputs written beforehand, whichever of its inputs comes late. The wrong twin it must catch: a copy
-// kernel that does not wait, which reads its input before the producer has written it.
+// kernel that does not wait, which reads its input before the producer has written it. The draw's kernels
+// (rollout/cuda/sample_kernels.cu) are not here: an ATen fill stands between its logits and its first kernel.
 TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
 #ifndef RLT_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
@@ -597,8 +599,8 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
     }
     return true;
   };
-  // Norms: 8 elements a thread in registers (D 256), and the loop of rows past 2,048 (D 3,584).
-  for (const int64_t D : {int64_t(256), int64_t(3584)}) {
+  // Norms: 8 and 16 elements a thread in registers (D 256, 1,536), and the loop of rows past 2,048 (D 3,584).
+  for (const int64_t D : {int64_t(256), int64_t(1536), int64_t(3584)}) {
     SCOPED_TRACE(::testing::Message() << "D " << D);
     const at::Tensor x = at::randn({16, D}, o), r = at::randn({16, D}, o), w = at::rand({D}, o) + 0.5;
     const at::Tensor norm = cuda::rms_norm(x, w, 1e-6, false);
@@ -627,14 +629,16 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
   const at::Tensor slots = at::full({1}, span - 1, o.dtype(at::kLong));
   at::Tensor q_ref = q0.clone(), kc_ref = k0.clone(), vc_ref = v0.clone();
   cuda::rope_write_cache(q_ref, k, v, cos, sin, kc_ref, vc_ref, slots);
-  const char* rope_inputs[] = {"q", "k", "v", "cos", "sin", "slots"};
-  for (int which = 0; which < 6; ++which) {
+  // The caches are written in place: late, their other slots must still come out as the producer wrote them.
+  const char* rope_inputs[] = {"q", "k", "v", "cos", "sin", "slots", "k cache", "v cache"};
+  for (int which = 0; which < 8; ++which) {
     const std::vector<at::Tensor> out = replayed([&] {
       at::Tensor q = q0.clone(), kc = k0.clone(), vc = v0.clone();
       at::Tensor in[] = {q, k, v, cos, sin, slots};
-      if (which == 0) {
-        q.zero_();  // q is rotated in place: the producer writes it itself
-        probe::slow_copy_(q, q0, 200);
+      if (which == 0 || which >= 6) {
+        at::Tensor& mine = which == 0 ? q : which == 6 ? kc : vc;  // rotated or written in place
+        mine.zero_();
+        probe::slow_copy_(mine, which == 0 ? q0 : which == 6 ? k0 : v0, 200);
       } else {
         in[which] = late(in[which]);
       }
@@ -643,18 +647,29 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
     });
     EXPECT_TRUE(same(out, {q_ref, kc_ref, vc_ref})) << "rope_write_cache, " << rope_inputs[which] << " late";
   }
+  // The attention over the cache: 4 query heads over 2 KV heads at hd 64 (one warp's query rows split the
+  // keys), and 28 over one at hd 128 (past one warp's 16 rows); the keys split between blocks, whose shares
+  // the combine kernel adds (its wait is tested behind the attention kernel, not behind the slow producer).
   const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9;
-  const double scale = 1.0 / std::sqrt(double(hd));
-  const at::Tensor attn = cuda::cache_attention(q_ref, kc_ref, vc_ref, at::Tensor(), keep, slots, span, scale);
-  const char* attention_inputs[] = {"q", "k cache", "v cache", "keep", "slots"};
-  for (int which = 0; which < 5; ++which) {
-    const at::Tensor out = replayed([&] {
-      at::Tensor in[] = {q_ref, kc_ref, vc_ref, keep, slots};
-      in[which] = late(in[which]);
-      return std::vector<at::Tensor>{
-          cuda::cache_attention(in[0], in[1], in[2], at::Tensor(), in[3], in[4], span, scale)};
-    })[0];
-    EXPECT_TRUE(at::equal(out, attn)) << "cache_attention, " << attention_inputs[which] << " late";
+  struct Heads {
+    int64_t H, Hkv, hd;
+  };
+  for (const Heads sh : {Heads{H, Hkv, hd}, Heads{28, 1, 128}}) {
+    SCOPED_TRACE(::testing::Message() << sh.H << " heads over " << sh.Hkv << ", hd " << sh.hd);
+    const at::Tensor q = at::randn({B, 1, sh.H, sh.hd}, o), kc = at::randn({B, sh.Hkv, S, sh.hd}, o),
+                     vc = at::randn({B, sh.Hkv, S, sh.hd}, o);
+    const double scale = 1.0 / std::sqrt(double(sh.hd));
+    const at::Tensor attn = cuda::cache_attention(q, kc, vc, at::Tensor(), keep, slots, span, scale);
+    const char* attention_inputs[] = {"q", "k cache", "v cache", "keep", "slots"};
+    for (int which = 0; which < 5; ++which) {
+      const at::Tensor out = replayed([&] {
+        at::Tensor in[] = {q, kc, vc, keep, slots};
+        in[which] = late(in[which]);
+        return std::vector<at::Tensor>{
+            cuda::cache_attention(in[0], in[1], in[2], at::Tensor(), in[3], in[4], span, scale)};
+      })[0];
+      EXPECT_TRUE(at::equal(out, attn)) << "cache_attention, " << attention_inputs[which] << " late";
+    }
   }
   const at::Tensor g = at::randn({B, 1, 1024}, o), u = at::randn({B, 1, 1024}, o);
   const at::Tensor gated = cuda::silu_mul(g, u);
