@@ -456,6 +456,48 @@ TEST(MemoryPlan, TrainingStateMatchesTheMeasuredPeak) {
   }
 }
 
+// The rollout's phase on the CPU allocator: a DecodeEngine with the trainer's cache bound (max_slots =
+// rollout.max_context, as engine_options makes it) starts the step's 4 prompts x 4 samples and decodes
+// until every row holds rollout.max_context tokens, against the plan's rollout phase (on the CPU the KV cache
+// alone: no packed weights, no graph pool). Within 10%, the cache's growths and the steps' temporaries
+// included. The wrong twins it rejects: the cache planned at half the context, and in bf16 for an fp32
+// model.
+TEST(MemoryPlan, RolloutPhaseMatchesTheMeasuredPeak) {
+  install_cpu_memory_tracking();
+  const at::Device cpu(at::kCPU);
+  const ModelConfig m = small_config("llama", false, /*vocab=*/256, /*hidden=*/64, /*layers=*/16, 128);
+  Config c = small_run_config(DType::kFloat32, 4, /*context=*/512);
+  c.train.prompts_per_step = 4;
+  c.sampling.samples_per_prompt = 4;
+  const Transformer model(m, at::kFloat, at::kCPU, /*seed=*/0);
+  int64_t measured = 0;
+  {
+    at::NoGradGuard no_grad;
+    PeakMemory peak(cpu);
+    EngineOptions o;
+    o.max_slots = c.rollout.max_context;
+    DecodeEngine engine(model, o);
+    std::vector<std::vector<int64_t>> prompts;
+    for (int64_t p = 0; p < 4; ++p) prompts.push_back(std::vector<int64_t>(16, 3 + p));
+    engine.start(prompts, 4);
+    const std::vector<int64_t> rows = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t t = 16; t < c.rollout.max_context; ++t) engine.step(rows, std::vector<int64_t>(16, t % 256));
+    EXPECT_EQ(engine.cache_slots(), c.rollout.max_context);
+    measured = peak.peak_extra_bytes();
+  }
+  const MemoryPlan plan = plan_memory(c, m, 1);
+  EXPECT_EQ(plan.graph_pool, 0);
+  EXPECT_EQ(plan.rollout_weights, 0);
+  std::cout << "rollout phase planned " << plan.rollout_phase() << ", measured " << measured << "\n";
+  EXPECT_LT(off(plan.rollout_phase(), measured), 0.10);
+  Config half = c;
+  half.rollout.max_context = c.rollout.max_context / 2;
+  EXPECT_GT(off(plan_memory(half, m, 1).rollout_phase(), measured), 0.10) << "the cache at half the context";
+  Config bf16 = c;
+  bf16.model.dtype = DType::kBFloat16;
+  EXPECT_GT(off(plan_memory(bf16, m, 1).rollout_phase(), measured), 0.10) << "the cache in bf16";
+}
+
 // One micro-batch's forward and backward with the gradients already allocated (as from the second
 // micro-batch on), against the plan's activations. On `device` (c.model.device).
 int64_t measured_activations(const Config& c, const ModelConfig& m, int64_t micro, int64_t context) {
