@@ -87,7 +87,7 @@ int64_t reward_model_bytes(const Config& c);
 // cache's) x its bucket of positions (2, 4 or 8: the draft and the token before it). Two float32
 // tensors of positions x vocabulary (the logits and the log-prob's working copy) and kGraphPoolTemporaries
 // for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. Measured on the 0.5B
-// (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and 52-66 MiB of
+// (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and 52-70 MiB of
 // those segments at 64 and 256 rows. The multi-token feeds' and merged passes' graphs (rollout.feed_graphs,
 // rollout.merge_feeds, off by default) are not counted.
 constexpr int64_t kGraphPoolTemporaries = int64_t(96) << 20;

@@ -101,14 +101,6 @@ void check_memory(const Run& run, const ModelConfig& mc) {
   }
 }
 
-// The rollout's model-side settings.
-EngineOptions engine_options(const RolloutOptions& r) {
-  EngineOptions o;
-  o.switches = r.engine;
-  o.max_slots = r.max_context;  // no sequence holds more: the cache stops growing where the plan counts it
-  return o;
-}
-
 // The run's tool protocol: rollout.tool_format and tool_name; the reply in the chat template's own tool
 // turn when prompts go through the model's template, else in <interpreter> blocks.
 ToolProtocol tool_protocol(const Config& c, const std::shared_ptr<const HfChatTemplate>& chat) {
@@ -144,6 +136,13 @@ void check_prompt_lengths(const Run& run, const std::vector<PromptExample>& exam
 }
 
 }  // namespace
+
+EngineOptions engine_options(const RolloutOptions& r) {
+  EngineOptions o;
+  o.switches = r.engine;
+  o.max_slots = r.max_context;  // no sequence holds more: the cache stops growing where the plan counts it
+  return o;
+}
 
 // Every rank's host name, hashed into a slot of its own and gathered by a sum.
 int ranks_on_this_host(Collectives& dist) {

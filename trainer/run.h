@@ -218,6 +218,10 @@ void end_training(Run& run, double eval_start, std::map<std::string, double>& m)
 // first use and rewritten in place from the policy's current adapters at every call.
 const Transformer& rollout_model(const ModelState& model, RolloutState& rollout);
 
+// The rollout's engine settings: rollout.<switch>, and the cache bounded at rollout.max_context slots, where
+// the memory plan counts it.
+EngineOptions engine_options(const RolloutOptions& r);
+
 // Prompt ids of examples through the chat template (data.chat, else config.chat's fixed one); with
 // rollout.tool_format tool_call, the template lists the protocol's tool.
 std::vector<std::vector<int64_t>> encode_prompts(const RunData& data, const Config& config,

@@ -547,12 +547,11 @@ TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
 // Each fused kernel waits for the kernel ahead of it before it reads what that kernel writes
 // (cuda::wait_for_inputs). Here the kernel ahead is a slow producer (tests/common/slow_producer.h): it lets
 // the next kernel launch at once and writes one of that kernel's inputs (or outputs written in place) 200 us
-// later. Each case is captured
-// with dependent launch on and replayed, as the engine's step graphs are (launched on a stream, the next
-// kernel on an H200 does not start early). Every fused kernel must compute, bit for bit, what it computes
-// from inputs written beforehand, whichever of its inputs comes late. The wrong twin it must catch: a copy
-// kernel that does not wait, which reads its input before the producer has written it. The draw's kernels
-// (rollout/cuda/sample_kernels.cu) are not here: an ATen fill stands between its logits and its first kernel.
+// later. Each case is captured with dependent launch on and replayed, as the engine's step graphs are
+// (launched on a stream, the next kernel on an H200 does not start early). Every fused kernel must compute,
+// bit for bit, what it computes from inputs written beforehand, whichever of its inputs comes late. The wrong twin it
+// must catch: a copy kernel that does not wait, which reads its input before the producer has written it. The draw's
+// kernels (rollout/cuda/sample_kernels.cu) are not here: an ATen fill stands between its logits and its first kernel.
 TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
 #ifndef RLT_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
@@ -629,7 +628,7 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
   const at::Tensor slots = at::full({1}, span - 1, o.dtype(at::kLong));
   at::Tensor q_ref = q0.clone(), kc_ref = k0.clone(), vc_ref = v0.clone();
   cuda::rope_write_cache(q_ref, k, v, cos, sin, kc_ref, vc_ref, slots);
-  // The caches are written in place: late, their other slots must still come out as the producer wrote them.
+  // The caches are written in place: late, the slot the kernel writes must not be overwritten by the copy.
   const char* rope_inputs[] = {"q", "k", "v", "cos", "sin", "slots", "k cache", "v cache"};
   for (int which = 0; which < 8; ++which) {
     const std::vector<at::Tensor> out = replayed([&] {
