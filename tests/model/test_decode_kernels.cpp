@@ -12,6 +12,8 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef RLT_HAVE_CUDA
@@ -42,6 +44,13 @@ at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, b
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t h = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+// RoPE's cos and sin tables (B, 1, L, hd) in `dtype`, base 10000, for positions `pos` (B, L, 1) float32.
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& pos, int64_t hd, at::ScalarType dtype) {
+  const at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, pos.options()) / double(hd));
+  const at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
 // Largest |a - b| in units of the dtype's rounding step at |b| (1 = one rounding apart). Below the
@@ -130,9 +139,8 @@ TEST(DecodeKernelsCuda, RopeAndSiluGateAreTheAtenFormsBitForBit) {
     const int64_t B = 3, L = 5, H = 6, Hkv = 2;
     at::Tensor q = at::randn({B, L, H, hd}, o), k = at::randn({B, L, Hkv, hd}, o);
     at::Tensor pos = at::randint(0, 4000, {B, L}, o.dtype(at::kFloat)).unsqueeze(-1);
-    at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
-    at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, L, hd)
-    at::Tensor cos = emb.cos().to(dt), sin = emb.sin().to(dt);
+    at::Tensor cos, sin;  // (B, 1, L, hd)
+    std::tie(cos, sin) = rope_tables(pos, hd, dt);
     at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2);
     at::Tensor q_ref = qt * cos + rotate_half(qt) * sin, k_ref = kt * cos + rotate_half(kt) * sin;
     at::Tensor q_wrong = qt * cos - rotate_half(qt) * sin;  // the rotation's sign flipped
@@ -473,10 +481,8 @@ TEST(DecodeKernelsCuda, DependentLaunchJoinsTheKernelsByProgrammaticEdges) {
     SCOPED_TRACE(::testing::Message() << "D " << D);
     const at::Tensor x = at::randn({B, 1, D}, o), r = at::randn({B, 1, D}, o), w = at::rand({D}, o) + 0.5;
     const at::Tensor w_qkv = at::randn({(H + 2 * Hkv) * hd, D}, o) / std::sqrt(double(D));
-    at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
-    at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
-    at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
-    const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
+    at::Tensor cos, sin;  // lambdas below read them: not structured bindings
+    std::tie(cos, sin) = rope_tables(at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat)), hd, at::kBFloat16);
     const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
     const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9,
                      slots = at::full({1}, span - 1, o.dtype(at::kLong));
@@ -620,10 +626,8 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
   const int64_t B = 16, H = 4, Hkv = 2, hd = 64, S = 640, span = 600;
   const at::Tensor q0 = at::randn({B, 1, H, hd}, o), v = at::randn({B, 1, Hkv, hd}, o);
   at::Tensor k = at::randn({B, 1, Hkv, hd}, o);  // rope_write_cache takes it by reference, and leaves it
-  at::Tensor pos = at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat));
-  at::Tensor inv = at::pow(10000.0, -at::arange(0, hd, 2, o.dtype(at::kFloat)) / double(hd));
-  at::Tensor emb = at::cat({pos * inv, pos * inv}, -1).unsqueeze(1);  // (B, 1, 1, hd)
-  const at::Tensor cos = emb.cos().to(at::kBFloat16), sin = emb.sin().to(at::kBFloat16);
+  at::Tensor cos, sin;                           // lambdas below read them: not structured bindings
+  std::tie(cos, sin) = rope_tables(at::full({B, 1, 1}, double(span - 1), o.dtype(at::kFloat)), hd, at::kBFloat16);
   const at::Tensor k0 = at::randn({B, Hkv, S, hd}, o), v0 = at::randn({B, Hkv, S, hd}, o);
   const at::Tensor slots = at::full({1}, span - 1, o.dtype(at::kLong));
   at::Tensor q_ref = q0.clone(), kc_ref = k0.clone(), vc_ref = v0.clone();

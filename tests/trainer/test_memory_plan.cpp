@@ -670,15 +670,11 @@ TEST(MemoryPlan, CountsTheGraphPool) {
 }
 
 // The plan's pool against the pools bench_model measured on one H200 (docs/results/
-// decode_step_attention_h200.json: the random Qwen2.5-0.5B shape in bf16, the larger of the in-place and
+// decode_step_attention_h200.json: configs/models/qwen2.5-0.5b in bf16, the larger of the in-place and
 // SDPA attentions' pools): it covers each. The wrong twins it rejects: the logits counted once, in bf16, and
 // 64 MiB for the temporaries.
 TEST(MemoryPlan, GraphPoolCoversTheRecordedPools) {
-  const nlohmann::json j = {{"model_type", "qwen2"},     {"vocab_size", 151936},    {"hidden_size", 896},
-                            {"intermediate_size", 4864}, {"num_hidden_layers", 24}, {"num_attention_heads", 14},
-                            {"num_key_value_heads", 2},  {"rms_norm_eps", 1e-6},    {"tie_word_embeddings", true},
-                            {"rope_theta", 1000000.0}};
-  const ModelConfig m = model_config_from_json(j, "qwen2.5-0.5b");
+  const ModelConfig m = load_model_config(std::string(RLT_SOURCE_DIR) + "/configs/models/qwen2.5-0.5b");
   Config c;
   c.model.device = "cuda";
   const std::map<int64_t, double> measured_mib = {{16, 24}, {48, 68}, {64, 146}, {256, 202}};
