@@ -70,14 +70,15 @@ inline void write_json_records(const std::string& path, const nlohmann::json& re
 }
 
 // The device activities (kernels, copies) of a traced run: how many, their union's length (GPU-busy time),
-// and count and time by name (names cut at 90 characters); the host's CUDA runtime calls by name
-// (cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize...), where a host that waits shows; and the
-// host's operators (aten::mm, autograd nodes...) by name, each with the time it took inside and out (a
-// nested call counts in its caller's too), where a host that cannot keep the device fed shows.
+// the holes between the union's intervals (GPU-idle stretches, in order), and count and time by name (names cut at 90
+// characters); the host's CUDA runtime calls by name (cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize...),
+// where a host that waits shows; and the host's operators (aten::mm, autograd nodes...) by name, each with the time it
+// took inside and out (a nested call counts in its caller's too), where a host that cannot keep the device fed shows.
 struct DeviceTrace {
   using ByName = std::map<std::string, std::pair<int64_t, double>>;  // name -> count, ms
   int64_t activities = 0;
   double busy_ms = 0;
+  std::vector<uint64_t> gaps_ns;
   ByName by_name, runtime, host_ops;
   // The `n` names of `m` (by_name by default) that took the most time, longest first.
   std::vector<std::string> top(size_t n, const ByName* m = nullptr) const {
@@ -123,6 +124,7 @@ DeviceTrace trace_device(const at::Device& dev, F&& fn) {
   uint64_t end = 0, total = 0;
   for (const auto& [s, e] : iv) {
     if (s >= end) {
+      if (end > 0 && s > end) t.gaps_ns.push_back(s - end);
       total += e - s;
       end = e;
     } else if (e > end) {

@@ -13,6 +13,10 @@
 //                 copies, memsets), the union of their intervals per step, and the step's time minus it
 //                 (launch gaps between a graph's kernels count as idle), with --top-kernels the activities
 //                 that take the most time;
+//   launch_gap_ms, host_ms
+//                 idle split in two: the trace's holes shorter than kLaunchGapNs between a graph's kernels
+//                 (per step), and the rest of idle_ms: the host's turn between replays (the draw's ids read,
+//                 the next step's inputs copied in, the graph launched), what device-side inputs would hide;
 //   mode          default (the rollout's path), and with --variants the same cell with one part off:
 //                 no_graph_draw (the head and the draw outside the step's graph), no_dependent_launch (the
 //                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off).
@@ -93,9 +97,15 @@ int64_t kv_bytes(const Transformer& m, int64_t R, int64_t C) {
   return R * C * c.num_layers * 2 * c.num_kv_heads * c.head_dim * static_cast<int64_t>(m.lm_head().element_size());
 }
 
+// A hole in the trace shorter than this lies between two kernels of one graph: a replay launches its
+// kernels 1-3 us apart, while the host's turn between replays (a device-to-host copy waited for, the
+// next inputs copied in, a graph launched) takes tens of microseconds.
+constexpr uint64_t kLaunchGapNs = 10000;
+
 struct Cell {
   double ms = 0;                                 // median wall time of a step
   double kernels = 0, busy_ms = 0, idle_ms = 0;  // per step, from the trace
+  double launch_gap_ms = 0, host_ms = 0;         // idle_ms split: holes between a graph's kernels, the rest
   json top = json::array();                      // the activities that took the most time, per step
 };
 
@@ -139,6 +149,10 @@ Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C,
     cell.kernels = double(t.activities) / trace_steps;
     cell.busy_ms = t.busy_ms / trace_steps;
     cell.idle_ms = std::max(0.0, cell.ms - cell.busy_ms);
+    uint64_t launch_gaps = 0;
+    for (uint64_t g : t.gaps_ns) launch_gaps += g < kLaunchGapNs ? g : 0;
+    cell.launch_gap_ms = std::min(cell.idle_ms, double(launch_gaps) / 1e6 / trace_steps);
+    cell.host_ms = cell.idle_ms - cell.launch_gap_ms;
     for (const std::string& name : t.top(static_cast<size_t>(top_kernels))) {
       const auto& [count, ms] = t.by_name.at(name);
       cell.top.push_back(
@@ -179,6 +193,7 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(22) << "model" << std::setw(22) << "mode" << std::right << std::setw(6) << "rows"
             << std::setw(9) << "context" << std::setw(10) << "ms/step" << std::setw(10) << "floor_ms" << std::setw(8)
             << "x_floor" << std::setw(9) << "kernels" << std::setw(9) << "busy_ms" << std::setw(9) << "idle_ms"
+            << std::setw(9) << "gaps_ms" << std::setw(9) << "host_ms"
             << "\n";
   for (const std::string& dir : models) {
     std::optional<BenchModel> bench = load_bench_model("bench_step", dir, device, dtype);
@@ -201,7 +216,8 @@ int main(int argc, char** argv) {
                     << std::setw(9) << C << std::fixed << std::setprecision(3) << std::setw(10) << c.ms << std::setw(10)
                     << floor_ms << std::setprecision(2) << std::setw(8) << (floor_ms > 0 ? c.ms / floor_ms : 0)
                     << std::setprecision(1) << std::setw(9) << c.kernels << std::setprecision(3) << std::setw(9)
-                    << c.busy_ms << std::setw(9) << c.idle_ms << std::endl;
+                    << c.busy_ms << std::setw(9) << c.idle_ms << std::setw(9) << c.launch_gap_ms << std::setw(9)
+                    << c.host_ms << std::endl;
           records.push_back({{"model", name},
                              {"mode", mode},
                              {"rows", R},
@@ -216,6 +232,8 @@ int main(int argc, char** argv) {
                              {"kernels_per_step", c.kernels},
                              {"gpu_busy_ms_per_step", c.busy_ms},
                              {"idle_ms_per_step", c.idle_ms},
+                             {"launch_gap_ms_per_step", c.launch_gap_ms},
+                             {"host_ms_per_step", c.host_ms},
                              {"top_kernels", c.top}});
         }
       }

@@ -26,27 +26,30 @@ namespace rlt::cuda {
 
 namespace {
 
-constexpr int kNormThreads = 128;
-
+// THREADS threads a block: 128 for rows of up to 2,048, 512 for wider ones (a decode step's few rows make
+// as few blocks, whose threads each wait on their loads in turn).
+template <int THREADS>
 __device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kNormThreads / 32];
+  __shared__ float warp_sums[THREADS / 32];
   for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, off));
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kNormThreads / 32; ++w) total = __fadd_rn(total, warp_sums[w]);
+  for (int w = 0; w < THREADS / 32; ++w) total = __fadd_rn(total, warp_sums[w]);
   return total;
 }
 
-// One block per row. With `b`, the row is first h = a + b, written to `h`. PER > 0 (D <= kNormThreads PER):
-// each thread keeps its PER elements in registers between the sum of squares and the scaling, and its
-// loads, unrolled, all go out at once. A loop that reads each element when it needs it waits on every
-// load in turn: 3.4 us a norm for D = 896, against 1.8 us so (bench_step's trace, H200). PER = 0, for
-// wider rows: that loop, the norm reading h back (each thread its own elements, so no barrier is needed
-// between the write and the read). Both sum each thread's squares in the same order.
-template <typename T, int PER>
-__global__ void __launch_bounds__(kNormThreads)
+// One block per row. With `b`, the row is first h = a + b, written to `h`. PER > 0 (D <= THREADS PER): each
+// thread keeps its PER elements in registers between the sum of squares and the scaling, and its loads,
+// unrolled, all go out at once. A loop that reads each element when it needs it waits on every load in
+// turn: 3.4 us a norm for D = 896, against 1.8 us so. At D = 3,584 over 16 rows, 128 threads looping took
+// 19.4 us a norm once their inputs could no longer be `__restrict__` (a store to h may alias the next
+// load); 512 threads of 8 registers' elements take 2.7 us (bench_step's trace, H200). PER = 0, for rows
+// past THREADS x 16 elements: that loop, the norm reading h back (each thread its own elements, so no
+// barrier is needed between the write and the read). Each thread sums its squares in the same order.
+template <typename T, int PER, int THREADS>
+__global__ void __launch_bounds__(THREADS)
     rms_norm_kernel(const T* a, const T* b, T* h, const T* __restrict__ w, int64_t D, float eps, bool gemma, T* out) {
   const int64_t off = int64_t(blockIdx.x) * D;
   auto scaled = [&](float y, T wi) {  // y = x * rsqrt(mean(x^2) + eps), wi the weight
@@ -56,7 +59,7 @@ __global__ void __launch_bounds__(kNormThreads)
     T wk[PER];  // the weights, constant: loaded while the kernel ahead may still run
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
+      const int64_t i = threadIdx.x + int64_t(k) * THREADS;
       wk[k] = i < D ? w[i] : from_f<T>(0.f);
     }
     wait_for_inputs();
@@ -64,21 +67,21 @@ __global__ void __launch_bounds__(kNormThreads)
     float v[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
+      const int64_t i = threadIdx.x + int64_t(k) * THREADS;
       v[k] = i < D ? (b ? round_to<T>(__fadd_rn(to_f(a[off + i]), to_f(b[off + i]))) : to_f(a[off + i])) : 0.f;
     }
     float sq = 0.f;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
+      const int64_t i = threadIdx.x + int64_t(k) * THREADS;
       if (i >= D) break;
       if (b) h[off + i] = from_f<T>(v[k]);
       sq = __fadd_rn(sq, __fmul_rn(v[k], v[k]));
     }
-    const float r = rsqrtf(__fadd_rn(__fmul_rn(block_sum(sq), 1.0f / float(D)), eps));
+    const float r = rsqrtf(__fadd_rn(__fmul_rn(block_sum<THREADS>(sq), 1.0f / float(D)), eps));
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const int64_t i = threadIdx.x + int64_t(k) * kNormThreads;
+      const int64_t i = threadIdx.x + int64_t(k) * THREADS;
       if (i < D) out[off + i] = scaled(__fmul_rn(v[k], r), wk[k]);
     }
   } else {
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(kNormThreads)
     allow_dependents();
     const T* x = b ? h + off : a + off;
     float sq = 0.f;
-    for (int64_t i = threadIdx.x; i < D; i += kNormThreads) {
+    for (int64_t i = threadIdx.x; i < D; i += THREADS) {
       float v;
       if (b) {
         v = round_to<T>(__fadd_rn(to_f(a[off + i]), to_f(b[off + i])));
@@ -96,8 +99,8 @@ __global__ void __launch_bounds__(kNormThreads)
       }
       sq = __fadd_rn(sq, __fmul_rn(v, v));
     }
-    const float r = rsqrtf(__fadd_rn(__fmul_rn(block_sum(sq), 1.0f / float(D)), eps));
-    for (int64_t i = threadIdx.x; i < D; i += kNormThreads) out[off + i] = scaled(__fmul_rn(to_f(x[i]), r), w[i]);
+    const float r = rsqrtf(__fadd_rn(__fmul_rn(block_sum<THREADS>(sq), 1.0f / float(D)), eps));
+    for (int64_t i = threadIdx.x; i < D; i += THREADS) out[off + i] = scaled(__fmul_rn(to_f(x[i]), r), w[i]);
   }
 }
 
@@ -261,19 +264,24 @@ void launch_norm(const at::Tensor& a, const at::Tensor* b, const at::Tensor* h, 
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_types(a.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    auto launch_per = [&](auto per) {
-      launch(rms_norm_kernel<T, decltype(per)::value>, unsigned(rows), kNormThreads, 0, stream, ptr<T>(a),
-             b ? ptr<T>(*b) : nullptr, h ? ptr<T>(*h) : nullptr, ptr<T>(w), D, static_cast<float>(eps), gemma,
-             ptr<T>(out));
+    auto launch_per = [&](auto per, auto threads) {
+      launch(rms_norm_kernel<T, decltype(per)::value, decltype(threads)::value>, unsigned(rows),
+             decltype(threads)::value, 0, stream, ptr<T>(a), b ? ptr<T>(*b) : nullptr, h ? ptr<T>(*h) : nullptr,
+             ptr<T>(w), D, static_cast<float>(eps), gemma, ptr<T>(out));
     };
-    // Rows of up to 2,048 in registers (8 or 16 a thread); wider ones through the loop. At 32 a thread
-    // (D = 3,584) the registers' form measured slower than the loop: 8.5 us a norm against 6.9 (H200).
-    if (D <= 8 * kNormThreads) {
-      launch_per(std::integral_constant<int, 8>{});
-    } else if (D <= 16 * kNormThreads) {
-      launch_per(std::integral_constant<int, 16>{});
+    using Narrow = std::integral_constant<int, 128>;
+    using Wide = std::integral_constant<int, 512>;
+    // Every row of up to 8,192 in registers, 8 or 16 elements a thread; wider ones through the loop.
+    if (D <= 8 * Narrow::value) {
+      launch_per(std::integral_constant<int, 8>{}, Narrow{});
+    } else if (D <= 16 * Narrow::value) {
+      launch_per(std::integral_constant<int, 16>{}, Narrow{});
+    } else if (D <= 8 * Wide::value) {
+      launch_per(std::integral_constant<int, 8>{}, Wide{});
+    } else if (D <= 16 * Wide::value) {
+      launch_per(std::integral_constant<int, 16>{}, Wide{});
     } else {
-      launch_per(std::integral_constant<int, 0>{});
+      launch_per(std::integral_constant<int, 0>{}, Wide{});
     }
   });
 }

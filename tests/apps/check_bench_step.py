@@ -6,7 +6,8 @@ what the app's header says.
   model of the same shape both read one (V, D) matrix a step, so both report the layers' bytes plus V D
   bytes, counted here by hand from the config (a count that kept the untied embedding would differ by V D);
 - kv_bytes = rows x context x layers x 2 x KV heads x head size x the element's bytes;
-- tokens_per_s = rows / ms_per_step x 1000; on the CPU no bandwidth is measured, so the floor is 0;
+- tokens_per_s = rows / ms_per_step x 1000; idle = launch gaps + the host's turn; on the CPU no bandwidth
+  is measured, so the floor is 0;
 - a model folder that does not exist is exit code 2.
 
 Usage: check_bench_step.py BENCH_STEP. Exits non-zero on the first broken promise."""
@@ -60,6 +61,8 @@ def main():
             assert r["ms_per_step"] > 0
             assert abs(r["tokens_per_s"] - r["rows"] / r["ms_per_step"] * 1e3) < 1e-6 * r["tokens_per_s"]
             assert r["floor_ms"] == 0 and r["hbm_bytes_per_s"] == 0, "no bandwidth is measured on the CPU"
+            split = r["launch_gap_ms_per_step"] + r["host_ms_per_step"]
+            assert abs(split - r["idle_ms_per_step"]) < 1e-9, "idle is the launch gaps plus the host's turn"
         # The known-bad count: the untied embedding kept would be V D bytes more.
         assert want_weights + 4 * V * D != recs[0]["weight_bytes"]
         rc = subprocess.run([exe, "--models", os.path.join(tmp, "absent"), "--device", "cpu"],

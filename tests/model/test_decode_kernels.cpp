@@ -604,8 +604,9 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
     }
     return true;
   };
-  // Norms: 8 and 16 elements a thread in registers (D 256, 1,536), and the loop of rows past 2,048 (D 3,584).
-  for (const int64_t D : {int64_t(256), int64_t(1536), int64_t(3584)}) {
+  // Norms: 8 and 16 elements a thread in registers, in blocks of 128 threads (D 256, 1,536) and of 512
+  // (D 3,584, 5,120), and the loop of rows past 8,192 (D 9,000).
+  for (const int64_t D : {int64_t(256), int64_t(1536), int64_t(3584), int64_t(5120), int64_t(9000)}) {
     SCOPED_TRACE(::testing::Message() << "D " << D);
     const at::Tensor x = at::randn({16, D}, o), r = at::randn({16, D}, o), w = at::rand({D}, o) + 0.5;
     const at::Tensor norm = cuda::rms_norm(x, w, 1e-6, false);
@@ -650,14 +651,15 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
     });
     EXPECT_TRUE(same(out, {q_ref, kc_ref, vc_ref})) << "rope_write_cache, " << rope_inputs[which] << " late";
   }
-  // The attention over the cache: 4 query heads over 2 KV heads at hd 64 (one warp's query rows split the
-  // keys), and 28 over one at hd 128 (past one warp's 16 rows); the keys split between blocks, whose shares
-  // the combine kernel adds (its wait is tested behind the attention kernel, not behind the slow producer).
+  // The attention over the cache: 4 query heads over 2 KV heads at hd 64 and 28 over 4 at hd 128 (the 7B's:
+  // one warp's query rows split the keys), and 28 over one at hd 128 (past one warp's 16 rows); the keys
+  // split between blocks, whose shares the combine kernel adds (its wait is tested behind the attention
+  // kernel, not behind the slow producer).
   const at::Tensor keep = at::rand({B, S}, o.dtype(at::kFloat)) < 0.9;
   struct Heads {
     int64_t H, Hkv, hd;
   };
-  for (const Heads sh : {Heads{H, Hkv, hd}, Heads{28, 1, 128}}) {
+  for (const Heads sh : {Heads{H, Hkv, hd}, Heads{28, 4, 128}, Heads{28, 1, 128}}) {
     SCOPED_TRACE(::testing::Message() << sh.H << " heads over " << sh.Hkv << ", hd " << sh.hd);
     const at::Tensor q = at::randn({B, 1, sh.H, sh.hd}, o), kc = at::randn({B, sh.Hkv, S, sh.hd}, o),
                      vc = at::randn({B, sh.Hkv, S, sh.hd}, o);
