@@ -12,14 +12,17 @@
 //                 from a Kineto trace of --trace-steps steady steps: device activities per step (kernels,
 //                 copies, memsets), the union of their intervals per step, and the step's time minus it
 //                 (launch gaps between a graph's kernels count as idle), with --top-kernels the activities
-//                 that take the most time;
+//                 that take the most time, and the host's CUDA runtime calls and operators that take the
+//                 most of its time (a call that waits for the device counts its wait);
 //   launch_gap_ms, host_ms
 //                 idle split in two: the trace's holes shorter than kLaunchGapNs between a graph's kernels
 //                 (per step), and the rest of idle_ms: the host's turn between replays (the draw's ids read,
 //                 the next step's inputs copied in, the graph launched), what device-side inputs would hide;
 //   mode          default (the rollout's path), and with --variants the same cell with one part off:
 //                 no_graph_draw (the head and the draw outside the step's graph), no_dependent_launch (the
-//                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off).
+//                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off), no_step_ahead
+//                 (EngineSwitches::step_ahead off: each step starts once the host has read the draw before
+//                 it; in the default the loop passes the next keys and each step starts the next).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -107,6 +110,7 @@ struct Cell {
   double kernels = 0, busy_ms = 0, idle_ms = 0;  // per step, from the trace
   double launch_gap_ms = 0, host_ms = 0;         // idle_ms split: holes between a graph's kernels, the rest
   json top = json::array();                      // the activities that took the most time, per step
+  json top_runtime = json::array(), top_host_ops = json::array();  // the host's CUDA calls and operators
 };
 
 Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C, int steps, int reps, int trace_steps,
@@ -127,7 +131,8 @@ Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C,
   std::vector<int64_t> next(first.ids.data_ptr<int64_t>(), first.ids.data_ptr<int64_t>() + R);
   auto step = [&] {
     counters += 1;
-    const SampleOutput d = engine.step_draw(rows, next, so, sample_row_keys(so.seed, streams, counters), 0);
+    const SampleOutput d = engine.step_draw(rows, next, so, sample_row_keys(so.seed, streams, counters), 0,
+                                            sample_row_keys(so.seed, streams, counters + 1));
     std::copy(d.ids.data_ptr<int64_t>(), d.ids.data_ptr<int64_t>() + R, next.begin());
   };
   for (int i = 0; i < 4; ++i) step();  // the capture and a few replays
@@ -153,11 +158,15 @@ Cell run_cell(const Transformer& m, const at::Device& dev, int64_t R, int64_t C,
     for (uint64_t g : t.gaps_ns) launch_gaps += g < kLaunchGapNs ? g : 0;
     cell.launch_gap_ms = std::min(cell.idle_ms, double(launch_gaps) / 1e6 / trace_steps);
     cell.host_ms = cell.idle_ms - cell.launch_gap_ms;
-    for (const std::string& name : t.top(static_cast<size_t>(top_kernels))) {
-      const auto& [count, ms] = t.by_name.at(name);
-      cell.top.push_back(
-          {{"name", name}, {"per_step", double(count) / trace_steps}, {"ms_per_step", ms / trace_steps}});
-    }
+    auto listed = [&](const DeviceTrace::ByName& by, json& into) {
+      for (const std::string& name : t.top(static_cast<size_t>(top_kernels), &by)) {
+        const auto& [count, ms] = by.at(name);
+        into.push_back({{"name", name}, {"per_step", double(count) / trace_steps}, {"ms_per_step", ms / trace_steps}});
+      }
+    };
+    listed(t.by_name, cell.top);
+    listed(t.runtime, cell.top_runtime);
+    listed(t.host_ops, cell.top_host_ops);
   }
   return cell;
 }
@@ -184,9 +193,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   app.add_option("--variants", variants,
                  "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
-                 "graph), no_dependent_launch (no programmatic edges in the graph)")
+                 "graph), no_dependent_launch (no programmatic edges in the graph), no_step_ahead (each step "
+                 "starts once the host has read the draw before it)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch"}));
+      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
@@ -209,6 +219,7 @@ int main(int argc, char** argv) {
           EngineSwitches sw;
           sw.graph_draw = mode != "no_graph_draw";
           sw.dependent_launch = mode != "no_dependent_launch";
+          sw.step_ahead = mode != "no_step_ahead";
           const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);
           const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;
@@ -234,7 +245,9 @@ int main(int argc, char** argv) {
                              {"idle_ms_per_step", c.idle_ms},
                              {"launch_gap_ms_per_step", c.launch_gap_ms},
                              {"host_ms_per_step", c.host_ms},
-                             {"top_kernels", c.top}});
+                             {"top_kernels", c.top},
+                             {"top_runtime_calls", c.top_runtime},
+                             {"top_host_ops", c.top_host_ops}});
         }
       }
     }

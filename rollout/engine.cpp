@@ -110,6 +110,17 @@ struct DecodeEngine::StepGraph {};
 struct DecodeEngine::ReplayClock {};
 #endif
 
+struct DecodeEngine::Ahead {
+  std::vector<int64_t> rows, ids, keys;  // the sequences fed, their tokens and noise keys, in one order
+  StepPlan plan;                         // pick: each of rows' cache row; pos and fed per cache row
+  int64_t slot = 0, span = 0;
+  std::array<double, 4> draw_key{};
+  at::Tensor draw, host;  // the packed draw (2, Bc) on the device; its copy in pinned host memory (CUDA)
+#ifdef RLT_HAVE_CUDA
+  at::cuda::CUDAEvent ready{cudaEventDisableTiming};
+#endif
+};
+
 at::Tensor TokenPolicy::step_runs(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
                                   bool each) {
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
@@ -221,6 +232,7 @@ bool DecodeEngine::reuse_cache(int64_t N, int64_t P) {
 }
 
 at::Tensor DecodeEngine::start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
+  drop_ahead();
   if (!packed_.gate_up_w.empty() && !packed_fresh_) model_.pack_weights_into(packed_);  // in place: graphs read it
   packed_fresh_ = false;
   if (options_.switches.keep_cache) {
@@ -247,6 +259,7 @@ at::Tensor DecodeEngine::start(const std::vector<std::vector<int64_t>>& prompts,
 
 at::Tensor DecodeEngine::admit(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) {
   at::NoGradGuard no_grad;
+  drop_ahead();
   NoCudnnAttention attention(!options_.cudnn_attention);
   TORCH_CHECK(!prompts.empty() && repeats >= 1, "admit: needs at least one prompt and repeats >= 1");
   ++stamp_;
@@ -375,6 +388,7 @@ void DecodeEngine::advance_step(const std::vector<int64_t>& rows) {
 
 at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) {
   at::NoGradGuard no_grad;
+  drop_ahead();
   const auto dev = valid_.device();
   const bool graphs = graphed();
   // A graphed step builds its attention plan once per capture, and cuDNN's decode kernel is the faster
@@ -411,50 +425,206 @@ at::Tensor DecodeEngine::step(const std::vector<int64_t>& rows, const std::vecto
 }
 
 SampleOutput TokenPolicy::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
-                                    const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) {
+                                    const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
+                                    const at::Tensor& /*next_keys*/) {
   TORCH_CHECK(row_keys.numel() == static_cast<int64_t>(rows.size()), "step_draw: one noise key per row");
   return sample_keyed(step(rows, tokens), sampling, row_keys, vocab_limit);
 }
 
 SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
-                                     const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) {
+                                     const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
+                                     const at::Tensor& next_keys) {
   const bool graphs = graphed();
   if (!options_.switches.graph_draw || !(graphs || options_.fixed_shape_step)) {
+    drop_ahead();
     return TokenPolicy::step_draw(rows, tokens, sampling, row_keys, vocab_limit);
   }
   TORCH_CHECK(row_keys.numel() == static_cast<int64_t>(rows.size()), "step_draw: one noise key per row");
+  TORCH_CHECK(!next_keys.defined() || next_keys.numel() == static_cast<int64_t>(rows.size()),
+              "step_draw: one next noise key per row");
   at::NoGradGuard no_grad;
   NoCudnnAttention attention(!options_.cudnn_attention && !graphs);
-  const StepPlan p = plan_step(rows, tokens, /*span_step=*/true);
+  const at::Tensor keys = row_keys.to(at::kCPU, at::kLong).contiguous();
+  StepPlan p;
+  std::unique_ptr<Ahead> taken;  // the step started ahead that is this one
+  at::Tensor draw;               // (2, Bc) on the device
+  if (ahead_ && take_ahead(rows, tokens, keys, sampling, vocab_limit, &p)) {
+    taken = std::move(ahead_);
+    draw = taken->draw;
+  } else {
+    drop_ahead();
+    p = plan_step(rows, tokens, /*span_step=*/true);
+    const int64_t Bc = cache_rows(), span = step_span();
+    step_span_slots_ += span;
+    // fixed_step's inputs, then each cache row's noise key (0 for the rows not fed: their draw is dropped).
+    std::vector<int64_t> packed = fixed_step_inputs(p);
+    const size_t keys_at = packed.size();
+    packed.resize(keys_at + Bc, 0);
+    for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + p.pick[j]] = keys.data_ptr<int64_t>()[j];
+#ifdef RLT_HAVE_CUDA
+    if (graphs) {
+      const std::array<double, 4> key = draw_options(sampling, vocab_limit);
+      if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
+      draw_key_ = key;
+      auto& g = draw_graphs_[span];
+      replay(
+          g, to_device_async(packed, valid_.device()), span,
+          [this, span, sampling, vocab_limit](const at::Tensor& x) {
+            return fixed_step_draw(x, span, sampling, vocab_limit);
+          },
+          "decode step with its draw");
+      draw = g->hidden;
+    }
+#endif
+    if (!graphs) draw = fixed_step_draw(at::tensor(packed, at::kLong).to(valid_.device()), span, sampling, vocab_limit);
+    cache_.length += 1;
+    advance_step(rows);
+  }
+  // The next step, started before this one's draw is read (its replay writes the same output buffer: the
+  // copy to the host goes first).
+  at::Tensor host = taken ? taken->host : at::Tensor();
+  const bool ahead =
+      next_keys.defined() && options_.switches.step_ahead && steps_unchanged(step_span(), sampling, vocab_limit);
+#ifdef RLT_HAVE_CUDA
+  at::cuda::CUDAEvent copied(cudaEventDisableTiming);
+  if (ahead && graphs && !taken) {
+    host = at::empty(draw.sizes(), draw.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(draw, /*non_blocking=*/true);
+    copied.record(c10::cuda::getCurrentCUDAStream(valid_.device().index()));
+  }
+#endif
+  if (ahead) start_ahead(p, rows, draw, next_keys, sampling, vocab_limit);
+  SampleOutput out;
+  if (host.defined()) {
+#ifdef RLT_HAVE_CUDA
+    if (taken) {
+      taken->ready.synchronize();
+    } else {
+      copied.synchronize();
+    }
+#endif
+    out = unpack_draw(host, at::tensor(p.pick, at::kLong));
+  } else {
+    out = unpack_draw(draw, at::tensor(p.pick, at::kLong));  // waits for the step
+  }
+  if (ahead_) ahead_->ids.assign(out.ids.data_ptr<int64_t>(), out.ids.data_ptr<int64_t>() + out.ids.numel());
+  return out;
+}
+
+bool DecodeEngine::steps_unchanged(int64_t span, const SamplingOptions& sampling, int64_t vocab_limit) const {
+  // What plan_step would do before the step: drop released rows, make room, squeeze the holes out.
+  if (!(graphed() || reserve_rows_ > 0 || keep_rows_ > 0)) {
+    int64_t released = 0;
+    for (int64_t s : seq_of_row_) released += s < 0;
+    if (released > 0 && 2 * released >= cache_rows()) return false;
+  }
+  if (cache_.length + 1 > cache_.max_len || (options_.squeeze_holes && holes_cost_a_chunk())) return false;
+  if (span != step_span()) return false;
+#ifdef RLT_HAVE_CUDA
+  if (graphed()) {  // a capture waits for the device: the step is not started ahead of one
+    if (draw_options(sampling, vocab_limit) != draw_key_) return false;
+    const auto g = draw_graphs_.find(span);
+    if (g == draw_graphs_.end() || !g->second) return false;
+  }
+#else
+  (void)sampling;
+  (void)vocab_limit;
+#endif
+  return true;
+}
+
+void DecodeEngine::start_ahead(const StepPlan& plan, const std::vector<int64_t>& rows, const at::Tensor& draw,
+                               const at::Tensor& next_keys, const SamplingOptions& sampling, int64_t vocab_limit) {
   const int64_t Bc = cache_rows(), span = step_span();
-  step_span_slots_ += span;
-  // fixed_step's inputs, then each cache row's noise key (0 for the rows not fed: their draw is dropped).
-  std::vector<int64_t> packed = fixed_step_inputs(p);
+  auto a = std::make_unique<Ahead>();
+  a->rows = rows;
+  a->slot = cache_.length;
+  a->span = span;
+  a->draw_key = draw_options(sampling, vocab_limit);
+  a->plan.pick = plan.pick;
+  a->plan.ids.assign(Bc, 0);
+  a->plan.pos.assign(Bc, 0);
+  a->plan.fed.assign(Bc, 0);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    a->plan.pos[plan.pick[j]] = length_[rows[j]];
+    a->plan.fed[plan.pick[j]] = 1;
+  }
+  const at::Tensor nk = next_keys.to(at::kCPU, at::kLong).contiguous();
+  a->keys.assign(nk.data_ptr<int64_t>(), nk.data_ptr<int64_t>() + nk.numel());
+  std::vector<int64_t> packed = fixed_step_inputs(a->plan);  // the ids, 0 here, come from the draw
   const size_t keys_at = packed.size();
   packed.resize(keys_at + Bc, 0);
-  const at::Tensor keys = row_keys.to(at::kCPU, at::kLong).contiguous();
-  for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + p.pick[j]] = keys.data_ptr<int64_t>()[j];
-  at::Tensor draw;  // (2, Bc)
+  for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + plan.pick[j]] = a->keys[j];
+  const bool graphs = graphed();
+  at::Tensor in = graphs ? to_device_async(packed, valid_.device()) : at::tensor(packed, at::kLong).to(valid_.device());
+  // Each fed row's token is the one it drew; the rows not fed keep 0, as a plan gives them.
+  in.narrow(0, 0, Bc).copy_(draw[0].to(at::kLong) * in.narrow(0, 2 * Bc, Bc));
 #ifdef RLT_HAVE_CUDA
   if (graphs) {
-    const std::array<double, 4> key = draw_options(sampling, vocab_limit);
-    if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
-    draw_key_ = key;
-    auto& g = draw_graphs_[span];
+    auto& g = draw_graphs_.at(span);
     replay(
-        g, to_device_async(packed, valid_.device()), span,
+        g, in, span,
         [this, span, sampling, vocab_limit](const at::Tensor& x) {
           return fixed_step_draw(x, span, sampling, vocab_limit);
         },
         "decode step with its draw");
-    draw = g->hidden;
+    a->draw = g->hidden;
+    a->host = at::empty(a->draw.sizes(), a->draw.options().device(at::kCPU).pinned_memory(true));
+    a->host.copy_(a->draw, /*non_blocking=*/true);
+    a->ready.record(c10::cuda::getCurrentCUDAStream(valid_.device().index()));
   }
 #endif
-  if (!graphs) draw = fixed_step_draw(at::tensor(packed, at::kLong).to(valid_.device()), span, sampling, vocab_limit);
-  SampleOutput out = unpack_draw(draw, at::tensor(p.pick, at::kLong));  // waits for the step
+  if (!graphs) a->draw = fixed_step_draw(in, span, sampling, vocab_limit);
+  ahead_ = std::move(a);
+}
+
+bool DecodeEngine::take_ahead(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                              const at::Tensor& keys, const SamplingOptions& sampling, int64_t vocab_limit,
+                              StepPlan* plan) {
+  const Ahead& a = *ahead_;
+  if (rows.empty() || rows.size() != tokens.size() || a.ids.size() != a.rows.size()) return false;
+  if (draw_options(sampling, vocab_limit) != a.draw_key || cache_.length != a.slot) return false;
+  if (!steps_unchanged(a.span, sampling, vocab_limit)) return false;
+  std::vector<int64_t> at_row(cache_row_.size(), -1);  // sequence -> its place in a.rows
+  for (size_t k = 0; k < a.rows.size(); ++k) at_row[a.rows[k]] = static_cast<int64_t>(k);
+  const int64_t* key = keys.data_ptr<int64_t>();
+  std::vector<uint8_t> kept(a.rows.size(), 0);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t n = rows[j];
+    if (n < 0 || n >= static_cast<int64_t>(at_row.size()) || at_row[n] < 0) return false;
+    const size_t k = static_cast<size_t>(at_row[n]);
+    if (kept[k] || a.ids[k] != tokens[j] || a.keys[k] != key[j] || cache_row_[n] != a.plan.pick[k]) return false;
+    kept[k] = 1;
+  }
+  // Taken: the step's bookkeeping (plan_step's and step_draw's), the rows it fed that this one leaves out
+  // made holes, as a step makes its rows not fed.
+  ++stamp_;
+  *plan = a.plan;
+  plan->pick.resize(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) plan->pick[j] = cache_row_[rows[j]];
+  std::vector<int64_t> left;
+  for (size_t k = 0; k < a.rows.size(); ++k) {
+    if (!kept[k]) left.push_back(a.plan.pick[k]);
+  }
+  if (!left.empty() && options_.ahead_holes) {
+    // Through pinned memory: a copy from pageable memory would wait for the step started ahead.
+    const c10::List<std::optional<at::Tensor>> at{to_device_async(left, valid_.device()),
+                                                  to_device_async(std::vector<int64_t>{a.slot}, valid_.device())};
+    valid_.index_put_(at, at::zeros({}, valid_.options()));
+  }
+  step_span_slots_ += a.span;
   cache_.length += 1;
   advance_step(rows);
-  return out;
+  ++ahead_taken_;
+  return true;
+}
+
+void DecodeEngine::drop_ahead() {
+  if (!ahead_) return;
+  // Its slot is not filled: the next step or feed writes it again (a step sets every row's mark there).
+  valid_.select(1, ahead_->slot).fill_(false);
+  ahead_.reset();
+  ++ahead_dropped_;
 }
 
 at::Tensor DecodeEngine::extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) {
@@ -497,6 +667,7 @@ SampleOutput DecodeEngine::extend_each_draw(const std::vector<int64_t>& rows,
 }
 
 void DecodeEngine::retract(const std::vector<int64_t>& rows, const std::vector<int64_t>& counts) {
+  drop_ahead();
   TORCH_CHECK(rows.size() == counts.size(), "retract: one count per sequence");
   std::vector<int64_t> at_rows, at_slots;
   for (size_t j = 0; j < rows.size(); ++j) {
@@ -524,6 +695,7 @@ void DecodeEngine::retract(const std::vector<int64_t>& rows, const std::vector<i
 at::Tensor DecodeEngine::feed(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs,
                               bool each, const FeedDraw* draw, SampleOutput* drawn) {
   at::NoGradGuard no_grad;
+  drop_ahead();
   ++stamp_;
   TORCH_CHECK(rows.size() == runs.size() && !rows.empty(), "extend: rows and runs must be equal, non-empty lists");
   const int64_t E = static_cast<int64_t>(rows.size());

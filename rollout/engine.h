@@ -49,9 +49,12 @@ class TokenPolicy {
   // step(), then the draw of each listed row's next token as sample_tokens makes it, the noise from
   // row_keys (rows.size()) int64 on the CPU (sample_row_keys of each row's stream and counter). The default
   // draws from step()'s logits; DecodeEngine's graphed steps draw inside the step's CUDA graph
-  // (EngineSwitches::graph_draw).
+  // (EngineSwitches::graph_draw). next_keys (rows.size(), or undefined) are the rows' keys for the step
+  // after, should each be fed the token it draws now: an engine may start that step before returning
+  // (EngineSwitches::step_ahead); the default ignores them.
   virtual SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
-                                 const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit);
+                                 const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
+                                 const at::Tensor& next_keys = at::Tensor());
   // Appends runs[j] (one or more tokens: tool output, the template's framing) to sequence rows[j] (rows
   // distinct) and returns the logits after each run's last token (rows.size(), V). The default feeds the
   // runs through step(), one token per call; DecodeEngine takes them in one forward.
@@ -110,6 +113,13 @@ struct EngineSwitches {
   // so that it is resident and waiting when its predecessor ends instead of launching after it. Off: plain
   // edges.
   bool dependent_launch = true;
+  // With graph_draw (graphed on a GPU, or fixed_shape_step): when step_draw is given the next step's keys,
+  // it starts that step, each row fed the token it just drew, before it reads the draw back, so the host's
+  // turn between steps (reading the ids, the next inputs, the graph's launch) overlaps the GPU's work. The
+  // next step_draw takes it when its rows are among those rows, fed those tokens with those keys, and
+  // nothing else came between; a row left out becomes a hole, as a row not fed does. Anything else
+  // (a feed, an admit, other rows) drops it: its slot is written again. The draws are the same either way.
+  bool step_ahead = true;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
   // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
@@ -136,6 +146,8 @@ struct EngineSwitches {
       "a graphed decode step also runs the LM head and the draw of the next tokens inside its graph (GPU only)");
     v("dependent_launch", dependent_launch,
       "the captured graphs launch each fused kernel while the kernel before it ends (Hopper GPUs)");
+    v("step_ahead", step_ahead,
+      "a graphed decode step starts the next one on the ids it drew before the host reads them (GPU only)");
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");
@@ -166,6 +178,9 @@ struct EngineOptions {
   // step() at the graphs' fixed shape (write slot on the device, attention over the span) also without
   // graphs (on the CPU: the tests check that form against the full forward).
   bool fixed_shape_step = false;
+  // The tests' wrong twin of step_ahead: false leaves a row that a taken step leaves out marked as fed in
+  // that step's slot, so its next forwards see what the step wrote there. Always true otherwise.
+  bool ahead_holes = true;
   // Off: the engine's eager forwards (prefill, feeds, steps without graphs) keep attention off cuDNN
   // (NoCudnnAttention), whose per-shape plans cost ~40 ms each, and their shapes change every call.
   // Captured steps keep cuDNN: their plan is built once per capture.
@@ -201,7 +216,11 @@ class DecodeEngine : public TokenPolicy {
   // draw (draw_tokens) in one CUDA graph per span and sampling options; rows not fed draw a token nobody
   // reads. Otherwise TokenPolicy's.
   SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
-                         const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit) override;
+                         const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
+                         const at::Tensor& next_keys = at::Tensor()) override;
+  // step_draw's steps started ahead (EngineSwitches::step_ahead): taken by the next step_draw, and dropped.
+  int64_t steps_ahead_taken() const { return ahead_taken_; }
+  int64_t steps_ahead_dropped() const { return ahead_dropped_; }
   // One forward over the listed rows only (KvCache::step_rows): K = the longest run's slots are added to
   // the cache, the shorter runs and the rows not listed leave holes there. With feed_graphs on a GPU, the
   // feed runs at a bucketed shape (rows to a power of two of at least 8, K to a multiple of 8 of at least
@@ -300,6 +319,29 @@ class DecodeEngine : public TokenPolicy {
   std::vector<int64_t> fixed_step_inputs(const StepPlan& plan) const;
   // The step's bookkeeping once it ran: each fed sequence one token longer.
   void advance_step(const std::vector<int64_t>& rows);
+  // A step started ahead by step_draw (EngineSwitches::step_ahead): it feeds `rows` (sequences) the tokens
+  // `ids` with noise keys `keys`, at slot `slot` over `span`, drawn with the options `draw_key`; `draw` is
+  // its packed draw on the device (the step graph's output), `host` the copy on its way to the host, and
+  // `ready` marks the copy's end (CUDA builds).
+  struct Ahead;
+  std::unique_ptr<Ahead> ahead_;
+  int64_t ahead_taken_ = 0, ahead_dropped_ = 0;
+  // The step a normal step_draw would make next is free of host-side changes to the cache: no released
+  // rows dropped, no compaction, the step's span `span`, and (graphed) its graph captured for these draw
+  // options.
+  bool steps_unchanged(int64_t span, const SamplingOptions& sampling, int64_t vocab_limit) const;
+  // Starts the step after the one that drew `draw` (packed, on the device): every row of `plan` fed again,
+  // its drawn token, the keys `next_keys`. The caller has advanced the positions and the slot.
+  void start_ahead(const StepPlan& plan, const std::vector<int64_t>& rows, const at::Tensor& draw,
+                   const at::Tensor& next_keys, const SamplingOptions& sampling, int64_t vocab_limit);
+  // The step started ahead as this step_draw's, if it is one (its rows among the started ones, the same
+  // tokens, keys and options, nothing changed since): the rows left out become holes, the bookkeeping of
+  // a step is done, and *plan holds the step's; false (and nothing done) otherwise.
+  bool take_ahead(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens, const at::Tensor& keys,
+                  const SamplingOptions& sampling, int64_t vocab_limit, StepPlan* plan);
+  // Drops a step started ahead, if any: its slot is not filled (valid_ cleared there). Every call that
+  // forwards, moves the cache or starts sequences drops it first.
+  void drop_ahead();
   // The slots the next step attends over: the filled ones and the one it writes, rounded up to a multiple
   // of options_.span_chunk (at most max_len; span_chunk 0: max_len).
   int64_t step_span() const;

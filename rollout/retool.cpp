@@ -365,7 +365,13 @@ class Loop {
       } else if (!rows.empty()) {
         // The step draws every fed row's next token (on a GPU inside the step's graph); the rows that wait
         // drop theirs.
-        const SampleOutput d = policy_.step_draw(pids(rows), tokens, sampling_, row_keys(rows), tok_.vocab_size());
+        // The next pass is likely this one again (no draft, feed, admit or held reply in sight): the engine
+        // may start its step before this one's draws are read (rollout.step_ahead).
+        const bool plain_next =
+            !drafter_ && run_rows.empty() && admitted.empty() &&
+            std::none_of(seqs_.begin(), seqs_.end(), [](const Seq& s) { return s.pending.size() >= 2; });
+        const SampleOutput d = policy_.step_draw(pids(rows), tokens, sampling_, row_keys(rows), tok_.vocab_size(),
+                                                 plain_next ? row_keys(rows, 1) : at::Tensor());
         const double step_s = lap(t);
         stats.decode_s += step_s;
         stats.decode_steps += 1;
@@ -631,8 +637,9 @@ class Loop {
   }
 
   // The noise keys of the rows' next tokens (sample_row_keys): each row's stream, and the token's index in
-  // its response as the counter.
-  at::Tensor row_keys(const std::vector<int64_t>& rows) const {
+  // its response as the counter; `ahead` tokens later with ahead (the step after next's, should each row
+  // sample its next token).
+  at::Tensor row_keys(const std::vector<int64_t>& rows, int64_t ahead = 0) const {
     const int64_t n = static_cast<int64_t>(rows.size());
     // Filled through their pointers: an element write on a tensor is a dispatch of its own.
     at::Tensor streams = at::empty({n}, at::kLong), counters = at::empty({n}, at::kLong);
@@ -641,7 +648,7 @@ class Loop {
     for (int64_t j = 0; j < n; ++j) {
       const Seq& s = seqs_[rows[j]];
       stream[j] = s.stream;
-      counter[j] = static_cast<int64_t>(s.traj.response_ids.size());
+      counter[j] = static_cast<int64_t>(s.traj.response_ids.size()) + ahead;
     }
     return sample_row_keys(sampling_.seed, streams, counters);
   }

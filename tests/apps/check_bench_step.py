@@ -44,7 +44,8 @@ def main():
             json.dump(config(tied), open(os.path.join(d, "config.json"), "w"))
             dirs.append(d)
         out = os.path.join(tmp, "step.json")
-        rows, contexts, variants = [1, 3], [8, 20], ["default", "no_graph_draw", "no_dependent_launch"]
+        rows, contexts, variants = [1, 3], [8, 20], ["default", "no_graph_draw", "no_dependent_launch",
+                                                  "no_step_ahead"]
         subprocess.run([exe, "--models", ",".join(dirs), "--device", "cpu", "--dtype", "float32", "--rows",
                         ",".join(map(str, rows)), "--contexts", ",".join(map(str, contexts)), "--steps", "2",
                         "--reps", "1", "--variants", ",".join(variants), "--json", out], check=True,

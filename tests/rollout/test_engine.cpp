@@ -1241,6 +1241,89 @@ TEST_P(StepDraw, DrawsInsideTheStepWhatSamplingTheStepsLogitsDraws) {
   }
 }
 
+// EngineSwitches::step_ahead: step_draw given the next step's keys starts that step before it returns, and
+// the next step_draw takes it. A rollout driven through every case draws the ids and log-probs, bit for
+// bit, of one whose steps all run when asked (no next keys): steps taken whole, steps that leave a row out
+// (it waits, or was released: a hole), a row that comes back (the started step dropped), a row fed another
+// token than it drew, a feed between steps, and other keys. The engine counts both outcomes. The wrong
+// twin (EngineOptions::ahead_holes false) leaves the rows left out marked as fed in the taken step's slot:
+// when they come back they see it, and their draws must differ.
+class StepAhead : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StepAhead, StepsStartedAheadDrawWhatStepsDrawWhenAsked) {
+  const bool cuda = GetParam() == "cuda";
+  if (cuda && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const Transformer m =
+      tiny_model("qwen3", 7, cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU), cuda ? at::kFloat : at::kDouble);
+  SamplingOptions so;
+  so.temperature = 6;  // a flatter softmax: a changed context changes draws
+  so.seed = 21;
+  auto run = [&](bool ahead, bool holes, int64_t& taken, int64_t& dropped) {
+    EngineOptions po;
+    po.switches.cuda_graphs = true;
+    po.fixed_shape_step = true;
+    po.ahead_holes = holes;
+    DecodeEngine engine(m, po);
+    const int64_t N = 6;
+    engine.start({{5, 17, 9}, {1, 2, 3, 4}, {250, 8}}, 2);
+    std::vector<int64_t> next = {3, 4, 5, 6, 7, 8}, counter(N, 0);
+    std::vector<at::Tensor> out;
+    auto keys = [&](const std::vector<int64_t>& rows, int64_t on) {
+      std::vector<int64_t> st, ct;
+      for (int64_t n : rows) {
+        st.push_back(100 + n);
+        ct.push_back(counter[n] + on);
+      }
+      return sample_row_keys(so.seed, at::tensor(st, at::kLong), at::tensor(ct, at::kLong));
+    };
+    for (int64_t t = 0; t < 22; ++t) {
+      if (t == 9) {  // a feed between steps: rows 1 and 3 take a reply
+        out.push_back(engine.extend({1, 3}, {{40, 41, 42}, {9, 10}}).cpu().to(at::kDouble).flatten());
+        continue;
+      }
+      std::vector<int64_t> rows;
+      for (int64_t n = 0; n < N; ++n) {
+        if (t >= 4 && t < 7 && n == 2) continue;    // row 2 waits from step 4 (left out), back at 7
+        if (t >= 12 && t < 14 && n == 0) continue;  // row 0 waits at 12 and 13, back at 14
+        if (t >= 17 && n == 4) continue;            // row 4 finishes at 17 (released)
+        rows.push_back(n);
+      }
+      if (t == 17) engine.release({4});
+      std::vector<int64_t> tokens;
+      for (int64_t n : rows) tokens.push_back(t == 15 && n == 5 ? 77 : next[n]);  // row 5 fed another token
+      const bool other_keys = t == 19;  // the step's keys differ from those it was started with
+      if (other_keys) counter[3] += 5;
+      const at::Tensor next_keys = ahead && t != 20 ? keys(rows, 1) : at::Tensor();
+      const SampleOutput d = engine.step_draw(rows, tokens, so, keys(rows, 0), 300, next_keys);
+      for (size_t j = 0; j < rows.size(); ++j) {
+        next[rows[j]] = d.ids[static_cast<int64_t>(j)].item<int64_t>();
+        counter[rows[j]] += 1;
+      }
+      out.push_back(d.ids.to(at::kDouble));
+      out.push_back(d.logprobs.to(at::kDouble));
+    }
+    taken = engine.steps_ahead_taken();
+    dropped = engine.steps_ahead_dropped();
+    out.push_back(at::full({1}, double(engine.cache_length()), at::kDouble));
+    return at::cat(out);
+  };
+  int64_t taken = 0, dropped = 0, plain_taken = 0, plain_dropped = 0, twin_taken = 0, twin_dropped = 0;
+  const at::Tensor got = run(true, true, taken, dropped), want = run(false, true, plain_taken, plain_dropped);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_TRUE(at::equal(got, want)) << "max difference " << (got - want).abs().max().item<double>();
+  // Taken at steps 1-6, 8, 11-13, 16-18 and 20 (4, 12 and 17 leave a row out). Dropped at 7 and 14 (a row
+  // back), 9 (the feed), 15 (another token) and 19 (other keys); 20 starts none, 21's is never taken.
+  EXPECT_EQ(taken, 14);
+  EXPECT_EQ(dropped, 5);
+  EXPECT_EQ(plain_taken + plain_dropped, 0);
+  const at::Tensor twin = run(true, false, twin_taken, twin_dropped);
+  EXPECT_EQ(twin_taken, taken);
+  EXPECT_FALSE(at::equal(twin, want)) << "rows left out of a taken step must not see its slot";
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, StepAhead, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
 // A speculative rollout's engine side (rollout.speculative): extend_each returns every position's logits of
 // runs of 1 to 5 tokens, each equal to the full forward over the sequence so far (float64, 1e-9), and
 // retract takes back a random number of each run's last tokens, after which the sequence's logits are

@@ -1325,20 +1325,30 @@ TEST(DraftHistory, KeepsTheLatestRolloutOfEachPromptWithinItsTokens) {
 // A speculative rollout of a tiny float64 model without tools, against plain decoding of the same prompts.
 class SpeculativeRolloutTest : public ReToolTest {
  protected:
-  std::vector<Trajectory> go(const Transformer& m, double temperature, int64_t seed, bool speculate,
-                             RolloutStats* stats, std::shared_ptr<DraftHistory> history = nullptr,
-                             SpeculationFault fault = SpeculationFault::kNone) const {
-    DecodeEngine policy(m);
+  // The rollouts' settings: 4 samples a prompt of at most 48 tokens, top-p 0.9 where sampled; tools off,
+  // ids 100-103 stop a trajectory.
+  static SamplingOptions plain_sampling(int64_t seed, double temperature) {
     SamplingOptions s = sampling(4);
     s.seed = seed;
     s.temperature = temperature;
     s.top_p = temperature > 0 ? 0.9 : 1.0;
     s.max_new_tokens = 48;
+    return s;
+  }
+  static RolloutOptions plain_options() {
     RolloutOptions o;
     o.tools = false;
     o.max_context = 160;
     o.progress_s = 0;
     for (int64_t id = 100; id < 104; ++id) o.stop_ids.push_back(id);
+    return o;
+  }
+  std::vector<Trajectory> go(const Transformer& m, double temperature, int64_t seed, bool speculate,
+                             RolloutStats* stats, std::shared_ptr<DraftHistory> history = nullptr,
+                             SpeculationFault fault = SpeculationFault::kNone) const {
+    DecodeEngine policy(m);
+    const SamplingOptions s = plain_sampling(seed, temperature);
+    RolloutOptions o = plain_options();
     if (speculate) {
       o.speculative = Speculative::kSuffix;
       o.draft_tokens = 4;
@@ -1402,6 +1412,72 @@ TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokens) {
           << "fault " << int(f);
     }
   }
+}
+
+// The rollout's engine behind a policy that passes every call on, the next keys of step_draw shifted by
+// `shift` counters (0: as given): the wrong twin of a loop that passes the wrong keys.
+class ShiftedNextKeys : public TokenPolicy {
+ public:
+  ShiftedNextKeys(DecodeEngine& e, int64_t seed, int64_t shift) : e_(e), seed_(seed), shift_(shift) {}
+  at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
+    return e_.start(prompts, repeats);
+  }
+  at::Tensor step(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens) override {
+    return e_.step(rows, tokens);
+  }
+  SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
+                         const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
+                         const at::Tensor& next_keys) override {
+    at::Tensor keys = next_keys;
+    if (keys.defined() && shift_ != 0) {
+      keys = sample_row_keys(seed_, at::zeros_like(keys), at::arange(keys.numel(), at::kLong) + shift_);
+    }
+    return e_.step_draw(rows, tokens, sampling, row_keys, vocab_limit, keys);
+  }
+  at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
+    return e_.extend(rows, runs);
+  }
+  void release(const std::vector<int64_t>& rows) override { e_.release(rows); }
+  int64_t vocab_size() const override { return e_.vocab_size(); }
+
+ private:
+  DecodeEngine& e_;
+  int64_t seed_, shift_;
+};
+
+TEST_F(SpeculativeRolloutTest, StepsStartedAheadSampleThePlainRolloutsTokens) {
+  // rollout.step_ahead: the loop passes each step the keys of the step after it, and the engine (float64 on
+  // the CPU, at the graphs' fixed shape) starts that step before the draws are read. Rows stop at their
+  // stop ids and leave the steps started with them. Every token and log-prob equals a rollout whose steps
+  // start when asked; most steps were started ahead, and a policy that passes other keys gets none taken.
+  const Transformer m = tiny_model("llama", 31);
+  auto go = [&](bool ahead, int64_t shift, RolloutStats& stats, int64_t& taken) {
+    EngineOptions po;
+    po.switches.cuda_graphs = true;
+    po.fixed_shape_step = true;
+    po.switches.step_ahead = ahead;
+    DecodeEngine engine(m, po);
+    const SamplingOptions s = plain_sampling(9, 1.0);
+    ShiftedNextKeys policy(engine, s.seed, shift);
+    auto out = rollout(policy, *tok_, numbered_prompts(4), s, plain_options(), {}, {}, {}, &stats);
+    taken = engine.steps_ahead_taken();
+    return out;
+  };
+  RolloutStats plain_stats, stats, twin_stats;
+  int64_t plain_taken = 0, taken = 0, twin_taken = 0;
+  const auto plain = go(false, 0, plain_stats, plain_taken), ahead = go(true, 0, stats, taken);
+  EXPECT_EQ(worst_gap(plain, ahead), 0.0);
+  int64_t stopped = 0;
+  for (const Trajectory& t : ahead) stopped += t.finish == FinishReason::kEos;
+  EXPECT_GT(stopped, 0) << "no row left the steps started with it";
+  EXPECT_EQ(plain_taken, 0);
+  EXPECT_EQ(stats.decode_steps, plain_stats.decode_steps);
+  EXPECT_GT(2 * taken, stats.decode_steps) << taken << " of " << stats.decode_steps << " steps started ahead";
+  std::cout << taken << " of " << stats.decode_steps << " decode steps started ahead; " << stopped
+            << " rows stopped at a stop id\n";
+  const auto twin = go(true, 1, twin_stats, twin_taken);
+  EXPECT_EQ(worst_gap(plain, twin), 0.0);
+  EXPECT_EQ(twin_taken, 0) << "steps started with other keys must not be taken";
 }
 
 TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokensInFloat32) {
