@@ -493,19 +493,28 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
     copied.record(c10::cuda::getCurrentCUDAStream(valid_.device().index()));
   }
 #endif
-  if (ahead) start_ahead(p, rows, draw, next_keys, sampling, vocab_limit);
   SampleOutput out;
-  if (host.defined()) {
+  try {
+    if (ahead) start_ahead(p, rows, draw, next_keys, sampling, vocab_limit);
+    if (host.defined()) {
 #ifdef RLT_HAVE_CUDA
-    if (taken) {
-      taken->ready.synchronize();
-    } else {
-      copied.synchronize();
-    }
+      if (taken) {
+        taken->ready.synchronize();
+      } else {
+        copied.synchronize();
+      }
 #endif
-    out = unpack_draw(host, at::tensor(p.pick, at::kLong));
-  } else {
-    out = unpack_draw(draw, at::tensor(p.pick, at::kLong));  // waits for the step
+      out = unpack_draw(host, at::tensor(p.pick, at::kLong));
+    } else {
+      out = unpack_draw(draw, at::tensor(p.pick, at::kLong));  // waits for the step
+    }
+  } catch (...) {
+    // A step that throws (a draw that is not finite) leaves the positions as they were: the step started
+    // ahead goes, and this one's slot is written again by the next forward.
+    drop_ahead();
+    cache_.length -= 1;
+    for (int64_t n : rows) --length_[n];
+    throw;
   }
   if (ahead_) ahead_->ids.assign(out.ids.data_ptr<int64_t>(), out.ids.data_ptr<int64_t>() + out.ids.numel());
   return out;

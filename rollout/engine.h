@@ -270,8 +270,9 @@ class DecodeEngine : public TokenPolicy {
   // includes the device's work).
   double compact_seconds() const { return compact_s_; }
   // Device time of the replayed graphs, from CUDA events around each replay: the graphed decode steps by
-  // span (slots read), and the graphed feeds. Where a step's wall time exceeds its device time, the host
-  // (dispatch, the LM head outside the graph, other processes) set the pace. Empty on the CPU.
+  // span (slots read; steps started ahead and dropped included), and the graphed feeds. Where a step's wall time
+  // exceeds its device time, the host (dispatch, the LM head outside the graph, other processes) set the pace. Empty on
+  // the CPU.
   struct ReplayTime {
     int64_t count = 0;
     double seconds = 0;

@@ -365,10 +365,11 @@ class Loop {
       } else if (!rows.empty()) {
         // The step draws every fed row's next token (on a GPU inside the step's graph); the rows that wait
         // drop theirs.
-        // The next pass is likely this one again (no draft, feed, admit or held reply in sight): the engine
-        // may start its step before this one's draws are read (rollout.step_ahead).
+        // The next pass is likely this one again (too many rows to draft; no feed, admit or held reply in
+        // sight): the engine may start its step before this one's draws are read (rollout.step_ahead).
         const bool plain_next =
-            !drafter_ && run_rows.empty() && admitted.empty() &&
+            (!drafter_ || static_cast<int64_t>(rows.size()) > options_.speculative_max_rows) && run_rows.empty() &&
+            admitted.empty() &&
             std::none_of(seqs_.begin(), seqs_.end(), [](const Seq& s) { return s.pending.size() >= 2; });
         const SampleOutput d = policy_.step_draw(pids(rows), tokens, sampling_, row_keys(rows), tok_.vocab_size(),
                                                  plain_next ? row_keys(rows, 1) : at::Tensor());

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -1248,6 +1249,17 @@ TEST_P(StepDraw, DrawsInsideTheStepWhatSamplingTheStepsLogitsDraws) {
 // token than it drew, a feed between steps, and other keys. The engine counts both outcomes. The wrong
 // twin (EngineOptions::ahead_holes false) leaves the rows left out marked as fed in the taken step's slot:
 // when they come back they see it, and their draws must differ.
+// The listed rows' noise keys: stream 100 + row, counter counter[row] + on.
+at::Tensor row_keys_on(int64_t seed, const std::vector<int64_t>& rows, const std::vector<int64_t>& counter,
+                       int64_t on) {
+  std::vector<int64_t> st, ct;
+  for (int64_t n : rows) {
+    st.push_back(100 + n);
+    ct.push_back(counter[n] + on);
+  }
+  return sample_row_keys(seed, at::tensor(st, at::kLong), at::tensor(ct, at::kLong));
+}
+
 class StepAhead : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(StepAhead, StepsStartedAheadDrawWhatStepsDrawWhenAsked) {
@@ -1268,14 +1280,6 @@ TEST_P(StepAhead, StepsStartedAheadDrawWhatStepsDrawWhenAsked) {
     engine.start({{5, 17, 9}, {1, 2, 3, 4}, {250, 8}}, 2);
     std::vector<int64_t> next = {3, 4, 5, 6, 7, 8}, counter(N, 0);
     std::vector<at::Tensor> out;
-    auto keys = [&](const std::vector<int64_t>& rows, int64_t on) {
-      std::vector<int64_t> st, ct;
-      for (int64_t n : rows) {
-        st.push_back(100 + n);
-        ct.push_back(counter[n] + on);
-      }
-      return sample_row_keys(so.seed, at::tensor(st, at::kLong), at::tensor(ct, at::kLong));
-    };
     for (int64_t t = 0; t < 22; ++t) {
       if (t == 9) {  // a feed between steps: rows 1 and 3 take a reply
         out.push_back(engine.extend({1, 3}, {{40, 41, 42}, {9, 10}}).cpu().to(at::kDouble).flatten());
@@ -1293,8 +1297,8 @@ TEST_P(StepAhead, StepsStartedAheadDrawWhatStepsDrawWhenAsked) {
       for (int64_t n : rows) tokens.push_back(t == 15 && n == 5 ? 77 : next[n]);  // row 5 fed another token
       const bool other_keys = t == 19;  // the step's keys differ from those it was started with
       if (other_keys) counter[3] += 5;
-      const at::Tensor next_keys = ahead && t != 20 ? keys(rows, 1) : at::Tensor();
-      const SampleOutput d = engine.step_draw(rows, tokens, so, keys(rows, 0), 300, next_keys);
+      const at::Tensor next_keys = ahead && t != 20 ? row_keys_on(so.seed, rows, counter, 1) : at::Tensor();
+      const SampleOutput d = engine.step_draw(rows, tokens, so, row_keys_on(so.seed, rows, counter, 0), 300, next_keys);
       for (size_t j = 0; j < rows.size(); ++j) {
         next[rows[j]] = d.ids[static_cast<int64_t>(j)].item<int64_t>();
         counter[rows[j]] += 1;
@@ -1323,6 +1327,117 @@ TEST_P(StepAhead, StepsStartedAheadDrawWhatStepsDrawWhenAsked) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, StepAhead, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
+
+// Random schedules of everything that comes between steps, on the CPU at the graphs' fixed shape: rows
+// that wait and come back, given in another order or fed another token, feeds, releases (up to half the
+// cache, which drops them), admits, growths and in-place squeezes (small slot and span chunks), steps with
+// no next keys. Each schedule draws, with steps started ahead, the ids and log-probs of the same schedule
+// with steps started when asked, bit for bit, through as many compactions and reallocations. The wrong
+// twin (no holes for the rows a taken step leaves out) must differ in some schedule.
+TEST(StepAheadCpu, RandomSchedulesDrawWhatStepsDrawWhenAsked) {
+  at::NoGradGuard no_grad;
+  const Transformer m = tiny_model("qwen3", 7, at::Device(at::kCPU), at::kDouble);
+  SamplingOptions so;
+  so.temperature = 6;
+  so.seed = 21;
+  struct Run {
+    at::Tensor out;
+    int64_t taken = 0, dropped = 0, compactions = 0, reallocations = 0;
+  };
+  auto run = [&](uint64_t seed, int64_t chunk, bool ahead, bool holes) {
+    EngineOptions po;
+    po.switches.cuda_graphs = true;
+    po.fixed_shape_step = true;
+    po.ahead_holes = holes;
+    po.span_chunk = chunk;
+    po.slot_chunk = 2 * chunk;
+    po.slot_align = std::min<int64_t>(chunk, 64);
+    DecodeEngine engine(m, po);
+    std::mt19937_64 rng(seed);  // the same draws whether steps start ahead or not
+    engine.start({{5, 17, 9}, {1, 2, 3, 4}, {250, 8}}, 2);
+    std::vector<int64_t> next = {3, 4, 5, 6, 7, 8}, counter(6, 0);
+    std::vector<uint8_t> live(6, 1), waits(6, 0);
+    std::vector<at::Tensor> out;
+    for (int t = 0; t < 90; ++t) {
+      const int64_t N = static_cast<int64_t>(live.size());
+      const uint64_t what = rng() % 100;
+      if (what < 6) {  // a feed of two tokens to some live rows
+        std::vector<int64_t> rows;
+        std::vector<std::vector<int64_t>> runs;
+        for (int64_t n = 0; n < N; ++n) {
+          if (!live[n] || rng() % 2) continue;
+          rows.push_back(n);
+          runs.push_back({int64_t(rng() % 300), int64_t(rng() % 300)});
+          counter[n] += 2;
+        }
+        if (!rows.empty()) out.push_back(engine.extend(rows, runs).flatten());
+        continue;
+      }
+      if (what < 10) {  // a row finishes; a prompt may take its place
+        std::vector<int64_t> alive;
+        for (int64_t n = 0; n < N; ++n) {
+          if (live[n]) alive.push_back(n);
+        }
+        if (alive.size() > 1) {
+          const int64_t n = alive[rng() % alive.size()];
+          engine.release({n});
+          live[n] = 0;
+        }
+        if (rng() % 2) {
+          out.push_back(engine.admit({{int64_t(rng() % 300), 7, 8}}, 1).flatten());
+          live.push_back(1);
+          waits.push_back(0);
+          next.push_back(11);
+          counter.push_back(0);
+        }
+      }
+      std::vector<int64_t> rows, tokens;
+      for (size_t n = 0; n < live.size(); ++n) {
+        if (rng() % 10 == 0) waits[n] ^= 1;
+        if (live[n] && !waits[n]) rows.push_back(static_cast<int64_t>(n));
+      }
+      if (rows.empty()) continue;
+      if (rng() % 7 == 0) std::reverse(rows.begin(), rows.end());
+      for (int64_t n : rows) tokens.push_back(rng() % 40 == 0 ? 77 : next[n]);
+      const bool give = rng() % 9 != 0;
+      const SampleOutput d = engine.step_draw(rows, tokens, so, row_keys_on(so.seed, rows, counter, 0), 300,
+                                              ahead && give ? row_keys_on(so.seed, rows, counter, 1) : at::Tensor());
+      for (size_t j = 0; j < rows.size(); ++j) {
+        next[rows[j]] = d.ids[static_cast<int64_t>(j)].item<int64_t>();
+        counter[rows[j]] += 1;
+      }
+      out.push_back(d.ids.to(at::kDouble));
+      out.push_back(d.logprobs.to(at::kDouble));
+    }
+    out.push_back(at::full({1}, double(engine.cache_length()), at::kDouble));
+    return Run{at::cat(out), engine.steps_ahead_taken(), engine.steps_ahead_dropped(), engine.compactions(),
+               engine.reallocations()};
+  };
+  int64_t taken = 0, dropped = 0, compactions = 0, reallocations = 0, twins_apart = 0;
+  for (const uint64_t seed : {1, 2, 3}) {
+    for (const int64_t chunk : {4, 8, 256}) {
+      SCOPED_TRACE(::testing::Message() << "seed " << seed << ", span chunk " << chunk);
+      const Run got = run(seed, chunk, true, true), want = run(seed, chunk, false, true);
+      ASSERT_EQ(got.out.sizes(), want.out.sizes());
+      EXPECT_TRUE(at::equal(got.out, want.out)) << "max difference " << (got.out - want.out).abs().max().item<double>();
+      EXPECT_EQ(got.compactions, want.compactions);
+      EXPECT_EQ(got.reallocations, want.reallocations);
+      EXPECT_EQ(want.taken + want.dropped, 0);
+      taken += got.taken;
+      dropped += got.dropped;
+      compactions += got.compactions;
+      reallocations += got.reallocations;
+      if (chunk == 8) twins_apart += !at::equal(run(seed, chunk, true, false).out, want.out);
+    }
+  }
+  EXPECT_GT(taken, 200);
+  EXPECT_GT(dropped, 50);
+  EXPECT_GT(compactions, 50) << "the schedules must squeeze and grow the cache";
+  EXPECT_GT(reallocations, 5);
+  EXPECT_GT(twins_apart, 0) << "rows left out of a taken step must not see its slot";
+  std::cout << "steps taken " << taken << ", dropped " << dropped << "; compactions " << compactions
+            << ", reallocations " << reallocations << "; twins apart in " << twins_apart << " of 3 schedules\n";
+}
 
 // A speculative rollout's engine side (rollout.speculative): extend_each returns every position's logits of
 // runs of 1 to 5 tokens, each equal to the full forward over the sequence so far (float64, 1e-9), and

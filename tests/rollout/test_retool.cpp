@@ -1414,11 +1414,11 @@ TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokens) {
   }
 }
 
-// The rollout's engine behind a policy that passes every call on, the next keys of step_draw shifted by
-// `shift` counters (0: as given): the wrong twin of a loop that passes the wrong keys.
-class ShiftedNextKeys : public TokenPolicy {
+// The rollout's engine behind a policy that passes every call on; with `own_keys`, step_draw passes the
+// step's own keys as the next step's (the wrong twin of a loop that does not move the counters on).
+class PassedOn : public TokenPolicy {
  public:
-  ShiftedNextKeys(DecodeEngine& e, int64_t seed, int64_t shift) : e_(e), seed_(seed), shift_(shift) {}
+  PassedOn(DecodeEngine& e, bool own_keys) : e_(e), own_keys_(own_keys) {}
   at::Tensor start(const std::vector<std::vector<int64_t>>& prompts, int64_t repeats) override {
     return e_.start(prompts, repeats);
   }
@@ -1428,10 +1428,7 @@ class ShiftedNextKeys : public TokenPolicy {
   SampleOutput step_draw(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens,
                          const SamplingOptions& sampling, const at::Tensor& row_keys, int64_t vocab_limit,
                          const at::Tensor& next_keys) override {
-    at::Tensor keys = next_keys;
-    if (keys.defined() && shift_ != 0) {
-      keys = sample_row_keys(seed_, at::zeros_like(keys), at::arange(keys.numel(), at::kLong) + shift_);
-    }
+    const at::Tensor keys = own_keys_ && next_keys.defined() ? row_keys : next_keys;
     return e_.step_draw(rows, tokens, sampling, row_keys, vocab_limit, keys);
   }
   at::Tensor extend(const std::vector<int64_t>& rows, const std::vector<std::vector<int64_t>>& runs) override {
@@ -1442,30 +1439,31 @@ class ShiftedNextKeys : public TokenPolicy {
 
  private:
   DecodeEngine& e_;
-  int64_t seed_, shift_;
+  bool own_keys_;
 };
 
 TEST_F(SpeculativeRolloutTest, StepsStartedAheadSampleThePlainRolloutsTokens) {
   // rollout.step_ahead: the loop passes each step the keys of the step after it, and the engine (float64 on
   // the CPU, at the graphs' fixed shape) starts that step before the draws are read. Rows stop at their
   // stop ids and leave the steps started with them. Every token and log-prob equals a rollout whose steps
-  // start when asked; most steps were started ahead, and a policy that passes other keys gets none taken.
+  // start when asked; most steps were started ahead, and a policy that passes each step's own keys as the
+  // next ones gets none taken.
   const Transformer m = tiny_model("llama", 31);
-  auto go = [&](bool ahead, int64_t shift, RolloutStats& stats, int64_t& taken) {
+  auto go = [&](bool ahead, bool own_keys, RolloutStats& stats, int64_t& taken) {
     EngineOptions po;
     po.switches.cuda_graphs = true;
     po.fixed_shape_step = true;
     po.switches.step_ahead = ahead;
     DecodeEngine engine(m, po);
     const SamplingOptions s = plain_sampling(9, 1.0);
-    ShiftedNextKeys policy(engine, s.seed, shift);
+    PassedOn policy(engine, own_keys);
     auto out = rollout(policy, *tok_, numbered_prompts(4), s, plain_options(), {}, {}, {}, &stats);
     taken = engine.steps_ahead_taken();
     return out;
   };
   RolloutStats plain_stats, stats, twin_stats;
   int64_t plain_taken = 0, taken = 0, twin_taken = 0;
-  const auto plain = go(false, 0, plain_stats, plain_taken), ahead = go(true, 0, stats, taken);
+  const auto plain = go(false, false, plain_stats, plain_taken), ahead = go(true, false, stats, taken);
   EXPECT_EQ(worst_gap(plain, ahead), 0.0);
   int64_t stopped = 0;
   for (const Trajectory& t : ahead) stopped += t.finish == FinishReason::kEos;
@@ -1475,9 +1473,9 @@ TEST_F(SpeculativeRolloutTest, StepsStartedAheadSampleThePlainRolloutsTokens) {
   EXPECT_GT(2 * taken, stats.decode_steps) << taken << " of " << stats.decode_steps << " steps started ahead";
   std::cout << taken << " of " << stats.decode_steps << " decode steps started ahead; " << stopped
             << " rows stopped at a stop id\n";
-  const auto twin = go(true, 1, twin_stats, twin_taken);
+  const auto twin = go(true, true, twin_stats, twin_taken);
   EXPECT_EQ(worst_gap(plain, twin), 0.0);
-  EXPECT_EQ(twin_taken, 0) << "steps started with other keys must not be taken";
+  EXPECT_EQ(twin_taken, 0) << "steps started with the keys of the step before must not be taken";
 }
 
 TEST_F(SpeculativeRolloutTest, SamplesThePlainRolloutsTokensInFloat32) {
