@@ -56,6 +56,16 @@ int64_t feed_cols(int64_t K, bool verify = false) {
 }
 
 // What a captured draw holds as constants: the temperature, top-k, top-p and vocabulary limit.
+#ifdef RLT_HAVE_CUDA
+// A packed draw's copy to pinned host memory, queued on the current stream, with `done` recorded after it.
+at::Tensor copy_to_host(const at::Tensor& draw, at::cuda::CUDAEvent& done) {
+  at::Tensor host = at::empty(draw.sizes(), draw.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(draw, /*non_blocking=*/true);
+  done.record(c10::cuda::getCurrentCUDAStream(draw.device().index()));
+  return host;
+}
+#endif
+
 [[maybe_unused]] std::array<double, 4> draw_options(const SamplingOptions& sampling, int64_t vocab_limit) {
   return {sampling.temperature, double(sampling.top_k), sampling.top_p, double(vocab_limit)};
 }
@@ -349,7 +359,7 @@ DecodeEngine::StepPlan DecodeEngine::plan_step(const std::vector<int64_t>& rows,
   TORCH_CHECK(rows.size() == tokens.size() && !rows.empty(), "step: rows and tokens must be equal, non-empty lists");
   ++stamp_;
   drop_released_rows();
-  if (cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk())) compact(1);
+  if (step_compacts(span_step)) compact(1);
   const int64_t Bc = cache_rows();
   // Built on the host as plain vectors (one tensor each at the end): per-element tensor writes cost a
   // dispatch each, which at 256 rows is milliseconds per decode step.
@@ -454,29 +464,9 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
   } else {
     drop_ahead();
     p = plan_step(rows, tokens, /*span_step=*/true);
-    const int64_t Bc = cache_rows(), span = step_span();
+    const int64_t span = step_span();
     step_span_slots_ += span;
-    // fixed_step's inputs, then each cache row's noise key (0 for the rows not fed: their draw is dropped).
-    std::vector<int64_t> packed = fixed_step_inputs(p);
-    const size_t keys_at = packed.size();
-    packed.resize(keys_at + Bc, 0);
-    for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + p.pick[j]] = keys.data_ptr<int64_t>()[j];
-#ifdef RLT_HAVE_CUDA
-    if (graphs) {
-      const std::array<double, 4> key = draw_options(sampling, vocab_limit);
-      if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
-      draw_key_ = key;
-      auto& g = draw_graphs_[span];
-      replay(
-          g, to_device_async(packed, valid_.device()), span,
-          [this, span, sampling, vocab_limit](const at::Tensor& x) {
-            return fixed_step_draw(x, span, sampling, vocab_limit);
-          },
-          "decode step with its draw");
-      draw = g->hidden;
-    }
-#endif
-    if (!graphs) draw = fixed_step_draw(at::tensor(packed, at::kLong).to(valid_.device()), span, sampling, vocab_limit);
+    draw = run_draw(draw_inputs(p, keys.data_ptr<int64_t>()), span, sampling, vocab_limit);
     cache_.length += 1;
     advance_step(rows);
   }
@@ -487,11 +477,7 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
       next_keys.defined() && options_.switches.step_ahead && steps_unchanged(step_span(), sampling, vocab_limit);
 #ifdef RLT_HAVE_CUDA
   at::cuda::CUDAEvent copied(cudaEventDisableTiming);
-  if (ahead && graphs && !taken) {
-    host = at::empty(draw.sizes(), draw.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(draw, /*non_blocking=*/true);
-    copied.record(c10::cuda::getCurrentCUDAStream(valid_.device().index()));
-  }
+  if (ahead && graphs && !taken) host = copy_to_host(draw, copied);
 #endif
   SampleOutput out;
   try {
@@ -522,13 +508,7 @@ SampleOutput DecodeEngine::step_draw(const std::vector<int64_t>& rows, const std
 
 bool DecodeEngine::steps_unchanged(int64_t span, const SamplingOptions& sampling, int64_t vocab_limit) const {
   // What plan_step would do before the step: drop released rows, make room, squeeze the holes out.
-  if (!(graphed() || reserve_rows_ > 0 || keep_rows_ > 0)) {
-    int64_t released = 0;
-    for (int64_t s : seq_of_row_) released += s < 0;
-    if (released > 0 && 2 * released >= cache_rows()) return false;
-  }
-  if (cache_.length + 1 > cache_.max_len || (options_.squeeze_holes && holes_cost_a_chunk())) return false;
-  if (span != step_span()) return false;
+  if (drops_released_rows() || step_compacts(/*span_step=*/true) || span != step_span()) return false;
 #ifdef RLT_HAVE_CUDA
   if (graphed()) {  // a capture waits for the device: the step is not started ahead of one
     if (draw_options(sampling, vocab_limit) != draw_key_) return false;
@@ -540,6 +520,34 @@ bool DecodeEngine::steps_unchanged(int64_t span, const SamplingOptions& sampling
   (void)vocab_limit;
 #endif
   return true;
+}
+
+at::Tensor DecodeEngine::draw_inputs(const StepPlan& p, const int64_t* keys) const {
+  std::vector<int64_t> packed = fixed_step_inputs(p);
+  const size_t keys_at = packed.size();
+  packed.resize(keys_at + cache_rows(), 0);
+  for (size_t j = 0; j < p.pick.size(); ++j) packed[keys_at + p.pick[j]] = keys[j];
+  return to_device_async(packed, valid_.device());
+}
+
+at::Tensor DecodeEngine::run_draw(const at::Tensor& inputs, int64_t span, const SamplingOptions& sampling,
+                                  int64_t vocab_limit) {
+#ifdef RLT_HAVE_CUDA
+  if (graphed()) {
+    const std::array<double, 4> key = draw_options(sampling, vocab_limit);
+    if (key != draw_key_) draw_graphs_.clear();  // the options are constants of the captured draw
+    draw_key_ = key;
+    auto& g = draw_graphs_[span];
+    replay(
+        g, inputs, span,
+        [this, span, sampling, vocab_limit](const at::Tensor& x) {
+          return fixed_step_draw(x, span, sampling, vocab_limit);
+        },
+        "decode step with its draw");
+    return g->hidden;
+  }
+#endif
+  return fixed_step_draw(inputs, span, sampling, vocab_limit);
 }
 
 void DecodeEngine::start_ahead(const StepPlan& plan, const std::vector<int64_t>& rows, const at::Tensor& draw,
@@ -560,30 +568,13 @@ void DecodeEngine::start_ahead(const StepPlan& plan, const std::vector<int64_t>&
   }
   const at::Tensor nk = next_keys.to(at::kCPU, at::kLong).contiguous();
   a->keys.assign(nk.data_ptr<int64_t>(), nk.data_ptr<int64_t>() + nk.numel());
-  std::vector<int64_t> packed = fixed_step_inputs(a->plan);  // the ids, 0 here, come from the draw
-  const size_t keys_at = packed.size();
-  packed.resize(keys_at + Bc, 0);
-  for (size_t j = 0; j < rows.size(); ++j) packed[keys_at + plan.pick[j]] = a->keys[j];
-  const bool graphs = graphed();
-  at::Tensor in = graphs ? to_device_async(packed, valid_.device()) : at::tensor(packed, at::kLong).to(valid_.device());
+  at::Tensor in = draw_inputs(a->plan, a->keys.data());  // the ids, 0 here, come from the draw
   // Each fed row's token is the one it drew; the rows not fed keep 0, as a plan gives them.
   in.narrow(0, 0, Bc).copy_(draw[0].to(at::kLong) * in.narrow(0, 2 * Bc, Bc));
+  a->draw = run_draw(in, span, sampling, vocab_limit);
 #ifdef RLT_HAVE_CUDA
-  if (graphs) {
-    auto& g = draw_graphs_.at(span);
-    replay(
-        g, in, span,
-        [this, span, sampling, vocab_limit](const at::Tensor& x) {
-          return fixed_step_draw(x, span, sampling, vocab_limit);
-        },
-        "decode step with its draw");
-    a->draw = g->hidden;
-    a->host = at::empty(a->draw.sizes(), a->draw.options().device(at::kCPU).pinned_memory(true));
-    a->host.copy_(a->draw, /*non_blocking=*/true);
-    a->ready.record(c10::cuda::getCurrentCUDAStream(valid_.device().index()));
-  }
+  if (graphed()) a->host = copy_to_host(a->draw, a->ready);
 #endif
-  if (!graphs) a->draw = fixed_step_draw(in, span, sampling, vocab_limit);
   ahead_ = std::move(a);
 }
 
@@ -1139,10 +1130,18 @@ void DecodeEngine::drop_released_rows() {
   // replay CUDA graphs: a step is launch-bound, so a dead row costs it little, while new cache tensors
   // cost a recapture (two forwards of host time); they go at the next reallocation.
   // With admits to come (or the next start(), keep_cache), released rows are kept for them.
-  if (graphed() || reserve_rows_ > 0 || keep_rows_ > 0) return;
+  if (drops_released_rows()) compact(0, /*drop_released=*/true);
+}
+
+bool DecodeEngine::drops_released_rows() const {
+  if (graphed() || reserve_rows_ > 0 || keep_rows_ > 0) return false;
   int64_t released = 0;
   for (int64_t s : seq_of_row_) released += s < 0;
-  if (released > 0 && 2 * released >= cache_rows()) compact(0, /*drop_released=*/true);
+  return released > 0 && 2 * released >= cache_rows();
+}
+
+bool DecodeEngine::step_compacts(bool span_step) const {
+  return cache_.length + 1 > cache_.max_len || (span_step && options_.squeeze_holes && holes_cost_a_chunk());
 }
 
 void DecodeEngine::compact(int64_t need, bool drop_released, int64_t add_rows, int64_t min_len) {

@@ -296,6 +296,10 @@ class DecodeEngine : public TokenPolicy {
   // (called before a forward, not by release(): the rollout refills released rows right after releasing
   // them).
   void drop_released_rows();
+  bool drops_released_rows() const;  // whether drop_released_rows() would drop them now
+  // Whether a step (span_step: a graphed or fixed-shape one) first compacts: no slot left, or the holes
+  // cost its span a chunk.
+  bool step_compacts(bool span_step) const;
   bool graphed() const;  // steps replay CUDA graphs
   // keep_cache: empties the cache for start() in place (every row free, nothing filled, the graphs kept)
   // when it has S rows and Lp slots and the parameters are still the tensors it was built on; else false.
@@ -340,6 +344,12 @@ class DecodeEngine : public TokenPolicy {
   // a step is done, and *plan holds the step's; false (and nothing done) otherwise.
   bool take_ahead(const std::vector<int64_t>& rows, const std::vector<int64_t>& tokens, const at::Tensor& keys,
                   const SamplingOptions& sampling, int64_t vocab_limit, StepPlan* plan);
+  // step_draw's inputs on the device: fixed_step_inputs(p), then each cache row's noise key, keys[j] at
+  // p.pick[j] (0 for the rows not fed: their draw is dropped).
+  at::Tensor draw_inputs(const StepPlan& p, const int64_t* keys) const;
+  // A step with its draw on `inputs` (draw_inputs) over `span`: graphed, the span's graph for these draw
+  // options replayed (captured first when it has none), else fixed_step_draw eagerly. Returns the packed draw (2, Bc).
+  at::Tensor run_draw(const at::Tensor& inputs, int64_t span, const SamplingOptions& sampling, int64_t vocab_limit);
   // Drops a step started ahead, if any: its slot is not filled (valid_ cleared there). Every call that
   // forwards, moves the cache or starts sequences drops it first.
   void drop_ahead();
