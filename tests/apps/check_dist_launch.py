@@ -137,8 +137,11 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # train.rollout_ranks 1 of --nproc 2, in turn and one_step: rank 1 samples, rank 0 trains, and the steps
     # are one process's (the same samples and losses); one_step stopped and resumed goes on alike.
+    # one_step is off-policy, and the rollout's log-probs move by rounding with the rows a decode step shares,
+    # which depend on when tool replies return: the losses compare bit for bit on recomputed old log-probs.
     for mode in ("off", "one_step"):
-        mode_set = ["--set", f"train.async={mode}"]
+        mode_set = ["--set", f"train.async={mode}"] + (["--set", "train.old_logprobs=recompute"]
+                                                        if mode == "one_step" else [])
         ref = os.path.join(tmp, f"ref_{mode}")
         placed = os.path.join(tmp, f"placed_{mode}")
         r = subprocess.run([grpo] + base + mode_set + ["--out", ref], capture_output=True, text=True, timeout=600)
