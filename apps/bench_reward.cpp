@@ -8,8 +8,9 @@
 //   build/bin/bench_reward --script examples/rewards/math_verify.py --trajectories 256 --workers 4
 // With --reward-model DIR it measures reward.kind model instead (rollout/reward_model.h): each batch's
 // conversations rendered and encoded on the host (RewardModel::encode on ATen's threads, as score_rewards
-// calls it), then scored (RewardModel::score, the device synchronized), with responses of --response-tokens
-// random ids of the reward model's tokenizer decoded to text; the forwards' rate in TFLOP/s (model/flops.h).
+// once did), then scored (RewardModel::score, the device synchronized), with responses of --response-tokens
+// random ids of the reward model's tokenizer decoded to text; the forwards' rate in TFLOP/s (model/flops.h);
+// and the two overlapped (RewardModel::score_texts, as score_rewards calls it) on other new responses.
 //   build/bin/bench_reward --reward-model DIR --device cuda --dtype bfloat16 --trajectories 256
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -84,21 +85,29 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
   // Responses as a random policy writes them: random pieces of the vocabulary, decoded; new ones each batch,
   // as each step's are (the tokenizer's cache of pre-tokens does not already hold them).
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed=*/7);
-  std::vector<double> encode_ms, score_ms, tokens, forwarded, tflops;  // per batch
+  std::vector<double> encode_ms, score_ms, overlapped_ms, tokens, forwarded, tflops;  // per batch
   std::vector<std::vector<int64_t>> sequences;
-  for (int64_t r = 0; r <= repeats; ++r) {
+  auto new_responses = [&] {
     std::vector<std::string> responses;
     for (int64_t i = 0; i < trajectories; ++i) {
       const at::Tensor ids = at::randint(rm.tokenizer().vocab_size(), {response_tokens}, gen, at::kLong);
       responses.push_back(rm.tokenizer().decode(
           std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + response_tokens)));
     }
-    const auto t_encode = Clock::now();
+    return responses;
+  };
+  auto texts_of = [&](const std::vector<std::string>& responses) {
     std::vector<rlt::RewardModel::Text> texts;
     for (int64_t i = 0; i < trajectories; ++i) {
       const rlt::PromptExample& ex = set.examples[(i / samples) % set.examples.size()];
       texts.push_back({ex.messages, ex.prompt, responses[i]});
     }
+    return texts;
+  };
+  for (int64_t r = 0; r <= repeats; ++r) {
+    const std::vector<std::string> responses = new_responses();
+    const auto t_encode = Clock::now();
+    const std::vector<rlt::RewardModel::Text> texts = texts_of(responses);
     sequences = rm.encode(texts);
     encode_ms.push_back(ms_since(t_encode));
     rlt::device_synchronize(device);
@@ -117,6 +126,13 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
     tokens.push_back(n);
     forwarded.push_back(static_cast<double>(ran));
     tflops.push_back(flops / (score_ms.back() / 1000) / 1e12);
+    // The two overlapped, as score_rewards runs them (RewardModel::score_texts), on responses of their own.
+    const std::vector<std::string> others = new_responses();
+    const std::vector<rlt::RewardModel::Text> other_texts = texts_of(others);
+    const auto t_both = Clock::now();
+    rm.score_texts(other_texts);
+    rlt::device_synchronize(device);
+    overlapped_ms.push_back(ms_since(t_both));
   }
   nlohmann::ordered_json trace;
   if (trace_top > 0) {
@@ -148,6 +164,7 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
           {"tokens_forwarded", timed(forwarded)},
           {"encode_ms", timed_encode},
           {"score_ms", timed(score_ms)},
+          {"encode_and_score_ms", timed(overlapped_ms)},
           {"encode_us_per_trajectory", 1000 * percentile(timed_encode, 0.5) / static_cast<double>(trajectories)},
           {"score_whole_sequence_tflops", timed(tflops)},
           {"trace", trace}};

@@ -6,8 +6,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <utility>
 
@@ -96,50 +99,106 @@ std::vector<int64_t> RewardModel::encode(const std::vector<ChatMessage>& convers
   return tokenizer_->encode(chat_->render(messages, nlohmann::ordered_json(), /*add_generation_prompt=*/false));
 }
 
-std::vector<std::vector<int64_t>> RewardModel::encode(const std::vector<Text>& texts) const {
-  std::vector<std::vector<int64_t>> out(texts.size());
-  // Threads of its own: at::parallel_for runs serially in code compiled without OpenMP, as this is.
-  const size_t threads = std::min<size_t>(std::max(1, at::get_num_threads()), texts.size());
-  std::atomic<size_t> next{0};
-  std::vector<std::exception_ptr> failed(threads);
-  auto work = [&](size_t w) {
+// encode() of each text on threads of their own, taking the texts in order, while the caller uses those
+// done (get() waits for one). The first error is rethrown by get(); the threads stop at their next text and
+// are joined when this goes.
+class RewardModel::EncodeAhead {
+ public:
+  EncodeAhead(const RewardModel& rm, const std::vector<Text>& texts)
+      : rm_(rm), texts_(texts), out_(texts.size()), done_(texts.size(), 0) {
+    // Threads of its own: at::parallel_for runs serially in code compiled without OpenMP, as this is.
+    const size_t threads = std::min<size_t>(std::max(1, at::get_num_threads()), texts.size());
     try {
-      for (size_t i = next++; i < texts.size(); i = next++)
-        out[i] = encode(texts[i].conversation, texts[i].question, texts[i].response);
-    } catch (...) {
-      failed[w] = std::current_exception();
-      next = texts.size();  // the others stop at their next text
+      for (size_t w = 0; w < threads; ++w) pool_.emplace_back([this] { work(); });
+    } catch (...) {  // a thread the system refused: the ones started stop at their next text
+      stop();
+      throw;
     }
-  };
-  std::vector<std::thread> pool;
-  try {
-    for (size_t w = 1; w < threads; ++w) pool.emplace_back(work, w);
-  } catch (...) {  // a thread the system refused: the ones started stop at their next text
-    next = texts.size();
-    for (std::thread& t : pool) t.join();
-    throw;
   }
-  work(0);
-  for (std::thread& t : pool) t.join();
-  for (const std::exception_ptr& e : failed) {
-    if (e) std::rethrow_exception(e);
+  EncodeAhead(const EncodeAhead&) = delete;
+  EncodeAhead& operator=(const EncodeAhead&) = delete;
+  ~EncodeAhead() { stop(); }
+
+  // Text i's ids, once encoded; the first encoding error instead, where one came first.
+  std::vector<int64_t>& get(size_t i) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready_.wait(lock, [&] { return done_[i] != 0 || failed_; });
+    if (failed_) std::rethrow_exception(failed_);
+    return out_[i];
   }
+
+ private:
+  void work() {
+    for (size_t i = next_++; i < texts_.size(); i = next_++) {
+      try {
+        std::vector<int64_t> ids = rm_.encode(texts_[i].conversation, texts_[i].question, texts_[i].response);
+        std::lock_guard<std::mutex> lock(mutex_);
+        out_[i] = std::move(ids);
+        done_[i] = 1;
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!failed_) failed_ = std::current_exception();
+        next_ = texts_.size();  // the others stop at their next text
+      }
+      ready_.notify_all();
+    }
+  }
+  void stop() {
+    next_ = texts_.size();
+    for (std::thread& t : pool_) t.join();
+    pool_.clear();
+  }
+
+  const RewardModel& rm_;
+  const std::vector<Text>& texts_;
+  std::vector<std::vector<int64_t>> out_;
+  std::vector<uint8_t> done_;
+  std::exception_ptr failed_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::atomic<size_t> next_{0};
+  std::vector<std::thread> pool_;
+};
+
+std::vector<std::vector<int64_t>> RewardModel::encode(const std::vector<Text>& texts) const {
+  EncodeAhead ahead(*this, texts);
+  std::vector<std::vector<int64_t>> out(texts.size());
+  for (size_t i = 0; i < texts.size(); ++i) out[i] = std::move(ahead.get(i));
   return out;
+}
+
+std::vector<double> RewardModel::score_texts(const std::vector<Text>& texts, int64_t* tokens_forwarded) const {
+  EncodeAhead ahead(*this, texts);
+  return score_in_order(
+      texts.size(), [&](size_t i) -> const std::vector<int64_t>& { return ahead.get(i); }, tokens_forwarded);
 }
 
 std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& sequences,
                                        int64_t* tokens_forwarded) const {
+  return score_in_order(
+      sequences.size(), [&](size_t i) -> const std::vector<int64_t>& { return sequences[i]; }, tokens_forwarded);
+}
+
+std::vector<double> RewardModel::score_in_order(size_t count,
+                                                const std::function<const std::vector<int64_t>&(size_t)>& sequence_at,
+                                                int64_t* tokens_forwarded) const {
   const int64_t V = model_->config().vocab_size;
-  for (size_t s = 0; s < sequences.size(); ++s) {
-    if (sequences[s].empty())
-      throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(s) + " is empty");
-    for (int64_t id : sequences[s]) {
-      if (id < 0 || id >= V) {
-        throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(s) + " has id " +
-                                    std::to_string(id) + ", outside the vocabulary of " + std::to_string(V));
+  size_t checked = 0;  // sequences before it are checked
+  auto seq_at = [&](size_t s) -> const std::vector<int64_t>& {
+    const std::vector<int64_t>& seq = sequence_at(s);
+    for (; checked <= s; ++checked) {
+      const std::vector<int64_t>& c = checked == s ? seq : sequence_at(checked);
+      if (c.empty())
+        throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(checked) + " is empty");
+      for (int64_t id : c) {
+        if (id < 0 || id >= V) {
+          throw std::invalid_argument("RewardModel::score: sequence " + std::to_string(checked) + " has id " +
+                                      std::to_string(id) + ", outside the vocabulary of " + std::to_string(V));
+        }
       }
     }
-  }
+    return seq;
+  };
   at::NoGradGuard no_grad;
   // Runs of consecutive sequences that begin with the same kMinSharedTokens tokens or more (the answers to
   // one prompt, as a step lists them): their common first tokens, leaving each one token of its own, run
@@ -149,23 +208,24 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
   // first two share, the next run begins. A sequence that shares much less with the next than the next
   // shares with the one after it (a prompt's last answer before the next prompt's) runs alone.
   auto common = [&](size_t a, size_t b, int64_t most) {
+    const std::vector<int64_t>&x = seq_at(a), &y = seq_at(b);
     int64_t c = 0;
-    while (c < most && sequences[a][c] == sequences[b][c]) ++c;
+    while (c < most && x[c] == y[c]) ++c;
     return c;
   };
-  auto own_most = [&](size_t k) { return static_cast<int64_t>(sequences[k].size()) - 1; };
+  auto own_most = [&](size_t k) { return static_cast<int64_t>(seq_at(k).size()) - 1; };
   struct Group {
     size_t begin = 0, end = 0;
     int64_t shared = 0;
   };
-  std::vector<Group> groups;
-  for (size_t b = 0; b < sequences.size();) {
+  // The run that begins at sequence b: it reads at most one sequence past its end.
+  auto group_from = [&](size_t b) {
     Group g{b, b + 1, own_most(b)};
     int64_t first_two = -1;  // what the run's first two sequences share
-    while (share_prefixes_ && g.end < sequences.size()) {
+    while (share_prefixes_ && g.end < count) {
       const int64_t c = common(b, g.end, std::min(g.shared, own_most(g.end)));
       if (c < kMinSharedTokens || (first_two >= 0 && 4 * c < 3 * first_two)) break;
-      if (first_two < 0 && g.end + 1 < sequences.size()) {
+      if (first_two < 0 && g.end + 1 < count) {
         const int64_t next_two = common(g.end, g.end + 1, std::min(own_most(g.end), own_most(g.end + 1)));
         if (4 * c < 3 * next_two) break;
       }
@@ -174,12 +234,12 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
       ++g.end;
     }
     if (g.end - g.begin < 2) g.shared = 0;
-    groups.push_back(g);
-    b = g.end;
-  }
+    return g;
+  };
   // Forwards of at most token_budget tokens (a sequence longer than that alone), and of at most
   // kKeysPerToken x token_budget keys over all sequences (each answer attends over its prefix's keys, which
-  // every layer gathers for it); a group split between two forwards runs its prefix in each.
+  // every layer gathers for it); a group split between two forwards runs its prefix in each. Each run is
+  // packed once it is known, so a forward is queued while the sequences after it are still being made.
   const int64_t most_keys = kKeysPerToken * token_budget_;
   std::vector<at::Tensor> chunks;  // each forward's scores, on the device
   std::vector<size_t> order;       // the sequence each score belongs to, forward after forward
@@ -205,10 +265,11 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
     prefix_of.push_back(prefix);
     keys += to;  // its own tokens and those of the prefix before them
   };
-  for (const Group& g : groups) {
+  for (size_t b = 0; b < count;) {
+    const Group g = group_from(b);
     int64_t prefix = -1;  // the group's prefix in the forward being packed
     for (size_t k = g.begin; k < g.end; ++k) {
-      const std::vector<int64_t>& seq = sequences[k];
+      const std::vector<int64_t>& seq = seq_at(k);
       const int64_t length = static_cast<int64_t>(seq.size());
       const int64_t more = prefix < 0 ? g.shared : 0;  // the prefix, where this forward lacks it
       if (!last.empty() && (static_cast<int64_t>(ids.size()) + length - g.shared + more > token_budget_ ||
@@ -225,12 +286,13 @@ std::vector<double> RewardModel::score(const std::vector<std::vector<int64_t>>& 
       last.push_back(static_cast<int64_t>(ids.size()) - 1);
       order.push_back(k);
     }
+    b = g.end;
   }
   flush();
   if (tokens_forwarded) *tokens_forwarded = forwarded;
   if (chunks.empty()) return {};
   const at::Tensor scores = at::cat(chunks).to(at::kCPU, at::kDouble).contiguous();
-  std::vector<double> out(sequences.size());
+  std::vector<double> out(count);
   for (size_t i = 0; i < order.size(); ++i) out[order[i]] = scores.data_ptr<double>()[i];
   return out;
 }

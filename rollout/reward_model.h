@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -66,6 +67,10 @@ class RewardModel {
     const std::string& response;
   };
   std::vector<std::vector<int64_t>> encode(const std::vector<Text>& texts) const;
+  // score() of encode(texts), the two overlapped: the texts are encoded on those threads in order while
+  // the forwards of the ones done are packed and queued, so the host's encoding runs beside the device's
+  // forwards instead of before them. The same scores as score(encode(texts)).
+  std::vector<double> score_texts(const std::vector<Text>& texts, int64_t* tokens_forwarded = nullptr) const;
 
   // One score per sequence of ids, read at its last token. Sequences are packed in order into forwards
   // of at most token_budget tokens, queued without waiting (ids through pinned memory, the scores read
@@ -93,6 +98,13 @@ class RewardModel {
   int64_t token_budget() const { return token_budget_; }
 
  private:
+  class EncodeAhead;
+  // score()'s pass over `count` sequences, sequence_at(i) giving the i-th: asked in order, each at most
+  // one past the last packed, so it may wait for a sequence still being made.
+  std::vector<double> score_in_order(size_t count,
+                                     const std::function<const std::vector<int64_t>&(size_t)>& sequence_at,
+                                     int64_t* tokens_forwarded) const;
+
   std::shared_ptr<Transformer> model_;
   std::shared_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<HfChatTemplate> chat_;

@@ -112,7 +112,7 @@ RewardTally score_rewards(Run& run, std::vector<Trajectory>& trajectories, const
         const PromptExample& ex = examples[t.prompt_index];
         texts.push_back({ex.messages, ex.prompt, t.response_text});
       }
-      values = rm->score(rm->encode(texts));
+      values = rm->score_texts(texts);
     }
   };
   std::vector<double> total(n, 0.0), values;

@@ -228,6 +228,33 @@ TEST(RewardModel, ConversationsThroughItsOwnTemplateMatchTransformers) {
   EXPECT_GT(max_error(rm.score(sequences), ref["scores"]), 1e-3);
 }
 
+// The reference's conversations as a step's texts: each prompt `answers` times in a row (answers to one
+// prompt, which share it), its responses told apart by r + a exclamation marks, over `repeats` repeats r.
+struct Batch {
+  Batch(const json& ref, int repeats, int answers) {
+    for (int repeat = 0; repeat < repeats; ++repeat) {
+      for (const json& messages : ref["conversations"]) {
+        for (int answer = 0; answer < answers; ++answer) {
+          prompts.push_back(prompt_of(messages));
+          responses.push_back(messages.back()["content"].get<std::string>() + std::string(repeat + answer, '!'));
+        }
+      }
+    }
+  }
+  // In order, or last to first.
+  std::vector<RewardModel::Text> texts(bool reversed) const {
+    std::vector<RewardModel::Text> out;
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      const size_t i = reversed ? prompts.size() - 1 - k : k;
+      out.push_back({prompts[i], question, responses[i]});
+    }
+    return out;
+  }
+  std::vector<std::vector<ChatMessage>> prompts;
+  std::vector<std::string> responses;
+  const std::string question;  // none: the prompts are messages
+};
+
 // A batch encoded on several threads: each text's ids in its own place, as one by one. The twin: a batch
 // whose texts are the same but in another order gives other ids in each place.
 TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
@@ -235,18 +262,11 @@ TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
   const fs::path dir = references() / "qwen3_chat";
   const json ref = read_json(dir / "reference.json");
   const RewardModel rm = RewardModel::load(dir.string(), at::kFloat, at::kCPU, 4096);
-  std::vector<std::vector<ChatMessage>> prompts;
-  std::vector<std::string> responses;
-  for (int repeat = 0; repeat < 8; ++repeat) {
-    for (const json& messages : ref["conversations"]) {
-      prompts.push_back(prompt_of(messages));
-      responses.push_back(messages.back()["content"].get<std::string>() + std::string(repeat, '!'));
-    }
-  }
+  const Batch batch(ref, /*repeats=*/8, /*answers=*/1);
+  const std::vector<RewardModel::Text> texts = batch.texts(false), reversed = batch.texts(true);
+  const std::vector<std::vector<ChatMessage>>& prompts = batch.prompts;
+  const std::vector<std::string>& responses = batch.responses;
   const std::string none;
-  std::vector<RewardModel::Text> texts, reversed;
-  for (size_t i = 0; i < prompts.size(); ++i) texts.push_back({prompts[i], none, responses[i]});
-  for (size_t i = prompts.size(); i-- > 0;) reversed.push_back({prompts[i], none, responses[i]});
   const int threads = at::get_num_threads();
   at::set_num_threads(4);
   const std::vector<std::vector<int64_t>> got = rm.encode(texts), got_reversed = rm.encode(reversed);
@@ -256,6 +276,36 @@ TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
     EXPECT_EQ(got[i], rm.encode(prompts[i], none, responses[i])) << "text " << i;
     EXPECT_NE(got_reversed[i], got[i]) << "text " << i;
   }
+}
+
+// Texts scored while they are encoded (score_texts, as a step scores them): the scores of encoding them all
+// first, in several forwards (a budget of 64 tokens) and on one thread or four; the first ones those of
+// transformers. The twin: the texts in reverse order give other scores in each place.
+TEST(RewardModel, TextsScoredWhileEncodedScoreAsEncodedFirst) {
+  RLT_SKIP_WITHOUT_FIXTURES();
+  const fs::path dir = references() / "qwen3_chat";
+  const json ref = read_json(dir / "reference.json");
+  const RewardModel rm = RewardModel::load(dir.string(), at::kFloat, at::kCPU, 64);
+  const Batch batch(ref, /*repeats=*/4, /*answers=*/3);
+  const std::vector<RewardModel::Text> texts = batch.texts(false), reversed = batch.texts(true);
+  const int threads = at::get_num_threads();
+  for (const int n : {1, 4}) {
+    at::set_num_threads(n);
+    int64_t first = 0, overlapped = 0;
+    const std::vector<double> want = rm.score(rm.encode(texts), &first);
+    const std::vector<double> got = rm.score_texts(texts, &overlapped);
+    const std::vector<double> got_reversed = rm.score_texts(reversed);
+    ASSERT_EQ(got.size(), texts.size());
+    EXPECT_EQ(overlapped, first) << n << " threads";
+    for (size_t i = 0; i < texts.size(); ++i) {
+      EXPECT_EQ(got[i], want[i]) << n << " threads, text " << i;
+      EXPECT_GT(std::abs(got_reversed[i] - got[i]), 1e-6) << n << " threads, text " << i;
+    }
+    for (size_t c = 0; c < ref["conversations"].size(); ++c)  // repeat 0, answer 0: the conversation itself
+      EXPECT_NEAR(got[3 * c], ref["scores"][c].get<double>(), 1e-5) << "conversation " << c;
+  }
+  at::set_num_threads(threads);
+  EXPECT_TRUE(rm.score_texts({}).empty());
 }
 
 // A copy of the qwen2 folder with config.json edited by `edit`.
