@@ -22,7 +22,8 @@
 //                 no_graph_draw (the head and the draw outside the step's graph), no_dependent_launch (the
 //                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off), no_step_ahead
 //                 (EngineSwitches::step_ahead off: each step starts once the host has read the draw before
-//                 it; in the default the loop passes the next keys and each step starts the next).
+//                 it; in the default the loop passes the next keys and each step starts the next); or with
+//                 one part on: tuned_gemms (EngineSwitches::tuned_gemms, model/tuned_gemm.h).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -50,6 +51,7 @@
 #include "common/memory.h"
 #include "common/timing.h"
 #include "model/transformer.h"
+#include "model/tuned_gemm.h"
 #include "rollout/engine.h"
 #include "rollout/sampler.h"
 
@@ -194,9 +196,10 @@ int main(int argc, char** argv) {
   app.add_option("--variants", variants,
                  "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
                  "graph), no_dependent_launch (no programmatic edges in the graph), no_step_ahead (each step "
-                 "starts once the host has read the draw before it)")
+                 "starts once the host has read the draw before it), tuned_gemms (the projections through "
+                 "cuBLASLt's algorithm timed fastest)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead"}));
+      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead", "tuned_gemms"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
@@ -220,6 +223,7 @@ int main(int argc, char** argv) {
           sw.graph_draw = mode != "no_graph_draw";
           sw.dependent_launch = mode != "no_dependent_launch";
           sw.step_ahead = mode != "no_step_ahead";
+          sw.tuned_gemms = mode == "tuned_gemms";
           const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);
           const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;
@@ -253,5 +257,10 @@ int main(int argc, char** argv) {
     }
   }
   if (!json_path.empty()) write_json_records(json_path, records);
+  if (std::find(variants.begin(), variants.end(), "tuned_gemms") != variants.end()) {
+    const rlt::TunedGemmCounts t = rlt::tuned_gemm_counts();
+    std::cout << "tuned_gemms: " << t.shapes << " shapes tuned, " << t.lt_chosen
+              << " of them taking a cuBLASLt algorithm over ATen's call\n";
+  }
   return 0;
 }

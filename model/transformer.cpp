@@ -16,12 +16,14 @@
 
 #include "common/memory.h"
 #include "model/layer_kernels.h"
+#include "model/tuned_gemm.h"
 
 namespace rlt {
 
 namespace {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  if (tuned_gemms()) return tuned_linear(x, w, b);
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
@@ -394,7 +396,7 @@ at::Tensor Transformer::output_and_mlp(int64_t i, const at::Tensor& h, const at:
   // MLP block: down(act(gate(x)) * up(x)).
   at::Tensor g, u;  // (B, L, F) x 2
   if (p.packed) {
-    at::Tensor gu = at::linear(x, p.packed->gate_up_w[i]);  // one GEMM; rows strided by 2 F
+    at::Tensor gu = linear(x, p.packed->gate_up_w[i], at::Tensor());  // one GEMM; rows strided by 2 F
     const int64_t F = gu.size(-1) / 2;
     g = gu.narrow(-1, 0, F);
     u = gu.narrow(-1, F, F);

@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "common/cuda/launch.h"
+#include "model/tuned_gemm.h"
 #endif
 
 namespace rlt {
@@ -1013,6 +1014,7 @@ std::unique_ptr<DecodeEngine::StepGraph> DecodeEngine::capture(const at::Tensor&
   stream_synchronize(dev);
   {
     c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()));
+    const TunedGemmScope tuned(options_.switches.tuned_gemms);  // shapes tuned in the warm-up, used in the capture
     run(g->inputs);
     stream_synchronize(dev);
     // Thread-local capture: with train.async the update's thread keeps allocating and launching on its own

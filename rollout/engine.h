@@ -120,6 +120,10 @@ struct EngineSwitches {
   // nothing else came between; a row left out becomes a hole, as a row not fed does. Anything else
   // (a feed, an admit, other rows) drops it: its slot is written again. The draws are the same either way.
   bool step_ahead = true;
+  // With cuda_graphs on a GPU: the captured forwards' bf16 GEMMs (the projections and the MLP, not the LM
+  // head) go through cuBLASLt with the algorithm timed fastest for their shape (model/tuned_gemm.h), each
+  // shape tuned in the warm-up run before its first capture. Off: ATen's at::linear, cuBLAS's heuristic.
+  bool tuned_gemms = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by
   // default: a capture costs two forwards' host time (~35 ms on an H200), and within one rollout of the ReTool
@@ -148,6 +152,8 @@ struct EngineSwitches {
       "the captured graphs launch each fused kernel while the kernel before it ends (Hopper GPUs)");
     v("step_ahead", step_ahead,
       "a graphed decode step starts the next one on the ids it drew before the host reads them (GPU only)");
+    v("tuned_gemms", tuned_gemms,
+      "captured steps' projection GEMMs take cuBLASLt's algorithm timed fastest for their shape (GPU only)");
     v("feed_graphs", feed_graphs, "multi-token feeds replay CUDA graphs per (rows, tokens) bucket and span (GPU only)");
     v("keep_cache", keep_cache,
       "the rollout's KV cache and CUDA graphs outlive each step (no recapture; held through the update)");

@@ -1,0 +1,44 @@
+// GEMMs of the decode step through cuBLASLt with the algorithm measured fastest for their shape
+// (EngineSwitches::tuned_gemms, off by default). ATen's at::linear takes cuBLAS's heuristic choice, made for
+// any GEMM of that shape; a decode step's are a few rows against a whole weight, read once from memory. The
+// first call of a shape outside a graph capture times each of cuBLASLt's candidates and ATen's own call, the
+// cache cleared before each run, and keeps the fastest; a call inside a capture uses what was chosen (ATen's
+// call where nothing was). Plain C++: the engine and the model set it without CUDA headers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace rlt {
+
+namespace detail {
+inline thread_local bool tuned_gemms_on = false;
+}  // namespace detail
+
+inline bool tuned_gemms() { return detail::tuned_gemms_on; }
+
+// Sets the thread's choice for its lifetime, then restores the one before it.
+class TunedGemmScope {
+ public:
+  explicit TunedGemmScope(bool on) : before_(detail::tuned_gemms_on) { detail::tuned_gemms_on = on; }
+  ~TunedGemmScope() { detail::tuned_gemms_on = before_; }
+  TunedGemmScope(const TunedGemmScope&) = delete;
+  TunedGemmScope& operator=(const TunedGemmScope&) = delete;
+
+ private:
+  bool before_;
+};
+
+// x (..., K) times w (N, K) transposed, plus b (N) where defined: at::linear's result. Through the tuned
+// cuBLASLt call for bf16 CUDA tensors with w contiguous (x's rows made contiguous where they are not);
+// at::linear otherwise, and everywhere in a build without CUDA.
+at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+// Shapes tuned in this process, and the ones whose choice was a cuBLASLt algorithm rather than ATen's call.
+struct TunedGemmCounts {
+  int64_t shapes = 0, lt_chosen = 0;
+};
+TunedGemmCounts tuned_gemm_counts();
+
+}  // namespace rlt
