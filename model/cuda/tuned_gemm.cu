@@ -1,5 +1,6 @@
 // tuned_linear on CUDA (model/tuned_gemm.h): cuBLASLt's candidates for a shape, timed once, the fastest kept.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #include <dlfcn.h>
@@ -142,23 +143,16 @@ at::Tensor aten_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // memory): the median of 7 after 2 unmeasured calls.
 template <typename F>
 double time_us(F&& f, at::Tensor& flush) {
-  const cudaStream_t s = at::cuda::getCurrentCUDAStream();
   std::vector<float> us;
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
+  at::cuda::CUDAEvent t0(cudaEventDefault), t1(cudaEventDefault);  // timing events
   for (int r = 0; r < 9; ++r) {
     flush.zero_();
-    cudaEventRecord(t0, s);
+    t0.record();
     f();
-    cudaEventRecord(t1, s);
-    cudaEventSynchronize(t1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, t0, t1);
-    if (r >= 2) us.push_back(1000.0f * ms);
+    t1.record();
+    t1.synchronize();
+    if (r >= 2) us.push_back(t0.elapsed_time(t1) * 1000.0f);
   }
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
   std::sort(us.begin(), us.end());
   return us[us.size() / 2];
 }
@@ -212,6 +206,7 @@ at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     const auto it = choices.find(key);
     if (it != choices.end()) choice = it->second, known = true;
   }
+  if (known && !choice.lt) return aten_linear(x, w, b);
   const Problem p(M, N, K, b.defined() ? b.data_ptr() : nullptr);
   if (!known) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None)
