@@ -10,5 +10,7 @@ at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 TunedGemmCounts tuned_gemm_counts() { return {}; }
 
+void tuned_gemms_without_aten(bool) {}
+
 }  // namespace rlt
 #endif

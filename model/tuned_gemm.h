@@ -31,8 +31,10 @@ class TunedGemmScope {
 };
 
 // x (..., K) times w (N, K) transposed, plus b (N) where defined: at::linear's result. Through the tuned
-// cuBLASLt call for bf16 CUDA tensors with w contiguous (x's rows made contiguous where they are not);
-// at::linear otherwise, and everywhere in a build without CUDA.
+// cuBLASLt call for bf16 CUDA tensors with w contiguous (x's rows made contiguous where they are not), no
+// gradient asked for; at::linear otherwise, and everywhere in a build without CUDA. A candidate whose
+// product differs from ATen's by more than a few bf16 roundings of its largest value is not taken. The
+// choice rests on timing, so two processes may choose differently and round differently.
 at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
 // Shapes tuned in this process, and the ones whose choice was a cuBLASLt algorithm rather than ATen's call.
@@ -40,5 +42,9 @@ struct TunedGemmCounts {
   int64_t shapes = 0, lt_chosen = 0;
 };
 TunedGemmCounts tuned_gemm_counts();
+
+// Test seam: while on, shapes tuned leave ATen's call out of the candidates, so that a cuBLASLt algorithm
+// is chosen wherever one agrees with ATen's product (shapes tuned either way are kept apart).
+void tuned_gemms_without_aten(bool on);
 
 }  // namespace rlt

@@ -122,7 +122,8 @@ struct EngineSwitches {
   bool step_ahead = true;
   // With cuda_graphs on a GPU: the captured forwards' bf16 GEMMs (the projections and the MLP, not the LM
   // head) go through cuBLASLt with the algorithm timed fastest for their shape (model/tuned_gemm.h), each
-  // shape tuned in the warm-up run before its first capture. Off: ATen's at::linear, cuBLAS's heuristic.
+  // shape tuned in the warm-up run before its first capture. The choice rests on timing, so runs (a resumed
+  // one, another rank) may round differently. Off: ATen's at::linear, cuBLAS's heuristic.
   bool tuned_gemms = false;
   // On (with cuda_graphs, on a GPU): extend() replays a CUDA graph per (rows, tokens) bucket and span
   // (the slots filled and the feed's, rounded up to span_chunk), captured once per bucket and cache tensors. Off by

@@ -218,7 +218,7 @@ std::vector<double> RewardModel::score_in_order(size_t count,
     size_t begin = 0, end = 0;
     int64_t shared = 0;
   };
-  // The run that begins at sequence b: it reads at most one sequence past its end.
+  // The run that begins at sequence b: it reads at most two sequences past its end.
   auto group_from = [&](size_t b) {
     Group g{b, b + 1, own_most(b)};
     int64_t first_two = -1;  // what the run's first two sequences share

@@ -78,7 +78,8 @@ class RewardModel {
   // sequences that begin with the same kMinSharedTokens tokens or more (a step's answers to one prompt)
   // share them: those run once as a prefix each continues, with the same scores. tokens_forwarded: where
   // given, the tokens the forwards ran. An empty sequence or an id outside the vocabulary throws
-  // std::invalid_argument naming it.
+  // std::invalid_argument naming it (the forwards of the sequences before it may have been queued;
+  // tokens_forwarded is then left as it was).
   std::vector<double> score(const std::vector<std::vector<int64_t>>& sequences,
                             int64_t* tokens_forwarded = nullptr) const;
   static constexpr int64_t kMinSharedTokens = 16;
@@ -99,8 +100,8 @@ class RewardModel {
 
  private:
   class EncodeAhead;
-  // score()'s pass over `count` sequences, sequence_at(i) giving the i-th: asked in order, each at most
-  // one past the last packed, so it may wait for a sequence still being made.
+  // score()'s pass over `count` sequences, sequence_at(i) giving the i-th: asked in order, a few past the
+  // last packed, so it may wait for a sequence still being made.
   std::vector<double> score_in_order(size_t count,
                                      const std::function<const std::vector<int64_t>&(size_t)>& sequence_at,
                                      int64_t* tokens_forwarded) const;

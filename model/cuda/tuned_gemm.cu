@@ -1,4 +1,5 @@
 // tuned_linear on CUDA (model/tuned_gemm.h): cuBLASLt's candidates for a shape, timed once, the fastest kept.
+#include <ATen/core/grad_mode.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -7,7 +8,10 @@
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -74,6 +78,22 @@ constexpr size_t kMaxWorkspace = size_t(32) << 20;
 // w^T' (N, K) x^T (K, M), w read as the (K, N) column-major matrix that its rows are, transposed.
 struct Problem {
   Problem(int64_t M, int64_t N, int64_t K, const void* bias) {
+    try {
+      describe(M, N, K, bias);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~Problem() { release(); }
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+
+ private:
+  void describe(int64_t M, int64_t N, int64_t K, const void* bias) {
     check(lt().desc_create(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
     check(lt().desc_set(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "TRANSA");
@@ -89,17 +109,12 @@ struct Problem {
     check(lt().layout_create(&b, CUDA_R_16BF, K, M, K), "layout of x");
     check(lt().layout_create(&c, CUDA_R_16BF, N, M, N), "layout of y");
   }
-  ~Problem() {
-    lt().layout_destroy(c);
-    lt().layout_destroy(b);
-    lt().layout_destroy(a);
-    lt().desc_destroy(desc);
+  void release() {
+    if (c) lt().layout_destroy(c);
+    if (b) lt().layout_destroy(b);
+    if (a) lt().layout_destroy(a);
+    if (desc) lt().desc_destroy(desc);
   }
-  Problem(const Problem&) = delete;
-  Problem& operator=(const Problem&) = delete;
-
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
 };
 
 struct Choice {
@@ -108,7 +123,8 @@ struct Choice {
   size_t workspace = 0;
 };
 
-using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, uint32_t>;  // device, M, N, K, bias, alignment
+// device, M, N, K, bias, alignment, ATen's call left out (the test seam)
+using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, uint32_t, bool>;
 
 // The largest power of two up to 256 that divides every address: what the chosen algorithm may assume.
 uint32_t alignment(std::initializer_list<const void*> pointers) {
@@ -157,30 +173,59 @@ double time_us(F&& f, at::Tensor& flush) {
   return us[us.size() / 2];
 }
 
-Choice tune(const Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t N,
-            uint32_t align) {
-  cublasLtMatmulPreference_t pref;
-  check(lt().pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+// Test seam (tuned_gemms_without_aten): ATen's call is no candidate, so a cuBLASLt algorithm is chosen.
+std::atomic<bool> without_aten{false};
+
+// cuBLASLt's candidates for p, as its heuristic ranks them; none where it has none.
+std::vector<cublasLtMatmulHeuristicResult_t> candidates(const Problem& p, uint32_t align) {
+  struct Preference {
+    Preference() { check(lt().pref_create(&pref), "cublasLtMatmulPreferenceCreate"); }
+    ~Preference() { lt().pref_destroy(pref); }
+    cublasLtMatmulPreference_t pref = nullptr;
+  } pr;
   const uint64_t most = kMaxWorkspace;
-  check(lt().pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &most, sizeof(most)), "MAX_WORKSPACE_BYTES");
+  check(lt().pref_set(pr.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &most, sizeof(most)), "MAX_WORKSPACE_BYTES");
   for (const auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                                CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    check(lt().pref_set(pref, attribute, &align, sizeof(align)), "MIN_ALIGNMENT");
-  cublasLtMatmulHeuristicResult_t found[kCandidates];
+    check(lt().pref_set(pr.pref, attribute, &align, sizeof(align)), "MIN_ALIGNMENT");
+  std::vector<cublasLtMatmulHeuristicResult_t> found(kCandidates);
   int n = 0;
-  const cublasStatus_t s =
-      lt().heuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.desc, p.a, p.b, p.c, p.c, pref, kCandidates, found, &n);
-  lt().pref_destroy(pref);
+  if (lt().heuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.desc, p.a, p.b, p.c, p.c, pr.pref, kCandidates,
+                     found.data(), &n) != CUBLAS_STATUS_SUCCESS)
+    n = 0;
+  found.resize(n);
+  return found;
+}
+
+// The fastest of ATen's call and cuBLASLt's candidates whose products agree with ATen's (within a few bf16
+// roundings of the largest). A candidate that fails, or a tuning that cannot run (no memory for its
+// buffers), leaves ATen's call.
+Choice tune(const Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t N,
+            uint32_t align) {
   Choice best;
-  if (s != CUBLAS_STATUS_SUCCESS) n = 0;
-  const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-  at::Tensor flush = at::empty({2 * l2}, x.options().dtype(at::kByte));
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  double fastest = time_us([&] { aten_linear(x, w, b); }, flush);
-  for (int i = 0; i < n; ++i) {
-    if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const double us = time_us([&] { run_lt(p, found[i].algo, found[i].workspaceSize, x, w, y); }, flush);
-    if (us < fastest) fastest = us, best = {true, found[i].algo, found[i].workspaceSize};
+  try {
+    const std::vector<cublasLtMatmulHeuristicResult_t> found = candidates(p, align);
+    const int64_t l2 = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
+    at::Tensor flush = at::empty({2 * l2}, x.options().dtype(at::kByte));
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    const at::Tensor want = aten_linear(x, w, b).to(at::kFloat);
+    const double allowed = std::ldexp(want.abs().max().item<double>(), -6);
+    double fastest =
+        without_aten ? std::numeric_limits<double>::infinity() : time_us([&] { aten_linear(x, w, b); }, flush);
+    for (const cublasLtMatmulHeuristicResult_t& f : found) {
+      if (f.state != CUBLAS_STATUS_SUCCESS) continue;
+      try {
+        run_lt(p, f.algo, f.workspaceSize, x, w, y);
+        if ((y.to(at::kFloat) - want).abs().max().item<double>() > allowed) continue;
+        const double us = time_us([&] { run_lt(p, f.algo, f.workspaceSize, x, w, y); }, flush);
+        if (us < fastest) fastest = us, best = {true, f.algo, f.workspaceSize};
+      } catch (const std::exception&) {
+        (void)cudaGetLastError();  // this candidate is out; the others are tried
+      }
+    }
+  } catch (const std::exception&) {
+    (void)cudaGetLastError();
+    return Choice{};
   }
   return best;
 }
@@ -188,9 +233,13 @@ Choice tune(const Problem& p, const at::Tensor& x, const at::Tensor& w, const at
 }  // namespace
 
 at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  const bool applies = lt().ok && x.is_cuda() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-                       w.dim() == 2 && w.is_contiguous() && x.size(-1) == w.size(1) && x.numel() > 0 &&
-                       (!b.defined() || (b.scalar_type() == at::kBFloat16 && b.is_contiguous()));
+  const bool grad =
+      at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()));
+  const bool applies =
+      lt().ok && !grad && x.is_cuda() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+      w.dim() == 2 && w.is_contiguous() && x.size(-1) == w.size(1) && x.numel() > 0 &&
+      (!b.defined() ||
+       (b.scalar_type() == at::kBFloat16 && b.is_contiguous() && b.dim() == 1 && b.size(0) == w.size(0)));
   if (!applies) return aten_linear(x, w, b);
   const int64_t K = w.size(1), N = w.size(0);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
@@ -198,7 +247,7 @@ at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const c10::cuda::CUDAGuard guard(x.device());
   // y comes from the caching allocator, whose blocks start at 512-byte boundaries.
   const uint32_t align = alignment({x2.data_ptr(), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr});
-  const Key key{x.get_device(), M, N, K, b.defined(), align};
+  const Key key{x.get_device(), M, N, K, b.defined(), align, without_aten.load()};
   Choice choice;
   bool known = false;
   {
@@ -222,6 +271,8 @@ at::Tensor tuned_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   shape.back() = N;
   return y.view(shape);
 }
+
+void tuned_gemms_without_aten(bool on) { without_aten = on; }
 
 TunedGemmCounts tuned_gemm_counts() {
   std::lock_guard<std::mutex> lock(choices_mutex);

@@ -228,6 +228,13 @@ TEST(RewardModel, ConversationsThroughItsOwnTemplateMatchTransformers) {
   EXPECT_GT(max_error(rm.score(sequences), ref["scores"]), 1e-3);
 }
 
+// ATen's thread count, restored when the scope ends however it ends (a failed ASSERT returns early).
+struct ThreadsKept {
+  ThreadsKept() : threads(at::get_num_threads()) {}
+  ~ThreadsKept() { at::set_num_threads(threads); }
+  const int threads;
+};
+
 // The reference's conversations as a step's texts: each prompt `answers` times in a row (answers to one
 // prompt, which share it), its responses told apart by r + a exclamation marks, over `repeats` repeats r.
 struct Batch {
@@ -267,10 +274,12 @@ TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
   const std::vector<std::vector<ChatMessage>>& prompts = batch.prompts;
   const std::vector<std::string>& responses = batch.responses;
   const std::string none;
-  const int threads = at::get_num_threads();
-  at::set_num_threads(4);
-  const std::vector<std::vector<int64_t>> got = rm.encode(texts), got_reversed = rm.encode(reversed);
-  at::set_num_threads(threads);
+  std::vector<std::vector<int64_t>> got, got_reversed;
+  {
+    const ThreadsKept kept;
+    at::set_num_threads(4);
+    got = rm.encode(texts), got_reversed = rm.encode(reversed);
+  }
   ASSERT_EQ(got.size(), texts.size());
   for (size_t i = 0; i < texts.size(); ++i) {
     EXPECT_EQ(got[i], rm.encode(prompts[i], none, responses[i])) << "text " << i;
@@ -288,7 +297,7 @@ TEST(RewardModel, TextsScoredWhileEncodedScoreAsEncodedFirst) {
   const RewardModel rm = RewardModel::load(dir.string(), at::kFloat, at::kCPU, 64);
   const Batch batch(ref, /*repeats=*/4, /*answers=*/3);
   const std::vector<RewardModel::Text> texts = batch.texts(false), reversed = batch.texts(true);
-  const int threads = at::get_num_threads();
+  const ThreadsKept kept;
   for (const int n : {1, 4}) {
     at::set_num_threads(n);
     int64_t first = 0, overlapped = 0;
@@ -304,7 +313,6 @@ TEST(RewardModel, TextsScoredWhileEncodedScoreAsEncodedFirst) {
     for (size_t c = 0; c < ref["conversations"].size(); ++c)  // repeat 0, answer 0: the conversation itself
       EXPECT_NEAR(got[3 * c], ref["scores"][c].get<double>(), 1e-5) << "conversation " << c;
   }
-  at::set_num_threads(threads);
   EXPECT_TRUE(rm.score_texts({}).empty());
 }
 
