@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "common/thread_flag.h"
+
 namespace rlt {
 
 namespace detail {
@@ -19,15 +21,9 @@ inline thread_local bool tuned_gemms_on = false;
 inline bool tuned_gemms() { return detail::tuned_gemms_on; }
 
 // Sets the thread's choice for its lifetime, then restores the one before it.
-class TunedGemmScope {
+class TunedGemmScope : public ThreadFlagScope {
  public:
-  explicit TunedGemmScope(bool on) : before_(detail::tuned_gemms_on) { detail::tuned_gemms_on = on; }
-  ~TunedGemmScope() { detail::tuned_gemms_on = before_; }
-  TunedGemmScope(const TunedGemmScope&) = delete;
-  TunedGemmScope& operator=(const TunedGemmScope&) = delete;
-
- private:
-  bool before_;
+  explicit TunedGemmScope(bool on) : ThreadFlagScope(detail::tuned_gemms_on, on) {}
 };
 
 // x (..., K) times w (N, K) transposed, plus b (N) where defined: at::linear's result. Through the tuned

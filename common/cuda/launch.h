@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "common/thread_flag.h"
+
 namespace rlt::cuda {
 
 namespace detail {
@@ -21,15 +23,9 @@ inline bool dependent_launch() { return detail::dependent_launch_on; }
 inline int64_t dependent_launch_count() { return detail::dependent_launches.load(std::memory_order_relaxed); }
 
 // Sets the thread's choice for its lifetime, then restores the one before it.
-class DependentLaunchScope {
+class DependentLaunchScope : public ThreadFlagScope {
  public:
-  explicit DependentLaunchScope(bool on) : before_(detail::dependent_launch_on) { detail::dependent_launch_on = on; }
-  ~DependentLaunchScope() { detail::dependent_launch_on = before_; }
-  DependentLaunchScope(const DependentLaunchScope&) = delete;
-  DependentLaunchScope& operator=(const DependentLaunchScope&) = delete;
-
- private:
-  bool before_;
+  explicit DependentLaunchScope(bool on) : ThreadFlagScope(detail::dependent_launch_on, on) {}
 };
 
 }  // namespace rlt::cuda

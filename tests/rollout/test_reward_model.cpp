@@ -273,7 +273,7 @@ TEST(RewardModel, ABatchEncodedOnThreadsIsEachTextsEncoding) {
   const std::vector<RewardModel::Text> texts = batch.texts(false), reversed = batch.texts(true);
   const std::vector<std::vector<ChatMessage>>& prompts = batch.prompts;
   const std::vector<std::string>& responses = batch.responses;
-  const std::string none;
+  const std::string& none = batch.question;
   std::vector<std::vector<int64_t>> got, got_reversed;
   {
     const ThreadsKept kept;
