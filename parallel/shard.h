@@ -121,6 +121,8 @@ struct StepSettings {
 
 class ShardedState : public WeightResidency {
  public:
+  // The reduces a backward keeps in flight, each in a slot of its own (see in_flight_ below).
+  static constexpr size_t kReduceSlots = 2;
   // Takes `params` (the model's trainable tensors by name, then `extra`, a second parameter group) and
   // their values as they are now; with the parameters stage the model's weights are freed to their chunks
   // (`model` asks this object for them, until this object is gone). `dist`, `model` and `counters` are
@@ -248,8 +250,7 @@ class ShardedState : public WeightResidency {
   // every slot is busy, so a backward holds kReduceSlots unit-sized buffers however far the host runs
   // ahead of the device: buffers freed as each reduce starts stay allocated until NCCL's stream is done
   // with them, and with the host ahead that was most of a gradient. They live from a step's first backward
-  // to its optimizer step.
-  static constexpr size_t kReduceSlots = 2;
+  // to its optimizer step (kReduceSlots, public: the memory plan counts them).
   std::deque<size_t> in_flight_;
   std::vector<at::Tensor> slot_in_, slot_out_;
   size_t next_slot_ = 0;

@@ -135,6 +135,8 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     {
       const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
       rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
+      // The rollout's phase ends while the state is parked: its return counts in the scoring's.
+      peaks.end("rollout");
     }
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
@@ -163,7 +165,6 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     // they are the rollout's sampling log-probs (train.old_logprobs: rollout; the same loss module on the
     // same weights, so equal to a recomputation up to rounding, and the policy's scoring forward is saved),
     // or a scoring forward (recompute, or since the mismatch exceeded train.old_logprobs_tol).
-    peaks.end("rollout");
     const auto t_score = Clock::now();
     const bool stale = train.async == AsyncMode::kOneStep;  // sampled a step behind
     const bool on_policy = !stale && train.num_iterations == 1 && mini == S;

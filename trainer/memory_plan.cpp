@@ -12,6 +12,7 @@
 #include "common/memory.h"
 #include "loss/cce.h"
 #include "parallel/adamw.h"
+#include "parallel/shard.h"
 #include "rollout/engine.h"
 #include "rollout/reward_model.h"
 #include "trainer/critic.h"
@@ -337,8 +338,9 @@ std::string MemoryPlan::table() const {
   if (critic_gradients > 0) line("critic grads", critic_gradients, "(through the update)");
   if (parked > 0) line("parked", parked, "(of the above, in pinned host memory while the rollout runs)");
   line("device total", device_total(),
-       std::string("(weights to reference, plus ") + (phases_overlap ? "the sum" : "the larger") +
-           " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
+       std::string("(weights to reference") + (gradients_persist ? " and the gradients" : "") + ", plus " +
+           (phases_overlap ? "the sum" : "the larger") + " of the rollout's " + gib(rollout_phase()) +
+           " and the update's " + gib(update_phase()) + ")");
   if (host_total() > 0) {
     line("host memory", host_total(),
          "(pinned: " +
@@ -393,6 +395,10 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t w = lora ? 4 : s;  // bytes of a trainable weight
   p.trainable = T;
   p.weights = s * sh.P + (lora ? 4 * sh.adapters : 0);
+  // A tied embedding is used twice, by the LM head and by the embedding: the backward holds the head's
+  // gradient, in the trained weight's dtype, until the embedding's arrives and the two are summed, so the
+  // three are alive at once where an untied model holds one (the 0.5B's 259 MiB on an H200).
+  const int64_t tied = !lora && m.tie_word_embeddings ? w * m.vocab_size * m.hidden_size : 0;
 
   if (stage == ShardStage::kNone && c.train.offload == Offload::kNone) {
     // make_optimizer's torch::optim::AdamW. A bf16 model with train.master_weights fp32: fp32 masters,
@@ -404,7 +410,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     const bool masters = !lora && s == 2 && c.train.master_weights == MasterWeights::kFp32;
     const int64_t stepped = masters ? 4 : w;
     p.gradients = stepped * T;
-    p.grad_buffers = masters && accumulates ? 2 * T : 0;
+    p.grad_buffers = (masters && accumulates ? 2 * T : 0) + tied;
     p.masters = masters ? 4 * T : 0;
     p.moments = 2 * stepped * T;
     // AdamW::step's denominator, exp_avg_sq.sqrt() / sqrt(bias_correction2): two temporaries the size of
@@ -419,7 +425,10 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     // fp32 whole as it is produced (no wait for the backward's end); under shard optimizer those wholes
     // live through the step's micro-batches, under gradients and parameters a unit is reduce-scattered
     // and freed once complete: the unit being summed, and two in flight (ShardedState's reduce slots), each
-    // an fp32 whole and its chunk.
+    // an fp32 whole and its chunk. Under shard none and optimizer the wholes of every tensor meet the two
+    // slots in the last backward (made at its first reduce, freed by the step). Beside them, the gradient
+    // the backward hands over in the trained weight's dtype, before it is added in: the largest tensor's,
+    // and a tied embedding's held one.
     const int64_t Ns = stage == ShardStage::kNone ? 1 : N;
     const int64_t unit = lora ? sh.adapters / std::max<int64_t>(1, m.num_layers) : std::max(sh.layer, sh.largest);
     if (gathers && !lora) {
@@ -432,7 +441,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
       chunks = w * T / Ns;
     }
     p.gradients = 4 * T / Ns;
-    p.grad_buffers = stage >= ShardStage::kGradients && N > 1 ? 2 * (4 + 4) * unit : 4 * T + 4 * unit;
+    const int64_t slots = int64_t(ShardedState::kReduceSlots) * (4 * unit + (Ns > 1 ? 4 * unit / Ns : 0));
+    p.grad_buffers = (stage >= ShardStage::kGradients && N > 1 ? 2 * (4 + 4) * unit : 4 * T + slots) +
+                     w * (lora ? sh.adapter_max : sh.largest) + tied;
     p.masters = 4 * T / Ns;
     p.moments = 8 * T / Ns;
     // ShardedState::step's gradient norm, at::sum(chunk.square(), kDouble) over 2^24 elements at a time
@@ -506,8 +517,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   const int64_t eval_rows = cache_rows(c.rollout, (c.train.eval_prompts + N - 1) / N * k, k);
   p.kv_cache = std::max(train_rows, eval_rows) * c.rollout.max_context * slot;
   p.graph_pool = graph_pool_bytes(c, m, std::max(train_rows, eval_rows));
-  if (c.rollout.engine.keep_cache && samples)
-    p.held_through_update += train_rows * c.rollout.max_context * slot + packed + graph_pool_bytes(c, m, train_rows);
+  if (c.rollout.engine.keep_cache && samples)  // with LoRA the merged copy that the kept engine decodes too
+    p.held_through_update += train_rows * c.rollout.max_context * slot + packed + graph_pool_bytes(c, m, train_rows) +
+                             (lora ? s * sh.targeted : 0);
   if (c.rollout.keep_weights) p.held_through_update += gathered;
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
@@ -533,8 +545,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.host_rounding += q.host_rounding;
   }
   // train.phase_offload: the masters and moments in host memory while the rollout runs (the sharded state's
-  // gradient chunk too, but that is the update's already: `gradients`); training_state adds the weight
-  // chunks.
+  // gradient chunk leaves too, freed as it is zero between steps: it is the update's alone then, as the
+  // replicated optimizer's gradients always are); training_state adds the weight chunks.
+  p.gradients_persist = sharded_state && c.train.phase_offload == PhaseOffload::kNone;
   if (c.train.phase_offload != PhaseOffload::kNone) {
     p.parked += p.masters + p.moments;
     if (p.masters + p.moments > 0) state_buffers();

@@ -51,21 +51,29 @@ struct MemoryPlan {
   int64_t held_through_update = 0;
   // train.async: the rollout runs beside the update, so the two phases add up instead of taking turns.
   bool phases_overlap = false;
+  // The sharded state's (train.shard, train.offload) fp32 gradient chunk lives through both phases, made with
+  // the state, unless train.phase_offload frees it while the rollout runs. The replicated optimizer's
+  // gradients exist only in the update.
+  bool gradients_persist = false;
 
   // The model's parameters, the ones the optimizer updates, and the ranks the plan is for.
   int64_t parameters = 0, trainable = 0;
   int world = 1;
 
-  // Both phases: weights, masters, moments, the reference, the reward model and the critic, plus the larger of
-  // the rollout's part (rollout_weights + kv_cache + graph_pool) and the update's: gradients (the critic's too), what
-  // train.phase_offload parks during the rollout, what the rollout keeps, and the larger of a backward's (activations,
-  // gradient buffers) and the optimizer step's temporaries (the step follows the last backward). A separate critic's
-  // forward and backward follow the policy's backward, so `activations` is the larger of the two.
-  int64_t persistent() const { return weights + masters + moments + reference + reward_model + critic - parked; }
+  // Both phases: weights, masters, moments, the reference, the reward model, the critic and persisting
+  // gradients, plus the larger of the rollout's part (rollout_weights + kv_cache + graph_pool) and the update's:
+  // the other gradients (the critic's too), what train.phase_offload parks during the rollout, what the rollout
+  // keeps, and the larger of a backward's (activations, gradient buffers) and the optimizer step's temporaries
+  // (the step follows the last backward). A separate critic's forward and backward follow the policy's
+  // backward, so `activations` is the larger of the two.
+  int64_t persistent() const {
+    return weights + masters + moments + reference + reward_model + critic + (gradients_persist ? gradients : 0) -
+           parked;
+  }
   int64_t rollout_phase() const { return rollout_weights + kv_cache + graph_pool; }
   int64_t update_phase() const {
     const int64_t backward = activations + grad_buffers;
-    return gradients + critic_gradients + parked + held_through_update +
+    return (gradients_persist ? 0 : gradients) + critic_gradients + parked + held_through_update +
            (backward > optimizer_step ? backward : optimizer_step);
   }
   int64_t device_total() const;

@@ -224,6 +224,11 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
             {"time_step_s", times.step},
             {"world_size", double(run.dist->world())}});
   if (run.dist->world() > 1) m["time_update_comm_wait_s"] = times.comm;
+  if (run.metrics.plan_bytes > 0) {  // the plan beside the measured peaks (memory_allocated_peak_*)
+    m["memory_plan_mib"] = run.metrics.plan_bytes / 1048576.0;
+    m["memory_plan_rollout_mib"] = run.metrics.plan_rollout_bytes / 1048576.0;
+    m["memory_plan_update_mib"] = run.metrics.plan_update_bytes / 1048576.0;
+  }
   if (train.phase_offload != PhaseOffload::kNone) {
     m["time_phase_moves_s"] = run.metrics.phase_moves_s;  // this step's rollout and evaluation
     run.metrics.phase_moves_s = 0;
@@ -245,6 +250,7 @@ std::map<std::string, double> finish_step(Run& run, const RolloutBatch& rb, cons
 
 void PhasePeaks::end(const std::string& name) {
   mib_["peak_memory_" + name + "_mib"] = current_->peak_extra_bytes() / 1048576.0;
+  phase_allocated_mib_["memory_allocated_peak_" + name + "_mib"] = current_->peak_bytes() / 1048576.0;
   allocated_mib_ = std::max(allocated_mib_, current_->peak_bytes() / 1048576.0);
   reserved_mib_ = std::max(reserved_mib_, current_->peak_reserved_bytes() / 1048576.0);
   current_.emplace(device_);
@@ -255,6 +261,7 @@ std::map<std::string, double> PhasePeaks::metrics() const {
   double top = 0;
   for (const auto& [name, mib] : mib_) top = std::max(top, mib);
   out["peak_memory_mib"] = top;
+  out.insert(phase_allocated_mib_.begin(), phase_allocated_mib_.end());
   out["memory_allocated_peak_mib"] = allocated_mib_;
   out["memory_reserved_peak_mib"] = reserved_mib_;
   return out;

@@ -28,9 +28,10 @@ namespace rlt {
 class PhasePeaks {
  public:
   explicit PhasePeaks(const at::Device& device) : device_(device), current_(std::in_place, device) {}
-  // Ends the current phase as peak_memory_<name>_mib and starts the next one.
+  // Ends the current phase as peak_memory_<name>_mib (over its start) and memory_allocated_peak_<name>_mib
+  // (the most allocated at once within it, what the plan's phase must cover), and starts the next one.
   void end(const std::string& name);
-  // peak_memory_<name>_mib of every ended phase, and peak_memory_mib, their maximum; over the whole step,
+  // Those of every ended phase, and peak_memory_mib, the largest phase's; over the whole step,
   // memory_allocated_peak_mib (the most allocated at once, everything counted: what a plan must cover)
   // and memory_reserved_peak_mib (the most the caching allocator held from the device, its cache
   // included: what nvidia-smi shows).
@@ -39,7 +40,7 @@ class PhasePeaks {
  private:
   at::Device device_;
   std::optional<PeakMemory> current_;
-  std::map<std::string, double> mib_;
+  std::map<std::string, double> mib_, phase_allocated_mib_;
   double allocated_mib_ = 0, reserved_mib_ = 0;
 };
 

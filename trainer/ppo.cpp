@@ -156,6 +156,8 @@ std::map<std::string, double> train_ppo(Run& run) {
     {
       const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
       rb = collect_rollouts(run);
+      // The rollout's phase ends while the state is parked: its return counts in the scoring's.
+      peaks.end("rollout");
     }
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
@@ -168,7 +170,6 @@ std::map<std::string, double> train_ppo(Run& run) {
     // 2. Scoring: old values and the policy's log-probs from one forward; reference log-probs. The values
     // need the forward whatever train.old_logprobs says, so the rollout's old log-probs save nothing here:
     // they keep PPO on the same old log-probs as GRPO, and the scored ones measure the mismatch.
-    peaks.end("rollout");
     const auto t_score = Clock::now();
     const size_t K = batches.size();
     const bool use_rollout = run.old_logprobs == OldLogprobs::kRollout;

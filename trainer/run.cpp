@@ -71,10 +71,14 @@ std::unique_ptr<Transformer> new_model(const Config& c, int64_t vocab, at::Devic
 
 // The memory plan (trainer/memory_plan.h), before any weight is loaded: printed by rank 0, and a run that
 // cannot fit the smallest device of its ranks is refused (RunError) with the numbers and what would fit.
-void check_memory(const Run& run, const ModelConfig& mc) {
+// The run keeps the plan's figures for its metrics (RunMetrics::plan_bytes).
+void check_memory(Run& run, const ModelConfig& mc) {
   const int world = run.dist->world();
   const MemoryPlan plan =
       run.rollout_rank ? plan_rollout_rank(run.config, mc, world) : plan_memory(run.config, mc, world);
+  run.metrics.plan_rollout_bytes = plan.persistent() + plan.rollout_phase();
+  run.metrics.plan_update_bytes = plan.persistent() + plan.update_phase();
+  run.metrics.plan_bytes = plan.device_total();
   if (run.lead() || (run.rollout_rank && run.dist->lead())) std::cerr << plan.table() << std::flush;
   at::Tensor low = at::tensor({-double(device_memory_bytes(run.device))}, at::kDouble);
   run.dist->all_reduce({low}, ReduceOp::kMax);  // the smallest device: every rank refuses alike
@@ -604,6 +608,9 @@ RolloutBatch collect_rollouts(Run& run) {
     out.trajs = rollout(engine, *run.data.tokenizer, encode_prompts(run.data, run.config, run.rollout.tools, examples),
                         sampling, ro, tools, streams, run.rollout.tools, &out.stats, &rc);
   }
+  // LoRA: the merged copy goes with the step's engine, so the update has its memory (7.5 GiB of the 32B
+  // recipe's); a kept engine decodes it again, in place.
+  if (!source && !cfg.rollout.engine.keep_cache) run.rollout.merged.reset();
   if (carry) {  // the returned groups' examples, and the carried ones' kept for their turn
     std::map<int64_t, PromptExample> known = std::move(carry->examples);
     for (size_t i = 0; i < examples.size(); ++i) known[streams[i]] = std::move(examples[i]);

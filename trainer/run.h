@@ -95,7 +95,8 @@ struct RolloutState {
   std::unique_ptr<DecodeEngine> engine;
   // lora.rank > 0: what the rollout and the evaluation decode, the policy with its adapters merged into
   // the targeted weights (Transformer::merged; its other tensors are the policy's), refreshed in place by
-  // rollout_model(). It costs the targeted weights' size again.
+  // rollout_model(). It costs the targeted weights' size again: freed after each training rollout unless
+  // rollout.keep_cache keeps the engine built on it.
   std::unique_ptr<Transformer> merged;
   // train.async's rollout beside the update, or train.rollout_ranks' on other ranks: what a checkpoint
   // keeps of it.
@@ -117,6 +118,10 @@ struct RunMetrics {
   std::shared_ptr<MetricsLog> log;
   double last_eval_step = -1, last_eval_pass1 = 0;  // the latest evaluation: after which step, its pass@1
   double phase_moves_s = 0;  // train.phase_offload: seconds of moves since the last step's metrics
+  // The memory plan this rank was checked against before loading (trainer/memory_plan.h), per phase: the
+  // persistent part plus the rollout's, plus the update's, and the larger (or, with train.async, the sum).
+  // Logged beside the measured peaks as memory_plan_{rollout_,update_,}mib; 0 before the check.
+  int64_t plan_rollout_bytes = 0, plan_update_bytes = 0, plan_bytes = 0;
 };
 
 // A training run: its config and place among the ranks, then its parts grouped by who owns them.

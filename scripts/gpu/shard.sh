@@ -12,11 +12,14 @@
 #                                     (training_state), parameters_offload_state (with train.offload) and
 #                                     parameters_offload_state_host (its optimizer stepped by the host);
 #                                     with RANDOM_QWEN=32b, lora_32b and full_32b: configs/retool_32b.yaml
-#                                     as shipped on one GPU and fully fine-tuned over every GPU
+#                                     as shipped on one GPU and fully fine-tuned over every GPU; on one GPU
+#                                     also offload_1gpu, phase_1gpu, offload_state_1gpu, keep_1gpu and
+#                                     async_1gpu; RANDOM_QWEN (0.5b, 1.5b, 7b, 32b) picks the shape
 # Usage: [SHARD_TESTS=0] [STAGES=...] [SHARD_SETS="--set k=v ..."] bash scripts/gpu/shard.sh small|large
 #        [steps] [max_new_tokens]
 # SHARD_SETS: more settings for every large run (rollout.max_context=512 with max_new_tokens 512 fills
-# every cache row to the context the plan counts).
+# every cache row to the context the plan counts). Each run's summary has the memory plan beside the
+# allocated peaks, per phase: plan_over_peak{,_rollout,_update} = plan / peak - 1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_shard}
@@ -75,11 +78,20 @@ for name in sys.argv[2:]:
     steady = rows[1:] or rows  # the first step warms up (graphs, plans)
     keys = ["time_step_s", "memory_allocated_peak_mib", "memory_reserved_peak_mib", "time_rollout_s", "time_update_s", "time_update_comm_wait_s", "sampled_tokens",
             "optimizer_memory_mib", "optimizer_host_memory_mib", "peak_memory_rollout_mib", "peak_memory_update_mib",
-            "time_phase_moves_s", "grad_norm", "loss"]
+            "time_phase_moves_s", "grad_norm", "loss", "memory_plan_mib", "memory_plan_rollout_mib",
+            "memory_plan_update_mib", "memory_allocated_peak_rollout_mib", "memory_allocated_peak_scoring_mib",
+            "memory_allocated_peak_update_mib"]
     for k in keys:
         vals = [x[k] for x in steady if k in x]
         if vals:
             r[k] = sum(vals) / len(vals)
+    # The plan against the allocated peak, per phase (the old and reference log-probs' scoring in the
+    # update's) and over the step: plan / peak - 1.
+    if "memory_plan_mib" in r and r.get("memory_allocated_peak_mib"):
+        r["plan_over_peak"] = r["memory_plan_mib"] / r["memory_allocated_peak_mib"] - 1
+        r["plan_over_peak_rollout"] = r["memory_plan_rollout_mib"] / r["memory_allocated_peak_rollout_mib"] - 1
+        upd = max(r.get("memory_allocated_peak_scoring_mib", 0), r["memory_allocated_peak_update_mib"])
+        r["plan_over_peak_update"] = r["memory_plan_update_mib"] / upd - 1
     if "sampled_tokens" in r and "time_step_s" in r:
         r["sampled_tokens_per_s"] = r["sampled_tokens"] / r["time_step_s"]
     log = open(f"{raw}/{name}.log", errors="replace").read().splitlines()
@@ -117,6 +129,7 @@ fi
 
 if [ "$part" = large ]; then
   RANDOM_QWEN=${RANDOM_QWEN:-7b} source scripts/gpu/random_qwen.sh
+  tag=s$(echo "${RANDOM_QWEN:-7b}" | tr -d '.b')  # s7, s32, s05, s15: the runs' names
   # A step of 8 prompts x 8 samples, a few hundred new tokens: the 7B's memory, not its learning. The
   # reward (the share of ASCII letters in a response) differs within a group, so the update has a gradient.
   common=(--config configs/retool.yaml --set model.path=$ckpt --set data.path=$out/math.jsonl --set data.answer_key=answer
@@ -129,33 +142,43 @@ if [ "$part" = large ]; then
   runs=${LARGE_RUNS:-none_1gpu lora64_1gpu parameters gradients_offload parameters_offload}
   for r in $runs; do
     case $r in
-      none_1gpu) run s7_none_1gpu 1 "${common[@]}" ;;
-      lora64_1gpu) run s7_lora64_1gpu 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128 ;;
-      parameters) run "s7_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
-      gradients) run "s7_gradients_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
+      none_1gpu) run "${tag}_none_1gpu" 1 "${common[@]}" ;;
+      lora64_1gpu) run "${tag}_lora64_1gpu" 1 "${common[@]}" --set lora.rank=64 --set lora.alpha=128 ;;
+      # One GPU: the optimizer state in host memory (train.offload), or parked there while the rollout
+      # runs (phase_offload optimizer), or both with the weight chunks (training_state).
+      offload_1gpu) run "${tag}_offload_1gpu" 1 "${common[@]}" --set train.offload=optimizer ;;
+      phase_1gpu) run "${tag}_phase_1gpu" 1 "${common[@]}" --set train.phase_offload=optimizer ;;
+      offload_state_1gpu) run "${tag}_offload_state_1gpu" 1 "${common[@]}" --set train.offload=optimizer \
+                            --set train.phase_offload=training_state ;;
+      # The rollout's cache and graphs kept through the update, and the rollout beside the update: the plan's
+      # phases add up in both.
+      keep_1gpu) run "${tag}_keep_1gpu" 1 "${common[@]}" --set rollout.keep_cache=true ;;
+      async_1gpu) run "${tag}_async_1gpu" 1 "${common[@]}" --set train.async=one_step ;;
+      parameters) run "${tag}_parameters_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
+      gradients) run "${tag}_gradients_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
       # The trainer's caching allocator grows its segments in place (expandable segments); these runs use
       # fixed-size segments, PyTorch's default, for the comparison.
       parameters_fixed) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
-                          run "s7_parameters_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
+                          run "${tag}_parameters_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters ;;
       gradients_fixed) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
-                         run "s7_gradients_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
-      gradients_offload) run "s7_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients \
+                         run "${tag}_gradients_fixed_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients ;;
+      gradients_offload) run "${tag}_gradients_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=gradients \
                            --set train.offload=optimizer ;;
-      parameters_offload) run "s7_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+      parameters_offload) run "${tag}_parameters_offload_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
                             --set train.offload=optimizer ;;
-      parameters_phase) run "s7_parameters_phase_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+      parameters_phase) run "${tag}_parameters_phase_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
                           --set train.phase_offload=optimizer ;;
-      parameters_state) run "s7_parameters_state_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
+      parameters_state) run "${tag}_parameters_state_${ngpu}gpu" "$ngpu" "${common[@]}" --set train.shard=parameters \
                           --set train.phase_offload=training_state ;;
       lora_32b) run s32_lora64_1gpu 1 "${common[@]}" --config configs/retool_32b.yaml ;;
       full_32b) run "s32_full_${ngpu}gpu" "$ngpu" "${common[@]}" --config configs/retool_32b.yaml --set lora.rank=0 \
                   --set train.shard=parameters --set train.offload=optimizer --set train.phase_offload=training_state ;;
-      parameters_offload_state) run "s7_parameters_offload_state_${ngpu}gpu" "$ngpu" "${common[@]}" \
+      parameters_offload_state) run "${tag}_parameters_offload_state_${ngpu}gpu" "$ngpu" "${common[@]}" \
                                   --set train.shard=parameters --set train.offload=optimizer \
                                   --set train.phase_offload=training_state ;;
       # The same with the optimizer stepped by the host's cores (train.offload_step auto streams it through
       # each GPU when several ranks share a host).
-      parameters_offload_state_host) run "s7_parameters_offload_state_host_${ngpu}gpu" "$ngpu" "${common[@]}" \
+      parameters_offload_state_host) run "${tag}_parameters_offload_state_host_${ngpu}gpu" "$ngpu" "${common[@]}" \
                                        --set train.shard=parameters --set train.offload=optimizer \
                                        --set train.offload_step=host --set train.phase_offload=training_state ;;
     esac

@@ -96,6 +96,20 @@ TEST(LoraRun, TrainsTheAdaptersAloneAndAResumedRunReproducesIt) {
   EXPECT_GT(grad_norm_max, 0);
   EXPECT_GT(a[3]["kl"].get<double>(), 0) << "the adapters moved the policy away from its reference";
 
+  // The rollout decodes a merged copy of the targeted weights: it goes with the step's engine, so the update
+  // has its memory; an engine kept for the run (rollout.keep_cache) keeps the copy it decodes.
+  collect_rollouts(run);
+  EXPECT_EQ(run.rollout.merged, nullptr) << "the merged copy held through the update";
+  {
+    Config k = c;
+    k.rollout.engine.keep_cache = true;
+    rlt::Run kept = make_run(k, (tmp.path() / "kept").string(), /*resume=*/false);
+    collect_rollouts(kept);
+    ASSERT_NE(kept.rollout.merged, nullptr);
+    ASSERT_NE(kept.rollout.engine, nullptr);
+    EXPECT_EQ(&kept.rollout.engine->model(), kept.rollout.merged.get());
+  }
+
   // The base is the one a new run builds from model.init_seed, bit for bit; the adapters moved.
   const rlt::Run fresh = make_run(c, (tmp.path() / "fresh").string(), /*resume=*/false);
   const auto trained_base = run.model.policy->named_parameters(), fresh_base = fresh.model.policy->named_parameters();

@@ -73,8 +73,8 @@ int64_t built_count(const ModelConfig& m) {
   return n;
 }
 
-// The step's memory metrics against their definitions: each phase's peak over what it began with, and
-// the step's absolute peak, the largest phase's, not the last one's.
+// The step's memory metrics against their definitions: each phase's peak over what it began with and its
+// absolute peak, and the step's absolute peak, the largest phase's, not the last one's.
 TEST(PhasePeaks, ReportEachPhaseOverItsStartAndTheStepsAbsolutePeak) {
   install_cpu_memory_tracking();
   const at::Device cpu(at::kCPU);
@@ -95,6 +95,9 @@ TEST(PhasePeaks, ReportEachPhaseOverItsStartAndTheStepsAbsolutePeak) {
   EXPECT_EQ(m.at("peak_memory_update_mib"), 2.0) << "the held 4 MiB were there when the update began";
   EXPECT_EQ(m.at("peak_memory_mib"), 12.0);
   EXPECT_EQ(m.at("memory_allocated_peak_mib"), (base + (int64_t(12) << 20)) / kMiB);
+  // Each phase's absolute peak: the rollout's 12 MiB over the base, the update's the held 4 and its 2.
+  EXPECT_EQ(m.at("memory_allocated_peak_rollout_mib"), (base + (int64_t(12) << 20)) / kMiB);
+  EXPECT_EQ(m.at("memory_allocated_peak_update_mib"), (base + (int64_t(6) << 20)) / kMiB);
   // The wrong twin reports the last phase's absolute peak: 4 + 2 MiB over the base.
   EXPECT_NE(m.at("memory_allocated_peak_mib"), (base + (int64_t(6) << 20)) / kMiB);
   EXPECT_EQ(m.at("memory_reserved_peak_mib"), m.at("memory_allocated_peak_mib")) << "the CPU caches nothing";
@@ -288,8 +291,8 @@ TEST(MemoryPlan, TrainingStateParksTheWeightChunks) {
 
 // configs/retool_32b.yaml on the published Qwen2.5-32B shape (configs/models/qwen2.5-32b): as shipped, LoRA
 // rank 64, it fits one H200 (143,771 MiB); with the full fine-tuning overrides its header names it fits
-// 4 ranks, where the resident training state does not, and training_state takes the weight chunks off
-// the rollout's phase, the larger.
+// 4 ranks, where the resident training state does not, and training_state takes the weight and gradient
+// chunks off the rollout's phase, the larger.
 TEST(MemoryPlan, TheThirtyTwoBRecipeFitsItsGpus) {
   const std::string root = RLT_SOURCE_DIR;
   const ModelConfig m = load_model_config(root + "/configs/models/qwen2.5-32b");
@@ -309,8 +312,8 @@ TEST(MemoryPlan, TheThirtyTwoBRecipeFitsItsGpus) {
   const Config resident = load_config(recipe, {"lora.rank=0", "train.shard=parameters"});
   EXPECT_GT(plan_memory(resident, m, 4).device_total(), h200) << "18 bytes a parameter over 4 ranks";
   const Config offload = load_config(recipe, {"lora.rank=0", "train.shard=parameters", "train.offload=optimizer"});
-  EXPECT_EQ(plan_memory(offload, m, 4).device_total() - four.device_total(), four.parked)
-      << "the weight chunks leave the rollout's phase, the larger";
+  EXPECT_EQ(plan_memory(offload, m, 4).device_total() - four.device_total(), four.parked + four.gradients)
+      << "the weight chunks and the gradient chunk leave the rollout's phase, the larger";
 }
 
 // The 32B recipe's full fine-tune pins its masters and moments (12 bytes a parameter) and its parked bf16
@@ -585,6 +588,46 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
       EXPECT_GT(off(plan_memory(x, k.m, 1).activations, measured), 0.10) << k.name << ": planned as another path";
     }
   }
+}
+
+// The gradient buffers, counted by hand for a tied Qwen2-like model whose embedding is its largest tensor
+// and unit. A tied embedding is used twice: the backward holds the LM head's gradient until the
+// embedding's arrives and sums them, one more vocabulary-sized gradient than the untied model holds at
+// once (on an H200 the 0.5B's update peaked 259 MiB over a plan without it). Under train.offload alone
+// the fp32 wholes of every tensor meet the two reduce slots in the last backward: measured here as what
+// that backward leaves allocated (the slots, freed by the optimizer step). The wrong twins: one slot, and
+// the tied model planned as the untied one.
+TEST(MemoryPlan, CountsTheReduceSlotsAndATiedEmbeddingsHeldGradient) {
+  install_cpu_memory_tracking();
+  const at::Device cpu(at::kCPU);
+  const int64_t vocab = 8192, hidden = 128;
+  const ModelConfig tied = small_config("qwen2", true, vocab, hidden, /*layers=*/2, 384);
+  const ModelConfig untied = small_config("qwen2", false, vocab, hidden, /*layers=*/2, 384);
+  const int64_t T = parameter_count(tied), E = vocab * hidden;
+  Config c = small_run_config(DType::kBFloat16, /*micro=*/2, /*context=*/8);  // two backwards a step
+  EXPECT_EQ(plan_memory(c, tied, 1).grad_buffers, 2 * T + 2 * E) << "the bf16 gradients whole, and the head's held";
+  EXPECT_EQ(plan_memory(c, untied, 1).grad_buffers, 2 * (T + E)) << "the untied head's own gradient instead";
+  c.train.offload = Offload::kOptimizer;
+  const MemoryPlan plan = plan_memory(c, tied, 1);
+  const int64_t slots = int64_t(ShardedState::kReduceSlots) * 4 * E;
+  EXPECT_EQ(plan.grad_buffers, 4 * T + slots + 2 * E + 2 * E) << "wholes, slots, the largest's bf16 gradient, the held";
+
+  rlt::Run run;
+  run.config = c;
+  run.model.policy = std::make_unique<Transformer>(tied, at::kBFloat16, at::kCPU, /*seed=*/0);
+  make_optimizer(run, {});
+  ASSERT_TRUE(run.model.sharded);
+  const std::vector<Trajectory> trajs = trajectories(4, 8, vocab);
+  zero_gradients(run.model);
+  const int64_t before = PeakMemory::allocated_bytes(cpu);
+  micro_batch(run, trajs, 0, 2, false);
+  EXPECT_EQ(PeakMemory::allocated_bytes(cpu) - before, 4 * T) << "the fp32 wholes over the micro-batches";
+  micro_batch(run, trajs, 2, 4, true);
+  const int64_t held = PeakMemory::allocated_bytes(cpu) - before;
+  EXPECT_EQ(held, slots) << "the wholes reduced into the chunk, the slots kept until the step";
+  EXPECT_NE(held, slots / int64_t(ShardedState::kReduceSlots)) << "one slot";
+  apply_gradients(run, at::zeros({}), /*total_optimizer_steps=*/10);
+  EXPECT_EQ(PeakMemory::allocated_bytes(cpu), before) << "the step frees the slots";
 }
 
 // The same on a GPU, in bf16 (flash attention's (B, L, H, hd) output, the CUDA selective kernel, the

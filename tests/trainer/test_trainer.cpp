@@ -518,6 +518,24 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
     EXPECT_GE(attention, per_key * (tokens * tokens / (2 * n) + tokens / 2) * (1 - 1e-12)) << row.dump();
     EXPECT_LE(attention, per_key * tokens * (c.rollout.max_context + 1) / 2) << row.dump();
   }
+  // The memory plan the run was checked against before loading, beside the measured peaks: its phases (the
+  // persistent part plus each phase's own) and their larger; each phase's absolute peak, the step's the
+  // largest of them. The wrong twin: the plan of the same run at half the context.
+  const MemoryPlan plan = plan_memory(c, shape, 1);
+  Config half = c;
+  half.rollout.max_context /= 2;
+  constexpr double kMiB = 1048576.0;
+  for (const auto& row : a) {
+    EXPECT_EQ(row["memory_plan_mib"].get<double>(), plan.device_total() / kMiB);
+    EXPECT_EQ(row["memory_plan_rollout_mib"].get<double>(), (plan.persistent() + plan.rollout_phase()) / kMiB);
+    EXPECT_EQ(row["memory_plan_update_mib"].get<double>(), (plan.persistent() + plan.update_phase()) / kMiB);
+    EXPECT_NE(row["memory_plan_mib"].get<double>(), plan_memory(half, shape, 1).device_total() / kMiB);
+    double top = 0;
+    for (const char* phase : {"rollout", "scoring", "update"}) {
+      top = std::max(top, row[std::string("memory_allocated_peak_") + phase + "_mib"].get<double>());
+    }
+    EXPECT_EQ(row["memory_allocated_peak_mib"].get<double>(), top);
+  }
   for (const auto& row : a) {
     for (const char* k : {"loss", "pg_loss", "kl", "entropy", "grad_norm", "reward_mean", "accuracy", "tool_use", "lr",
                           "peak_memory_mib", "time_rollout_s", "rollout_tokens_per_s", "rollout_refills",
