@@ -126,7 +126,7 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
-    PhasePeaks peaks(run.device);  // (park,) rollout, scoring, update
+    PhasePeaks peaks(run.device);  // (park,) rollout, (unpark,) scoring, update
 
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
@@ -134,12 +134,12 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     RolloutBatch rb;
     {
       const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
-      // The rollout's phase runs while the state is parked: its moves out are a phase of their own, its return
-      // counts in the scoring's.
+      // The rollout's phase runs while the state is parked: the moves out and back are phases of their own.
       if (train.phase_offload != PhaseOffload::kNone) peaks.end("park");
       rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
       peaks.end("rollout");
     }
+    if (train.phase_offload != PhaseOffload::kNone) peaks.end("unpark");
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
     // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or

@@ -334,7 +334,8 @@ std::string MemoryPlan::table() const {
   if (graph_pool > 0) line("graph pool", graph_pool, "(the rollout's CUDA graphs: logits and temporaries)");
   line("activations", activations);
   if (reward_model > 0) line("reward model", reward_model, "(reward.model_path: its weights and one scoring forward)");
-  if (critic > 0) line("critic", critic, "(critic.shared false: its weights, masters and moments)");
+  if (critic > 0)
+    line("critic", critic, "(critic.shared false: its weights, masters and moments, and a sharded state's gradients)");
   if (critic_gradients > 0) line("critic grads", critic_gradients, "(through the update)");
   if (parked > 0) line("parked", parked, "(of the above, in pinned host memory while the rollout runs)");
   line("device total", device_total(),
@@ -398,7 +399,8 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
   // A tied embedding is used twice, by the LM head and by the embedding: the backward holds the head's
   // gradient, in the trained weight's dtype, until the embedding's arrives and the two are summed, so the
   // three are alive at once where an untied model holds one (the 0.5B's 259 MiB on an H200).
-  const int64_t tied = !lora && m.tie_word_embeddings ? w * m.vocab_size * m.hidden_size : 0;
+  const int64_t tied =
+      !lora && m.head == ModelHead::kCausalLm && m.tie_word_embeddings ? w * m.vocab_size * m.hidden_size : 0;
 
   if (stage == ShardStage::kNone && c.train.offload == Offload::kNone) {
     // make_optimizer's torch::optim::AdamW. A bf16 model with train.master_weights fp32: fp32 masters,
@@ -537,8 +539,8 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     if (cc.train.shard == ShardStage::kParameters && cc.train.phase_offload == PhaseOffload::kTrainingState)
       cc.train.phase_offload = PhaseOffload::kOptimizer;
     const MemoryPlan q = plan_memory(cc, critic_model_config(c, m), world);
-    p.critic = q.weights + q.masters + q.moments;
-    p.critic_gradients = q.gradients + q.grad_buffers;
+    p.critic = q.weights + q.masters + q.moments + (q.gradients_persist ? q.gradients : 0);
+    p.critic_gradients = (q.gradients_persist ? 0 : q.gradients) + q.grad_buffers;
     p.activations = std::max(p.activations, q.activations);
     p.optimizer_step = std::max(p.optimizer_step, q.optimizer_step);
     p.parked += q.parked;

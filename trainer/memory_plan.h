@@ -40,8 +40,9 @@ struct MemoryPlan {
                                  // whole pages of host memory (pinned_host_zeros)
   int64_t reward_model = 0;      // reward.kind model: its weights in model.dtype and one scoring forward
   int64_t critic = 0;            // PPO's separate critic (critic.shared false): its weights, masters and
-                                 // moments at critic.shard's stage
-  int64_t critic_gradients = 0;  // its gradients and gradient buffers, through the update
+                                 // moments at critic.shard's stage, and a sharded state's gradients
+  int64_t critic_gradients = 0;  // its gradients (but a sharded state's, in `critic` where they persist) and
+                                 // gradient buffers, through the update
   // train.phase_offload: of masters, moments and the critic's (with training_state the sharded weight
   // chunks too), what leaves the device while the rollout runs (in pinned host memory then): counted in
   // the update's phase, not in both.

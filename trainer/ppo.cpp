@@ -147,7 +147,7 @@ std::map<std::string, double> train_ppo(Run& run) {
 
   while (run.more_steps()) {
     const auto t_step = Clock::now();
-    PhasePeaks peaks(run.device);  // (park,) rollout, scoring, update
+    PhasePeaks peaks(run.device);  // (park,) rollout, (unpark,) scoring, update
 
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
@@ -155,12 +155,12 @@ std::map<std::string, double> train_ppo(Run& run) {
     RolloutBatch rb;
     {
       const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
-      // The rollout's phase runs while the state is parked: its moves out are a phase of their own, its return
-      // counts in the scoring's.
+      // The rollout's phase runs while the state is parked: the moves out and back are phases of their own.
       if (train.phase_offload != PhaseOffload::kNone) peaks.end("park");
       rb = collect_rollouts(run);
       peaks.end("rollout");
     }
+    if (train.phase_offload != PhaseOffload::kNone) peaks.end("unpark");
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,

@@ -118,6 +118,7 @@ void RemoteRollouts::publish() {
                        run_.counters.step, bucket_bytes(run_.config), run_.device, timing);
   sync_s_ = timing.seconds;
   sync_bytes_ = timing.bytes;
+  release_rollout_model(run_.rollout);  // LoRA: the merged copy, sent, leaves before the update
 }
 
 RolloutBatch RemoteRollouts::next() {

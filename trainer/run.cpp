@@ -449,6 +449,11 @@ const Transformer& rollout_model(const ModelState& model, RolloutState& rollout)
   return *rollout.merged;
 }
 
+void release_rollout_model(RolloutState& rollout) {
+  if (rollout.engine && &rollout.engine->model() == rollout.merged.get()) return;
+  rollout.merged.reset();
+}
+
 std::vector<std::vector<int64_t>> encode_prompts(const RunData& data, const Config& config,
                                                  const ToolProtocol& protocol,
                                                  const std::vector<PromptExample>& examples) {
@@ -610,7 +615,7 @@ RolloutBatch collect_rollouts(Run& run) {
   }
   // LoRA: the merged copy goes with the step's engine, so the update has its memory (7.5 GiB of the 32B
   // recipe's); a kept engine decodes it again, in place.
-  if (!source && !cfg.rollout.engine.keep_cache) run.rollout.merged.reset();
+  if (!source) release_rollout_model(run.rollout);
   if (carry) {  // the returned groups' examples, and the carried ones' kept for their turn
     std::map<int64_t, PromptExample> known = std::move(carry->examples);
     for (size_t i = 0; i < examples.size(); ++i) known[streams[i]] = std::move(examples[i]);
@@ -772,6 +777,7 @@ EvalResult evaluate(Run& run) {
                     ro, tool_runner(run.rollout, run.config.sandbox), streams, run.rollout.tools);
     score_rewards(run, trajs, problems);  // an evaluation's script failures count in no metric
   }
+  release_rollout_model(run.rollout);
   EvalResult r = summarize_evaluation(trajs, k, run.dist.get());
   std::vector<std::string> names;  // every rank's, from the whole evaluation set, so the reductions pair up
   for (const PromptExample& ex : run.data.eval_set) {

@@ -222,6 +222,9 @@ void end_training(Run& run, double eval_start, std::map<std::string, double>& m)
 // The model the rollout and the evaluation decode: the policy itself, or with LoRA rollout.merged, made on
 // first use and rewritten in place from the policy's current adapters at every call.
 const Transformer& rollout_model(const ModelState& model, RolloutState& rollout);
+// Frees that merged copy unless the kept engine (rollout.keep_cache) decodes it: a training rollout, an
+// evaluation and a publish to the rollout ranks each make it again, so the update has its memory.
+void release_rollout_model(RolloutState& rollout);
 
 // The rollout's engine settings: rollout.<switch>, and the cache bounded at rollout.max_context slots, where
 // the memory plan counts it.

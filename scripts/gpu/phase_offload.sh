@@ -3,7 +3,9 @@
 # checkpoint (RANDOM_QWEN, default 1.5b; scripts/gpu/random_qwen.sh), tools off, the boxed reward, PROMPTS x
 # SAMPLES x NEW_TOKENS a step, STEPS steps, with the optimizer state resident and then parked in host memory
 # while the rollout runs (--set train.phase_offload=optimizer). Per run, from metrics.jsonl: each phase's
-# allocated peak (peak_memory_{rollout,scoring,update}_mib), the moves' seconds and the step time (means
+# allocated peak over its start (peak_memory_{rollout,update}_mib; parked, the rollout's phase starts with
+# the state out, its moves are phases of their own), the rollout's absolute peak beside the plan's, the
+# step's peak beside the plan's total, the moves' seconds and the step time (means
 # over the steps after the first), and the memory plan's lines; $OUT/summary.json. Also runs test_parking
 # (its CUDA test). DEMOS="1 2": the PPO CPU demo (configs/ppo_tiny.yaml), shared head and a critic of its
 # own, at each of those seeds on the host's cores beside the GPU runs (each run's log and metrics.jsonl in
@@ -62,7 +64,8 @@ for mode in ("none", "optimizer"):
     later = rows[1:] or rows
     mean = lambda k: sum(r.get(k, 0.0) for r in later) / len(later)
     keys = ["memory_allocated_peak_mib", "memory_reserved_peak_mib", "peak_memory_rollout_mib",
-            "peak_memory_update_mib", "time_phase_moves_s", "time_rollout_s", "time_update_s", "time_step_s"]
+            "peak_memory_update_mib", "memory_allocated_peak_rollout_mib", "memory_plan_rollout_mib",
+            "memory_plan_mib", "time_phase_moves_s", "time_rollout_s", "time_update_s", "time_step_s"]
     summary[mode] = {k: mean(k) for k in keys}
     summary[mode]["plan"] = [l.rstrip() for l in open(os.path.join(out, mode + ".log")) if "GiB" in l]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)

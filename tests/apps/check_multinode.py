@@ -65,7 +65,9 @@ def varies(key):
     the training forward's (logprob_mismatch_*): a decode step's rows are whichever were ready when the
     replies landed, and a CPU GEMM's last bits depend on its row count. The tokens sampled, and every
     figure of the update, are the same."""
-    return key.startswith(("time_", "rollout_", "peak_memory", "logprob_mismatch_")) or key.endswith("_per_s")
+    phase_peak = key.startswith("memory_allocated_peak_") and key != "memory_allocated_peak_mib"  # each phase's
+    kinds = ("time_", "rollout_", "peak_memory", "logprob_mismatch_")
+    return phase_peak or key.startswith(kinds) or key.endswith("_per_s")
 
 
 def differences(a, b):

@@ -100,6 +100,8 @@ TEST(LoraRun, TrainsTheAdaptersAloneAndAResumedRunReproducesIt) {
   // has its memory; an engine kept for the run (rollout.keep_cache) keeps the copy it decodes.
   collect_rollouts(run);
   EXPECT_EQ(run.rollout.merged, nullptr) << "the merged copy held through the update";
+  evaluate(run);
+  EXPECT_EQ(run.rollout.merged, nullptr) << "an evaluation's merged copy held into the next step";
   {
     Config k = c;
     k.rollout.engine.keep_cache = true;

@@ -233,12 +233,17 @@ TEST(MemoryPlan, CountsTheSeparateCritic) {
   EXPECT_EQ(d.critic, b.critic) << "twin: the critic planned as adapters";
   EXPECT_EQ(d.critic_gradients, b.critic_gradients);
   // bf16 over 2 ranks, the critic sharded at gradients while the policy is not: its bf16 weights whole and
-  // its half of them rounded from the masters (the all-gather's input), its fp32 masters and moments halved.
+  // its half of them rounded from the masters (the all-gather's input), its fp32 masters and moments halved,
+  // and its fp32 gradient chunk, which a sharded state keeps through the rollout.
   own.model.dtype = DType::kBFloat16;
   own.critic.shard = CriticShard::kGradients;
   const MemoryPlan c = plan_memory(own, policy, 2);
-  EXPECT_EQ(c.critic, 2 * P + 2 * P / 2 + (4 * P + 8 * P) / 2);
+  EXPECT_EQ(c.critic, 2 * P + 2 * P / 2 + (4 * P + 8 * P) / 2 + 4 * P / 2);
   EXPECT_NE(c.critic, 2 * P + 4 * P + 8 * P) << "twin: the policy's stage (none)";
+  EXPECT_EQ(c.critic_gradients, plan_memory(own, policy, 2).critic_gradients);
+  Config parked = own;
+  parked.train.phase_offload = PhaseOffload::kOptimizer;  // the chunk freed while the rollout runs
+  EXPECT_EQ(plan_memory(parked, policy, 2).critic_gradients - c.critic_gradients, 4 * P / 2);
 }
 
 // train.phase_offload optimizer: the masters and moments (and a separate critic's) leave the persistent part
@@ -593,20 +598,22 @@ TEST(MemoryPlan, ActivationsMatchTheMeasuredPeak) {
 // The gradient buffers, counted by hand for a tied Qwen2-like model whose embedding is its largest tensor
 // and unit. A tied embedding is used twice: the backward holds the LM head's gradient until the
 // embedding's arrives and sums them, one more vocabulary-sized gradient than the untied model holds at
-// once (on an H200 the 0.5B's update peaked 259 MiB over a plan without it). Under train.offload alone
-// the fp32 wholes of every tensor meet the two reduce slots in the last backward: measured here as what
-// that backward leaves allocated (the slots, freed by the optimizer step). The wrong twins: one slot, and
-// the tied model planned as the untied one.
+// once (on an H200 the 0.5B's update peaked 259 MiB over a plan without it; the CPU's backward peaks
+// earlier, so only the GPU table measures it); a score head ties nothing. Under train.offload alone the
+// fp32 wholes of every tensor meet the two reduce slots in the last backward: measured here as what that
+// backward leaves allocated (the slots, freed by the optimizer step). The wrong twin: one slot.
 TEST(MemoryPlan, CountsTheReduceSlotsAndATiedEmbeddingsHeldGradient) {
   install_cpu_memory_tracking();
   const at::Device cpu(at::kCPU);
   const int64_t vocab = 8192, hidden = 128;
   const ModelConfig tied = small_config("qwen2", true, vocab, hidden, /*layers=*/2, 384);
-  const ModelConfig untied = small_config("qwen2", false, vocab, hidden, /*layers=*/2, 384);
   const int64_t T = parameter_count(tied), E = vocab * hidden;
   Config c = small_run_config(DType::kBFloat16, /*micro=*/2, /*context=*/8);  // two backwards a step
   EXPECT_EQ(plan_memory(c, tied, 1).grad_buffers, 2 * T + 2 * E) << "the bf16 gradients whole, and the head's held";
-  EXPECT_EQ(plan_memory(c, untied, 1).grad_buffers, 2 * (T + E)) << "the untied head's own gradient instead";
+  ModelConfig critic = tied;  // a score head ties nothing: no held gradient
+  critic.head = ModelHead::kTokenScore;
+  critic.num_labels = 1;
+  EXPECT_EQ(plan_memory(c, critic, 1).grad_buffers, 2 * parameter_count(critic));
   c.train.offload = Offload::kOptimizer;
   const MemoryPlan plan = plan_memory(c, tied, 1);
   const int64_t slots = int64_t(ShardedState::kReduceSlots) * 4 * E;

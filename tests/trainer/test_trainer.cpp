@@ -1503,9 +1503,12 @@ void expect_same_steps(const PhaseRun& parked, const PhaseRun& resident, const s
     ASSERT_TRUE(parked.metrics[i].contains("time_phase_moves_s")) << parked.metrics[i].dump();
     EXPECT_GT(parked.metrics[i]["time_phase_moves_s"].get<double>(), 0);
     EXPECT_FALSE(resident.metrics[i].contains("time_phase_moves_s"));
-    // The moves out are a phase of their own: the rollout's phase runs with the state parked.
-    EXPECT_TRUE(parked.metrics[i].contains("memory_allocated_peak_park_mib")) << parked.metrics[i].dump();
-    EXPECT_FALSE(resident.metrics[i].contains("memory_allocated_peak_park_mib"));
+    // The moves out and back are phases of their own: the rollout's phase runs with the state parked (the
+    // GPU table of docs/benchmarks.md measures it; this model's state is smaller than its rollout's noise).
+    for (const char* k : {"memory_allocated_peak_park_mib", "memory_allocated_peak_unpark_mib"}) {
+      EXPECT_TRUE(parked.metrics[i].contains(k)) << k << " in " << parked.metrics[i].dump();
+      EXPECT_FALSE(resident.metrics[i].contains(k));
+    }
   }
   EXPECT_TRUE(same_weights(parked.weights, resident.weights)) << what << ": the weights after 3 steps";
 }
