@@ -113,6 +113,7 @@ ShardedState::ShardedState(const ShardOptions& options, Collectives& dist, Trans
   TORCH_CHECK(!params_.empty(), "ShardedState: nothing to train");
   weight_dtype_ = params_.front().leaf.scalar_type();
   const at::Device device = params_.front().leaf.device();
+  device_ = device;
 
   // Units in the order the backward completes them: the extra tensors (after the final norm), the head and final
   // norm, the layers from the last, the embedding.
@@ -655,7 +656,7 @@ int64_t ShardedState::device_bytes() const {
   int64_t bytes = 0;
   for (const Group& G : groups_) {
     for (const at::Tensor* t : {&G.master, &G.grad, &G.exp_avg, &G.exp_avg_sq}) {
-      if (t->defined() && !t->is_cpu()) bytes += t->nbytes();
+      if (t->defined() && t->device() == device_) bytes += t->nbytes();  // not while parked in host memory
     }
     if (stage_ == ShardStage::kParameters) bytes += G.weights.nbytes();
   }

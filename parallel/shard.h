@@ -254,11 +254,12 @@ class ShardedState : public WeightResidency {
   std::deque<size_t> in_flight_;
   std::vector<at::Tensor> slot_in_, slot_out_;
   size_t next_slot_ = 0;
-  int64_t largest_chunk_ = 0;  // the largest unit's chunk: the reduce slots and the all-gather buffer fit it
-  bool collecting_ = false;    // a backward of this object's is running: the hooks take its gradients
-  bool reducing_ = false;      // the running backward reduces its gradients
-  bool grads_zero_ = true;     // every gradient chunk is zero: no reduce has added into one since zero_grad
-  int pinned_ = 0;             // gather_weights() depth
+  int64_t largest_chunk_ = 0;     // the largest unit's chunk: the reduce slots and the all-gather buffer fit it
+  at::Device device_ = at::kCPU;  // the model's: where the state lives unless parked or offloaded
+  bool collecting_ = false;       // a backward of this object's is running: the hooks take its gradients
+  bool reducing_ = false;         // the running backward reduces its gradients
+  bool grads_zero_ = true;        // every gradient chunk is zero: no reduce has added into one since zero_grad
+  int pinned_ = 0;                // gather_weights() depth
   double comm_s_ = 0;
   int shard_world_ = 1;  // ranks the state is split over: 1 with shard none (offload alone)
   bool keep_ = false;    // rollout.keep_weights

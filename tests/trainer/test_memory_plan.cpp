@@ -635,6 +635,9 @@ TEST(MemoryPlan, CountsTheReduceSlotsAndATiedEmbeddingsHeldGradient) {
   EXPECT_NE(held, slots / int64_t(ShardedState::kReduceSlots)) << "one slot";
   apply_gradients(run, at::zeros({}), /*total_optimizer_steps=*/10);
   EXPECT_EQ(PeakMemory::allocated_bytes(cpu), before) << "the step frees the slots";
+  // optimizer_memory_mib's figure: the fp32 gradient chunk on the model's device (here the CPU), the
+  // masters and moments in host memory.
+  EXPECT_EQ(optimizer_memory_bytes(run.model), 4 * T);
 }
 
 // The same on a GPU, in bf16 (flash attention's (B, L, H, hd) output, the CUDA selective kernel, the
