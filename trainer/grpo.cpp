@@ -131,15 +131,10 @@ std::map<std::string, double> train_grpo(Run& run, const GrpoHooks& hooks) {
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
     // 1-2. Rollout (G samples per prompt, sandboxed tool calls) and rewards: this rank's prompts.
-    RolloutBatch rb;
-    {
-      const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
-      // The rollout's phase runs while the state is parked: the moves out and back are phases of their own.
-      if (train.phase_offload != PhaseOffload::kNone) peaks.end("park");
-      rb = remote ? remote->next() : async ? async->next() : sampling.collect(run);
-      peaks.end("rollout");
-    }
-    if (train.phase_offload != PhaseOffload::kNone) peaks.end("unpark");
+    // train.phase_offload: the training state in host memory meanwhile.
+    RolloutBatch rb = parked_rollout(run, peaks, [&] {
+      return remote ? remote->next() : async ? async->next() : sampling.collect(run);
+    });
     if (remote && sampling.enabled()) sampling.record(remote->rounds());  // the rollout ranks' rounds
     if (train.mask_truncated) mask_truncated(rb.trajs);                   // before packing and the denominators
     // The update's order and micro-batches: the batch's own (prompt-major) in micro_batch_size rows, or

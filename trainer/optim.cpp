@@ -7,6 +7,7 @@
 #include "parallel/transfer.h"
 #include "trainer/batch.h"
 #include "trainer/critic.h"
+#include "trainer/metrics.h"
 
 #include <torch/nn/utils/clip_grad.h>
 
@@ -175,6 +176,19 @@ ParkedTrainingState::~ParkedTrainingState() noexcept(false) {
   } catch (const std::exception& e) {
     std::cerr << "train.phase_offload: the parked training state did not come back: " << e.what() << "\n";
   }
+}
+
+RolloutBatch parked_rollout(Run& run, PhasePeaks& peaks, const std::function<RolloutBatch()>& collect) {
+  const bool moves = run.config.train.phase_offload != PhaseOffload::kNone;
+  RolloutBatch rb;
+  {
+    const ParkedTrainingState parked(run);
+    if (moves) peaks.end("park");
+    rb = collect();
+    peaks.end("rollout");
+  }
+  if (moves) peaks.end("unpark");
+  return rb;
 }
 
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -102,6 +103,12 @@ class ParkedTrainingState {
   std::unique_ptr<GatheredWeights> whole_;  // training_state, shard parameters: held across the scope
   int exceptions_ = 0;                      // std::uncaught_exceptions() when the scope began
 };
+
+class PhasePeaks;
+// The step's rollout, `collect`, with train.phase_offload's state parked meanwhile (ParkedTrainingState),
+// each part a phase of `peaks`: with phase_offload, park (the moves out) and unpark (the moves back) on either
+// side of the rollout, so the rollout's peak is measured with the state parked.
+RolloutBatch parked_rollout(Run& run, PhasePeaks& peaks, const std::function<RolloutBatch()>& collect);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);

@@ -152,15 +152,8 @@ std::map<std::string, double> train_ppo(Run& run) {
     run.dist->mark("step " + std::to_string(run.counters.step + 1) + ": rollout");
 
     // 1. Rollout and rewards (this rank's prompts).
-    RolloutBatch rb;
-    {
-      const ParkedTrainingState parked(run);  // train.phase_offload: the training state in host memory meanwhile
-      // The rollout's phase runs while the state is parked: the moves out and back are phases of their own.
-      if (train.phase_offload != PhaseOffload::kNone) peaks.end("park");
-      rb = collect_rollouts(run);
-      peaks.end("rollout");
-    }
-    if (train.phase_offload != PhaseOffload::kNone) peaks.end("unpark");
+    // train.phase_offload: the training state in host memory meanwhile.
+    const RolloutBatch rb = parked_rollout(run, peaks, [&run] { return collect_rollouts(run); });
     // The update's order and micro-batches (train.micro_batch_tokens: each mini-batch longest first, under a
     // token budget).
     const UpdateBatch ub = update_batch(rb, mini, micro, train.micro_batch_tokens, train.pack_sequences,
