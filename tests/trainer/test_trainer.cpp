@@ -13,6 +13,7 @@
 #include <set>
 
 #include "common/files.h"
+#include "common/memory.h"
 #include "model/flops.h"
 #include "parallel/parking.h"
 #include "tests/common/tmpdir.h"
@@ -480,6 +481,7 @@ class Trainers : public ::testing::TestWithParam<bool> {  // true = PPO
 };
 
 TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
+  install_cpu_memory_tracking();  // the phases' peaks, below
   TempDir tmp(GetParam() ? "ppo" : "grpo");
   Config c = tiny_config();
   c.train.eval_prompts = 4;  // held out; pass@1 from 2 samples after steps 2 and 4
@@ -534,6 +536,7 @@ TEST_P(Trainers, RunsEndToEndAndAResumedRunReproducesTheLossesExactly) {
     for (const char* phase : {"rollout", "scoring", "update"}) {
       top = std::max(top, row[std::string("memory_allocated_peak_") + phase + "_mib"].get<double>());
     }
+    EXPECT_GT(top, 0) << "the CPU allocator tracked";
     EXPECT_EQ(row["memory_allocated_peak_mib"].get<double>(), top);
   }
   for (const auto& row : a) {
