@@ -19,6 +19,7 @@
 #include <optional>
 #include <thread>
 
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -224,6 +225,14 @@ void release_cached_memory(const at::Device& device) {
 #ifdef RLT_HAVE_CUDA
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
+}
+
+int64_t cublas_workspace_bytes() {
+#ifdef RLT_HAVE_CUDA
+  if (at::hasCUDA())
+    return static_cast<int64_t>(at::cuda::getChosenWorkspaceSize() + at::cuda::getCUDABlasLtWorkspaceSize());
+#endif
+  return kCublasWorkspacesHopper;
 }
 
 }  // namespace rlt

@@ -59,4 +59,11 @@ constexpr int64_t pinned_host_bytes(int64_t bytes) {
 // Returns cached, unused device blocks to the driver (CUDA), e.g. after an out-of-memory error.
 void release_cached_memory(const at::Device& device);
 
+// What ATen allocates for each (cuBLAS handle, stream) pair that runs a GEMM and keeps until the process
+// ends: a cuBLAS workspace and a cuBLASLt one. With a CUDA device, the sizes ATen chose for it
+// (CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE change them); otherwise kCublasWorkspacesHopper,
+// ATen's defaults on a Hopper GPU: 32 MiB and 1 MiB.
+constexpr int64_t kCublasWorkspacesHopper = int64_t(33) << 20;
+int64_t cublas_workspace_bytes();
+
 }  // namespace rlt

@@ -337,11 +337,13 @@ std::string MemoryPlan::table() const {
   if (critic > 0)
     line("critic", critic, "(critic.shared false: its weights, masters and moments, and a sharded state's gradients)");
   if (critic_gradients > 0) line("critic grads", critic_gradients, "(through the update)");
+  if (workspaces > 0) line("cuBLAS", workspaces, "(a workspace for each stream and thread that runs GEMMs)");
   if (parked > 0) line("parked", parked, "(of the above, in pinned host memory while the rollout runs)");
   line("device total", device_total(),
-       std::string("(weights to reference") + (gradients_persist ? " and the gradients" : "") + ", plus " +
-           (phases_overlap ? "the sum" : "the larger") + " of the rollout's " + gib(rollout_phase()) +
-           " and the update's " + gib(update_phase()) + ")");
+       std::string("(weights to reference") +
+           (gradients_persist ? (workspaces > 0 ? ", the gradients" : " and the gradients") : "") +
+           (workspaces > 0 ? " and cuBLAS" : "") + ", plus " + (phases_overlap ? "the sum" : "the larger") +
+           " of the rollout's " + gib(rollout_phase()) + " and the update's " + gib(update_phase()) + ")");
   if (host_total() > 0) {
     line("host memory", host_total(),
          "(pinned: " +
@@ -375,6 +377,12 @@ int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows) {
         std::max(positions, verify_bucket_positions(c.rollout.speculative_max_rows, c.rollout.draft_tokens + 1, rows));
   }
   return 2 * positions * m.vocab_size * 4 + kGraphPoolTemporaries;
+}
+
+int cublas_workspace_pairs(const Config& c, bool rollout_rank) {
+  if (c.model.device.rfind("cuda", 0) != 0) return 0;
+  const bool async = !rollout_rank && c.train.rollout_ranks == 0 && c.train.async != AsyncMode::kOff;
+  return (rollout_rank ? 1 : 2) + (c.rollout.engine.cuda_graphs ? 1 : 0) + (async ? 1 : 0);
 }
 
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
@@ -526,6 +534,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
 
   p.activations = activation_bytes(c, m, world, s, !cuda);
   p.reward_model = reward_model_bytes(c);
+  p.workspaces = cublas_workspace_pairs(c) * cublas_workspace_bytes();
   if (!c.critic.shared) {
     // The critic's own training state, planned as a run of it alone at its stage; no rollout, reference or
     // offload of its own.
@@ -582,6 +591,7 @@ MemoryPlan plan_rollout_rank(const Config& c, const ModelConfig& m, int rollout_
   p.kv_cache = rows * c.rollout.max_context * slot;
   p.graph_pool = graph_pool_bytes(c, m, rows);
   p.reward_model = reward_model_bytes(c);
+  p.workspaces = cublas_workspace_pairs(c, /*rollout_rank=*/true) * cublas_workspace_bytes();
   return p;
 }
 

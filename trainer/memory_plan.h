@@ -43,6 +43,8 @@ struct MemoryPlan {
                                  // moments at critic.shard's stage, and a sharded state's gradients
   int64_t critic_gradients = 0;  // its gradients (but a sharded state's, in `critic` where they persist) and
                                  // gradient buffers, through the update
+  int64_t workspaces = 0;        // cuBLAS's, kept for the process: cublas_workspace_pairs x
+                                 // cublas_workspace_bytes (common/memory.h)
   // train.phase_offload: of masters, moments and the critic's (with training_state the sharded weight
   // chunks too), what leaves the device while the rollout runs (in pinned host memory then): counted in
   // the update's phase, not in both.
@@ -61,15 +63,15 @@ struct MemoryPlan {
   int64_t parameters = 0, trainable = 0;
   int world = 1;
 
-  // Both phases: weights, masters, moments, the reference, the reward model, the critic and persisting
-  // gradients, plus the larger of the rollout's part (rollout_weights + kv_cache + graph_pool) and the update's:
-  // the other gradients (the critic's too), what train.phase_offload parks during the rollout, what the rollout
-  // keeps, and the larger of a backward's (activations, gradient buffers) and the optimizer step's temporaries
-  // (the step follows the last backward). A separate critic's forward and backward follow the policy's
+  // Both phases: weights, masters, moments, the reference, the reward model, the critic, persisting
+  // gradients and cuBLAS's workspaces, plus the larger of the rollout's part (rollout_weights + kv_cache + graph_pool)
+  // and the update's: the other gradients (the critic's too), what train.phase_offload parks during the rollout, what
+  // the rollout keeps, and the larger of a backward's (activations, gradient buffers) and the optimizer step's
+  // temporaries (the step follows the last backward). A separate critic's forward and backward follow the policy's
   // backward, so `activations` is the larger of the two.
   int64_t persistent() const {
-    return weights + masters + moments + reference + reward_model + critic + (gradients_persist ? gradients : 0) -
-           parked;
+    return weights + masters + moments + reference + reward_model + critic + (gradients_persist ? gradients : 0) +
+           workspaces - parked;
   }
   int64_t rollout_phase() const { return rollout_weights + kv_cache + graph_pool; }
   int64_t update_phase() const {
@@ -95,12 +97,22 @@ int64_t reward_model_bytes(const Config& c);
 // verifying forward at up to rollout.speculative_max_rows rows (a power of two of at least 8, at most the
 // cache's) x its bucket of positions (2, 4 or 8: the draft and the token before it). Two float32
 // tensors of positions x vocabulary (the logits and the log-prob's working copy) and kGraphPoolTemporaries
-// for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. Measured on the 0.5B
-// (bench_model's graph_pool_mb, docs/benchmarks.md), the pool held one or two such tensors and 52-70 MiB of
-// those segments at 64 and 256 rows. The multi-token feeds' and merged passes' graphs (rollout.feed_graphs,
-// rollout.merge_feeds, off by default) are not counted.
+// for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. On an H200, a
+// two-layer model's pool held one such tensor and 3-13 MiB more at 16 to 256 rows
+// (MemoryPlan.GraphPoolCoversTheEnginesOnCuda); the 0.5B's recorded pools (bench_model's graph_pool_mb,
+// docs/benchmarks.md) held one or two and 52-70 MiB of segments at 64 and 256 rows, measured when each
+// capture took a stream of its own, whose blocks no other capture could reuse. The second tensor stays
+// as a margin until the real shapes are measured on one capture stream. The multi-token feeds' and merged
+// passes' graphs (rollout.feed_graphs, rollout.merge_feeds, off by default) are not counted.
 constexpr int64_t kGraphPoolTemporaries = int64_t(96) << 20;
 int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows);
+
+// The (cuBLAS handle, stream) pairs a rank runs GEMMs on, each holding its workspaces for the process: the
+// training thread's stream and the autograd engine's device thread (the backward; not on a rollout rank),
+// the one stream every CUDA graph is captured on (rollout.cuda_graphs), and with train.async the rollout
+// thread's own stream. Measured on an H200 (the 0.5B, LoRA and full): three pairs through every step. None on
+// the CPU.
+int cublas_workspace_pairs(const Config& c, bool rollout_rank = false);
 
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and
 // q/k norms where the config has them) and the MLP, the final norm, and the LM head unless tied (or a score
