@@ -22,8 +22,10 @@
 //                 no_graph_draw (the head and the draw outside the step's graph), no_dependent_launch (the
 //                 graph's kernels joined by plain edges, EngineSwitches::dependent_launch off), no_step_ahead
 //                 (EngineSwitches::step_ahead off: each step starts once the host has read the draw before
-//                 it; in the default the loop passes the next keys and each step starts the next); or with
-//                 one part on: tuned_gemms (EngineSwitches::tuned_gemms, model/tuned_gemm.h).
+//                 it; in the default the loop passes the next keys and each step starts the next),
+//                 separate_rope (RoPE and the cache write in a kernel of their own before the attention,
+//                 cuda::set_rope_in_attention(false)); or with one part on: tuned_gemms
+//                 (EngineSwitches::tuned_gemms, model/tuned_gemm.h).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -32,6 +34,8 @@
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "model/cuda/decode_kernels.h"
 #endif
 
 #include <CLI/CLI.hpp>
@@ -196,10 +200,12 @@ int main(int argc, char** argv) {
   app.add_option("--variants", variants,
                  "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
                  "graph), no_dependent_launch (no programmatic edges in the graph), no_step_ahead (each step "
-                 "starts once the host has read the draw before it), tuned_gemms (the projections through "
-                 "cuBLASLt's algorithm timed fastest)")
+                 "starts once the host has read the draw before it), separate_rope (RoPE and the cache write "
+                 "in a kernel of their own), tuned_gemms (the projections through cuBLASLt's algorithm timed "
+                 "fastest)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead", "tuned_gemms"}));
+      ->check(CLI::IsMember(
+          {"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead", "separate_rope", "tuned_gemms"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
@@ -224,6 +230,9 @@ int main(int argc, char** argv) {
           sw.dependent_launch = mode != "no_dependent_launch";
           sw.step_ahead = mode != "no_step_ahead";
           sw.tuned_gemms = mode == "tuned_gemms";
+#ifdef RLT_HAVE_CUDA
+          cuda::set_rope_in_attention(mode != "separate_rope");
+#endif
           const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);
           const double floor_ms = bw > 0 ? double(wbytes + kv) / bw * 1e3 : 0;

@@ -114,8 +114,8 @@ class FusedKernels final : public AtenKernels {
   at::Tensor attend_in_place(int64_t layer, at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos,
                              const at::Tensor& sin, KvCache& cache, const at::Tensor& rows, const at::Tensor& keep,
                              const at::Tensor& slots, double scale) const override {
-    cuda::rope_write_cache(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots, rows);
-    return cuda::cache_attention(q, cache.k[layer], cache.v[layer], rows, keep, slots, keep.size(1), scale);
+    return cuda::rope_cache_attention(q, k, v, cos, sin, cache.k[layer], cache.v[layer], rows, keep, slots,
+                                      keep.size(1), scale);
   }
 };
 

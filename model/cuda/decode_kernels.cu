@@ -11,6 +11,7 @@
 #include <mma.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -360,8 +361,12 @@ std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
   return out;
 }
 
-void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& rows) {
+namespace {
+
+// rope_write_cache's checks of what it writes: returns v's row stride.
+int64_t check_cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(k.dim() == 4, "rope_write_cache: k must be (B, L, Hkv, hd)");
   const int64_t B = k.size(0), L = k.size(1), Hkv = k.size(2), hd = k.size(3);
   const int64_t v_row = v.dim() == 4 ? row_stride(v, 2) : -1;
   TORCH_CHECK(v.sizes() == k.sizes() && v_row > 0 && v.scalar_type() == k.scalar_type(),
@@ -378,6 +383,19 @@ void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const a
   TORCH_CHECK(!rows.defined() || (rows.dim() == 1 && rows.size(0) == B && rows.scalar_type() == at::kLong &&
                                   rows.device() == k.device() && rows.is_contiguous()),
               "rope_write_cache: one int64 cache row per input row, on the device");
+  return v_row;
+}
+
+std::atomic<bool> rope_in_attention_on{true};
+
+}  // namespace
+
+void set_rope_in_attention(bool on) { rope_in_attention_on = on; }
+bool rope_in_attention() { return rope_in_attention_on; }
+
+void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& rows) {
+  const int64_t v_row = check_cache_write(k, v, k_cache, v_cache, slots, rows);
   CacheWrite cw;
   cw.rows = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   cw.k = k_cache.data_ptr();
@@ -458,12 +476,28 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// RoPE inside the attention (rope_cache_attention): q arrives unrotated and each block rotates its query
+// tile as it loads it; the new keys, rotated, and values go to their slots of the cache, each written by
+// the block of the one split whose keys hold that slot, before that block loads any key. Every query of an
+// input row is in one tile (G L <= kAttnRows), so no other block reads those slots. Null cos: q arrives
+// rotated and the cache already holds the new keys (cache_attention).
+template <typename T>
+struct RopeIn {
+  const T* cos = nullptr;  // (E, 1, L, hd) contiguous, as sin: row e L + l
+  const T* sin = nullptr;
+  const T* k = nullptr;  // (E, L, Hkv, hd), each row's heads packed, rows k_row apart (v: v_row)
+  const T* v = nullptr;
+  int64_t k_row = 0, v_row = 0;
+  T* k_cache = nullptr;  // the caches kc and vc, written
+  T* v_cache = nullptr;
+};
+
 template <typename T, int HD, bool SPLIT>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     cache_attention_kernel(const T* q, int64_t q_row, const T* kc, const T* vc, const int64_t* rows, const bool* keep,
                            int64_t keep_row, const int64_t* slots, int64_t L, int64_t G, int64_t Hkv, int64_t S,
                            int64_t span, float scale, int splits, int64_t per_split, T* out, float* part_o,
-                           float* part_ml) {
+                           float* part_ml, RopeIn<T> ri) {
   using namespace nvcuda;
   using A = AttnShape<HD>;
   constexpr int BK = A::BK, KLD = A::KLD, SLD = A::SLD, PLD = A::PLD, V8 = HD / 8;  // V8: 16-byte vectors a row
@@ -497,6 +531,32 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   {
     const int64_t t = first / G + threadIdx.x;
     if (t <= (first + kAttnRows - 1) / G && t < L) atomicMax(&last_s, static_cast<unsigned long long>(slots[t] + 1));
+  }
+  if (ri.cos) {
+    // The tile's live query rows rotated in place, as rope_kernel rotates them; then this split's new keys
+    // and values into the cache (one tile: blockIdx.z is the split), where its key blocks start below.
+    constexpr int HALF = HD / 2;
+    for (int i = threadIdx.x; i < kAttnRows * HALF; i += blockDim.x) {
+      const int r = i / HALF, c = i % HALF;
+      if (first + r >= GL) continue;
+      const int64_t pos = e * L + (first + r) / G;
+      const T *cs = ri.cos + pos * HD, *sn = ri.sin + pos * HD;
+      T* x = qs + r * KLD;
+      rope_pair(x[c], x[c + HALF], cs[c], cs[c + HALF], sn[c], sn[c + HALF], false, x[c], x[c + HALF]);
+    }
+    const int64_t lo = split * per_split * BK, hi = lo + per_split * BK;
+    for (int i = threadIdx.x; i < L * HALF; i += blockDim.x) {
+      const int64_t l = i / HALF, c = i % HALF, slot = slots[l];
+      if (slot < lo || slot >= hi) continue;
+      const int64_t pos = e * L + l, dst = ((cache_row * Hkv + kvh) * S + slot) * HD;
+      const T *x = ri.k + pos * ri.k_row + kvh * HD, *vn = ri.v + pos * ri.v_row + kvh * HD;
+      const T *cs = ri.cos + pos * HD, *sn = ri.sin + pos * HD;
+      rope_pair(x[c], x[c + HALF], cs[c], cs[c + HALF], sn[c], sn[c + HALF], false, ri.k_cache[dst + c],
+                ri.k_cache[dst + c + HALF]);
+      ri.v_cache[dst + c] = vn[c];
+      ri.v_cache[dst + c + HALF] = vn[c + HALF];
+    }
+    __syncthreads();  // the rotated tile for the fragments, the written slots for the key loads
   }
   // The warp's query rows: its 16 of the tile, or with SPLIT the tile's first 16, shared by every warp.
   const int tile_row = SPLIT ? 0 : warp * 16;
@@ -745,10 +805,21 @@ int64_t cache_attention_splits(int64_t units, int64_t key_blocks, int64_t reside
 
 namespace {
 
+// rope_cache_attention's inputs beside cache_attention's: the unrotated keys and values, and the tables.
+struct RopeArgs {
+  const at::Tensor *k = nullptr, *v = nullptr, *cos = nullptr, *sin = nullptr;
+  int64_t k_row = 0, v_row = 0;
+};
+
 template <typename T, int HD>
 void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
-                            float scale, const at::Tensor& out) {
+                            float scale, const at::Tensor& out, const RopeArgs* rope) {
+  RopeIn<T> ri;
+  if (rope) {
+    ri = {ptr<T>(*rope->cos), ptr<T>(*rope->sin), ptr<T>(*rope->k), ptr<T>(*rope->v),
+          rope->k_row,        rope->v_row,        ptr<T>(kc),       ptr<T>(vc)};
+  }
   constexpr size_t smem = AttnShape<HD>::template smem<T>();
   const int64_t E = q.size(0), L = q.size(1), H = q.size(2), Hkv = kc.size(1), G = H / Hkv;
   // One warp's 16 query rows hold the tile (a decode step's G L <= 16): the warps split each key block.
@@ -776,7 +847,7 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
            q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr, keep.data_ptr<bool>(),
            keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E),
            int(splits), per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
-           splits > 1 ? part_ml.data_ptr<float>() : nullptr);
+           splits > 1 ? part_ml.data_ptr<float>() : nullptr, ri);
   };
   if (split_keys) {
     launch_split(std::true_type{});
@@ -797,9 +868,10 @@ bool cache_attention_supports(at::ScalarType dtype, int64_t head_dim) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && (head_dim == 64 || head_dim == 128);
 }
 
-at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
-                           double scale) {
+namespace {
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
+                  const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale, const RopeArgs* rope) {
   TORCH_CHECK(q.is_cuda() && q.dim() == 4, "cache_attention: q must be (E, L, H, hd) on CUDA");
   const int64_t E = q.size(0), L = q.size(1), H = q.size(2), hd = q.size(3);
   TORCH_CHECK(cache_attention_supports(q.scalar_type(), hd),
@@ -839,16 +911,45 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16) {
     if (hd == 64)
-      launch_cache_attention<__nv_bfloat16, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+      launch_cache_attention<__nv_bfloat16, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
     else
-      launch_cache_attention<__nv_bfloat16, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+      launch_cache_attention<__nv_bfloat16, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
   } else {
     if (hd == 64)
-      launch_cache_attention<__half, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+      launch_cache_attention<__half, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
     else
-      launch_cache_attention<__half, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out);
+      launch_cache_attention<__half, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
+                           double scale) {
+  return attend(q, k_cache, v_cache, rows, keep, slots, span, scale, nullptr);
+}
+
+at::Tensor rope_cache_attention(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
+                                const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale) {
+  const int64_t v_row = check_cache_write(k, v, k_cache, v_cache, slots, rows);
+  const int64_t B = k.size(0), L = k.size(1), Hkv = k.size(2), hd = k.size(3), k_row = row_stride(k, 2);
+  // One query tile a row (the kernel writes a row's new slots before any of its blocks reads them), k laid
+  // out as rope_kernel takes it, and the tables as it takes them; otherwise the two kernels.
+  const bool one_tile = q.dim() == 4 && q.size(0) == B && q.size(1) == L && q.size(3) == hd && Hkv > 0 &&
+                        q.size(2) % Hkv == 0 && q.size(2) / Hkv * L <= kAttnRows;
+  const bool tables = cos.sizes() == at::IntArrayRef({B, 1, L, hd}) && sin.sizes() == cos.sizes() &&
+                      cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == q.scalar_type() &&
+                      sin.scalar_type() == q.scalar_type() && cos.device() == q.device() && sin.device() == q.device();
+  if (!rope_in_attention() || !one_tile || !tables || k_row <= 0 || k.scalar_type() != q.scalar_type() ||
+      k.device() != q.device()) {
+    rope_write_cache(q, k, v, cos, sin, k_cache, v_cache, slots, rows);
+    return cache_attention(q, k_cache, v_cache, rows, keep, slots, span, scale);
+  }
+  const RopeArgs rope{&k, &v, &cos, &sin, k_row, v_row};
+  return attend(q, k_cache, v_cache, rows, keep, slots, span, scale, &rope);
 }
 
 // ---------------------------------------------------------------------------------------------------

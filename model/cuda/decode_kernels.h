@@ -69,6 +69,18 @@ int64_t cache_attention_splits(int64_t units, int64_t key_blocks, int64_t reside
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                            double scale);
+// rope_write_cache, then cache_attention, with the same results bit for bit (the caches included), as one
+// kernel where every query of an input row fits one block's tile (G L <= 64: a decode step's, a short
+// feed's): each block rotates its queries as it loads them, and the block whose split of the keys holds a
+// new slot rotates the key and writes it, with the value, before it reads any key. q is left unrotated
+// then. Otherwise, or with set_rope_in_attention(false), the two kernels.
+at::Tensor rope_cache_attention(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
+                                const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale);
+// Whether rope_cache_attention takes the one kernel where it can (on unless set off, for the process):
+// bench_step's separate_rope variant and the tests time and check the two kernels with it off.
+void set_rope_in_attention(bool on);
+bool rope_in_attention();
 // KvCache::squeeze_ in one launch, in place: in every tensor of k and v (each (B, Hkv, max_len, hd)), row r's
 // slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, C <= max_len) int64: each row's
 // kept slots in increasing order, then zeros, as DecodeEngine::compact makes it); other slots keep what they

@@ -343,6 +343,84 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
 #endif
 }
 
+// rope_cache_attention (the rotation and the cache write inside the attention kernel) against the two
+// kernels it stands for, rope_write_cache then cache_attention: the output and both caches equal bit for
+// bit. Decode steps over every cache row (G 7 at hd 64 and 4 at hd 128, whose queries fit one warp; 28 over
+// one KV head, past it), and with a rows tensor; feeds whose G L fills one tile (9 x 7 = 63) or not (10 x 7:
+// the two kernels, which rotate q in place); spans of one key block and of many split between blocks; q, k
+// and v as views of one packed projection. q left unrotated shows which form ran. The comparison rejects
+// the queries attended unrotated and the new key written one slot late.
+TEST(DecodeKernelsCuda, RopeInsideTheAttentionIsTheTwoKernelsBitForBit) {
+#ifndef RLT_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(8);
+  struct Case {
+    at::ScalarType dt;
+    int64_t H, Hkv, hd, L, E, span;
+    bool all_rows;  // a decode step over every cache row: no rows tensor
+  };
+  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 1, 16, 600, true},  {at::kHalf, 14, 2, 64, 1, 3, 2000, true},
+                        {at::kBFloat16, 8, 2, 128, 1, 5, 40, true},    {at::kBFloat16, 28, 1, 128, 1, 4, 700, true},
+                        {at::kHalf, 8, 2, 128, 1, 6, 300, false},      {at::kBFloat16, 14, 2, 64, 9, 3, 500, false},
+                        {at::kBFloat16, 14, 2, 64, 10, 3, 500, false}, {at::kHalf, 8, 2, 128, 4, 2, 64, false}};
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(::testing::Message() << cs.dt << " " << cs.H << " over " << cs.Hkv << " hd " << cs.hd << " L " << cs.L
+                                      << " E " << cs.E << " span " << cs.span);
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(cs.dt);
+    const int64_t E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv, hd = cs.hd, span = cs.span, S = span + 40;
+    const int64_t Bc = cs.all_rows ? E : E + 3;
+    const at::Tensor rows =
+        cs.all_rows ? at::Tensor() : at::randperm(Bc, o.dtype(at::kLong)).narrow(0, 0, E).contiguous();
+    // The new positions' slots at the span's end, out of order for a feed.
+    const at::Tensor slots = at::randperm(L, o.dtype(at::kLong)) + (span - L);
+    at::Tensor cos, sin;
+    std::tie(cos, sin) = rope_tables(at::randint(0, 4000, {E, L, 1}, o.dtype(at::kFloat)), hd, cs.dt);
+    const at::Tensor qkv = at::randn({E, L, (H + 2 * Hkv) * hd}, o);
+    auto part = [&](int64_t at_head, int64_t heads) {
+      return qkv.narrow(-1, at_head * hd, heads * hd).view({E, L, heads, hd});
+    };
+    const at::Tensor v = part(H + Hkv, Hkv);
+    const at::Tensor k0 = at::randn({Bc, Hkv, S, hd}, o), v0 = at::randn({Bc, Hkv, S, hd}, o);
+    const at::Tensor keep = at::rand({E, span}, o.dtype(at::kFloat)) < 0.5;
+    const double scale = 1.0 / std::sqrt(double(hd));
+    // The two kernels.
+    at::Tensor q1 = part(0, H).clone(), k1 = part(H, Hkv), kc1 = k0.clone(), vc1 = v0.clone();
+    cuda::rope_write_cache(q1, k1, v, cos, sin, kc1, vc1, slots, rows);
+    const at::Tensor want = cuda::cache_attention(q1, kc1, vc1, rows, keep, slots, span, scale);
+    // One kernel, on the packed views.
+    at::Tensor q2 = part(0, H), k2 = part(H, Hkv), kc2 = k0.clone(), vc2 = v0.clone();
+    const at::Tensor q_before = q2.clone();
+    const at::Tensor got = cuda::rope_cache_attention(q2, k2, v, cos, sin, kc2, vc2, rows, keep, slots, span, scale);
+    EXPECT_TRUE(at::equal(got, want)) << "attention";
+    EXPECT_TRUE(at::equal(kc2, kc1)) << "k cache";
+    EXPECT_TRUE(at::equal(vc2, vc1)) << "v cache";
+    EXPECT_EQ(at::equal(q2, q_before), H / Hkv * L <= 64) << "one kernel where a row's queries fit one tile";
+    // What the comparison rejects.
+    EXPECT_FALSE(at::equal(got, cuda::cache_attention(q_before, kc1, vc1, rows, keep, slots, span, scale)))
+        << "the queries attended unrotated";
+    at::Tensor q3 = part(0, H).clone(), kc3 = k0.clone(), vc3 = v0.clone();
+    cuda::rope_write_cache(q3, k1, v, cos, sin, kc3, vc3, slots + 1, rows);
+    EXPECT_FALSE(at::equal(kc2, kc3)) << "the new key one slot late";
+  }
+  // Off for the process: the two kernels, q rotated in place.
+  cuda::set_rope_in_attention(false);
+  {
+    auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    at::Tensor q = at::randn({4, 1, 14, 64}, o), k = at::randn({4, 1, 2, 64}, o), v = at::randn({4, 1, 2, 64}, o);
+    at::Tensor kc = at::randn({4, 2, 128, 64}, o), vc = at::randn({4, 2, 128, 64}, o);
+    at::Tensor cos, sin;
+    std::tie(cos, sin) = rope_tables(at::full({4, 1, 1}, 99.0, o.dtype(at::kFloat)), 64, at::kBFloat16);
+    const at::Tensor q_before = q.clone();
+    cuda::rope_cache_attention(q, k, v, cos, sin, kc, vc, at::Tensor(), at::ones({4, 100}, o.dtype(at::kBool)),
+                               at::full({1}, 99, o.dtype(at::kLong)), 100, 0.125);
+    EXPECT_FALSE(at::equal(q, q_before)) << "set_rope_in_attention(false): the two kernels";
+  }
+  cuda::set_rope_in_attention(true);
+#endif
+}
+
 // The split count of cache_attention (host arithmetic: runs without a GPU in a CUDA build), on an H200's
 // 132 SMs x 3 resident blocks. 48 decode rows over 2 KV heads (96 tiles) at 33 key blocks: 4 splits fill
 // one wave of 384 blocks of 9 key blocks each (cost 10); 5 (enough for three blocks per SM, rounding up)
@@ -675,6 +753,32 @@ TEST(DecodeKernelsCuda, DependentLaunchWaitsForASlowProducer) {
             cuda::cache_attention(in[0], in[1], in[2], at::Tensor(), in[3], in[4], span, scale)};
       })[0];
       EXPECT_TRUE(at::equal(out, attn)) << "cache_attention, " << attention_inputs[which] << " late";
+    }
+  }
+  // RoPE inside the attention, each input late (q, k, v, the tables, the slots, keep, or a cache, written in
+  // place): the two kernels' output and caches.
+  {
+    const at::Tensor keep_r = at::rand({B, span}, o.dtype(at::kFloat)) < 0.9;
+    at::Tensor q1 = q0.clone(), kc1 = k0.clone(), vc1 = v0.clone();
+    cuda::rope_write_cache(q1, k, v, cos, sin, kc1, vc1, slots);
+    const at::Tensor want = cuda::cache_attention(q1, kc1, vc1, at::Tensor(), keep_r, slots, span, 0.125);
+    const char* inputs[] = {"q", "k", "v", "cos", "sin", "slots", "keep", "k cache", "v cache"};
+    for (int which = 0; which < 9; ++which) {
+      const std::vector<at::Tensor> out = replayed([&] {
+        at::Tensor kc = k0.clone(), vc = v0.clone();
+        at::Tensor in[] = {q0.clone(), k, v, cos, sin, slots, keep_r};
+        if (which >= 7) {
+          at::Tensor& mine = which == 7 ? kc : vc;
+          mine.zero_();
+          probe::slow_copy_(mine, which == 7 ? k0 : v0, 200);
+        } else {
+          in[which] = late(in[which]);
+        }
+        const at::Tensor a = cuda::rope_cache_attention(in[0], in[1], in[2], in[3], in[4], kc, vc, at::Tensor(), in[6],
+                                                        in[5], span, 0.125);
+        return std::vector<at::Tensor>{a, kc, vc};
+      });
+      EXPECT_TRUE(same(out, {want, kc1, vc1})) << "rope_cache_attention, " << inputs[which] << " late";
     }
   }
   const at::Tensor g = at::randn({B, 1, 1024}, o), u = at::randn({B, 1, 1024}, o);
