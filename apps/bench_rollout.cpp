@@ -130,7 +130,7 @@ struct Options {
   std::string model_dir, device = "cpu", dtype = "bfloat16", json_path, tokenizer_dir;
   int64_t B = 64, P = 256, N = 512, every = 96, workers = 16, nice = SandboxOptions{}.nice, feed_wait = 4;
   bool site_packages = true, graphs = true, prestart = SandboxOptions{}.prestart,
-       squeeze = EngineOptions{}.squeeze_holes;
+       squeeze = EngineOptions{}.squeeze_holes, step_ahead = EngineSwitches{}.step_ahead;
   uint64_t seed = 1;
   std::vector<std::string> only;  // --modes
   int64_t refill = 0;
@@ -157,6 +157,8 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   app.add_option("--prestart", o.prestart,
                  "sandbox.prestart: each worker's next interpreter started ahead of its call");
   app.add_option("--cuda-graphs", o.graphs, "rollout.cuda_graphs");
+  app.add_option("--step-ahead", o.step_ahead,
+                 "rollout.step_ahead: a graphed step starts the next one before the host reads its draw");
   app.add_option("--squeeze-holes", o.squeeze,
                  "EngineOptions::squeeze_holes: squeeze the cache's holes once they cost a step's span a chunk");
   app.add_option("--seed", o.seed, "sampling seed");
@@ -229,6 +231,7 @@ std::unique_ptr<Setup> build_setup(const Options& o) {
   s->sampling.samples_per_prompt = 1;
   s->sampling.seed = o.seed;
   s->po.switches.cuda_graphs = o.graphs;
+  s->po.switches.step_ahead = o.step_ahead;
   s->po.squeeze_holes = o.squeeze;
   return s;
 }
@@ -309,6 +312,7 @@ class ModeRunner {
     ro.merge_feeds = mode.merge_feeds;
     ro.engine.feed_graphs = mode.feed_graphs;  // what the trainer passes on (engine_options); set below directly
     ro.engine.cuda_graphs = o_.graphs;
+    ro.engine.step_ahead = o_.step_ahead;
     ro.max_context = o_.P + o_.N;
     ro.max_turns = 1 << 20;
     ro.max_tool_calls = 1 << 20;
@@ -433,6 +437,7 @@ json report_mode(const Options& o, const Mode& m, const ModeRun& r, int64_t samp
           {"capture_s", counts.capture_s},
           {"mean_step_span", mean_span},
           {"squeeze_holes", o.squeeze},
+          {"step_ahead", o.step_ahead},
           {"compact_s", counts.compact_s},
           {"steer_s", r.steer_s},
           {"step_gpu_s", step_gpu.seconds},
