@@ -335,8 +335,9 @@ at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& pendi
   std::tie(q, k, v) = project_qkv(i, h, pending, p);  // (B, L, H, hd), (B, L, Hkv, hd) x 2
   at::Tensor attn;                                    // (B, L, H hd)
   if (p.keep.defined()) {
-    // A fused feed of some cache rows, or a fused step over every row (plan_attention): RoPE and the cache
-    // write in one kernel, then attention over the rows' cache where it lies.
+    // A fused feed of some cache rows, or a fused step over every row (plan_attention): RoPE, the cache
+    // write and the attention over the rows' cache where it lies (one kernel where a row's queries fit one
+    // tile, cuda::rope_cache_attention).
     attn = p.ops->attend_in_place(i, q, k, v, p.cos, p.sin, *p.cache, p.cache->step_rows, p.keep, p.slots, c.attn_scale)
                .view({B, L, H * hd});
   } else if (!p.starts.empty()) {

@@ -74,8 +74,8 @@ at::Tensor Transformer::forward_mixed(const at::Tensor& step_ids, const at::Tens
     auto [q, k, v] = project_qkv(i, h, pending, p);  // (1, T, H, hd), (1, T, Hkv, hd) x 2
     auto step_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, 0, Bc).view({Bc, 1, heads, hd}); };
     auto feed_part = [&](const at::Tensor& x, int64_t heads) { return x.narrow(1, Bc, E * K).view({E, K, heads, hd}); };
-    // The step, as a graphed step runs it: RoPE writes its keys and values at the step slot of every row,
-    // then attention over the rows' cache in place, or masked attention over the span (a KV head's
+    // The step, as a graphed step runs it: its keys and values rotated and written at the step slot of every
+    // row, with attention over the rows' cache in place, or masked attention over the span (a KV head's
     // G = H / Hkv query heads as G positions of it).
     at::Tensor qs = step_part(q, H), ks = step_part(k, Hkv), vs = step_part(v, Hkv), a_s;
     if (cache.in_place_steps) {

@@ -20,6 +20,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -1003,8 +1004,9 @@ at::Tensor DecodeEngine::fixed_step_draw(const at::Tensor& inputs, int64_t span,
 #ifdef RLT_HAVE_CUDA
 namespace {
 
-// The stream every capture on a device runs on, its warm-up included, taken from the pool once per process,
-// and the lock that keeps two threads' captures off it at once. cuBLAS keeps a workspace for each (handle,
+// The stream every capture on a device runs on, its warm-up included, made once per process and used by
+// nothing else (a pool stream would be handed to other code too, whose work a capture would record), and
+// the lock that keeps two threads' captures off it at once. cuBLAS keeps a workspace for each (handle,
 // stream) pair it runs on until the process ends (32 MiB and 1 MiB for cuBLASLt on a Hopper GPU), and the
 // caching allocator reuses a freed block only on the stream it was allocated on, the graphs' shared pool
 // included. A fresh pool stream for each capture left 66 MiB more allocated after every rollout that
@@ -1019,8 +1021,12 @@ struct CaptureStreams {
   c10::cuda::CUDAStream stream(c10::DeviceIndex device) {
     const std::lock_guard<std::mutex> lock(guard);
     auto it = streams.find(device);
-    if (it == streams.end())
-      it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first;
+    if (it == streams.end()) {
+      const c10::cuda::CUDAGuard on(device);
+      cudaStream_t raw = nullptr;  // kept for the process
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+      it = streams.emplace(device, c10::cuda::getStreamFromExternal(raw, device)).first;
+    }
     return it->second;
   }
 };

@@ -420,7 +420,9 @@ class DecodeEngine : public TokenPolicy {
   // Adds the device time of the replays whose events have completed (wait: of every replay) to
   // step_replay_ and feed_replay_.
   void read_replays(bool wait);
-  // Captures `run` on `inputs` (a copy kept as the graph's input buffer) after one warm-up run.
+  // Captures `run` on `inputs` (a copy kept as the graph's input buffer) after one warm-up run. Every graph
+  // is captured on one stream into one memory pool, so a graph's output may lie in memory another graph's
+  // replay reuses: each caller reads (or enqueues its read of) a replay's output before the next replay.
   std::unique_ptr<StepGraph> capture(const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor&)>& run,
                                      const char* what);
 

@@ -382,7 +382,10 @@ int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows) {
 int cublas_workspace_pairs(const Config& c, bool rollout_rank) {
   if (c.model.device.rfind("cuda", 0) != 0) return 0;
   const bool async = !rollout_rank && c.train.rollout_ranks == 0 && c.train.async != AsyncMode::kOff;
-  return (rollout_rank ? 1 : 2) + (c.rollout.engine.cuda_graphs ? 1 : 0) + (async ? 1 : 0);
+  const bool graphs = c.rollout.engine.cuda_graphs;
+  // With train.async the rollout's thread captures; an evaluation captures from the training thread.
+  const bool evaluates = c.train.eval_prompts > 0 || !c.data.eval_path.empty();
+  return (rollout_rank ? 1 : 2) + (graphs ? 1 : 0) + (async ? 1 : 0) + (async && graphs && evaluates ? 1 : 0);
 }
 
 MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {

@@ -110,8 +110,8 @@ int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows);
 // The (cuBLAS handle, stream) pairs a rank runs GEMMs on, each holding its workspaces for the process: the
 // training thread's stream and the autograd engine's device thread (the backward; not on a rollout rank),
 // the one stream every CUDA graph is captured on (rollout.cuda_graphs), and with train.async the rollout
-// thread's own stream. Measured on an H200 (the 0.5B, LoRA and full): three pairs through every step. None on
-// the CPU.
+// thread's own stream, and its captures beside the training thread's where an evaluation captures too.
+// Measured on an H200 (the 0.5B, LoRA and full): three pairs through every step. None on the CPU.
 int cublas_workspace_pairs(const Config& c, bool rollout_rank = false);
 
 // Parameters of a model of this shape: the embedding, per layer the norms, q/k/v/o (with their biases and

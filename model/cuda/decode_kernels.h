@@ -73,7 +73,8 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // kernel where every query of an input row fits one block's tile (G L <= 64: a decode step's, a short
 // feed's): each block rotates its queries as it loads them, and the block whose split of the keys holds a
 // new slot rotates the key and writes it, with the value, before it reads any key. q is left unrotated
-// then. Otherwise, or with set_rope_in_attention(false), the two kernels.
+// then. Otherwise, or with set_rope_in_attention(false), the two kernels. As both kernels take them: the
+// slots below span (a slot past the split keys' end is not written by the one kernel), the rows distinct.
 at::Tensor rope_cache_attention(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
                                 const at::Tensor& keep, const at::Tensor& slots, int64_t span, double scale);

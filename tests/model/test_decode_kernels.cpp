@@ -347,7 +347,8 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
 // kernels it stands for, rope_write_cache then cache_attention: the output and both caches equal bit for
 // bit. Decode steps over every cache row (G 7 at hd 64 and 4 at hd 128, whose queries fit one warp; 28 over
 // one KV head, past it), and with a rows tensor; feeds whose G L fills one tile (9 x 7 = 63) or not (10 x 7:
-// the two kernels, which rotate q in place); spans of one key block and of many split between blocks; q, k
+// the two kernels, which rotate q in place), and one whose new slots (511-519) lie in two splits of one key
+// block each (3 rows over 9 blocks); spans of one key block and of many split between blocks; q, k
 // and v as views of one packed projection. q left unrotated shows which form ran. The comparison rejects
 // the queries attended unrotated and the new key written one slot late.
 TEST(DecodeKernelsCuda, RopeInsideTheAttentionIsTheTwoKernelsBitForBit) {
@@ -364,7 +365,8 @@ TEST(DecodeKernelsCuda, RopeInsideTheAttentionIsTheTwoKernelsBitForBit) {
   const Case cases[] = {{at::kBFloat16, 14, 2, 64, 1, 16, 600, true},  {at::kHalf, 14, 2, 64, 1, 3, 2000, true},
                         {at::kBFloat16, 8, 2, 128, 1, 5, 40, true},    {at::kBFloat16, 28, 1, 128, 1, 4, 700, true},
                         {at::kHalf, 8, 2, 128, 1, 6, 300, false},      {at::kBFloat16, 14, 2, 64, 9, 3, 500, false},
-                        {at::kBFloat16, 14, 2, 64, 10, 3, 500, false}, {at::kHalf, 8, 2, 128, 4, 2, 64, false}};
+                        {at::kBFloat16, 14, 2, 64, 10, 3, 500, false}, {at::kHalf, 8, 2, 128, 4, 2, 64, false},
+                        {at::kBFloat16, 14, 2, 64, 9, 3, 520, false}};
   for (const Case& cs : cases) {
     SCOPED_TRACE(::testing::Message() << cs.dt << " " << cs.H << " over " << cs.Hkv << " hd " << cs.hd << " L " << cs.L
                                       << " E " << cs.E << " span " << cs.span);

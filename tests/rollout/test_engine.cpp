@@ -192,9 +192,9 @@ TEST(DecodeEngineCuda, FusedDecodeKernelsMatchTheAtenForms) {
   }
 }
 
-// The fused feed (cuda::rope_write_cache into the listed rows' slots, cuda::cache_attention over their cache
-// where it lies) inside the engine, in bfloat16 at a head size the kernel takes (64, four query heads over
-// two KV heads): feeds eager and at the graphs' fixed shape, between steps that leave holes. Every logit is
+// The fused feed (cuda::rope_cache_attention: the new keys and values into the listed rows' slots, attention
+// over their cache where it lies) inside the engine, in bfloat16 at a head size the kernel takes (64, four query heads
+// over two KV heads): feeds eager and at the graphs' fixed shape, between steps that leave holes. Every logit is
 // measured against the float64 full forward of the same bf16 weights; the run with the fused kernels must
 // stay within twice the error of the run with the ATen forms (bf16 activations set both), and the in-place
 // attention must have taken every feed of the fused run. A known-bad check: another sequence's logits are

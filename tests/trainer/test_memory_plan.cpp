@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <shared_mutex>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -28,6 +29,7 @@
 #include "trainer/run.h"
 
 #ifdef RLT_HAVE_CUDA
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -789,6 +791,25 @@ TEST(MemoryPlan, GraphPoolCoversTheEnginesOnCuda) {
   EXPECT_TRUE(twin_short) << "the logits once, without temporaries, must fall short of some measured pool";
 }
 
+#ifdef RLT_HAVE_CUDA
+// A rollout of `rows` rows on a fresh engine: the prefill, then four graphed steps (their captures first).
+void decode_rollout(const Transformer& model, int64_t rows) {
+  DecodeEngine engine(model);
+  std::vector<std::vector<int64_t>> prompts(rows, std::vector<int64_t>{1, 2, 3, 4});
+  std::vector<int64_t> seqs(rows), next(rows, 1);
+  for (int64_t b = 0; b < rows; ++b) seqs[b] = b;
+  engine.start(prompts, 1);
+  const at::Tensor streams = at::arange(rows, at::kLong);
+  for (int64_t t = 0; t < 4; ++t) {
+    const SampleOutput d =
+        engine.step_draw(seqs, next, SamplingOptions{}, sample_row_keys(7, streams, at::full({rows}, t, at::kLong)), 0);
+    next.assign(d.ids.data_ptr<int64_t>(), d.ids.data_ptr<int64_t>() + rows);
+  }
+  EXPECT_GE(engine.graph_captures(), 1) << rows << " rows";
+  device_synchronize(model.lm_head().device());
+}
+#endif
+
 // cublas_workspace_pairs, counted by hand: the training thread's stream and the backward's thread, the
 // capture stream with CUDA graphs, the async rollout's stream; a rollout rank has no backward and no async
 // update. Nothing on the CPU. The plan holds them in both phases. The wrong twin it rejects: one pair per
@@ -808,6 +829,8 @@ TEST(MemoryPlan, CountsCublasWorkspaces) {
   x = c;
   x.train.async = AsyncMode::kOneStep;
   EXPECT_EQ(cublas_workspace_pairs(x), 4);
+  x.train.eval_prompts = 8;
+  EXPECT_EQ(cublas_workspace_pairs(x), 5) << "the evaluation's captures from the training thread";
   x = c;
   x.train.rollout_ranks = 1;
   x.train.async = AsyncMode::kOneStep;
@@ -830,21 +853,7 @@ TEST(MemoryPlan, CapturesLeaveNoWorkspaceBehindOnCuda) {
   const at::Device cuda(at::kCUDA, 0);
   const ModelConfig m = small_config("qwen2", false, 512, 128, 2, 256);
   const Transformer model(m, at::kBFloat16, cuda, 5);
-  auto rollout = [&](int64_t rows) {
-    DecodeEngine engine(model);
-    std::vector<std::vector<int64_t>> prompts(rows, std::vector<int64_t>{1, 2, 3, 4});
-    std::vector<int64_t> seqs(rows), next(rows, 1);
-    for (int64_t b = 0; b < rows; ++b) seqs[b] = b;
-    engine.start(prompts, 1);
-    const at::Tensor streams = at::arange(rows, at::kLong);
-    for (int64_t t = 0; t < 4; ++t) {
-      const SampleOutput d = engine.step_draw(seqs, next, SamplingOptions{},
-                                              sample_row_keys(7, streams, at::full({rows}, t, at::kLong)), 0);
-      next.assign(d.ids.data_ptr<int64_t>(), d.ids.data_ptr<int64_t>() + rows);
-    }
-    EXPECT_GE(engine.graph_captures(), 1) << rows << " rows";
-    device_synchronize(cuda);
-  };
+  auto rollout = [&](int64_t rows) { decode_rollout(model, rows); };
   rollout(8);
   rollout(16);
   const int64_t after_first = PeakMemory::allocated_bytes(cuda);
@@ -863,6 +872,52 @@ TEST(MemoryPlan, CapturesLeaveNoWorkspaceBehindOnCuda) {
   }
   EXPECT_GE(PeakMemory::allocated_bytes(cuda) - after_first - a.nbytes(), int64_t(1) << 20)
       << "a fresh stream's workspace";
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+// The plan's pairs against ATen's own table of cuBLAS workspaces (one entry a handle and stream) after a
+// training micro-batch (the forward on this thread, the backward on autograd's device thread) and a
+// graphed rollout on this thread, the table cleared first: cublas_workspace_pairs exactly. The wrong twin
+// it must catch: a GEMM on one more stream, one pair more than the plan counts.
+TEST(MemoryPlan, CublasWorkspacesAreThePlansPairsOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+#ifdef RLT_HAVE_CUDA
+  const at::Device cuda(at::kCUDA, 0);
+  const ModelConfig m = small_config("qwen2", false, 512, 128, 2, 256);
+  const int64_t micro = 4, context = 16;
+  Config c = small_run_config(DType::kBFloat16, micro, context);
+  c.model.device = "cuda";
+  auto entries = [](at::cuda::WorkspaceMapWithMutex& w) {
+    const std::shared_lock<std::shared_mutex> lock(w.mutex);
+    return static_cast<int64_t>(w.map.size());
+  };
+  device_synchronize(cuda);
+  at::cuda::clearCublasWorkspaces();  // what earlier tests of this process left
+  ASSERT_EQ(entries(at::cuda::cublas_handle_stream_to_workspace()), 0);
+  rlt::Run run;
+  run.config = c;
+  run.device = cuda;
+  run.model.policy = std::make_unique<Transformer>(m, at::kBFloat16, cuda, /*seed=*/0);
+  const std::vector<Trajectory> trajs = trajectories(micro, context, m.vocab_size);
+  micro_batch(run, trajs, 0, micro, true);
+  device_synchronize(cuda);
+  decode_rollout(*run.model.policy, 8);
+  const int64_t pairs = cublas_workspace_pairs(c);
+  EXPECT_EQ(entries(at::cuda::cublas_handle_stream_to_workspace()), pairs);
+  EXPECT_LE(entries(at::cuda::cublaslt_handle_stream_to_workspace()), pairs);
+  cudaStream_t raw = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), cudaSuccess);
+  {
+    const c10::cuda::CUDAStreamGuard other(c10::cuda::getStreamFromExternal(raw, 0));
+    const at::Tensor a = at::randn({64, 64}, at::TensorOptions(cuda).dtype(at::kBFloat16));
+    const at::Tensor product = at::mm(a, a);
+    device_synchronize(cuda);
+  }
+  EXPECT_EQ(entries(at::cuda::cublas_handle_stream_to_workspace()), pairs + 1) << "a GEMM on one more stream";
+#else
+  GTEST_SKIP() << "built without CUDA";
 #endif
 }
 
