@@ -309,6 +309,14 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Te
 
 namespace {
 
+// The RoPE tables the kernels take: cos and sin contiguous (B, 1, L, hd) in q's dtype, on its device.
+bool rope_tables_fit(const at::Tensor& q, const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t L,
+                     int64_t hd) {
+  return cos.sizes() == at::IntArrayRef({B, 1, L, hd}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+         sin.is_contiguous() && cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
+         cos.device() == q.device() && sin.device() == q.device();
+}
+
 // out: null (in place, or into the cache) or {q_out, k_out}, contiguous and shaped like q and k.
 void launch_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                  const CacheWrite& cw, const std::pair<at::Tensor, at::Tensor>* out = nullptr, bool inverse = false) {
@@ -319,9 +327,7 @@ void launch_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
               "spaced");
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), hd = q.size(3), Hkv = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == L && k.size(3) == hd && hd % 2 == 0, "rope_: q and k disagree");
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({B, 1, L, hd}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type() &&
-                  k.scalar_type() == q.scalar_type(),
+  TORCH_CHECK(rope_tables_fit(q, cos, sin, B, L, hd) && k.scalar_type() == q.scalar_type(),
               "rope_: cos and sin must be contiguous (B, 1, L, hd) in q's dtype");
   const int64_t n = B * L * (H + Hkv) * (hd / 2);
   if (n == 0) return;
@@ -940,11 +946,8 @@ at::Tensor rope_cache_attention(at::Tensor& q, at::Tensor& k, const at::Tensor& 
   // out as rope_kernel takes it, and the tables as it takes them; otherwise the two kernels.
   const bool one_tile = q.dim() == 4 && q.size(0) == B && q.size(1) == L && q.size(3) == hd && Hkv > 0 &&
                         q.size(2) % Hkv == 0 && q.size(2) / Hkv * L <= kAttnRows;
-  const bool tables = cos.sizes() == at::IntArrayRef({B, 1, L, hd}) && sin.sizes() == cos.sizes() &&
-                      cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == q.scalar_type() &&
-                      sin.scalar_type() == q.scalar_type() && cos.device() == q.device() && sin.device() == q.device();
-  if (!rope_in_attention() || !one_tile || !tables || k_row <= 0 || k.scalar_type() != q.scalar_type() ||
-      k.device() != q.device()) {
+  if (!rope_in_attention() || !one_tile || !rope_tables_fit(q, cos, sin, B, L, hd) || k_row <= 0 ||
+      k.scalar_type() != q.scalar_type() || k.device() != q.device()) {
     rope_write_cache(q, k, v, cos, sin, k_cache, v_cache, slots, rows);
     return cache_attention(q, k_cache, v_cache, rows, keep, slots, span, scale);
   }
