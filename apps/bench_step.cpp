@@ -24,8 +24,9 @@
 //                 (EngineSwitches::step_ahead off: each step starts once the host has read the draw before
 //                 it; in the default the loop passes the next keys and each step starts the next),
 //                 separate_rope (RoPE and the cache write in a kernel of their own before the attention,
-//                 cuda::set_rope_in_attention(false)); or with one part on: tuned_gemms
-//                 (EngineSwitches::tuned_gemms, model/tuned_gemm.h).
+//                 cuda::set_rope_in_attention(false)), full_scratch (the attention's warps with scratch for
+//                 all their scores, probabilities and product at once, cuda::set_attention_lean_scratch(false));
+//                 or with one part on: tuned_gemms (EngineSwitches::tuned_gemms, model/tuned_gemm.h).
 // Prints a table and writes JSON records. Without a GPU it runs eagerly on the CPU (no floor, no kernels):
 // the smoke test's form.
 #include <ATen/core/grad_mode.h>
@@ -201,11 +202,12 @@ int main(int argc, char** argv) {
                  "variants timed per cell: default, no_graph_draw (the head and the draw outside the step's "
                  "graph), no_dependent_launch (no programmatic edges in the graph), no_step_ahead (each step "
                  "starts once the host has read the draw before it), separate_rope (RoPE and the cache write "
-                 "in a kernel of their own), tuned_gemms (the projections through cuBLASLt's algorithm timed "
-                 "fastest)")
+                 "in a kernel of their own), full_scratch (the attention's scratch for all its scores, "
+                 "probabilities and product at once), tuned_gemms (the projections through cuBLASLt's algorithm "
+                 "timed fastest)")
       ->delimiter(',')
-      ->check(CLI::IsMember(
-          {"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead", "separate_rope", "tuned_gemms"}));
+      ->check(CLI::IsMember({"default", "no_graph_draw", "no_dependent_launch", "no_step_ahead", "separate_rope",
+                             "full_scratch", "tuned_gemms"}));
   app.add_option("--json", json_path, "write the records to this JSON file");
   if (int rc = parse_cli(app, argc, argv); rc >= 0) return rc;
   json records = json::array();
@@ -232,6 +234,7 @@ int main(int argc, char** argv) {
           sw.tuned_gemms = mode == "tuned_gemms";
 #ifdef RLT_HAVE_CUDA
           cuda::set_rope_in_attention(mode != "separate_rope");
+          cuda::set_attention_lean_scratch(mode != "full_scratch");
 #endif
           const Cell c = run_cell(m, dev, R, C, steps, reps, trace_steps, top_kernels, sw);
           const int64_t kv = kv_bytes(m, R, C);

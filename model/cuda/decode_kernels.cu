@@ -393,11 +393,14 @@ int64_t check_cache_write(const at::Tensor& k, const at::Tensor& v, const at::Te
 }
 
 std::atomic<bool> rope_in_attention_on{true};
+std::atomic<bool> attention_lean_scratch_on{true};
 
 }  // namespace
 
 void set_rope_in_attention(bool on) { rope_in_attention_on = on; }
 bool rope_in_attention() { return rope_in_attention_on; }
+void set_attention_lean_scratch(bool on) { attention_lean_scratch_on = on; }
+bool attention_lean_scratch() { return attention_lean_scratch_on; }
 
 void rope_write_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& rows) {
@@ -463,12 +466,16 @@ struct AttnShape {
   static constexpr int SLD = (BK > HD ? BK : HD) + 4;  // a warp's score or product row, floats
   static constexpr int PLD = BK + 8;                   // a warp's probability row, elements
   static constexpr int STAGE = BK * KLD;               // elements of keys (or values) per stage
-  template <typename T>
+  // LEAN: a warp's scratch holds its scores (16, BK), then their probabilities over them, then the value
+  // product one (16, 16) column tile at a time: 16 (BK + 4) floats a warp instead of 16 SLD floats and
+  // 16 PLD elements, so that more blocks fit on an SM.
+  static constexpr int LLD = BK + 4;
+  template <typename T, bool LEAN>
   static constexpr size_t smem() {
-    return 4 * STAGE * sizeof(T)                    // keys and values, two stages (the query tile first)
-           + kAttnWarps * 16 * SLD * sizeof(float)  // per warp: scores, then the value product
-           + kAttnWarps * 16 * PLD * sizeof(T)      // per warp: probabilities
-           + 2 * BK;                                // the block's keep flags, two stages
+    return 4 * STAGE * sizeof(T)                                   // keys and values, two stages (the query tile first)
+           + kAttnWarps * 16 * (LEAN ? LLD : SLD) * sizeof(float)  // per warp: scores, then the value product
+           + (LEAN ? 0 : kAttnWarps * 16 * PLD * sizeof(T))        // per warp: probabilities
+           + 2 * BK;                                               // the block's keep flags, two stages
   }
 };
 
@@ -498,21 +505,24 @@ struct RopeIn {
   T* v_cache = nullptr;
 };
 
-template <typename T, int HD, bool SPLIT>
-__global__ void __launch_bounds__(kAttnWarps * 32)
+// LEAN: 4 blocks an SM, which caps a thread's registers at 128 (hd 128 spills a few bytes).
+template <typename T, int HD, bool SPLIT, bool LEAN>
+__global__ void __launch_bounds__(kAttnWarps * 32, LEAN ? 4 : 0)
     cache_attention_kernel(const T* q, int64_t q_row, const T* kc, const T* vc, const int64_t* rows, const bool* keep,
                            int64_t keep_row, const int64_t* slots, int64_t L, int64_t G, int64_t Hkv, int64_t S,
                            int64_t span, float scale, int splits, int64_t per_split, T* out, float* part_o,
                            float* part_ml, RopeIn<T> ri) {
   using namespace nvcuda;
   using A = AttnShape<HD>;
-  constexpr int BK = A::BK, KLD = A::KLD, SLD = A::SLD, PLD = A::PLD, V8 = HD / 8;  // V8: 16-byte vectors a row
+  constexpr int BK = A::BK, KLD = A::KLD, V8 = HD / 8;  // V8: 16-byte vectors a row
+  constexpr int SLD = LEAN ? A::LLD : A::SLD, PLD = A::PLD;
+  static_assert(!LEAN || 16 * PLD * sizeof(T) <= 16 * SLD * sizeof(float), "probabilities over the scores");
   static_assert(BK % 16 == 0 && HD % 16 == 0 && 2 * A::STAGE >= kAttnRows * KLD, "tile shapes");
   extern __shared__ __align__(128) unsigned char smem[];
   T* kv_s = reinterpret_cast<T*>(smem);  // stage s: keys at kv_s + 2 s STAGE, values after them
   float* scratch = reinterpret_cast<float*>(kv_s + 4 * A::STAGE);
   T* probs = reinterpret_cast<T*>(scratch + kAttnWarps * 16 * SLD);
-  bool* keep_s = reinterpret_cast<bool*>(probs + kAttnWarps * 16 * PLD);  // stage s: keep_s + s BK
+  bool* keep_s = reinterpret_cast<bool*>(probs + (LEAN ? 0 : kAttnWarps * 16 * PLD));  // stage s: keep_s + s BK
 
   wait_for_inputs();
   allow_dependents();
@@ -583,7 +593,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const T* kbase = kc + (cache_row * Hkv + kvh) * S * HD;
   const T* vbase = vc + (cache_row * Hkv + kvh) * S * HD;
   float* sc = scratch + warp * 16 * SLD;
-  T* pw = probs + warp * 16 * PLD;
+  T* pw = LEAN ? reinterpret_cast<T*>(sc) : probs + warp * 16 * PLD;
   __syncthreads();  // every warp holds its query fragments: the buffers take the keys
   const int64_t end = min(span, static_cast<int64_t>(last_s));
   // This split's key blocks: [b_first, b_end) of the span's (none when its share lies past the end).
@@ -662,6 +672,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       const float m_new = fmaxf(m, top);
       const float corr = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
       const float shift = m_new == -INFINITY ? 0.f : m_new;  // 2^(-inf - shift) = 0 for the keys not seen
+      if constexpr (LEAN) __syncwarp();  // every lane holds its scores: the probabilities go over them
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -674,23 +685,47 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       m = m_new;
       __syncwarp();
       // (16, HD) = P V over this warp's keys, added into the lanes' columns of the output rows.
+      if constexpr (LEAN) {
+        // The probabilities into fragments, then one (16, 16) column tile of the product at a time over them.
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[NK / 16];
 #pragma unroll
-      for (int n = 0; n < HD / 16; ++n) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
-        wmma::fill_fragment(of, 0.f);
+        for (int kk = 0; kk < NK / 16; ++kk) wmma::load_matrix_sync(pf[kk], pw + kk * 16, PLD);
+        __syncwarp();
 #pragma unroll
-        for (int kk = 0; kk < NK / 16; ++kk) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-          wmma::load_matrix_sync(pf, pw + kk * 16, PLD);
-          wmma::load_matrix_sync(vf, vs + (kofs + kk * 16) * KLD + n * 16, KLD);
-          wmma::mma_sync(of, pf, vf, of);
+        for (int n = 0; n < HD / 16; ++n) {
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+          wmma::fill_fragment(of, 0.f);
+#pragma unroll
+          for (int kk = 0; kk < NK / 16; ++kk) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+            wmma::load_matrix_sync(vf, vs + (kofs + kk * 16) * KLD + n * 16, KLD);
+            wmma::mma_sync(of, pf[kk], vf, of);
+          }
+          wmma::store_matrix_sync(sc, of, SLD, wmma::mem_row_major);
+          __syncwarp();
+#pragma unroll
+          for (int c = 0; c < 8; ++c) o[8 * n + c] = o[8 * n + c] * corr + sc[r * SLD + 2 * c + half];
+          __syncwarp();
         }
-        wmma::store_matrix_sync(sc + n * 16, of, SLD, wmma::mem_row_major);
-      }
-      __syncwarp();
+      } else {
 #pragma unroll
-      for (int c = 0; c < HD / 2; ++c) o[c] = o[c] * corr + sc[r * SLD + 2 * c + half];
+        for (int n = 0; n < HD / 16; ++n) {
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+          wmma::fill_fragment(of, 0.f);
+#pragma unroll
+          for (int kk = 0; kk < NK / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+            wmma::load_matrix_sync(pf, pw + kk * 16, PLD);
+            wmma::load_matrix_sync(vf, vs + (kofs + kk * 16) * KLD + n * 16, KLD);
+            wmma::mma_sync(of, pf, vf, of);
+          }
+          wmma::store_matrix_sync(sc + n * 16, of, SLD, wmma::mem_row_major);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < HD / 2; ++c) o[c] = o[c] * corr + sc[r * SLD + 2 * c + half];
+      }
     }
     __syncthreads();  // the stage is loaded again two blocks on
   }
@@ -772,7 +807,7 @@ __global__ void cache_attention_combine(const float* part_o, const float* part_m
 
 // The kernel's resident blocks per SM (as many as its shared memory lets fit), once per device; its
 // dynamic shared memory limit is raised there first when it needs more than the default 48 KiB.
-template <typename T, int HD, bool SPLIT>
+template <typename T, int HD, bool SPLIT, bool LEAN>
 int64_t cache_attention_blocks_per_sm(size_t smem) {
   static std::mutex mu;
   static std::map<int, int> per_device;
@@ -782,12 +817,12 @@ int64_t cache_attention_blocks_per_sm(size_t smem) {
   auto it = per_device.find(dev);
   if (it == per_device.end()) {
     if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD, SPLIT>,
+      C10_CUDA_CHECK(cudaFuncSetAttribute(cache_attention_kernel<T, HD, SPLIT, LEAN>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
     int n = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cache_attention_kernel<T, HD, SPLIT>, kAttnWarps * 32, smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cache_attention_kernel<T, HD, SPLIT, LEAN>,
+                                                                 kAttnWarps * 32, smem));
     it = per_device.emplace(dev, std::max(n, 1)).first;
   }
   return it->second;
@@ -817,7 +852,7 @@ struct RopeArgs {
   int64_t k_row = 0, v_row = 0;
 };
 
-template <typename T, int HD>
+template <typename T, int HD, bool LEAN>
 void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& slots, int64_t span,
                             float scale, const at::Tensor& out, const RopeArgs* rope) {
@@ -826,7 +861,7 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
     ri = {ptr<T>(*rope->cos), ptr<T>(*rope->sin), ptr<T>(*rope->k), ptr<T>(*rope->v),
           rope->k_row,        rope->v_row,        ptr<T>(kc),       ptr<T>(vc)};
   }
-  constexpr size_t smem = AttnShape<HD>::template smem<T>();
+  constexpr size_t smem = AttnShape<HD>::template smem<T, LEAN>();
   const int64_t E = q.size(0), L = q.size(1), H = q.size(2), Hkv = kc.size(1), G = H / Hkv;
   // One warp's 16 query rows hold the tile (a decode step's G L <= 16): the warps split each key block.
   const bool split_keys = G * L <= 16;
@@ -836,8 +871,8 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   // so the span's key blocks are split between blocks (flash-decoding), and a second kernel adds the
   // splits' shares: cache_attention_splits picks how many.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t per_sm =
-      split_keys ? cache_attention_blocks_per_sm<T, HD, true>(smem) : cache_attention_blocks_per_sm<T, HD, false>(smem);
+  const int64_t per_sm = split_keys ? cache_attention_blocks_per_sm<T, HD, true, LEAN>(smem)
+                                    : cache_attention_blocks_per_sm<T, HD, false, LEAN>(smem);
   const int64_t splits = cache_attention_splits(E * Hkv * tiles, blocks, per_sm * sms);
   const int64_t per_split = (blocks + splits - 1) / splits;
   const int64_t rows_all = E * L * H;
@@ -849,11 +884,11 @@ void launch_cache_attention(const at::Tensor& q, int64_t q_row, const at::Tensor
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(unsigned(E), unsigned(Hkv), unsigned(tiles * splits));
   auto launch_split = [&](auto split_tag) {
-    launch(cache_attention_kernel<T, HD, decltype(split_tag)::value>, grid, kAttnWarps * 32, smem, stream, ptr<T>(q),
-           q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr, keep.data_ptr<bool>(),
-           keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span, scale * static_cast<float>(M_LOG2E),
-           int(splits), per_split, ptr<T>(out), splits > 1 ? part_o.data_ptr<float>() : nullptr,
-           splits > 1 ? part_ml.data_ptr<float>() : nullptr, ri);
+    launch(cache_attention_kernel<T, HD, decltype(split_tag)::value, LEAN>, grid, kAttnWarps * 32, smem, stream,
+           ptr<T>(q), q_row, ptr<T>(kc), ptr<T>(vc), rows.defined() ? rows.data_ptr<int64_t>() : nullptr,
+           keep.data_ptr<bool>(), keep.stride(0), slots.data_ptr<int64_t>(), L, G, Hkv, kc.size(2), span,
+           scale * static_cast<float>(M_LOG2E), int(splits), per_split, ptr<T>(out),
+           splits > 1 ? part_o.data_ptr<float>() : nullptr, splits > 1 ? part_ml.data_ptr<float>() : nullptr, ri);
   };
   if (split_keys) {
     launch_split(std::true_type{});
@@ -915,16 +950,26 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(q.device());
   const float s = static_cast<float>(scale);
-  if (q.scalar_type() == at::kBFloat16) {
-    if (hd == 64)
-      launch_cache_attention<__nv_bfloat16, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
-    else
-      launch_cache_attention<__nv_bfloat16, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
+  auto run = [&](auto lean_tag) {
+    constexpr bool LEAN = decltype(lean_tag)::value;
+    if (q.scalar_type() == at::kBFloat16) {
+      if (hd == 64)
+        launch_cache_attention<__nv_bfloat16, 64, LEAN>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out,
+                                                        rope);
+      else
+        launch_cache_attention<__nv_bfloat16, 128, LEAN>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out,
+                                                         rope);
+    } else {
+      if (hd == 64)
+        launch_cache_attention<__half, 64, LEAN>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
+      else
+        launch_cache_attention<__half, 128, LEAN>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
+    }
+  };
+  if (attention_lean_scratch()) {
+    run(std::true_type{});
   } else {
-    if (hd == 64)
-      launch_cache_attention<__half, 64>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
-    else
-      launch_cache_attention<__half, 128>(qq, q_row, k_cache, v_cache, rows, keep, slots, span, s, out, rope);
+    run(std::false_type{});
   }
   return out;
 }

@@ -82,6 +82,13 @@ at::Tensor rope_cache_attention(at::Tensor& q, at::Tensor& k, const at::Tensor& 
 // bench_step's separate_rope variant and the tests time and check the two kernels with it off.
 void set_rope_in_attention(bool on);
 bool rope_in_attention();
+// Whether cache_attention's warps keep their probabilities over their scores and take the value product
+// one column tile at a time (on unless set off, for the process): hd 64 in bf16 takes 53 KiB a block
+// instead of 62, hd 128 43 KiB instead of 72, and 4 blocks fit an SM instead of 3 (registers capped at
+// 128 a thread). The arithmetic is the same; the split count follows the blocks an SM holds.
+// bench_step's full_scratch variant times the other form.
+void set_attention_lean_scratch(bool on);
+bool attention_lean_scratch();
 // KvCache::squeeze_ in one launch, in place: in every tensor of k and v (each (B, Hkv, max_len, hd)), row r's
 // slot j becomes its slot order[r, j] wherever order[r, j] > j (order (B, C <= max_len) int64: each row's
 // kept slots in increasing order, then zeros, as DecodeEngine::compact makes it); other slots keep what they

@@ -275,6 +275,7 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
     int64_t H, Hkv, hd, L, E;
     bool packed, shuffled;  // q a view of a packed projection; slots out of order (a step's form)
     bool all_rows = false;  // a decode step: one query per cache row, no rows tensor (row e is cache row e)
+    int64_t span = 200;     // the slots attended over
   };
   // Qwen2.5-0.5B's heads (14 over 2, hd 64) and Llama-3's shape of group (hd 128); G L of 140 and 84 query
   // rows take several blocks of 64, and a span of 200 several blocks of keys (64 at hd 64, 32 at hd 128).
@@ -283,8 +284,11 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
   // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so, and 300
   // rows (600 tiles, two waves already) take one split, the warps' shares written out directly. Short
   // feeds whose G L query rows fit one warp's 16 (2 x 7, 4 x 4, and 16 positions of one head each), where
-  // the warps split each key block between them as a step's do.
-  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 20, 3, true, false},
+  // the warps split each key block between them as a step's do. Steps over long spans (1,500 slots: 24
+  // key blocks at hd 64, 47 at hd 128), where each split walks several key blocks.
+  const Case cases[] = {{at::kBFloat16, 14, 2, 64, 1, 64, false, false, true, 1500},
+                        {at::kHalf, 8, 2, 128, 1, 40, true, false, true, 1500},
+                        {at::kBFloat16, 14, 2, 64, 20, 3, true, false},
                         {at::kHalf, 14, 2, 64, 20, 3, false, true},
                         {at::kBFloat16, 8, 2, 128, 21, 3, false, false},
                         {at::kHalf, 8, 2, 128, 7, 3, true, true},
@@ -297,17 +301,19 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
                         {at::kBFloat16, 14, 2, 64, 1, 300, false, false, true}};
   for (const Case& cs : cases) {
     auto o = at::TensorOptions().device(at::kCUDA).dtype(cs.dt);
-    const int64_t Bc = cs.E + (cs.all_rows ? 0 : 3), S = 224, span = 200, E = cs.E, L = cs.L, H = cs.H, Hkv = cs.Hkv,
-                  hd = cs.hd;
+    const int64_t Bc = cs.E + (cs.all_rows ? 0 : 3), span = cs.span, S = span + 24, E = cs.E, L = cs.L, H = cs.H,
+                  Hkv = cs.Hkv, hd = cs.hd;
     const double scale = 1.0 / std::sqrt(double(hd));
     at::Tensor rows =
         cs.all_rows ? at::arange(Bc, o.dtype(at::kLong)) : at::randperm(Bc, o.dtype(at::kLong)).narrow(0, 0, E);
-    at::Tensor slots = at::arange(170, 170 + L, o.dtype(at::kLong));  // a feed's slots, or a step's slot
+    at::Tensor slots = at::arange(span - 30, span - 30 + L, o.dtype(at::kLong));  // a feed's slots, or a step's slot
     if (cs.shuffled) slots = at::randperm(span, o.dtype(at::kLong)).narrow(0, 0, L);
     // Scores of a few units, values in [-1, 1], a tenth of the slots kept: each query sees about 20 keys, so
     // one key more or less moves some outputs well past the tolerance.
     at::Tensor kc = at::randn({Bc, Hkv, S, hd}, o), vc = at::rand({Bc, Hkv, S, hd}, o) * 2 - 1;
-    at::Tensor keep = at::rand({E, span + 9}, o.dtype(at::kFloat)) < 0.1;
+    at::Tensor keep = at::rand({E, span + 9}, o.dtype(at::kFloat)) < std::min(0.1, 20.0 / span);
+    // Over a long span, about 20 kept as well, 8 of them in the first key block (the dropped-block twin's).
+    if (span > 200) keep.narrow(1, 0, 8).fill_(true);
     // Every query's next slot kept, whatever the draw: a kernel letting a query see one slot past its own
     // then reads a key that moves its output (with few queries, a tenth kept might leave none to see).
     keep.index_fill_(1, slots + 1, true);
@@ -317,24 +323,34 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
       qkv.narrow(-1, 0, H * hd).copy_(q.view({E, L, H * hd}));
       q = qkv.narrow(-1, 0, H * hd).view({E, L, H, hd});
     }
+    // Both scratch layouts of the kernel's warps (set_attention_lean_scratch); the wrong variants against the
+    // default's.
+    cuda::set_attention_lean_scratch(false);
+    at::Tensor full = cuda::cache_attention(q, kc, vc, cs.all_rows ? at::Tensor() : rows, keep, slots, span, scale)
+                          .to(at::kCPU, at::kDouble);
+    cuda::set_attention_lean_scratch(true);
     at::Tensor got = cuda::cache_attention(q, kc, vc, cs.all_rows ? at::Tensor() : rows, keep, slots, span, scale)
                          .to(at::kCPU, at::kDouble);
     ASSERT_EQ(got.sizes(), at::IntArrayRef({E, L, H, hd}));
     // The output's rounding (u |out|) and the probabilities' (u each, times values of at most 1): u the
     // dtype's unit roundoff; twice that bound, against float32 sums' noise.
     const double u = cs.dt == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
-    auto excess = [&](Variant w) {  // the largest error over its bound (<= 1: within)
-      at::Tensor ref = attention_reference(q, kc, vc, rows, keep, slots, span, scale, w);
-      return ((got - ref).abs() / (2 * u * (ref.abs() + 1))).max().item<double>();
+    const at::Tensor ref = attention_reference(q, kc, vc, rows, keep, slots, span, scale, Variant::kRight);
+    auto excess = [&](Variant w, const at::Tensor& out) {  // the largest error over its bound (<= 1: within)
+      const at::Tensor r =
+          w == Variant::kRight ? ref : attention_reference(q, kc, vc, rows, keep, slots, span, scale, w);
+      return ((out - r).abs() / (2 * u * (r.abs() + 1))).max().item<double>();
     };
-    const double right = excess(Variant::kRight);
+    const double right_full = excess(Variant::kRight, full);
+    EXPECT_LE(right_full, 1.0) << cs.dt << " hd " << hd << " E " << E << ": full scratch, error " << right_full;
+    const double right = excess(Variant::kRight, got);
     EXPECT_LE(right, 1.0) << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound";
     std::cout << cs.dt << " hd " << hd << " E " << E << ": error " << right << " of the bound; wrong variants";
     for (Variant w : {Variant::kSeesNextSlot, Variant::kInputRowIsCacheRow, Variant::kNoScale, Variant::kNoKeep,
                       Variant::kKvHeadModulo, Variant::kDropsFirstBlock}) {
       if (cs.all_rows && w == Variant::kInputRowIsCacheRow) continue;  // the same thing there
       if (cs.H == cs.Hkv && w == Variant::kKvHeadModulo) continue;     // one query head a KV head: the same
-      const double x = excess(w);
+      const double x = excess(w, got);
       std::cout << " " << x;
       EXPECT_GT(x, 3.0) << cs.dt << " hd " << hd << " E " << E << ": wrong variant " << int(w) << " must be rejected";
     }
