@@ -9,6 +9,7 @@
 #include <numeric>
 #include <set>
 
+#include "tests/common/threads.h"
 #include "tests/common/tiny_model.h"
 #include "tests/trainer/thread_ranks.h"
 #include "trainer/config.h"
@@ -407,12 +408,7 @@ TEST(GradReducer, StartsEveryBucketDuringTheBackwardAndSumsLikeAPlainBackward) {
 // calling thread, so a rank's thread could split a CPU reduction another way than the main thread, which
 // changes the last bit (this failed on the 16-core GPU host, not on 2 cores).
 TEST(GradReducer, TwoRanksSumTheirFp32MasterGradients) {
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  struct Restore {
-    int n;
-    ~Restore() { at::set_num_threads(n); }
-  } restore{threads};
+  const testing::IntraOpThreads one(1);
   const TinyBf16 tiny{at::kCPU};
   std::vector<std::vector<at::Tensor>> own(2), reduced(2);
   for (int r = 0; r < 2; ++r) {

@@ -15,6 +15,7 @@
 
 #include "model/safetensors.h"
 #include "parallel/shard.h"
+#include "tests/common/threads.h"
 #include "tests/common/tiny_model.h"
 #include "tests/common/tmpdir.h"
 #include "tests/trainer/thread_ranks.h"
@@ -126,12 +127,6 @@ double rel_diff(const std::map<std::string, at::Tensor>& a, const std::map<std::
   return worst;
 }
 
-struct OneThread {
-  int n = at::get_num_threads();
-  OneThread() { at::set_num_threads(1); }
-  ~OneThread() { at::set_num_threads(n); }
-};
-
 std::map<std::string, at::Tensor> reference(bool tie = false, double clip = 0.05, double lr = 3e-2, bool lora = false) {
   ShardSetup s;
   s.lora = lora;
@@ -158,7 +153,7 @@ std::vector<std::map<std::string, at::Tensor>> sharded(const ShardSetup& s, int 
 class ShardStages : public ::testing::TestWithParam<std::tuple<ShardStage, int>> {};
 
 TEST_P(ShardStages, EqualTheReplicatedRunAndRejectEachMistake) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   const auto [stage, world] = GetParam();
   const auto ref = reference();
   ShardSetup s;
@@ -188,7 +183,7 @@ INSTANTIATE_TEST_SUITE_P(, ShardStages,
                          });
 
 TEST(ShardedState, TiedEmbeddingsKeptWeightsAndOffloadEqualTheReplicatedRun) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   const auto ref = reference(/*tie=*/true);
   ShardSetup s;
   s.tie = true;
@@ -233,7 +228,7 @@ TEST(OffloadStep, TheRunDecidesAutoOnEveryRank) {
 // LoRA: the base is frozen and replicated, the adapters train; replicated over 2 ranks (the GradReducer)
 // and sharded (optimizer, gradients) over 2 and 3, against one process. The base must not move.
 TEST(ShardedState, LoraAdaptersEqualTheReplicatedRunWithAndWithoutSharding) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   const auto ref = reference(false, 0.05, 3e-2, /*lora=*/true);
   ShardSetup s;
   s.lora = true;
@@ -295,7 +290,7 @@ class CountingCollectives : public testing::ForwardingCollectives {
 // still equal the replicated run's (ShardStages runs the same slots); the twin that waits for none until
 // the end holds every unit's.
 TEST(ShardedState, HoldsAtMostTwoReducesInFlight) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   for (const ShardFault fault : {ShardFault::kNone, ShardFault::kReducesUnbounded}) {
     std::vector<int> most(2);
     testing::on_thread_ranks(
@@ -322,7 +317,7 @@ TEST(ShardedState, HoldsAtMostTwoReducesInFlight) {
 }
 
 TEST(ShardedState, EveryElementIsOwnedByExactlyOneRank) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   for (int world : {2, 3}) {
     std::vector<std::vector<ShardedState::Piece>> pieces(world);
     std::vector<std::string> names;
@@ -359,7 +354,7 @@ TEST(ShardedState, EveryElementIsOwnedByExactlyOneRank) {
 // take the third: the weights equal the uninterrupted run's. The twin resumes from the masters alone (the
 // moments dropped, as a load that skipped them would): far off.
 TEST(ShardedState, ResumesOnOtherRanksAndStage) {
-  const OneThread one;
+  const testing::IntraOpThreads one(1);
   const auto ref = reference();
   const testing::TempDir dir("shard_resume"), masters_only("shard_masters");
   ShardSetup two;
