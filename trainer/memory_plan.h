@@ -97,13 +97,14 @@ int64_t reward_model_bytes(const Config& c);
 // verifying forward at up to rollout.speculative_max_rows rows (a power of two of at least 8, at most the
 // cache's) x its bucket of positions (2, 4 or 8: the draft and the token before it). Two float32
 // tensors of positions x vocabulary (the logits and the log-prob's working copy) and kGraphPoolTemporaries
-// for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. On an H200, a
-// two-layer model's pool held one such tensor and 3-13 MiB more at 16 to 256 rows
-// (MemoryPlan.GraphPoolCoversTheEnginesOnCuda); the 0.5B's recorded pools (bench_model's graph_pool_mb,
-// docs/benchmarks.md) held one or two and 52-70 MiB of segments at 64 and 256 rows, measured when each
-// capture took a stream of its own, whose blocks no other capture could reuse. The second tensor stays
-// as a margin until the real shapes are measured on one capture stream. The multi-token feeds' and merged
-// passes' graphs (rollout.feed_graphs, rollout.merge_feeds, off by default) are not counted.
+// for the layers' temporaries, which the allocator holds in segments of 2 and 20 MiB. On an H200, with
+// every capture on one stream, the pools held one such tensor and 3-64 MiB more at 16 to 256 rows: a
+// two-layer model's (MemoryPlan.GraphPoolCoversTheEnginesOnCuda), the 0.5B's and the 7B's (bench_model's
+// graph_pool_mb: 22, 60, 176 and 22, 64, 212 MiB at 16, 64, 256 rows). The second tensor is the rollout
+// phase's margin: a pool counted as measured (one tensor, 24 MiB of segments and twice a layer's
+// temporaries a position) would plan the rollout phases of docs/benchmarks.md's plan-against-peak table
+// 0.0-0.5% under their peaks, whose 8-14 MiB beyond the pool no term places. The multi-token feeds' and
+// merged passes' graphs (rollout.feed_graphs, rollout.merge_feeds, off by default) are not counted.
 constexpr int64_t kGraphPoolTemporaries = int64_t(96) << 20;
 int64_t graph_pool_bytes(const Config& c, const ModelConfig& m, int64_t rows);
 
