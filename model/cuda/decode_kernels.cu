@@ -505,7 +505,8 @@ struct RopeIn {
   T* v_cache = nullptr;
 };
 
-// LEAN: 4 blocks an SM, which caps a thread's registers at 128 (hd 128 spills a few bytes).
+// LEAN: 4 blocks an SM, which caps a thread's registers at 128 (hd 128 and fp16 hd 64 without the split
+// spill a few bytes to the L1).
 template <typename T, int HD, bool SPLIT, bool LEAN>
 __global__ void __launch_bounds__(kAttnWarps * 32, LEAN ? 4 : 0)
     cache_attention_kernel(const T* q, int64_t q_row, const T* kc, const T* vc, const int64_t* rows, const bool* keep,

@@ -281,13 +281,16 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
   // rows take several blocks of 64, and a span of 200 several blocks of keys (64 at hd 64, 32 at hd 128).
   // Three rows leave the GPU idle: the kernel splits the keys between blocks and adds their shares; 70 rows
   // fill it, one block per query tile (on an H200's 132 SMs). Decode steps over every cache row, as the
-  // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so, and 300
-  // rows (600 tiles, two waves already) take one split, the warps' shares written out directly. Short
-  // feeds whose G L query rows fit one warp's 16 (2 x 7, 4 x 4, and 16 positions of one head each), where
-  // the warps split each key block between them as a step's do. Steps over long spans (1,500 slots: 24
-  // key blocks at hd 64, 47 at hd 128), where each split walks several key blocks.
+  // rollout's steps run: 47 rows split the keys (94 blocks of one tile), 5 rows at hd 128 more so, 300 rows
+  // (600 tiles, two waves already) split them in two at 4 blocks an SM, and over a span of 64 (one key
+  // block) take one split, the warps' shares written out directly. Short feeds whose G L query rows fit one
+  // warp's 16 (2 x 7, 4 x 4, and 16 positions of one head each), where the warps split each key block
+  // between them as a step's do. Over long spans (1,500 slots; the queries at slot 1,470 walk 23 key blocks
+  // at hd 64, 46 at hd 128), steps and a feed of 21 positions whose splits each walk several key blocks.
   const Case cases[] = {{at::kBFloat16, 14, 2, 64, 1, 64, false, false, true, 1500},
                         {at::kHalf, 8, 2, 128, 1, 40, true, false, true, 1500},
+                        {at::kBFloat16, 8, 2, 128, 21, 30, false, false, false, 1500},
+                        {at::kBFloat16, 14, 2, 64, 1, 300, false, false, true, 64},
                         {at::kBFloat16, 14, 2, 64, 20, 3, true, false},
                         {at::kHalf, 14, 2, 64, 20, 3, false, true},
                         {at::kBFloat16, 8, 2, 128, 21, 3, false, false},
@@ -312,7 +315,7 @@ TEST(DecodeKernelsCuda, CacheAttentionMatchesFloat64AndRejectsWrongMasksRowsAndH
     // one key more or less moves some outputs well past the tolerance.
     at::Tensor kc = at::randn({Bc, Hkv, S, hd}, o), vc = at::rand({Bc, Hkv, S, hd}, o) * 2 - 1;
     at::Tensor keep = at::rand({E, span + 9}, o.dtype(at::kFloat)) < std::min(0.1, 20.0 / span);
-    // Over a long span, about 20 kept as well, 8 of them in the first key block (the dropped-block twin's).
+    // Over a long span, about 20 kept as well, and the first key block's first 8 (the dropped-block twin's).
     if (span > 200) keep.narrow(1, 0, 8).fill_(true);
     // Every query's next slot kept, whatever the draw: a kernel letting a query see one slot past its own
     // then reads a key that moves its output (with few queries, a tenth kept might leave none to see).
