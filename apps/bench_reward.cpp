@@ -74,13 +74,15 @@ std::string make_response(const std::string& answer, int64_t i) {
 nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dataset& set, int64_t trajectories,
                                           int64_t response_tokens, int64_t token_budget, int64_t repeats,
                                           const std::string& device_name, const std::string& dtype_name,
-                                          int64_t trace_top, bool share_prefixes, int64_t samples) {
+                                          int64_t trace_top, bool share_prefixes, bool scored_rows_only,
+                                          int64_t samples) {
   if (device_name == "cuda" && !at::hasCUDA()) throw std::invalid_argument("--device cuda but no CUDA device");
   const at::Device device = device_name == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
   const auto t_load = Clock::now();
   rlt::RewardModel rm = rlt::RewardModel::load(dir, dtype, device, token_budget);
   rm.set_share_prefixes(share_prefixes);
+  rm.set_last_layer_scored_rows_only(scored_rows_only);
   const double load_ms = ms_since(t_load);
   // Responses as a random policy writes them: random pieces of the vocabulary, decoded; new ones each batch,
   // as each step's are (the tokenizer's cache of pre-tokens does not already hold them).
@@ -153,6 +155,7 @@ nlohmann::ordered_json bench_reward_model(const std::string& dir, const rlt::Dat
           {"dtype", dtype_name},
           {"token_budget", token_budget},
           {"share_prefixes", share_prefixes},
+          {"scored_rows_only", scored_rows_only},
           {"trajectories", trajectories},
           {"samples", samples},
           {"response_tokens", response_tokens},
@@ -180,7 +183,7 @@ int main(int argc, char** argv) {
   rlt::SandboxOptions sandbox;
   std::string reward_model, device = "cpu", dtype = "float32";
   int64_t response_tokens = 512, token_budget = 16384, trace_top = 0, samples = 8;
-  bool share_prefixes = true;
+  bool share_prefixes = true, scored_rows_only = true;
   app.add_option("--script", script, "the reward script (reward.script)")->check(CLI::ExistingFile);
   app.add_option("--data", data, "JSONL problems whose answers the responses are made from")->check(CLI::ExistingFile);
   app.add_option("--answer-key", answer_key, "the answer's key in --data");
@@ -198,6 +201,8 @@ int main(int argc, char** argv) {
   app.add_option("--token-budget", token_budget, "reward.model_batch_tokens (--reward-model)")
       ->check(CLI::Range(1, 1 << 24));
   app.add_option("--share-prefixes", share_prefixes, "answers to one prompt run its tokens once (--reward-model)");
+  app.add_option("--scored-rows-only", scored_rows_only,
+                 "the last layer over each sequence's last token alone (--reward-model)");
   app.add_option("--samples", samples, "answers a prompt, consecutive as a step lists them (--reward-model)")
       ->check(CLI::Range(1, 1 << 16));
   app.add_option("--trace-top", trace_top, "trace one more scoring and list its N longest kernels (--reward-model)")
@@ -220,7 +225,7 @@ int main(int argc, char** argv) {
           {"repeats", repeats},
           {"data", data},
           {"reward_model", bench_reward_model(reward_model, set, trajectories, response_tokens, token_budget, repeats,
-                                              device, dtype, trace_top, share_prefixes, samples)}};
+                                              device, dtype, trace_top, share_prefixes, scored_rows_only, samples)}};
       std::cout << out.dump(2) << "\n";
       return 0;
     }

@@ -109,6 +109,14 @@ struct ForwardPlan {
   std::vector<int64_t> prefix_of;
   at::Tensor kv_index, cu_seqlens_k;
   int64_t longest_context = 0;  // the most tokens a sequence attends over (its prefix's and its own)
+  // The packed tokens whose hidden states the forward returns (forward_packed's outputs; undefined: every
+  // token): the last layer runs its queries, output projection and MLP over these rows alone, row r
+  // attending over the tokens out_kv_index lists for it (its prefix's, then its own sequence's up to it;
+  // the last sliding_window of them on a sliding last layer), out_cu_k their cumulative counts (int32), both
+  // on the device; out_keys the same counts on the host, out_longest the largest.
+  at::Tensor out_rows, out_kv_index, out_cu_k;
+  std::vector<int64_t> out_keys;
+  int64_t out_longest = 0;
 };
 
 }  // namespace rlt

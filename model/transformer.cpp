@@ -64,6 +64,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                           /*dropout_p=*/0.0, is_causal, c.attn_scale, /*enable_gqa=*/H != Hkv);
 }
 
+// (1, heads, T, hd) -> (T, heads, hd) with contiguous rows: the flash kernels' layout of packed tokens.
+at::Tensor tokens_major(const at::Tensor& x) {
+  at::Tensor y = x.squeeze(0).transpose(0, 1);
+  return y.stride(-1) == 1 ? y : y.contiguous();
+}
+
 // Attention of sequences laid end to end (ForwardPlan::starts): q (1, H, T, hd) over k, v (1, Hkv, T, hd),
 // each sequence causal within itself (after its prefix's tokens where it has one), on sliding layers
 // (`sliding`) within the window too. Returns (1, T, H, hd). On CUDA in bf16/fp16 one variable-length flash
@@ -78,10 +84,6 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool shared = p.kv_index.defined();
   if (q.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && hd % 8 == 0 && hd <= 256 && c.attn_softcap == 0 &&
       !sliding) {
-    auto tokens_major = [](const at::Tensor& x) {  // (1, heads, T, hd) -> (T, heads, hd), rows contiguous
-      at::Tensor y = x.squeeze(0).transpose(0, 1);
-      return y.stride(-1) == 1 ? y : y.contiguous();
-    };
     auto keys = [&](const at::Tensor& x) {
       return shared ? tokens_major(x).index_select(0, p.kv_index) : tokens_major(x);
     };
@@ -108,6 +110,38 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     parts.push_back(attention(q.narrow(2, b, n), ks, vs, mask, /*is_causal=*/!mask.defined() && n > 1, c)
                         .transpose(1, 2));  // (1, n, H, hd)
+  }
+  return at::cat(parts, 1);
+}
+
+// The last layer's attention of forward_packed's output rows: q (1, H, R, hd), one query a row; k and v
+// (1, Hkv, T, hd) over every packed token. Row r attends over the tokens p.out_kv_index lists for it (all
+// of them: its own is the last), as one variable-length flash kernel on CUDA in bf16 and fp16, else row by
+// row. Returns (1, R, H, hd).
+at::Tensor output_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const ForwardPlan& p,
+                                 const ModelConfig& c) {
+  const int64_t R = q.size(2), hd = q.size(3);
+  const at::ScalarType dt = q.scalar_type();
+  if (q.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && hd % 8 == 0 && hd <= 256 && c.attn_softcap == 0) {
+    const at::Tensor cu_q = at::arange(R + 1, q.options().dtype(at::kInt));
+    at::Tensor out = std::get<0>(at::_flash_attention_forward(
+        tokens_major(q), tokens_major(k).index_select(0, p.out_kv_index),
+        tokens_major(v).index_select(0, p.out_kv_index), cu_q, p.out_cu_k, 1, p.out_longest, /*dropout_p=*/0.0,
+        /*is_causal=*/false, /*return_debug_mask=*/false, c.attn_scale));
+    return out.unsqueeze(0);  // (1, R, H, hd)
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(R);
+  int64_t at = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const at::Tensor keys = p.out_kv_index.narrow(0, at, p.out_keys[r]);
+    at += p.out_keys[r];
+    // Soft-capped scores take a mask: every key seen.
+    const at::Tensor all =
+        c.attn_softcap > 0 ? at::ones({1, 1, 1, p.out_keys[r]}, keys.options().dtype(at::kBool)) : at::Tensor();
+    parts.push_back(attention(q.narrow(2, r, 1), k.index_select(2, keys), v.index_select(2, keys), all,
+                              /*is_causal=*/false, c)
+                        .transpose(1, 2));  // (1, 1, H, hd)
   }
   return at::cat(parts, 1);
 }
@@ -192,8 +226,8 @@ at::Tensor Transformer::forward(const at::Tensor& ids, const at::Tensor& positio
 }
 
 at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& positions,
-                                       const std::vector<int64_t>& starts,
-                                       const std::vector<int64_t>& prefix_of) const {
+                                       const std::vector<int64_t>& starts, const std::vector<int64_t>& prefix_of,
+                                       const std::vector<int64_t>& outputs) const {
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.scalar_type() == at::kLong,
               "forward_packed: ids must be (1, T) int64, got ", ids.sizes());
   TORCH_CHECK(positions.sizes() == ids.sizes(), "forward_packed: positions must be shaped like ids");
@@ -232,9 +266,36 @@ at::Tensor Transformer::forward_packed(const at::Tensor& ids, const at::Tensor& 
     p.kv_index = to_device_async(index, embed_.device());
     p.cu_seqlens_k = to_device_async(at::tensor(cu_k, at::kLong).to(at::kInt), embed_.device());
   }
+  if (!outputs.empty()) plan_outputs(p, outputs, T);
   p.ops = cacheless_kernels();
   rope_tables(positions, h.scalar_type(), p);
   return run_layers(h, p);
+}
+
+void Transformer::plan_outputs(ForwardPlan& p, const std::vector<int64_t>& outputs, int64_t T) const {
+  const ModelConfig& c = config_;
+  const int64_t window = c.sliding_layers[c.num_layers - 1] ? c.sliding_window : 0;
+  std::vector<int64_t> index, cu_k{0};
+  for (const int64_t t : outputs) {
+    TORCH_CHECK(t >= 0 && t < T, "forward_packed: output token ", t, " is outside the ", T, " packed tokens");
+    // The sequence that holds t, then the tokens its query sees: its prefix's, then its own up to t.
+    const int64_t s = std::upper_bound(p.starts.begin(), p.starts.end(), t) - p.starts.begin() - 1;
+    const int64_t f = p.prefix_of.empty() ? -1 : p.prefix_of[s];
+    std::vector<int64_t> keys;
+    if (f >= 0) {
+      for (int64_t k = p.starts[f]; k < p.starts[f + 1]; ++k) keys.push_back(k);
+    }
+    for (int64_t k = p.starts[s]; k <= t; ++k) keys.push_back(k);
+    const int64_t first = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(keys.size()) - window) : 0;
+    index.insert(index.end(), keys.begin() + first, keys.end());
+    p.out_keys.push_back(static_cast<int64_t>(keys.size()) - first);
+    cu_k.push_back(static_cast<int64_t>(index.size()));
+    p.out_longest = std::max(p.out_longest, p.out_keys.back());
+  }
+  const at::Device dev = embed_.device();
+  p.out_rows = to_device_async(outputs, dev);
+  p.out_kv_index = to_device_async(index, dev);
+  p.out_cu_k = to_device_async(at::tensor(cu_k, at::kLong).to(at::kInt), dev);
 }
 
 at::Tensor Transformer::embed_tokens(const at::Tensor& ids) const {
@@ -343,8 +404,16 @@ at::Tensor Transformer::layer_forward(int64_t i, at::Tensor h, at::Tensor& pendi
   } else if (!p.starts.empty()) {
     // Packed sequences (forward_packed): each attends causally within itself.
     std::tie(q, k, v) = p.ops->rope_and_cache(i, q, k, v, p.cos, p.sin, nullptr);  // (1, H, T, hd), (1, Hkv, T, hd) x 2
-    attn = packed_attention(q, k, v, p, c.sliding_layers[i] && p.longest_context > c.sliding_window, c)
-               .view({B, L, H * hd});
+    if (p.out_rows.defined() && i == c.num_layers - 1) {
+      // The last layer of a forward that returns some rows: their queries alone, and the rest of the layer
+      // over those rows.
+      const int64_t R = p.out_rows.size(0);
+      h = h.index_select(1, p.out_rows);
+      attn = output_rows_attention(q.index_select(2, p.out_rows), k, v, p, c).view({B, R, H * hd});
+    } else {
+      attn = packed_attention(q, k, v, p, c.sliding_layers[i] && p.longest_context > c.sliding_window, c)
+                 .view({B, L, H * hd});
+    }
   } else {
     // The window restricts nothing while all C slots fit in it. Without a mask: causal for a prefill, every
     // slot for a decode step.

@@ -76,8 +76,11 @@ class Transformer {
   // of the pack that continues none; -1: none), attending over its tokens and then causally over its own,
   // at the positions given (continuing the prefix's). Its hidden states are those of the prefix's tokens
   // followed by its own, forwarded as one sequence: answers to one prompt run the prompt's tokens once.
+  // outputs (empty, or packed token indices): only those tokens' hidden states, (1, R, D) in that order,
+  // equal to the same rows of the whole forward's; the last layer then runs its queries, output projection
+  // and MLP for those rows alone (a reward model reads each sequence's last token).
   at::Tensor forward_packed(const at::Tensor& ids, const at::Tensor& positions, const std::vector<int64_t>& starts,
-                            const std::vector<int64_t>& prefix_of = {}) const;
+                            const std::vector<int64_t>& prefix_of = {}, const std::vector<int64_t>& outputs = {}) const;
 
   // A decode step and a feed in one forward (DecodeEngine's merged pass): each of the cache's Bc rows takes
   // one token (step_ids, step_pos (Bc, 1)) at slot cache.step_slot (1), attending over step_mask (Bc, span)
@@ -198,6 +201,9 @@ class Transformer {
   // positions (B, L) in `dtype` (p.cos, p.sin), with whether the adapters' dropout runs (p.dropout: in a
   // training forward); and, once p is planned, every layer and the final norm.
   at::Tensor embed_tokens(const at::Tensor& ids) const;
+  // forward_packed's outputs into p (out_rows, out_kv_index, out_cu_k, out_keys, out_longest), once p.starts
+  // and p.prefix_of are set; T packed tokens.
+  void plan_outputs(ForwardPlan& p, const std::vector<int64_t>& outputs, int64_t T) const;
   void rope_tables(const at::Tensor& positions, at::ScalarType dtype, ForwardPlan& p) const;
   at::Tensor run_layers(at::Tensor h, const ForwardPlan& p) const;
   // The layer forms of a forward without a cache: the training kernels on CUDA with them on

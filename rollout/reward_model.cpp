@@ -250,10 +250,12 @@ std::vector<double> RewardModel::score_in_order(size_t count,
     if (last.empty()) return;
     if (!prefixed) prefix_of.clear();
     // The packed ids go up through pinned memory without waiting for the device.
+    // Each sequence's last token alone: the last layer runs over those rows only.
     const at::Tensor hidden = model_->forward_packed(to_device_async(ids, device_).view({1, -1}),
                                                      to_device_async(positions, device_).view({1, -1}), starts,
-                                                     prefix_of);  // (1, T, D)
-    chunks.push_back(model_->score(hidden[0].index_select(0, to_device_async(last, device_))).select(1, 0));
+                                                     prefix_of, scored_rows_only_ ? last : std::vector<int64_t>{});
+    const at::Tensor rows = scored_rows_only_ ? hidden[0] : hidden[0].index_select(0, to_device_async(last, device_));
+    chunks.push_back(model_->score(rows).select(1, 0));
     forwarded += static_cast<int64_t>(ids.size());
     ids.clear(), positions.clear(), starts.assign(1, 0), prefix_of.clear(), last.clear();
     keys = 0;

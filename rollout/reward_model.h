@@ -89,6 +89,9 @@ class RewardModel {
   static constexpr int64_t kKeysPerToken = 8;
   // Off: every sequence runs whole (what the shared prefixes save is measured against it).
   void set_share_prefixes(bool on) { share_prefixes_ = on; }
+  // Off: the last layer runs over every token, the scores read after it (what running it over each
+  // sequence's last token alone saves is measured against it).
+  void set_last_layer_scored_rows_only(bool on) { scored_rows_only_ = on; }
 
   // A padded batch as transformers scores it: ids (B, T) int64, mask (B, T) 0/1 (1 = real token), RoPE
   // positions counting real tokens from 0. Returns (B) float32 scores, each row's at last_real_tokens.
@@ -112,6 +115,7 @@ class RewardModel {
   at::Device device_ = at::kCPU;
   int64_t token_budget_ = 0;
   bool share_prefixes_ = true;
+  bool scored_rows_only_ = true;
 };
 
 }  // namespace rlt

@@ -272,6 +272,10 @@ SharedPrefixPack shared_prefix_pack(const at::Tensor& ids) {
   return k;
 }
 
+// Rows of shared_prefix_pack's layout that a forward returns alone: each sequence's last token, A's second
+// and C's third and eleventh (past gemma2's window of 8 with its prompt).
+const std::vector<int64_t> kOutputRows = {9, 14, 15, 18, 22, 34, 11, 25, 33};
+
 // The hidden states forward_packed must give k's sequences: each one's own tokens' rows of its whole forward.
 at::Tensor shared_prefix_truth(const Transformer& m, const SharedPrefixPack& k) {
   std::vector<at::Tensor> rows;
@@ -295,12 +299,19 @@ TEST(Transformer, SharedPrefixesEqualEachWholeSequencesForward) {
     const at::Tensor crossed = model.forward_packed(k.flat, k.flat_pos, k.starts, {-1, 0, 0, -1, -1, 0})[0];
     RLT_EXPECT_CLOSE_REJECTING(got, alone, "the answers without their prompts", want, 1e-10, 0.0, c);
     RLT_EXPECT_CLOSE_REJECTING(got, crossed, "C continuing the other prompt", want, 1e-10, 0.0, c);
+    // Some rows only (a reward model reads each sequence's last token), the last layer run over them alone:
+    // the whole forward's rows, C's past gemma2's window. Twin: the rows one before.
+    const at::Tensor rows = at::tensor(kOutputRows, at::kLong);
+    const at::Tensor some = model.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of, kOutputRows)[0];
+    RLT_EXPECT_CLOSE_REJECTING(some, want.index_select(0, rows - 1), "the rows one before", want.index_select(0, rows),
+                               1e-10, 0.0, c);
   }
   const Transformer model = Transformer::load(case_dir("qwen2").string(), at::kFloat, at::kCPU);
   const at::Tensor six = at::zeros({1, 6}, at::kLong);
   EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 0}), c10::Error) << "a prefix for two of three";
   EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 2, -1}), c10::Error) << "a later sequence";
   EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {-1, 0, 1}), c10::Error) << "a prefix with a prefix";
+  EXPECT_THROW(model.forward_packed(six, six, {0, 2, 4, 6}, {}, {5, 6}), c10::Error) << "an output past the tokens";
 }
 
 // The rollout's decode: a left-padded batch, prefilled with its padding mask, then one-token steps that
@@ -585,6 +596,21 @@ TEST(TransformerCuda, SharedPrefixesInBf16AreAsAccurateAsWholeSequences) {
     });
     auto err = [&](const at::Tensor& h) { return (h - truth.first).abs().max().item<double>(); };
     const double bound = 1.25 * err(whole.first) + truth.first.abs().max().item<double>() / 256;
+    {
+      // Some rows only, the last layer over them alone (one flash kernel, a query a row): as accurate at
+      // those rows; the rows one before fail.
+      at::NoGradGuard ng;
+      const at::Tensor rows = at::tensor(kOutputRows, at::kLong).to(gpu);
+      const at::Tensor some =
+          bf16.forward_packed(k.flat, k.flat_pos, k.starts, k.prefix_of, kOutputRows)[0].to(at::kFloat);
+      const at::Tensor want = truth.first.index_select(0, rows);
+      const double e = (some - want).abs().max().item<double>();
+      const double shifted = (some - truth.first.index_select(0, rows - 1)).abs().max().item<double>();
+      std::cout << "shared prefixes bf16 " << c << ": output rows' max |hidden error| " << e << ", the rows one before "
+                << shifted << "\n";
+      EXPECT_LE(e, bound);
+      EXPECT_GT(shifted, bound) << "the rows one before";
+    }
     std::cout << "shared prefixes bf16 " << c << ": max |hidden error| packed " << err(got.first)
               << ", whole sequences " << err(whole.first) << ", without the prompts " << err(alone.first) << "\n";
     EXPECT_LE(err(got.first), bound);
