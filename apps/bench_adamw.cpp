@@ -2,10 +2,18 @@
 // adamw_step on the CPU (all of ATen's threads, one pass) beside ATen's op-by-op sequence (what
 // torch::optim::AdamW runs), adamw_step on the GPU, and OffloadedAdamW's two drivers (host step; stream
 // through the GPU) with the gradient on the GPU and bf16 weights written back to it, for each --chunks
-// size. Prints one JSON object: milliseconds per step (median of --reps after one warm-up) and the
-// bytes each moves. Exit code 2 for bad flags or a failed allocation.
+// size. With --model (a config.json, or a folder holding one), the trainer's replicated optimizer step over
+// that model's trainable tensors instead: bf16 weights under fp32 masters (configs/retool.yaml's), clipped
+// at 1.0, stepped and rounded into the weights, once as torch runs it (clip_grad_norm_, one
+// torch::optim::AdamW::step, a copy a tensor) and once as the trainer does (clip_grad_norm_tensors,
+// step_multi_tensor, one _foreach_copy_), each from the same start and gradients, and the master elements
+// where the two differ after all their steps. Prints one JSON object: milliseconds per step (median of
+// --reps after one warm-up) and the bytes each moves. Exit code 2 for bad flags or a failed allocation.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -17,7 +25,10 @@
 #include <vector>
 
 #include "common/memory.h"
+#include "model/config.h"
+#include "model/transformer.h"
 #include "parallel/adamw.h"
+#include "trainer/optim.h"
 
 using json = nlohmann::json;
 
@@ -48,6 +59,54 @@ void aten_adamw(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v
   p.addcdiv_(m, denom, -(s.lr / bc1));
 }
 
+// The replicated step over `path`'s model on `device`, both ways (see the top of the file).
+json model_step(const std::string& path, int reps, const at::Device& device) {
+  const rlt::ModelConfig config = rlt::load_model_config(path);
+  rlt::Transformer model(config, at::kBFloat16, device, /*seed=*/0);
+  std::vector<at::Tensor> weights;
+  int64_t elems = 0;
+  for (const at::Tensor& w : model.trainable_parameters()) {
+    weights.push_back(w.detach());
+    elems += w.numel();
+  }
+  at::manual_seed(1);
+  std::vector<at::Tensor> grads;  // a step's gradients, norm ~0.02 sqrt(elems): the clip scales them
+  for (const at::Tensor& w : weights) grads.push_back(at::randn(w.sizes(), w.options().dtype(at::kFloat)) * 0.02);
+  json out = {{"model", path}, {"tensors", weights.size()}, {"elems", elems}};
+  std::vector<at::Tensor> final_masters;
+  for (const bool multi : {false, true}) {
+    std::vector<at::Tensor> masters;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      masters.push_back(weights[i].to(at::kFloat));
+      masters.back().mutable_grad() = grads[i].clone();  // the clip scales them in place, step after step
+    }
+    torch::optim::AdamW opt(masters, torch::optim::AdamWOptions(1e-6).betas({0.9, 0.98}).weight_decay(0.1));
+    const double ms = median_ms(reps, device, [&] {
+      at::NoGradGuard no_grad;
+      if (multi) {
+        std::vector<at::Tensor> g;
+        for (const at::Tensor& m : masters) g.push_back(m.grad());
+        rlt::clip_grad_norm_tensors(g, 1.0);
+        rlt::step_multi_tensor(opt);
+        at::_foreach_copy_(weights, masters);
+      } else {
+        torch::nn::utils::clip_grad_norm_(masters, 1.0);
+        opt.step();
+        for (size_t i = 0; i < weights.size(); ++i) weights[i].copy_(masters[i]);
+      }
+    });
+    out[multi ? "multi_tensor_ms" : "torch_ms"] = ms;
+    if (multi) {
+      int64_t different = 0;
+      for (size_t i = 0; i < masters.size(); ++i) different += masters[i].ne(final_masters[i]).sum().item<int64_t>();
+      out["masters_different"] = different;
+    } else {
+      final_masters = masters;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,6 +116,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   std::vector<int64_t> chunks = {int64_t(1) << 20, int64_t(1) << 22, int64_t(1) << 24};
   bool skip_aten = false;
+  std::string model;
   app.add_option("--elems", elems_f, "elements in the slice")->check(CLI::Range(1.0, 4e9));
   app.add_option("--reps", reps, "timed steps per case (median)")->check(CLI::Range(1, 1000));
   app.add_option("--threads", threads, "ATen intra-op threads (0: ATen's default)")->check(CLI::Range(0, 1024));
@@ -64,12 +124,25 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), int64_t(1) << 32));
   app.add_flag("--skip-aten", skip_aten,
                "leave out the op-by-op CPU baseline (its temporaries need 2 x elems x 4 bytes)");
+  app.add_option("--model", model,
+                 "the replicated step over this model's tensors (a config.json or its folder), torch's and the "
+                 "trainer's, on the GPU when there is one");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return e.get_exit_code() == 0 ? app.exit(e) : (app.exit(e), 2);
   }
   if (threads > 0) at::set_num_threads(threads);
+  if (!model.empty()) {
+    try {
+      const at::Device device = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+      std::cout << model_step(model, reps, device).dump(2) << "\n";
+    } catch (const std::exception& e) {
+      std::cerr << "bench_adamw: " << e.what() << "\n";
+      return 2;
+    }
+    return 0;
+  }
   const int64_t n = static_cast<int64_t>(elems_f);
   rlt::AdamWStep s;  // torch's defaults; step 10 so the bias corrections are not trivial
   s.step = 10;

@@ -194,16 +194,13 @@ void adamw_host(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, c
       kAdamWCpuGrain);
 }
 
-// Elements per round of the ATen path: bounds its temporary (the denominator) to 64 MiB.
-constexpr int64_t kAtenChunk = int64_t(1) << 24;
-
 // torch::optim::AdamW's own sequence of ATen ops (non-amsgrad), on any device. The denominator is
 // computed in place on one temporary (div_ and add_ round as div and add_ do).
 void adamw_aten(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, const AdamWStep& s) {
   const double bc1 = bias_correction(s.beta1, s.step), bc2 = bias_correction(s.beta2, s.step);
   const int64_t n = p.numel();
-  for (int64_t b = 0; b < n; b += kAtenChunk) {
-    const int64_t len = std::min(kAtenChunk, n - b);
+  for (int64_t b = 0; b < n; b += kAdamWRoundElems) {
+    const int64_t len = std::min(kAdamWRoundElems, n - b);
     at::Tensor pc = p.narrow(0, b, len), gc = g.narrow(0, b, len), mc = m.narrow(0, b, len), vc = v.narrow(0, b, len);
     if (s.weight_decay != 0) pc.mul_(1 - s.lr * s.weight_decay);
     mc.mul_(s.beta1).add_(gc, 1 - s.beta1);
@@ -244,6 +241,91 @@ void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at
   adamw_host(param.view({-1}), grad.view({-1}), exp_avg.view({-1}), exp_avg_sq.view({-1}), at::Tensor(), coeffs(s));
 }
 
+namespace {
+
+void check_tensors(const AdamWTensors& t) {
+  const size_t n = t.params.size();
+  TORCH_CHECK(t.grads.size() == n && t.exp_avgs.size() == n && t.exp_avg_sqs.size() == n, "adamw_step_tensors: ", n,
+              " params, ", t.grads.size(), " grads, ", t.exp_avgs.size(), " exp_avgs and ", t.exp_avg_sqs.size(),
+              " exp_avg_sqs");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = t.params[i];
+    TORCH_CHECK(p.defined() && at::isFloatingType(p.scalar_type()) && p.is_contiguous(), "adamw_step_tensors: param ",
+                i, " must be a defined, contiguous floating tensor");
+    TORCH_CHECK(p.device() == t.params.front().device() && p.scalar_type() == t.params.front().scalar_type(),
+                "adamw_step_tensors: param ", i, " is ", p.scalar_type(), " on ", p.device(), ", param 0 ",
+                t.params.front().scalar_type(), " on ", t.params.front().device());
+    for (const at::Tensor* o : {&t.grads[i], &t.exp_avgs[i], &t.exp_avg_sqs[i]}) {
+      TORCH_CHECK(o->defined() && o->is_contiguous() && o->sizes() == p.sizes() &&
+                      o->scalar_type() == p.scalar_type() && o->device() == p.device(),
+                  "adamw_step_tensors: the gradient and moments of param ", i, " must be contiguous, of its shape ",
+                  p.sizes(), ", dtype ", p.scalar_type(), " and device ", p.device());
+    }
+  }
+}
+
+// One round of adamw_step_tensors: torch::optim::AdamW's ops, in its order, over the lists; each list op
+// rounds as its single-tensor twin does, so the result is bit for bit torch's.
+void adamw_round(std::vector<at::Tensor>& p, std::vector<at::Tensor>& g, std::vector<at::Tensor>& m,
+                 std::vector<at::Tensor>& v, const AdamWStep& s) {
+  const double bc1 = bias_correction(s.beta1, s.step), bc2 = bias_correction(s.beta2, s.step);
+  if (s.weight_decay != 0) at::_foreach_mul_(p, 1 - s.lr * s.weight_decay);
+  at::_foreach_mul_(m, s.beta1);
+  at::_foreach_add_(m, g, 1 - s.beta1);
+  at::_foreach_mul_(v, s.beta2);
+  at::_foreach_addcmul_(v, g, g, 1 - s.beta2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+  at::_foreach_div_(denom, std::sqrt(bc2));
+  at::_foreach_add_(denom, s.eps);
+  at::_foreach_addcdiv_(p, m, denom, -(s.lr / bc1));
+}
+
+}  // namespace
+
+void adamw_step_tensors(const AdamWTensors& t, const AdamWStep& s, int64_t round_elems, AdamWTensorsFault fault) {
+  check_tensors(t);
+  check_hyper_parameters(s);
+  TORCH_CHECK(round_elems >= 1, "adamw_step_tensors: round_elems must be >= 1, got ", round_elems);
+  at::NoGradGuard no_grad;  // in-place updates of leaves
+  std::vector<at::Tensor> p, g, m, v;
+  int64_t held = 0;  // elements in the round
+  auto run_round = [&] {
+    if (fault == AdamWTensorsFault::kSkipRoundTail && !p.empty())
+      p.pop_back(), g.pop_back(), m.pop_back(), v.pop_back();
+    if (!p.empty()) adamw_round(p, g, m, v, s);
+    p.clear(), g.clear(), m.clear(), v.clear();
+    held = 0;
+  };
+  for (size_t i = 0; i < t.params.size(); ++i) {
+    const int64_t n = t.params[i].numel();
+    for (int64_t b = 0; b < n; b += round_elems) {
+      const int64_t len = std::min(round_elems, n - b);
+      if (held + len > round_elems) run_round();
+      p.push_back(t.params[i].view({-1}).narrow(0, b, len));
+      g.push_back(t.grads[i].view({-1}).narrow(0, fault == AdamWTensorsFault::kSliceOffsetIgnored ? 0 : b, len));
+      m.push_back(t.exp_avgs[i].view({-1}).narrow(0, b, len));
+      v.push_back(t.exp_avg_sqs[i].view({-1}).narrow(0, b, len));
+      held += len;
+    }
+  }
+  run_round();
+}
+
+double clip_grad_norm_tensors(const std::vector<at::Tensor>& grads, double max_norm) {
+  std::vector<at::Tensor> defined;
+  for (const at::Tensor& g : grads)
+    if (g.defined()) defined.push_back(g);
+  if (defined.empty()) return 0.0;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> norms = at::_foreach_norm(defined, 2);
+  const at::Tensor total = norms.size() == 1 ? norms.front() : at::stack(norms).norm(2);
+  if (!std::isinf(max_norm)) {  // a scale of at most 1, as clip_grad_norm_ computes it
+    const at::Tensor coef = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+    at::_foreach_mul_(defined, coef);
+  }
+  return total.item<double>();
+}
+
 OffloadedAdamW::OffloadedAdamW(const at::Tensor& master, OffloadOptions options)
     : OffloadedAdamW(fp32_numel(master), options) {
   master_.copy_(master.reshape({-1}));
@@ -275,7 +357,7 @@ int64_t chunk_of(int64_t n, const OffloadOptions& options) {
 
 int64_t stream_step_device_bytes(int64_t n, const OffloadOptions& options) {
   const int64_t C = chunk_of(n, options);
-  return int64_t(sizeof(float)) * (3 * 3 * C + std::min(C, kAtenChunk));
+  return int64_t(sizeof(float)) * (3 * 3 * C + std::min(C, kAdamWRoundElems));
 }
 
 void OffloadedAdamW::step(const at::Tensor& grad, const AdamWStep& s, at::Tensor out) {

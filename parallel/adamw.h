@@ -1,12 +1,15 @@
 // AdamW on one flat fp32 slice: the update the sharded optimizer (train.shard) applies to a rank's slice
 // of the masters and moments, and OffloadedAdamW, which keeps that slice in pinned host memory for
-// train.offload: optimizer. The arithmetic is torch::optim::AdamW's (libtorch 2.11, decoupled weight
-// decay, amsgrad off); amsgrad, maximize and gradient scaling are left out.
+// train.offload: optimizer. AdamW over a list of tensors (adamw_step_tensors) and the global-norm clip over
+// one (clip_grad_norm_tensors): the replicated trainer's optimizer step, in multi-tensor kernels. The
+// arithmetic is torch::optim::AdamW's (libtorch 2.11, decoupled weight decay, amsgrad off); amsgrad,
+// maximize and gradient scaling are left out.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "parallel/options.h"
 
@@ -34,9 +37,33 @@ constexpr int64_t kAdamWCpuGrain = int64_t(1) << 15;
 // param, grad, exp_avg, exp_avg_sq: (n) contiguous fp32 on one device. On the CPU one pass over memory on
 // all of ATen's threads; elsewhere ATen's ops, the same sequence as torch::optim::AdamW. The CPU sqrt is
 // correctly rounded where ATen's (MKL's) is within an ulp, so p can differ from torch's CPU step by an ulp.
-// 1e8 elements on 16 Xeon cores: 18.8 ms (149 GB/s of host memory); ATen's op sequence takes 109.7 ms.
+// Its speed against ATen's op sequence: docs/benchmarks.md, "AdamW and the optimizer offload".
 void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 const AdamWStep& s);
+
+// One AdamW step over many tensors at one step count, in place: the arithmetic of adamw_step's ATen path
+// (torch::optim::AdamW's ops, in its order, with its roundings) as ATen's multi-tensor ops (_foreach_*), so
+// that on CUDA each op is one kernel over a list of tensors where torch::optim::AdamW launches one a tensor:
+// about 30 rounds of nine list ops for a 0.5B model where it launches 2,600 kernels. A round holds at most
+// round_elems elements (a tensor larger than that is cut into slices): 16M bounds the denominator's
+// temporary to 64 MiB. On the CPU ATen runs the same ops tensor by tensor, so the result is torch's there
+// too. params, grads, exp_avgs, exp_avg_sqs: equal counts, each quadruple contiguous and of one shape; one
+// floating dtype and one device for all. `fault`: a deliberate mistake, for the tests only.
+struct AdamWTensors {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+};
+constexpr int64_t kAdamWRoundElems = int64_t(1) << 24;
+// kSkipRoundTail: each round's last slice is left unstepped. kSliceOffsetIgnored: every slice of a cut
+// tensor takes its gradient from the tensor's start.
+enum class AdamWTensorsFault { kNone, kSkipRoundTail, kSliceOffsetIgnored };
+void adamw_step_tensors(const AdamWTensors& t, const AdamWStep& s, int64_t round_elems = kAdamWRoundElems,
+                        AdamWTensorsFault fault = AdamWTensorsFault::kNone);
+
+// The gradients of `grads` (undefined ones skipped) scaled as torch::nn::utils::clip_grad_norm_ scales them:
+// by max_norm / (norm + 1e-6), at most 1, where norm is the 2-norm of the per-tensor norms; returns norm
+// (one host sync). The per-tensor norms and the scaling are multi-tensor ops (_foreach_norm, _foreach_mul_):
+// two kernels on CUDA where clip_grad_norm_ launches two a tensor. max_norm may be +inf (no clipping).
+double clip_grad_norm_tensors(const std::vector<at::Tensor>& grads, double max_norm);
 
 // Where OffloadedAdamW::step computes (OffloadMode, parallel/options.h): both keep the masters and moments
 // in pinned host memory. kHostStep: the gradient slice comes to the host in chunks, the host steps each

@@ -426,9 +426,9 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     p.grad_buffers = (masters && accumulates ? 2 * T : 0) + tied;
     p.masters = masters ? 4 * T : 0;
     p.moments = 2 * stepped * T;
-    // AdamW::step's denominator, exp_avg_sq.sqrt() / sqrt(bias_correction2): two temporaries the size of
-    // the tensor it steps.
-    p.optimizer_step = 2 * stepped * (lora ? sh.adapter_max : sh.largest);
+    // step_multi_tensor's denominator, the square roots of exp_avg_sq over a round of at most
+    // kAdamWRoundElems elements (parallel/adamw.h), scaled in place: one temporary.
+    p.optimizer_step = stepped * std::min<int64_t>(kAdamWRoundElems, T);
   } else {
     // ShardedState (parallel/shard.h): the trainable tensors in units (a decoder layer's, or one other
     // tensor), each split into Ns chunks (Ns = 1 for train.offload alone). A rank holds the fp32 chunks
@@ -462,7 +462,7 @@ MemoryPlan plan_memory(const Config& c, const ModelConfig& m, int world) {
     // ShardedState::step's gradient norm, at::sum(chunk.square(), kDouble) over 2^24 elements at a time
     // (kNormChunk): the squares in fp32 and their float64 cast (a reduction to another dtype casts its
     // input first), 12 bytes an element. It runs on the device even with train.offload, and before
-    // adamw_step, whose one temporary (the denominator over at most 2^24 elements, kAtenChunk) is smaller.
+    // adamw_step, whose one temporary (the denominator over at most 2^24 elements, kAdamWRoundElems) is smaller.
     p.optimizer_step = 12 * std::min<int64_t>(int64_t{1} << 24, T / Ns);
   }
   // The pinned host buffers behind host_optimizer and parked, in bytes.

@@ -28,7 +28,7 @@ struct MemoryPlan {
                                  // awaiting the fp32 sum, or the fp32 wholes awaiting the reduce-scatter
   int64_t masters = 0;           // fp32 master weights of a bf16 model
   int64_t moments = 0;           // AdamW's two moments
-  int64_t optimizer_step = 0;    // AdamW's temporaries: two fp32 tensors the size of the largest it steps
+  int64_t optimizer_step = 0;    // the optimizer step's temporaries: its denominator over a round, the norm's
   int64_t reference = 0;         // the reference policy (objective.kl_coef > 0)
   int64_t rollout_weights = 0;   // the rollout's packed q/k/v and gate/up, its merged LoRA projections, the
                                  // weights it gathers under shard parameters

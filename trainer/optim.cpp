@@ -9,8 +9,6 @@
 #include "trainer/critic.h"
 #include "trainer/metrics.h"
 
-#include <torch/nn/utils/clip_grad.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -205,6 +203,34 @@ double learning_rate(const TrainOptions& o, int64_t step, int64_t total) {
       return floor + (o.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
   }
   return o.lr;
+}
+
+void step_multi_tensor(torch::optim::AdamW& opt) {
+  for (auto& group : opt.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    TORCH_CHECK(!o.amsgrad(), "step_multi_tensor: amsgrad is not supported");
+    std::map<int64_t, AdamWTensors> by_step;  // the group's parameters by their step count, this step included
+    for (const at::Tensor& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+      if (!slot) {  // the state opt.step() makes at a parameter's first step
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->step(0);
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+      st.step(st.step() + 1);
+      AdamWTensors& t = by_step[st.step()];
+      t.params.push_back(p);
+      t.grads.push_back(p.grad().contiguous());  // a copy only where a reduction left it strided
+      t.exp_avgs.push_back(st.exp_avg());
+      t.exp_avg_sqs.push_back(st.exp_avg_sq());
+    }
+    for (const auto& [step, t] : by_step)
+      adamw_step_tensors(t, {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), step});
+  }
 }
 
 void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scale) {
@@ -525,7 +551,9 @@ void copy_master_weights_to_model(ModelState& model) {
   if (model.master.empty()) return;
   at::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = model.policy->trainable_parameters();
-  for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(model.master[i]);  // rounded to nearest
+  std::vector<at::Tensor> weights;
+  for (const at::Tensor& p : params) weights.push_back(p.detach());
+  at::_foreach_copy_(weights, model.master);  // rounded to nearest; one kernel a list on CUDA
 }
 
 OffloadMode offload_mode(OffloadStep step, bool cuda, int ranks_on_host) {
@@ -558,7 +586,9 @@ double step_optimizer(Run& run, ModelState& model, StepCounters& counters, const
   }
   accumulate_gradients(model);
   const std::vector<at::Tensor> params = optimizer_params(model);
-  const double norm = torch::nn::utils::clip_grad_norm_(params, t.grad_clip > 0 ? t.grad_clip : INFINITY);
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params) grads.push_back(p.grad());
+  const double norm = clip_grad_norm_tensors(grads, t.grad_clip > 0 ? t.grad_clip : INFINITY);
   at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
   if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();
@@ -572,7 +602,7 @@ double step_optimizer(Run& run, ModelState& model, StepCounters& counters, const
     return norm;
   }
   set_learning_rate(*model.optimizer, lr, model.extra_lr_scale);
-  model.optimizer->step();
+  step_multi_tensor(*model.optimizer);
   copy_master_weights_to_model(model);
   ++counters.optimizer_steps;
   return norm;

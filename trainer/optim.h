@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/adamw.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/shard.h"
 #include "trainer/batch.h"
@@ -109,6 +110,13 @@ class PhasePeaks;
 // each part a phase of `peaks`: with phase_offload, park (the moves out) and unpark (the moves back) on either
 // side of the rollout, so the rollout's peak is measured with the state parked.
 RolloutBatch parked_rollout(Run& run, PhasePeaks& peaks, const std::function<RolloutBatch()>& collect);
+
+// torch::optim::AdamW::step over opt's groups as multi-tensor ops (adamw_step_tensors in
+// parallel/adamw.h): the same state, made at a parameter's first step and counted per parameter (the
+// parameters of a group that share a count step together), and the same weights, in a few kernels a round
+// where opt.step() launches nine a tensor. Parameters without a gradient are skipped, as opt.step() skips
+// them. amsgrad is refused.
+void step_multi_tensor(torch::optim::AdamW& opt);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);

@@ -1,12 +1,15 @@
 // adamw_step against torch::optim::AdamW and against a float64 loop, over 5 steps on odd sizes; the wrong
 // variants (no bias correction, decay after the update, decay as L2, a moment read one element off) that
 // the same comparisons must reject; OffloadedAdamW's drivers against adamw_step, bit for bit, and the
-// weights they write against the masters' rounding. CUDA cases skip without a GPU.
+// weights they write against the masters' rounding; adamw_step_tensors against torch::optim::AdamW over a
+// list of tensors, bit for bit, with its faults, and clip_grad_norm_tensors against clip_grad_norm_. CUDA
+// cases skip without a GPU.
 #include <ATen/Parallel.h>
 #ifdef RLT_HAVE_CUDA
 #include <ATen/cuda/Sleep.h>
 #endif
 #include <gtest/gtest.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -241,6 +244,176 @@ std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+// A model's list of tensors for adamw_step_tensors, at rounds of kRound elements: tensors cut into slices
+// (2,500 into three, 1,031 into two) and rounds that end inside a list, after a whole tensor, or hold one
+// slice.
+constexpr int64_t kRound = 1000;
+const std::vector<std::vector<int64_t>> kShapes = {{3}, {7, 11}, {1031}, {50, 50}, {1}, {999}, {2}};
+
+std::vector<Problem> make_list_problem(uint64_t seed) {
+  std::vector<Problem> out;
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : kShapes[i]) n *= d;
+    out.push_back(make_problem(n, seed + i));
+  }
+  return out;
+}
+
+using ListStates = std::vector<std::vector<State>>;  // [step][tensor]
+
+// torch::optim::AdamW over the list (one group) on `device` in `dtype`: the states after each step.
+ListStates torch_adamw_list(const std::vector<Problem>& pr, at::Device device, at::ScalarType dtype) {
+  const AdamWStep s = hyper(1);
+  std::vector<at::Tensor> params;
+  for (size_t i = 0; i < pr.size(); ++i) params.push_back(pr[i].p0.to(device, dtype).reshape(kShapes[i]).clone());
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(s.lr)
+                                      .betas({s.beta1, s.beta2})
+                                      .eps(s.eps)
+                                      .weight_decay(s.weight_decay)
+                                      .amsgrad(false));
+  ListStates out;
+  for (int t = 0; t < kSteps; ++t) {
+    for (size_t i = 0; i < pr.size(); ++i)
+      params[i].mutable_grad() = pr[i].grads[t].to(device, dtype).reshape(kShapes[i]);
+    opt.step();
+    out.emplace_back();
+    for (const at::Tensor& p : params) {
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+      out.back().push_back({p.flatten().clone(), st.exp_avg().flatten().clone(), st.exp_avg_sq().flatten().clone()});
+    }
+  }
+  return out;
+}
+
+ListStates rlt_adamw_list(const std::vector<Problem>& pr, at::Device device, at::ScalarType dtype,
+                          AdamWTensorsFault fault = AdamWTensorsFault::kNone) {
+  AdamWTensors ts;
+  for (size_t i = 0; i < pr.size(); ++i) {
+    ts.params.push_back(pr[i].p0.to(device, dtype).reshape(kShapes[i]).clone());
+    ts.exp_avgs.push_back(at::zeros_like(ts.params.back()));
+    ts.exp_avg_sqs.push_back(at::zeros_like(ts.params.back()));
+  }
+  ListStates out;
+  for (int t = 0; t < kSteps; ++t) {
+    ts.grads.clear();
+    for (size_t i = 0; i < pr.size(); ++i) ts.grads.push_back(pr[i].grads[t].to(device, dtype).reshape(kShapes[i]));
+    adamw_step_tensors(ts, hyper(t + 1), kRound, fault);
+    out.emplace_back();
+    for (size_t i = 0; i < pr.size(); ++i)
+      out.back().push_back(
+          {ts.params[i].flatten().clone(), ts.exp_avgs[i].flatten().clone(), ts.exp_avg_sqs[i].flatten().clone()});
+  }
+  return out;
+}
+
+// Elements of the list's states (weights, both moments) that differ between a and b at step t.
+int64_t list_different(const ListStates& a, const ListStates& b, int t) {
+  int64_t n = 0;
+  for (size_t i = 0; i < a[t].size(); ++i)
+    n += count_different(a[t][i].p, b[t][i].p) + count_different(a[t][i].m, b[t][i].m) +
+         count_different(a[t][i].v, b[t][i].v);
+  return n;
+}
+
+// The multi-tensor step against torch::optim::AdamW over the same list: bit for bit at every step, and in
+// fp32 within kRelTol of the float64 loop; the faults (a round's last slice dropped, a cut tensor's slices
+// all reading its first gradient slice) differ from torch's.
+void check_adamw_list(at::Device device, at::ScalarType dtype) {
+  const std::vector<Problem> pr = make_list_problem(dtype == at::kFloat ? 5000 : 6000);
+  const ListStates expected = torch_adamw_list(pr, device, dtype);
+  const ListStates actual = rlt_adamw_list(pr, device, dtype);
+  for (int t = 0; t < kSteps; ++t) EXPECT_EQ(list_different(actual, expected, t), 0) << "step " << t + 1;
+  if (dtype == at::kFloat) {
+    double worst = 0;
+    for (size_t i = 0; i < pr.size(); ++i) {
+      const auto reference = reference_adamw(pr[i], Bug::kNone);
+      for (int t = 0; t < kSteps; ++t) worst = std::max(worst, worst_error(actual[t][i], reference[t], pr[i], t));
+    }
+    EXPECT_LE(worst, kRelTol);
+    std::cout << c10::toString(dtype) << " on " << device << ": worst error against float64 " << worst << "\n";
+  }
+  for (const auto& [fault, name] : {std::pair{AdamWTensorsFault::kSkipRoundTail, "a round's last slice dropped"},
+                                    {AdamWTensorsFault::kSliceOffsetIgnored, "slices read the first gradient slice"}}) {
+    const int64_t different = list_different(rlt_adamw_list(pr, device, dtype, fault), expected, kSteps - 1);
+    EXPECT_GT(different, 0) << "the check accepts: " << name;
+    std::cout << "  twin '" << name << "': " << different << " elements differ\n";
+  }
+}
+
+TEST(AdamwStepTensors, EqualsTorchAdamWOverAList) { check_adamw_list(at::kCPU, at::kFloat); }
+
+// clip_grad_norm_tensors against torch::nn::utils::clip_grad_norm_ on copies of the same gradients, with
+// the clip active (max_norm below the norm) and not: the norm, and every gradient after it. `exact`: bit
+// for bit (the CPU, where both take ATen's per-tensor norm); else within 1e-6 relative (CUDA's
+// _foreach_norm reduces in its own order). The twins: the scale not clamped at 1, and the list's last
+// gradient left unscaled.
+void check_clip(at::Device device, bool exact) {
+  const std::vector<Problem> pr = make_list_problem(7000);
+  for (const double max_norm : {0.5, 1e6}) {
+    SCOPED_TRACE("max_norm " + std::to_string(max_norm));
+    std::vector<at::Tensor> ours, theirs, twin_unclamped, twin_last;
+    for (size_t i = 0; i < pr.size(); ++i) {
+      const at::Tensor g = pr[i].grads[0].to(device).reshape(kShapes[i]);
+      ours.push_back(g.clone());
+      twin_unclamped.push_back(g.clone());
+      twin_last.push_back(g.clone());
+      theirs.push_back(at::zeros_like(g));
+      theirs.back().mutable_grad() = g.clone();
+    }
+    const double norm = clip_grad_norm_tensors(ours, max_norm);
+    const double expected = torch::nn::utils::clip_grad_norm_(theirs, max_norm);
+    EXPECT_GT(norm, 0.5);  // the clip at 0.5 scales every gradient down
+    double worst = std::abs(norm - expected) / expected;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      const at::Tensor& g = theirs[i].grad();
+      if (exact) {
+        EXPECT_TRUE(at::equal(ours[i], g)) << "tensor " << i;
+      }
+      worst = std::max(worst, ((ours[i] - g).abs().max() / g.abs().max()).item<double>());
+    }
+    if (exact) {
+      EXPECT_EQ(norm, expected);
+    }
+    EXPECT_LE(worst, 1e-6);
+    std::cout << device << ", max_norm " << max_norm << ": norm " << norm << " (torch " << expected
+              << "), worst relative difference " << worst << "\n";
+    // Twins, each compared with torch's gradients.
+    for (at::Tensor& g : twin_unclamped) g.mul_(max_norm / (norm + 1e-6));
+    const at::Tensor last = twin_last.back().clone();
+    clip_grad_norm_tensors(twin_last, max_norm);
+    twin_last.back().copy_(last);
+    auto largest_difference = [&](const std::vector<at::Tensor>& twin) {
+      double d = 0;
+      for (size_t i = 0; i < twin.size(); ++i)
+        d = std::max(d, ((twin[i] - theirs[i].grad()).abs().max() / theirs[i].grad().abs().max()).item<double>());
+      return d;
+    };
+    if (max_norm > norm) {  // the scale is 1: unclamped, it would scale every gradient up
+      EXPECT_GT(largest_difference(twin_unclamped), 1e-6) << "the check accepts an unclamped scale";
+    } else {
+      EXPECT_GT(largest_difference(twin_last), 1e-6) << "the check accepts an unscaled gradient";
+    }
+  }
+}
+
+TEST(AdamwStepTensors, ClipMatchesTorchClipGradNorm) { check_clip(at::kCPU, /*exact=*/true); }
+
+TEST(AdamwStepTensors, RejectsBadInput) {
+  AdamWTensors ts{{at::zeros({8})}, {at::zeros({8})}, {at::zeros({8})}, {at::zeros({8})}};
+  AdamWTensors fewer = ts;
+  fewer.grads.clear();
+  EXPECT_NE(error_of([&] { adamw_step_tensors(fewer, hyper(1)); }).find("1 params, 0 grads"), std::string::npos);
+  AdamWTensors shape = ts;
+  shape.exp_avgs[0] = at::zeros({4, 2});
+  EXPECT_NE(error_of([&] { adamw_step_tensors(shape, hyper(1)); }).find("of its shape [8]"), std::string::npos);
+  AdamWTensors mixed = ts;
+  mixed.params.push_back(at::zeros({2}, at::kDouble));
+  for (auto* l : {&mixed.grads, &mixed.exp_avgs, &mixed.exp_avg_sqs}) l->push_back(at::zeros({2}, at::kDouble));
+  EXPECT_NE(error_of([&] { adamw_step_tensors(mixed, hyper(1)); }).find("param 1 is Double"), std::string::npos);
+  EXPECT_NE(error_of([&] { adamw_step_tensors(ts, hyper(1), 0); }).find("round_elems must be >= 1"), std::string::npos);
+}
+
 TEST(AdamwStep, RejectsBadInput) {
   at::Tensor p = at::zeros({8}), g = at::zeros({8}), m = at::zeros({8}), v = at::zeros({8});
   EXPECT_NE(error_of([&] { adamw_step(p, at::zeros({7}), m, v, hyper(1)); }).find("grad has 7 elements"),
@@ -366,6 +539,17 @@ TEST(AdamwStepCuda, EqualsTorchAdamWOnCuda) {
           << "the check accepts: " << name;
     }
   }
+}
+
+TEST(AdamwStepTensorsCuda, EqualsTorchAdamWOverAListOnCuda) {
+  if (!has_cuda()) GTEST_SKIP() << "no CUDA device";
+  check_adamw_list(at::kCUDA, at::kFloat);
+  check_adamw_list(at::kCUDA, at::kBFloat16);
+}
+
+TEST(AdamwStepTensorsCuda, ClipMatchesTorchClipGradNormOnCuda) {
+  if (!has_cuda()) GTEST_SKIP() << "no CUDA device";
+  check_clip(at::kCUDA, /*exact=*/false);
 }
 
 TEST(OffloadedAdamWCuda, HostStepEqualsAdamwStepOnCpu) {

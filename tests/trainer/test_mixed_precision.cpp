@@ -1,11 +1,14 @@
 // Mixed precision through the trainer's own optimizer path (make_optimizer, accumulate_gradients,
 // apply_gradients): a bf16 model with fp32 master weights moves the way an fp32 model does at lr 1e-6,
 // where plain bf16 AdamW rounds most updates away; the bf16 weights are the masters rounded; gradients of
-// micro-batches add up in fp32.
+// micro-batches add up in fp32; the trainer's multi-tensor AdamW step equals torch::optim::AdamW::step.
 #include <gtest/gtest.h>
+
+#include <torch/optim/adamw.h>
 
 #include <cmath>
 #include <iostream>
+#include <memory>
 
 #include "loss/logprob.h"
 #include "tests/common/tiny_model.h"
@@ -148,6 +151,76 @@ TEST(MixedPrecision, OptimizerMemoryCountsMastersGradientsAndMoments) {
   const at::Tensor ids = at::randint(0, 96, {4, 8}, at::TensorOptions().dtype(at::kLong));
   train_step(run, ids);
   EXPECT_EQ(optimizer_memory_bytes(run.model), 4 * n + 2 * 4 * n) << "+ two fp32 moments (gradients zeroed to none)";
+}
+
+// The trainer's AdamW step (step_multi_tensor) against torch::optim::AdamW::step on copies of the same two
+// groups (the second at its own learning rate without decay, as the trainer's extra group), five steps in
+// which one parameter has no gradient at the second step, so its count lags its group's: the weights and
+// every state (moments, count) bit for bit after each step. The twin, that parameter stepped with a zero
+// gradient instead (its weight decays and moves on its moment), must differ.
+void check_multi_tensor_step(at::Device device, at::ScalarType dtype) {
+  const std::vector<std::vector<int64_t>> shapes = {{7, 5}, {64}, {3, 11}, {1}, {5}, {2, 2}};
+  const size_t first_group = 4, skipped = 1, skipped_at = 1;
+  at::manual_seed(11);
+  std::vector<at::Tensor> start;
+  for (const auto& shape : shapes) start.push_back(at::randn(shape).to(device, dtype));
+  struct Copy {
+    std::vector<at::Tensor> params;
+    std::unique_ptr<torch::optim::AdamW> opt;
+  };
+  auto make_copy = [&] {
+    Copy c;
+    for (const at::Tensor& t : start) c.params.push_back(t.clone());
+    auto o = torch::optim::AdamWOptions(2e-2).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.5);
+    auto extra = o;
+    extra.lr(5e-2).weight_decay(0.0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>(c.params.begin(), c.params.begin() + first_group),
+                        std::make_unique<torch::optim::AdamWOptions>(o));
+    groups.emplace_back(std::vector<at::Tensor>(c.params.begin() + first_group, c.params.end()),
+                        std::make_unique<torch::optim::AdamWOptions>(extra));
+    c.opt = std::make_unique<torch::optim::AdamW>(std::move(groups), o);
+    return c;
+  };
+  Copy theirs = make_copy(), ours = make_copy(), twin = make_copy();
+  auto same = [](const Copy& a, const Copy& b) {
+    bool equal = true;
+    for (size_t i = 0; i < a.params.size(); ++i) {
+      equal = equal && at::equal(a.params[i], b.params[i]);
+      const auto& sa =
+          static_cast<torch::optim::AdamWParamState&>(*a.opt->state().at(a.params[i].unsafeGetTensorImpl()));
+      const auto& sb =
+          static_cast<torch::optim::AdamWParamState&>(*b.opt->state().at(b.params[i].unsafeGetTensorImpl()));
+      equal = equal && sa.step() == sb.step() && at::equal(sa.exp_avg(), sb.exp_avg()) &&
+              at::equal(sa.exp_avg_sq(), sb.exp_avg_sq());
+    }
+    return equal;
+  };
+  for (size_t t = 0; t < 5; ++t) {
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const at::Tensor g = (at::randn(shapes[i]) * at::randn(shapes[i]).exp()).to(device, dtype);
+      const bool none = i == skipped && t == skipped_at;
+      theirs.params[i].mutable_grad() = none ? at::Tensor() : g;
+      ours.params[i].mutable_grad() = none ? at::Tensor() : g.clone();
+      twin.params[i].mutable_grad() = none ? at::zeros_like(g) : g.clone();
+    }
+    theirs.opt->step();
+    step_multi_tensor(*ours.opt);
+    step_multi_tensor(*twin.opt);
+    EXPECT_TRUE(same(ours, theirs)) << "step " << t + 1;
+  }
+  const auto& lagging =
+      static_cast<torch::optim::AdamWParamState&>(*ours.opt->state().at(ours.params[skipped].unsafeGetTensorImpl()));
+  EXPECT_EQ(lagging.step(), 4) << "the parameter without a gradient keeps its count";
+  EXPECT_FALSE(same(twin, theirs)) << "the check accepts a missing gradient stepped as zero";
+}
+
+TEST(MixedPrecision, MultiTensorStepEqualsTorchAdamW) { check_multi_tensor_step(at::kCPU, at::kFloat); }
+
+TEST(MixedPrecisionCuda, MultiTensorStepEqualsTorchAdamWOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  check_multi_tensor_step(at::kCUDA, at::kFloat);
+  check_multi_tensor_step(at::kCUDA, at::kBFloat16);
 }
 
 }  // namespace
