@@ -722,6 +722,28 @@ Config varied_first_step_config(int64_t steps) {
   return c;
 }
 
+// varied_first_step_config's model after its warm-up, saved under `dir` as the Hugging Face folder of a
+// one-step run's checkpoint at lr 0, and the config whose first RL step starts from it without a warm-up of
+// its own, for runs that compare paths. Their old log-probs are recomputed by the trainer: the rollout's
+// depend in their last bits on which rows share a decode step, which the sandbox's timing decides, so two
+// runs of one path would differ (by up to 1e-6 in the step's log-prob mean on a 16-core host). And their
+// step takes AdamW eps 1e-4 (the gradients' elements are ~5e-3): at 1e-8 AdamW steps an element by about
+// lr times its gradient's sign, so an element whose gradient is rounding noise moves by +-lr, while below
+// 1e-4 an element steps in proportion to its gradient and gradients that agree to 1e-7 give steps that
+// agree about as well. From one start, the runs then differ by their paths alone, bit for bit from run to run.
+Config from_warmed_up_model(const std::filesystem::path& dir, int64_t steps) {
+  Config warm = varied_first_step_config(/*steps=*/1);
+  warm.train.lr = 0;
+  rlt::Run run = make_run(warm, (dir / "warm_up").string(), /*resume=*/false);
+  train_grpo(run);
+  Config c = varied_first_step_config(steps);
+  c.model.path = (dir / "warm_up" / "checkpoint" / "model").string();
+  c.sft.steps = 0;
+  c.train.old_logprobs = OldLogprobs::kRecompute;
+  c.train.adam_eps = 1e-4;
+  return c;
+}
+
 // The step's reward metrics against the trajectories the run logged (train.log_samples: all of them):
 // each trajectory's overlong penalty is the shaping of its own lengths, overlong_penalty_mean their mean,
 // reward_mean the mean of the shaped rewards, and groups_equal_reward the groups whose G shaped rewards
@@ -935,13 +957,13 @@ TEST_P(Trainers, AMismatchAboveTheToleranceSwitchesToRecomputeOnceAndAResumeKeep
   EXPECT_EQ(recomputed(read_metrics(part + "_lost")), std::vector<double>({0, 0, 1}));
 }
 
-// The ablation the README tables: every loss path and row selection on the same first RL step (same
+// The ablation the README tables: every loss path and row selection on the same first RL step (one
 // warm-up, same rollout) gives the same loss, log-probs and gradient norm, while the update's memory
 // differs. Two iterations over two mini-batches make the second pass off-policy, so the loss depends on
 // the log-probs (an on-policy first pass has ratio 1 whatever they are).
 TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   TempDir tmp("ablation");
-  const Config base = varied_first_step_config(/*steps=*/1);
+  const Config base = from_warmed_up_model(tmp.path(), /*steps=*/1);
   struct Variant {
     LogprobImpl impl;
     bool response_only, loss_mask_only;
@@ -952,6 +974,7 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
       {LogprobImpl::kCce, true, true},
   };
   std::vector<std::map<std::string, double>> m;
+  double grads_mib = 0;  // the parameters' gradients, which the update's first backward makes in every variant
   for (size_t i = 0; i < variants.size(); ++i) {
     Config c = base;
     c.loss.impl = variants[i].impl;
@@ -959,11 +982,17 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
     c.loss.loss_mask_only = variants[i].loss_mask_only;
     rlt::Run run = make_run(c, (tmp.path() / std::to_string(i)).string(), false);
     m.push_back(train_grpo(run));
+    grads_mib = 0;
+    for (const at::Tensor& p : run.model.policy->trainable_parameters()) grads_mib += p.nbytes() / 1048576.0;
   }
   ASSERT_GT(m[0]["reward_std"], 0) << "the first step needs unequal rewards for a non-zero loss";
   // fp32 paths that sum a vocabulary in different orders: log-probs agree to ~1e-7; the loss and the
   // gradient norm inherit that through one optimizer step.
   constexpr double kLossTol = 1e-6, kGradRel = 1e-4;
+  for (size_t i = 0; i < m.size(); ++i) {
+    std::printf("variant %zu: loss %.9e  logprob_mean %.9e  grad_norm %.9e  peak %.4f MiB\n", i, m[i]["loss"],
+                m[i]["logprob_mean"], m[i]["grad_norm"], m[i]["peak_memory_update_mib"]);
+  }
   for (size_t i = 1; i < m.size(); ++i) {
     EXPECT_NEAR(m[i]["loss"], m[0]["loss"], kLossTol) << "variant " << i;
     EXPECT_NEAR(m[i]["logprob_mean"], m[0]["logprob_mean"], kLossTol) << "variant " << i;
@@ -973,8 +1002,9 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
   EXPECT_GT(std::abs(m[0]["loss"]), 1e-4) << "an off-policy pass: the loss is not trivially 0";
   // No KL and no entropy term, two micro-batches per mini-batch: the logged pg_loss is the loss.
   for (size_t i = 0; i < m.size(); ++i) EXPECT_NEAR(m[i]["pg_loss"], m[i]["loss"], 1e-12) << "variant " << i;
-  // Memory: full-vocabulary rows of every position (naive, all rows) vs CCE on loss-mask rows.
-  EXPECT_GT(m[0]["peak_memory_update_mib"], 1.5 * m[6]["peak_memory_update_mib"]);
+  // Memory beside the gradients: full-vocabulary rows of every position (naive, all rows) vs CCE on
+  // loss-mask rows.
+  EXPECT_GT(m[0]["peak_memory_update_mib"] - grads_mib, 1.5 * (m[6]["peak_memory_update_mib"] - grads_mib));
   EXPECT_GT(m[0]["peak_memory_update_mib"], m[2]["peak_memory_update_mib"]) << "row selection saves memory";
 }
 
@@ -984,10 +1014,11 @@ TEST(Ablation, LossPathsAgreeOnTheFirstStepWhileMemoryDiffers) {
 // add up to its own whatever the grouping; only float32 summation order differs.
 TEST(MicroBatches, ATokenBudgetTrainsTheFirstStepAsRowCountsDo) {
   TempDir tmp("micro_tokens");
+  const Config base = from_warmed_up_model(tmp.path(), /*steps=*/1);
   for (bool ppo : {false, true}) {
     std::vector<std::map<std::string, double>> m;
     for (int64_t budget : {int64_t(0), int64_t(60)}) {
-      Config c = varied_first_step_config(/*steps=*/1);
+      Config c = base;
       c.train.micro_batch_tokens = budget;
       c.train.micro_batch_size = budget > 0 ? 4 : 2;
       rlt::Run run = make_run(c, (tmp.path() / (std::to_string(ppo) + "_" + std::to_string(budget))).string(), false,
