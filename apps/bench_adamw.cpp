@@ -5,7 +5,7 @@
 // size. With --model (a config.json, or a folder holding one), the trainer's replicated optimizer step over
 // that model's trainable tensors instead: bf16 weights under fp32 masters (configs/retool.yaml's), clipped
 // at 1.0, stepped and rounded into the weights, once as torch runs it (clip_grad_norm_, one
-// torch::optim::AdamW::step, a copy a tensor) and once as the trainer does (clip_grad_norm_tensors,
+// torch::optim::AdamW::step, a copy a tensor) and once as the trainer does (clip_gradients,
 // step_multi_tensor, one _foreach_copy_), each from the same start and gradients, and the master elements
 // where the two differ after all their steps. Prints one JSON object: milliseconds per step (median of
 // --reps after one warm-up) and the bytes each moves. Exit code 2 for bad flags or a failed allocation.
@@ -84,9 +84,7 @@ json model_step(const std::string& path, int reps, const at::Device& device) {
     const double ms = median_ms(reps, device, [&] {
       at::NoGradGuard no_grad;
       if (multi) {
-        std::vector<at::Tensor> g;
-        for (const at::Tensor& m : masters) g.push_back(m.grad());
-        rlt::clip_grad_norm_tensors(g, 1.0);
+        rlt::clip_gradients(masters, 1.0);
         rlt::step_multi_tensor(opt);
         at::_foreach_copy_(weights, masters);
       } else {

@@ -233,6 +233,12 @@ void step_multi_tensor(torch::optim::AdamW& opt) {
   }
 }
 
+double clip_gradients(const std::vector<at::Tensor>& params, double max_norm) {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params) grads.push_back(p.grad());
+  return clip_grad_norm_tensors(grads, max_norm);
+}
+
 void set_learning_rate(torch::optim::AdamW& opt, double lr, double extra_lr_scale) {
   auto& groups = opt.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -586,9 +592,7 @@ double step_optimizer(Run& run, ModelState& model, StepCounters& counters, const
   }
   accumulate_gradients(model);
   const std::vector<at::Tensor> params = optimizer_params(model);
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : params) grads.push_back(p.grad());
-  const double norm = clip_grad_norm_tensors(grads, t.grad_clip > 0 ? t.grad_clip : INFINITY);
+  const double norm = clip_gradients(params, t.grad_clip > 0 ? t.grad_clip : INFINITY);
   at::Tensor total = loss.defined() ? loss.detach().clone() : loss;  // every rank's share: the loss
   if (total.defined()) run.dist->all_reduce({total}, ReduceOp::kSum);
   const bool loss_finite = !total.defined() || total.isfinite().all().item<bool>();

@@ -117,6 +117,10 @@ RolloutBatch parked_rollout(Run& run, PhasePeaks& peaks, const std::function<Rol
 // where opt.step() launches nine a tensor. Parameters without a gradient are skipped, as opt.step() skips
 // them. amsgrad is refused.
 void step_multi_tensor(torch::optim::AdamW& opt);
+// The gradients of `params` (those without one skipped) clipped to the global norm max_norm as
+// torch::nn::utils::clip_grad_norm_ clips them, in multi-tensor ops (clip_grad_norm_tensors); returns the
+// norm. max_norm may be +inf.
+double clip_gradients(const std::vector<at::Tensor>& params, double max_norm);
 
 // The learning rate at optimizer step `step` (0-based) of `total`.
 double learning_rate(const TrainOptions& o, int64_t step, int64_t total);

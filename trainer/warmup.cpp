@@ -120,11 +120,7 @@ double sft_warmup(Run& run) {
     at::Tensor loss = -(r.logprobs * b.loss_mask).sum() / b.loss_mask.sum().clamp_min(1);  // token-mean NLL
     loss.backward();
     accumulate_gradients(run.model);  // master weights: the bf16 gradients into the fp32 masters' gradients
-    if (o.grad_clip > 0) {
-      std::vector<at::Tensor> grads;
-      for (const at::Tensor& p : trained) grads.push_back(p.grad());
-      clip_grad_norm_tensors(grads, o.grad_clip);
-    }
+    if (o.grad_clip > 0) clip_gradients(trained, o.grad_clip);
     step_multi_tensor(opt);
     copy_master_weights_to_model(run.model);
     loss_value = loss.item<double>();
