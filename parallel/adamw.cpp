@@ -194,23 +194,6 @@ void adamw_host(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, c
       kAdamWCpuGrain);
 }
 
-// torch::optim::AdamW's own sequence of ATen ops (non-amsgrad), on any device. The denominator is
-// computed in place on one temporary (div_ and add_ round as div and add_ do).
-void adamw_aten(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, const AdamWStep& s) {
-  const double bc1 = bias_correction(s.beta1, s.step), bc2 = bias_correction(s.beta2, s.step);
-  const int64_t n = p.numel();
-  for (int64_t b = 0; b < n; b += kAdamWRoundElems) {
-    const int64_t len = std::min(kAdamWRoundElems, n - b);
-    at::Tensor pc = p.narrow(0, b, len), gc = g.narrow(0, b, len), mc = m.narrow(0, b, len), vc = v.narrow(0, b, len);
-    if (s.weight_decay != 0) pc.mul_(1 - s.lr * s.weight_decay);
-    mc.mul_(s.beta1).add_(gc, 1 - s.beta1);
-    vc.mul_(s.beta2).addcmul_(gc, gc, 1 - s.beta2);
-    at::Tensor denom = vc.sqrt();
-    denom.div_(std::sqrt(bc2)).add_(s.eps);
-    pc.addcdiv_(mc, denom, -(s.lr / bc1));
-  }
-}
-
 at::TensorOptions host_options(at::ScalarType dtype) {
   // Pinned pages make the copies asynchronous; without CUDA there is nothing to pin them for.
   return at::TensorOptions().dtype(dtype).device(at::kCPU).pinned_memory(at::hasCUDA());
@@ -234,9 +217,10 @@ void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at
   check_slice("exp_avg_sq", exp_avg_sq, n, param.device());
   check_hyper_parameters(s);
   at::NoGradGuard no_grad;  // in-place updates of leaves
+  // Off the CPU, torch::optim::AdamW's own sequence of ATen ops: the multi-tensor step over this one slice.
   if (!param.is_cpu()) {
-    at::Tensor p = param.view({-1}), m = exp_avg.view({-1}), v = exp_avg_sq.view({-1});
-    return adamw_aten(p, grad.view({-1}), m, v, s);
+    return adamw_step_tensors({{param.view({-1})}, {grad.view({-1})}, {exp_avg.view({-1})}, {exp_avg_sq.view({-1})}},
+                              s);
   }
   adamw_host(param.view({-1}), grad.view({-1}), exp_avg.view({-1}), exp_avg_sq.view({-1}), at::Tensor(), coeffs(s));
 }

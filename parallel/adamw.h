@@ -35,20 +35,20 @@ constexpr int64_t kAdamWCpuGrain = int64_t(1) << 15;
 //   p = p + (-lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // with every scalar computed in double and rounded to float once, the element arithmetic in float.
 // param, grad, exp_avg, exp_avg_sq: (n) contiguous fp32 on one device. On the CPU one pass over memory on
-// all of ATen's threads; elsewhere ATen's ops, the same sequence as torch::optim::AdamW. The CPU sqrt is
+// all of ATen's threads; elsewhere adamw_step_tensors over the one slice. The CPU sqrt is
 // correctly rounded where ATen's (MKL's) is within an ulp, so p can differ from torch's CPU step by an ulp.
 // Its speed against ATen's op sequence: docs/benchmarks.md, "AdamW and the optimizer offload".
 void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 const AdamWStep& s);
 
-// One AdamW step over many tensors at one step count, in place: the arithmetic of adamw_step's ATen path
-// (torch::optim::AdamW's ops, in its order, with its roundings) as ATen's multi-tensor ops (_foreach_*), so
-// that on CUDA each op is one kernel over a list of tensors where torch::optim::AdamW launches one a tensor:
-// about 30 rounds of nine list ops for a 0.5B model where it launches 2,600 kernels. A round holds at most
-// round_elems elements (a tensor larger than that is cut into slices): 16M bounds the denominator's
-// temporary to 64 MiB. On the CPU ATen runs the same ops tensor by tensor, so the result is torch's there
-// too. params, grads, exp_avgs, exp_avg_sqs: equal counts, each quadruple contiguous and of one shape; one
-// floating dtype and one device for all. `fault`: a deliberate mistake, for the tests only.
+// One AdamW step over many tensors at one step count, in place: torch::optim::AdamW's ops, in its order,
+// with its roundings, as ATen's multi-tensor ops (_foreach_*), so that on CUDA each op is one kernel over a
+// list of tensors where torch::optim::AdamW launches one a tensor: about 30 rounds of nine list ops for a
+// 0.5B model where it launches 2,600 kernels. A round holds at most round_elems elements (a tensor larger
+// than that is cut into slices): 16M bounds the denominator's temporary to 64 MiB. On the CPU ATen runs the
+// same ops tensor by tensor, so the result is torch's there too. params, grads, exp_avgs, exp_avg_sqs:
+// equal counts, each quadruple contiguous and of one shape; one floating dtype and one device for all.
+// `fault`: a deliberate mistake, for the tests only.
 struct AdamWTensors {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
 };
